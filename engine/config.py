@@ -1,0 +1,105 @@
+"""Frozen, validated configs of the model shape and of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder (Touvron et al., "LLaMA", 2023; GQA: Ainslie et al., 2023).
+
+    Attributes:
+        vocab_size: number of token ids.
+        hidden_size: model width d_model.
+        intermediate_size: SwiGLU hidden width.
+        num_layers: decoder blocks.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (grouped-query attention; num_heads % num_kv_heads == 0).
+        head_dim: width of one head (usually hidden_size // num_heads).
+        rope_theta: RoPE base frequency (Su et al., RoFormer, 2021).
+        rms_norm_eps: epsilon of RMSNorm (Zhang & Sennrich, 2019).
+        max_position_embeddings: the model's context length in tokens.
+        tie_word_embeddings: the LM head reuses the token embedding matrix.
+        bos_token_id / eos_token_id: special ids from the model file.
+
+    Raises:
+        ValueError: when the shape is inconsistent.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of the engine: device, KV cache size and batch limits.
+
+    Attributes:
+        device: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available, else cpu).
+        dtype: "float32", "bfloat16" or "float16" for activations, weights and KV cache ("auto" = float32 on cpu,
+            bfloat16 on cuda).
+        block_size: tokens per KV cache block (PagedAttention, Kwon et al., SOSP 2023).
+        num_kv_blocks: blocks in the KV pool; None sizes it from `kv_cache_memory_bytes` (cpu) or from the free
+            device memory times `gpu_memory_utilization` (cuda).
+        kv_cache_memory_bytes: KV pool size in bytes on cpu when num_kv_blocks is None.
+        gpu_memory_utilization: share (0, 1] of the GPU's total memory the engine may hold, weights included.
+        max_num_seqs: most requests decoding at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes); a longer prompt is prefilled in
+            chunks of at most this many tokens.
+        max_model_len: most tokens (prompt + output) of one request; None = the model's context length.
+        seed: seed of the engine's generator for requests without their own seed.
+
+    Raises:
+        ValueError: when a value is out of range.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1 or None (auto), got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
