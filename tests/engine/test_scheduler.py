@@ -1,0 +1,97 @@
+"""Scheduler: admission under limits, chunked prefill, preemption of the newest, completion. No model: the test
+plays the model runner by advancing the counters and appending tokens itself."""
+
+from __future__ import annotations
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+def _requests(lengths: list[int], max_tokens: int = 4) -> list[Request]:
+    return [Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), i)
+            for i, n in enumerate(lengths)]
+
+
+def _advance(plan: SchedulerOutput) -> list[Request]:
+    """Advance counters as the runner would; return the requests that sampled a token this step."""
+    sampled = []
+    for req, n in plan.scheduled:
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_output_token(7)
+            sampled.append(req)
+    return sampled
+
+
+def _run_step(sched: Scheduler) -> list[Request]:
+    """One step; finish requests at max_tokens. Returns the finished requests."""
+    finished = []
+    for req in _advance(sched.schedule()):
+        if req.num_output_tokens >= req.sampling_params.max_tokens:
+            sched.finish(req, "length")
+            finished.append(req)
+    sched.kv_cache.check_integrity()
+    return finished
+
+
+def test_admission_respects_max_num_seqs_and_token_budget() -> None:
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=2, max_num_batched_tokens=20)
+    reqs = _requests([8, 8, 8])
+    sched.add_requests(reqs)
+    plan = sched.schedule()
+    assert [s.request.request_id for s in plan.scheduled] == ["r0", "r1"]  # max_num_seqs = 2
+    assert plan.num_batched_tokens == 16 and len(sched.waiting) == 1
+
+    sched2 = Scheduler(KVCacheManager(100, 4), max_num_seqs=8, max_num_batched_tokens=12)
+    sched2.add_requests(_requests([8, 8]))
+    plan2 = sched2.schedule()
+    # Budget 12: r0 prefills all 8 tokens, r1 gets a 4-token chunk (chunked prefill).
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan2.scheduled] == [("r0", 8), ("r1", 4)]
+
+
+def test_chunked_prefill_of_a_long_prompt() -> None:
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    (req,) = _requests([25], max_tokens=2)
+    sched.add_requests([req])
+    chunks = []
+    while req.num_output_tokens == 0:
+        plan = sched.schedule()
+        chunks.append(plan.scheduled[0].num_new_tokens)
+        _advance(plan)
+    assert chunks == [10, 10, 5]
+
+
+def test_preemption_frees_newest_and_everything_completes() -> None:
+    # 3 requests of 8 prompt tokens + 8 output tokens need 4 blocks of 4 each at the end; the pool has 9.
+    kv = KVCacheManager(num_blocks=9, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    reqs = _requests([8, 8, 8], max_tokens=8)
+    sched.add_requests(reqs)
+    done: list[Request] = []
+    steps = 0
+    while sched.has_unfinished:
+        done += _run_step(sched)
+        steps += 1
+        assert steps < 200, "scheduler made no progress"
+    assert sched.num_preemptions >= 1
+    assert reqs[-1].num_preemptions >= 1 and reqs[0].num_preemptions == 0  # the newest is preempted, not the oldest
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
+    assert all(r.status is RequestStatus.FINISHED and r.num_output_tokens == 8 for r in done)
+    assert kv.num_free_blocks == 9 and not kv.block_tables  # no leak
+
+
+def test_preempted_request_recomputes_its_outputs() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _requests([8, 8], max_tokens=6)
+    sched.add_requests([a, b])
+    while b.num_preemptions == 0:
+        _run_step(sched)
+    # b lost its blocks: it waits at the head of the queue and will recompute prompt + outputs so far.
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert b.request_id not in kv.block_tables
+    while sched.has_unfinished:
+        _run_step(sched)
+    assert b.num_output_tokens == 6 and a.num_output_tokens == 6
