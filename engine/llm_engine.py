@@ -51,14 +51,15 @@ class LLMEngine:
     Build it with `LLMEngine.from_model(path_or_url, EngineConfig(...))`; then `generate(prompts, params)`.
 
     Attributes:
-        tokenizer: engine.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id).
+        tokenizer: engine.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id), or None for a
+            random-weights preset without one (then prompts must be token ids and `text` stays empty).
         model_name: file name of the model.
         max_model_len: most tokens (prompt + output) per request.
         device_name: "cpu" or the GPU's name, for accounting.
         num_kv_blocks, block_size: the KV pool's geometry.
     """
 
-    def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer, config: EngineConfig,
+    def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str, device: torch.device, dtype: torch.dtype) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -76,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
         self.num_steps = 0
 
     @classmethod
@@ -92,6 +94,22 @@ class LLMEngine:
         max_positions = config.max_model_len
         model_config, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
         return cls(llama, model_config, Tokenizer.from_gguf(path), config, os.path.basename(path), device, dtype)
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
+                    tokenizer: Tokenizer | None = None, seed: int = 0) -> LLMEngine:
+        """An engine over random weights of a named shape (engine.presets: "llama-3.1-8b", "smollm2-135m", "tiny")
+        or a ModelConfig, for benchmarks and tests. Without a tokenizer, prompts must be token ids.
+        Raises ValueError for an unknown preset name."""
+        from engine.presets import preset_config, random_model
+
+        config = config or EngineConfig()
+        cfg = preset_config(model_config) if isinstance(model_config, str) else model_config
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model = random_model(cfg, dtype, device, seed=seed, max_positions=config.max_model_len)
+        name = model_config if isinstance(model_config, str) else "random"
+        return cls(model, cfg, tokenizer, config, f"{name} (random weights)", device, dtype)
 
     def _auto_num_blocks(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
@@ -111,6 +129,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
 
     def _prompt_token_ids(self, prompt: Prompt, use_chat_template: bool) -> list[int]:
+        if self.tokenizer is None and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise ValueError("this engine has no tokenizer (random-weights preset): give prompts as token ids")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("the prompt is empty; give it some text")
@@ -139,11 +159,11 @@ class LLMEngine:
         """finish_reason after the token just appended, or None to go on."""
         sp = req.sampling_params
         token = req.output_token_ids[-1]
-        if not sp.ignore_eos and token == self.tokenizer.eos_token_id:
+        if not sp.ignore_eos and token == self.eos_token_id:
             return "stop"
         if token in sp.stop_token_ids:
             return "stop"
-        if sp.stop:
+        if sp.stop and self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids)
             hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
             if hits:
@@ -176,7 +196,7 @@ class LLMEngine:
         return finished
 
     def _output(self, req: Request, start: float) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids)
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
         if req.stop_text_end is not None:
             text = text[:req.stop_text_end]
         return RequestOutput(

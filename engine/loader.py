@@ -157,15 +157,12 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
     state = {name: torch.from_numpy(np.array(w, copy=True)).to(device=device, dtype=dtype)
              for name, w in iter_gguf_tensors(reader, cfg)}
-    _assign(model, state, cfg, device, max_positions)
+    _assign(model, state, cfg, device)
     return cfg, model
 
 
-def _assign(model: LlamaModel, state: dict[str, torch.Tensor], cfg: ModelConfig, device: torch.device,
-            max_positions: int | None) -> None:
+def _assign(model: LlamaModel, state: dict[str, torch.Tensor], cfg: ModelConfig, device: torch.device) -> None:
     """Fill a meta-device model with `state` (HF names) and rebuild non-persistent buffers on `device`."""
-    from engine.model import RotaryEmbedding
-
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
@@ -175,6 +172,5 @@ def _assign(model: LlamaModel, state: dict[str, torch.Tensor], cfg: ModelConfig,
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings).to(
-        device)
+    model.materialize_rotary(device)
     model.eval()

@@ -125,8 +125,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
         self.attn_fn: AttentionFn = paged_attention_ref
+
+    def materialize_rotary(self, device: torch.device) -> None:
+        """(Re)build the fp32 RoPE tables on `device`: needed after building on the meta device."""
+        self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope_theta, self.max_positions).to(device)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""

@@ -1,0 +1,52 @@
+"""Named model shapes, filled with random weights, for benchmarks and fast tests (no weights to download)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model import LlamaModel
+
+PRESETS: dict[str, ModelConfig] = {
+    # Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B); llama3 RoPE scaling is left out: the weights are
+    # random, so only the shape and the cost matter.
+    "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
+    # HuggingFaceTB/SmolLM2-135M-Instruct, the default model's shape.
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+                                eos_token_id=2),
+    # A tiny model with SmolLM2's vocabulary (so its tokenizer works), for fast engine tests.
+    "tiny": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The ModelConfig called `name`. Raises ValueError listing the known names."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 max_positions: int | None = None) -> LlamaModel:
+    """A LlamaModel of shape `cfg` with N(0, 0.02) weights (norms 1), built on the meta device and materialized
+    once on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings).to(dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model.materialize_rotary(device)
+    return model.eval()
