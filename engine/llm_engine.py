@@ -111,6 +111,17 @@ class LLMEngine:
         name = model_config if isinstance(model_config, str) else "random"
         return cls(model, cfg, tokenizer, config, f"{name} (random weights)", device, dtype)
 
+    def with_config(self, config: EngineConfig) -> LLMEngine:
+        """A new engine sharing this one's weights and tokenizer, with its own KV pool and scheduler limits.
+
+        Raises ValueError when `config` asks for another device or dtype (that needs a new load)."""
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if device != self.device or dtype != self.dtype:
+            raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
+                             "load the model again for another device or dtype")
+        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype)
+
     def _auto_num_blocks(self) -> int:
         per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
         if self.device.type == "cuda":

@@ -46,3 +46,12 @@ def gguf_path() -> str:
     from engine.loader import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def engine(gguf_path: str):  # noqa: ANN201
+    """The real default model on CPU in fp32, loaded once per test session. Tests that need other limits call
+    `engine.with_config(...)`, which shares the weights."""
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32"))

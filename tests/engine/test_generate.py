@@ -1,0 +1,80 @@
+"""LLMEngine.generate on the real model and real prompts: sampling, stop conditions, bad prompts, chunked prefill."""
+
+from __future__ import annotations
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: LLMEngine, alpaca_instructions: list[str]) -> None:
+    prompts = alpaca_instructions[:6]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1000 + i) for i in range(6)]
+    together = engine.generate(prompts, params)
+    # Same requests, other batch composition and order.
+    alone = engine.generate(prompts[3:][::-1], params[3:][::-1]) + engine.generate(prompts[:3], params[:3])
+    by_prompt = {tuple(o.prompt_token_ids): o.output_token_ids for o in alone}
+    assert [by_prompt[tuple(o.prompt_token_ids)] for o in together] == [o.output_token_ids for o in together]
+    reseeded = engine.generate(prompts, [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7 + i)
+                                         for i in range(6)])
+    assert [o.output_token_ids for o in reseeded] != [o.output_token_ids for o in together]
+    # Sampling really samples: at temperature 0.9 it leaves the greedy path somewhere.
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.output_token_ids for o in greedy] != [o.output_token_ids for o in together]
+
+
+def test_top_k_one_is_greedy(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+    prompts = gsm8k_questions[:3]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=10))
+    top1 = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=1.5, top_k=1))
+    assert [o.output_token_ids for o in top1] == [o.output_token_ids for o in greedy]
+
+
+def test_stop_conditions(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+    prompt = gsm8k_questions[10]
+    (base,) = engine.generate([prompt], SamplingParams(max_tokens=24))
+    assert base.finish_reason == "length" and base.num_output_tokens == 24
+
+    stop_text = base.text[len(base.text) // 2:][:6]
+    (cut,) = engine.generate([prompt], SamplingParams(max_tokens=24, stop=[stop_text]))
+    assert cut.finish_reason == "stop"
+    assert cut.text == base.text[:base.text.index(stop_text)]
+
+    stop_id = base.output_token_ids[5]
+    (tok,) = engine.generate([prompt], SamplingParams(max_tokens=24, stop_token_ids=[stop_id]))
+    first = base.output_token_ids.index(stop_id)
+    assert tok.finish_reason == "stop" and tok.output_token_ids == base.output_token_ids[:first + 1]
+
+
+def test_eos_and_ignore_eos(engine: LLMEngine) -> None:
+    prompt = "Answer with one word: what color is the sky on a clear day?"
+    (short,) = engine.generate([prompt], SamplingParams(max_tokens=64))
+    assert short.finish_reason == "stop" and short.output_token_ids[-1] == engine.eos_token_id
+    (long,) = engine.generate([prompt], SamplingParams(max_tokens=short.num_output_tokens + 8, ignore_eos=True))
+    assert long.finish_reason == "length" and long.num_output_tokens == short.num_output_tokens + 8
+
+
+def test_bad_prompts_become_errors_and_the_rest_goes_on(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+    too_long = " ".join(gsm8k_questions[:400])
+    prompts = [gsm8k_questions[0], "", too_long, "   ", gsm8k_questions[1]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4), request_ids=["a", "b", "c", "d", "e"])
+    assert [o.request_id for o in outs] == ["a", "b", "c", "d", "e"]
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "empty" in outs[1].error and "tokens" in outs[2].error and "shorten" in outs[2].error
+    assert outs[0].num_output_tokens == 4 and outs[4].num_output_tokens == 4
+
+
+def test_chat_messages_equal_text_with_template(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+    q = gsm8k_questions[5]
+    (a,) = engine.generate([q], SamplingParams(max_tokens=8))
+    (b,) = engine.generate([[{"role": "user", "content": q}]], SamplingParams(max_tokens=8))
+    (raw,) = engine.generate([q], SamplingParams(max_tokens=8), use_chat_template=False)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.output_token_ids == b.output_token_ids
+    assert raw.prompt_token_ids == engine.tokenizer.encode(q)
+
+
+def test_chunked_prefill_gives_the_same_greedy_tokens(engine: LLMEngine, alpaca_instructions: list[str]) -> None:
+    prompts = sorted(alpaca_instructions[:40], key=len)[-4:]  # the longest of the first 40
+    whole = engine.generate(prompts, SamplingParams(max_tokens=12))
+    chunked_engine = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=16))
+    chunked = chunked_engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert all(o.num_prompt_tokens > 32 for o in whole)  # every prompt really was split into chunks
+    assert [o.output_token_ids for o in chunked] == [o.output_token_ids for o in whole]
