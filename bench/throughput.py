@@ -1,0 +1,100 @@
+"""Throughput: our engine vs HF transformers `generate` on the same real prompts, same process, same device.
+
+Usage (CPU, the default SmolLM2-135M GGUF in fp32):
+    python bench/throughput.py --num-prompts 64 --max-tokens 64
+Prints output tokens/s of both and the ratio. Every request generates exactly --max-tokens tokens (ignore_eos for
+ours, min_new_tokens for HF), as in vLLM's throughput benchmark, so both do the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.loader import resolve_model_path  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def alpaca_prompts(n: int) -> list[str]:
+    """The first n AlpacaEval instructions (real prompts, varied lengths)."""
+    path = Path(os.environ.get("TOKENMILL_DATA_DIR", DATA)) / "alpaca_eval.parquet"
+    return pq.read_table(path, columns=["instruction"]).column("instruction").to_pylist()[:n]
+
+
+def run_ours(engine: LLMEngine, prompt_ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """Seconds and output tokens for one generate over all prompts."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompt_ids, params)
+    return time.perf_counter() - t0, sum(o.num_output_tokens for o in outs)
+
+
+def run_hf(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: int, batch_size: int,
+           pad_id: int, device: torch.device) -> tuple[float, int]:
+    """Seconds and output tokens for HF static batched generate (left padding), batches in prompt order."""
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(0, len(prompt_ids), batch_size):
+        batch = prompt_ids[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id)
+        total += (out.shape[1] - width) * len(batch)
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF path or URL (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    path = resolve_model_path(args.model)
+    engine = LLMEngine.from_model(path, EngineConfig(device=args.device, dtype="float32",
+                                                     max_num_seqs=args.max_num_seqs))
+    prompt_ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                  for p in alpaca_prompts(args.num_prompts)]
+    run_ours(engine, prompt_ids[:2], 4)  # warm-up
+    ours_s, ours_tok = run_ours(engine, prompt_ids, args.max_tokens)
+
+    rows = [("tokenmill", ours_s, ours_tok)]
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).to(args.device).eval()
+        pad = engine.eos_token_id if engine.eos_token_id is not None else 0
+        run_hf(hf, prompt_ids[:2], 4, 2, pad, torch.device(args.device))  # warm-up
+        hf_s, hf_tok = run_hf(hf, prompt_ids, args.max_tokens, args.hf_batch_size, pad, torch.device(args.device))
+        rows.append((f"HF generate (static batch {args.hf_batch_size})", hf_s, hf_tok))
+
+    prompt_tokens = sum(len(p) for p in prompt_ids)
+    print(f"\ndevice={engine.device_name} torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"prompts={len(prompt_ids)} (AlpacaEval, {prompt_tokens} prompt tokens) max_tokens={args.max_tokens}")
+    print(f"{'engine':<34} {'seconds':>9} {'out tokens':>11} {'out tok/s':>10} {'ratio':>7}")
+    base = rows[-1][2] / rows[-1][1]
+    for name, s, tok in rows:
+        print(f"{name:<34} {s:>9.2f} {tok:>11d} {tok / s:>10.1f} {tok / s / base:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
