@@ -70,6 +70,8 @@ class EngineConfig:
             chunks of at most this many tokens.
         max_model_len: most tokens (prompt + output) of one request; None = the model's context length.
         seed: seed of the engine's generator for requests without their own seed.
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (a shared system prompt, the chat
+            template) across requests instead of recomputing them.
 
     Raises:
         ValueError: when a value is out of range.
@@ -85,6 +87,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -1,18 +1,23 @@
-"""KV block bookkeeping: a ref-counted block pool and per-request block tables. Plain Python, no torch.
+"""KV block bookkeeping: a ref-counted block pool, per-request block tables, prefix caching. Plain Python, no torch.
 
-Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP 2023),
-§4.2-4.3; names follow vLLM v1 (vllm/v1/core: BlockPool, KVCacheManager.allocate_slots).
+Sources: Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP 2023),
+§4.2-4.3; automatic prefix caching as in vLLM v1 (vllm/v1/core: BlockPool, KVCacheManager.allocate_slots; blocks
+hashed as a chain of parent hash + token ids) and SGLang's RadixAttention (Zheng et al., 2024).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from engine.request import Request
 
 
 class BlockPool:
-    """A fixed set of KV blocks with reference counts and a free queue.
+    """A fixed set of KV blocks with reference counts, a free queue, and a map of cached full blocks.
+
+    A block whose ref count drops to 0 goes to the back of the free queue but keeps its hash, so a later request
+    with the same prefix can take it back (a prefix-cache hit); it is evicted (hash dropped) only when the queue
+    hands it out again, least recently freed first.
 
     Block ids are 0..num_blocks-1. Raises ValueError on num_blocks < 1, RuntimeError on double free or when
     allocating from an empty pool (callers check `num_free_blocks` first).
@@ -23,86 +28,172 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_cache_hits = 0  # blocks reused, over the pool's life
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks with no owner."""
+        """Blocks with no owner (cached or not)."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (ref count 1 each). Raises RuntimeError when fewer than n are free."""
+        """Take `n` free blocks (ref count 1 each), evicting their cached hashes. Raises RuntimeError when fewer
+        than n are free."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free; check num_free_blocks first")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:
+                del self.cached[h]
+                self.block_hash[b] = self.block_tokens[b] = None
             self.ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
-    def incref(self, block_id: int) -> None:
-        """Share a block that already has an owner (prefix caching, forks)."""
-        if self.ref_counts[block_id] < 1:
-            raise RuntimeError(f"block {block_id} is free; cannot share it")
+    def touch(self, block_id: int) -> None:
+        """Take one more reference to a block (a prefix-cache hit), taking it off the free queue if needed."""
+        if self.ref_counts[block_id] == 0:
+            del self._free[block_id]
         self.ref_counts[block_id] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block whose count reaches 0 goes back to the free queue."""
-        # Freed in reverse so a request's tail blocks are reused first and its head blocks stay longest.
+        # Freed in reverse so a request's tail blocks are evicted before its head blocks, which other requests
+        # are likelier to share.
         for b in reversed(blocks):
             if self.ref_counts[b] < 1:
                 raise RuntimeError(f"double free of KV block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def cache_block(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Register a full, computed block under its chain hash (first writer wins)."""
+        if self.block_hash[block_id] is None and block_hash not in self.cached:
+            self.cached[block_hash] = block_id
+            self.block_hash[block_id] = block_hash
+            self.block_tokens[block_id] = tokens
+
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        """The cached block holding exactly `tokens` after the same prefix, or None. Token ids are compared, so a
+        hash collision can never return a wrong block."""
+        b = self.cached.get(block_hash)
+        return b if b is not None and self.block_tokens[b] == tokens else None
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if the free queue and the ref counts disagree."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise RuntimeError("a block is in the free queue twice")
+        """Raise RuntimeError if the free queue, ref counts and cache map disagree."""
         for b, rc in enumerate(self.ref_counts):
-            if rc < 0 or (rc == 0) != (b in free):
-                raise RuntimeError(f"block {b}: ref count {rc} but {'in' if b in free else 'not in'} free queue")
+            if rc < 0 or (rc == 0) != (b in self._free):
+                raise RuntimeError(f"block {b}: ref count {rc} but {'in' if b in self._free else 'not in'} free queue")
+        for h, b in self.cached.items():
+            if self.block_hash[b] != h:
+                raise RuntimeError(f"cache map says block {b} has hash {h}, the block says {self.block_hash[b]}")
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash: equal only for equal prefixes (up to collisions, which
+    `BlockPool.lookup` rules out by comparing tokens)."""
+    return hash((parent, tokens))
 
 
 class KVCacheManager:
-    """Per-request block tables over a `BlockPool`.
+    """Per-request block tables over a `BlockPool`, with optional prefix caching.
 
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        enable_prefix_caching: share full blocks of identical prefixes between requests.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}  # chain hashes of each request's cached full blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Reserve KV slots for `num_new_tokens` more tokens of `request` (beyond its num_computed_tokens).
+    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Cached blocks holding a prefix of `request`'s tokens (leading full blocks, in order; empty when prefix
+        caching is off). At least the last token is always left to compute, since its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range((request.num_tokens - 1) // self.block_size):
+            tokens = self._block_tokens(request, i)
+            parent = chain_hash(parent, tokens)
+            b = self.pool.lookup(parent, tokens)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Reserve KV slots for `num_new_tokens` more tokens of `request` (beyond its num_computed_tokens plus the
+        tokens of `computed_blocks`, prefix-cache hits from `get_computed_blocks` for a request with no blocks yet).
 
         Returns the request's block table (block ids, in order) or None when the pool cannot fit them; the caller
-        then preempts. Raises ValueError if num_new_tokens < 1. Source: PagedAttention (SOSP 2023), §4.2.
+        then preempts. On success with hits, request.num_computed_tokens advances past them.
+        Raises ValueError if num_new_tokens < 1. Source: PagedAttention (SOSP 2023), §4.2.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        computed_blocks = computed_blocks or []
         table = self.block_tables.get(request.request_id, [])
-        need = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
-        if need > self.pool.num_free_blocks:
+        if computed_blocks and table:
+            raise ValueError("computed_blocks are only for a request that holds no blocks yet")
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        # Hits still on the free queue stop being free once taken.
+        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        if need + reclaimed > self.pool.num_free_blocks:
             return None
-        if need > 0:
-            table = table + self.pool.allocate(need)
+        for b in computed_blocks:
+            self.pool.touch(b)
+        self.pool.num_cache_hits += len(computed_blocks)
+        table = table + computed_blocks + (self.pool.allocate(need) if need > 0 else [])
         self.block_tables[request.request_id] = table
+        request.num_computed_tokens = num_computed
+        if computed_blocks:
+            parent: int | None = None
+            hashes = []
+            for i in range(len(computed_blocks)):
+                parent = chain_hash(parent, self._block_tokens(request, i))
+                hashes.append(parent)
+            self._hashes[request.request_id] = hashes
         return table
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register `request`'s newly computed full blocks for reuse (call after its num_computed_tokens moved)."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        table = self.block_tables[request.request_id]
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), request.num_computed_tokens // self.block_size):
+            tokens = self._block_tokens(request, i)
+            parent = chain_hash(parent, tokens)
+            hashes.append(parent)
+            self.pool.cache_block(table[i], parent, tokens)
+
     def free(self, request: Request) -> None:
-        """Release every block of `request` (finished or preempted)."""
+        """Release every block of `request` (finished or preempted); cached blocks stay reusable until evicted."""
+        self._hashes.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.free(table)

@@ -73,7 +73,7 @@ class LLMEngine:
         limit = model_config.max_position_embeddings
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, self.block_size)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed)
@@ -192,6 +192,7 @@ class LLMEngine:
         sampled = self.runner.execute(plan.scheduled, self.kv_cache.block_tables)
         for req, n in plan.scheduled:
             req.num_computed_tokens += n
+            self.kv_cache.cache_full_blocks(req)
         finished = []
         now = time.perf_counter()
         for req, token in sampled:

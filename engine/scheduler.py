@@ -41,7 +41,7 @@ class Scheduler:
     chunk of at most the leftover budget when prefilling); when the pool is full the newest running request is
     preempted (blocks freed, `num_computed_tokens` reset, back to the head of the queue) and recomputed later.
     If nothing was preempted, waiting requests are admitted while `max_num_seqs`, the token budget and the pool
-    allow. A long prompt is prefilled in chunks across steps.
+    allow, starting past any prefix-cache hits. A long prompt is prefilled in chunks across steps.
 
     Args:
         kv_cache: the block tables and pool.
@@ -92,8 +92,9 @@ class Scheduler:
         if not preempted:
             while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if self.kv_cache.allocate_slots(req, n) is None:
+                hits = self.kv_cache.get_computed_blocks(req)
+                n = min(req.num_tokens - len(hits) * self.kv_cache.block_size, budget)
+                if self.kv_cache.allocate_slots(req, n, hits) is None:
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING

@@ -78,3 +78,22 @@ def test_chunked_prefill_gives_the_same_greedy_tokens(engine: LLMEngine, alpaca_
     chunked = chunked_engine.generate(prompts, SamplingParams(max_tokens=12))
     assert all(o.num_prompt_tokens > 32 for o in whole)  # every prompt really was split into chunks
     assert [o.output_token_ids for o in chunked] == [o.output_token_ids for o in whole]
+
+
+def test_prefix_caching_reuses_shared_blocks_and_keeps_outputs(engine: LLMEngine,
+                                                                 gsm8k_questions: list[str]) -> None:
+    # A batch job with a long shared system prompt: its full blocks are computed once and shared.
+    system = ("You are a careful math tutor. Solve the problem step by step, show each intermediate result, "
+              "and finish with a line of the form 'Answer: <number>'.")
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in gsm8k_questions[:6]]
+    params = SamplingParams(max_tokens=10)
+    cached = engine.with_config(EngineConfig(device="cpu", dtype="float32", enable_prefix_caching=True,
+                                             max_num_seqs=2))
+    plain = engine.with_config(EngineConfig(device="cpu", dtype="float32", enable_prefix_caching=False))
+    with_cache = cached.generate(prompts, params)
+    without = plain.generate(prompts, params)
+    shared_blocks = 40 // cached.block_size  # the system prompt and template span > 40 tokens
+    assert cached.kv_cache.pool.num_cache_hits >= 4 * shared_blocks
+    assert plain.kv_cache.pool.num_cache_hits == 0
+    assert [o.output_token_ids for o in with_cache] == [o.output_token_ids for o in without]
+    cached.kv_cache.check_integrity()
