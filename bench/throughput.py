@@ -1,7 +1,9 @@
 """Throughput: our engine vs HF transformers `generate` on the same real prompts, same process, same device.
 
-Usage (CPU, the default SmolLM2-135M GGUF in fp32):
-    python bench/throughput.py --num-prompts 64 --max-tokens 64
+Usage:
+    python bench/throughput.py --num-prompts 64 --max-tokens 64            # CPU, the default SmolLM2 GGUF, fp32
+    python bench/throughput.py --device cuda                                # GPU: llama-3.1-8b shape, random bf16,
+                                                                            # 512 requests, W1 and W2, HF beside it
 Prints output tokens/s of both and the ratio. EOS is ignored (ignore_eos for ours, min_new_tokens for HF) so both do
 the same work, as in vLLM's throughput benchmark. Workloads:
     w1: every request generates --max-tokens tokens.
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams  # noqa: E402
 from engine.loader import resolve_model_path  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -62,50 +64,142 @@ def run_hf(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: list
     return time.perf_counter() - t0, total
 
 
+def hf_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """HF LlamaForCausalLM of the same shape with random weights (throughput only: the outputs are not compared)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                         max_position_embeddings=8192, tie_word_embeddings=cfg.tie_word_embeddings)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_cfg).to(dtype)
+    return model.eval()
+
+
+def run_hf_generate_batch(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: list[int]
+                          ) -> tuple[float, int]:
+    """Seconds and output tokens of HF's continuous batching (`generate_batch`, paged); one max_new_tokens for
+    all requests, so only W1 is comparable."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, eos_token_id=None, pad_token_id=0)
+    t0 = time.perf_counter()
+    outs = model.generate_batch(inputs=prompt_ids, generation_config=gen)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in outs.values())
+
+
+def roofs(device: torch.device) -> tuple[float, float]:
+    """Measured bf16 matmul FLOP/s (8192^3) and device copy bytes/s (1 GiB), the roofs of this run."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    src = torch.empty(1 << 29, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        a @ b
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    flops = 20 * 2 * 8192 ** 3 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 20 * 2 * src.numel() * 2 / (time.perf_counter() - t0)  # read + write
+    return flops, bw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF path or URL (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
-    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (w1) or the cap (w2)")
-    ap.add_argument("--hf-batch-size", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--model", default=None, help="GGUF path or URL (default on cpu: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (default on cuda: "
+                                                   "llama-3.1-8b)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 64 on cpu, 512 on cuda")
+    ap.add_argument("--workload", choices=["w1", "w2", "both"], default=None, help="default w1 on cpu, both on cuda")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="output tokens per request (w1) and the cap (w2); default 64 on cpu, 256 (w1) / 1024 (w2)")
+    ap.add_argument("--hf-batch-size", type=int, default=None, help="default 64 on cpu, 256 on cuda")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default 64 on cpu, 512 on cuda")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    n = args.num_prompts or (512 if cuda else 64)
+    workload = args.workload or ("both" if cuda else "w1")
+    workloads = ["w1", "w2"] if workload == "both" else [workload]
+    preset = args.preset or ("llama-3.1-8b" if cuda and args.model is None else None)
+    dtype = "bfloat16" if cuda else "float32"
+    cfg = EngineConfig(device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or (512 if cuda else 64),
+                       max_model_len=4096 if preset else None)
 
     torch.manual_seed(0)
-    path = resolve_model_path(args.model)
-    engine = LLMEngine.from_model(path, EngineConfig(device=args.device, dtype="float32",
-                                                     max_num_seqs=args.max_num_seqs))
-    prompts, references = alpaca_rows(args.num_prompts)
-    prompt_ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    if args.workload == "w1":
-        max_tokens = [args.max_tokens] * len(prompts)
+    tokenizer_engine = None
+    if preset:
+        from engine.loader import default_model_path
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(default_model_path())  # AlpacaEval prompt lengths, counted as in the data doc
+        engine = LLMEngine.from_config(preset, cfg)
     else:
-        max_tokens = [max(1, min(args.max_tokens, len(engine.tokenizer.encode(r)))) for r in references]
-    run_ours(engine, prompt_ids[:2], [4, 4])  # warm-up
-    ours_s, ours_tok = run_ours(engine, prompt_ids, max_tokens)
-
-    rows = [("tokenmill", ours_s, ours_tok)]
+        path = resolve_model_path(args.model)
+        engine = tokenizer_engine = LLMEngine.from_model(path, cfg)
+        tokenizer = engine.tokenizer
+    prompts, references = alpaca_rows(n)
+    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    ref_lens = [len(tokenizer.encode(r)) for r in references]
+    hf = None
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
+        if preset:
+            hf = hf_random_model(engine.model_config, engine.dtype, engine.device)
+        else:
+            from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).to(args.device).eval()
-        pad = engine.eos_token_id if engine.eos_token_id is not None else 0
-        run_hf(hf, prompt_ids[:2], [4, 4], 2, pad, torch.device(args.device))  # warm-up
-        hf_s, hf_tok = run_hf(hf, prompt_ids, max_tokens, args.hf_batch_size, pad, torch.device(args.device))
-        rows.append((f"HF generate (static batch {args.hf_batch_size})", hf_s, hf_tok))
-
+            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32).to(args.device).eval()
+    pad = engine.eos_token_id if engine.eos_token_id is not None else 0
+    hf_bs = args.hf_batch_size or (256 if cuda else 64)
+    run_ours(engine, prompt_ids[:2], [4, 4])  # warm-up
+    rows: list[tuple[str, str, float, int, int]] = []  # workload, engine, seconds, output tokens, total tokens
     prompt_tokens = sum(len(p) for p in prompt_ids)
-    print(f"\ndevice={engine.device_name} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"prompts={len(prompt_ids)} (AlpacaEval, {prompt_tokens} prompt tokens) workload={args.workload} "
-          f"max_tokens={args.max_tokens}")
-    print(f"{'engine':<34} {'seconds':>9} {'out tokens':>11} {'out tok/s':>10} {'ratio':>7}")
-    base = rows[-1][2] / rows[-1][1]
-    for name, s, tok in rows:
-        print(f"{name:<34} {s:>9.2f} {tok:>11d} {tok / s:>10.1f} {tok / s / base:>6.2f}x")
+    for w in workloads:
+        if w == "w1":
+            max_tokens = [args.max_tokens or (256 if cuda else 64)] * n
+        else:
+            max_tokens = [max(1, min(args.max_tokens or (1024 if cuda else 64), r)) for r in ref_lens]
+        s, tok = run_ours(engine, prompt_ids, max_tokens)
+        rows.append((w, "tokenmill", s, tok, tok + prompt_tokens))
+        if hf is not None:
+            if cuda and w == "w1":
+                s, tok = run_hf_generate_batch(hf, prompt_ids, max_tokens)
+                rows.append((w, "HF generate_batch (continuous)", s, tok, tok + prompt_tokens))
+            s, tok = run_hf(hf, prompt_ids, max_tokens, hf_bs, pad, engine.device)
+            rows.append((w, f"HF generate (static batch {hf_bs})", s, tok, tok + prompt_tokens))
+    del tokenizer_engine
+
+    print(f"\ndevice={engine.device_name} torch={torch.__version__} dtype={dtype} model={engine.model_name} "
+          f"threads={torch.get_num_threads()} requests={n} (AlpacaEval, {prompt_tokens} prompt tokens)")
+    print(f"{'workload':<9} {'engine':<34} {'seconds':>9} {'out tokens':>11} {'out tok/s':>10} {'total tok/s':>12} "
+          f"{'vs HF':>7}")
+    for w in workloads:
+        group = [r for r in rows if r[0] == w]
+        base = group[-1][3] / group[-1][2]
+        for _, name, s, tok, total in group:
+            print(f"{w:<9} {name:<34} {s:>9.2f} {tok:>11d} {tok / s:>10.1f} {total / s:>12.1f} {tok / s / base:>6.2f}x")
+    if cuda:
+        flops, bw = roofs(engine.device)
+        params = sum(p.numel() for p in engine.runner.model.parameters())
+        compute_roof = flops / (2 * params)
+        print(f"\nroofs: bf16 matmul {flops / 1e12:.0f} TFLOP/s -> {compute_roof:,.0f} tok/s at "
+              f"2 x {params / 1e9:.2f}e9 FLOP/token; copy {bw / 1e9:.0f} GB/s")
+        for w, name, s, tok, _ in rows:
+            if name == "tokenmill":
+                print(f"{w}: tokenmill at {tok / s / compute_roof:.1%} of the compute roof")
 
 
 if __name__ == "__main__":
