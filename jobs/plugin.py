@@ -2,36 +2,41 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from typing import Any
 
-from distributed import WorkerPlugin, get_worker
+from distributed import Client, WorkerPlugin, get_worker
 
 from engine import EngineConfig, LLMEngine
 
-PLUGIN_NAME = "tokenmill-engine"
+PLUGIN_PREFIX = "tokenmill-engine"
 
 
 class EnginePlugin(WorkerPlugin):
     """Loads the model once per worker and keeps it there for every shard the worker runs.
 
     The load (seconds to minutes) starts in a background thread at `setup`, off the worker's event loop, so
-    heartbeats go on; `get_engine()` from a task waits for it. Registered by name: registering it again (a rerun, a
-    second client) replaces rather than duplicates it.
+    heartbeats go on; `get()` from a task waits for it. The plugin is named after what it loads (model, engine
+    config, threads) and idempotent: registering the same engine again on a long-lived cluster keeps the resident
+    one instead of loading it twice; `register_engine` removes engines of other configs first, so a worker never
+    holds two.
 
     Args:
         model: GGUF path or URL, or None for the default model.
         engine_config: the engine's limits, device and dtype.
-        torch_threads: intra-op threads per worker (None: cores / workers on this machine).
+        torch_threads: intra-op threads per worker (None: leave torch's default).
     """
 
-    name = PLUGIN_NAME
+    idempotent = True
 
     def __init__(self, model: str | None, engine_config: EngineConfig, torch_threads: int | None = None) -> None:
         self.model = model
         self.engine_config = engine_config
         self.torch_threads = torch_threads
+        digest = hashlib.sha256(repr((model, engine_config, torch_threads)).encode()).hexdigest()[:12]
+        self.name = f"{PLUGIN_PREFIX}-{digest}"
 
     def setup(self, worker: Any) -> None:
         # Created here, on the worker: the plugin travels pickled and threading objects do not pickle.
@@ -40,11 +45,15 @@ class EnginePlugin(WorkerPlugin):
         self._loaded = threading.Event()
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
+    def teardown(self, worker: Any) -> None:
+        # Drop the reference so the weights and the KV pool are freed once running tasks let go of them.
+        self._engine = None
+
     def _load(self) -> None:
         try:
-            import torch
-
             if self.torch_threads:
+                import torch
+
                 torch.set_num_threads(self.torch_threads)
             self._engine = LLMEngine.from_model(self.model, self.engine_config)
         except BaseException as e:  # noqa: BLE001 - surfaced to every task that asks for the engine
@@ -53,23 +62,47 @@ class EnginePlugin(WorkerPlugin):
             self._loaded.set()
 
     def get(self) -> LLMEngine:
-        """The loaded engine (waits for the load). Raises the load's exception if it failed."""
+        """The loaded engine (waits for the load). Raises RuntimeError (chained to the cause) if the load failed."""
         self._loaded.wait()
         if self._error is not None:
             raise RuntimeError(f"the engine failed to load on this worker: {self._error}") from self._error
         if self._engine is None:
-            raise RuntimeError("the engine is not loaded")
+            raise RuntimeError("the engine was unloaded (its plugin was removed); run the job again")
+        if self.torch_threads:
+            import torch
+
+            # NOTE: OpenMP thread counts can be per OS thread; set it on the task's thread too, not only the loader's.
+            torch.set_num_threads(self.torch_threads)
         return self._engine
 
 
-def get_engine() -> LLMEngine:
+def register_engine(client: Client, plugin: EnginePlugin) -> str:
+    """Register `plugin` on every current and future worker of `client`'s cluster; return its name.
+
+    Engines of other configs registered earlier (a previous job on the same cluster) are unregistered first so
+    each worker holds one model. Registering the same config again is a no-op (the engine stays resident).
+    """
+    registered: list[str] = client.run_on_scheduler(_worker_plugin_names)
+    for name in registered:
+        if name.startswith(PLUGIN_PREFIX) and name != plugin.name:
+            client.unregister_worker_plugin(name)
+    client.register_plugin(plugin, name=plugin.name)
+    return plugin.name
+
+
+def _worker_plugin_names(dask_scheduler: Any) -> list[str]:
+    return list(dask_scheduler.worker_plugins)
+
+
+def get_engine(plugin_name: str) -> LLMEngine:
     """The engine of the worker this task runs on. Raises RuntimeError when the plugin is not registered."""
-    plugin = get_worker().plugins.get(PLUGIN_NAME)
+    plugin = get_worker().plugins.get(plugin_name)
     if not isinstance(plugin, EnginePlugin):
-        raise RuntimeError(f"worker plugin {PLUGIN_NAME!r} is not registered; call client.register_plugin first")
+        raise RuntimeError(f"worker plugin {plugin_name!r} is not registered; call register_engine first")
     return plugin.get()
 
 
 def default_torch_threads(workers: int) -> int:
-    """Intra-op threads per worker process so `workers` processes share this machine's cores."""
+    """Intra-op threads per worker process so `workers` processes share this machine's cores without
+    oversubscribing them (Dask's nanny sets OMP_NUM_THREADS=1 in workers, so this must be set explicitly)."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))

@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster, as_completed, get_worker
 
 from engine import EngineConfig
 from jobs.errors import JobError
-from jobs.plugin import PLUGIN_NAME, EnginePlugin, default_torch_threads, get_engine
+from jobs.plugin import EnginePlugin, default_torch_threads, get_engine, register_engine
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
 from pipeline.shard import run_shard
@@ -70,8 +70,9 @@ class JobSummary:
                 "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1)}
 
 
-def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig) -> dict[str, Any]:
-    """Dask task: one shard on this worker's resident engine; reports progress as worker events."""
+def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str) -> dict[str, Any]:
+    """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`); reports progress as worker
+    events on PROGRESS_TOPIC. Returns the shard's accounting row; raises what run_shard raises."""
     worker = get_worker()
     pending = [0, 0]
     last = [time.monotonic()]
@@ -84,7 +85,7 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
             pending[0] = pending[1] = 0
             last[0] = time.monotonic()
 
-    row = run_shard(get_engine(), shard, prompt_column, output_url, cfg, progress=progress)
+    row = run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
     if pending[0] or pending[1]:
         worker.log_event(PROGRESS_TOPIC, {"rows": pending[0], "tokens": pending[1]})
     return row
@@ -127,14 +128,13 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             silence_logs=logging.ERROR)
         try:
             with Client(scheduler_address or cluster) as client:
-                client.register_plugin(EnginePlugin(model, engine_config or EngineConfig(),
-                                                    default_torch_threads(workers) if cluster else None),
-                                       name=PLUGIN_NAME)
+                plugin_name = register_engine(client, EnginePlugin(
+                    model, engine_config or EngineConfig(), default_torch_threads(workers) if cluster else None))
                 if on_progress:
                     client.subscribe_topic(PROGRESS_TOPIC, lambda event: on_progress(event[1]["rows"],
                                                                                       event[1]["tokens"]))
                 run_id = uuid.uuid4().hex[:8]
-                futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, pure=False,
+                futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, plugin_name, pure=False,
                                          key=f"shard-{s.shard_id}-{run_id}"): s for s in shards}
                 for fut in as_completed(futures):
                     shard = futures[fut]

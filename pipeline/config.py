@@ -47,6 +47,9 @@ class RunConfig:
     limit: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("prompt_column", "messages_column", "id_column"):
+            if not getattr(self, name):
+                raise InputError(f"{name} must name a column, got an empty string")
         if self.rows_per_shard < 1:
             raise InputError(f"rows_per_shard must be >= 1, got {self.rows_per_shard}")
         if self.price_per_hour_usd < 0:

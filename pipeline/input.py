@@ -45,7 +45,10 @@ def resolve_inputs(url: str) -> tuple[AbstractFileSystem, list[str]]:
     if any(c in path for c in "*?["):
         files = sorted(p for p in fs.glob(path) if not fs.isdir(p))
     elif fs.isdir(path):
-        files = sorted(p for p in fs.find(path) if p.endswith(".parquet"))
+        # Skip hidden and underscore names below the folder (_SUCCESS, .part uploads, _temporary/): the convention
+        # of Spark, Dask and Arrow datasets for files that are not data.
+        files = sorted(p for p in fs.find(path) if p.endswith(".parquet")
+                       and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/")))
     elif fs.exists(path):
         files = [path]
     else:

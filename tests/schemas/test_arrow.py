@@ -1,0 +1,44 @@
+"""The results and accounting schemas: the contract between the writers, the readers and issue 5's resume logic."""
+
+from __future__ import annotations
+
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+
+
+def test_results_schema_columns_types_and_nullability() -> None:
+    assert RESULTS_SCHEMA.names == ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
+                                    "error", "model"]
+    types = {f.name: f.type for f in RESULTS_SCHEMA}
+    assert types["id"] == pa.string() and types["prompt_tokens"] == pa.int32() == types["completion_tokens"]
+    nullable = {f.name for f in RESULTS_SCHEMA if f.nullable}
+    assert nullable == {"completion", "error"}  # error is null exactly when the row ran
+
+
+def test_accounting_schema_has_the_bill() -> None:
+    needed = {"shard_id": pa.string(), "attempt": pa.int32(), "rows": pa.int64(), "rows_ok": pa.int64(),
+              "rows_error": pa.int64(), "input_tokens": pa.int64(), "output_tokens": pa.int64(),
+              "wall_s": pa.float64(), "output_tokens_per_s": pa.float64(), "device": pa.string(),
+              "price_per_hour_usd": pa.float64(), "cost_usd": pa.float64(), "tokens_per_dollar": pa.float64(),
+              "model": pa.string()}
+    types = {f.name: f.type for f in ACCOUNTING_SCHEMA}
+    assert {k: types.get(k) for k in needed} == needed
+    # tokens_per_dollar is the only nullable number: undefined when the price is 0.
+    assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar"]
+    assert ACCOUNTING_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
+
+
+def test_schemas_reject_rows_that_break_them() -> None:
+    ok = {"id": "gsm8k-test-0000", "completion": "Janet sells 9 eggs", "finish_reason": "length", "prompt_tokens": 96,
+          "completion_tokens": 8, "error": None, "model": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    assert pa.Table.from_pylist([ok], schema=RESULTS_SCHEMA).num_rows == 1
+    with pytest.raises((pa.ArrowInvalid, pa.ArrowTypeError)):
+        pa.Table.from_pylist([{**ok, "prompt_tokens": "ninety-six"}], schema=RESULTS_SCHEMA)
+    # Arrow tables carry nulls in non-nullable fields; the Parquet writer is what refuses them.
+    with pytest.raises(pa.ArrowInvalid, match="non-nullable"):
+        pq.write_table(pa.Table.from_pylist([{**ok, "id": None}], schema=RESULTS_SCHEMA), io.BytesIO())
