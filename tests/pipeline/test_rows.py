@@ -1,0 +1,109 @@
+"""Rows to requests on the real engine: row-group reads, ids, chat messages, raw prompts, per-row seeds, progress."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine import LLMEngine
+from pipeline.config import InputError, RunConfig
+from pipeline.input import Shard, resolve_inputs
+from pipeline.shard import ShardRows, generate_rows, read_shard
+
+
+@pytest.fixture(scope="module")
+def gsm8k_table(data_dir: Path) -> pa.Table:
+    return pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"])
+
+
+def _shard(path: Path, start: int, end: int) -> Shard:
+    return Shard(f"00000-{start:09d}", str(path), f"file://{path}", start, end)
+
+
+def test_read_shard_takes_exactly_its_rows_across_row_groups(tmp_path: Path, gsm8k_table: pa.Table) -> None:
+    path = tmp_path / "g.parquet"
+    pq.write_table(gsm8k_table.slice(0, 30), path, row_group_size=4)
+    rows = read_shard(_shard(path, 5, 14), "question", "id")
+    assert rows.ids == gsm8k_table.column("id").to_pylist()[5:14]
+    assert rows.prompts == gsm8k_table.column("question").to_pylist()[5:14]
+
+
+def test_ids_are_row_positions_when_the_id_column_is_absent_or_null(tmp_path: Path, gsm8k_table: pa.Table) -> None:
+    path = tmp_path / "noid.parquet"
+    pq.write_table(gsm8k_table.select(["question"]).slice(0, 12), path, row_group_size=5)
+    assert read_shard(_shard(path, 6, 12), "question", "id").ids == ["6", "7", "8", "9", "10", "11"]
+    with_nulls = tmp_path / "nullid.parquet"
+    pq.write_table(pa.table({"id": pa.array([101, None, 103], pa.int64()),
+                             "question": gsm8k_table.column("question").to_pylist()[:3]}), with_nulls)
+    assert read_shard(_shard(with_nulls, 0, 3), "question", "id").ids == ["101", "1", "103"]
+
+
+def test_progress_reports_every_row_and_every_output_token(engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    qs = gsm8k_table.column("question").to_pylist()
+    rows = ShardRows([f"r{i}" for i in range(6)], [qs[20], None, qs[21], "  ", qs[22], qs[23]])
+    calls: list[tuple[int, int]] = []
+    outs = generate_rows(engine, rows, RunConfig(max_tokens=5), progress=lambda r, t: calls.append((r, t)))
+    assert [o.request_id for o in outs] == rows.ids
+    assert sum(r for r, _ in calls) == 6
+    assert sum(t for _, t in calls) == sum(o.num_output_tokens for o in outs) == 4 * 5
+    assert [o.finish_reason for o in outs].count("error") == 2
+
+
+def test_messages_prompts_match_the_same_text_with_the_chat_template(engine: LLMEngine, data_dir: Path) -> None:
+    instructions = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction"]).column(
+        "instruction").to_pylist()[:3]
+    cfg = RunConfig(max_tokens=6)
+    as_text = generate_rows(engine, ShardRows(["a", "b", "c"], instructions), cfg)
+    as_msgs = generate_rows(engine, ShardRows(["a", "b", "c"], [[{"role": "user", "content": s}]
+                                                                 for s in instructions]), cfg)
+    assert [o.prompt_token_ids for o in as_msgs] == [o.prompt_token_ids for o in as_text]
+    assert [o.text for o in as_msgs] == [o.text for o in as_text]  # greedy
+
+
+def test_no_chat_template_sends_the_raw_text(engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    q = gsm8k_table.column("question").to_pylist()[40]
+    (raw,) = generate_rows(engine, ShardRows(["x"], [q]), RunConfig(max_tokens=3, use_chat_template=False))
+    (chat,) = generate_rows(engine, ShardRows(["x"], [q]), RunConfig(max_tokens=3))
+    assert raw.prompt_token_ids == engine.tokenizer.encode(q)
+    assert chat.num_prompt_tokens > raw.num_prompt_tokens
+
+
+def test_seeded_rows_repeat_whatever_else_is_in_the_shard(engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    ids = gsm8k_table.column("id").to_pylist()[50:54]
+    qs = gsm8k_table.column("question").to_pylist()[50:54]
+    cfg = RunConfig(max_tokens=5, temperature=1.0, top_p=0.95, seed=1234)
+    full = {o.request_id: o.text for o in generate_rows(engine, ShardRows(ids, qs), cfg)}
+    part = generate_rows(engine, ShardRows(ids[:3][::-1], qs[:3][::-1]), cfg)
+    assert {o.request_id: o.text for o in part} == {i: full[i] for i in ids[:3]}
+
+
+def test_over_long_prompt_is_an_error_row_under_a_small_context(engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    from engine import EngineConfig
+
+    small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_model_len=96, num_kv_blocks=64))
+    qs = gsm8k_table.column("question").to_pylist()
+    lengths = [len(engine.tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in qs[:40]]
+    long_i = next(i for i, n in enumerate(lengths) if n >= 96)
+    short_i = [i for i, n in enumerate(lengths) if n < 80][:2]
+    rows = ShardRows(["s0", "long", "s1"], [qs[short_i[0]], qs[long_i], qs[short_i[1]]])
+    outs = generate_rows(small, rows, RunConfig(max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert str(lengths[long_i]) in (outs[1].error or "") and outs[1].num_output_tokens == 0
+
+
+def test_run_config_rejects_bad_values_with_input_error() -> None:
+    for bad in ({"rows_per_shard": 0}, {"price_per_hour_usd": -1.0}, {"limit": 0}, {"top_p": 0.0},
+                {"max_tokens": 0}, {"prompt_column": ""}, {"temperature": -0.5}):
+        with pytest.raises(InputError):
+            RunConfig(**bad)
+
+
+def test_folders_skip_underscore_and_hidden_files(tmp_path: Path, gsm8k_table: pa.Table) -> None:
+    (tmp_path / "_temporary").mkdir()
+    for name in ("part-0.parquet", "_SUCCESS.parquet", ".part-1.parquet", "_temporary/part-2.parquet"):
+        pq.write_table(gsm8k_table.slice(0, 2), tmp_path / name)
+    _, files = resolve_inputs(str(tmp_path))
+    assert [Path(f).name for f in files] == ["part-0.parquet"]

@@ -1,0 +1,89 @@
+"""Create-only commits, locally and on S3 (moto), and one shard from S3 input to S3 output on the real engine."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine import LLMEngine
+from pipeline.config import RunConfig
+from pipeline.input import plan_shards, resolve_inputs, validate_columns
+from pipeline.shard import accounting_path, results_path, run_shard
+from pipeline.storage import commit_table, output_fs, read_table
+from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+
+
+@pytest.fixture(scope="module")
+def s3_bucket() -> Iterator[str]:
+    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL as any S3 would be; yields a bucket."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
+            mp.setenv(k, v)
+        fsspec.filesystem("s3").clear_instance_cache()
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("tokenmill-test")
+        yield "tokenmill-test"
+        fsspec.filesystem("s3").clear_instance_cache()
+    server.stop()
+
+
+def _table(data_dir: Path, n: int) -> pa.Table:
+    return pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(200, n)
+
+
+def test_local_commit_is_create_only(tmp_path: Path, data_dir: Path) -> None:
+    fs, root = output_fs(str(tmp_path / "out"))
+    path = f"{root}/results/00000-000000000.parquet"
+    first, second = _table(data_dir, 3), _table(data_dir, 5)
+    assert commit_table(fs, path, first) is True
+    assert commit_table(fs, path, second) is False  # a retry finds it committed and leaves it alone
+    assert read_table(fs, path).equals(first)
+
+
+def test_s3_commit_is_create_only(s3_bucket: str, data_dir: Path) -> None:
+    fs, root = output_fs(f"s3://{s3_bucket}/create-only")
+    path = f"{root}/accounting/x.parquet"
+    first = _table(data_dir, 2)
+    assert commit_table(fs, path, first) is True
+    assert commit_table(fs, path, _table(data_dir, 4)) is False  # If-None-Match: * refused the overwrite
+    assert read_table(fs, path).equals(first)
+
+
+def test_shard_from_s3_to_s3(engine: LLMEngine, s3_bucket: str, data_dir: Path) -> None:
+    table = _table(data_dir, 10)
+    with fsspec.open(f"s3://{s3_bucket}/in/gsm8k.parquet", "wb") as f:
+        pq.write_table(table, f, row_group_size=3)
+    cfg = RunConfig(prompt_column="question", rows_per_shard=6, max_tokens=4)
+    fs, files = resolve_inputs(f"s3://{s3_bucket}/in/")
+    shards = plan_shards(fs, files, cfg)
+    assert [(s.url, s.row_start, s.row_end) for s in shards] == [
+        (f"s3://{s3_bucket}/in/gsm8k.parquet", 0, 6), (f"s3://{s3_bucket}/in/gsm8k.parquet", 6, 10)]
+    column = validate_columns(fs, files, cfg)
+    out = f"s3://{s3_bucket}/out"
+    accts = [run_shard(engine, s, column, out, cfg) for s in shards]
+
+    ofs, root = output_fs(out)
+    results = pa.concat_tables(read_table(ofs, results_path(root, s.shard_id)) for s in shards)
+    assert results.schema.equals(RESULTS_SCHEMA, check_metadata=False)
+    assert results.column("id").to_pylist() == table.column("id").to_pylist()
+    assert set(results.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    for s, a in zip(shards, accts, strict=True):
+        committed = read_table(ofs, accounting_path(root, s.shard_id, 1))
+        assert committed.schema.equals(ACCOUNTING_SCHEMA, check_metadata=False)
+        assert committed.to_pylist()[0]["output_tokens"] == a["output_tokens"] > 0
+    # Running a committed shard again returns its committed accounting and writes nothing.
+    assert run_shard(engine, shards[0], column, out, cfg)["wall_s"] == accts[0]["wall_s"]
+    assert len(ofs.ls(f"{root}/accounting")) == 2
