@@ -17,7 +17,7 @@ from jobs.errors import JobError
 from jobs.plugin import EnginePlugin, default_torch_threads, get_engine, register_engine
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
-from pipeline.shard import run_shard
+from pipeline.shard import committed_accounting, run_shard
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5
@@ -111,8 +111,9 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
 
     With no scheduler address, a LocalCluster of `workers` worker processes (one thread each) runs the shards;
     otherwise the Dask cluster at `scheduler_address` (tcp://host:8786). A shard that fails is recorded in the
-    summary; the others go on. `on_start` gets the total row count; `on_progress` (rows, output tokens) as rows
-    finish. Raises JobError (exit code 2) for bad input, before any work.
+    summary; the others go on. Shards already committed under output_url (a rerun, a resumed job) are not run
+    again: their committed accounting is counted. `on_start` gets the total row count; `on_progress` (rows,
+    output tokens) as rows finish. Raises JobError (exit code 2) for bad input, before any work.
     """
     if workers < 1:
         raise JobError(f"--workers must be >= 1, got {workers}")
@@ -121,6 +122,19 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         on_start(sum(s.num_rows for s in shards))
     summary = JobSummary(shards=len(shards))
     t0 = time.perf_counter()
+    # A rerun into the same OUTPUT skips committed shards without starting a cluster or loading a model.
+    todo = []
+    for shard in shards:
+        committed = committed_accounting(output_url, shard.shard_id)
+        if committed is None:
+            todo.append(shard)
+        else:
+            summary.add(committed)
+            if on_progress:
+                on_progress(int(committed["rows"]), int(committed["output_tokens"]))
+    if not todo:
+        summary.wall_s = time.perf_counter() - t0
+        return summary
     # Spot fleets lose workers: let a shard outlive several dead workers before Dask gives up on it.
     with dask.config.set({"distributed.scheduler.allowed-failures": 10}):
         cluster = None if scheduler_address else LocalCluster(
@@ -135,7 +149,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
                                                                                       event[1]["tokens"]))
                 run_id = uuid.uuid4().hex[:8]
                 futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, plugin_name, pure=False,
-                                         key=f"shard-{s.shard_id}-{run_id}"): s for s in shards}
+                                         key=f"shard-{s.shard_id}-{run_id}"): s for s in todo}
                 for fut in as_completed(futures):
                     shard = futures[fut]
                     try:

@@ -45,6 +45,19 @@ def accounting_path(root: str, shard_id: str, attempt: int) -> str:
     return f"{root}/accounting/{shard_id}.attempt-{attempt:03d}.parquet"
 
 
+def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
+    """The accounting row of the shard's latest committed attempt when its results are committed, else None.
+
+    A shard is done only when both its results and an accounting row exist (results are committed first).
+    """
+    fs, root = fsspec.core.url_to_fs(output_url)
+    root = root.rstrip("/")
+    if not fs.exists(results_path(root, shard_id)):
+        return None
+    committed = sorted(fs.glob(f"{root}/accounting/{shard_id}.attempt-*.parquet"))
+    return read_table(fs, committed[-1]).to_pylist()[-1] if committed else None
+
+
 def read_shard(shard: Shard, prompt_column: str, id_column: str) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
@@ -139,10 +152,9 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     """
     fs, root = output_fs(output_url)
     done = results_path(root, shard.shard_id)
-    if fs.exists(done):
-        committed = sorted(fs.glob(f"{root}/accounting/{shard.shard_id}.attempt-*.parquet"))
-        if committed:
-            return read_table(fs, committed[-1]).to_pylist()[-1]
+    committed = committed_accounting(output_url, shard.shard_id)
+    if committed is not None:
+        return committed
     rows = read_shard(shard, prompt_column, cfg.id_column)
     t0 = time.perf_counter()
     outputs = generate_rows(engine, rows, cfg, progress)
