@@ -33,6 +33,7 @@ class _Reporter:
         self.total = 0
         self.t0 = time.perf_counter()
         self.last_line = 0.0
+        self.printed: tuple[int, int] = (0, 0)
         self.bar: Progress | None = None
         self.task = None
 
@@ -47,18 +48,26 @@ class _Reporter:
     def update(self, rows: int, tokens: int) -> None:
         self.rows += rows
         self.tokens += tokens
-        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
         if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, completed=self.rows, rate=f"{rate:,.1f} out tok/s")
+            self.bar.update(self.task, completed=self.rows, rate=f"{self._rate():,.1f} out tok/s")
         elif time.perf_counter() - self.last_line >= 5.0 or self.rows >= self.total:
-            self.last_line = time.perf_counter()
-            print(json.dumps({"event": "progress", "rows_done": self.rows, "rows_total": self.total,
-                              "output_tokens": self.tokens, "output_tokens_per_s": round(rate, 2)}),
-                  file=sys.stderr, flush=True)
+            self._line()
+
+    def _rate(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+
+    def _line(self) -> None:
+        self.last_line = time.perf_counter()
+        self.printed = (self.rows, self.tokens)
+        print(json.dumps({"event": "progress", "rows_done": self.rows, "rows_total": self.total,
+                          "output_tokens": self.tokens, "output_tokens_per_s": round(self._rate(), 2)}),
+              file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+        elif self.total and self.printed != (self.rows, self.tokens):
+            self._line()  # the last state, so log readers see where the job ended
 
 
 def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:

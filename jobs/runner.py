@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -70,25 +71,68 @@ class JobSummary:
                 "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1)}
 
 
-def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str) -> dict[str, Any]:
+def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
+               run_id: str) -> dict[str, Any]:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`); reports progress as worker
-    events on PROGRESS_TOPIC. Returns the shard's accounting row; raises what run_shard raises."""
+    events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row; raises what
+    run_shard raises."""
     worker = get_worker()
     pending = [0, 0]
     last = [time.monotonic()]
+
+    def flush() -> None:
+        worker.log_event(PROGRESS_TOPIC, {"run": run_id, "shard": shard.shard_id, "rows": pending[0],
+                                          "tokens": pending[1]})
+        pending[0] = pending[1] = 0
+        last[0] = time.monotonic()
 
     def progress(rows: int, tokens: int) -> None:
         pending[0] += rows
         pending[1] += tokens
         if time.monotonic() - last[0] >= PROGRESS_INTERVAL_S:
-            worker.log_event(PROGRESS_TOPIC, {"rows": pending[0], "tokens": pending[1]})
-            pending[0] = pending[1] = 0
-            last[0] = time.monotonic()
+            flush()
 
     row = run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
     if pending[0] or pending[1]:
-        worker.log_event(PROGRESS_TOPIC, {"rows": pending[0], "tokens": pending[1]})
+        flush()
     return row
+
+
+class _Progress:
+    """Folds workers' progress events and finished shards into one (rows, output tokens) stream for `on_progress`.
+
+    Events travel worker -> scheduler -> client and may arrive after the shard's result; a finished shard is topped
+    up to its committed totals and its late events are dropped, so the stream ends at exactly the job's totals.
+    """
+
+    def __init__(self, run_id: str, on_progress: ProgressFn | None) -> None:
+        self.run_id = run_id
+        self.on_progress = on_progress
+        self.reported: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.lock = threading.Lock()
+
+    def event(self, event: tuple[float, dict[str, Any]]) -> None:
+        msg = event[1]
+        if msg.get("run") != self.run_id:
+            return  # another job on a shared cluster
+        with self.lock:
+            if msg["shard"] in self.finished:
+                return
+            seen = self.reported.setdefault(msg["shard"], [0, 0])
+            seen[0] += msg["rows"]
+            seen[1] += msg["tokens"]
+        self._emit(msg["rows"], msg["tokens"])
+
+    def finish(self, shard_id: str, rows: int, tokens: int) -> None:
+        with self.lock:
+            self.finished.add(shard_id)
+            seen = self.reported.pop(shard_id, [0, 0])
+        self._emit(max(0, rows - seen[0]), max(0, tokens - seen[1]))
+
+    def _emit(self, rows: int, tokens: int) -> None:
+        if self.on_progress and (rows or tokens):
+            self.on_progress(rows, tokens)
 
 
 def plan_job(input_url: str, cfg: RunConfig) -> tuple[str, list[Shard]]:
@@ -122,6 +166,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         on_start(sum(s.num_rows for s in shards))
     summary = JobSummary(shards=len(shards))
     t0 = time.perf_counter()
+    progress = _Progress(uuid.uuid4().hex[:8], on_progress)
     # A rerun into the same OUTPUT skips committed shards without starting a cluster or loading a model.
     todo = []
     for shard in shards:
@@ -130,8 +175,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             todo.append(shard)
         else:
             summary.add(committed)
-            if on_progress:
-                on_progress(int(committed["rows"]), int(committed["output_tokens"]))
+            progress.finish(shard.shard_id, int(committed["rows"]), int(committed["output_tokens"]))
     if not todo:
         summary.wall_s = time.perf_counter() - t0
         return summary
@@ -144,18 +188,20 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             with Client(scheduler_address or cluster) as client:
                 plugin_name = register_engine(client, EnginePlugin(
                     model, engine_config or EngineConfig(), default_torch_threads(workers) if cluster else None))
-                if on_progress:
-                    client.subscribe_topic(PROGRESS_TOPIC, lambda event: on_progress(event[1]["rows"],
-                                                                                      event[1]["tokens"]))
-                run_id = uuid.uuid4().hex[:8]
-                futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, plugin_name, pure=False,
-                                         key=f"shard-{s.shard_id}-{run_id}"): s for s in todo}
+                client.subscribe_topic(PROGRESS_TOPIC, progress.event)
+                futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, plugin_name, progress.run_id,
+                                         pure=False, key=f"shard-{s.shard_id}-{progress.run_id}"): s for s in todo}
                 for fut in as_completed(futures):
                     shard = futures[fut]
                     try:
-                        summary.add(fut.result())
+                        row = fut.result()
                     except Exception as e:  # noqa: BLE001 - one failed shard never fails the others
                         summary.failed[shard.shard_id] = f"{type(e).__name__}: {e}"
+                        progress.finish(shard.shard_id, shard.num_rows, 0)
+                        continue
+                    summary.add(row)
+                    progress.finish(shard.shard_id, int(row["rows"]), int(row["output_tokens"]))
+                client.unsubscribe_topic(PROGRESS_TOPIC)
         finally:
             if cluster is not None:
                 cluster.close()

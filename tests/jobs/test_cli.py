@@ -40,6 +40,9 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     summary = _summary(res.stdout)
     assert summary["shards"] == 3 and summary["shards_failed"] == 0
     assert summary["rows_ok"] == 20 and summary["output_tokens"] == 160
+    # Not a terminal: progress comes as JSON lines on stderr, ending at the job's totals.
+    progress = [json.loads(line) for line in res.stderr.splitlines() if line.startswith('{"event": "progress"')]
+    assert progress and (progress[-1]["rows_done"], progress[-1]["output_tokens"]) == (20, 160)
 
     results = pq.read_table(out / "results")
     assert results.schema.equals(RESULTS_SCHEMA, check_metadata=False)

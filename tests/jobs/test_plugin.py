@@ -1,0 +1,59 @@
+"""The engine WorkerPlugin on a real LocalCluster: named by config, idempotent, one engine per worker, load errors
+reach the task. Uses a missing model file so no weights load (the CLI tests load the real model)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed import Client, LocalCluster
+
+from engine import EngineConfig
+from jobs.plugin import PLUGIN_PREFIX, EnginePlugin, get_engine, register_engine
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                      silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
+        yield c
+
+
+def _engine_plugins(dask_worker: Any) -> dict[str, int]:
+    return {n: id(p) for n, p in dask_worker.plugins.items() if n.startswith(PLUGIN_PREFIX)}
+
+
+def _load_error(plugin_name: str) -> str:
+    try:
+        get_engine(plugin_name)
+    except RuntimeError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_same_config_is_registered_once_other_config_replaces_it(client: Client, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-model.gguf")
+    a = EnginePlugin(missing, EngineConfig(device="cpu"), torch_threads=1)
+    name_a = register_engine(client, a)
+    assert name_a == EnginePlugin(missing, EngineConfig(device="cpu"), torch_threads=1).name
+    (before,) = client.run(_engine_plugins).values()
+    assert list(before) == [name_a]
+
+    register_engine(client, EnginePlugin(missing, EngineConfig(device="cpu"), torch_threads=1))
+    (again,) = client.run(_engine_plugins).values()
+    assert again == before  # idempotent: the resident plugin (and its engine) is kept, not reloaded
+
+    name_b = register_engine(client, EnginePlugin(missing, EngineConfig(device="cpu", max_num_seqs=8),
+                                                  torch_threads=1))
+    (after,) = client.run(_engine_plugins).values()
+    assert name_b != name_a and list(after) == [name_b]  # one engine per worker
+
+
+def test_a_failed_load_reaches_the_task_with_its_cause(client: Client, tmp_path: Path) -> None:
+    name = register_engine(client, EnginePlugin(str(tmp_path / "missing.gguf"), EngineConfig(device="cpu")))
+    message = client.submit(_load_error, name, pure=False).result()
+    assert "failed to load" in message and "missing.gguf" in message
+    assert "not registered" in client.submit(_load_error, "tokenmill-engine-nope", pure=False).result()

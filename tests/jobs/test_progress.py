@@ -1,0 +1,48 @@
+"""Progress and summary bookkeeping of a job, without a cluster: event folding, JSON lines, the bill's arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.cli import _Reporter
+from jobs.runner import JobSummary, _Progress
+
+
+def test_progress_tops_finished_shards_up_and_drops_late_events() -> None:
+    got: list[tuple[int, int]] = []
+    p = _Progress("run1", lambda r, t: got.append((r, t)))
+    p.event((0.0, {"run": "run1", "shard": "00000-000000000", "rows": 3, "tokens": 24}))
+    p.event((0.0, {"run": "other-job", "shard": "00000-000000000", "rows": 5, "tokens": 40}))
+    p.finish("00000-000000000", rows=8, tokens=61)  # the result came before the last event
+    p.event((0.0, {"run": "run1", "shard": "00000-000000000", "rows": 5, "tokens": 37}))  # late: dropped
+    p.finish("00000-000000008", rows=4, tokens=30)  # no event at all (a committed shard on a rerun)
+    assert got == [(3, 24), (5, 37), (4, 30)]
+    assert sum(r for r, _ in got) == 12 and sum(t for _, t in got) == 91
+
+
+def test_reporter_writes_json_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    rep = _Reporter()
+    assert not rep.tty  # pytest captures stderr
+    rep.start(20)
+    rep.update(8, 64)  # first line right away
+    rep.update(4, 32)  # within 5 s: held back
+    rep.update(8, 64)  # reaches the total: printed
+    rep.stop()  # nothing new since: no duplicate
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [(x["rows_done"], x["output_tokens"]) for x in lines] == [(8, 64), (20, 160)]
+    assert all(x["event"] == "progress" and x["rows_total"] == 20 for x in lines)
+
+
+def test_summary_rolls_up_shards_in_tokens_seconds_and_usd() -> None:
+    s = JobSummary(shards=3, wall_s=30.0)
+    for out_tokens, wall_s in ((100, 10.0), (300, 20.0)):
+        s.add({"rows": 10, "rows_ok": 9, "rows_error": 1, "input_tokens": 900, "output_tokens": out_tokens,
+               "wall_s": wall_s, "cost_usd": wall_s / 3600 * 2.0})
+    s.failed["00001-000000000"] = "ShardError: cannot read"
+    d = s.as_dict()
+    assert (d["shards_ok"], d["shards_failed"], d["rows_ok"], d["rows_error"]) == (2, 1, 18, 2)
+    assert d["output_tokens_per_s"] == pytest.approx(400 / 30.0, abs=0.01)
+    assert s.tokens_per_dollar == pytest.approx(400 / (30.0 / 3600 * 2.0))
+    assert JobSummary().tokens_per_dollar is None  # nothing billed: undefined, not infinite
