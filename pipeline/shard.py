@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from engine import LLMEngine, RequestOutput
 from pipeline.config import RunConfig
 from pipeline.input import Shard
-from pipeline.storage import commit_table, output_fs, read_table
+from pipeline.storage import commit_table, output_fs, read_table, retry_transient
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 # Called with (rows finished, output tokens of those rows) as rows finish.
@@ -58,26 +58,34 @@ def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | Non
     return read_table(fs, committed[-1]).to_pylist()[-1] if committed else None
 
 
+@retry_transient
+def _read_row_groups(shard: Shard, prompt_column: str, id_column: str) -> tuple[pa.Table, int]:
+    """The row groups of the shard's file that overlap its rows, and the file row of the first one."""
+    with fsspec.open(shard.url, "rb") as f, pq.ParquetFile(f) as pf:
+        names = pf.schema_arrow.names
+        columns = [prompt_column] + ([id_column] if id_column in names else [])
+        groups, first_row, offset = [], None, 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if offset + n > shard.row_start and offset < shard.row_end:
+                groups.append(g)
+                first_row = offset if first_row is None else first_row
+            offset += n
+        table = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table()
+    return table, first_row or 0
+
+
 def read_shard(shard: Shard, prompt_column: str, id_column: str) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
-    Raises ShardError (with the file and the reader's message) when the file cannot be read.
+    Transient storage errors are retried (pipeline.storage.retry_transient). Raises ShardError (with the file and
+    the reader's message) when the file cannot be read.
     """
     try:
-        with fsspec.open(shard.url, "rb") as f, pq.ParquetFile(f) as pf:
-            names = pf.schema_arrow.names
-            columns = [prompt_column] + ([id_column] if id_column in names else [])
-            groups, first_row, offset = [], None, 0
-            for g in range(pf.metadata.num_row_groups):
-                n = pf.metadata.row_group(g).num_rows
-                if offset + n > shard.row_start and offset < shard.row_end:
-                    groups.append(g)
-                    first_row = offset if first_row is None else first_row
-                offset += n
-            table = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table()
+        table, first_row = _read_row_groups(shard, prompt_column, id_column)
     except Exception as e:  # noqa: BLE001 - any reader failure fails this shard with a clear message
         raise ShardError(f"cannot read {shard.url}: {e}. Fix or remove the file and run the job again") from e
-    start = shard.row_start - (first_row or 0)
+    start = shard.row_start - first_row
     table = table.slice(start, shard.num_rows)
     prompts = table.column(prompt_column).to_pylist()
     if id_column in table.column_names:

@@ -41,7 +41,8 @@ def test_bad_rows_become_error_rows_and_the_shard_goes_on(engine: LLMEngine, bad
     assert [r["id"] for r in rows] == ids
     assert [r["finish_reason"] for r in rows] == ["length", "error", "length", "error", "error", "length"]
     assert "null" in rows[1]["error"] and "empty" in rows[3]["error"] and "shorten" in rows[4]["error"]
-    assert all(r["error"] is None and r["completion_tokens"] == 6 and r["completion"] for r in (rows[0], rows[2], rows[5]))
+    assert all(r["error"] is None and r["completion_tokens"] == 6 and r["completion"]
+               for r in (rows[0], rows[2], rows[5]))
     assert rows[0]["model"] == engine.model_name
 
     acc = pq.read_table(accounting_path(out, shard.shard_id, 1))

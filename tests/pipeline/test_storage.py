@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,12 +11,13 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from engine import LLMEngine
 from pipeline.config import RunConfig
 from pipeline.input import plan_shards, resolve_inputs, validate_columns
 from pipeline.shard import accounting_path, results_path, run_shard
-from pipeline.storage import commit_table, output_fs, read_table
+from pipeline.storage import commit_table, is_transient, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 
@@ -87,3 +89,35 @@ def test_shard_from_s3_to_s3(engine: LLMEngine, s3_bucket: str, data_dir: Path) 
     # Running a committed shard again returns its committed accounting and writes nothing.
     assert run_shard(engine, shards[0], column, out, cfg)["wall_s"] == accts[0]["wall_s"]
     assert len(ofs.ls(f"{root}/accounting")) == 2
+
+
+class _FlakyFS(MemoryFileSystem):
+    """An in-memory store whose first `failures` writes fail with `error` (as s3fs raises a 503 SlowDown)."""
+
+    def __init__(self, failures: int, error: OSError) -> None:
+        super().__init__(skip_instance_cache=True)
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: object) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        super().pipe_file(path, value, mode=mode, **kwargs)
+
+
+def test_transient_errors_are_retried_and_final_ones_are_not(monkeypatch: pytest.MonkeyPatch,
+                                                             data_dir: Path) -> None:
+    monkeypatch.setattr(commit_table.retry, "sleep", lambda _s: None)
+    table = _table(data_dir, 2)
+    slow_down = _FlakyFS(2, OSError(errno.EBUSY, "SlowDown: please reduce your request rate"))
+    assert commit_table(slow_down, "/out/results/a.parquet", table) is True and slow_down.calls == 3
+    denied = _FlakyFS(1, PermissionError("AccessDenied"))
+    with pytest.raises(PermissionError):
+        commit_table(denied, "/out/results/a.parquet", table)
+    assert denied.calls == 1
+    down = _FlakyFS(99, OSError(errno.EREMOTEIO, "InternalError"))
+    with pytest.raises(OSError, match="InternalError"):
+        commit_table(down, "/out/results/a.parquet", table)
+    assert down.calls == 5
+    assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
+    assert not is_transient(FileExistsError()) and not is_transient(FileNotFoundError())
