@@ -18,10 +18,12 @@ from jobs.errors import JobError
 from jobs.plugin import EnginePlugin, default_torch_threads, get_engine, register_engine
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
-from pipeline.shard import committed_accounting, run_shard
+from pipeline.shard import committed_accounting, results_path, run_shard
+from pipeline.storage import commit_json, output_fs
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5
+SUCCESS_NAME = "_SUCCESS"
 
 # Called with (rows finished, output tokens) as workers report progress, on the client's thread.
 ProgressFn = Callable[[int, int], None]
@@ -156,8 +158,9 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
     With no scheduler address, a LocalCluster of `workers` worker processes (one thread each) runs the shards;
     otherwise the Dask cluster at `scheduler_address` (tcp://host:8786). A shard that fails is recorded in the
     summary; the others go on. Shards already committed under output_url (a rerun, a resumed job) are not run
-    again: their committed accounting is counted. `on_start` gets the total row count; `on_progress` (rows,
-    output tokens) as rows finish. Raises JobError (exit code 2) for bad input, before any work.
+    again: their committed accounting is counted. When no shard failed, OUTPUT/_SUCCESS is committed last.
+    `on_start` gets the total row count; `on_progress` (rows, output tokens) as rows finish.
+    Raises JobError (exit code 2) for bad input, before any work.
     """
     if workers < 1:
         raise JobError(f"--workers must be >= 1, got {workers}")
@@ -177,8 +180,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             summary.add(committed)
             progress.finish(shard.shard_id, int(committed["rows"]), int(committed["output_tokens"]))
     if not todo:
-        summary.wall_s = time.perf_counter() - t0
-        return summary
+        return _finish(summary, t0, output_url, shards)
     # Spot fleets lose workers: let a shard outlive several dead workers before Dask gives up on it.
     with dask.config.set({"distributed.scheduler.allowed-failures": 10}):
         cluster = None if scheduler_address else LocalCluster(
@@ -205,5 +207,17 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         finally:
             if cluster is not None:
                 cluster.close()
+    return _finish(summary, t0, output_url, shards)
+
+
+def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]) -> JobSummary:
+    """Stamp the wall time; when every shard is committed, commit OUTPUT/_SUCCESS (the job manifest: its shards and
+    totals). Readers trust a job's output only once _SUCCESS exists."""
     summary.wall_s = time.perf_counter() - t0
+    if not summary.failed:
+        fs, root = output_fs(output_url)
+        commit_json(fs, f"{root}/{SUCCESS_NAME}", {
+            "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
+                        "results": results_path(root, s.shard_id)} for s in shards],
+            "summary": summary.as_dict()})
     return summary

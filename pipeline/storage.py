@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import io
+import json
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -65,3 +67,15 @@ def read_table(fs: AbstractFileSystem, path: str) -> pa.Table:
     """A committed Parquet object (transient storage errors retried as in commit_table)."""
     with fs.open(path, "rb") as f:
         return pq.read_table(f)
+
+
+@retry_transient
+def commit_json(fs: AbstractFileSystem, path: str, obj: Any) -> bool:
+    """Write `obj` as JSON to `path` unless it exists (create-only, retried as commit_table). Returns True if this
+    call committed it, False if it was already there."""
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    try:
+        fs.pipe_file(path, json.dumps(obj, indent=1, default=str).encode(), mode="create")
+    except FileExistsError:
+        return False
+    return True

@@ -56,6 +56,10 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     assert all(r["price_per_hour_usd"] == 1.5 and r["tokens_per_dollar"] > 0 and r["device"] == "cpu"
                for r in acc.to_pylist())
 
+    manifest = json.loads((out / "_SUCCESS").read_text())
+    assert [s["shard_id"] for s in manifest["shards"]] == sorted(acc.column("shard_id").to_pylist())
+    assert manifest["summary"]["rows_ok"] == 20
+
     # A rerun into the same OUTPUT finds every shard committed and rewrites nothing.
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*.parquet")}
     again = runner.invoke(app, args)
@@ -81,6 +85,7 @@ def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path) -
     assert summary["shards_ok"] == 1 and list(summary["failed"]) == ["00001-000000000"]
     assert "b.parquet" in summary["failed"]["00001-000000000"]
     assert pq.read_table(out / "results").num_rows == 14
+    assert not (out / "_SUCCESS").exists()  # the job is not done until every shard is
 
 
 def test_bad_option_is_a_usage_error(gsm8k_folder: Path, tmp_path: Path) -> None:

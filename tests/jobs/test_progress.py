@@ -35,6 +35,24 @@ def test_reporter_writes_json_lines_when_not_a_terminal(capsys: pytest.CaptureFi
     assert all(x["event"] == "progress" and x["rows_total"] == 20 for x in lines)
 
 
+def test_reporter_draws_a_rich_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    import jobs.cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(jobs.cli, "err", Console(file=screen, force_terminal=True, width=100))
+    rep = _Reporter()
+    rep.tty = True
+    rep.start(10)
+    rep.update(10, 80)
+    rep.stop()
+    assert rep.bar is not None and rep.bar.tasks[0].completed == 10
+    assert "10/10" in screen.getvalue() and "out tok/s" in screen.getvalue()
+
+
 def test_summary_rolls_up_shards_in_tokens_seconds_and_usd() -> None:
     s = JobSummary(shards=3, wall_s=30.0)
     for out_tokens, wall_s in ((100, 10.0), (300, 20.0)):
