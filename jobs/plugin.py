@@ -105,4 +105,6 @@ def get_engine(plugin_name: str) -> LLMEngine:
 def default_torch_threads(workers: int) -> int:
     """Intra-op threads per worker process so `workers` processes share this machine's cores without
     oversubscribing them (Dask's nanny sets OMP_NUM_THREADS=1 in workers, so this must be set explicitly)."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+    # The CPUs this process may run on (a container's cpuset), not the host's count.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
