@@ -1,0 +1,221 @@
+"""Triton paged attention kernels vs the torch reference `paged_attention_ref`.
+
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors. NOTE: triton decides interpreter or
+compiled when a kernel is decorated, i.e. when engine.triton_attention_kernels is first imported, so
+TRITON_INTERPRET=1 is set here at module import, before anything below imports it. Sizes stay small: the interpreter
+runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from engine.attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+from engine.triton_attention import (  # noqa: E402
+    decode_num_splits,
+    paged_attention_triton,
+    paged_decode_attention,
+    paged_prefill_attention,
+    triton_available,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+HEAD_DIM = 64
+# Max abs error vs the reference per dtype: fp32 runs IEEE dots; half precision rounds P to 16 bits before P @ V.
+ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_backend() -> None:
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    kernels = sys.modules.get("engine.triton_attention_kernels")
+    if INTERPRET and kernels is not None and type(kernels.paged_decode_kernel).__name__ != "InterpretedFunction":
+        pytest.skip("triton kernels were compiled before TRITON_INTERPRET=1 was set in this process")
+
+
+def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int,
+              dtype: torch.dtype, device: str = DEVICE, head_dim: int = HEAD_DIM, seed: int = 0,
+              extra_table_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random step: q [T, H, D], caches with each request's blocks at shuffled (non-contiguous) ids, and its
+    metadata. Context K/V are random cache contents; this step's K/V go in through `write_kv` and the slot mapping,
+    as in the model. extra_table_cols pads the block tables (as CUDA-graph capture does)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks no request owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for n in blocks_per_req:
+        tables.append(perm[:n])
+        perm = perm[n:]
+    width = max(blocks_per_req) + extra_table_cols
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, q_len, s in zip(tables, query_lens, seq_lens, strict=True) for p in range(s - q_len, s)]
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k_new = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    write_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        query_lens=list(query_lens),
+        seq_lens_host=list(seq_lens),
+        decode_only=all(n == 1 for n in query_lens),
+    )
+    return q.to(device), k_cache.to(device), v_cache.to(device), meta
+
+
+def max_err(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> float:
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def test_triton_available() -> None:
+    assert triton_available()
+
+
+# Decode: contexts of 1 token, under one page, and spanning several pages, none a multiple of the page size.
+DECODE_SEQ_LENS = [1, 13, 37, 70]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_fp32(group: int, block_size: int, num_splits: int) -> None:
+    q, kc, vc, meta = make_step([1] * 4, DECODE_SEQ_LENS, 2 * group, 2, block_size, torch.float32)
+    scale = HEAD_DIM ** -0.5
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits,
+                                 block_n=16)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[torch.float32]
+
+
+# Prefill batches mix a full prefill (q_len == seq_len), chunked prefills (q_len < seq_len) and a decode row.
+PREFILL_QUERY_LENS = [21, 5, 1, 40]
+PREFILL_SEQ_LENS = [21, 30, 19, 67]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_fp32(group: int, block_size: int) -> None:
+    q, kc, vc, meta = make_step(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 2 * group, 2, block_size, torch.float32)
+    scale = HEAD_DIM ** -0.5
+    # block_m 16 with group 3: 5 tokens per tile, so requests span several query tiles.
+    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                                  block_m=16, block_n=16)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[torch.float32]
+
+
+def test_prefill_single_full_prompt_default_tiles() -> None:
+    q, kc, vc, meta = make_step([45], [45], 4, 4, 16, torch.float32)
+    out = paged_attention_triton(q, kc, vc, meta, 0.1)
+    assert max_err(out, q, kc, vc, meta, 0.1) < ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype: torch.dtype) -> None:
+    scale = HEAD_DIM ** -0.5
+    q, kc, vc, meta = make_step([1] * 4, DECODE_SEQ_LENS, 6, 2, 16, dtype)
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale, num_splits=2, block_n=16)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[dtype]
+    q, kc, vc, meta = make_step(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 6, 2, 16, dtype)
+    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+                                  block_m=16, block_n=16)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[dtype]
+
+
+def test_entry_point_dispatch_and_padded_tables() -> None:
+    """Decode-only and mixed steps through `paged_attention_triton`, block tables padded wider than needed."""
+    for query_lens, seq_lens in (([1, 1, 1], [9, 40, 17]), ([1, 12, 1], [9, 40, 17])):
+        q, kc, vc, meta = make_step(query_lens, seq_lens, 6, 2, 16, torch.float32, extra_table_cols=2)
+        out = paged_attention_triton(q, kc, vc, meta, 0.125)
+        assert max_err(out, q, kc, vc, meta, 0.125) < ATOL[torch.float32]
+
+
+def test_strided_q() -> None:
+    """q as a view of a fused projection (non-contiguous rows), as the model may hand it over."""
+    for query_lens in ([1, 1], [1, 3]):
+        q, kc, vc, meta = make_step(query_lens, [11, 20], 6, 2, 16, torch.float32)
+        q_view = torch.cat([q, torch.zeros_like(q)], dim=1)[:, :6]  # [T, 2H, D] -> the first H heads
+        assert not q_view.is_contiguous()
+        out = paged_attention_triton(q_view, kc, vc, meta, 0.125)
+        assert max_err(out, q, kc, vc, meta, 0.125) < ATOL[torch.float32]
+
+
+def test_chunked_prefill_matches_full_prefill() -> None:
+    """A prompt prefilled in two chunks gives the same rows as in one step."""
+    q, kc, vc, meta = make_step([30], [30], 6, 2, 8, torch.float32)
+    full = paged_attention_triton(q, kc, vc, meta, 0.125)
+    meta.query_start_loc = torch.tensor([0, 12], dtype=torch.int32, device=q.device)
+    meta.seq_lens = torch.tensor([12], dtype=torch.int32, device=q.device)
+    first = paged_attention_triton(q[:12], kc, vc, meta, 0.125)
+    meta.query_start_loc = torch.tensor([0, 18], dtype=torch.int32, device=q.device)
+    meta.seq_lens = torch.tensor([30], dtype=torch.int32, device=q.device)
+    second = paged_attention_triton(q[12:], kc, vc, meta, 0.125)
+    torch.testing.assert_close(torch.cat([first, second]), full, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.triton_attention as ta
+
+    monkeypatch.setattr(ta, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert decode_num_splits(64, 8, 128, 16, cuda) == 1  # 512 programs fill 132 SMs
+    assert decode_num_splits(1, 8, 128, 16, cuda) == 8  # 2048 tokens = 32 tiles of 64, at least 4 per split
+    assert decode_num_splits(1, 8, 1024, 16, cuda) == 32  # capped at MAX_SPLITS
+    assert decode_num_splits(4, 8, 2, 16, cuda) == 1  # a 32-token context is one tile
+    assert decode_num_splits(1, 8, 128, 16, torch.device("cpu")) == 1
+
+
+def test_bad_inputs_raise_value_error() -> None:
+    q, kc, vc, meta = make_step([1, 1], [5, 9], 6, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention_triton(q[:, :5], kc, vc, meta, 0.125)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_triton(q[..., :32], kc, vc, meta, 0.125)
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, block_n=24)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention_triton(q.double(), kc, vc, meta, 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_llama_shape_bf16_on_cuda(num_splits: int | None) -> None:
+    """Llama-3.1-8B head shape (32 q heads, 8 KV heads, head_dim 128), bf16, compiled kernels on the GPU."""
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels would not run compiled")
+    seq_lens = [1, 100, 517, 1999, 64, 300]
+    q, kc, vc, meta = make_step([1] * 6, seq_lens, 32, 8, 16, torch.bfloat16, device="cuda", head_dim=128)
+    scale = 128 ** -0.5
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[torch.bfloat16]
+    q, kc, vc, meta = make_step([300, 1, 77, 1000], [300, 517, 600, 1999], 32, 8, 16, torch.bfloat16,
+                                device="cuda", head_dim=128)
+    out = paged_attention_triton(q, kc, vc, meta, scale)
+    assert max_err(out, q, kc, vc, meta, scale) < ATOL[torch.bfloat16]
+    q, kc, vc, meta = make_step([1, 40], [50, 40], 8, 2, 16, torch.float32, device="cuda")
+    out = paged_attention_triton(q, kc, vc, meta, 0.125)
+    assert max_err(out, q, kc, vc, meta, 0.125) < 1e-4
