@@ -19,7 +19,9 @@ import torch
 from engine.attention import AttentionMetadata
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Tile sizes. NOTE: tl.dot needs every dimension >= 16 on the GPU, so rows (query heads, tokens) pad to 16.
+# Tile sizes. NOTE: tl.dot needs every dimension >= 16 on the GPU, so rows (query heads, tokens) pad to 16. Launched
+# with 4 warps and 2 pipeline stages: the fp32 prefill tile then needs ~115 KB of shared memory at head_dim 128 (fits
+# A100 and H100; bf16 ~33 KB). Untuned: no GPU was available when these were chosen.
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -160,6 +162,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), BF16_WORKAROUND=_bf16_workaround(q.dtype),
+        num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         kernels.paged_decode_reduce_kernel[(batch, num_heads)](
@@ -207,6 +210,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), BF16_WORKAROUND=_bf16_workaround(q.dtype),
+        num_warps=4, num_stages=2,
     )
     return out
 

@@ -219,3 +219,54 @@ def test_llama_shape_bf16_on_cuda(num_splits: int | None) -> None:
     q, kc, vc, meta = make_step([1, 40], [50, 40], 8, 2, 16, torch.float32, device="cuda")
     out = paged_attention_triton(q, kc, vc, meta, 0.125)
     assert max_err(out, q, kc, vc, meta, 0.125) < 1e-4
+
+
+# Compiles every kernel for sm_90 in a fresh process (no TRITON_INTERPRET): the interpreter does not check types,
+# loop-carried values, tl.dot shapes or shared memory, the compiler does, and triton ships ptxas, so no GPU is needed.
+_COMPILE_SCRIPT = """
+import inspect, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine import triton_attention_kernels as K
+
+def compile_kernel(fn, types, constexprs):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+    if compiled.metadata.shared > 227 * 1024:
+        sys.exit(f"{fn.fn.__name__}: {compiled.metadata.shared} bytes of shared memory")
+
+for dt in ("bf16", "fp32"):
+    ptrs = {p: "*" + dt for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    ptrs.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", part_acc_ptr="*fp32",
+                part_m_ptr="*fp32", part_l_ptr="*fp32", scale_log2e="fp32")
+    common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                  BF16_WORKAROUND=False)
+    for splits in (1, 4):
+        compile_kernel(K.paged_decode_kernel, ptrs, dict(common, GROUP=4, BLOCK_H=16, NUM_SPLITS=splits))
+    compile_kernel(K.paged_decode_reduce_kernel, ptrs, dict(HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128))
+    # num_requests == 1 is specialized to a constexpr at launch: the binary search must still compile.
+    for extra in ({}, {"num_requests": 1}):
+        compile_kernel(K.paged_prefill_kernel, ptrs, dict(common, GROUP=3, BLOCK_M=64, BLOCK_Q=21, **extra))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    import subprocess
+    from pathlib import Path
+
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this triton has no backends registry")
+    if "nvidia" not in backends:
+        pytest.skip("triton was built without the NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
