@@ -44,6 +44,8 @@ class _Reporter:
                                 TextColumn("{task.fields[rate]}"), console=err, transient=False)
             self.bar.start()
             self.task = self.bar.add_task("rows", total=total_rows, rate="")
+        else:
+            print(json.dumps({"event": "start", "rows_total": total_rows}), file=sys.stderr, flush=True)
 
     def update(self, rows: int, tokens: int) -> None:
         self.rows += rows

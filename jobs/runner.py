@@ -212,12 +212,12 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
 
 def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]) -> JobSummary:
     """Stamp the wall time; when every shard is committed, commit OUTPUT/_SUCCESS (the job manifest: its shards and
-    totals). Readers trust a job's output only once _SUCCESS exists."""
+    totals; paths relative to OUTPUT). Readers trust a job's output only once _SUCCESS exists."""
     summary.wall_s = time.perf_counter() - t0
     if not summary.failed:
         fs, root = output_fs(output_url)
         commit_json(fs, f"{root}/{SUCCESS_NAME}", {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
-                        "results": results_path(root, s.shard_id)} for s in shards],
+                        "results": results_path(".", s.shard_id)[2:]} for s in shards],
             "summary": summary.as_dict()})
     return summary

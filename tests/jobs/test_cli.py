@@ -59,6 +59,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert [s["shard_id"] for s in manifest["shards"]] == sorted(acc.column("shard_id").to_pylist())
     assert manifest["summary"]["rows_ok"] == 20
+    assert all((out / s["results"]).is_file() for s in manifest["shards"])
 
     # A rerun into the same OUTPUT finds every shard committed and rewrites nothing.
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*.parquet")}

@@ -30,7 +30,8 @@ def test_reporter_writes_json_lines_when_not_a_terminal(capsys: pytest.CaptureFi
     rep.update(4, 32)  # within 5 s: held back
     rep.update(8, 64)  # reaches the total: printed
     rep.stop()  # nothing new since: no duplicate
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    start, *lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert start == {"event": "start", "rows_total": 20}
     assert [(x["rows_done"], x["output_tokens"]) for x in lines] == [(8, 64), (20, 160)]
     assert all(x["event"] == "progress" and x["rows_total"] == 20 for x in lines)
 
