@@ -11,6 +11,7 @@ from typing import Any
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine import LLMEngine, RequestOutput
@@ -155,7 +156,9 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     """Run one shard end to end and commit its results and accounting under `output_url`.
 
     Idempotent: when the shard's results are already committed, nothing runs and the committed accounting is
-    returned. Returns the accounting row (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
+    returned; when only the results are (a crash between the two commits), the rows run again and this attempt's
+    wall time is billed against the committed results, which are never overwritten. Returns the accounting row
+    (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
     Raises ShardError when the shard's input cannot be read.
     """
     fs, root = output_fs(output_url)
@@ -167,14 +170,19 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     t0 = time.perf_counter()
     outputs = generate_rows(engine, rows, cfg, progress)
     wall_s = time.perf_counter() - t0
-    commit_table(fs, done, results_table(outputs, engine.model_name))
-    out_tokens = sum(o.num_output_tokens for o in outputs)
+    results = results_table(outputs, engine.model_name)
+    if not commit_table(fs, done, results):
+        # An earlier attempt committed results but died before its accounting: bill this attempt's time against
+        # what is committed, so the accounting always describes the results readers see.
+        results = read_table(fs, done)
+    rows_n = results.num_rows
+    out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
     cost = wall_s / 3600.0 * cfg.price_per_hour_usd
-    errors = sum(o.error is not None for o in outputs)
+    errors = rows_n - results.column("error").null_count
     row = {
         "shard_id": shard.shard_id, "attempt": attempt, "input_path": shard.url, "row_start": shard.row_start,
-        "row_end": shard.row_start + len(outputs), "rows": len(outputs), "rows_ok": len(outputs) - errors,
-        "rows_error": errors, "input_tokens": sum(o.num_prompt_tokens for o in outputs), "output_tokens": out_tokens,
+        "row_end": shard.row_start + rows_n, "rows": rows_n, "rows_ok": rows_n - errors, "rows_error": errors,
+        "input_tokens": int(pc.sum(results.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
         "wall_s": wall_s, "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
         "device": engine.device_name, "price_per_hour_usd": cfg.price_per_hour_usd, "cost_usd": cost,
         "tokens_per_dollar": out_tokens / cost if cost > 0 else None, "model": engine.model_name,

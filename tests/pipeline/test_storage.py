@@ -121,3 +121,22 @@ def test_transient_errors_are_retried_and_final_ones_are_not(monkeypatch: pytest
     assert down.calls == 5
     assert is_transient(TimeoutError()) and is_transient(ConnectionResetError())
     assert not is_transient(FileExistsError()) and not is_transient(FileNotFoundError())
+
+
+def test_results_committed_without_accounting_are_billed_as_committed(engine: LLMEngine, tmp_path: Path,
+                                                                      data_dir: Path) -> None:
+    path = tmp_path / "in.parquet"
+    pq.write_table(_table(data_dir, 3), path)
+    fs, files = resolve_inputs(str(path))
+    cfg = RunConfig(prompt_column="question", max_tokens=3)
+    (shard,) = plan_shards(fs, files, cfg)
+    out = str(tmp_path / "out")
+    first = run_shard(engine, shard, "question", out, cfg)
+    results_file = Path(results_path(out, shard.shard_id))
+    before = (results_file.stat().st_mtime_ns, pq.read_table(results_file))
+    # A crash between the two commits: the results are there, the accounting is not.
+    Path(accounting_path(out, shard.shard_id, 1)).unlink()
+    again = run_shard(engine, shard, "question", out, RunConfig(prompt_column="question", max_tokens=5), attempt=2)
+    assert (results_file.stat().st_mtime_ns, pq.read_table(results_file)) == before  # never overwritten
+    assert again["attempt"] == 2 and again["rows"] == 3
+    assert again["output_tokens"] == first["output_tokens"] == 9  # what is committed, not what attempt 2 made
