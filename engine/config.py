@@ -72,6 +72,10 @@ class EngineConfig:
         seed: seed of the engine's generator for requests without their own seed.
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (a shared system prompt, the chat
             template) across requests instead of recomputing them.
+        quantization: how weights are held (engine.quant.loading): "none" = all dequantized to `dtype` (the
+            reference path); "auto" = weights stored as INT4 stay INT4 (GGUF Q4_0/Q4_1 natively, INT4 folders);
+            "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise).
+        int4_group_size: input features per scale/zero group when quantizing on load (32, 64, 128 or 256).
 
     Raises:
         ValueError: when a value is out of range.
@@ -88,6 +92,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    quantization: str = "none"
+    int4_group_size: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -106,3 +112,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
+        if self.quantization not in ("none", "auto", "int4"):
+            raise ValueError(f"quantization must be none, auto or int4, got {self.quantization!r}")
+        if self.int4_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")

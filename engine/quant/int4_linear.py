@@ -1,0 +1,164 @@
+"""Thin INT4 modules (layer 3 of 3, after gpt-fast's WeightOnlyInt4Linear): the weight is packed to the device
+layout once, at construction, and each forward picks a kernel by the number of rows M.
+
+Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self, int innerKTiles)` and
+`_weight_int4pack_mm[_for_cpu](Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros)`):
+- CUDA, M < dequant_min_rows: tinygemm `_weight_int4pack_mm`. Takes bf16 activations only (others are cast in and
+  back out), the weight from `_convert_weight_to_int4pack(uint8 [N, Kp/2], innerKTiles)` (int32
+  [N/8, Kp/(16*innerKTiles), 32, innerKTiles/2]) and scales_and_zeros bf16 [Kp/G, N, 2] ([..., 0] = scale,
+  [..., 1] = zero), group size 32/64/128/256.
+- CUDA, M >= dequant_min_rows: dequantize the portable copy to bf16 and call the dense GEMM; tinygemm is built for
+  small M and falls far behind tensor-core GEMMs at large M (torchao's hqq README: 4.6x slower than a fused
+  dequant GEMM at M=512 on an A6000). Costs a second copy (0.5 byte per weight); dequant_min_rows=None drops it.
+- CPU, bf16 activations: `_weight_int4pack_mm_for_cpu`, whose pack op takes int32 [N, Kp] (not uint8) and whose
+  scales_and_zeros must have the activations' dtype. Measured here (torch 2.13, 2 cores): N=1536, K=576, M=8:
+  0.05 ms vs 0.18 ms for an fp32 GEMM.
+- CPU, fp32/fp16 activations: dequantize-then-GEMM in that dtype. The fp32 variant of the CPU op is a slow path
+  (measured 100x slower than its bf16 twin: 379 ms vs 3 ms at M=512, N=1536, K=576) and bf16 activations would
+  cost the fp32 path its precision, so fp32 stays exact: w = (q - 8) * s + z in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.qparams import Int4Weight, unpack_uint4
+
+# Provisional crossover for CUDA (rows M at and above which dequantize-then-GEMM beats tinygemm); measure it with
+# `python bench/int4.py --device cuda --kernels` and update.
+CUDA_DEQUANT_MIN_ROWS = 64
+
+
+def _inner_k_tiles(kp: int) -> int:
+    """Largest innerKTiles (8, 4, 2) with Kp a multiple of 16 * innerKTiles (Kp is a multiple of 32)."""
+    return next(t for t in (8, 4, 2) if kp % (16 * t) == 0)
+
+
+def scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """tinygemm's qScaleAndZeros: `dtype` [Kp / G, N, 2] with [..., 0] = scale and [..., 1] = zero (gpt-fast)."""
+    return torch.stack((weight.scales, weight.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+class _Dequantizer:
+    """Portable weight kept for dequantize-then-GEMM: uint8 [N, Kp/2] plus scale and min = zero - 8 * scale per
+    group ([N, Kp/G], in the compute dtype), so w = q * scale + min is one fused multiply-add."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device) -> None:
+        self.qweight = weight.qweight.to(device)
+        self.scales = weight.scales.to(device, torch.float32)
+        self.mins = (weight.zeros.to(device, torch.float32) - 8 * self.scales).to(dtype)
+        self.scales = self.scales.to(dtype)
+        self.group_size = weight.group_size
+
+    def rows(self, index: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `index` (all rows when None): dtype [R, Kp]."""
+        q, s, m = self.qweight, self.scales, self.mins
+        if index is not None:
+            q, s, m = q[index], s[index], m[index]
+        r = q.shape[0]
+        w = unpack_uint4(q).view(r, -1, self.group_size).to(dtype)
+        return torch.addcmul(m[..., None].to(dtype), w, s[..., None].to(dtype)).view(r, -1)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T with W stored as INT4 (W4A16, group-wise, no bias).
+
+    Args:
+        weight: the portable INT4 weight (engine.quant.qparams.Int4Weight), N = out_features, K = in_features.
+        dtype: the activations' dtype (fp32, bf16 or fp16); output has the input's dtype.
+        device: where the packed weight lives.
+        dequant_min_rows: on CUDA, rows M at and above which to dequantize and use the dense GEMM; None = always
+            tinygemm (and no second copy). Ignored on CPU (see the module docstring). "auto" = CUDA_DEQUANT_MIN_ROWS.
+    forward: x [..., K] -> [..., N]. Raises ValueError on construction for a device other than cpu/cuda.
+    """
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str,
+                 dequant_min_rows: int | None | str = "auto") -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.padded_in_features, self.group_size = weight.padded_in_features, weight.group_size
+        self.packed: torch.Tensor | None = None
+        self.scales_and_zeros: torch.Tensor | None = None
+        self.dequantizer: _Dequantizer | None = None
+        self.dequant_min_rows: int | None = 0
+        if device.type == "cpu":
+            if dtype == torch.bfloat16:
+                q = unpack_uint4(weight.qweight).to(torch.int32)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+                self.scales_and_zeros = scales_and_zeros(weight, torch.bfloat16)
+                self.dequant_min_rows = None
+            else:
+                self.dequantizer = _Dequantizer(weight, dtype, device)
+        elif device.type == "cuda":
+            rows = CUDA_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
+            if weight.out_features % 8:  # tinygemm tiles N by 8
+                rows = 0
+            if rows != 0:
+                qw = weight.qweight.to(device).contiguous()
+                self.packed = torch.ops.aten._convert_weight_to_int4pack(qw, _inner_k_tiles(self.padded_in_features))
+                self.scales_and_zeros = scales_and_zeros(weight.to(device), torch.bfloat16)
+            if rows is not None:
+                self.dequantizer = _Dequantizer(weight, dtype, device)
+            self.dequant_min_rows = rows
+        else:
+            raise ValueError(f"Int4Linear runs on cpu or cuda, not {device.type}; load the model with device=cpu")
+
+    def kernel_for(self, m: int) -> str:
+        """"tinygemm" or "dequant": the kernel a forward with `m` rows will use."""
+        if self.dequantizer is not None and (self.packed is None or (self.dequant_min_rows is not None
+                                                                     and m >= self.dequant_min_rows)):
+            return "dequant"
+        return "tinygemm"
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as dtype [N, Kp] (padding columns included) from the portable copy; for tinygemm-only
+        layers, recovered by multiplying the identity through the kernel. For tests and debugging."""
+        if self.dequantizer is not None:
+            return self.dequantizer.rows(None, dtype)
+        eye = torch.eye(self.padded_in_features, dtype=torch.bfloat16, device=self.packed.device)
+        return self._tinygemm(eye).t().to(dtype)
+
+    def _tinygemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.padded_in_features != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
+        if self.kernel_for(x2.shape[0]) == "dequant":
+            y = F.linear(x2, self.dequantizer.rows(None, x.dtype))
+        else:
+            y = self._tinygemm(x2.to(torch.bfloat16)).to(x.dtype)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        k = "tinygemm" if self.packed is not None else "dequant"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"kernel={k}, dequant_min_rows={self.dequant_min_rows}")
+
+
+class Int4Embedding(nn.Module):
+    """Token embedding stored as INT4: forward gathers the packed rows of `input_ids` and dequantizes them.
+
+    weight: Int4Weight [vocab, hidden]; forward: int64 [T] -> dtype [T, hidden]. Used when the embedding is tied to
+    the LM head, so the one INT4 tensor on disk serves both (the LM head gets its own Int4Linear).
+    """
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.dtype = dtype
+        self.dequantizer = _Dequantizer(weight, torch.float32, torch.device(device))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantizer.rows(input_ids.reshape(-1), torch.float32)[:, :self.embedding_dim].to(
+            self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.dequantizer.group_size}"

@@ -1,0 +1,149 @@
+"""Load any model file tokenmill reads (GGUF file or tokenmill folder) with the asked-for quantization, and write
+quantized folders (what `tokenmill quantize` runs).
+
+quantization modes (EngineConfig.quantization):
+    "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
+    "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
+            saved; everything else in the compute dtype.
+    "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.loader import hf_tensor_name, read_gguf_config, resolve_model_path, unpermute_rope_rows
+from engine.model import LlamaModel
+from engine.quant.folder import is_model_folder, read_folder, save_folder
+from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
+from engine.quant.handler import (
+    Int4QuantHandler,
+    QuantizedState,
+    build_model,
+    dequantize_state_dict,
+    is_linear_weight,
+)
+from engine.quant.qparams import Int4Weight
+from engine.tokenizer import Tokenizer
+
+QUANTIZATION_MODES = ("none", "auto", "int4")
+
+
+@dataclass
+class LoadedModel:
+    """A filled model with its shape, tokenizer and the count of INT4 modules (0 = plain)."""
+
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    num_int4_modules: int
+
+
+def _unpermute(name: str, w: Any, cfg: ModelConfig) -> Any:
+    if name.endswith("q_proj.weight") or name.endswith("q_proj"):
+        return unpermute_rope_rows(w, cfg.num_heads)
+    if name.endswith("k_proj.weight") or name.endswith("k_proj"):
+        return unpermute_rope_rows(w, cfg.num_kv_heads)
+    return w
+
+
+def iter_gguf_state(reader: Any, cfg: ModelConfig,
+                    native_int4: bool) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """(name, value) per model tensor of a GGUF file: Q4_0/Q4_1 projection weights as Int4Weight under their module
+    name when `native_int4` (rows un-permuted for Q/K, packed rows and scales alike), else fp32 tensors by HF name."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            continue
+        if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
+            shape = (int(t.shape[1]), int(t.shape[0]))  # ggml lists the fastest dimension first
+            w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
+            yield name.removesuffix(".weight"), w.map_rows(lambda x, n=name: _unpermute(n, x, cfg))
+        else:
+            w = dequantize(t.data, t.tensor_type)
+            yield name, torch.from_numpy(np.array(_unpermute(name, w, cfg), dtype=np.float32, copy=True))
+
+
+def _hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def read_state(path: str, quantization: str, group_size: int) -> tuple[ModelConfig, QuantizedState]:
+    """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file or model folder, per the modes
+    in the module docstring. Raises ValueError for an unknown mode or unsupported file."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if os.path.isdir(path):
+        cfg, state, _ = read_folder(path)
+    else:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        cfg = read_gguf_config(reader)
+        state = dict(iter_gguf_state(reader, cfg, native_int4=quantization != "none"))
+    if quantization == "none":
+        return cfg, dequantize_state_dict(state, torch.float32)
+    if quantization == "int4":
+        state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
+    return cfg, state
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
+               group_size: int = 128, max_positions: int | None = None,
+               dequant_min_rows: int | None | str = "auto") -> LoadedModel:
+    """Load a GGUF file / URL, a tokenmill folder, or None (the default SmolLM2 model) onto `device`.
+
+    dtype: compute dtype of activations and plain weights. Raises FileNotFoundError (no such model) and ValueError
+    (bad mode, unsupported architecture, broken file).
+    """
+    path = resolve_model_path(model)
+    if os.path.isdir(path) and not is_model_folder(path):
+        raise ValueError(f"{path} is a folder but not a tokenmill model folder; pass a GGUF file or a folder "
+                         "written by `tokenmill quantize`")
+    cfg, state = read_state(path, quantization, group_size)
+    n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
+    llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
+    return LoadedModel(cfg, llama, Tokenizer(_hf_tokenizer(path)), n_int4)
+
+
+def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_size: int = 128,
+                       include_embedding: bool = True) -> dict[str, Any]:
+    """Write `model` (GGUF file or folder) as a tokenmill folder: INT4 (bits=4, group-wise at group_size, the
+    embedding too unless include_embedding=False) or plain bf16 (bits=16). Weights are quantized one at a time from
+    fp32, so peak memory is about one fp32 tensor plus the output. Returns the folder's JSON config.
+    Raises ValueError for bits other than 4 or 16 or a bad group size."""
+    if bits not in (4, 16):
+        raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
+    path = resolve_model_path(model)
+    handler = Int4QuantHandler(group_size, include_embedding) if bits == 4 else None
+    if os.path.isdir(path):
+        cfg, stored, _ = read_folder(path)
+        items: Iterator[tuple[str, Any]] = iter(dequantize_state_dict(stored, torch.float32).items())
+    else:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        cfg = read_gguf_config(reader)
+        items = iter_gguf_state(reader, cfg, native_int4=False)
+    state: QuantizedState = {}
+    for name, w in items:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        state.update(handler.quantize_state_dict({name: w}) if handler else {name: w.to(torch.bfloat16)})
+    return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=bits,
+                       group_size=group_size if bits == 4 else None, source=os.path.basename(path))

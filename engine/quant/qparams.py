@@ -1,0 +1,133 @@
+"""INT4 group-wise quantization parameters and the portable packed format (layer 1 of 3, after gpt-fast).
+
+Convention (tinygemm, the kernel behind `torch.ops.aten._weight_int4pack_mm`): a weight row is cut into groups of
+`group_size` consecutive input features; each group has a scale s and a zero z, and element q in 0..15 stands for
+
+    w = (q - 8) * s + z
+
+Asymmetric min-max quantization gives s = (max - min) / 15 and z = min + 8 * s. GGUF Q4_1 (w = d * q + m) is the
+same grid with s = d, z = m + 8d; Q4_0 (w = d * (q - 8)) has s = d, z = 0. Sources: gpt-fast quantize.py
+(`get_group_qparams`, `group_quantize_tensor`), torchao's TensorCoreTiledLayout, ggml docs (ggml-quants.c).
+
+Portable format (what is saved to disk; device layouts are built from it at load time by engine.quant.int4_linear):
+    qweight: uint8 [N, Kp / 2], byte j of a row holds element 2j in its high nibble and 2j + 1 in its low nibble
+             (the order `_convert_weight_to_int4pack` takes since torch 2.5);
+    scales, zeros: [N, Kp / group_size], bf16 on disk;
+    Kp = K rounded up to a multiple of group_size; the padding columns quantize zeros and meet zero activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+def padded_in_features(in_features: int, group_size: int) -> int:
+    """K rounded up to a multiple of `group_size` (tinygemm needs whole groups; Kp is then a multiple of 32, which
+    the CUDA pack op needs too). Raises ValueError for a group size tinygemm does not support."""
+    check_group_size(group_size)
+    return -(-in_features // group_size) * group_size
+
+
+def check_group_size(group_size: int) -> None:
+    """Raise ValueError unless `group_size` is one tinygemm supports (32, 64, 128, 256)."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def pack_uint4(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit values: q int [N, K] in 0..15 (K even) -> uint8 [N, K / 2], element 2j in the high nibble.
+
+    Raises ValueError when K is odd."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_uint4 needs an even number of columns, got {q.shape[-1]}; pad K first")
+    q = q.to(torch.uint8)
+    return (q[..., ::2] << 4) | q[..., 1::2]
+
+
+def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_uint4`: uint8 [N, K / 2] -> uint8 [N, K] in 0..15."""
+    return torch.stack((packed >> 4, packed & 15), dim=-1).flatten(-2)
+
+
+@dataclass
+class Int4Weight:
+    """One linear (or embedding) weight in the portable INT4 format (see the module docstring).
+
+    Attributes:
+        qweight: uint8 [N, Kp / 2].
+        scales, zeros: float [N, Kp / group_size] (bf16 on disk; fp32 when loaded from GGUF, so Q4 stays exact).
+        in_features: K, the unpadded input width (Kp - K padding columns are ignored).
+        group_size: input features per (scale, zero) group.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    in_features: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        kp = padded_in_features(self.in_features, self.group_size)
+        n = self.qweight.shape[0]
+        if self.qweight.dtype != torch.uint8 or tuple(self.qweight.shape) != (n, kp // 2):
+            raise ValueError(f"qweight must be uint8 [{n}, {kp // 2}] for in_features {self.in_features} and group "
+                             f"size {self.group_size}; got {self.qweight.dtype} {tuple(self.qweight.shape)}")
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (n, kp // self.group_size):
+                raise ValueError(f"{name} must be [{n}, {kp // self.group_size}], got {tuple(t.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    def to(self, device: torch.device | str | None = None, scale_dtype: torch.dtype | None = None) -> Int4Weight:
+        """A copy on `device` with scales and zeros in `scale_dtype` (None keeps them)."""
+        dt = scale_dtype or self.scales.dtype
+        return Int4Weight(self.qweight.to(device), self.scales.to(device, dt), self.zeros.to(device, dt),
+                          self.in_features, self.group_size)
+
+    def map_rows(self, fn: object) -> Int4Weight:
+        """Apply a row permutation `fn(tensor) -> tensor` (e.g. loader.unpermute_rope_rows) to every part."""
+        return Int4Weight(fn(self.qweight), fn(self.scales), fn(self.zeros), self.in_features,  # type: ignore[operator]
+                          self.group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as `dtype` [N, K]: (q - 8) * scale + zero, computed in fp32 (padding columns dropped)."""
+        n, g = self.out_features, self.group_size
+        q = unpack_uint4(self.qweight).view(n, -1, g).float()
+        w = (q - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
+        return w.view(n, -1)[:, :self.in_features].to(dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of the packed weight, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+    """Asymmetric min-max group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`).
+
+    Scales and zeros are rounded to `scale_dtype` first and q is computed against the rounded values, so the stored
+    (q, scale, zero) triple is the best for what the kernel will actually read. Groups of equal values get
+    scale 1e-6 / 15 (gpt-fast's clamp) instead of dividing by zero. Raises ValueError for a bad group size or a
+    weight that is not 2-D.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_int4 takes a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    kp = padded_in_features(k, group_size)
+    wf = torch.nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
+    lo, hi = wf.amin(-1), wf.amax(-1)
+    scales = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype)
+    zeros = (lo + 8 * scales.float()).to(scale_dtype)
+    lo_rounded = zeros.float() - 8 * scales.float()
+    q = ((wf - lo_rounded[..., None]) / scales.float()[..., None]).round_().clamp_(0, 15)
+    return Int4Weight(pack_uint4(q.view(n, kp)), scales, zeros, k, group_size)
