@@ -112,21 +112,55 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
 
-def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
-    """Asymmetric min-max group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`).
+def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (scale, min) minimizing the squared error, as llama.cpp's make_qkx2_quants: for each candidate
+    inverse scale (15 + delta) / (max - min), delta in [-1, 1], round to q, then fit scale and min to q by least
+    squares; keep the best. wf: fp32 [N, G, g]; returns fp32 [N, G] twice."""
+    best_s, best_m = (hi - lo).clamp(min=1e-6) / 15, lo.clone()
+    best_err = ((wf - ((wf - lo[..., None]) / best_s[..., None]).round().clamp(0, 15) * best_s[..., None]
+                 - lo[..., None]) ** 2).sum(-1)
+    g = wf.shape[-1]
+    sum_w = wf.sum(-1)
+    for delta in torch.linspace(-1.0, 1.0, steps).tolist():
+        inv = (15 + delta) / (hi - lo).clamp(min=1e-6)
+        q = ((wf - lo[..., None]) * inv[..., None]).round_().clamp_(0, 15)
+        sum_q, sum_q2, sum_qw = q.sum(-1), (q * q).sum(-1), (q * wf).sum(-1)
+        det = g * sum_q2 - sum_q * sum_q
+        ok = det > 0
+        s = torch.where(ok, (g * sum_qw - sum_q * sum_w) / det.clamp(min=1e-12), best_s).clamp(min=1e-8)
+        m = torch.where(ok, (sum_w - s * sum_q) / g, best_m)
+        q = ((wf - m[..., None]) / s[..., None]).round_().clamp_(0, 15)
+        err = ((wf - q * s[..., None] - m[..., None]) ** 2).sum(-1)
+        better = err < best_err
+        best_s, best_m, best_err = (torch.where(better, s, best_s), torch.where(better, m, best_m),
+                                    torch.where(better, err, best_err))
+    return best_s, best_m
 
-    Scales and zeros are rounded to `scale_dtype` first and q is computed against the rounded values, so the stored
-    (q, scale, zero) triple is the best for what the kernel will actually read. Groups of equal values get
-    scale 1e-6 / 15 (gpt-fast's clamp) instead of dividing by zero. Raises ValueError for a bad group size or a
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16,
+                  method: str = "mse", mse_steps: int = 11) -> Int4Weight:
+    """Asymmetric group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`).
+
+    method: "minmax" = scale (max - min) / 15 and min as in gpt-fast; "mse" (default) = the squared-error fit of
+    `_mse_fit` (llama.cpp make_qkx2_quants), which measured 1.6x lower perplexity damage at group 128 on SmolLM2
+    (bench/README.md). Scales and zeros are rounded to `scale_dtype` first and q is computed against the rounded
+    values, so the stored (q, scale, zero) triple is the best for what the kernel will actually read. Groups of
+    equal values get scale 1e-6 / 15 (gpt-fast's clamp). Raises ValueError for a bad group size or method, or a
     weight that is not 2-D.
     """
     if w.dim() != 2:
         raise ValueError(f"quantize_int4 takes a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if method not in ("minmax", "mse"):
+        raise ValueError(f"method must be 'minmax' or 'mse', got {method!r}")
     n, k = w.shape
     kp = padded_in_features(k, group_size)
     wf = torch.nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
     lo, hi = wf.amin(-1), wf.amax(-1)
-    scales = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype)
+    if method == "mse":
+        s, lo = _mse_fit(wf, lo, hi, mse_steps)
+        scales = s.to(scale_dtype)
+    else:
+        scales = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype)
     zeros = (lo + 8 * scales.float()).to(scale_dtype)
     lo_rounded = zeros.float() - 8 * scales.float()
     q = ((wf - lo_rounded[..., None]) / scales.float()[..., None]).round_().clamp_(0, 15)
