@@ -1,0 +1,50 @@
+"""Perplexity: the core function's contract and the `tokenmill perplexity` / `quantize` commands."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from jobs.model_commands import register
+
+
+@pytest.fixture(scope="module")
+def app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+def test_perplexity_json_line(app: typer.Typer, data_dir) -> None:  # noqa: ANN001
+    r = CliRunner().invoke(app, ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column",
+                                 "reference_output", "--limit", "5", "--max-tokens", "300", "--json",
+                                 "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    line = json.loads(r.output.strip().splitlines()[-1])
+    assert set(line) == {"perplexity", "tokens"} and line["tokens"] == 299
+    assert 1.0 < line["perplexity"] < 50.0 and math.isfinite(line["perplexity"])
+
+
+def test_bad_column_and_bits_exit_2(app: typer.Typer, data_dir, tmp_path) -> None:  # noqa: ANN001
+    r = CliRunner().invoke(app, ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column", "nope"])
+    assert r.exit_code == 2 and "no column 'nope'" in r.output
+    r = CliRunner().invoke(app, ["quantize", "--output", str(tmp_path / "x"), "--bits", "8"])
+    assert r.exit_code == 2 and "bits must be 4" in r.output
+
+
+def test_perplexity_rejects_short_input() -> None:
+    import torch
+
+    from engine.perplexity import perplexity
+    from engine.presets import preset_config, random_model
+
+    model = random_model(preset_config("tiny"), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(model, [5])
+    with pytest.raises(ValueError, match="context must be"):
+        perplexity(model, [5, 6, 7], context=1)
+    assert perplexity(model, list(range(100, 140)), context=16).tokens == 39 - 2  # 3 chunks: 15 + 15 + 7
