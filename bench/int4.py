@@ -1,0 +1,158 @@
+"""INT4 benchmark.
+
+CPU (default): perplexity of the default SmolLM2-135M-Instruct Q4_1 model on AlpacaEval reference answers, fp32
+reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections only and with the embedding),
+and the sizes of the bf16 and INT4 model folders.
+    python bench/int4.py --tokens 20000
+CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
+kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch 1/8/32, KV room.
+    python bench/int4.py --device cuda
+Prints one JSON line per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_eval.parquet"
+
+
+def _emit(**row: object) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def cpu(tokens: int, context: int) -> None:
+    import pyarrow.parquet as pq
+
+    from engine.loader import default_model_path
+    from engine.perplexity import perplexity, text_token_ids
+    from engine.quant.folder import folder_bytes
+    from engine.quant.handler import quantize_model
+    from engine.quant.loading import load_model, quantize_to_folder
+
+    path = default_model_path()
+    cpu_dev = torch.device("cpu")
+    ref = load_model(path, torch.float32, cpu_dev, quantization="none")
+    texts = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()
+    ids = text_token_ids(ref.tokenizer, texts, tokens)
+    t0 = time.perf_counter()
+    base = perplexity(ref.model, ids, context)
+    _emit(variant="fp32 (dequantized Q4_1)", perplexity=base.perplexity, tokens=base.tokens,
+          seconds=round(time.perf_counter() - t0, 1))
+    del ref
+    native = load_model(path, torch.float32, cpu_dev, quantization="auto")
+    r = perplexity(native.model, ids, context)
+    _emit(variant="int4 native Q4_1 g32 (quantization=auto)", perplexity=r.perplexity, tokens=r.tokens,
+          rel=r.perplexity / base.perplexity - 1)
+    del native
+    for g in (32, 64, 128):
+        for emb in (False, True):
+            m = load_model(path, torch.float32, cpu_dev, quantization="none")
+            quantize_model(m.model, g, include_embedding=emb)
+            r = perplexity(m.model, ids, context)
+            _emit(variant=f"int4 g{g} mse, projections{' + embedding/lm_head' if emb else ''}",
+                  perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base.perplexity - 1)
+            del m
+    with tempfile.TemporaryDirectory() as tmp:
+        quantize_to_folder(path, f"{tmp}/bf16", bits=16)
+        bf16 = folder_bytes(f"{tmp}/bf16")
+        _emit(folder="bf16", bytes=bf16)
+        for g in (32, 64, 128):
+            for emb in (True, False):
+                out = f"{tmp}/g{g}{'e' if emb else ''}"
+                quantize_to_folder(path, out, bits=4, group_size=g, include_embedding=emb)
+                _emit(folder=f"int4 g{g}{' (embedding bf16)' if not emb else ''}", bytes=folder_bytes(out),
+                      ratio=folder_bytes(out) / bf16)
+
+
+def _time_us(fn: object, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()  # type: ignore[operator]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()  # type: ignore[operator]
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / reps * 1e6, 1)
+
+
+def _kernel_sweep(dev: torch.device) -> None:
+    """One Llama-3.1-8B MLP shape (N=14336, K=4096, g128): bf16 GEMM vs tinygemm vs dequantize-then-GEMM by M,
+    to set engine.quant.int4_linear.CUDA_DEQUANT_MIN_ROWS."""
+    from engine.quant.int4_linear import Int4Linear
+    from engine.quant.qparams import quantize_int4
+
+    w = torch.randn(14336, 4096, device=dev, dtype=torch.bfloat16) * 0.02
+    q = quantize_int4(w, 128)
+    lin_t = Int4Linear(q, torch.bfloat16, dev, dequant_min_rows=None)
+    lin_d = Int4Linear(q, torch.bfloat16, dev, dequant_min_rows=0)
+    for m in (1, 8, 16, 32, 64, 128, 256, 512, 2048):
+        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+        _emit(kernel_sweep_M=m, bf16_us=_time_us(lambda x=x: x @ w.t()), tinygemm_us=_time_us(lambda x=x: lin_t(x)),
+              dequant_us=_time_us(lambda x=x: lin_d(x)))
+
+
+def cuda(batches: list[int], prompt_len: int, max_tokens: int) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.quant.handler import quantize_model
+
+    dev = torch.device("cuda")
+    _emit(device=torch.cuda.get_device_name(dev), torch=torch.__version__)
+    _kernel_sweep(dev)
+    torch.cuda.empty_cache()
+    for variant in ("bf16", "int4-g128"):
+        # A tiny KV pool first, so quantizing has room; then the real pool, sized from what the weights left.
+        small = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, num_kv_blocks=16)
+        engine = LLMEngine.from_config("llama-3.1-8b", small)
+        if variant != "bf16":
+            quantize_model(engine.runner.model, 128)
+        engine.runner.kv_caches = []
+        torch.cuda.empty_cache()
+        engine = engine.with_config(dataclasses.replace(small, num_kv_blocks=None))
+        weights = torch.cuda.memory_allocated(dev)
+        _emit(variant=variant, kv_blocks=engine.num_kv_blocks, kv_tokens=engine.num_kv_blocks * engine.block_size,
+              max_seqs_at_2048_tokens=engine.num_kv_blocks * engine.block_size // 2048, allocated_bytes=weights)
+        for b in batches:
+            prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(b)]
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = engine.generate(prompts, sp)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            n = sum(len(o.output_token_ids) for o in outs)
+            _emit(variant=variant, batch=b, output_tokens=n, seconds=round(dt, 3), output_tok_s=round(n / dt, 1))
+        del engine
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tokens", type=int, default=20000, help="cpu: tokens of reference answers to score")
+    p.add_argument("--context", type=int, default=1024, help="cpu: perplexity chunk length")
+    p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    a = p.parse_args()
+    if a.device == "cpu":
+        cpu(a.tokens, a.context)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs a CUDA device")
+        cuda([int(b) for b in a.batches.split(",")], a.prompt_len, a.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
