@@ -234,6 +234,7 @@ class LLMEngine:
         request_ids: Sequence[str] | None = None,
         use_chat_template: bool = True,
         on_output: Callable[[RequestOutput], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[RequestOutput]:
         """Generate for all prompts as one continuous batch; outputs come back in the order of `prompts`.
 
@@ -241,8 +242,11 @@ class LLMEngine:
         rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
         A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
         finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
-        soon as it finishes (for progress and checkpoints). Raises ValueError when the lengths of prompts, params
-        and ids differ.
+        soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
+        returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
+        finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
+        caller can commit what finished and leave the rest for a later attempt. Raises ValueError when the lengths
+        of prompts, params and ids differ.
         """
         n = len(prompts)
         if sampling_params is None:
@@ -269,6 +273,12 @@ class LLMEngine:
         requests.sort(key=lambda r: -(r.num_prompt_tokens + r.sampling_params.max_tokens))
         self.scheduler.add_requests(requests)
         while self.scheduler.has_unfinished:
+            if should_stop is not None and should_stop():
+                for req in self.scheduler.abort_all():
+                    outputs[index_of[req.request_id]] = RequestOutput(
+                        req.request_id, req.prompt_token_ids, [], "", "abort",
+                        num_preemptions=req.num_preemptions)
+                break
             for req in self.step():
                 out = self._output(req, start)
                 outputs[index_of[req.request_id]] = out

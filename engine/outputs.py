@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "error", "abort"]
 
 
 @dataclass
@@ -19,7 +19,8 @@ class RequestOutput:
             included too (the text is cut, the token count is what the model computed).
         text: the decoded completion, cut before a matched stop string.
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or the context length) or
-            "error" (the request could not run; `error` says why and how to fix it).
+            "error" (the request could not run; `error` says why and how to fix it) or "abort" (generate was told
+            to stop before the request finished; no output, run it again later).
         error: None when the request ran, else a message naming the problem.
         num_preemptions: how often the request lost its KV blocks and was recomputed.
         ttft_s: seconds from the start of `generate` to the first output token (time to first token).

@@ -112,6 +112,17 @@ class Scheduler:
         # Head of the queue: a preempted request resumes before new ones are admitted.
         self.waiting.appendleft(request)
 
+    def abort_all(self) -> list[Request]:
+        """Drop every waiting and running request (a spot notice: stop now). Frees their blocks, marks them
+        FINISHED with finish_reason "abort", and returns them (running ones first)."""
+        aborted = self.running + list(self.waiting)
+        for req in aborted:
+            self.kv_cache.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+        self.running, self.waiting = [], deque()
+        return aborted
+
     def finish(self, request: Request, reason: str) -> None:
         """Mark `request` finished with `reason` ("stop" | "length") and free its blocks."""
         request.status = RequestStatus.FINISHED

@@ -97,3 +97,25 @@ def test_prefix_caching_reuses_shared_blocks_and_keeps_outputs(engine: LLMEngine
     assert plain.kv_cache.pool.num_cache_hits == 0
     assert [o.output_token_ids for o in with_cache] == [o.output_token_ids for o in without]
     cached.kv_cache.check_integrity()
+
+
+def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: LLMEngine,
+                                                                       gsm8k_questions: list[str]) -> None:
+    # A spot notice mid-batch: what finished is kept, the rest comes back as "abort" with no tokens.
+    prompts = gsm8k_questions[20:28]
+    params = [SamplingParams(max_tokens=4 if i % 2 == 0 else 40) for i in range(len(prompts))]
+    small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+    finished: list[str] = []
+    outs = small.generate(prompts, params, on_output=lambda o: finished.append(o.request_id),
+                          should_stop=lambda: small.num_steps >= 6)
+    by_reason = {r: [o.request_id for o in outs if o.finish_reason == r] for r in ("length", "abort")}
+    assert [o.request_id for o in outs] == [str(i) for i in range(len(prompts))]
+    assert sorted(by_reason["length"]) == sorted(finished) == [str(i) for i in range(0, len(prompts), 2)]
+    assert sorted(by_reason["abort"]) == [str(i) for i in range(1, len(prompts), 2)]
+    assert all(o.num_output_tokens == 0 and o.num_prompt_tokens > 0 for o in outs if o.finish_reason == "abort")
+    assert small.kv_cache.pool.num_free_blocks == small.num_kv_blocks
+    small.kv_cache.check_integrity()
+    # The engine is reusable afterwards: the aborted requests run to the same tokens as an undisturbed run.
+    again = small.generate(prompts[1::2], params[1::2])
+    alone = engine.generate(prompts[1::2], params[1::2])
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in alone]
