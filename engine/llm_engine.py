@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
+from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_gguf_model, resolve_model_path
 from engine.model import LlamaModel
-from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.model_runner import ModelRunner, kv_block_bytes, select_attention
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -75,8 +76,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
-                                  seed=config.seed)
+                                  seed=config.seed, attn_fn=attn_fn,
+                                  cuda_graphs=(device.type == "cuda" and not config.enforce_eager
+                                               and attn_fn is not paged_attention_ref),
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
         self.num_steps = 0
 
@@ -139,6 +144,7 @@ class LLMEngine:
             budget = int(total * self.config.gpu_memory_utilization) - used_elsewhere
             # Keep room for activations and logits of the largest step.
             budget -= self.config.max_num_batched_tokens * self.model_config.vocab_size * 4
+            budget -= per_block  # the scratch block of CUDA graphs' padded rows
         else:
             budget = self.config.kv_cache_memory_bytes
         if budget < per_block:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, paged_attention_ref
 from engine.config import ModelConfig
-from engine.model import LlamaModel
+from engine.cuda_graph import DecodeGraphs
+from engine.model import AttentionFn, LlamaModel
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
@@ -18,27 +19,64 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def select_attention(backend: str, device: torch.device) -> AttentionFn:
+    """The paged attention function for EngineConfig.attention_backend on `device`.
+
+    "auto": the Triton kernels on CUDA when triton imports, else the torch reference; "triton" insists (raises
+    ValueError when triton cannot run here: no CUDA and no TRITON_INTERPRET=1); "torch": the reference.
+    """
+    from engine.triton_attention import paged_attention_triton, triton_available
+
+    if backend == "torch":
+        return paged_attention_ref
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
+                             "CPU); pip install triton, or use attention_backend='torch'")
+        return paged_attention_triton
+    if backend != "auto":
+        raise ValueError(f"attention_backend must be auto, triton or torch, got {backend!r}")
+    return paged_attention_triton if device.type == "cuda" and triton_available() else paged_attention_ref
+
+
 class ModelRunner:
     """Runs one scheduled step through the model and samples.
 
     Args:
         model: the filled decoder.
         cfg: its shape.
-        num_blocks, block_size: KV pool geometry (blocks, tokens per block).
+        num_blocks, block_size: KV pool geometry (blocks, tokens per block) the scheduler hands out. With CUDA
+            graphs one more block is allocated: the scratch block that padded graph rows write to.
         device, dtype: where and in which precision the KV cache lives.
+        seed: seed of the generator for unseeded sampled requests.
+        attn_fn: paged attention (see select_attention); set on the model.
+        cuda_graphs: capture decode steps as CUDA graphs (engine.cuda_graph), one per batch-size bucket up to
+            `max_num_seqs`, on the first decode step; needs a CUDA device and an attention function that reads only
+            device tensors (the Triton kernels). Raises ValueError when asked for without them.
+        max_num_seqs: the largest decode batch (the largest graph bucket).
+        max_model_len: the longest sequence in tokens (sizes the graphs' static block table).
     """
 
     def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, *, attn_fn: AttentionFn | None = None,
+                 cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         self.model = model
+        if attn_fn is not None:
+            model.attn_fn = attn_fn
+        if cuda_graphs and (device.type != "cuda" or model.attn_fn is paged_attention_ref):
+            raise ValueError("CUDA graphs need a CUDA device and the Triton attention backend; set enforce_eager")
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
                                                                                         device=device))
                           for _ in range(cfg.num_layers)]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
+                                       max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -90,7 +128,13 @@ class ModelRunner:
         """Run one step; return (request, sampled token) for each request whose step reached its last token
         (decodes and final prefill chunks). Requests mid-prefill sample nothing."""
         input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        graphs = self.graphs
+        if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
+            if not graphs.graphs:
+                graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [s.request for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens
                     == s.request.num_tokens]
         if not sampling:

@@ -65,6 +65,25 @@ def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype)
     return total, n - 1
 
 
+@torch.inference_mode()
+def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """fp32 [vocab] logits of the token after `token_ids` (n >= 1 tokens), prefilled from an empty private KV cache
+    (no scheduler, no batching): the oracle for "was this a tie?" questions about a generated token.
+    kv_dtype defaults to the model's dtype; device to the model's device."""
+    weight = next(model.parameters())
+    device = device or weight.device
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
+    n = ids.shape[0]
+    cfg = model.config
+    shape = (-(-n // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    kv_dtype = kv_dtype or weight.dtype
+    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+              for _ in range(cfg.num_layers)]
+    hidden = model(ids, torch.arange(n, device=device), caches, _chunk_metadata(n, device))
+    return model.compute_logits(hidden[-1:]).float()[0]
+
+
 def perplexity(model: LlamaModel, token_ids: Sequence[int], context: int = 1024,
                on_chunk: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` on one token stream, scored in chunks of at most `context` tokens (module docstring).

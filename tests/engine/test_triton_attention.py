@@ -270,3 +270,20 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:  # noqa: ANN001
+    # The whole engine (chunked prefill, mixed prefill/decode steps, decode, preemption-free) on the Triton kernels:
+    # a 2-layer random model with the real tokenizer and real prompts keeps the interpreter fast enough.
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompts = gsm8k_questions[40:43]
+    outs = {}
+    for backend in ("torch", "triton"):
+        cfg = EngineConfig(device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=48,
+                           attention_backend=backend, enforce_eager=True)
+        tiny = LLMEngine.from_config("tiny", cfg, tokenizer=engine.tokenizer, seed=3)
+        assert tiny.runner.model.attn_fn.__name__ == f"paged_attention_{'ref' if backend == 'torch' else 'triton'}"
+        outs[backend] = tiny.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(o.num_prompt_tokens > 48 for o in outs["torch"])  # every prompt was prefilled in chunks
+    assert [o.output_token_ids for o in outs["triton"]] == [o.output_token_ids for o in outs["torch"]]
