@@ -27,6 +27,9 @@ class RunConfig:
         rows_per_shard: rows per shard (the unit of scheduling, retry and accounting).
         price_per_hour_usd: price of one device hour, USD.
         limit: only the first `limit` rows of the input (None = all).
+        checkpoint_rows: a running shard commits a checkpoint part every `checkpoint_rows` finished rows, or
+            every `checkpoint_seconds` seconds, whichever comes first (checked as rows finish). A preempted shard
+            loses at most one interval of work; smaller intervals cost more (small) object-store writes.
 
     Raises:
         InputError: when a value is out of range.
@@ -45,6 +48,8 @@ class RunConfig:
     rows_per_shard: int = 1000
     price_per_hour_usd: float = DEFAULT_PRICE_PER_HOUR_USD
     limit: int | None = None
+    checkpoint_rows: int = 64
+    checkpoint_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_column", "messages_column", "id_column"):
@@ -56,6 +61,10 @@ class RunConfig:
             raise InputError(f"price per hour must be >= 0 USD, got {self.price_per_hour_usd}")
         if self.limit is not None and self.limit < 1:
             raise InputError(f"limit must be >= 1 row, got {self.limit}")
+        if self.checkpoint_rows < 1:
+            raise InputError(f"checkpoint_rows must be >= 1 row, got {self.checkpoint_rows}")
+        if not self.checkpoint_seconds > 0:
+            raise InputError(f"checkpoint_seconds must be > 0 seconds, got {self.checkpoint_seconds}")
         try:
             self.sampling_params()
         except ValueError as e:

@@ -1,31 +1,67 @@
-"""Run one shard: read its rows, turn them into requests, generate, commit results and accounting."""
+"""Run one shard: read its rows, generate, checkpoint finished rows as they come, commit results and accounting.
+
+Layout under OUTPUT (every object create-only, never overwritten):
+
+    attempts/<shard_id>/attempt-NNN.json[.end.json]   who ran the shard when, and how each run ended (pipeline.attempts)
+    checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet  finished rows, committed every few rows or seconds, each with a
+    checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.commit   commit marker (pipeline.checkpoint)
+    results/<shard_id>.parquet                        the parts merged: one row per input row, in row order
+    accounting/<shard_id>.attempt-NNN.parquet         the bill, committed last by the attempt that finished the shard
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
 
 from engine import LLMEngine, RequestOutput
+from pipeline.accounting import accounting_row, bill_earlier_attempts
+from pipeline.attempts import claim_attempt, end_attempt, list_attempts
+from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
-from pipeline.storage import commit_table, output_fs, read_table, retry_transient
+from pipeline.preemption import StopSignal, stop_deadline_s
+from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+
+log = logging.getLogger(__name__)
 
 # Called with (rows finished, output tokens of those rows) as rows finish.
 ProgressFn = Callable[[int, int], None]
+# Called with (row index, its output) as each row finishes.
+RowFn = Callable[[int, RequestOutput], None]
 
 
 class ShardError(RuntimeError):
     """The shard's input could not be read (a corrupt or vanished file). Other shards are unaffected."""
+
+
+class ShardInterrupted(RuntimeError):
+    """The shard was told to stop (spot notice, SIGTERM, cancel) and committed its finished rows first.
+
+    Attributes:
+        rows_committed: rows of the shard committed so far, by every attempt (rows).
+        rows_in_flight: rows this attempt had taken on and left uncommitted; the next attempt runs them (rows).
+    Run the shard again (anywhere) to resume: only uncommitted rows are generated.
+    """
+
+    def __init__(self, rows_committed: int, rows_in_flight: int) -> None:
+        super().__init__(rows_committed, rows_in_flight)  # args stay the constructor's: picklable across Dask
+        self.rows_committed, self.rows_in_flight = rows_committed, rows_in_flight
+
+    def __str__(self) -> str:
+        return (f"shard stopped: {self.rows_committed} rows committed, {self.rows_in_flight} left for the next "
+                "attempt; run it again to resume")
 
 
 @dataclass(frozen=True)
@@ -42,8 +78,20 @@ def results_path(root: str, shard_id: str) -> str:
 
 
 def accounting_path(root: str, shard_id: str, attempt: int) -> str:
-    """Where a shard attempt's accounting row is committed."""
+    """Where the accounting row of the attempt that finished a shard is committed."""
     return f"{root}/accounting/{shard_id}.attempt-{attempt:03d}.parquet"
+
+
+def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
+    """committed_accounting on an open filesystem and protocol-less OUTPUT root."""
+    if not exists_now(fs, results_path(root, shard_id)):
+        return None
+    # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
+    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
+        path = accounting_path(root, shard_id, attempt)
+        if exists_now(fs, path):
+            return read_table(fs, path).to_pylist()[-1]
+    return None
 
 
 def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
@@ -52,11 +100,7 @@ def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | Non
     A shard is done only when both its results and an accounting row exist (results are committed first).
     """
     fs, root = fsspec.core.url_to_fs(output_url)
-    root = root.rstrip("/")
-    if not fs.exists(results_path(root, shard_id)):
-        return None
-    committed = sorted(fs.glob(f"{root}/accounting/{shard_id}.attempt-*.parquet"))
-    return read_table(fs, committed[-1]).to_pylist()[-1] if committed else None
+    return read_committed_accounting(fs, root.rstrip("/"), shard_id)
 
 
 @retry_transient
@@ -111,22 +155,33 @@ def _prompt_problem(prompt: Any) -> str | None:
     return None
 
 
-def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig,
-                  progress: ProgressFn | None = None) -> list[RequestOutput]:
+def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
+                  on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
     """One RequestOutput per row, in row order. Bad rows (null, empty, too long) become error outputs; the others
-    run as one continuous batch."""
+    run as one continuous batch.
+
+    `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes:
+    the checkpoint hook. `should_stop` is passed to the engine: once it returns True, unfinished rows come back with
+    finish_reason "abort" (and are not passed to `on_row` or `progress`).
+    """
     outputs: dict[int, RequestOutput] = {}
     runnable: list[int] = []
     for k, prompt in enumerate(rows.prompts):
         problem = _prompt_problem(prompt)
         if problem:
             outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
+            if on_row:
+                on_row(k, outputs[k])
         else:
             runnable.append(k)
     if progress and outputs:
         progress(len(outputs), 0)
 
     def on_output(out: RequestOutput) -> None:
+        k = int(out.request_id)
+        out.request_id = rows.ids[k]
+        if on_row:
+            on_row(k, out)
         if progress:
             progress(1, out.num_output_tokens)
 
@@ -136,6 +191,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig,
         request_ids=[str(k) for k in runnable],
         use_chat_template=cfg.use_chat_template,
         on_output=on_output,
+        should_stop=should_stop,
     )
     for k, out in zip(runnable, generated, strict=True):
         out.request_id = rows.ids[k]
@@ -143,51 +199,117 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig,
     return [outputs[k] for k in range(len(rows.prompts))]
 
 
-def results_table(outputs: list[RequestOutput], model: str) -> pa.Table:
-    """The results rows of a shard (schemas.RESULTS_SCHEMA)."""
-    return pa.Table.from_pylist([{
-        "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
-        "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
-        "model": model} for o in outputs], schema=RESULTS_SCHEMA)
-
-
-def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig,
-              attempt: int = 1, progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Run one shard end to end and commit its results and accounting under `output_url`.
-
-    Idempotent: when the shard's results are already committed, nothing runs and the committed accounting is
-    returned; when only the results are (a crash between the two commits), the rows run again and this attempt's
-    wall time is billed against the committed results, which are never overwritten. Returns the accounting row
+def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
+              progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
-    Raises ShardError when the shard's input cannot be read.
+
+    Each run claims the shard's next attempt number. Rows already in committed parts are not generated again; the
+    others are, and every `cfg.checkpoint_rows` finished rows or `cfg.checkpoint_seconds` seconds (whichever first)
+    they are committed as a part. When every row is committed the results (the parts merged in row order, one row
+    per input row) are committed, then the accounting. A crash between any two commits loses at most one checkpoint
+    interval; a rerun of a finished shard returns its committed accounting and writes nothing; when results are
+    committed but not the accounting, the rerun only bills them. `progress` gets (rows, output tokens) for rows this
+    run finishes (not rows resumed from checkpoints).
+
+    Stopping: the engine polls `should_stop` (e.g. a StopSignal with install_sigterm_handler) and a StopSignal from
+    the environment (notice file, notice URL, OUTPUT/_CANCEL; pipeline.preemption). Once either says stop, the
+    finished rows are committed at once, retries bounded by TOKENMILL_STOP_DEADLINE_S seconds (default 20), an end
+    record is written, and ShardInterrupted is raised.
+
+    Raises ShardError when the input cannot be read (after writing a failed-attempt record with the error),
+    ShardInterrupted when stopped, and what the store raises when a commit fails after retries.
     """
     fs, root = output_fs(output_url)
-    done = results_path(root, shard.shard_id)
-    committed = committed_accounting(output_url, shard.shard_id)
+    committed = read_committed_accounting(fs, root, shard.shard_id)
     if committed is not None:
         return committed
-    rows = read_shard(shard, prompt_column, cfg.id_column)
-    t0 = time.perf_counter()
-    outputs = generate_rows(engine, rows, cfg, progress)
-    wall_s = time.perf_counter() - t0
-    results = results_table(outputs, engine.model_name)
-    if not commit_table(fs, done, results):
-        # An earlier attempt committed results but died before its accounting: bill this attempt's time against
-        # what is committed, so the accounting always describes the results readers see.
-        results = read_table(fs, done)
-    rows_n = results.num_rows
-    out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
-    cost = wall_s / 3600.0 * cfg.price_per_hour_usd
-    errors = rows_n - results.column("error").null_count
-    row = {
-        "shard_id": shard.shard_id, "attempt": attempt, "input_path": shard.url, "row_start": shard.row_start,
-        "row_end": shard.row_start + rows_n, "rows": rows_n, "rows_ok": rows_n - errors, "rows_error": errors,
-        "input_tokens": int(pc.sum(results.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
-        "wall_s": wall_s, "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
-        "device": engine.device_name, "price_per_hour_usd": cfg.price_per_hour_usd, "cost_usd": cost,
-        "tokens_per_dollar": out_tokens / cost if cost > 0 else None, "model": engine.model_name,
-        "finished_at": datetime.now(UTC),
-    }
+    with StopSignal.from_env(output_url) as notice:
+        if notice.check_now():  # cancelled or noticed before it started: claim nothing
+            raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
+        t0 = time.monotonic()
+        attempt, _ = claim_attempt(fs, root, shard.shard_id)
+        try:
+            return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, progress, notice,
+                                should_stop)
+        except ShardInterrupted:
+            raise
+        except Exception as e:
+            try:
+                end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
+                            gpu_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+            except Exception as record_error:  # noqa: BLE001 - the shard's own error is the one to raise
+                log.warning("shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt,
+                            record_error)
+            raise
+
+
+def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
+                 cfg: RunConfig, attempt: int, t0: float, progress: ProgressFn | None, notice: StopSignal,
+                 should_stop: Callable[[], bool] | None) -> dict[str, Any]:
+    done_path = results_path(root, shard.shard_id)
+    wall_s, generated_tokens = 0.0, 0
+    if exists_now(fs, done_path):
+        # An earlier attempt committed the results and died before the accounting: bill what is committed.
+        results = read_table(fs, done_path)
+        parts = committed_parts(fs, root, shard.shard_id)
+        kv = merge_parts(fs, parts).column("kv_preemptions")
+        rows_resumed = results.num_rows
+    else:
+        rows = read_shard(shard, prompt_column, cfg.id_column)
+        done = committed_rows(fs, committed_parts(fs, root, shard.shard_id))
+        todo = [k for k in range(len(rows.ids)) if k not in done]
+        rows_resumed = len(rows.ids) - len(todo)
+        ckpt = Checkpointer(fs, root, shard.shard_id, attempt, engine.model_name, every_rows=cfg.checkpoint_rows,
+                            every_s=cfg.checkpoint_seconds, started=t0)
+
+        def stop() -> bool:
+            return notice.is_set() or (should_stop is not None and should_stop())
+
+        t_gen = time.perf_counter()
+        outputs = generate_rows(engine, ShardRows([rows.ids[k] for k in todo], [rows.prompts[k] for k in todo]), cfg,
+                                progress, on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop)
+        wall_s = time.perf_counter() - t_gen
+        generated_tokens = sum(o.num_output_tokens for o in outputs)
+        aborted = sum(o.finish_reason == "abort" for o in outputs)
+        if aborted:
+            owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped
+            reason = notice.reason or (owner.reason if isinstance(owner, StopSignal) else None) or "should_stop"
+            _interrupted(fs, root, shard.shard_id, attempt, ckpt, t0, rows_resumed, aborted, reason)
+        ckpt.commit()
+        parts = committed_parts(fs, root, shard.shard_id)
+        merged = merge_parts(fs, parts)
+        if merged.column("row").to_pylist() != list(range(len(rows.ids))):
+            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {root}/checkpoints/ do not hold "
+                               f"rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
+        kv = merged.column("kv_preemptions")
+        results = merged.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
+        if not commit_table(fs, done_path, results):
+            results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
+    gpu_s = time.monotonic() - t0
+    earlier = bill_earlier_attempts(fs, root, shard.shard_id, attempt, list_attempts(fs, root, shard.shard_id),
+                                    parts, cfg.checkpoint_seconds)
+    row = accounting_row(
+        shard_id=shard.shard_id, attempt=attempt, input_path=shard.url, row_start=shard.row_start, results=results,
+        wall_s=wall_s, generated_tokens=generated_tokens, gpu_s=gpu_s, earlier=earlier, rows_resumed=rows_resumed,
+        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name, model=engine.model_name,
+        price_per_hour_usd=cfg.price_per_hour_usd)
     commit_table(fs, accounting_path(root, shard.shard_id, attempt), pa.Table.from_pylist([row],
                                                                                          schema=ACCOUNTING_SCHEMA))
     return row
+
+
+def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, ckpt: Checkpointer, t0: float,
+                 rows_resumed: int, aborted: int, reason: str) -> None:
+    """Commit the finished rows within the stop deadline, record the interrupted attempt, raise ShardInterrupted."""
+    try:
+        ckpt.commit(deadline_s=stop_deadline_s())
+    except Exception as e:  # noqa: BLE001 - report what is committed; the next attempt redoes the rest
+        log.warning("shard %s: could not commit %d finished rows before stopping: %s", shard_id, len(ckpt.pending), e)
+    left = aborted + len(ckpt.pending)
+    try:
+        end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
+                    gpu_s=time.monotonic() - t0, reason=reason)
+    except Exception as e:  # noqa: BLE001 - without it the next attempt estimates this one's time instead
+        log.warning("shard %s: could not record interrupted attempt %d: %s", shard_id, attempt, e)
+    raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

@@ -96,7 +96,8 @@ def test_over_long_prompt_is_an_error_row_under_a_small_context(engine: LLMEngin
 
 def test_run_config_rejects_bad_values_with_input_error() -> None:
     for bad in ({"rows_per_shard": 0}, {"price_per_hour_usd": -1.0}, {"limit": 0}, {"top_p": 0.0},
-                {"max_tokens": 0}, {"prompt_column": ""}, {"temperature": -0.5}):
+                {"max_tokens": 0}, {"prompt_column": ""}, {"temperature": -0.5}, {"checkpoint_rows": 0},
+                {"checkpoint_seconds": 0.0}):
         with pytest.raises(InputError):
             RunConfig(**bad)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -50,8 +51,10 @@ def test_bad_rows_become_error_rows_and_the_shard_goes_on(engine: LLMEngine, bad
     (a,) = acc.to_pylist()
     assert (a["rows"], a["rows_ok"], a["rows_error"]) == (6, 3, 3)
     assert a["output_tokens"] == 18 and a["input_tokens"] == sum(r["prompt_tokens"] for r in rows) > 0
-    assert a["cost_usd"] == pytest.approx(a["wall_s"] / 3600 * 3.6)
+    assert a["gpu_s_billed"] == a["gpu_s"] >= a["wall_s"] > 0  # one attempt: it alone is billed
+    assert a["cost_usd"] == pytest.approx(a["gpu_s_billed"] / 3600 * 3.6)
     assert a["tokens_per_dollar"] == pytest.approx(18 / a["cost_usd"])
+    assert (a["attempts"], a["preemptions"], a["rows_resumed"], a["kv_preemptions"]) == (1, 0, 0, 0)
     assert acct["rows_ok"] == 3
 
 
@@ -74,3 +77,5 @@ def test_unreadable_file_fails_the_shard_with_the_file_named(engine: LLMEngine, 
     with pytest.raises(ShardError, match="corrupt.parquet"):
         run_shard(engine, shard, "prompt", str(tmp_path / "out"), RunConfig())
     assert not (tmp_path / "out" / "results").exists()
+    end = json.loads((tmp_path / "out" / "attempts" / shard.shard_id / "attempt-001.end.json").read_text())
+    assert end["outcome"] == "failed" and "corrupt.parquet" in end["error"] and end["rows_committed"] == 0

@@ -1,4 +1,4 @@
-"""Create-only commits, locally and on S3 (moto), and one shard from S3 input to S3 output on the real engine."""
+"""Create-only commits, locally and on S3 (moto); shards from S3 to S3 and checkpointed on S3, on the real engine."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from shard_helpers import ROWS, CountingEngine, interrupt_after, shard_cfg
 
 from engine import LLMEngine
+from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
-from pipeline.input import plan_shards, resolve_inputs, validate_columns
+from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
 from pipeline.shard import accounting_path, results_path, run_shard
+from pipeline.status import shard_state
 from pipeline.storage import commit_table, is_transient, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
@@ -136,7 +139,27 @@ def test_results_committed_without_accounting_are_billed_as_committed(engine: LL
     before = (results_file.stat().st_mtime_ns, pq.read_table(results_file))
     # A crash between the two commits: the results are there, the accounting is not.
     Path(accounting_path(out, shard.shard_id, 1)).unlink()
-    again = run_shard(engine, shard, "question", out, RunConfig(prompt_column="question", max_tokens=5), attempt=2)
+    counting = CountingEngine(engine)
+    again = run_shard(counting, shard, "question", out, RunConfig(prompt_column="question", max_tokens=5))
     assert (results_file.stat().st_mtime_ns, pq.read_table(results_file)) == before  # never overwritten
-    assert again["attempt"] == 2 and again["rows"] == 3
+    assert counting.prompts == 0  # every row is committed: nothing runs again, the results are only billed
+    assert (again["attempt"], again["attempts"], again["rows"], again["rows_resumed"]) == (2, 2, 3, 3)
     assert again["output_tokens"] == first["output_tokens"] == 9  # what is committed, not what attempt 2 made
+    # Attempt 1 died after its results (no end record): billed up to its last commit, as a preemption.
+    assert again["preemptions"] == 1 and again["gpu_s_billed"] >= again["gpu_s"] + first["wall_s"]
+
+
+def test_checkpointed_shard_resumes_on_s3(waves: LLMEngine, shard: Shard, reference: pa.Table,
+                                          s3_bucket: str) -> None:
+    out = f"s3://{s3_bucket}/checkpointed"
+    committed = interrupt_after(waves, shard, out, shard_cfg(checkpoint_rows=4), 5).rows_committed
+    fs, root = output_fs(out)
+    parts = committed_parts(fs, root, shard.shard_id)  # parts and markers listed through s3fs
+    assert len(parts) >= 2 and sum(p.rows for p in parts) == committed
+    assert shard_state(out, shard.shard_id).state == "partial"
+    counting = CountingEngine(waves)
+    acct = run_shard(counting, shard, "question", out, shard_cfg(checkpoint_rows=4))
+    assert counting.prompts == ROWS - committed and acct["rows_resumed"] == committed
+    assert read_table(fs, results_path(root, shard.shard_id)).to_pylist() == reference.to_pylist()
+    state = shard_state(out, shard.shard_id)
+    assert (state.state, state.rows_committed, state.attempts) == ("done", ROWS, 2)

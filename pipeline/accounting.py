@@ -1,0 +1,95 @@
+"""The bill of a finished shard: tokens, device-seconds of every attempt (lost ones included), USD.
+
+Earlier attempts are billed from their records (pipeline.attempts, pipeline.checkpoint):
+- An attempt that ended on its own (interrupted or failed) wrote its device-seconds in its end record: billed as is.
+- One that was killed (SIGKILL, a vanished VM) could not. Its device time is estimated as the elapsed time at its
+  last committed part (the marker says; 0 without one) plus the time from that commit (or its start) to the start
+  of the next attempt, capped at `checkpoint_seconds`: it checkpoints at least that often while rows finish, so it
+  most likely died within one interval of its last commit.
+- Its lost device-seconds (`gpu_s_lost`) are those after its last commit: work no commit kept. For an interrupted
+  attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec import AbstractFileSystem
+
+from pipeline.attempts import AttemptListing, end_path, read_record, start_path
+from pipeline.checkpoint import Part
+
+
+@dataclass(frozen=True)
+class EarlierAttempts:
+    """What the attempts before the finishing one cost.
+
+    Attributes:
+        preemptions: attempts that ended without finishing and without failing (interrupted or killed).
+        gpu_s: their device-seconds, estimated for killed ones (seconds).
+        gpu_s_lost: their device-seconds after their last commit (seconds).
+    """
+
+    preemptions: int = 0
+    gpu_s: float = 0.0
+    gpu_s_lost: float = 0.0
+
+
+def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
+                          parts: list[Part], checkpoint_seconds: float) -> EarlierAttempts:
+    """Bill the attempts numbered below `attempt` (see the module docstring for the estimates). Reads each one's
+    start record, end record (if listed) and last marker: at most three small objects per earlier attempt."""
+    earlier = sorted(a for a in listing.started if a < attempt)
+    if not earlier:
+        return EarlierAttempts()
+    last_part = {p.attempt: p for p in parts}  # parts come sorted: the last one per attempt wins
+    starts = {a: read_record(fs, start_path(root, shard_id, a)) for a in listing.started if a <= attempt}
+    preemptions, gpu_s, lost = 0, 0.0, 0.0
+    for a in earlier:
+        marker = read_record(fs, last_part[a].marker) if a in last_part else {}
+        kept = float(marker.get("elapsed_s", 0.0))
+        end = read_record(fs, end_path(root, shard_id, a)) if a in listing.ended else {}
+        if end:
+            used = float(end.get("gpu_s", kept))
+            preemptions += end.get("outcome") == "interrupted"
+        else:
+            preemptions += 1
+            last_at = marker.get("committed_at", starts[a].get("started_at"))
+            next_start = next((starts[b].get("started_at") for b in sorted(starts) if b > a
+                               and starts[b].get("started_at") is not None), None)
+            gap = 0.0 if last_at is None or next_start is None else float(next_start) - float(last_at)
+            used = kept + min(max(gap, 0.0), checkpoint_seconds)
+        gpu_s += used
+        lost += max(used - kept, 0.0)
+    return EarlierAttempts(preemptions, gpu_s, lost)
+
+
+def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
+                   wall_s: float, generated_tokens: int, gpu_s: float, earlier: EarlierAttempts, rows_resumed: int,
+                   kv_preemptions: int, device: str, model: str, price_per_hour_usd: float) -> dict[str, Any]:
+    """One schemas.ACCOUNTING_SCHEMA row for the attempt that finished the shard.
+
+    `results`: the committed results (what the bill describes); `wall_s`: this attempt's generation time (seconds);
+    `generated_tokens`: output tokens this attempt generated; `gpu_s`: this attempt's device-seconds. The cost bills
+    every attempt's device-seconds (`gpu_s + earlier.gpu_s`, in `gpu_s_billed`): lost time is real money.
+    """
+    rows = results.num_rows
+    errors = rows - results.column("error").null_count
+    out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
+    billed = gpu_s + earlier.gpu_s
+    cost = billed / 3600.0 * price_per_hour_usd
+    return {
+        "shard_id": shard_id, "attempt": attempt, "input_path": input_path, "row_start": row_start,
+        "row_end": row_start + rows, "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
+        "input_tokens": int(pc.sum(results.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
+        "wall_s": wall_s, "output_tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
+        "device": device, "price_per_hour_usd": price_per_hour_usd, "cost_usd": cost,
+        "tokens_per_dollar": out_tokens / cost if cost > 0 else None,
+        "attempts": attempt, "preemptions": earlier.preemptions, "gpu_s": gpu_s, "gpu_s_lost": earlier.gpu_s_lost,
+        "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
+        "finished_at": datetime.now(UTC),
+    }

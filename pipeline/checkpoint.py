@@ -1,0 +1,160 @@
+"""Checkpoint parts: the rows a running shard has finished, committed in small create-only pieces.
+
+Layout under OUTPUT:
+
+    checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet   part PPPPP of attempt NNN: ROWS finished rows
+                                                       (schemas.CHECKPOINT_PART_SCHEMA)
+    checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.commit    its commit marker, written after the part: attempt, part,
+                                                       rows, elapsed_s (device-seconds of the attempt so far),
+                                                       committed_at (epoch seconds)
+
+Readers trust only parts with a marker (a part without one may be cut short by a crash). The attempt number in the
+name keeps two runs of one shard at once from colliding; the row count in the name lets `status` count committed
+rows from a listing alone. The shard's result is the committed parts merged in row order, one row per position.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec import AbstractFileSystem
+from tenacity import stop_after_attempt, stop_before_delay
+
+from engine import RequestOutput
+from pipeline.storage import commit_json, commit_table, list_folder, modified_at, read_table
+from schemas.arrow import CHECKPOINT_PART_SCHEMA
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^a(\d+)-p(\d+)-n(\d+)\.(parquet|commit)$")
+
+
+def checkpoints_dir(root: str, shard_id: str) -> str:
+    """The folder of a shard's checkpoint parts and markers."""
+    return f"{root}/checkpoints/{shard_id}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """A committed checkpoint part (one whose marker exists).
+
+    Attributes:
+        attempt, index: the attempt that wrote it and its number within that attempt (from 1).
+        rows: rows in the part.
+        path, marker: the part and its marker (protocol-less paths).
+        committed_at: the marker's last-modified time, epoch seconds (None when the store does not say).
+    """
+
+    attempt: int
+    index: int
+    rows: int
+    path: str
+    marker: str
+    committed_at: float | None
+
+
+def part_stem(root: str, shard_id: str, attempt: int, index: int, rows: int) -> str:
+    """The path of a part without its extension (".parquet" for the part, ".commit" for its marker)."""
+    return f"{checkpoints_dir(root, shard_id)}/a{attempt:03d}-p{index:05d}-n{rows}"
+
+
+def committed_parts(fs: AbstractFileSystem, root: str, shard_id: str) -> list[Part]:
+    """The shard's committed parts, by (attempt, index), from one fresh listing of its own checkpoint folder."""
+    markers: dict[tuple[int, int, int], float | None] = {}
+    parts: set[tuple[int, int, int]] = set()
+    for info in list_folder(fs, checkpoints_dir(root, shard_id)):
+        m = _NAME.match(info["name"].rsplit("/", 1)[-1])
+        if m:
+            key = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            if m.group(4) == "commit":
+                markers[key] = modified_at(info)
+            else:
+                parts.add(key)
+    stems = {key: part_stem(root, shard_id, *key) for key in markers if key in parts}
+    return [Part(*key, f"{stem}.parquet", f"{stem}.commit", markers[key]) for key, stem in sorted(stems.items())]
+
+
+def committed_rows(fs: AbstractFileSystem, parts: list[Part]) -> set[int]:
+    """Positions (in the shard) of the rows in `parts`: reads only their `row` column, so at most the shard's rows
+    (and a few more where two attempts raced)."""
+    rows: set[int] = set()
+    for part in parts:
+        rows.update(read_table(fs, part.path, columns=["row"]).column("row").to_pylist())
+    return rows
+
+
+def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
+    """The rows of `parts` in row order, one per position (CHECKPOINT_PART_SCHEMA). Where two attempts both
+    committed a row, the earliest part's copy is kept."""
+    if not parts:
+        return CHECKPOINT_PART_SCHEMA.empty_table()
+    table = pa.concat_tables([read_table(fs, p.path).cast(CHECKPOINT_PART_SCHEMA) for p in parts])
+    table = table.take(pc.sort_indices(table, [("row", "ascending")]))  # stable: earlier parts first per row
+    rows = table.column("row").to_numpy()
+    first = np.ones(len(rows), dtype=bool)
+    first[1:] = rows[1:] != rows[:-1]
+    return table.filter(pa.array(first))
+
+
+def part_table(rows: list[tuple[int, RequestOutput]], model: str) -> pa.Table:
+    """Finished rows (position in the shard, output) as a part (CHECKPOINT_PART_SCHEMA)."""
+    return pa.Table.from_pylist([{
+        "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
+        "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
+        "model": model, "row": k, "kv_preemptions": o.num_preemptions} for k, o in rows], schema=CHECKPOINT_PART_SCHEMA)
+
+
+class Checkpointer:
+    """Collects one attempt's finished rows and commits them as parts, every `every_rows` rows or `every_s` seconds
+    (whichever first, checked as rows are added).
+
+    `started` is the attempt's start on time.monotonic(), so markers can say how long the attempt had held the device.
+    Not thread-safe: call from the thread that runs the engine.
+    """
+
+    def __init__(self, fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, model: str, *,
+                 every_rows: int, every_s: float, started: float) -> None:
+        self.fs, self.root, self.shard_id, self.attempt, self.model = fs, root, shard_id, attempt, model
+        self.every_rows, self.every_s, self.started = every_rows, every_s, started
+        self.pending: list[tuple[int, RequestOutput]] = []
+        self.parts = 0
+        self.rows_committed = 0  # rows this attempt committed
+        self.last_commit = time.monotonic()
+
+    def add(self, row: int, out: RequestOutput) -> None:
+        """A finished row (its position in the shard and its output); commits a part when one is due."""
+        self.pending.append((row, out))
+        if len(self.pending) >= self.every_rows or time.monotonic() - self.last_commit >= self.every_s:
+            self.commit()
+
+    def commit(self, deadline_s: float | None = None) -> None:
+        """Commit the pending rows (if any) as the next part, then its marker. With `deadline_s` (seconds), retries
+        of transient errors stop once the budget is spent (a single slow request can still overrun it, up to the
+        store client's own timeout); without, commit_table's usual retries. Raises what the store raises."""
+        if not self.pending:
+            return
+        until = None if deadline_s is None else time.monotonic() + deadline_s
+
+        def bounded(commit: Callable[..., bool]) -> Callable[..., bool]:
+            if until is None:
+                return commit
+            return commit.retry_with(stop=stop_after_attempt(5) | stop_before_delay(max(0.0, until - time.monotonic())))
+
+        index, rows = self.parts + 1, len(self.pending)
+        stem = part_stem(self.root, self.shard_id, self.attempt, index, rows)
+        # NOTE: only this attempt writes names with its number, so "already there" means an earlier try of ours landed.
+        bounded(commit_table)(self.fs, f"{stem}.parquet", part_table(self.pending, self.model))
+        bounded(commit_json)(self.fs, f"{stem}.commit", {
+            "attempt": self.attempt, "part": index, "rows": rows, "elapsed_s": time.monotonic() - self.started,
+            "committed_at": time.time()})
+        self.parts, self.rows_committed = index, self.rows_committed + rows
+        self.pending = []
+        self.last_commit = time.monotonic()
+        log.debug("shard %s attempt %d: committed part %d (%d rows)", self.shard_id, self.attempt, index, rows)

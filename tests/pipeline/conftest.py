@@ -1,0 +1,45 @@
+"""Shard fixtures shared by the checkpoint, preemption and status tests: 16 real GSM8K rows (one with a null prompt),
+an engine that runs them in waves of 4 (so rows finish a few at a time), and the undisturbed run to compare with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from shard_helpers import NULL_ROW, ROWS, shard_cfg
+
+from engine import EngineConfig, LLMEngine
+from pipeline.input import Shard
+from pipeline.shard import results_path, run_shard
+
+
+@pytest.fixture(scope="session")
+def rows_file(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> str:
+    """GSM8K test rows 300..315 (id, question) with row NULL_ROW's question nulled (a bad row), in row groups of 5."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, ROWS)
+    questions = table.column("question").to_pylist()
+    questions[NULL_ROW] = None
+    path = tmp_path_factory.mktemp("in") / "gsm8k.parquet"
+    pq.write_table(table.set_column(1, "question", pa.array(questions, pa.string())), path, row_group_size=5)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def shard(rows_file: str) -> Shard:
+    return Shard("00000-000000000", rows_file, f"file://{rows_file}", 0, ROWS)
+
+
+@pytest.fixture(scope="session")
+def waves(engine: LLMEngine) -> LLMEngine:
+    """The session engine limited to 4 rows at a time, so rows finish in waves and a stop lands mid-shard."""
+    return engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+
+
+@pytest.fixture(scope="session")
+def reference(waves: LLMEngine, shard: Shard, tmp_path_factory: pytest.TempPathFactory) -> pa.Table:
+    """The shard's results from one undisturbed run (one checkpoint at the end)."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    run_shard(waves, shard, "question", out, shard_cfg(checkpoint_rows=1000))
+    return pq.read_table(results_path(out, shard.shard_id))

@@ -1,0 +1,68 @@
+"""shard_state from the records under OUTPUT: failed (a corrupt input, other shards unaffected), done, running,
+partial, stale, pending."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from shard_helpers import shard_cfg
+
+from engine import LLMEngine, RequestOutput
+from pipeline.attempts import claim_attempt, end_attempt
+from pipeline.checkpoint import Checkpointer
+from pipeline.input import Shard
+from pipeline.shard import ShardError, run_shard
+from pipeline.status import shard_state
+from pipeline.storage import output_fs
+
+
+def test_corrupt_input_fails_its_shard_with_the_error_and_the_others_finish(engine: LLMEngine, rows_file: str,
+                                                                            tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    bad = tmp_path / "corrupt.parquet"
+    bad.write_bytes(b"PAR1 truncated by a failed upload")
+    broken = Shard("00000-000000000", str(bad), f"file://{bad}", 0, -1)
+    good = Shard("00001-000000000", rows_file, f"file://{rows_file}", 0, 3)
+    with pytest.raises(ShardError):
+        run_shard(engine, broken, "question", out, shard_cfg())
+    acct = run_shard(engine, good, "question", out, shard_cfg(max_tokens=4))
+
+    failed = shard_state(out, broken.shard_id)
+    assert (failed.state, failed.attempts, failed.rows_committed, failed.accounting) == ("failed", 1, 0, None)
+    assert "corrupt.parquet" in (failed.last_error or "") and failed.last_activity is not None
+    done = shard_state(out, good.shard_id)
+    assert (done.state, done.rows_committed, done.attempts, done.last_error) == ("done", 3, 1, None)
+    assert done.accounting == acct
+    assert shard_state(out, "00002-000000000").state == "pending"  # never started
+    # A rerun of the failed shard (the file fixed or not) is a new attempt; its state follows the latest one.
+    with pytest.raises(ShardError):
+        run_shard(engine, broken, "question", out, shard_cfg())
+    assert shard_state(out, broken.shard_id).attempts == 2
+
+
+def test_running_partial_stale_and_pending_follow_the_records(rows_file: str, tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    fs, root = output_fs(out)
+    shard_id = "00000-000000000"
+    table = pq.read_table(rows_file, columns=["id", "question"])
+    assert shard_state(out, shard_id).state == "pending"
+
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    started = shard_state(out, shard_id)
+    assert (started.state, started.rows_committed, started.attempts) == ("running", 0, 1)
+    ckpt = Checkpointer(fs, root, shard_id, attempt, "SmolLM2", every_rows=2, every_s=60.0, started=time.monotonic())
+    for k, row_id in enumerate(table.column("id").to_pylist()[:5]):
+        ckpt.add(k, RequestOutput(row_id, [1, 2, 3], [4, 5], "Natalia sold 48 clips", "length"))
+    running = shard_state(out, shard_id)
+    assert (running.state, running.rows_committed) == ("running", 4)  # 2 parts of 2; the 5th row is pending
+    later = time.time() + 700  # no activity for longer than stale_after_s: the worker is gone
+    assert shard_state(out, shard_id, now=later).state == "partial"
+    assert shard_state(out, shard_id, stale_after_s=3600, now=later).state == "running"
+
+    end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=4, gpu_s=3.0, reason="SIGTERM")
+    assert shard_state(out, shard_id).state == "partial"  # ended: not running, whatever the clock says
+    claim_attempt(fs, root, "00001-000000000")
+    assert shard_state(out, "00001-000000000", now=later).state == "pending"  # killed before any checkpoint
