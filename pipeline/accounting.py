@@ -68,6 +68,11 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
     return EarlierAttempts(preemptions, gpu_s, lost)
 
 
+def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
+    """Output tokens per USD of device time billed for them; None when nothing was billed (cost 0)."""
+    return output_tokens / cost_usd if cost_usd > 0 else None
+
+
 def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
                    wall_s: float, generated_tokens: int, gpu_s: float, earlier: EarlierAttempts, rows_resumed: int,
                    kv_preemptions: int, device: str, model: str, price_per_hour_usd: float) -> dict[str, Any]:
@@ -88,7 +93,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "input_tokens": int(pc.sum(results.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
         "wall_s": wall_s, "output_tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
         "device": device, "price_per_hour_usd": price_per_hour_usd, "cost_usd": cost,
-        "tokens_per_dollar": out_tokens / cost if cost > 0 else None,
+        "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),
         "attempts": attempt, "preemptions": earlier.preemptions, "gpu_s": gpu_s, "gpu_s_lost": earlier.gpu_s_lost,
         "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
         "finished_at": datetime.now(UTC),

@@ -162,7 +162,9 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
 
     `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes:
     the checkpoint hook. `should_stop` is passed to the engine: once it returns True, unfinished rows come back with
-    finish_reason "abort" (and are not passed to `on_row` or `progress`).
+    finish_reason "abort" (and are not passed to `on_row` or `progress`). When `on_row` or `progress` raises (a
+    checkpoint commit that failed after its retries), the engine is stopped the same way, so it is left clean for
+    the next shard, and the error is raised once generate returns.
     """
     outputs: dict[int, RequestOutput] = {}
     runnable: list[int] = []
@@ -177,13 +179,20 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
     if progress and outputs:
         progress(len(outputs), 0)
 
+    failed: list[Exception] = []
+
     def on_output(out: RequestOutput) -> None:
         k = int(out.request_id)
         out.request_id = rows.ids[k]
-        if on_row:
-            on_row(k, out)
-        if progress:
-            progress(1, out.num_output_tokens)
+        if failed:
+            return
+        try:
+            if on_row:
+                on_row(k, out)
+            if progress:
+                progress(1, out.num_output_tokens)
+        except Exception as e:  # noqa: BLE001 - raised below, once the engine has stopped cleanly
+            failed.append(e)
 
     generated = engine.generate(
         [rows.prompts[k] for k in runnable],
@@ -191,8 +200,10 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
         request_ids=[str(k) for k in runnable],
         use_chat_template=cfg.use_chat_template,
         on_output=on_output,
-        should_stop=should_stop,
+        should_stop=lambda: bool(failed) or (should_stop is not None and should_stop()),
     )
+    if failed:
+        raise failed[0]
     for k, out in zip(runnable, generated, strict=True):
         out.request_id = rows.ids[k]
         outputs[k] = out

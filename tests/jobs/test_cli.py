@@ -8,9 +8,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from jobs.cli import app
+from jobs.lease import Lease
+from pipeline.config import RunConfig
+from pipeline.input import pin_manifest
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 runner = CliRunner()
@@ -61,11 +65,29 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     assert manifest["summary"]["rows_ok"] == 20
     assert all((out / s["results"]).is_file() for s in manifest["shards"])
 
-    # A rerun into the same OUTPUT finds every shard committed and rewrites nothing.
+    # A rerun into the same OUTPUT, or a submit of the same job as a spec, finds it finished and rewrites nothing.
     mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*.parquet")}
     again = runner.invoke(app, args)
     assert again.exit_code == 0, again.output
+    assert "already finished" in again.stderr and _summary(again.stdout)["already_done"] is True
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"input": str(gsm8k_folder), "output": str(out), "columns": {"prompt": "question"},
+                                    "sampling": {"max_tokens": 8}, "sharding": {"rows_per_shard": 8}}))
+    submitted = runner.invoke(app, ["submit", str(spec), "--json"])
+    assert submitted.exit_code == 0, submitted.output
+    assert _summary(submitted.stdout)["rows_ok"] == 20 and "already finished" in submitted.stderr
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.parquet")} == mtimes
+
+    # The same OUTPUT with other shards is refused before any work.
+    spec.write_text(spec.read_text().replace("rows_per_shard: 8", "rows_per_shard: 4"))
+    other = runner.invoke(app, ["submit", str(spec)])
+    assert other.exit_code == 2 and "rows_per_shard: the job has 8, this run asks for 4" in other.stderr
+
+    status = runner.invoke(app, ["status", str(out), "--json"])
+    assert status.exit_code == 0, status.output
+    st = json.loads(status.stdout)
+    assert st["state"] == "done" and st["shards"]["done"] == 3 and st["rows_committed"] == 20
+    assert st["output_tokens"] == 160 and st["tokens_per_dollar"] > 0 and st["attempts"] == 3
 
 
 def test_missing_prompt_column_stops_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:
@@ -88,6 +110,37 @@ def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path) -
     assert pq.read_table(out / "results").num_rows == 14
     assert not (out / "_SUCCESS").exists()  # the job is not done until every shard is
 
+    status = runner.invoke(app, ["status", str(out), "--json"])
+    assert status.exit_code == 1  # failed shards, no run holding the job
+    st = json.loads(status.stdout)
+    assert st["state"] == "failed" and st["shards"]["done"] == 1 and st["shards"]["failed"] == 1
+    assert "b.parquet" in st["failed"]["00001-000000000"]
+    table = runner.invoke(app, ["status", str(out)])
+    assert table.exit_code == 1 and "shard 00001-000000000 failed" in table.stderr
+
+
+def test_a_held_lease_or_a_cancel_refuses_the_run_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "4"]
+    with Lease(str(out), ttl_s=60, holder="other-host:123:abcd"):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 3
+        assert "another run holds the job" in res.stderr and "other-host:123:abcd" in res.stderr
+        status = runner.invoke(app, ["status", str(out)])
+        assert status.exit_code == 2 and "no tokenmill job" in status.stderr  # nothing pinned yet
+    assert not (out / "results").exists()
+
+    assert runner.invoke(app, ["cancel", str(out)]).exit_code == 2  # no job there yet
+    pin_manifest(str(out), str(gsm8k_folder), RunConfig(prompt_column="question", max_tokens=4))
+    cancelled = runner.invoke(app, ["cancel", str(out), "--reason", "wrong model"])
+    assert cancelled.exit_code == 0 and "cancelled the job" in cancelled.stderr
+    assert json.loads((out / "_CANCEL").read_text())["reason"] == "wrong model"
+    assert "already cancelled" in runner.invoke(app, ["cancel", str(out)]).stderr
+    res = runner.invoke(app, args)
+    assert res.exit_code == 4 and "was cancelled" in res.stderr and "--resume" in res.stderr
+    st = json.loads(runner.invoke(app, ["status", str(out), "--json"]).stdout)
+    assert st["state"] == "cancelled" and st["exit_code"] == 4 and st["shards"]["pending"] == 2
+
 
 def test_bad_option_is_a_usage_error(gsm8k_folder: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["run", str(gsm8k_folder), str(tmp_path / "o"), "--top-p", "1.5"])
@@ -102,3 +155,33 @@ def test_messages_column_input(tmp_path: Path, data_dir: Path) -> None:
                               "--json"])
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "o" / "results").column("id").to_pylist() == ["0", "1", "2", "3"]
+
+
+def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None:
+    """`tokenmill run s3://... s3://...` against an S3 that refuses ~15% of requests (503 SlowDown / 500) and loses
+    the answer to ~5% of PUTs after they landed; botocore's retries are off, so tokenmill's own retries carry it."""
+    import fsspec
+    from s3_faults import flaky_s3
+
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, 16)
+    with flaky_s3(rate=0.15, lost_rate=0.05, seed=11) as s3:
+        fs = fsspec.filesystem("s3")
+        s3.faults.enabled = False
+        for name, part in [("a", table.slice(0, 10)), ("b", table.slice(10, 6))]:
+            with fs.open(f"{s3.bucket}/in/{name}.parquet", "wb") as f:
+                pq.write_table(part, f)
+        s3.faults.enabled = True
+        res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
+                                  "question", "--rows-per-shard", "8", "--max-tokens", "6", "--checkpoint-rows", "3",
+                                  "--workers", "1", "--json"])
+        stats = s3.faults.stats
+        s3.faults.enabled = False
+        assert res.exit_code == 0, res.output
+        assert _summary(res.stdout)["rows_ok"] == 16
+        results = pa.concat_tables(pq.read_table(fs.open(p, "rb"))
+                                   for p in sorted(fs.glob(f"{s3.bucket}/out/results/*")))
+        assert sorted(results.column("id").to_pylist()) == sorted(table.column("id").to_pylist())
+        assert len(fs.glob(f"{s3.bucket}/out/accounting/*.parquet")) == 3
+        assert fs.exists(f"{s3.bucket}/out/_SUCCESS") and fs.exists(f"{s3.bucket}/out/_manifest/input.json")
+    print(stats)
+    assert stats.faults >= 5, stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from shard_helpers import MAX_TOKENS, NULL_ROW, ROWS, CountingEngine, interrupt_after, shard_cfg
 
 from engine import LLMEngine
+from pipeline import checkpoint
 from pipeline.attempts import claim_attempt
 from pipeline.checkpoint import part_stem
 from pipeline.input import Shard
@@ -107,3 +109,28 @@ def test_rows_committed_by_two_racing_attempts_appear_once(waves: LLMEngine, sha
     # The zombie never ended: billed as a killed attempt (a preemption), from its marker's elapsed time on.
     assert (acct["attempts"], acct["preemptions"], acct["rows_resumed"]) == (2, 1, 0)
     assert acct["gpu_s_billed"] >= acct["gpu_s"] + 1.0
+
+
+def test_a_failed_part_commit_fails_the_attempt_and_leaves_the_engine_clean(
+        waves: LLMEngine, shard: Shard, reference: pa.Table, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = str(tmp_path / "out")
+    real_commit, calls = checkpoint.commit_table, [0]
+
+    def denied_after_one_part(*args: Any, **kwargs: Any) -> bool:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise PermissionError("AccessDenied: the role lost s3:PutObject")
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "commit_table", denied_after_one_part)
+    with pytest.raises(PermissionError, match="AccessDenied"):
+        run_shard(waves, shard, "question", out, shard_cfg(checkpoint_rows=4))
+    assert not waves.scheduler.has_unfinished  # the resident engine stopped cleanly: the next shard can run
+    end = json.loads((tmp_path / "out" / "attempts" / shard.shard_id / "attempt-001.end.json").read_text())
+    assert end["outcome"] == "failed" and "AccessDenied" in end["error"]
+
+    monkeypatch.setattr(checkpoint, "commit_table", real_commit)
+    counting = CountingEngine(waves)
+    acct = run_shard(counting, shard, "question", out, shard_cfg(checkpoint_rows=4))
+    assert counting.prompts == ROWS - 4 and acct["rows_resumed"] == 4  # part 1 (the null row and 3 more) kept
+    assert _results(out, shard).to_pylist() == reference.to_pylist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,7 +10,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import InputError, RunConfig
-from pipeline.input import plan_shards, resolve_inputs, validate_columns
+from pipeline.input import (
+    MANIFEST_PATH,
+    changed_inputs,
+    pin_manifest,
+    plan_shards,
+    read_manifest,
+    resolve_inputs,
+    validate_columns,
+)
 
 
 @pytest.fixture()
@@ -75,3 +84,89 @@ def test_corrupt_file_is_planned_as_one_failing_shard(gsm8k_parts: Path) -> None
     shards = plan_shards(fs, files, RunConfig(rows_per_shard=100))
     assert [(s.shard_id, s.row_end) for s in shards] == [("00000-000000000", 25), ("00001-000000000", -1),
                                                           ("00002-000000000", 7)]
+
+
+# --- the pinned input manifest ---------------------------------------------------------------------------------------
+
+
+def test_first_start_pins_the_manifest_and_later_runs_plan_from_it(gsm8k_parts: Path, tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    cfg = RunConfig(rows_per_shard=8, limit=40, max_tokens=16)
+    manifest, created = pin_manifest(out, str(gsm8k_parts), cfg)
+    assert created and (tmp_path / "out" / MANIFEST_PATH).is_file()
+    doc = json.loads((tmp_path / "out" / MANIFEST_PATH).read_text())
+    assert [Path(f["url"]).name for f in doc["files"]] == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
+    assert [f["num_rows"] for f in doc["files"]] == [25, 10, 7]
+    assert all(f["size"] == (gsm8k_parts / Path(f["url"]).name).stat().st_size for f in doc["files"])
+    assert all(f["version"].startswith("mtime_ns:") for f in doc["files"])
+    assert (doc["rows_per_shard"], doc["limit"], doc["prompt_column"]) == (8, 40, "prompt")
+    fs, files = resolve_inputs(str(gsm8k_parts))
+    assert manifest.shards() == plan_shards(fs, files, cfg)  # the same ids as a fresh plan
+    assert sum(s.num_rows for s in manifest.shards()) == 40
+
+    # A file added to the input folder later is not part of the job; shard ids stay put.
+    pq.write_table(pq.read_table(gsm8k_parts / "part-2.parquet"), gsm8k_parts / "part-00.parquet")
+    again, created = pin_manifest(out, f"{gsm8k_parts}/", cfg)  # the same folder, spelled differently
+    assert not created and again == manifest
+    assert read_manifest(out) == manifest and read_manifest(str(tmp_path / "nothing")) is None
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"rows_per_shard": 4}, "rows_per_shard: the job has 8, this run asks for 4"),
+    ({"limit": None}, "limit: the job has 40, this run asks for None"),
+    ({"max_tokens": 32}, "max_tokens: the job has 16, this run asks for 32"),
+])
+def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_parts: Path, tmp_path: Path,
+                                                                          change: dict, expected: str) -> None:
+    out = str(tmp_path / "out")
+    base = {"rows_per_shard": 8, "limit": 40, "max_tokens": 16}
+    pin_manifest(out, str(gsm8k_parts), RunConfig(**base))
+    with pytest.raises(InputError) as e:
+        pin_manifest(out, str(gsm8k_parts), RunConfig(**{**base, **change}))
+    assert expected in str(e.value) and "new OUTPUT" in str(e.value)
+    other = tmp_path / "other.parquet"
+    pq.write_table(pq.read_table(gsm8k_parts / "part-1.parquet"), other)
+    with pytest.raises(InputError, match="input: the job has"):
+        pin_manifest(out, str(other), RunConfig(**base))
+
+
+def test_changed_or_vanished_input_files_are_reported(gsm8k_parts: Path, tmp_path: Path) -> None:
+    manifest, _ = pin_manifest(str(tmp_path / "out"), str(gsm8k_parts), RunConfig(rows_per_shard=8))
+    assert changed_inputs(manifest) == {}
+    table = pq.read_table(gsm8k_parts / "part-1.parquet")
+    pq.write_table(table.slice(0, 9), gsm8k_parts / "part-1.parquet")  # replaced: fewer rows
+    (gsm8k_parts / "part-2.parquet").unlink()
+    changed = changed_inputs(manifest)
+    assert sorted(Path(u).name for u in changed) == ["part-1.parquet", "part-2.parquet"]
+    one, two = (changed[f.url] for f in manifest.files[1:])
+    assert "input changed since the job started" in one and "bytes, version mtime_ns:" in one
+    assert "is gone" in two
+
+
+def test_unreadable_file_is_pinned_without_rows(gsm8k_parts: Path, tmp_path: Path) -> None:
+    (gsm8k_parts / "part-1.parquet").write_bytes(b"PAR1 this is not a parquet file")
+    manifest, _ = pin_manifest(str(tmp_path / "out"), str(gsm8k_parts), RunConfig(rows_per_shard=100))
+    assert [f.num_rows for f in manifest.files] == [25, None, 7]
+    assert [(s.shard_id, s.row_end) for s in manifest.shards()] == [
+        ("00000-000000000", 25), ("00001-000000000", -1), ("00002-000000000", 7)]
+
+
+def test_manifest_on_a_flaky_s3_pins_etags(gsm8k_parts: Path) -> None:
+    """Listing, footers and the commit all go through tenacity retries: a flaky store never makes a good file look
+    corrupt or fails the pin."""
+    import fsspec
+    from s3_faults import flaky_s3
+
+    with flaky_s3(rate=0.25, lost_rate=0.1, seed=3) as s3:
+        fs = fsspec.filesystem("s3")
+        s3.faults.enabled = False
+        for p in sorted(gsm8k_parts.iterdir()):
+            fs.put_file(str(p), f"{s3.bucket}/in/{p.name}")
+        s3.faults.enabled = True
+        cfg = RunConfig(rows_per_shard=10)
+        manifest, created = pin_manifest(f"s3://{s3.bucket}/out", f"s3://{s3.bucket}/in/", cfg)
+        assert created and [f.num_rows for f in manifest.files] == [25, 10, 7]
+        assert all(f.version.startswith('"') for f in manifest.files)  # ETags
+        assert pin_manifest(f"s3://{s3.bucket}/out", f"s3://{s3.bucket}/in", cfg) == (manifest, False)
+        assert changed_inputs(manifest) == {}
+        assert s3.faults.stats.faults > 0

@@ -1,0 +1,208 @@
+"""Looking at and steering a job from outside it: `status` (what is done, running, failed, at what cost) and
+`cancel` (stop it), both from what is committed under OUTPUT alone, with no access to the run or its cluster.
+
+Records under OUTPUT that this module reads or writes (all JSON, create-only):
+    _manifest/input.json            the pinned input (pipeline.input): which shards the job has
+    _CANCEL                         the cancel marker: running shards stop at their next poll and commit what finished
+    _manifest/cancel-<n>.json       a cancel marker set aside by `run/submit --resume` (the marker itself is deleted)
+    _lease/<seq>.json               who runs the job until when (jobs.lease)
+    _SUCCESS                        the job manifest, committed when every shard is (jobs.runner)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+
+from jobs.errors import (
+    EXIT_CANCELLED,
+    EXIT_FAILED_SHARDS,
+    EXIT_INCOMPLETE,
+    EXIT_LEASE_HELD,
+    EXIT_OK,
+    JobError,
+)
+from jobs.lease import newest_record
+from pipeline.accounting import tokens_per_dollar
+from pipeline.input import MANIFEST_PATH, InputManifest, Shard, read_manifest
+from pipeline.preemption import CANCEL_NAME
+from pipeline.status import ShardState, shard_state
+from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
+
+SUCCESS_NAME = "_SUCCESS"
+STATES = ("done", "running", "partial", "failed", "pending")
+# Shards whose state status reads at once (each is a few small listings of the store).
+STATUS_THREADS = 16
+
+
+def _root(output_url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, root = fsspec.core.url_to_fs(output_url)
+    return fs, root.rstrip("/")
+
+
+def job_done(output_url: str) -> bool:
+    """True when OUTPUT/_SUCCESS exists: every shard of the job is committed."""
+    fs, root = _root(output_url)
+    return exists_now(fs, f"{root}/{SUCCESS_NAME}")
+
+
+def read_success(output_url: str) -> dict[str, Any]:
+    """The committed job manifest OUTPUT/_SUCCESS (shards and summary). Raises FileNotFoundError when absent."""
+    fs, root = _root(output_url)
+    return read_json(fs, f"{root}/{SUCCESS_NAME}")
+
+
+def cancel_record(output_url: str) -> dict[str, Any] | None:
+    """The cancel marker's content ({} if unreadable) when the job is cancelled, else None."""
+    fs, root = _root(output_url)
+    path = f"{root}/{CANCEL_NAME}"
+    if not exists_now(fs, path):
+        return None
+    try:
+        doc = read_json(fs, path)
+    except (FileNotFoundError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def cancel_job(output_url: str, reason: str | None = None) -> str:
+    """Commit the cancel marker OUTPUT/_CANCEL (create-only): every running shard of the job stops at its next
+    poll (TOKENMILL_STOP_POLL_S, default 5 s), commits its finished rows and ends; queued shards do not start.
+    Returns a sentence saying what happened (cancelled now, already cancelled, or already finished: a finished job
+    is left alone). Raises JobError (exit 2) when no job ever started at OUTPUT."""
+    if job_done(output_url):
+        return f"the job at {output_url} has already finished; nothing to cancel"
+    if read_manifest(output_url) is None:
+        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST_PATH}); nothing to cancel")
+    fs, root = output_fs(output_url)
+    record = {"cancelled_at": datetime.now(UTC).isoformat(timespec="seconds"),
+              "by": f"{socket.gethostname()}:{os.getpid()}", "reason": reason}
+    if commit_json(fs, f"{root}/{CANCEL_NAME}", record):
+        return (f"cancelled the job at {output_url}: running shards stop at their next poll and commit what they "
+                "finished; resume it with `--resume`")
+    earlier = cancel_record(output_url) or {}
+    return f"the job at {output_url} was already cancelled (at {earlier.get('cancelled_at', '?')})"
+
+
+def resume_cancelled(output_url: str) -> dict[str, Any] | None:
+    """Lift a cancel: set the marker aside as OUTPUT/_manifest/cancel-<n>.json (create-only), then delete
+    OUTPUT/_CANCEL so shards run again. Returns the lifted marker's content, or None when the job was not cancelled.
+    Call it holding the job's lease."""
+    record = cancel_record(output_url)
+    if record is None:
+        return None
+    fs, root = output_fs(output_url)
+    n = len([e for e in list_folder(fs, f"{root}/_manifest") if "/cancel-" in e["name"]])
+    while not commit_json(fs, f"{root}/_manifest/cancel-{n:03d}.json",
+                          {**record, "resumed_at": datetime.now(UTC).isoformat(timespec="seconds")}):
+        n += 1
+    fs.rm_file(f"{root}/{CANCEL_NAME}")
+    return record
+
+
+def shard_states(output_url: str, shards: list[Shard]) -> list[ShardState]:
+    """pipeline.status.shard_state of each shard, in order, STATUS_THREADS at a time."""
+    with ThreadPoolExecutor(STATUS_THREADS) as pool:
+        return list(pool.map(lambda s: shard_state(output_url, s.shard_id), shards))
+
+
+@dataclass
+class JobStatus:
+    """A job's state from what is committed under OUTPUT.
+
+    `state` is one of done, running (a run holds the lease), failed (failed shards, no run holding the job),
+    cancelled, incomplete (pending or partial shards, no run holding the job); `exit_code` maps it (jobs.errors).
+    Token counts in tokens, cost in USD, gpu_s_lost in device-seconds.
+    """
+
+    output: str
+    state: str
+    exit_code: int
+    input: str
+    started_at: str
+    shards: dict[str, int]
+    rows: int
+    rows_committed: int
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    attempts: int = 0
+    preemptions: int = 0
+    gpu_s_lost: float = 0.0
+    lease: dict[str, Any] | None = None
+    cancelled: dict[str, Any] | None = None
+    failed: dict[str, str] = field(default_factory=dict)
+    shard_states: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokens_per_dollar(self) -> float | None:
+        """Output tokens of the committed shards per USD billed for them; None when nothing was billed."""
+        return tokens_per_dollar(self.output_tokens, self.cost_usd)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready."""
+        tpd = self.tokens_per_dollar
+        return {"output": self.output, "state": self.state, "exit_code": self.exit_code, "input": self.input,
+                "started_at": self.started_at, "shards": self.shards, "rows": self.rows,
+                "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
+                "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
+                "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3), "lease": self.lease,
+                "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states}
+
+
+def job_status(output_url: str) -> JobStatus:
+    """The job's status: shards by state, rows, tokens, cost, attempts, who holds it, whether it was cancelled.
+
+    Reads the pinned manifest, then each shard's state (pipeline.status.shard_state, STATUS_THREADS at a time).
+    Raises JobError (exit 2) when no job ever started at OUTPUT.
+    """
+    manifest: InputManifest | None = read_manifest(output_url)
+    if manifest is None:
+        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST_PATH}); start one with `tokenmill run` or "
+                       "`tokenmill submit`")
+    shards = manifest.shards()
+    states = shard_states(output_url, shards)
+    counts = dict.fromkeys(STATES, 0)
+    status = JobStatus(output_url, "", EXIT_OK, manifest.input, manifest.created_at, counts,
+                       sum(s.num_rows for s in shards), 0)
+    for shard, st in zip(shards, states, strict=True):
+        counts[st.state] = counts.get(st.state, 0) + 1
+        status.shard_states[shard.shard_id] = st.state
+        status.rows_committed += st.rows_committed
+        status.attempts += st.attempts
+        if st.state == "failed":
+            status.failed[shard.shard_id] = st.last_error or "failed"
+        row = st.accounting
+        if row:
+            status.input_tokens += int(row["input_tokens"])
+            status.output_tokens += int(row["output_tokens"])
+            status.cost_usd += float(row["cost_usd"])
+            status.preemptions += int(row.get("preemptions") or 0)
+            status.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
+    lease = newest_record(output_url)
+    if lease is not None and lease.active():
+        status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,
+                        "expires_in_s": round(lease.expires_at - time.time(), 1)}
+    status.cancelled = cancel_record(output_url)
+    status.state, status.exit_code = _overall(status, job_done(output_url))
+    return status
+
+
+def _overall(status: JobStatus, done: bool) -> tuple[str, int]:
+    if done or status.shards["done"] == sum(status.shards.values()):
+        return "done", EXIT_OK
+    if status.lease is not None:
+        return "running", EXIT_LEASE_HELD
+    if status.shards["failed"]:
+        return "failed", EXIT_FAILED_SHARDS
+    if status.cancelled is not None:
+        return "cancelled", EXIT_CANCELLED
+    return "incomplete", EXIT_INCOMPLETE

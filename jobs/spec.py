@@ -1,0 +1,47 @@
+"""From a job spec (schemas.job_spec.JobSpec: a YAML file, or `tokenmill run`'s options) to a run of the job."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine import EngineConfig
+from jobs.errors import JobError
+from jobs.runner import JobSummary, ProgressFn, run_job
+from pipeline.config import InputError, RunConfig
+from schemas.job_spec import JobSpec
+
+
+def run_config(spec: JobSpec) -> RunConfig:
+    """The pipeline's RunConfig of a spec. Raises JobError (exit 2) for a value out of range."""
+    try:
+        return RunConfig(prompt_column=spec.prompt_column, messages_column=spec.messages_column,
+                         id_column=spec.id_column, use_chat_template=spec.chat_template, max_tokens=spec.max_tokens,
+                         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+                         stop=tuple(spec.stop), rows_per_shard=spec.rows_per_shard,
+                         price_per_hour_usd=spec.price_per_hour, limit=spec.limit,
+                         checkpoint_rows=spec.checkpoint_rows, checkpoint_seconds=spec.checkpoint_seconds)
+    except (InputError, ValueError) as e:
+        raise JobError(str(e)) from e
+
+
+def engine_config(spec: JobSpec) -> EngineConfig:
+    """The engine's EngineConfig of a spec (kv_cache_gib GiB -> bytes). Raises JobError (exit 2) for a value out
+    of range."""
+    if spec.kv_cache_gib <= 0:
+        raise JobError(f"kv_cache_gib must be > 0 GiB, got {spec.kv_cache_gib}")
+    try:
+        return EngineConfig(device=spec.device, dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+                            kv_cache_memory_bytes=int(spec.kv_cache_gib * (1 << 30)),
+                            max_model_len=spec.max_model_len)
+    except ValueError as e:
+        raise JobError(str(e)) from e
+
+
+def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,
+             on_progress: ProgressFn | None = None) -> JobSummary:
+    """Run (or resume, or find finished) the job a spec describes; see jobs.runner.run_job for what happens and
+    the JobError exit codes it raises."""
+    cfg, engine = run_config(spec), engine_config(spec)
+    return run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine, workers=spec.workers,
+                   scheduler_address=spec.scheduler, gpus_per_worker=spec.gpus_per_worker, resume=resume,
+                   on_start=on_start, on_progress=on_progress)

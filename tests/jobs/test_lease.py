@@ -1,0 +1,96 @@
+"""The job lease on create-only storage: one holder, renewal, expiry and takeover, release, races; local and on a
+flaky S3. No model, no cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.errors import EXIT_LEASE_HELD
+from jobs.lease import Lease, LeaseHeld, newest_record
+
+
+def test_second_holder_is_refused_with_holder_and_expiry(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    first = Lease(out, ttl_s=30, holder="host-a:1:run1")
+    record = first.acquire()
+    assert (record.seq, record.holder) == (0, "host-a:1:run1") and record.active()
+    with pytest.raises(LeaseHeld) as e:
+        Lease(out, ttl_s=30, holder="host-b:2:run2").acquire()
+    assert e.value.exit_code == EXIT_LEASE_HELD
+    assert "host-a:1:run1" in str(e.value) and "lease until" in str(e.value) and "s from now" in str(e.value)
+    assert newest_record(out) == record
+
+
+def test_an_expired_lease_is_taken_over_and_its_old_holder_learns_it_lost(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    stale = Lease(out, ttl_s=0.2, holder="crashed")
+    stale.acquire()
+    time.sleep(0.3)  # the holder died: no renewal
+    taker = Lease(out, ttl_s=30, holder="next")
+    assert taker.acquire().seq == 1
+    assert stale.renew() is False and stale.lost.is_set()  # its next seq is taken: it must stop
+    assert newest_record(out).holder == "next"
+
+
+def test_the_holder_renews_in_the_background_and_releases_at_the_end(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    with Lease(out, ttl_s=0.6, holder="busy") as lease:
+        time.sleep(1.5)  # > 2 TTLs: only renewal keeps it
+        newest = newest_record(out)
+        assert newest.holder == "busy" and newest.active() and newest.seq >= 3
+        with pytest.raises(LeaseHeld):
+            Lease(out, ttl_s=0.6, holder="other").acquire()
+        assert not lease.lost.is_set()
+    assert newest_record(out).released
+    assert len(list((tmp_path / "out" / "_lease").iterdir())) <= 3  # old records are tidied away
+    assert Lease(out, ttl_s=0.6, holder="other").acquire().holder == "other"  # no wait for the expiry
+
+
+def test_racing_takers_get_exactly_one_lease(tmp_path: Path) -> None:
+    out = str(tmp_path / "out")
+    barrier = threading.Barrier(8)
+    won: list[str] = []
+
+    def take(i: int) -> None:
+        barrier.wait()
+        with contextlib.suppress(LeaseHeld):
+            won.append(Lease(out, ttl_s=30, holder=f"racer-{i}").acquire().holder)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1 and newest_record(out).holder == won[0]
+
+
+def test_an_unreadable_record_counts_as_held_until_its_mtime_plus_ttl(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "_lease").mkdir(parents=True)
+    (out / "_lease" / "000000000004.json").write_text('{"holder": "cut sh')  # a local write cut by a crash
+    with pytest.raises(LeaseHeld, match="unreadable lease record"):
+        Lease(str(out), ttl_s=30).acquire()
+    time.sleep(0.01)
+    assert Lease(str(out), ttl_s=1e-3, holder="patient").acquire().seq == 5  # its mtime + TTL has passed
+
+
+def test_lease_on_a_flaky_s3() -> None:
+    """Refused requests are retried; a claim whose answer was lost is recognised as ours (not a rival's)."""
+    from s3_faults import flaky_s3
+
+    with flaky_s3(rate=0.2, lost_rate=0.3, seed=5) as s3:
+        out = f"s3://{s3.bucket}/job"
+        lease = Lease(out, ttl_s=30, holder="mine")
+        assert lease.acquire().holder == "mine"
+        for _ in range(4):
+            assert lease.renew() is True
+        with pytest.raises(LeaseHeld):
+            Lease(out, ttl_s=30, holder="rival").acquire()
+        lease.release()
+        assert newest_record(out).released
+        assert s3.faults.stats.lost.get("PUT", 0) > 0

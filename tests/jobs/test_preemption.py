@@ -1,0 +1,216 @@
+"""Jobs that survive their machines: a SIGKILLed worker, a SIGTERMed (spot-preempted) worker, a crashed run, a
+cancel. Real GSM8K rows, the real model, one LocalCluster of two worker processes for the module, reached by its
+scheduler address as a real cluster would be (engines stay resident across the jobs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import dask
+import pyarrow.parquet as pq
+import pytest
+from distributed import Client, LocalCluster
+from typer.testing import CliRunner
+
+from engine import EngineConfig, LLMEngine
+from jobs.cli import app
+from jobs.control import cancel_job, job_status
+from jobs.lease import Lease
+from jobs.runner import CLUSTER_CONFIG, run_job
+from pipeline.attempts import claim_attempt, end_path
+from pipeline.config import RunConfig
+from pipeline.input import pin_manifest
+from pipeline.shard import ShardInterrupted, run_shard
+from pipeline.storage import output_fs
+
+ENGINE = EngineConfig(device="cpu", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
+WAIT_S = 600.0  # generous: a loaded CI box; the tests never assert on time
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[LocalCluster, Client]]:
+    """Two single-threaded worker processes under nannies (a killed worker is restarted) with run_job's settings
+    (CLUSTER_CONFIG: shards outlive dead workers; no worker profiler); cancel markers polled every 0.2 s."""
+    with pytest.MonkeyPatch.context() as mp, dask.config.set(CLUSTER_CONFIG):
+        mp.setenv("TOKENMILL_STOP_POLL_S", "0.2")
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+            yield cluster, client
+
+
+def _gsm8k(data_dir: Path, folder: Path, start: int, n: int) -> list[str]:
+    """Write n real GSM8K rows to folder/in.parquet; return their ids."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(start, n)
+    folder.mkdir(parents=True)
+    pq.write_table(table, folder / "in.parquet")
+    return table.column("id").to_pylist()
+
+
+def _results(out: Path) -> dict[str, str]:
+    rows = pq.read_table(out / "results").to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "an id appears twice"
+    return {r["id"]: r["completion"] for r in rows}
+
+
+def _accounting(out: Path) -> dict[str, dict]:
+    return {r["shard_id"]: r for r in pq.read_table(out / "accounting").to_pylist()}
+
+
+def _when_a_shard_checkpoints(out: Path, client: Client, act: Callable[[str, int], None]) -> threading.Thread:
+    """Start a thread that waits until a shard still running on a worker has committed a checkpoint part, then
+    calls act(shard_id, worker pid) once. `thread.acted` holds the shard id (None if it never happened)."""
+    def watch() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            for marker in sorted(out.glob("checkpoints/*/*.commit")):
+                shard_id = marker.parent.name
+                if (out / "results" / f"{shard_id}.parquet").exists():
+                    continue
+                for addr, keys in client.processing().items():
+                    if any(f"shard-{shard_id}-" in str(k) for k in keys):
+                        pid = client.run(os.getpid, workers=[addr])[addr]
+                        act(shard_id, pid)
+                        thread.acted = shard_id  # type: ignore[attr-defined]
+                        return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.acted = None  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], data_dir: Path,
+                                       tmp_path: Path) -> None:
+    """The worker running a shard is SIGKILLed after the shard's first checkpoint: the shard runs again on a worker,
+    resumes from the checkpoint, and the job's results equal an undisturbed run's."""
+    _, client = cluster
+    ids = _gsm8k(data_dir, tmp_path / "in", 400, 24)
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
+    addr = client.scheduler.address
+    ref = run_job(str(tmp_path / "in"), str(tmp_path / "ref"), cfg, engine_config=ENGINE, scheduler_address=addr)
+    assert ref.shards_ok == 2 and not ref.failed
+
+    out = tmp_path / "out"
+    killer = _when_a_shard_checkpoints(out, client, lambda _shard, pid: os.kill(pid, signal.SIGKILL))
+    summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, scheduler_address=addr)
+    killer.join()
+    killed = killer.acted
+    assert killed is not None, "no shard was caught mid-run"
+    assert summary.shards_ok == 2 and not summary.failed and (out / "_SUCCESS").is_file()
+
+    results = _results(out)
+    assert sorted(results) == sorted(ids)  # every id exactly once
+    assert results == _results(tmp_path / "ref")  # greedy: the same completions as without the kill
+    acct = _accounting(out)[killed]
+    assert acct["attempts"] >= 2 and acct["preemptions"] >= 1 and acct["rows_resumed"] >= 2
+    assert summary.attempts >= 3 and summary.preemptions >= 1
+
+
+def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(cluster: tuple[LocalCluster, Client],
+                                                              data_dir: Path, tmp_path: Path) -> None:
+    """A spot notice as SIGTERM: the shard commits its finished rows and stops (ShardInterrupted), the worker closes
+    gracefully, the client runs the shard again on the other worker, and it resumes."""
+    lc, client = cluster
+    ids = _gsm8k(data_dir, tmp_path / "in", 500, 24)
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
+    out = tmp_path / "out"
+    terminator = _when_a_shard_checkpoints(out, client, lambda _shard, pid: os.kill(pid, signal.SIGTERM))
+    try:
+        summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
+                          scheduler_address=client.scheduler.address)
+        terminator.join()
+        stopped = terminator.acted
+        assert stopped is not None, "no shard was caught mid-run"
+        assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
+        assert sorted(_results(out)) == sorted(ids)
+        end = json.loads(Path(end_path(str(out), stopped, 1)).read_text())
+        assert end["outcome"] == "interrupted" and end["rows_committed"] >= 2
+        acct = _accounting(out)[stopped]
+        assert acct["attempts"] >= 2 and acct["preemptions"] >= 1 and acct["rows_resumed"] >= 2
+    finally:
+        # The SIGTERMed worker retired with its nanny: drop its spec, then start a fresh one for later tests.
+        lc.scale(1)
+        lc.scale(2)
+        client.wait_for_workers(2, timeout=WAIT_S)
+
+
+def test_restart_after_a_crash_runs_only_what_is_missing(cluster: tuple[LocalCluster, Client], engine: LLMEngine,
+                                                         data_dir: Path, tmp_path: Path) -> None:
+    """A run crashed with shard 0 committed, shard 1 checkpointed halfway, shard 2 claimed and nothing more, and its
+    lease unexpired when it died. The rerun waits out nothing it need not, leaves shard 0 alone, resumes shard 1,
+    and runs shard 2."""
+    _, client = cluster
+    ids = _gsm8k(data_dir, tmp_path / "in", 600, 24)
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=8, checkpoint_rows=2)
+    out = tmp_path / "out"
+    manifest, _ = pin_manifest(str(out), str(tmp_path / "in"), cfg)
+    s0, s1, s2 = manifest.shards()
+    Lease(str(out), ttl_s=0.5, holder="crashed-host:1:dead").acquire()  # the dead run's lease, never renewed
+    small = engine.with_config(ENGINE)
+    run_shard(small, s0, "question", str(out), cfg)
+    parts = out / "checkpoints" / s1.shard_id
+    with pytest.raises(ShardInterrupted):
+        run_shard(small, s1, "question", str(out), cfg, should_stop=lambda: any(parts.glob("*.commit")))
+    Path(end_path(str(out), s1.shard_id, 1)).unlink()  # a SIGKILL leaves no end record
+    fs, root = output_fs(str(out))
+    claim_attempt(fs, root, s2.shard_id)  # started, then the machine vanished
+    before = {p: p.stat().st_mtime_ns for p in [out / "results" / f"{s0.shard_id}.parquet",
+                                                 *out.glob(f"accounting/{s0.shard_id}.*")]}
+    assert job_status(str(out)).shards == {"done": 1, "running": 2, "partial": 0, "failed": 0, "pending": 0}
+
+    time.sleep(0.6)  # the crashed run's lease expires
+    summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
+                      scheduler_address=client.scheduler.address)
+    assert summary.shards_ok == 3 and not summary.failed and (out / "_SUCCESS").is_file()
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # shard 0 untouched
+    assert sorted(_results(out)) == sorted(ids)
+    acct = _accounting(out)
+    assert acct[s0.shard_id]["attempts"] == 1
+    assert acct[s1.shard_id]["attempts"] == 2 and acct[s1.shard_id]["rows_resumed"] >= 2
+    assert acct[s1.shard_id]["preemptions"] == 1
+    assert acct[s2.shard_id]["attempts"] == 2 and acct[s2.shard_id]["rows_resumed"] == 0
+    st = job_status(str(out))
+    assert st.state == "done" and st.exit_code == 0 and st.attempts == 5 and st.rows_committed == 24
+
+
+def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalCluster, Client], data_dir: Path,
+                                                         tmp_path: Path) -> None:
+    _, client = cluster
+    ids = _gsm8k(data_dir, tmp_path / "in", 700, 24)
+    out = tmp_path / "out"
+    args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", "16",
+            "--rows-per-shard", "8", "--checkpoint-rows", "2", "--max-num-seqs", "2", "--kv-cache-gib", "0.25",
+            "--device", "cpu", "--scheduler", client.scheduler.address, "--json"]
+    runner = CliRunner()
+    canceller = _when_a_shard_checkpoints(out, client, lambda _s, _p: cancel_job(str(out), "test"))
+    res = runner.invoke(app, args)
+    canceller.join()
+    assert canceller.acted is not None
+    assert res.exit_code == 4, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["cancelled"] and summary["shards_stopped"] >= 1 and summary["shards_ok"] < 3
+    assert not (out / "_SUCCESS").exists()
+
+    status = runner.invoke(app, ["status", str(out), "--json"])
+    assert status.exit_code == 4
+    st = json.loads(status.stdout)
+    assert st["state"] == "cancelled" and st["cancelled"]["reason"] == "test"
+    assert st["shards"]["partial"] >= 1 and st["shards"]["done"] < 3 and 0 < st["rows_committed"] < 24
+
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 4 and "--resume" in refused.stderr
+    resumed = runner.invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert sorted(_results(out)) == sorted(ids)
+    assert not (out / "_CANCEL").exists() and (out / "_manifest" / "cancel-000.json").is_file()
+    assert sum(a["rows_resumed"] for a in _accounting(out).values()) >= 2
+    assert json.loads(runner.invoke(app, ["status", str(out), "--json"]).stdout)["state"] == "done"
