@@ -16,8 +16,8 @@ from rich.table import Table
 from jobs import model_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.runner import JobSummary
 from jobs.spec import run_spec
+from jobs.summary import JobSummary
 from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
 from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
 

@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -32,7 +32,7 @@ from jobs.plugin import (
     get_preemption,
     register_engine,
 )
-from pipeline.accounting import tokens_per_dollar
+from jobs.summary import JobProgress, JobSummary
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import InputError, RunConfig
 from pipeline.input import (
@@ -46,7 +46,7 @@ from pipeline.input import (
     pin_manifest,
     read_manifest,
 )
-from pipeline.shard import ShardInterrupted, results_path, run_shard
+from pipeline.shard import ProgressFn, ShardInterrupted, results_path, run_shard
 from pipeline.storage import commit_json, output_fs
 
 log = logging.getLogger(__name__)
@@ -64,73 +64,6 @@ ALLOWED_FAILURES = 10
 # worker hang mid-shard with it on. Profiling is for debugging; jobs run without it.
 CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
                   "distributed.worker.profile.enabled": False}
-
-# Called with (rows finished, output tokens) as workers report progress, on the client's thread.
-ProgressFn = Callable[[int, int], None]
-
-
-@dataclass
-class JobSummary:
-    """What a job did, rolled up over its shards (tokens; seconds; USD).
-
-    `device_s` is the device time billed for the committed shards (every attempt, lost time included);
-    `attempts`, `preemptions` and `gpu_s_lost` (device-seconds of work no commit kept) come from their accounting;
-    `interruptions` counts shard runs this job saw stop (preemption or cancel). `stopped` maps shards left
-    unfinished by a cancel to why; `cancelled` says the job was cancelled; `already_done` that it had finished
-    before this run started (nothing ran).
-    """
-
-    shards: int = 0
-    shards_ok: int = 0
-    failed: dict[str, str] = field(default_factory=dict)  # shard id -> error
-    stopped: dict[str, str] = field(default_factory=dict)  # shard id -> why it is unfinished
-    rows: int = 0
-    rows_ok: int = 0
-    rows_error: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    device_s: float = 0.0
-    cost_usd: float = 0.0
-    wall_s: float = 0.0
-    attempts: int = 0
-    preemptions: int = 0
-    gpu_s_lost: float = 0.0
-    interruptions: int = 0
-    cancelled: bool = False
-    already_done: bool = False
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        """Output tokens per second of job wall time."""
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def tokens_per_dollar(self) -> float | None:
-        """Output tokens per USD of device time; None when nothing was billed."""
-        return tokens_per_dollar(self.output_tokens, self.cost_usd)
-
-    def add(self, row: dict[str, Any]) -> None:
-        """Fold one shard's accounting row in."""
-        self.shards_ok += 1
-        for k in ("rows", "rows_ok", "rows_error", "input_tokens", "output_tokens"):
-            setattr(self, k, getattr(self, k) + int(row[k]))
-        self.device_s += float(row.get("gpu_s_billed") or row["wall_s"])
-        self.cost_usd += float(row["cost_usd"])
-        self.attempts += int(row.get("attempts") or 1)
-        self.preemptions += int(row.get("preemptions") or 0)
-        self.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready summary."""
-        return {"shards": self.shards, "shards_ok": self.shards_ok, "shards_failed": len(self.failed),
-                "failed": self.failed, "shards_stopped": len(self.stopped), "stopped": self.stopped,
-                "rows": self.rows, "rows_ok": self.rows_ok, "rows_error": self.rows_error,
-                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
-                "wall_s": round(self.wall_s, 3), "device_s": round(self.device_s, 3),
-                "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
-                "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
-                "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
-                "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done}
 
 
 @dataclass(frozen=True)
@@ -230,46 +163,6 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         preemption.shard_ended(interrupted)
 
 
-class _Progress:
-    """Folds workers' progress events and finished shards into one (rows, output tokens) stream for `on_progress`.
-
-    Events travel worker -> scheduler -> client and may arrive after the shard's result; a finished shard is topped
-    up to its committed totals and its late events are dropped. Rows are capped at the shard's size (an interrupted
-    attempt's uncommitted rows are generated, and reported, again), so the stream ends at the job's row total.
-    """
-
-    def __init__(self, run_id: str, on_progress: ProgressFn | None) -> None:
-        self.run_id = run_id
-        self.on_progress = on_progress
-        self.reported: dict[str, list[int]] = {}
-        self.sizes: dict[str, int] = {}
-        self.finished: set[str] = set()
-        self.lock = threading.Lock()
-
-    def event(self, event: tuple[float, dict[str, Any]]) -> None:
-        msg = event[1]
-        if msg.get("run") != self.run_id:
-            return  # another job on a shared cluster
-        with self.lock:
-            if msg["shard"] in self.finished:
-                return
-            seen = self.reported.setdefault(msg["shard"], [0, 0])
-            rows = min(msg["rows"], max(0, self.sizes.get(msg["shard"], 1 << 62) - seen[0]))
-            seen[0] += rows
-            seen[1] += msg["tokens"]
-        self._emit(rows, msg["tokens"])
-
-    def finish(self, shard_id: str, rows: int, tokens: int) -> None:
-        with self.lock:
-            self.finished.add(shard_id)
-            seen = self.reported.pop(shard_id, [0, 0])
-        self._emit(max(0, rows - seen[0]), max(0, tokens - seen[1]))
-
-    def _emit(self, rows: int, tokens: int) -> None:
-        if self.on_progress and (rows or tokens):
-            self.on_progress(rows, tokens)
-
-
 def _manifest_or_error(input_url: str, output_url: str, cfg: RunConfig,
                        built: InputManifest | None) -> InputManifest:
     try:
@@ -345,7 +238,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         if on_start:
             on_start(sum(s.num_rows for s in shards))
         summary = JobSummary(shards=len(shards))
-        progress = _Progress(uuid.uuid4().hex[:8], on_progress)
+        progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)
         if todo:
@@ -360,7 +253,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         return _finish(summary, t0, output_url, shards)
 
 
-def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, progress: _Progress) -> list[Shard]:
+def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, progress: JobProgress) -> list[Shard]:
     """Fold the committed shards' accounting into the summary; return the others."""
     todo = []
     for shard, state in zip(shards, shard_states(output_url, shards), strict=True):
@@ -373,7 +266,7 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
 
 
 def _fail_changed_inputs(output_url: str, manifest: InputManifest, todo: list[Shard], summary: JobSummary,
-                         progress: _Progress) -> list[Shard]:
+                         progress: JobProgress) -> list[Shard]:
     """Fail (and record as failed) the unfinished shards of pinned files that changed; return the others."""
     changed = changed_inputs(manifest)
     keep = []
@@ -389,7 +282,7 @@ def _fail_changed_inputs(output_url: str, manifest: InputManifest, todo: list[Sh
 
 def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig, model: str | None,
                     engine_config: EngineConfig, opts: ClusterOptions, pinned: dict[str, InputFile],
-                    summary: JobSummary, progress: _Progress, lease: Lease) -> None:
+                    summary: JobSummary, progress: JobProgress, lease: Lease) -> None:
     resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
@@ -419,7 +312,7 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
 
 def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig,
             plugin_name: str, pinned: dict[str, InputFile], resources: dict[str, int] | None, summary: JobSummary,
-            progress: _Progress, lease: Lease, own_cluster: bool) -> None:
+            progress: JobProgress, lease: Lease, own_cluster: bool) -> None:
     """Submit the shards and fold their outcomes into `summary`, resubmitting interrupted ones. A worker that
     reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
     cluster: the machine is going away) before its shard is submitted again."""

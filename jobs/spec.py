@@ -6,8 +6,10 @@ from collections.abc import Callable
 
 from engine import EngineConfig
 from jobs.errors import JobError
-from jobs.runner import JobSummary, ProgressFn, run_job
+from jobs.runner import run_job
+from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
+from pipeline.shard import ProgressFn
 from schemas.job_spec import JobSpec
 
 

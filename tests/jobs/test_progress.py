@@ -7,12 +7,12 @@ import json
 import pytest
 
 from jobs.cli import _Reporter
-from jobs.runner import JobSummary, _Progress
+from jobs.summary import JobProgress, JobSummary
 
 
 def test_progress_tops_finished_shards_up_and_drops_late_events() -> None:
     got: list[tuple[int, int]] = []
-    p = _Progress("run1", lambda r, t: got.append((r, t)))
+    p = JobProgress("run1", lambda r, t: got.append((r, t)))
     p.event((0.0, {"run": "run1", "shard": "00000-000000000", "rows": 3, "tokens": 24}))
     p.event((0.0, {"run": "other-job", "shard": "00000-000000000", "rows": 5, "tokens": 40}))
     p.finish("00000-000000000", rows=8, tokens=61)  # the result came before the last event
