@@ -11,11 +11,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from engine import EngineConfig
 from jobs.cli import app
 from jobs.lease import Lease
+from jobs.spec import engine_config, run_config
 from pipeline.config import RunConfig
 from pipeline.input import pin_manifest
-from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA, JobSpec
 
 runner = CliRunner()
 
@@ -185,3 +187,11 @@ def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None
         assert fs.exists(f"{s3.bucket}/out/_SUCCESS") and fs.exists(f"{s3.bucket}/out/_manifest/input.json")
     print(stats)
     assert stats.faults >= 5, stats
+
+
+def test_spec_defaults_are_the_pipeline_and_engine_defaults() -> None:
+    """schemas.JobSpec (the YAML's wire record) repeats RunConfig's and EngineConfig's fields: its defaults must
+    build exactly their defaults, or a spec and a plain `tokenmill run` would run different jobs."""
+    spec = JobSpec(input="in/", output="out/")
+    assert run_config(spec) == RunConfig()
+    assert engine_config(spec) == EngineConfig()
