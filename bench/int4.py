@@ -2,8 +2,10 @@
 
 CPU (default): perplexity of the default SmolLM2-135M-Instruct Q4_1 model on AlpacaEval reference answers, fp32
 reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections only and with the embedding),
-and the sizes of the bf16 and INT4 model folders.
+and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) at the --gptq-groups group sizes,
+calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
     python bench/int4.py --tokens 20000
+    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128
 CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
 kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch 1/8/32, KV room.
     python bench/int4.py --device cuda
@@ -25,13 +27,42 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_eval.parquet"
+CALIBRATION = DATA.with_name("gsm8k_test.parquet")
 
 
 def _emit(**row: object) -> None:
     print(json.dumps(row), flush=True)
 
 
-def cpu(tokens: int, context: int) -> None:
+def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: list[int], samples: int, seq_len: int,
+               act_order: bool, damp: float) -> None:
+    """GPTQ rows: calibration = half GSM8K test question + answer, half AlpacaEval `instruction` (the prompts; the
+    perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens."""
+    import pyarrow.parquet as pq
+
+    from engine.perplexity import perplexity
+    from engine.quant.gptq import calibration_batch
+    from engine.quant.handler import quantize_model
+    from engine.quant.loading import load_model
+
+    t = pq.read_table(CALIBRATION, columns=["question", "answer"])
+    gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
+    instructions = pq.read_table(DATA, columns=["instruction"]).column(0).to_pylist()
+    for g in groups:
+        m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
+        cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
+        t0 = time.perf_counter()
+        quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp)
+        seconds = round(time.perf_counter() - t0, 1)
+        r = perplexity(m.model, ids, context)
+        _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp,
+              calibration=f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} tokens",
+              perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1, gptq_seconds=seconds)
+        del m
+
+
+def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...] = (), samples: int = 64,
+        seq_len: int = 256, act_order: bool = True, damp: float = 0.1) -> None:
     import pyarrow.parquet as pq
 
     from engine.loader import default_model_path
@@ -50,6 +81,10 @@ def cpu(tokens: int, context: int) -> None:
     _emit(variant="fp32 (dequantized Q4_1)", perplexity=base.perplexity, tokens=base.tokens,
           seconds=round(time.perf_counter() - t0, 1))
     del ref
+    if gptq_groups:
+        _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, damp)
+    if not rtn:
+        return
     native = load_model(path, torch.float32, cpu_dev, quantization="auto")
     r = perplexity(native.model, ids, context)
     _emit(variant="int4 native Q4_1 g32 (quantization=auto)", perplexity=r.perplexity, tokens=r.tokens,
@@ -142,12 +177,19 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tokens", type=int, default=20000, help="cpu: tokens of reference answers to score")
     p.add_argument("--context", type=int, default=1024, help="cpu: perplexity chunk length")
+    p.add_argument("--no-rtn", action="store_true", help="cpu: skip the native/round-to-nearest rows and folders")
+    p.add_argument("--gptq-groups", default="128", help="cpu: GPTQ group sizes, comma-separated ('' = none)")
+    p.add_argument("--calibration-samples", type=int, default=64, help="cpu: GPTQ calibration sequences")
+    p.add_argument("--calibration-seq-len", type=int, default=256, help="cpu: tokens per calibration sequence")
+    p.add_argument("--no-act-order", action="store_true", help="cpu: GPTQ without act-order")
+    p.add_argument("--damp", type=float, default=0.1, help="cpu: GPTQ dampening (fraction of mean diag H)")
     p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     a = p.parse_args()
     if a.device == "cpu":
-        cpu(a.tokens, a.context)
+        cpu(a.tokens, a.context, not a.no_rtn, tuple(int(g) for g in a.gptq_groups.split(",") if g.strip()),
+            a.calibration_samples, a.calibration_seq_len, not a.no_act_order, a.damp)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")

@@ -29,21 +29,72 @@ def quantize(
     keep_embedding: Annotated[bool, typer.Option("--keep-embedding",
                                                  help="Leave the token embedding (and a tied LM head) in bf16: "
                                                       "better quality, bigger folder.")] = False,
+    method: Annotated[str, typer.Option(help="rtn = round-to-nearest (MSE scale fit, no data); gptq = GPTQ "
+                                             "calibrated on --calibration text (fp32 on the CPU, minutes).")] = "rtn",
+    calibration: Annotated[list[str] | None, typer.Option(
+        help="gptq: calibration text as PARQUET or PARQUET#COL1,COL2 (file, folder, glob or fsspec URL; columns "
+             "of a row joined by a newline, default --calibration-column). Repeat to mix sources: the sequences "
+             "are split evenly. Not your evaluation text.")] = None,
+    calibration_column: Annotated[str, typer.Option(help="gptq: default column(s), comma-separated.")] = "text",
+    calibration_samples: Annotated[int, typer.Option(help="gptq: calibration sequences in all.")] = 64,
+    calibration_seq_len: Annotated[int, typer.Option(help="gptq: tokens per calibration sequence.")] = 256,
+    act_order: Annotated[bool, typer.Option(help="gptq: quantize columns by decreasing Hessian diagonal (static "
+                                                 "groups).")] = True,
+    damp: Annotated[float, typer.Option(help="gptq: dampening, fraction of the mean Hessian diagonal.")] = 0.1,
 ) -> None:
     """Write MODEL as a folder (safetensors + tokenmill_model.json + tokenizer) that `--model DIR` loads.
 
-    Example: tokenmill quantize --output smollm2-int4 --group-size 32
+    Examples: tokenmill quantize --output smollm2-int4 --group-size 32
+              tokenmill quantize --output smollm2-gptq --method gptq \\
+                  --calibration '../shared/data/gsm8k_test.parquet#question,answer' \\
+                  --calibration '../shared/data/alpaca_eval.parquet#instruction'
     """
     from engine.quant.folder import folder_bytes
     from engine.quant.loading import quantize_to_folder
 
     try:
+        sources = [_read_texts(*_source(c, calibration_column)) for c in calibration or []] if method == "gptq" \
+            else None
+        tty = sys.stderr.isatty()
         meta = quantize_to_folder(model, output, bits=bits, group_size=group_size,
-                                  include_embedding=not keep_embedding)
+                                  include_embedding=not keep_embedding, method=method, calibration=sources,
+                                  calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
+                                  act_order=act_order, damp=damp,
+                                  on_layer=(lambda i, t: print(f"\rgptq layer {i + 1} ({t:.0f} s)", end="",
+                                                               file=sys.stderr)) if tty else None)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise _fail(e) from e
     print(json.dumps({"output": output, "bits": bits, "group_size": meta["quantization"].get("group_size"),
-                      "bytes": folder_bytes(output)}))
+                      "method": method, "bytes": folder_bytes(output)}))
+
+
+def _source(spec: str, default_columns: str) -> tuple[str, str]:
+    """(input, columns) of a --calibration spec PARQUET or PARQUET#COL1,COL2."""
+    path, _, cols = spec.partition("#")
+    return path, cols or default_columns
+
+
+def _read_texts(input: str, columns: str, limit: int | None = None) -> list[str]:
+    """Texts of INPUT's comma-separated COLUMNS (joined by a newline per row). Raises ValueError for a missing
+    column."""
+    import pyarrow.parquet as pq
+
+    from pipeline.input import resolve_inputs
+
+    names = [c.strip() for c in columns.split(",") if c.strip()]
+    fs, files = resolve_inputs(input)
+    texts: list[str] = []
+    for f in files:
+        with fs.open(f, "rb") as fh:
+            table = pq.read_table(fh)
+        missing = [c for c in names if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{f} has no column {missing[0]!r}; it has {table.column_names}")
+        cols = [table.column(c).to_pylist() for c in names]
+        texts.extend("\n".join(str(v) for v in row if v) for row in zip(*cols, strict=True))
+        if limit is not None and len(texts) >= limit:
+            break
+    return texts[:limit] if limit is not None else texts
 
 
 def perplexity(

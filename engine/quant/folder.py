@@ -35,9 +35,10 @@ def is_model_folder(path: str) -> bool:
 
 
 def save_folder(out_dir: str, cfg: ModelConfig, state: QuantizedState, hf_tokenizer: Any, *, bits: int,
-                group_size: int | None, source: str) -> dict[str, Any]:
+                group_size: int | None, source: str, method: str = "rtn") -> dict[str, Any]:
     """Write a model folder; returns the JSON config written. Plain tensors are stored as bf16 (fp32 for 1-D
-    norm weights, which are tiny). Raises FileExistsError when out_dir holds a file other than ours."""
+    norm weights, which are tiny). `method` (how the INT4 codes were chosen: "rtn" round-to-nearest, "gptq") is
+    recorded in the config only. Raises FileExistsError when out_dir holds a file other than ours."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -59,7 +60,7 @@ def save_folder(out_dir: str, cfg: ModelConfig, state: QuantizedState, hf_tokeni
             tensors[name] = v.to(torch.float32 if v.dim() == 1 else torch.bfloat16).contiguous()
     quant: dict[str, Any] = {"bits": bits}
     if bits == 4:
-        quant.update(group_size=group_size, scheme="asymmetric min-max, w = (q - 8) * scale + zero",
+        quant.update(group_size=group_size, scheme="asymmetric, w = (q - 8) * scale + zero", method=method,
                      layout="uint8 [N, Kp/2], element 2j in the high nibble; scales/zeros bf16 [N, Kp/G]",
                      modules=modules)
     meta = {"format": "tokenmill", "format_version": FORMAT_VERSION, "model_config": dataclasses.asdict(cfg),

@@ -8,6 +8,8 @@ X.scales and X.zeros (engine.quant.folder).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -121,22 +123,35 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
 
 
 def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
-                   dequant_min_rows: int | None | str = "auto") -> LlamaModel:
+                   dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
+                   act_order: bool = False, damp: float = 0.01,
+                   on_layer: Callable[[int, float], None] | None = None) -> LlamaModel:
     """Quantize a filled model in place: each projection (and the embedding when asked) becomes INT4, on the
-    model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size."""
+    model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size.
+
+    calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token ids
+    (engine.quant.gptq.calibration_token_ids) = GPTQ for the decoder projections (engine.quant.gptq, run in the
+    model's dtype, so pass an fp32 model), after the embedding so its rounding is calibrated for. An untied LM head
+    and the embedding always use round-to-nearest. act_order, damp and on_layer go to gptq_quantize_model."""
     handler = Int4QuantHandler(group_size, include_embedding)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
-    for name, module in list(model.named_modules()):
-        if not name:
-            continue
-        tied = name == LM_HEAD and model.config.tie_word_embeddings
-        # NOTE: a tied LM head is quantized with the embedding below, never on its own.
-        if isinstance(module, nn.Linear) and handler.wants(f"{name}.weight") and not tied:
-            w = quantize_int4(module.weight.detach(), group_size)
-            _set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
     if include_embedding:
         w = quantize_int4(model.embed_tokens.weight.detach(), group_size)
         model.embed_tokens = Int4Embedding(w, dtype, device)
         if model.config.tie_word_embeddings:
             model.lm_head = Int4Linear(w, dtype, device, dequant_min_rows)
+    calibrated: dict[str, Int4Weight] = {}
+    if calibration is not None:
+        from engine.quant.gptq import gptq_quantize_model
+
+        calibrated = gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp,
+                                         on_layer=on_layer)
+    for name, module in list(model.named_modules()):
+        if not name:
+            continue
+        tied = name == LM_HEAD and model.config.tie_word_embeddings
+        # NOTE: a tied LM head is quantized with the embedding above, never on its own.
+        if isinstance(module, nn.Linear) and handler.wants(f"{name}.weight") and not tied:
+            w = calibrated.get(name) or quantize_int4(module.weight.detach(), group_size)
+            _set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
     return model

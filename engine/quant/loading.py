@@ -11,7 +11,7 @@ quantization modes (EngineConfig.quantization):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +24,15 @@ from engine.model import LlamaModel
 from engine.quant.folder import is_model_folder, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.quant.handler import (
+    EMBEDDING,
+    LM_HEAD,
     Int4QuantHandler,
     QuantizedState,
     build_model,
     dequantize_state_dict,
     is_linear_weight,
 )
-from engine.quant.qparams import Int4Weight
+from engine.quant.qparams import Int4Weight, quantize_int4
 from engine.tokenizer import Tokenizer
 
 QUANTIZATION_MODES = ("none", "auto", "int4")
@@ -121,16 +123,37 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     return LoadedModel(cfg, llama, Tokenizer(_hf_tokenizer(path)), n_int4)
 
 
+QUANTIZE_METHODS = ("rtn", "gptq")
+
+
 def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_size: int = 128,
-                       include_embedding: bool = True) -> dict[str, Any]:
+                       include_embedding: bool = True, *, method: str = "rtn",
+                       calibration: Sequence[Sequence[str]] | None = None, calibration_samples: int = 64,
+                       calibration_seq_len: int = 256, act_order: bool = True, damp: float = 0.1,
+                       on_layer: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     """Write `model` (GGUF file or folder) as a tokenmill folder: INT4 (bits=4, group-wise at group_size, the
-    embedding too unless include_embedding=False) or plain bf16 (bits=16). Weights are quantized one at a time from
-    fp32, so peak memory is about one fp32 tensor plus the output. Returns the folder's JSON config.
-    Raises ValueError for bits other than 4 or 16 or a bad group size."""
+    embedding too unless include_embedding=False) or plain bf16 (bits=16). Returns the folder's JSON config.
+
+    method "rtn": round-to-nearest with the MSE scale fit, weights quantized one at a time from fp32, so peak memory
+    is about one fp32 tensor plus the output. method "gptq" (engine.quant.gptq): the model is loaded in fp32 on the
+    CPU and its decoder projections are quantized layer by layer on `calibration_samples` sequences of
+    `calibration_seq_len` tokens, split evenly over the `calibration` sources (each a list of texts, joined by blank
+    lines; gptq.calibration_batch), with `act_order` and dampening `damp` (defaults: the best measured on
+    SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays round-to-nearest. Use calibration text
+    that is not your evaluation text.
+    Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(f"method must be one of {QUANTIZE_METHODS}, got {method!r}")
     path = resolve_model_path(model)
     handler = Int4QuantHandler(group_size, include_embedding) if bits == 4 else None
+    if bits == 4 and method == "gptq":
+        if not calibration or not any(calibration):
+            raise ValueError("method 'gptq' needs calibration text (e.g. --calibration ../shared/data/"
+                             "gsm8k_test.parquet --calibration-column question,answer)")
+        return _gptq_to_folder(path, out_dir, group_size, include_embedding, calibration, calibration_samples,
+                               calibration_seq_len, act_order, damp, on_layer)
     if os.path.isdir(path):
         cfg, stored, _ = read_folder(path)
         items: Iterator[tuple[str, Any]] = iter(dequantize_state_dict(stored, torch.float32).items())
@@ -147,3 +170,28 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         state.update(handler.quantize_state_dict({name: w}) if handler else {name: w.to(torch.bfloat16)})
     return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=bits,
                        group_size=group_size if bits == 4 else None, source=os.path.basename(path))
+
+
+def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding: bool,
+                    sources: Sequence[Sequence[str]], samples: int, seq_len: int, act_order: bool, damp: float,
+                    on_layer: Callable[[int, float], None] | None) -> dict[str, Any]:
+    from engine.quant.gptq import calibration_batch, gptq_quantize_model
+
+    loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
+    cfg, llama = loaded.config, loaded.model
+    calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
+    handler = Int4QuantHandler(group_size, include_embedding)
+    state: QuantizedState = {}
+    if include_embedding:  # first, so the calibration forwards see the INT4 embedding the folder will hold
+        emb = quantize_int4(llama.embed_tokens.weight.detach(), group_size)
+        state[EMBEDDING] = emb
+        llama.embed_tokens.weight.data = emb.dequantize()
+    state.update(gptq_quantize_model(llama, calibration, group_size, act_order=act_order, damp=damp,
+                                     on_layer=on_layer))
+    for name, w in llama.state_dict().items():
+        module = name.removesuffix(".weight")
+        if module in state or (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
+            continue
+        state.update(handler.quantize_state_dict({name: w}))  # an untied LM head: round-to-nearest
+    return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=4, group_size=group_size,
+                       source=os.path.basename(path), method="gptq")
