@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -160,7 +161,10 @@ def flaky_s3_env(endpoint_url: str, bucket: str) -> Iterator[None]:
 
 @contextmanager
 def flaky_s3(rate: float = 0.15, lost_rate: float = 0.05, seed: int = 0,
-             bucket: str = "tokenmill-flaky") -> Iterator[FlakyS3]:
-    """flaky_s3_server + flaky_s3_env: a bucket on a flaky S3 that this process and its children use."""
+             bucket: str | None = None) -> Iterator[FlakyS3]:
+    """flaky_s3_server + flaky_s3_env: a bucket on a flaky S3 that this process and its children use. The bucket is
+    new each time unless named: moto's backend is process-wide, so a fixed name would carry one test's objects into
+    the next."""
+    bucket = bucket or f"tokenmill-flaky-{uuid.uuid4().hex[:12]}"
     with flaky_s3_server(rate, lost_rate, seed) as (url, faults), flaky_s3_env(url, bucket):
         yield FlakyS3(url, bucket, faults)
