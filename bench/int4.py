@@ -62,7 +62,7 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
 
 
 def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...] = (), samples: int = 64,
-        seq_len: int = 256, act_order: bool = True, damp: float = 0.1) -> None:
+        seq_len: int = 256, act_order: bool = True, damp: float = 0.01) -> None:
     import pyarrow.parquet as pq
 
     from engine.loader import default_model_path
@@ -182,7 +182,7 @@ def main() -> None:
     p.add_argument("--calibration-samples", type=int, default=64, help="cpu: GPTQ calibration sequences")
     p.add_argument("--calibration-seq-len", type=int, default=256, help="cpu: tokens per calibration sequence")
     p.add_argument("--no-act-order", action="store_true", help="cpu: GPTQ without act-order")
-    p.add_argument("--damp", type=float, default=0.1, help="cpu: GPTQ dampening (fraction of mean diag H)")
+    p.add_argument("--damp", type=float, default=0.01, help="cpu: GPTQ dampening (fraction of mean diag H)")
     p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)

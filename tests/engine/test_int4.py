@@ -10,8 +10,9 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.perplexity import perplexity, text_token_ids
-from engine.quant.folder import folder_bytes, read_folder
+from engine.quant.folder import folder_bytes, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4
+from engine.quant.gptq import HessianAccumulator, calibration_token_ids, gptq_quantize_weight, output_error
 from engine.quant.handler import quantize_model
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.loading import load_model, quantize_to_folder
@@ -141,10 +142,84 @@ def test_perplexity_g32_within_1_percent(gguf_path: str, ref, reference_ids) -> 
 
 
 @pytest.mark.xfail(strict=True, reason="measured +51% (projections) / +72% (with embedding) on 20k tokens of "
-                   "SmolLM2-135M Q4_1 requantized round-to-nearest at group 128; needs calibration (AWQ/GPTQ). "
-                   "See bench/README.md")
+                   "SmolLM2-135M Q4_1 requantized round-to-nearest at group 128; GPTQ (engine.quant.gptq) narrows it "
+                   "but does not reach 10% either. See bench/README.md, INT4")
 def test_perplexity_g128_within_10_percent(gguf_path: str, ref, reference_ids) -> None:  # noqa: ANN001
     base = perplexity(ref.model, reference_ids).perplexity
     m = load_model(gguf_path, torch.float32, CPU, quantization="none")
     q = perplexity(quantize_model(m.model, 128), reference_ids).perplexity
     assert q / base - 1 < 0.10, (base, q)
+
+
+def _layer0_down_proj_inputs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Real inputs of layers.0.mlp.down_proj: fp32 [S * L, 1536] for token ids int64 [S, L] (layer 0 only)."""
+    cfg, layer = model.config, model.layers[0]
+    s, n = ids.shape
+    nb = -(-n // 16)
+    caches = (torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim))
+    meta = AttentionMetadata(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32), torch.arange(nb, dtype=torch.int32)[None],
+                             [n], [n], False)
+    cos, sin = model.rotary(torch.arange(n), torch.float32)
+    seen: list[torch.Tensor] = []
+    handle = layer.mlp.down_proj.register_forward_hook(lambda _m, a, _o: seen.append(a[0]))
+    try:
+        with torch.inference_mode():
+            for row in ids:
+                layer(model.embed_tokens(row), cos, sin, *caches, meta, model.attn_fn)
+    finally:
+        handle.remove()
+    return torch.cat(seen)
+
+
+@pytest.fixture(scope="module")
+def gptq_down_proj(ref, data_dir):  # noqa: ANN001, ANN201
+    """GPTQ g128 (damp 0.1, act-order) of the real layers.0.mlp.down_proj (K=1536), calibrated on 4,096 GSM8K
+    question+answer tokens and 4,096 AlpacaEval instruction tokens, as bench/int4.py calibrates. Held out: 1,024
+    other GSM8K tokens (same domain) and 1,024 AlpacaEval reference-answer tokens (the perplexity text).
+    Returns (weight, GPTQ Int4Weight, held-out GSM8K X, held-out AlpacaEval X)."""
+    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"])
+    gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
+    alpaca = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction", "reference_output"])
+    gsm_ids = calibration_token_ids(ref.tokenizer, gsm, 20, 256)
+    calib = torch.cat((gsm_ids[:16], calibration_token_ids(ref.tokenizer, alpaca.column(0).to_pylist(), 16, 256)))
+    answers = calibration_token_ids(ref.tokenizer, alpaca.column(1).to_pylist(), 4, 256)
+    x_calib, x_gsm, x_answers = (_layer0_down_proj_inputs(ref.model, ids) for ids in (calib, gsm_ids[16:], answers))
+    acc = HessianAccumulator(x_calib.shape[1])
+    acc.add(x_calib)
+    w = ref.model.layers[0].mlp.down_proj.weight.detach()
+    return w, gptq_quantize_weight(w, acc.hessian, 128, damp=0.1, act_order=True), x_gsm, x_answers
+
+
+def test_gptq_beats_round_to_nearest_on_real_layer(gptq_down_proj) -> None:  # noqa: ANN001
+    """On held-out real inputs GPTQ's output error ||XW^T - XWq^T|| / ||XW^T|| must be below round-to-nearest's
+    (same group size, same MSE scale fit, same bf16 scales). Layer 0's MLP is the hardest case for calibration
+    (its inputs depend on the tokens: damp 0.01 with GSM8K-only calibration was *worse* than RTN on AlpacaEval
+    answers, 0.076 vs 0.061). Measured here: see the bounds' comments."""
+    w, q, x_gsm, x_answers = gptq_down_proj
+    for x, bound in ((x_gsm, 0.7), (x_answers, 0.9)):
+        rtn = output_error(x, w, quantize_int4(w, 128).dequantize())
+        gptq = output_error(x, w, q.dequantize())
+        assert 0.01 < rtn < 0.2, rtn  # a real 4-bit error, not a degenerate layer
+        assert gptq < bound * rtn, (gptq, rtn, bound)
+
+
+def test_gptq_weight_round_trips_through_folder(ref, gptq_down_proj, tmp_path) -> None:  # noqa: ANN001
+    """The GPTQ result is an ordinary Int4Weight: valid codes and shapes, saved and read back bit for bit, and the
+    loaded Int4Linear (fp32, dequantize-then-GEMM) computes exactly X Wq^T."""
+    w, q, x, _ = gptq_down_proj
+    assert isinstance(q, Int4Weight) and q.group_size == 128 and q.in_features == 1536
+    assert q.qweight.shape == (576, 1536 // 2) and q.scales.shape == (576, 12) and q.scales.dtype == torch.bfloat16
+    state = {k: v for k, v in ref.model.state_dict().items() if k != "lm_head.weight"}
+    del state["layers.0.mlp.down_proj.weight"]
+    state["layers.0.mlp.down_proj"] = q
+    save_folder(str(tmp_path), ref.config, state, None, bits=4, group_size=128, source="test", method="gptq")
+    _, back, meta = read_folder(str(tmp_path))
+    assert meta["quantization"]["method"] == "gptq"
+    got = back["layers.0.mlp.down_proj"]
+    assert isinstance(got, Int4Weight)
+    for part in ("qweight", "scales", "zeros"):
+        assert torch.equal(getattr(got, part), getattr(q, part)), part
+    lin = Int4Linear(got, torch.float32, CPU)
+    xs = x[:64]
+    assert torch.allclose(lin(xs), xs @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
