@@ -150,8 +150,8 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     handler = Int4QuantHandler(group_size, include_embedding) if bits == 4 else None
     if bits == 4 and method == "gptq":
         if not calibration or not any(calibration):
-            raise ValueError("method 'gptq' needs calibration text (e.g. --calibration ../shared/data/"
-                             "gsm8k_test.parquet --calibration-column question,answer)")
+            raise ValueError("method 'gptq' needs calibration text (e.g. --calibration '../shared/data/"
+                             "gsm8k_test.parquet#question,answer')")
         return _gptq_to_folder(path, out_dir, group_size, include_embedding, calibration, calibration_samples,
                                calibration_seq_len, act_order, damp, on_layer)
     if os.path.isdir(path):
