@@ -39,6 +39,17 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     decode_only: bool
 
+    @classmethod
+    def single_prefill(cls, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
+        """One request prefilling n tokens from an empty private cache whose blocks 0..ceil(n / block_size) - 1 it
+        owns in order (slot i = token i): the metadata of perplexity scoring and calibration forwards."""
+        blocks = -(-n // block_size)
+        return cls(slot_mapping=torch.arange(n, device=device),
+                   query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+                   seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+                   block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+                   query_lens=[n], seq_lens_host=[n], decode_only=False)
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

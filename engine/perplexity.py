@@ -36,17 +36,6 @@ class PerplexityResult:
         return {"perplexity": self.perplexity, "tokens": self.tokens}
 
 
-def _chunk_metadata(n: int, device: torch.device) -> AttentionMetadata:
-    """Metadata of one request prefilling n tokens into blocks 0..ceil(n / block_size) - 1 of a private cache."""
-    blocks = -(-n // _BLOCK_SIZE)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        query_lens=[n], seq_lens_host=[n], decode_only=False)
-
-
 @torch.inference_mode()
 def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, int]:
     """(summed NLL in nats, tokens scored) of one chunk: token_ids int64 [n] on the model's device, n >= 2."""
@@ -56,7 +45,8 @@ def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype)
     shape = (-(-n // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
               for _ in range(cfg.num_layers)]
-    hidden = model(token_ids, torch.arange(n, device=device), caches, _chunk_metadata(n, device))
+    meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
+    hidden = model(token_ids, torch.arange(n, device=device), caches, meta)
     total = 0.0
     for start in range(0, n - 1, _LOGIT_ROWS):
         end = min(start + _LOGIT_ROWS, n - 1)
@@ -80,7 +70,8 @@ def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: tor
     kv_dtype = kv_dtype or weight.dtype
     caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
               for _ in range(cfg.num_layers)]
-    hidden = model(ids, torch.arange(n, device=device), caches, _chunk_metadata(n, device))
+    meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
+    hidden = model(ids, torch.arange(n, device=device), caches, meta)
     return model.compute_logits(hidden[-1:]).float()[0]
 
 

@@ -233,16 +233,6 @@ def calibration_batch(tokenizer: object, sources: Sequence[Sequence[str]], num_s
     return torch.cat(parts)
 
 
-def _sequence_metadata(n: int, device: torch.device) -> AttentionMetadata:
-    blocks = -(-n // _BLOCK_SIZE)
-    return AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        query_lens=[n], seq_lens_host=[n], decode_only=False)
-
-
 def _attention_core(attn: Attention, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
     """Attention.forward (engine.model; kept in step with it) up to o_proj's input: a fp32 [L, hidden] (one
@@ -280,7 +270,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     cfg = model.config
     device = next(model.parameters()).device
     s, seq_len = calibration.shape
-    meta = _sequence_metadata(seq_len, device)
+    meta = AttentionMetadata.single_prefill(seq_len, _BLOCK_SIZE, device)
     shape = (-(-seq_len // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     dtype = torch.float32
     k_cache = torch.zeros(shape, dtype=dtype, device=device)
