@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff check engine pipeline jobs schemas tests bench
 
 bench: setup
-	$(PY) bench/throughput.py --num-prompts 64 --max-tokens 64
+	$(PY) bench/throughput.py --num-prompts 64 --workload both
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

@@ -1,13 +1,13 @@
 """Throughput: our engine vs HF transformers `generate` on the same real prompts, same process, same device.
 
 Usage:
-    python bench/throughput.py --num-prompts 64 --max-tokens 64            # CPU, the default SmolLM2 GGUF, fp32
+    python bench/throughput.py --num-prompts 64 --workload both           # CPU, the default SmolLM2 GGUF, fp32
     python bench/throughput.py --device cuda                                # GPU: llama-3.1-8b shape, random bf16,
                                                                             # 512 requests, W1 and W2, HF beside it
 Prints output tokens/s of both and the ratio. EOS is ignored (ignore_eos for ours, min_new_tokens for HF) so both do
 the same work, as in vLLM's throughput benchmark. Workloads:
     w1: every request generates --max-tokens tokens.
-    w2: each request generates as many tokens as its AlpacaEval reference answer (capped at --max-tokens): the
+    w2: each request generates as many tokens as its AlpacaEval reference answer (capped at --w2-max-tokens): the
         variable-length case where continuous batching matters. HF's static batch runs until its longest request;
         only each request's own tokens count as output.
 """
@@ -124,7 +124,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="default 64 on cpu, 512 on cuda")
     ap.add_argument("--workload", choices=["w1", "w2", "both"], default=None, help="default w1 on cpu, both on cuda")
     ap.add_argument("--max-tokens", type=int, default=None,
-                    help="output tokens per request (w1) and the cap (w2); default 64 on cpu, 256 (w1) / 1024 (w2)")
+                    help="output tokens per request in w1; default 64 on cpu, 256 on cuda")
+    ap.add_argument("--w2-max-tokens", type=int, default=None,
+                    help="cap on w2's reference lengths; default 256 on cpu, 1024 on cuda")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default 64 on cpu, 256 on cuda")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 64 on cpu, 512 on cuda")
     ap.add_argument("--skip-hf", action="store_true")
@@ -171,7 +173,8 @@ def main() -> None:
         if w == "w1":
             max_tokens = [args.max_tokens or (256 if cuda else 64)] * n
         else:
-            max_tokens = [max(1, min(args.max_tokens or (1024 if cuda else 64), r)) for r in ref_lens]
+            max_tokens = [max(1, min(args.w2_max_tokens or (1024 if cuda else 256), r)) for r in ref_lens]
+        engine.reset_prefix_cache()  # every run starts cold: no reuse of an earlier workload's prompt blocks
         s, tok = run_ours(engine, prompt_ids, max_tokens)
         rows.append((w, "tokenmill", s, tok, tok + prompt_tokens))
         if hf is not None:

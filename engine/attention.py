@@ -93,27 +93,28 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = v_cache[tables].flatten(1, 2)[:, :max_len]
         positions = torch.arange(max_len, device=q.device)
         mask = positions[None, :] < meta.seq_lens.to(q.device)[:, None]  # [B, L]
-        qb = q.unsqueeze(2)  # [B, H, 1, D]
-        kb = k.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)  # [B, H, L, D]
-        vb = v.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype), attn_mask=mask[:, None, None, :],
-                                           scale=scale)
-        return o.squeeze(2)
+        # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
+        # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
+        qb = q.reshape(q.shape[0], num_kv_heads, group, q.shape[2])
+        kb = k.permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vb = v.permute(0, 2, 1, 3).to(q.dtype)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale)
+        return o.reshape(q.shape)
     start = 0
     for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
         end = start + q_len
         k = _gather_context(k_cache, meta.block_tables[b], seq_len)  # [L, Hkv, D]
         v = _gather_context(v_cache, meta.block_tables[b], seq_len)
         qb = q[start:end].transpose(0, 1)  # [H, Lq, D]
-        kb = k.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)  # [H, L, D]
-        vb = v.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype)
+        kb = k.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]; enable_gqa maps query head h to KV head h // group
+        vb = v.transpose(0, 1).to(q.dtype)
         if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Chunked prefill or decode: query j sits at position seq_len - q_len + j.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(0, 1)
         start = end
     return out

@@ -85,6 +85,16 @@ class BlockPool:
         b = self.cached.get(block_hash)
         return b if b is not None and self.block_tokens[b] == tokens else None
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash (blocks in use keep their data; nothing is freed). Returns the number of
+        hashes dropped. Later requests start cold, as on a fresh engine: for benchmarks that rerun the same
+        prompts, and after the model's weights change."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        return dropped
+
     def check_integrity(self) -> None:
         """Raise RuntimeError if the free queue, ref counts and cache map disagree."""
         for b, rc in enumerate(self.ref_counts):

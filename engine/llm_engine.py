@@ -199,6 +199,13 @@ class LLMEngine:
             return "length"
         return None
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache (as vLLM's `LLM.reset_prefix_cache`): the next `generate` computes every prompt
+        from scratch. Returns the number of cached KV blocks forgotten. Raises RuntimeError while requests run."""
+        if self.scheduler.has_unfinished:
+            raise RuntimeError("reset_prefix_cache while requests are running; call it between generate calls")
+        return self.kv_cache.pool.reset_prefix_cache()
+
     def step(self) -> list[Request]:
         """Schedule and run one step; return the requests that finished in it."""
         plan = self.scheduler.schedule()

@@ -97,6 +97,13 @@ def test_prefix_caching_reuses_shared_blocks_and_keeps_outputs(engine: LLMEngine
     assert plain.kv_cache.pool.num_cache_hits == 0
     assert [o.output_token_ids for o in with_cache] == [o.output_token_ids for o in without]
     cached.kv_cache.check_integrity()
+    # After reset_prefix_cache the first request of a rerun finds nothing cached (cold, as on a fresh engine).
+    assert cached.reset_prefix_cache() > 0
+    hits = cached.kv_cache.pool.num_cache_hits
+    cold = cached.generate(prompts[:1], params)
+    assert cached.kv_cache.pool.num_cache_hits == hits
+    assert cold[0].output_token_ids == without[0].output_token_ids
+    cached.kv_cache.check_integrity()
 
 
 def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: LLMEngine,
