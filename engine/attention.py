@@ -81,7 +81,6 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     if meta.decode_only:
         # One query per request: gather every context padded to the longest and mask the padding.
         seq_lens = meta.seq_lens_host
@@ -100,6 +99,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         vb = v.permute(0, 2, 1, 3).to(q.dtype)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale)
         return o.reshape(q.shape)
+    out = torch.empty_like(q)
     start = 0
     for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
         end = start + q_len
