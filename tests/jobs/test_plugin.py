@@ -4,22 +4,35 @@ reach the task. Uses a missing model file so no weights load (the CLI tests load
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
 from engine import EngineConfig
 from jobs.plugin import PLUGIN_PREFIX, EnginePlugin, get_engine, register_engine
+from jobs.runner import CLUSTER_CONFIG
 
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[Client]:
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
-                      silence_logs=logging.ERROR) as cluster, Client(cluster) as c:
+    # The config `tokenmill run` starts its LocalCluster under.
+    with (dask.config.set(CLUSTER_CONFIG),
+          LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                       silence_logs=logging.ERROR) as cluster,
+          Client(cluster) as c):
         yield c
+
+
+def test_workers_start_without_the_nannys_malloc_trim_threshold(client: Client) -> None:
+    # The nanny would set MALLOC_TRIM_THRESHOLD_=65536 (glibc then mmaps every large activation tensor anew: 1.66x
+    # slower on the CPU path); the cluster config unsets it and keeps the rest of the nanny's environment.
+    env = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")))
+    assert list(env.values()) == [(None, "1")]
 
 
 def _engine_plugins(dask_worker: Any) -> dict[str, int]:
