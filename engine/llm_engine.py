@@ -258,8 +258,9 @@ class LLMEngine:
         soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
         returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
         finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
-        caller can commit what finished and leave the rest for a later attempt. Raises ValueError when the lengths
-        of prompts, params and ids differ.
+        caller can commit what finished and leave the rest for a later attempt. An exception from a step or from
+        `on_output` aborts every unfinished request (blocks freed) and propagates. Raises ValueError when the
+        lengths of prompts, params and ids differ.
         """
         n = len(prompts)
         if sampling_params is None:
@@ -285,16 +286,22 @@ class LLMEngine:
                     on_output(outputs[i])
         requests.sort(key=lambda r: -(r.num_prompt_tokens + r.sampling_params.max_tokens))
         self.scheduler.add_requests(requests)
-        while self.scheduler.has_unfinished:
-            if should_stop is not None and should_stop():
-                for req in self.scheduler.abort_all():
-                    outputs[index_of[req.request_id]] = RequestOutput(
-                        req.request_id, req.prompt_token_ids, [], "", "abort",
-                        num_preemptions=req.num_preemptions)
-                break
-            for req in self.step():
-                out = self._output(req, start)
-                outputs[index_of[req.request_id]] = out
-                if on_output:
-                    on_output(out)
+        try:
+            while self.scheduler.has_unfinished:
+                if should_stop is not None and should_stop():
+                    for req in self.scheduler.abort_all():
+                        outputs[index_of[req.request_id]] = RequestOutput(
+                            req.request_id, req.prompt_token_ids, [], "", "abort",
+                            num_preemptions=req.num_preemptions)
+                    break
+                for req in self.step():
+                    out = self._output(req, start)
+                    outputs[index_of[req.request_id]] = out
+                    if on_output:
+                        on_output(out)
+        except BaseException:
+            # A failed step or callback: leave the engine as it was before the call (no request left queued, every
+            # block freed), so the next generate on this long-lived engine starts clean.
+            self.scheduler.abort_all()
+            raise
         return [o for o in outputs if o is not None]

@@ -179,20 +179,14 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
     if progress and outputs:
         progress(len(outputs), 0)
 
-    failed: list[Exception] = []
-
     def on_output(out: RequestOutput) -> None:
+        # An exception here (a failed checkpoint commit) stops the engine, which drops the rest of the batch.
         k = int(out.request_id)
         out.request_id = rows.ids[k]
-        if failed:
-            return
-        try:
-            if on_row:
-                on_row(k, out)
-            if progress:
-                progress(1, out.num_output_tokens)
-        except Exception as e:  # noqa: BLE001 - raised below, once the engine has stopped cleanly
-            failed.append(e)
+        if on_row:
+            on_row(k, out)
+        if progress:
+            progress(1, out.num_output_tokens)
 
     generated = engine.generate(
         [rows.prompts[k] for k in runnable],
@@ -200,10 +194,8 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
         request_ids=[str(k) for k in runnable],
         use_chat_template=cfg.use_chat_template,
         on_output=on_output,
-        should_stop=lambda: bool(failed) or (should_stop is not None and should_stop()),
+        should_stop=should_stop,
     )
-    if failed:
-        raise failed[0]
     for k, out in zip(runnable, generated, strict=True):
         out.request_id = rows.ids[k]
         outputs[k] = out

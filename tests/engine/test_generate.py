@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -125,4 +127,25 @@ def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: L
     # The engine is reusable afterwards: the aborted requests run to the same tokens as an undisturbed run.
     again = small.generate(prompts[1::2], params[1::2])
     alone = engine.generate(prompts[1::2], params[1::2])
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in alone]
+
+
+def test_a_failing_callback_propagates_and_leaves_the_engine_clean(engine: LLMEngine,
+                                                                  gsm8k_questions: list[str]) -> None:
+    # A checkpoint commit that fails inside on_output: the error reaches the caller, nothing stays queued or holds
+    # KV blocks, and the long-lived engine serves the next shard as if nothing happened.
+    prompts = gsm8k_questions[30:36]
+    params = [SamplingParams(max_tokens=3 + 6 * (i % 2)) for i in range(len(prompts))]
+    small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+
+    def fail(out: object) -> None:
+        raise OSError("commit failed")
+
+    with pytest.raises(OSError, match="commit failed"):
+        small.generate(prompts, params, on_output=fail)
+    assert not small.scheduler.has_unfinished
+    assert small.kv_cache.pool.num_free_blocks == small.num_kv_blocks
+    small.kv_cache.check_integrity()
+    again = small.generate(prompts, params)
+    alone = engine.generate(prompts, params)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in alone]
