@@ -154,11 +154,12 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     preemption.shard_started()
     interrupted = False
     try:
+        # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
         return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set)
+                         should_stop=preemption.stop.is_set, watch_notices=False)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
-            raise  # a cancel (OUTPUT/_CANCEL) or the environment's notice, seen by run_shard itself
+            raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself
         interrupted = True
         raise WorkerPreempted(e.rows_committed, e.rows_in_flight, worker.address, preemption.stop.reason) from e
     finally:

@@ -88,12 +88,12 @@ class StopSignal:
         self._imds_token: str | None = None
 
     @classmethod
-    def from_env(cls, output_url: str | None = None) -> StopSignal:
+    def from_env(cls, output_url: str | None = None, *, notices: bool = True) -> StopSignal:
         """Watch the env's notice file and URL (TOKENMILL_SPOT_NOTICE_FILE / _URL, polled every
-        TOKENMILL_STOP_POLL_S seconds) and, given a job's OUTPUT, its cancel marker. Raises ValueError for a bad
-        TOKENMILL_STOP_POLL_S."""
-        return cls(notice_file=os.environ.get(NOTICE_FILE_ENV) or None,
-                   notice_url=os.environ.get(NOTICE_URL_ENV) or None,
+        TOKENMILL_STOP_POLL_S seconds; not with notices=False, when another signal of this process watches them)
+        and, given a job's OUTPUT, its cancel marker. Raises ValueError for a bad TOKENMILL_STOP_POLL_S."""
+        return cls(notice_file=os.environ.get(NOTICE_FILE_ENV) or None if notices else None,
+                   notice_url=os.environ.get(NOTICE_URL_ENV) or None if notices else None,
                    cancel=cancel_url(output_url) if output_url else None, poll_s=_env_seconds(POLL_ENV, 5.0))
 
     def set(self, reason: str = "stop") -> None:

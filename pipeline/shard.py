@@ -203,7 +203,8 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
 
 
 def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
-              progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+              progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
+              watch_notices: bool = True) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
 
@@ -216,7 +217,8 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     run finishes (not rows resumed from checkpoints).
 
     Stopping: the engine polls `should_stop` (e.g. a StopSignal with install_sigterm_handler) and a StopSignal from
-    the environment (notice file, notice URL, OUTPUT/_CANCEL; pipeline.preemption). Once either says stop, the
+    the environment (notice file, notice URL, OUTPUT/_CANCEL; pipeline.preemption; watch_notices=False leaves the
+    notice file and URL to `should_stop`, e.g. a Dask worker's own signal). Once either says stop, the
     finished rows are committed at once, retries bounded by TOKENMILL_STOP_DEADLINE_S seconds (default 20), an end
     record is written, and ShardInterrupted is raised.
 
@@ -227,7 +229,7 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     committed = read_committed_accounting(fs, root, shard.shard_id)
     if committed is not None:
         return committed
-    with StopSignal.from_env(output_url) as notice:
+    with StopSignal.from_env(output_url, notices=watch_notices) as notice:
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
         t0 = time.monotonic()
