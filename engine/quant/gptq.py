@@ -248,23 +248,26 @@ def _attention_core(attn: Attention, a: torch.Tensor, cos: torch.Tensor, sin: to
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False,
-                        modules: Callable[[str], bool] | None = None,
                         on_layer: Callable[[int, float], None] | None = None) -> dict[str, Int4Weight]:
     """GPTQ every decoder projection of a filled fp32 `model`, layer by layer (module docstring).
 
     Args:
-        model: LlamaModel with plain nn.Linear projections (fp32 recommended). Modified in place: each quantized
+        model: LlamaModel with plain fp32 nn.Linear projections. Modified in place: each quantized
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
             outputs); swap in Int4Linear modules afterwards (engine.quant.handler.quantize_model does).
         calibration: int64 [S, L] token ids (calibration_token_ids), S sequences of L tokens each.
         group_size, damp, method, act_order: as gptq_quantize_weight.
-        modules: filter on module names like "layers.3.mlp.down_proj" (None = every projection).
         on_layer: progress callback (layer index, seconds so far).
     Returns {module name: Int4Weight}. Cost: about one forward of the decoder over the S * L tokens (each stage
     of a layer is computed once per sequence and kept) plus the GPTQ solves. Peak extra memory: fp32
-    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs.
+    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Raises ValueError
+    when the projections are not fp32.
     """
     import time
+
+    if (dt := model.layers[0].self_attn.q_proj.weight.dtype) != torch.float32:
+        raise ValueError(f"GPTQ calibrates in fp32 but the model's projections are {dt}: load it with "
+                         "dtype='float32' (tokenmill quantize does), then quantize")
 
     t0 = time.perf_counter()
     cfg = model.config
@@ -280,7 +283,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     out: dict[str, Int4Weight] = {}
 
     def quantize_group(li: int, stage: int, inputs: list[torch.Tensor]) -> None:
-        wanted = [nm for nm in SEQUENTIAL_GROUPS[stage] if modules is None or modules(f"layers.{li}.{nm}")]
+        wanted = list(SEQUENTIAL_GROUPS[stage])
         if not wanted:
             return
         acc = HessianAccumulator(inputs[0].shape[-1], device)
