@@ -71,15 +71,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
+        """Everything before o_proj: x [T, hidden] -> [T, num_heads * head_dim]; writes this step's K/V into the
+        caches. (GPTQ calibration needs o_proj's input.)"""
         t = x.shape[0]
         q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = attn_fn(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return attn_fn(q, k_cache, v_cache, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
+        return self.o_proj(self.attend(x, cos, sin, k_cache, v_cache, meta, attn_fn))
 
 
 class MLP(nn.Module):

@@ -37,8 +37,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, write_kv
-from engine.model import Attention, AttentionFn, LlamaModel, apply_rope
+from engine.attention import AttentionMetadata
+from engine.model import LlamaModel
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 
 #: Per decoder layer, the projections quantized together (same input, so one Hessian), in forward order.
@@ -233,18 +233,6 @@ def calibration_batch(tokenizer: object, sources: Sequence[Sequence[str]], num_s
     return torch.cat(parts)
 
 
-def _attention_core(attn: Attention, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
-    """Attention.forward (engine.model; kept in step with it) up to o_proj's input: a fp32 [L, hidden] (one
-    sequence, after input_layernorm) -> [L, heads * head_dim]."""
-    t = a.shape[0]
-    q = apply_rope(attn.q_proj(a).view(t, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rope(attn.k_proj(a).view(t, attn.num_kv_heads, attn.head_dim), cos, sin)
-    v = attn.v_proj(a).view(t, attn.num_kv_heads, attn.head_dim)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return attn_fn(q, k_cache, v_cache, meta, attn.scale).reshape(t, attn.num_heads * attn.head_dim)
-
-
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False,
@@ -301,7 +289,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         # sequence, after the groups before it are quantized, so the cost is one layer forward.
         xs = [layer.input_layernorm(x) for x in hidden]
         quantize_group(li, 0, xs)
-        xs = [_attention_core(layer.self_attn, a, cos, sin, k_cache, v_cache, meta, model.attn_fn) for a in xs]
+        xs = [layer.self_attn.attend(a, cos, sin, k_cache, v_cache, meta, model.attn_fn) for a in xs]
         quantize_group(li, 1, xs)
         hidden = [x + layer.self_attn.o_proj(o) for x, o in zip(hidden, xs, strict=True)]
         xs = [layer.post_attention_layernorm(x) for x in hidden]
