@@ -92,6 +92,8 @@ class JobProgress:
         self.lock = threading.Lock()
 
     def event(self, event: tuple[float, dict[str, Any]]) -> None:
+        """A Dask worker event (timestamp, {"run", "shard", "rows", "tokens"}) from PROGRESS_TOPIC; events of other
+        runs and of finished shards are dropped."""
         msg = event[1]
         if msg.get("run") != self.run_id:
             return  # another job on a shared cluster
@@ -105,6 +107,7 @@ class JobProgress:
         self._emit(rows, msg["tokens"])
 
     def finish(self, shard_id: str, rows: int, tokens: int) -> None:
+        """Shard `shard_id` committed `rows` rows and `tokens` output tokens in all: emit what its events missed."""
         with self.lock:
             self.finished.add(shard_id)
             seen = self.reported.pop(shard_id, [0, 0])

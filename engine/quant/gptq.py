@@ -64,12 +64,14 @@ class HessianAccumulator:
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
+        """Accumulate X^T X of a batch of layer inputs x [..., in_features] (any float dtype; summed in fp32)."""
         x = x.reshape(-1, x.shape[-1]).float()
         self.sum.addmm_(x.t(), x)
         self.tokens += x.shape[0]
 
     @property
     def hessian(self) -> torch.Tensor:
+        """fp32 [in_features, in_features]: 2 X^T X / T over the T tokens added. Raises ValueError when none were."""
         if self.tokens == 0:
             raise ValueError("no calibration inputs reached this layer")
         return 2.0 * self.sum / self.tokens
@@ -121,17 +123,21 @@ def _gptq_columns(W: torch.Tensor, Hinv: torch.Tensor, Q: torch.Tensor, scales: 
     consumed, Q fp32 [N, K] gets the codes 0..15, scales/zeros ([N, G], and their fp32 copies sf/zf) get the group
     parameters unless act_order (static groups, already set). Hinv: upper Cholesky factor of H^-1, [K, K]."""
     k = W.shape[1]
+    order = perm.tolist()  # host ints once (a per-column int() would sync the device every column)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = W[:, i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = int(perm[i1 + i])
+            col = order[i1 + i]
             g = col // group_size
             if not act_order and col % group_size == 0:
                 # Group start: fit on the current (error-updated) columns of this group, including later blocks.
-                grp = torch.cat((W1[:, i:], W[:, i2:]), dim=1)[:, :min(group_size, k - col)]
+                need = min(group_size, k - col)
+                grp = W1[:, i:i + need]
+                if grp.shape[1] < need:
+                    grp = torch.cat((grp, W[:, i2:i2 + need - grp.shape[1]]), dim=1)
                 scales[:, g], zeros[:, g] = _group_qparams(grp, method, scale_dtype)
                 sf[:, g], zf[:, g] = scales[:, g].float(), zeros[:, g].float()
             q, dq = _quant_column(W1[:, i], sf[:, g], zf[:, g])
