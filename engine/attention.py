@@ -51,6 +51,14 @@ class AttentionMetadata:
                    query_lens=[n], seq_lens_host=[n], decode_only=False)
 
 
+def private_kv_cache(n: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (k_cache, v_cache), each [ceil(n / block_size), block_size, num_kv_heads, head_dim] of `dtype`: one
+    layer's cache for a single request of n tokens, laid out as `AttentionMetadata.single_prefill` expects."""
+    shape = (-(-n // block_size), block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the step's keys and values in the paged cache.

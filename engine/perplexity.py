@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
 from engine.tokenizer import Tokenizer
 
@@ -42,8 +42,7 @@ def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype)
     n = token_ids.shape[0]
     cfg = model.config
     device = token_ids.device
-    shape = (-(-n // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+    caches = [private_kv_cache(n, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
     hidden = model(token_ids, torch.arange(n, device=device), caches, meta)
@@ -66,9 +65,8 @@ def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: tor
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
     n = ids.shape[0]
     cfg = model.config
-    shape = (-(-n // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     kv_dtype = kv_dtype or weight.dtype
-    caches = [(torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+    caches = [private_kv_cache(n, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
               for _ in range(cfg.num_layers)]
     meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
     hidden = model(ids, torch.arange(n, device=device), caches, meta)

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 
@@ -268,10 +268,8 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     device = next(model.parameters()).device
     s, seq_len = calibration.shape
     meta = AttentionMetadata.single_prefill(seq_len, _BLOCK_SIZE, device)
-    shape = (-(-seq_len // _BLOCK_SIZE), _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
     dtype = torch.float32
-    k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    k_cache, v_cache = private_kv_cache(seq_len, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     cos, sin = model.rotary(torch.arange(seq_len, device=device), dtype)
     hidden = [model.embed_tokens(calibration[i].to(device)).to(dtype) for i in range(s)]
     out: dict[str, Int4Weight] = {}

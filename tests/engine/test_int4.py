@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, private_kv_cache
 from engine.perplexity import perplexity, text_token_ids
 from engine.quant.folder import folder_bytes, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4
@@ -155,11 +155,8 @@ def _layer0_down_proj_inputs(model: torch.nn.Module, ids: torch.Tensor) -> torch
     """Real inputs of layers.0.mlp.down_proj: fp32 [S * L, 1536] for token ids int64 [S, L] (layer 0 only)."""
     cfg, layer = model.config, model.layers[0]
     s, n = ids.shape
-    nb = -(-n // 16)
-    caches = (torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim), torch.zeros(nb, 16, cfg.num_kv_heads, cfg.head_dim))
-    meta = AttentionMetadata(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32), torch.arange(nb, dtype=torch.int32)[None],
-                             [n], [n], False)
+    caches = private_kv_cache(n, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata.single_prefill(n, 16, torch.device("cpu"))
     cos, sin = model.rotary(torch.arange(n), torch.float32)
     seen: list[torch.Tensor] = []
     handle = layer.mlp.down_proj.register_forward_hook(lambda _m, a, _o: seen.append(a[0]))
