@@ -118,27 +118,15 @@ def perplexity(
 
     Example: tokenmill perplexity --input ../shared/data/alpaca_eval.parquet --column reference_output --json
     """
-    import pyarrow.parquet as pq
 
     from engine import EngineConfig
     from engine.llm_engine import resolve_device, resolve_dtype
     from engine.perplexity import text_perplexity
     from engine.quant.loading import load_model
-    from pipeline.input import resolve_inputs
 
     try:
         cfg = EngineConfig(device=device, dtype=dtype, quantization=quantization, int4_group_size=group_size)
-        fs, files = resolve_inputs(input)
-        texts: list[str] = []
-        for f in files:
-            with fs.open(f, "rb") as fh:
-                table = pq.read_table(fh)
-            if column not in table.column_names:
-                raise ValueError(f"{f} has no column {column!r}; it has {table.column_names}")
-            texts.extend(table.column(column).to_pylist())
-            if limit is not None and len(texts) >= limit:
-                break
-        texts = texts[:limit] if limit is not None else texts
+        texts = _read_texts(input, column, limit)
         dev = resolve_device(cfg.device)
         loaded = load_model(model, resolve_dtype(cfg.dtype, dev), dev, quantization=cfg.quantization,
                             group_size=cfg.int4_group_size)
