@@ -169,14 +169,15 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
 
 
 def _manifest_or_error(input_url: str, output_url: str, cfg: RunConfig,
-                       built: InputManifest | None) -> InputManifest:
+                       built: InputManifest | None) -> tuple[InputManifest, bool]:
+    """The job's pinned manifest and whether this call pinned it (pipeline.input.pin_manifest). Raises JobError."""
     try:
-        manifest, _ = pin_manifest(output_url, input_url, cfg, built)
+        manifest, created = pin_manifest(output_url, input_url, cfg, built)
     except InputError as e:
         raise JobError(str(e)) from e
     if not manifest.shards():
         raise JobError(f"{input_url} holds no rows")
-    return manifest
+    return manifest, created
 
 
 def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobSummary | InputManifest | None:
@@ -232,10 +233,10 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         return checked
     t0 = time.perf_counter()
     with Lease(output_url, ttl_s=lease_ttl_s) as lease:
-        manifest = _manifest_or_error(input_url, output_url, cfg, checked)
-        if cancel_record(output_url) is not None:
+        manifest, pinned_now = _manifest_or_error(input_url, output_url, cfg, checked)
+        if (cancelled := cancel_record(output_url)) is not None:
             if not resume:
-                when = (cancel_record(output_url) or {}).get("cancelled_at", "?")
+                when = cancelled.get("cancelled_at", "?")
                 raise JobError(f"the job at {output_url} was cancelled (at {when}); run it with --resume to go on",
                                exit_code=EXIT_CANCELLED)
             resume_cancelled(output_url)
@@ -246,7 +247,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)
-        if todo:
+        if todo and not pinned_now:  # a manifest pinned just now was built from the files as they are
             todo = _fail_changed_inputs(output_url, manifest, todo, summary, progress)
         if todo:
             pinned = {f.url: f for f in manifest.files}
