@@ -1,0 +1,99 @@
+"""The Dask task of a job: one shard on the worker's resident engine (jobs.plugin), with the worker's stop signal,
+progress events for the client, and the check that the shard's input file is still the pinned version.
+Runs on the worker; jobs.runner submits it and gathers what it returns or raises.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import fsspec
+from distributed import get_worker
+
+from jobs.plugin import WorkerPreempted, get_engine, get_preemption
+from pipeline.attempts import claim_attempt, end_attempt
+from pipeline.config import RunConfig
+from pipeline.input import InputFile, Shard, file_version
+from pipeline.shard import ShardInterrupted, run_shard
+from pipeline.storage import output_fs
+
+PROGRESS_TOPIC = "tokenmill-progress"
+PROGRESS_INTERVAL_S = 0.5
+RETIRE_WAIT_S = 120.0  # how long a task that lands on a stopping worker waits for it to be taken out, seconds
+
+
+class InputChanged(RuntimeError):
+    """A pinned input file changed (size or version) or vanished since the job started; its shard fails."""
+
+
+def record_failure(output_url: str, shard_id: str, error: str) -> None:
+    """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`)."""
+    fs, root = output_fs(output_url)
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, gpu_s=0.0, error=error)
+
+
+def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
+               run_id: str, pinned: InputFile | None = None) -> dict[str, Any]:
+    """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
+
+    First checks the shard's file is still the pinned version (`pinned`), else records a failed attempt and raises
+    InputChanged. Polls this worker's stop signal (SIGTERM, spot notice; jobs.plugin.PreemptionPlugin) besides the
+    ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as worker events on PROGRESS_TOPIC, tagged
+    with `run_id` and the shard id. Returns the shard's accounting row. Raises WorkerPreempted when this worker's
+    stop signal stopped the shard (its finished rows committed), and what run_shard raises: ShardInterrupted (a
+    cancel), ShardError (unreadable input), storage errors after retries.
+    """
+    worker = get_worker()
+    if pinned is not None:
+        fs, path = fsspec.core.url_to_fs(pinned.url)
+        try:
+            now = file_version(fs, path)
+        except FileNotFoundError:
+            now = None
+        if now != (pinned.size, pinned.version):
+            error = (f"input changed since the job started: {pinned.url} was {pinned.size} bytes, version "
+                     f"{pinned.version}; now {'gone' if now is None else f'{now[0]} bytes, version {now[1]}'}. "
+                     "Restore it, or run the new input into a new OUTPUT")
+            record_failure(output_url, shard.shard_id, error)
+            raise InputChanged(error)
+    pending = [0, 0]
+    last = [time.monotonic()]
+
+    def flush() -> None:
+        worker.log_event(PROGRESS_TOPIC, {"run": run_id, "shard": shard.shard_id, "rows": pending[0],
+                                          "tokens": pending[1]})
+        pending[0] = pending[1] = 0
+        last[0] = time.monotonic()
+
+    def progress(rows: int, tokens: int) -> None:
+        pending[0] += rows
+        pending[1] += tokens
+        if time.monotonic() - last[0] >= PROGRESS_INTERVAL_S:
+            flush()
+
+    preemption = get_preemption()
+    if preemption is None:
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
+    if preemption.stop.is_set():
+        # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
+        # scheduler has removed it, it hands this task to another worker.
+        preemption.leave(worker)
+        preemption.closed.wait(RETIRE_WAIT_S)
+        raise WorkerPreempted(0, shard.num_rows, worker.address, preemption.stop.reason)
+    preemption.shard_started()
+    interrupted = False
+    try:
+        # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
+                         should_stop=preemption.stop.is_set, watch_notices=False)
+    except ShardInterrupted as e:
+        if not preemption.stop.is_set():
+            raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself
+        interrupted = True
+        raise WorkerPreempted(e.rows_committed, e.rows_in_flight, worker.address, preemption.stop.reason) from e
+    finally:
+        if pending[0] or pending[1]:
+            flush()
+        preemption.shard_ended(interrupted)
