@@ -8,13 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import fsspec
 from distributed import get_worker
 
 from jobs.plugin import WorkerPreempted, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
-from pipeline.input import InputFile, Shard, file_version
+from pipeline.input import InputFile, Shard
 from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
@@ -46,18 +45,9 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     cancel), ShardError (unreadable input), storage errors after retries.
     """
     worker = get_worker()
-    if pinned is not None:
-        fs, path = fsspec.core.url_to_fs(pinned.url)
-        try:
-            now = file_version(fs, path)
-        except FileNotFoundError:
-            now = None
-        if now != (pinned.size, pinned.version):
-            error = (f"input changed since the job started: {pinned.url} was {pinned.size} bytes, version "
-                     f"{pinned.version}; now {'gone' if now is None else f'{now[0]} bytes, version {now[1]}'}. "
-                     "Restore it, or run the new input into a new OUTPUT")
-            record_failure(output_url, shard.shard_id, error)
-            raise InputChanged(error)
+    if pinned is not None and (error := pinned.changed()) is not None:
+        record_failure(output_url, shard.shard_id, error)
+        raise InputChanged(error)
     pending = [0, 0]
     last = [time.monotonic()]
 

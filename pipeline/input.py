@@ -182,6 +182,23 @@ class InputFile:
     version: str
     num_rows: int | None
 
+    def changed(self, pinned_at: str | None = None) -> str | None:
+        """Why the file is no longer the pinned one (other size or version, or gone), or None when it still is.
+        `pinned_at` (an ISO time), when given, goes into the message. Transient storage errors are retried, then
+        raised."""
+        fs, path = fsspec.core.url_to_fs(self.url)
+        try:
+            size, version = file_version(fs, path)
+        except FileNotFoundError:
+            now = "is gone"
+        else:
+            if (size, version) == (self.size, self.version):
+                return None
+            now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+        since = f" on {pinned_at}" if pinned_at else ""
+        return (f"input changed since the job started{since}: {self.url} {now}. Restore it, or run the new "
+                "input into a new OUTPUT")
+
 
 @dataclass(frozen=True)
 class InputManifest:
@@ -312,15 +329,6 @@ def changed_inputs(manifest: InputManifest) -> dict[str, str]:
     errors are retried, then raised (OSError)."""
     changed: dict[str, str] = {}
     for f in manifest.files:
-        fs, path = fsspec.core.url_to_fs(f.url)
-        try:
-            size, version = file_version(fs, path)
-        except FileNotFoundError:
-            changed[f.url] = (f"input changed since the job started on {manifest.created_at}: {f.url} is gone. "
-                              "Restore it, or run the new input into a new OUTPUT")
-            continue
-        if (size, version) != (f.size, f.version):
-            changed[f.url] = (f"input changed since the job started on {manifest.created_at}: {f.url} was "
-                              f"{f.size} bytes, version {f.version}; now {size} bytes, version {version}. Restore "
-                              "it, or run the new input into a new OUTPUT")
+        if (why := f.changed(manifest.created_at)) is not None:
+            changed[f.url] = why
     return changed
