@@ -5,7 +5,9 @@ reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections
 and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) at the --gptq-groups group sizes,
 calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
     python bench/int4.py --tokens 20000
-    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128
+    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1
+Where a group size hurts, one layer at a time (round-to-nearest):
+    python bench/int4.py --sensitivity --tokens 1024
 CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
 kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch 1/8/32, KV room.
     python bench/int4.py --device cuda
@@ -35,7 +37,7 @@ def _emit(**row: object) -> None:
 
 
 def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: list[int], samples: int, seq_len: int,
-               act_order: bool, damp: float) -> None:
+               act_order: bool, damps: list[float]) -> None:
     """GPTQ rows: calibration = half GSM8K test question + answer, half AlpacaEval `instruction` (the prompts; the
     perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens."""
     import pyarrow.parquet as pq
@@ -49,20 +51,62 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
     instructions = pq.read_table(DATA, columns=["instruction"]).column(0).to_pylist()
     for g in groups:
-        m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
-        cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
-        t0 = time.perf_counter()
-        quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp)
-        seconds = round(time.perf_counter() - t0, 1)
-        r = perplexity(m.model, ids, context)
-        _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp,
-              calibration=f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} tokens",
-              perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1, gptq_seconds=seconds)
-        del m
+        for damp in damps:
+            m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
+            cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
+            t0 = time.perf_counter()
+            quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp)
+            seconds = round(time.perf_counter() - t0, 1)
+            r = perplexity(m.model, ids, context)
+            _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp,
+                  calibration=f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} "
+                  "tokens", perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1,
+                  gptq_seconds=seconds)
+            del m
+
+
+def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
+    """Round-to-nearest INT4 of one decoder layer at a time (its 7 projections; the rest fp32): one JSON line per
+    layer with the perplexity change, then the same per projection for the worst layer. Shows where a group size
+    hurts (bench/README.md, INT4: massive activations)."""
+    import pyarrow.parquet as pq
+
+    from engine.loader import default_model_path
+    from engine.perplexity import perplexity, text_token_ids
+    from engine.quant.handler import LINEAR_MODULES
+    from engine.quant.loading import load_model
+    from engine.quant.qparams import quantize_int4
+
+    ref = load_model(default_model_path(), torch.float32, torch.device("cpu"), quantization="none")
+    texts = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()
+    ids = text_token_ids(ref.tokenizer, texts, tokens)
+    base = perplexity(ref.model, ids, context).perplexity
+    _emit(variant="fp32 (dequantized Q4_1)", perplexity=base)
+
+    def rel_with_quantized(modules: list[torch.nn.Linear]) -> float:
+        saved = [m.weight.data for m in modules]
+        for m in modules:
+            m.weight.data = quantize_int4(m.weight.data, group_size).dequantize()
+        try:
+            return perplexity(ref.model, ids, context).perplexity / base - 1
+        finally:
+            for m, w in zip(modules, saved, strict=True):
+                m.weight.data = w
+
+    def projections(layer: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+        return {n: m for n, m in layer.named_modules() if n.rsplit(".", 1)[-1] in LINEAR_MODULES}
+
+    rels = []
+    for i, layer in enumerate(ref.model.layers):
+        rels.append(rel_with_quantized(list(projections(layer).values())))
+        _emit(variant=f"int4 g{group_size} rtn, layer {i} only", rel=rels[-1])
+    worst = max(range(len(rels)), key=rels.__getitem__)
+    for name, module in projections(ref.model.layers[worst]).items():
+        _emit(variant=f"int4 g{group_size} rtn, layers.{worst}.{name} only", rel=rel_with_quantized([module]))
 
 
 def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...] = (), samples: int = 64,
-        seq_len: int = 256, act_order: bool = True, damp: float = 0.01) -> None:
+        seq_len: int = 256, act_order: bool = True, damps: tuple[float, ...] = (0.1,)) -> None:
     import pyarrow.parquet as pq
 
     from engine.loader import default_model_path
@@ -82,7 +126,7 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
           seconds=round(time.perf_counter() - t0, 1))
     del ref
     if gptq_groups:
-        _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, damp)
+        _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, list(damps))
     if not rtn:
         return
     native = load_model(path, torch.float32, cpu_dev, quantization="auto")
@@ -182,14 +226,20 @@ def main() -> None:
     p.add_argument("--calibration-samples", type=int, default=64, help="cpu: GPTQ calibration sequences")
     p.add_argument("--calibration-seq-len", type=int, default=256, help="cpu: tokens per calibration sequence")
     p.add_argument("--no-act-order", action="store_true", help="cpu: GPTQ without act-order")
-    p.add_argument("--damp", type=float, default=0.01, help="cpu: GPTQ dampening (fraction of mean diag H)")
+    p.add_argument("--damp", default="0.1", help="cpu: GPTQ dampening (fraction of mean diag H), comma-separated")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="cpu: round-to-nearest one layer at a time (then one projection of the worst layer) instead")
+    p.add_argument("--group-size", type=int, default=128, help="cpu --sensitivity: group size")
     p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     a = p.parse_args()
-    if a.device == "cpu":
+    if a.device == "cpu" and a.sensitivity:
+        layer_sensitivity(a.tokens, a.context, a.group_size)
+    elif a.device == "cpu":
         cpu(a.tokens, a.context, not a.no_rtn, tuple(int(g) for g in a.gptq_groups.split(",") if g.strip()),
-            a.calibration_samples, a.calibration_seq_len, not a.no_act_order, a.damp)
+            a.calibration_samples, a.calibration_seq_len, not a.no_act_order,
+            tuple(float(d) for d in a.damp.split(",")))
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")

@@ -112,25 +112,32 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
 
-def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group (scale, min) minimizing the squared error, as llama.cpp's make_qkx2_quants: for each candidate
-    inverse scale (15 + delta) / (max - min), delta in [-1, 1], round to q, then fit scale and min to q by least
-    squares; keep the best. wf: fp32 [N, G, g]; returns fp32 [N, G] twice."""
+def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
+             importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group (scale, min) minimizing the (importance-weighted) squared error, as llama.cpp's make_qkx2_quants:
+    for each candidate inverse scale (15 + delta) / (max - min), delta in [-1, 1], round to q, then fit scale and
+    min to q by weighted least squares; keep the best. wf: fp32 [N, G, g]; importance: fp32 >= 0 broadcastable to
+    wf (e.g. [G, g], the mean squared activation of each input feature, as the weights of llama.cpp's imatrix
+    quantization), None = uniform. Returns fp32 [N, G] twice; a group whose weights sum to zero keeps min-max."""
+    c = torch.ones_like(wf) if importance is None else importance.expand_as(wf)
+
+    def weighted_error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        q = ((wf - m[..., None]) / s[..., None]).round().clamp(0, 15)
+        return (c * (wf - q * s[..., None] - m[..., None]) ** 2).sum(-1)
+
     best_s, best_m = (hi - lo).clamp(min=1e-6) / 15, lo.clone()
-    best_err = ((wf - ((wf - lo[..., None]) / best_s[..., None]).round().clamp(0, 15) * best_s[..., None]
-                 - lo[..., None]) ** 2).sum(-1)
-    g = wf.shape[-1]
-    sum_w = wf.sum(-1)
+    best_err = weighted_error(best_s, best_m)
+    sum_c, sum_cw = c.sum(-1), (c * wf).sum(-1)
     for delta in torch.linspace(-1.0, 1.0, steps).tolist():
         inv = (15 + delta) / (hi - lo).clamp(min=1e-6)
         q = ((wf - lo[..., None]) * inv[..., None]).round_().clamp_(0, 15)
-        sum_q, sum_q2, sum_qw = q.sum(-1), (q * q).sum(-1), (q * wf).sum(-1)
-        det = g * sum_q2 - sum_q * sum_q
-        ok = det > 0
-        s = torch.where(ok, (g * sum_qw - sum_q * sum_w) / det.clamp(min=1e-12), best_s).clamp(min=1e-8)
-        m = torch.where(ok, (sum_w - s * sum_q) / g, best_m)
-        q = ((wf - m[..., None]) / s[..., None]).round_().clamp_(0, 15)
-        err = ((wf - q * s[..., None] - m[..., None]) ** 2).sum(-1)
+        cq = c * q
+        sum_cq, sum_cq2, sum_cqw = cq.sum(-1), (cq * q).sum(-1), (cq * wf).sum(-1)
+        det = sum_c * sum_cq2 - sum_cq * sum_cq
+        ok = det > 1e-9 * sum_c * sum_cq2
+        s = torch.where(ok, (sum_c * sum_cqw - sum_cq * sum_cw) / det.clamp(min=1e-30), best_s).clamp(min=1e-8)
+        m = torch.where(ok, (sum_cw - s * sum_cq) / sum_c.clamp(min=1e-30), best_m)
+        err = weighted_error(s, m)
         better = err < best_err
         best_s, best_m, best_err = (torch.where(better, s, best_s), torch.where(better, m, best_m),
                                     torch.where(better, err, best_err))
