@@ -5,7 +5,7 @@ reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections
 and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) at the --gptq-groups group sizes,
 calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
     python bench/int4.py --tokens 20000
-    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1
+    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
 Where a group size hurts, one layer at a time (round-to-nearest):
     python bench/int4.py --sensitivity --tokens 1024
 CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
@@ -37,7 +37,7 @@ def _emit(**row: object) -> None:
 
 
 def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: list[int], samples: int, seq_len: int,
-               act_order: bool, damps: list[float]) -> None:
+               act_order: bool, damps: list[float], refit: bool = True) -> None:
     """GPTQ rows: calibration = half GSM8K test question + answer, half AlpacaEval `instruction` (the prompts; the
     perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens."""
     import pyarrow.parquet as pq
@@ -55,10 +55,10 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
             m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
             cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
             t0 = time.perf_counter()
-            quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp)
+            quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp, refit=refit)
             seconds = round(time.perf_counter() - t0, 1)
             r = perplexity(m.model, ids, context)
-            _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp,
+            _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp, refit=refit,
                   calibration=f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} "
                   "tokens", perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1,
                   gptq_seconds=seconds)
@@ -106,7 +106,7 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
 
 
 def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...] = (), samples: int = 64,
-        seq_len: int = 256, act_order: bool = True, damps: tuple[float, ...] = (0.1,)) -> None:
+        seq_len: int = 256, act_order: bool = True, damps: tuple[float, ...] = (0.01,), refit: bool = True) -> None:
     import pyarrow.parquet as pq
 
     from engine.loader import default_model_path
@@ -126,7 +126,8 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
           seconds=round(time.perf_counter() - t0, 1))
     del ref
     if gptq_groups:
-        _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, list(damps))
+        _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, list(damps),
+                   refit)
     if not rtn:
         return
     native = load_model(path, torch.float32, cpu_dev, quantization="auto")
@@ -226,10 +227,11 @@ def main() -> None:
     p.add_argument("--calibration-samples", type=int, default=64, help="cpu: GPTQ calibration sequences")
     p.add_argument("--calibration-seq-len", type=int, default=256, help="cpu: tokens per calibration sequence")
     p.add_argument("--no-act-order", action="store_true", help="cpu: GPTQ without act-order")
-    p.add_argument("--damp", default="0.1", help="cpu: GPTQ dampening (fraction of mean diag H), comma-separated")
+    p.add_argument("--damp", default="0.01", help="cpu: GPTQ dampening (fraction of mean diag H), comma-separated")
     p.add_argument("--sensitivity", action="store_true",
                    help="cpu: round-to-nearest one layer at a time (then one projection of the worst layer) instead")
     p.add_argument("--group-size", type=int, default=128, help="cpu --sensitivity: group size")
+    p.add_argument("--no-refit", action="store_true", help="cpu: GPTQ without the Hessian refit of scales/zeros")
     p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -239,7 +241,7 @@ def main() -> None:
     elif a.device == "cpu":
         cpu(a.tokens, a.context, not a.no_rtn, tuple(int(g) for g in a.gptq_groups.split(",") if g.strip()),
             a.calibration_samples, a.calibration_seq_len, not a.no_act_order,
-            tuple(float(d) for d in a.damp.split(",")))
+            tuple(float(d) for d in a.damp.split(",")), not a.no_refit)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")

@@ -40,7 +40,7 @@ def quantize(
     calibration_seq_len: Annotated[int, typer.Option(help="gptq: tokens per calibration sequence.")] = 256,
     act_order: Annotated[bool, typer.Option(help="gptq: quantize columns by decreasing Hessian diagonal (static "
                                                  "groups).")] = True,
-    damp: Annotated[float, typer.Option(help="gptq: dampening, fraction of the mean Hessian diagonal.")] = 0.1,
+    damp: Annotated[float, typer.Option(help="gptq: dampening, fraction of the mean Hessian diagonal.")] = 0.01,
 ) -> None:
     """Write MODEL as a folder (safetensors + tokenmill_model.json + tokenizer) that `--model DIR` loads.
 

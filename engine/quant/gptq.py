@@ -21,16 +21,18 @@ quantizes columns by decreasing H_jj (the paper's "act-order" heuristic) with gr
 ("static groups": each group's scale/zero is fitted on the original W before any update), so the packed format is
 unchanged.
 
-The group fit is weighted for "massive activations" (Sun et al., "Massive Activations in Large Language Models",
-arXiv:2402.17762: a few input features thousands of times larger than the rest, on the first token, which the
-model uses as an attention sink). SmolLM2-135M's layers.11.mlp.down_proj meets one near 3,000; the unweighted
-fit treats that feature's weights like any other, and round-to-nearest at g128 of that one projection costs
-+9.6% perplexity (bench/README.md). Here the squared-error group fit (`qparams._mse_fit`, method="mse") weights
-each column by H_jj, the mean squared input it meets (as llama.cpp's importance-matrix quantization weights its
-fit), which takes that projection's cost under 0.1% and the whole model's g128 GPTQ from +18.4% to +14.0%
-(damp 0.01) and +12.3% (damp 0.1) on 20k AlpacaEval tokens. (A least-squares refit of every row's scales and
-zeros on the full Hessian after the column loop lowered the layer objective by 2-10% but left perplexity where it
-was, +12.64% vs +12.66% at damp 0.03 on 2,048 tokens, so it is not here.)
+Two changes to the group parameters, both for "massive activations" (Sun et al., "Massive Activations in Large
+Language Models", arXiv:2402.17762: a few input features thousands of times larger than the rest, on the first
+token, which the model uses as an attention sink). SmolLM2-135M's layers.11.mlp.down_proj meets one near 3,000;
+the reference fit treats that feature's weights like any other, and round-to-nearest at g128 of that one
+projection costs +9.6% perplexity (bench/README.md):
+  1. the squared-error group fit (`qparams._mse_fit`, method="mse") weights each column by H_jj, the mean squared
+     input it meets (as llama.cpp's importance-matrix quantization weights its fit): that projection's cost falls
+     under 0.1%;
+  2. `refit=True`: after the column loop, every row's scales and zeros are re-solved for its codes on the full
+     Hessian (`refit_group_qparams`, least squares in 2G unknowns per row) and kept where that lowers the error.
+Whole model, g128, 20k AlpacaEval tokens: +18.4% as published -> +12.0% with both (damp 0.01); the other
+combinations measured +12.3% to +14.0% (bench/README.md, INT4).
 
 Model pipeline (`gptq_quantize_model`), as the reference llama.py with `--true-sequential`: the calibration
 sequences are embedded once, then decoder layer i sees the outputs of the already quantized layers 0..i-1; inside
@@ -105,6 +107,61 @@ def _group_qparams(wg: torch.Tensor, method: str, scale_dtype: torch.dtype, impo
     return scales, zeros
 
 
+def refit_group_qparams(w: torch.Tensor, codes: torch.Tensor, hessian: torch.Tensor, group_size: int,
+                        scale_dtype: torch.dtype = torch.bfloat16,
+                        row_chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros re-solved for fixed codes: per row n, the (scale, zero) of all G groups that minimize the
+    layer's output error (w_n - wq_n) H (w_n - wq_n)^T with wq_n,i = (q_n,i - 8) s_n,g(i) + z_n,g(i), a linear
+    least-squares problem in 2G unknowns (the normal equations couple the groups through H's off-diagonal
+    blocks). Scales are rounded to `scale_dtype` first and the zeros solved again for the rounded scales, so the
+    stored pair is what the kernel reads.
+
+    Args:
+        w: fp32 [N, K], the weight the quantization must reproduce (original, not error-updated).
+        codes: fp32 [N, K] in 0..15.
+        hessian: fp32 [K, K], dampened 2 X^T X / T.
+        group_size: g; K is zero-padded to Kp = G * g (padding columns have zero weight in the objective).
+        row_chunk: rows solved at once (peak extra memory about row_chunk * Kp * G * 4 bytes).
+    Returns (scales, zeros), `scale_dtype` [N, G]. Cost about N * Kp^2 multiply-adds, one GEMM of the layer.
+    """
+    n, k = w.shape
+    kp = padded_in_features(k, group_size)
+    ng, g = kp // group_size, group_size
+    H = F.pad(hessian.float(), (0, kp - k, 0, kp - k))
+    Hb = H.view(kp, ng, g)
+    R = Hb.sum(-1)  # [Kp, G]: R[i, h] = sum over j in group h of H_ij
+    m_zz = R.view(ng, g, ng).sum(1)  # [G, G]
+    eye = torch.eye(2 * ng, dtype=torch.float32, device=w.device)
+    scales = torch.empty(n, ng, dtype=scale_dtype, device=w.device)
+    zeros = torch.empty_like(scales)
+    for r0 in range(0, n, row_chunk):
+        W = F.pad(w[r0:r0 + row_chunk].float(), (0, kp - k))
+        C = F.pad(codes[r0:r0 + row_chunk].float() - 8, (0, kp - k))  # padding: code 8, so it adds nothing
+        rows = W.shape[0]
+        Cg = C.view(rows, ng, g)
+        HW = (W @ H).view(rows, ng, g)
+        T = torch.einsum("ihj,nhj->nih", Hb, Cg).reshape(rows, ng, g, ng)  # sum over j in h of H_ij C_nj
+        m_ss = torch.einsum("ngt,ngth->ngh", Cg, T)
+        m_sz = torch.einsum("ngt,gth->ngh", Cg, R.view(ng, g, ng))
+        M = torch.cat((torch.cat((m_ss, m_sz), 2), torch.cat((m_sz.transpose(1, 2), m_zz.expand(rows, ng, ng)), 2)),
+                      1)
+        rhs = torch.cat(((Cg * HW).sum(-1), HW.sum(-1)), 1)
+        ridge = 1e-6 * M.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-30)
+        theta = torch.linalg.solve(M + ridge[:, None, None] * eye, rhs)
+        s = theta[:, :ng].to(scale_dtype).float()
+        z = torch.linalg.solve(m_zz + ridge[:, None, None] * eye[:ng, :ng],
+                               rhs[:, ng:] - (m_sz.transpose(1, 2) @ s[..., None])[..., 0])
+        scales[r0:r0 + rows] = s.to(scale_dtype)
+        zeros[r0:r0 + rows] = z.to(scale_dtype)
+    return scales, zeros
+
+
+def _row_errors(w: torch.Tensor, wq: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """fp32 [N]: (w_n - wq_n) H (w_n - wq_n)^T per row, w and wq fp32 [N, K], H [K, K]."""
+    e = w - wq
+    return ((e @ hessian) * e).sum(-1)
+
+
 def _quant_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q uint8-valued fp32 [N] in 0..15 and its dequantized value (q - 8) * s + z for a column w: fp32 [N] with
     its group's scale/zero s, z: fp32 [N] (the exact arithmetic of Int4Weight.dequantize)."""
@@ -162,7 +219,7 @@ def _gptq_columns(W: torch.Tensor, Hinv: torch.Tensor, Q: torch.Tensor, scales: 
 
 @torch.no_grad()
 def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int = 128, *, damp: float = 0.01,
-                         block_size: int = 128, method: str = "mse", act_order: bool = False,
+                         block_size: int = 128, method: str = "mse", act_order: bool = False, refit: bool = True,
                          scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
     """GPTQ one weight (module docstring).
 
@@ -174,6 +231,8 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
         block_size: columns per lazy-update block (128 in the paper; changes speed, not the result beyond rounding).
         method: group scale/zero fit, "mse" (default; weighted by H_jj) or "minmax".
         act_order: quantize columns in order of decreasing H_jj, with static groups.
+        refit: after the column loop, re-solve every row's scales and zeros for its codes on the Hessian
+            (refit_group_qparams), keeping the rows where that lowers the output error.
         scale_dtype: dtype of the stored scales and zeros (bf16, the portable format).
     Returns an Int4Weight (qweight uint8 [N, Kp / 2], scales/zeros [N, Kp / group_size]).
     Raises ValueError for a bad group size or method or mismatched shapes.
@@ -191,6 +250,7 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
+    W0 = W.clone()
     importance = torch.diag(H).clone()
     scales = torch.empty(n, ngroups, dtype=scale_dtype, device=W.device)
     zeros = torch.empty_like(scales)
@@ -201,8 +261,9 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
         perm = torch.argsort(torch.diag(H), descending=True)
     else:
         perm = torch.arange(k, device=W.device)
-    W, H = W[:, perm], H[perm][:, perm]
     H.diagonal().add_(damp * torch.mean(torch.diag(H)))
+    H_damped = H
+    W, H = W[:, perm], H[perm][:, perm]
     L = torch.linalg.cholesky(H)
     # H^-1 = L^-T L^-1 by a triangular solve (torch.cholesky_inverse measured 11.5 s for K=1536 on this CPU, the
     # solve 0.1 s), then its upper Cholesky factor U (H^-1 = U^T U).
@@ -216,6 +277,15 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
                       scale_dtype)
     q_full = torch.empty(n, kp, dtype=torch.float32, device=W.device)
     q_full[:, perm] = Q
+    if refit:
+        q, g_of = q_full[:, :k], torch.arange(k, device=W.device) // group_size
+        new_s, new_z = refit_group_qparams(W0, q, H_damped, group_size, scale_dtype)
+        before = _row_errors(W0, (q - 8) * sf[:, g_of] + zf[:, g_of], H_damped)
+        after = _row_errors(W0, (q - 8) * new_s.float()[:, g_of] + new_z.float()[:, g_of], H_damped)
+        better = (after < before) & (new_s.float() > 0).all(-1)
+        scales = torch.where(better[:, None], new_s, scales)
+        zeros = torch.where(better[:, None], new_z, zeros)
+        sf, zf = scales.float(), zeros.float()
     if kp > k:  # padding columns hold the code of 0.0 (they meet zero activations)
         s_pad, z_pad = sf[:, -1:], zf[:, -1:]
         q_full[:, k:] = (8 - z_pad / s_pad).round().clamp(0, 15).expand(n, kp - k)
@@ -255,7 +325,7 @@ def calibration_batch(tokenizer: object, sources: Sequence[Sequence[str]], num_s
 
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
-                        damp: float = 0.01, method: str = "mse", act_order: bool = False,
+                        damp: float = 0.01, method: str = "mse", act_order: bool = False, refit: bool = True,
                         on_layer: Callable[[int, float], None] | None = None) -> dict[str, Int4Weight]:
     """GPTQ every decoder projection of a filled fp32 `model`, layer by layer (module docstring).
 
@@ -295,7 +365,8 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         h = acc.hessian
         for nm in SEQUENTIAL_GROUPS[stage]:
             lin = model.layers[li].get_submodule(nm)
-            q = gptq_quantize_weight(lin.weight, h, group_size, damp=damp, method=method, act_order=act_order)
+            q = gptq_quantize_weight(lin.weight, h, group_size, damp=damp, method=method, act_order=act_order,
+                                     refit=refit)
             lin.weight.data = q.dequantize(lin.weight.dtype).to(lin.weight.device)
             out[f"layers.{li}.{nm}"] = q
 

@@ -124,7 +124,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
 
 def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
                    dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
-                   act_order: bool = False, damp: float = 0.01,
+                   act_order: bool = False, damp: float = 0.01, refit: bool = True,
                    on_layer: Callable[[int, float], None] | None = None) -> LlamaModel:
     """Quantize a filled model in place: each projection (and the embedding when asked) becomes INT4, on the
     model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size.
@@ -132,7 +132,8 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
     calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token ids
     (engine.quant.gptq.calibration_token_ids) = GPTQ for the decoder projections (engine.quant.gptq, run in the
     model's dtype, so pass an fp32 model), after the embedding so its rounding is calibrated for. An untied LM head
-    and the embedding always use round-to-nearest. act_order, damp and on_layer go to gptq_quantize_model."""
+    and the embedding always use round-to-nearest. act_order, damp, refit and on_layer go to
+    gptq_quantize_model."""
     handler = Int4QuantHandler(group_size, include_embedding)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     if include_embedding:
@@ -144,7 +145,7 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
     if calibration is not None:
         from engine.quant.gptq import gptq_quantize_model
 
-        calibrated = gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp,
+        calibrated = gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp, refit=refit,
                                          on_layer=on_layer)
     for name, module in list(model.named_modules()):
         if not name:
