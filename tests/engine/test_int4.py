@@ -12,17 +12,12 @@ from engine.attention import AttentionMetadata, private_kv_cache
 from engine.perplexity import perplexity, text_token_ids
 from engine.quant.folder import folder_bytes, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4
-from engine.quant.gptq import (
-    HessianAccumulator,
-    calibration_token_ids,
-    gptq_quantize_weight,
-    output_error,
-    refit_group_qparams,
-)
+from engine.quant.gptq import HessianAccumulator, calibration_token_ids, gptq_quantize_weight, output_error
 from engine.quant.handler import quantize_model
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.loading import load_model, quantize_to_folder
 from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
+from engine.quant.refit import refit_group_qparams
 
 CPU = torch.device("cpu")
 PPL_TOKENS = 2048  # one forward each of 2 chunks; the full-sample figures are in bench/README.md
