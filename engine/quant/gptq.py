@@ -196,7 +196,7 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    W0 = W.clone()
+    W0 = W  # the original (dead-zeroed) weight: W[:, perm] below is a copy, the loop never touches this one
     importance = torch.diag(H).clone()
     scales = torch.empty(n, ngroups, dtype=scale_dtype, device=W.device)
     zeros = torch.empty_like(scales)

@@ -119,7 +119,7 @@ def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
     min to q by weighted least squares; keep the best. wf: fp32 [N, G, g]; importance: fp32 >= 0 broadcastable to
     wf (e.g. [G, g], the mean squared activation of each input feature, as the weights of llama.cpp's imatrix
     quantization), None = uniform. Returns fp32 [N, G] twice; a group whose weights sum to zero keeps min-max."""
-    c = torch.ones_like(wf) if importance is None else importance.expand_as(wf)
+    c = (wf.new_ones(()) if importance is None else importance).expand_as(wf)  # a view, no [N, G, g] copy
 
     def weighted_error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         q = ((wf - m[..., None]) / s[..., None]).round().clamp(0, 15)
