@@ -6,6 +6,8 @@ and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) 
 calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
     python bench/int4.py --tokens 20000
     python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
+GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant.tune), two paired rows:
+    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 2
 Where a group size hurts, one layer at a time (round-to-nearest):
     python bench/int4.py --sensitivity --tokens 1024
 CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
@@ -37,15 +39,19 @@ def _emit(**row: object) -> None:
 
 
 def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: list[int], samples: int, seq_len: int,
-               act_order: bool, damps: list[float], refit: bool = True) -> None:
+               act_order: bool, damps: list[float], refit: bool = True, tune_epochs: float = 0.0) -> None:
     """GPTQ rows: calibration = half GSM8K test question + answer, half AlpacaEval `instruction` (the prompts; the
-    perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens."""
+    perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens. With tune_epochs,
+    a second row for the same GPTQ codes after tuning the scales/zeros end to end (engine.quant.tune): a paired
+    comparison, free of the run-to-run spread of GPTQ settings."""
+    import copy
+
     import pyarrow.parquet as pq
 
     from engine.perplexity import perplexity
-    from engine.quant.gptq import calibration_batch
-    from engine.quant.handler import quantize_model
+    from engine.quant.gptq import calibration_batch, gptq_quantize_model
     from engine.quant.loading import load_model
+    from engine.quant.tune import tune_group_qparams
 
     t = pq.read_table(CALIBRATION, columns=["question", "answer"])
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
@@ -54,15 +60,25 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
         for damp in damps:
             m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
             cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
+            teacher = copy.deepcopy(m.model) if tune_epochs else None
             t0 = time.perf_counter()
-            quantize_model(m.model, g, calibration=cal, act_order=act_order, damp=damp, refit=refit)
+            # The projections keep their dequantized weights: in fp32 that is what Int4Linear computes.
+            weights = gptq_quantize_model(m.model, cal, g, act_order=act_order, damp=damp, refit=refit)
             seconds = round(time.perf_counter() - t0, 1)
             r = perplexity(m.model, ids, context)
+            calibration = f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} tokens"
             _emit(variant=f"int4 g{g} gptq, projections", act_order=act_order, damp=damp, refit=refit,
-                  calibration=f"gsm8k question+answer + alpaca_eval instruction, {cal.shape[0]} x {cal.shape[1]} "
-                  "tokens", perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1,
+                  calibration=calibration, perplexity=r.perplexity, tokens=r.tokens, rel=r.perplexity / base - 1,
                   gptq_seconds=seconds)
-            del m
+            if teacher is not None:
+                t0 = time.perf_counter()
+                tune_group_qparams(m.model, teacher, weights, cal, epochs=tune_epochs)
+                seconds = round(time.perf_counter() - t0, 1)
+                r = perplexity(m.model, ids, context)
+                _emit(variant=f"int4 g{g} gptq + tuned scales/zeros, projections", act_order=act_order, damp=damp,
+                      refit=refit, tune_epochs=tune_epochs, calibration=calibration, perplexity=r.perplexity,
+                      tokens=r.tokens, rel=r.perplexity / base - 1, tune_seconds=seconds)
+            del m, teacher
 
 
 def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
@@ -106,7 +122,8 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
 
 
 def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...] = (), samples: int = 64,
-        seq_len: int = 256, act_order: bool = True, damps: tuple[float, ...] = (0.01,), refit: bool = True) -> None:
+        seq_len: int = 256, act_order: bool = True, damps: tuple[float, ...] = (0.01,), refit: bool = True,
+        tune_epochs: float = 0.0) -> None:
     import pyarrow.parquet as pq
 
     from engine.loader import default_model_path
@@ -127,7 +144,7 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
     del ref
     if gptq_groups:
         _gptq_rows(path, ids, context, base.perplexity, list(gptq_groups), samples, seq_len, act_order, list(damps),
-                   refit)
+                   refit, tune_epochs)
     if not rtn:
         return
     native = load_model(path, torch.float32, cpu_dev, quantization="auto")
@@ -232,6 +249,8 @@ def main() -> None:
                    help="cpu: round-to-nearest one layer at a time (then one projection of the worst layer) instead")
     p.add_argument("--group-size", type=int, default=128, help="cpu --sensitivity: group size")
     p.add_argument("--no-refit", action="store_true", help="cpu: GPTQ without the Hessian refit of scales/zeros")
+    p.add_argument("--tune-epochs", type=float, default=0.0,
+                   help="cpu: also tune the GPTQ scales/zeros end to end for this many epochs (a second, paired row)")
     p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -241,7 +260,7 @@ def main() -> None:
     elif a.device == "cpu":
         cpu(a.tokens, a.context, not a.no_rtn, tuple(int(g) for g in a.gptq_groups.split(",") if g.strip()),
             a.calibration_samples, a.calibration_seq_len, not a.no_act_order,
-            tuple(float(d) for d in a.damp.split(",")), not a.no_refit)
+            tuple(float(d) for d in a.damp.split(",")), not a.no_refit, a.tune_epochs)
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")

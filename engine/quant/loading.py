@@ -10,6 +10,7 @@ quantization modes (EngineConfig.quantization):
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -130,7 +131,8 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
                        include_embedding: bool = True, *, method: str = "rtn",
                        calibration: Sequence[Sequence[str]] | None = None, calibration_samples: int = 64,
                        calibration_seq_len: int = 256, act_order: bool = True, damp: float = 0.01,
-                       on_layer: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+                       tune_epochs: float = 2.0, on_layer: Callable[[int, float], None] | None = None,
+                       on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
     """Write `model` (GGUF file or folder) as a tokenmill folder: INT4 (bits=4, group-wise at group_size, the
     embedding too unless include_embedding=False) or plain bf16 (bits=16). Returns the folder's JSON config.
 
@@ -138,9 +140,10 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     is about one fp32 tensor plus the output. method "gptq" (engine.quant.gptq): the model is loaded in fp32 on the
     CPU and its decoder projections are quantized layer by layer on `calibration_samples` sequences of
     `calibration_seq_len` tokens, split evenly over the `calibration` sources (each a list of texts, joined by blank
-    lines; gptq.calibration_batch), with `act_order` and dampening `damp` (defaults: the best measured on
-    SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays round-to-nearest. Use calibration text
-    that is not your evaluation text.
+    lines; gptq.calibration_batch), with `act_order` and dampening `damp`, then every group's scale and zero is
+    tuned end to end for `tune_epochs` passes over the same sequences (engine.quant.tune; 0 = off) (defaults: the
+    best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays round-to-nearest.
+    Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
     Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
@@ -153,7 +156,7 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
             raise ValueError("method 'gptq' needs calibration text (e.g. --calibration '../shared/data/"
                              "gsm8k_test.parquet#question,answer')")
         return _gptq_to_folder(path, out_dir, group_size, include_embedding, calibration, calibration_samples,
-                               calibration_seq_len, act_order, damp, on_layer)
+                               calibration_seq_len, act_order, damp, tune_epochs, on_layer, on_tune_step)
     if os.path.isdir(path):
         cfg, stored, _ = read_folder(path)
         items: Iterator[tuple[str, Any]] = iter(dequantize_state_dict(stored, torch.float32).items())
@@ -174,7 +177,8 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
 
 def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding: bool,
                     sources: Sequence[Sequence[str]], samples: int, seq_len: int, act_order: bool, damp: float,
-                    on_layer: Callable[[int, float], None] | None) -> dict[str, Any]:
+                    tune_epochs: float, on_layer: Callable[[int, float], None] | None,
+                    on_tune_step: Callable[[int, int, float], None] | None) -> dict[str, Any]:
     from engine.quant.gptq import calibration_batch, gptq_quantize_model
 
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
@@ -182,12 +186,15 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
     calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
     handler = Int4QuantHandler(group_size, include_embedding)
     state: QuantizedState = {}
+    teacher = copy.deepcopy(llama) if tune_epochs > 0 else None  # before the embedding is rounded
     if include_embedding:  # first, so the calibration forwards see the INT4 embedding the folder will hold
         emb = quantize_int4(llama.embed_tokens.weight.detach(), group_size)
         state[EMBEDDING] = emb
         llama.embed_tokens.weight.data = emb.dequantize()
     state.update(gptq_quantize_model(llama, calibration, group_size, act_order=act_order, damp=damp,
-                                     on_layer=on_layer))
+                                     tune_epochs=tune_epochs, teacher=teacher, on_layer=on_layer,
+                                     on_tune_step=on_tune_step))
+    del teacher
     for name, w in llama.state_dict().items():
         module = name.removesuffix(".weight")
         if module in state or (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):

@@ -13,11 +13,12 @@ from engine.perplexity import perplexity, text_token_ids
 from engine.quant.folder import folder_bytes, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4
 from engine.quant.gptq import HessianAccumulator, calibration_token_ids, gptq_quantize_weight, output_error
-from engine.quant.handler import quantize_model
+from engine.quant.handler import LINEAR_MODULES, quantize_model
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.loading import load_model, quantize_to_folder
 from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
 from engine.quant.refit import refit_group_qparams
+from engine.quant.tune import distillation_kl, tune_group_qparams
 
 CPU = torch.device("cpu")
 PPL_TOKENS = 2048  # one forward each of 2 chunks; the full-sample figures are in bench/README.md
@@ -144,7 +145,8 @@ def test_perplexity_g32_within_1_percent(gguf_path: str, ref, reference_ids) -> 
 
 @pytest.mark.xfail(strict=True, reason="measured +51% (projections) / +72% (with embedding) on 20k tokens of "
                    "SmolLM2-135M Q4_1 requantized round-to-nearest at group 128; GPTQ with the H_jj-weighted group "
-                   "fit and refit (engine.quant.gptq) reach +12.0%, not 10% either. See bench/README.md, INT4")
+                   "fit and refit (engine.quant.gptq) reach +12.0%, and with the scales/zeros tuned end to end "
+                   "(engine.quant.tune) +10.2%, not 10% either. See bench/README.md, INT4")
 def test_perplexity_g128_within_10_percent(gguf_path: str, ref, reference_ids) -> None:  # noqa: ANN001
     base = perplexity(ref.model, reference_ids).perplexity
     m = load_model(gguf_path, torch.float32, CPU, quantization="none")
@@ -278,3 +280,37 @@ def test_gptq_weight_round_trips_through_folder(ref, gptq_down_proj, tmp_path) -
     lin = Int4Linear(got, torch.float32, CPU)
     xs = x[:64]
     assert torch.allclose(lin(xs), xs @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_scales_and_zeros_lowers_held_out_kl(gguf_path: str, ref, calibration_ids) -> None:  # noqa: ANN001
+    """Round-to-nearest g128 codes for every projection, then tune_group_qparams on 32 calibration sequences of 64
+    tokens (GSM8K + AlpacaEval instructions, one pass; lr 3e-3, as round-to-nearest codes start far from the
+    optimum): on AlpacaEval reference answers it never saw, the KL from
+    the fp32 model to the quantized one must fall, with every code unchanged and the model holding exactly the
+    dequantized tuned weights (bf16 scales and zeros, what the folder stores)."""
+    calib, _, answers = calibration_ids
+    m = load_model(gguf_path, torch.float32, CPU, quantization="none").model
+    rtn: dict[str, Int4Weight] = {}
+    for name, module in m.named_modules():
+        if name.rsplit(".", 1)[-1] in LINEAR_MODULES:
+            rtn[name] = quantize_int4(module.weight.detach(), 128)
+            module.weight.data = rtn[name].dequantize()
+
+    def held_out_kl() -> float:
+        with torch.no_grad():
+            return sum(distillation_kl(m, ref.model, row).item() for row in answers[:, :128]) / answers.shape[0]
+
+    before = held_out_kl()
+    tuned = tune_group_qparams(m, ref.model, rtn, calib[:, :64], epochs=1.0, lr=3e-3)  # 16 steps, about 40 s
+    after = held_out_kl()
+    assert 0.05 < before < 1.0, before  # a real 4-bit error
+    assert after < 0.8 * before, (after, before)  # measured 0.511 -> 0.329
+    assert tuned.keys() == rtn.keys()
+    moved = 0
+    for name, w in tuned.items():
+        assert torch.equal(w.qweight, rtn[name].qweight), name
+        assert w.scales.dtype == w.zeros.dtype == torch.bfloat16
+        assert torch.equal(m.get_submodule(name).weight, w.dequantize()), name
+        moved += int(not torch.equal(w.scales, rtn[name].scales))
+    assert moved == len(rtn)
+    assert all(p.requires_grad for p in m.parameters())  # flags restored
