@@ -113,8 +113,8 @@ def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str
         on_step: progress callback (step, steps, KL of the step's sequences in nats per token).
     Returns {module name: Int4Weight} with bf16 scales and zeros. Cost per step: seqs_per_step forwards of the
     teacher and forward + backward of the model over L tokens; memory: the model's activations for seqs_per_step
-    sequences plus fp32 codes [N, Kp] and the rebuilt weight for every tuned projection (8 bytes per weight). Raises ValueError for an empty
-    calibration batch, epochs < 0 or seqs_per_step < 1.
+    sequences plus fp32 codes [N, Kp] and the rebuilt weight for every tuned projection (8 bytes per weight).
+    Raises ValueError for an empty calibration batch, epochs < 0 or seqs_per_step < 1.
     """
     if calibration.ndim != 2 or calibration.shape[0] == 0 or calibration.shape[1] < 2:
         raise ValueError(f"calibration must be int64 [S, L] with S >= 1, L >= 2; got {tuple(calibration.shape)}")
