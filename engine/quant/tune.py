@@ -124,7 +124,7 @@ def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str
     steps = round(epochs * s / seqs_per_step)
     if steps == 0:
         return dict(weights)
-    device = model.embed_tokens.weight.device
+    device = next(model.parameters()).device
     grad_flags = {p: p.requires_grad for p in model.parameters()}
     originals = {name: model.get_submodule(name) for name in weights}
     tunable = {name: _TunableInt4Linear(w, device) for name, w in weights.items()}
