@@ -29,10 +29,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
+from engine.quant.gptq import _BLOCK_SIZE  # the calibration forwards' KV block size
 from engine.quant.handler import set_module
 from engine.quant.qparams import Int4Weight, unpack_uint4
-
-_BLOCK_SIZE = 16
 
 
 class _TunableInt4Linear(nn.Module):
