@@ -49,7 +49,8 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
     import pyarrow.parquet as pq
 
     from engine.perplexity import perplexity
-    from engine.quant.gptq import calibration_batch, gptq_quantize_model
+    from engine.quant.calibration import calibration_batch
+    from engine.quant.gptq import gptq_quantize_model
     from engine.quant.loading import load_model
     from engine.quant.tune import tune_group_qparams
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
+from engine.quant.calibration import KV_BLOCK_SIZE
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 from engine.quant.refit import refit_group_qparams, row_errors
 
@@ -63,7 +64,6 @@ SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
     ("mlp.gate_proj", "mlp.up_proj"),
     ("mlp.down_proj",),
 )
-_BLOCK_SIZE = 16  # KV cache block size used for the calibration forwards
 
 
 class HessianAccumulator:
@@ -240,37 +240,6 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
     return Int4Weight(pack_uint4(q_full), scales, zeros, k, group_size)
 
 
-def calibration_token_ids(tokenizer: object, texts: Sequence[str], num_sequences: int,
-                          seq_len: int) -> torch.Tensor:
-    """int64 [S, seq_len] calibration batch: the non-empty `texts` joined by blank lines, tokenized once (as
-    engine.perplexity does) and cut into consecutive sequences of `seq_len` tokens, S = min(num_sequences, what the
-    text fills). Raises ValueError when the text does not fill one sequence."""
-    from engine.perplexity import text_token_ids
-
-    ids = text_token_ids(tokenizer, texts, num_sequences * seq_len)  # type: ignore[arg-type]
-    s = len(ids) // seq_len
-    if s == 0:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one sequence of {seq_len}")
-    return torch.tensor(ids[:s * seq_len], dtype=torch.int64).view(s, seq_len)
-
-
-def calibration_batch(tokenizer: object, sources: Sequence[Sequence[str]], num_sequences: int,
-                      seq_len: int) -> torch.Tensor:
-    """int64 [S, seq_len]: num_sequences split evenly over `sources` (each a list of texts; the first sources get
-    the remainder), each part cut by calibration_token_ids, concatenated. A mix of domains generalizes better than
-    one: on SmolLM2-135M layer 0, GSM8K-only calibration made GPTQ worse than round-to-nearest on AlpacaEval
-    answers, GSM8K + AlpacaEval instructions made it better (bench/README.md, INT4). Raises ValueError for no
-    sources or a source too short for one sequence."""
-    if not sources:
-        raise ValueError("no calibration text given")
-    parts = []
-    for i, texts in enumerate(sources):
-        n = num_sequences // len(sources) + (1 if i < num_sequences % len(sources) else 0)
-        if n:
-            parts.append(calibration_token_ids(tokenizer, texts, n, seq_len))
-    return torch.cat(parts)
-
-
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False, refit: bool = True,
@@ -283,7 +252,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         model: LlamaModel with plain fp32 nn.Linear projections. Modified in place: each quantized
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
             outputs); swap in Int4Linear modules afterwards (engine.quant.handler.quantize_model does).
-        calibration: int64 [S, L] token ids (calibration_token_ids), S sequences of L tokens each.
+        calibration: int64 [S, L] token ids (engine.quant.calibration), S sequences of L tokens each.
         group_size, damp, method, act_order, refit: as gptq_quantize_weight.
         tune_epochs: then tune every group's scale and zero end to end for this many passes over the calibration
             batch, codes fixed (engine.quant.tune.tune_group_qparams; 0 = off).
@@ -307,9 +276,9 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     cfg = model.config
     device = next(model.parameters()).device
     s, seq_len = calibration.shape
-    meta = AttentionMetadata.single_prefill(seq_len, _BLOCK_SIZE, device)
+    meta = AttentionMetadata.single_prefill(seq_len, KV_BLOCK_SIZE, device)
     dtype = torch.float32
-    k_cache, v_cache = private_kv_cache(seq_len, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    k_cache, v_cache = private_kv_cache(seq_len, KV_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     cos, sin = model.rotary(torch.arange(seq_len, device=device), dtype)
     hidden = [model.embed_tokens(calibration[i].to(device)).to(dtype) for i in range(s)]
     out: dict[str, Int4Weight] = {}

@@ -132,7 +132,7 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
     model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size.
 
     calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token ids
-    (engine.quant.gptq.calibration_token_ids) = GPTQ for the decoder projections (engine.quant.gptq, run in the
+    (engine.quant.calibration.calibration_batch) = GPTQ for the decoder projections (engine.quant.gptq, run in the
     model's dtype, so pass an fp32 model), after the embedding so its rounding is calibrated for. An untied LM head
     and the embedding always use round-to-nearest. act_order, damp, refit, tune_epochs and on_layer go to
     gptq_quantize_model (the tuning distills from a copy of the model as passed in)."""

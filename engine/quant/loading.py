@@ -140,9 +140,10 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     is about one fp32 tensor plus the output. method "gptq" (engine.quant.gptq): the model is loaded in fp32 on the
     CPU and its decoder projections are quantized layer by layer on `calibration_samples` sequences of
     `calibration_seq_len` tokens, split evenly over the `calibration` sources (each a list of texts, joined by blank
-    lines; gptq.calibration_batch), with `act_order` and dampening `damp`, then every group's scale and zero is
-    tuned end to end for `tune_epochs` passes over the same sequences (engine.quant.tune; 0 = off) (defaults: the
-    best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays round-to-nearest.
+    lines; engine.quant.calibration.calibration_batch), with `act_order` and dampening `damp`, then every group's
+    scale and zero is tuned end to end for `tune_epochs` passes over the same sequences (engine.quant.tune; 0 =
+    off) (defaults: the best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays
+    round-to-nearest.
     Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
     Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
     if bits not in (4, 16):
@@ -179,7 +180,8 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
                     sources: Sequence[Sequence[str]], samples: int, seq_len: int, act_order: bool, damp: float,
                     tune_epochs: float, on_layer: Callable[[int, float], None] | None,
                     on_tune_step: Callable[[int, int, float], None] | None) -> dict[str, Any]:
-    from engine.quant.gptq import calibration_batch, gptq_quantize_model
+    from engine.quant.calibration import calibration_batch
+    from engine.quant.gptq import gptq_quantize_model
 
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     cfg, llama = loaded.config, loaded.model

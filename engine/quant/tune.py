@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
-from engine.quant.gptq import _BLOCK_SIZE  # the calibration forwards' KV block size
+from engine.quant.calibration import KV_BLOCK_SIZE
 from engine.quant.handler import set_module
 from engine.quant.qparams import Int4Weight, unpack_uint4
 
@@ -76,7 +76,7 @@ class _TunableInt4Linear(nn.Module):
 
 def _logits(model: LlamaModel, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     cfg, n = model.config, ids.shape[0]
-    caches = [private_kv_cache(n, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, ids.device)
+    caches = [private_kv_cache(n, KV_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, ids.device)
               for _ in range(cfg.num_layers)]
     return model.compute_logits(model(ids, torch.arange(n, device=ids.device), caches, meta))
 
@@ -84,7 +84,7 @@ def _logits(model: LlamaModel, ids: torch.Tensor, meta: AttentionMetadata) -> to
 def distillation_kl(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || model) of the next-token distributions, in nats: a scalar fp32 tensor,
     differentiable in `model`'s parameters. ids: int64 [L], one sequence from position 0 (L >= 1)."""
-    meta = AttentionMetadata.single_prefill(ids.shape[0], _BLOCK_SIZE, ids.device)
+    meta = AttentionMetadata.single_prefill(ids.shape[0], KV_BLOCK_SIZE, ids.device)
     with torch.no_grad():
         target = F.log_softmax(_logits(teacher, ids, meta), -1)
     return F.kl_div(F.log_softmax(_logits(model, ids, meta), -1), target, log_target=True, reduction="batchmean")

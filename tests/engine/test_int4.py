@@ -10,9 +10,10 @@ import torch
 
 from engine.attention import AttentionMetadata, private_kv_cache
 from engine.perplexity import perplexity, text_token_ids
+from engine.quant.calibration import calibration_token_ids
 from engine.quant.folder import folder_bytes, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4
-from engine.quant.gptq import HessianAccumulator, calibration_token_ids, gptq_quantize_weight, output_error
+from engine.quant.gptq import HessianAccumulator, gptq_quantize_weight, output_error
 from engine.quant.handler import LINEAR_MODULES, quantize_model
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.loading import load_model, quantize_to_folder
