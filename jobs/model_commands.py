@@ -38,14 +38,14 @@ def quantize(
              "of a row joined by a newline, default --calibration-column). Repeat to mix sources: the sequences "
              "are split evenly. Not your evaluation text.")] = None,
     calibration_column: Annotated[str, typer.Option(help="gptq: default column(s), comma-separated.")] = "text",
-    calibration_samples: Annotated[int, typer.Option(help="gptq: calibration sequences in all.")] = 64,
+    calibration_samples: Annotated[int, typer.Option(help="gptq: calibration sequences in all.")] = 128,
     calibration_seq_len: Annotated[int, typer.Option(help="gptq: tokens per calibration sequence.")] = 256,
     act_order: Annotated[bool, typer.Option(help="gptq: quantize columns by decreasing Hessian diagonal (static "
                                                  "groups).")] = True,
     damp: Annotated[float, typer.Option(help="gptq: dampening, fraction of the mean Hessian diagonal.")] = 0.01,
     tune_epochs: Annotated[float, typer.Option(
         help="gptq: then tune every group's scale and zero end to end (KL to the unquantized model, codes fixed) "
-             "for this many passes over the calibration sequences; 0 = off.")] = 2.0,
+             "for this many passes over the calibration sequences; 0 = off.")] = 1.0,
 ) -> None:
     """Write MODEL as a folder (safetensors + tokenmill_model.json + tokenizer) that `--model DIR` loads.
 

@@ -13,12 +13,14 @@ DATA_DIR = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().pa
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    gpu = pytest.mark.skip(reason="needs a CUDA device")
+    quality = pytest.mark.skip(reason="a quality gate of about 10 minutes on 2 CPU cores: `make quality` runs it "
+                               "(TOKENMILL_QUALITY_TESTS=1)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(gpu)
+        if "quality" in item.keywords and os.environ.get("TOKENMILL_QUALITY_TESTS") != "1":
+            item.add_marker(quality)
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ projection costs +9.6% perplexity (bench/README.md):
      Hessian (`refit_group_qparams`, least squares in 2G unknowns per row) and kept where that lowers the error.
 Whole model, g128, 20k AlpacaEval tokens: +18.4% as published -> +12.0% with both (damp 0.01); the other
 combinations measured +12.3% to +14.0% (bench/README.md, INT4). `tune_epochs` then trains the group scales and
-zeros end to end against the unquantized model (engine.quant.tune): +10.2%.
+zeros (and the RMSNorm gains) end to end against the unquantized model (engine.quant.tune): +9.8% with 128
+calibration sequences and one epoch.
 
 Model pipeline (`gptq_quantize_model`), as the reference llama.py with `--true-sequential`: the calibration
 sequences are embedded once, then decoder layer i sees the outputs of the already quantized layers 0..i-1; inside

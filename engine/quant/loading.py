@@ -129,9 +129,9 @@ QUANTIZE_METHODS = ("rtn", "gptq")
 
 def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_size: int = 128,
                        include_embedding: bool = True, *, method: str = "rtn",
-                       calibration: Sequence[Sequence[str]] | None = None, calibration_samples: int = 64,
+                       calibration: Sequence[Sequence[str]] | None = None, calibration_samples: int = 128,
                        calibration_seq_len: int = 256, act_order: bool = True, damp: float = 0.01,
-                       tune_epochs: float = 2.0, on_layer: Callable[[int, float], None] | None = None,
+                       tune_epochs: float = 1.0, on_layer: Callable[[int, float], None] | None = None,
                        on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
     """Write `model` (GGUF file or folder) as a tokenmill folder: INT4 (bits=4, group-wise at group_size, the
     embedding too unless include_embedding=False) or plain bf16 (bits=16). Returns the folder's JSON config.

@@ -1,4 +1,4 @@
-"""End-to-end tuning of INT4 group scales and zeros, codes fixed, by distillation from the unquantized model.
+"""End-to-end tuning of INT4 group scales and zeros (and the RMSNorm gains), codes fixed, by distillation.
 
 GPTQ (engine.quant.gptq) picks every weight's 4-bit code layer by layer, each projection minimizing its own output
 error. What it cannot see is how the errors of 210 projections add up at the logits. This pass keeps the codes
@@ -7,15 +7,18 @@ the whole model's output: the KL divergence from the unquantized model's next-to
 model's, on the calibration sequences. That is the "E2E-QP" stage of Chen et al., "EfficientQAT: Efficient
 Quantization-Aware Training for Large Language Models" (arXiv:2407.11062, 2024: train the step sizes end to end with
 the integer weights frozen), with the teacher's logits as targets, as in knowledge distillation (Hinton et al.,
-arXiv:1503.02531).
+arXiv:1503.02531). With `tune_norms` the RMSNorm gains (fp32, 2 per layer + the final one) are trained alongside,
+as in Li et al., "Norm Tweaking: High-performance Low-bit Quantization of Large Language Models" (arXiv:2309.02784,
+2023): a gain scales one input channel of q/k/v (or gate/up), a per-channel freedom the group grid does not have.
 
 Parameterization, per group: scale = s0 * exp(a), zero = z0 + b * s0, a = b = 0 at the start (so Adam's step is
 relative to each group's own scale), both rounded to bf16 in the forward with a straight-through gradient, so the
-tuned pair is exactly what the folder stores and the kernel reads; Adam at 3e-4 on a cosine schedule. Measured on
-SmolLM2-135M at g128, the same GPTQ codes before and after 2 epochs over 64 x 256 calibration tokens: perplexity on
-20k AlpacaEval answer tokens +12.0% -> +10.2% of the fp32 model's, and the KL to it on other, held-out answers
-0.1015 -> 0.0967 nats per token (bench/README.md, INT4). A 10x larger rate lowered that perplexity further but
-raised the held-out KL: it fits the calibration text instead of the model.
+tuned pair is exactly what the folder stores and the kernel reads; Adam at 3e-4 on a cosine schedule (the gains
+too, directly). Measured on SmolLM2-135M at g128, perplexity on 20k AlpacaEval answer tokens vs the fp32 model's,
+and KL to it on other, held-out answers (bench/README.md, INT4): GPTQ codes from 64 x 256 calibration tokens,
++12.0% (KL 0.1015 nats per token) -> scales/zeros 2 epochs +10.2% (0.0967) -> with the gains +10.1% (0.0959);
+from 128 x 256 tokens, +12.4% (0.0933) -> scales/zeros and gains, 1 epoch +9.8% (0.0867). A 10x larger rate
+lowered that perplexity further but raised the held-out KL: it fits the calibration text instead of the model.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, private_kv_cache
-from engine.model import LlamaModel
+from engine.model import LlamaModel, RMSNorm
 from engine.quant.calibration import KV_BLOCK_SIZE
 from engine.quant.handler import set_module
 from engine.quant.qparams import Int4Weight, unpack_uint4
@@ -91,15 +94,16 @@ def distillation_kl(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor) -
 
 
 def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str, Int4Weight],
-                       calibration: torch.Tensor, *, epochs: float = 2.0, lr: float = 3e-4, seqs_per_step: int = 2,
-                       seed: int = 0, on_step: Callable[[int, int, float], None] | None = None,
-                       ) -> dict[str, Int4Weight]:
+                       calibration: torch.Tensor, *, epochs: float = 1.0, lr: float = 3e-4, seqs_per_step: int = 2,
+                       seed: int = 0, tune_norms: bool = True, norm_lr: float = 3e-4,
+                       on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
     """Tune the scales and zeros of the INT4 projections `weights` end to end (module docstring); codes unchanged.
 
     Args:
         model: fp32 LlamaModel whose modules named in `weights` are plain nn.Linear holding (or about to hold) the
             dequantized weight, as engine.quant.gptq.gptq_quantize_model leaves it. Modified in place: on return
-            those weights are the dequantized tuned ones; requires_grad flags are restored.
+            those weights are the dequantized tuned ones (and the norm gains tuned, with tune_norms);
+            requires_grad flags are restored.
         teacher: the unquantized fp32 model (same config, same device); only run forward.
         weights: {module name: Int4Weight} (GPTQ's or round-to-nearest codes).
         calibration: int64 [S, L] token ids, each row one sequence from position 0 (the GPTQ calibration batch).
@@ -109,6 +113,10 @@ def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str
             3e-3 overfits the calibration text (held-out KL rises; bench/README.md, INT4).
         seqs_per_step: sequences whose gradients are averaged per Adam step.
         seed: order of the sequences.
+        tune_norms: also train every RMSNorm gain of `model`: they stay tuned in `model`, so write the model's
+            own norm weights with the returned INT4 weights.
+        norm_lr: their peak Adam rate (absolute: the gains are not reparameterized), same cosine; 1e-3 did worse
+            than 3e-4 on SmolLM2 (held-out KL 0.0971 vs 0.0959).
         on_step: progress callback (step, steps, KL of the step's sequences in nats per token).
     Returns {module name: Int4Weight} with bf16 scales and zeros. Cost per step: seqs_per_step forwards of the
     teacher and forward + backward of the model over L tokens; memory: the model's activations for seqs_per_step
@@ -131,8 +139,13 @@ def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str
         p.requires_grad_(False)
     for name, module in tunable.items():
         set_module(model, name, module)
-    params = [p for m in tunable.values() for p in (m.a, m.b)]
-    opt = torch.optim.Adam(params, lr=lr)
+    groups = [{"params": [p for m in tunable.values() for p in (m.a, m.b)], "lr": lr}]
+    if tune_norms:
+        groups.append({"params": [m.weight for m in model.modules() if isinstance(m, RMSNorm)], "lr": norm_lr})
+    for group in groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
+    opt = torch.optim.Adam(groups)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * (i + 1) / steps)))
     gen = torch.Generator().manual_seed(seed)
     order = torch.cat([torch.randperm(s, generator=gen) for _ in range(-(-steps * seqs_per_step // s))])

@@ -144,14 +144,32 @@ def test_perplexity_g32_within_1_percent(gguf_path: str, ref, reference_ids) -> 
     assert abs(q / base - 1) < 0.01, (base, q)
 
 
-@pytest.mark.xfail(strict=True, reason="measured +51% (projections) / +72% (with embedding) on 20k tokens of "
-                   "SmolLM2-135M Q4_1 requantized round-to-nearest at group 128; GPTQ with the H_jj-weighted group "
-                   "fit and refit (engine.quant.gptq) reach +12.0%, and with the scales/zeros tuned end to end "
-                   "(engine.quant.tune) +10.2%, not 10% either. See bench/README.md, INT4")
+@pytest.mark.xfail(strict=True, reason="round-to-nearest misses it: measured +51% (projections) / +72% (with "
+                   "embedding) on 20k tokens of SmolLM2-135M Q4_1 requantized at group 128. The calibrated path "
+                   "(GPTQ + end-to-end tuning) meets it: test_perplexity_gptq_tuned_g128_within_10_percent")
 def test_perplexity_g128_within_10_percent(gguf_path: str, ref, reference_ids) -> None:  # noqa: ANN001
     base = perplexity(ref.model, reference_ids).perplexity
     m = load_model(gguf_path, torch.float32, CPU, quantization="none")
     q = perplexity(quantize_model(m.model, 128), reference_ids).perplexity
+    assert q / base - 1 < 0.10, (base, q)
+
+
+@pytest.mark.quality
+def test_perplexity_gptq_tuned_g128_within_10_percent(gguf_path: str, ref, data_dir, tmp_path) -> None:  # noqa: ANN001
+    """The issue's g128 gate on the full 20k-token sample, through what a user runs: `tokenmill quantize --method
+    gptq --keep-embedding` with its defaults (GSM8K question+answer and AlpacaEval instructions, not the evaluation
+    text), the folder loaded back, perplexity on AlpacaEval reference answers. About 10 minutes on 2 CPU cores:
+    `make quality`."""
+    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"])
+    gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
+    alpaca = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction", "reference_output"])
+    ids = text_token_ids(ref.tokenizer, alpaca.column(1).to_pylist(), 20000)
+    out = str(tmp_path / "g128")
+    quantize_to_folder(gguf_path, out, 4, 128, include_embedding=False, method="gptq",
+                       calibration=[gsm, alpaca.column(0).to_pylist()])
+    base = perplexity(ref.model, ids).perplexity
+    q = perplexity(load_model(out, torch.float32, CPU).model, ids).perplexity
+    assert abs(base - 5.4285) < 0.01, base  # the fp32 figure of bench/README.md
     assert q / base - 1 < 0.10, (base, q)
 
 
@@ -288,7 +306,8 @@ def test_tuning_scales_and_zeros_lowers_held_out_kl(gguf_path: str, ref, calibra
     tokens (GSM8K + AlpacaEval instructions, one pass; lr 3e-3, as round-to-nearest codes start far from the
     optimum): on AlpacaEval reference answers it never saw, the KL from
     the fp32 model to the quantized one must fall, with every code unchanged and the model holding exactly the
-    dequantized tuned weights (bf16 scales and zeros, what the folder stores)."""
+    dequantized tuned weights (bf16 scales and zeros, what the folder stores), its RMSNorm gains tuned too and the
+    teacher untouched."""
     calib, _, answers = calibration_ids
     m = load_model(gguf_path, torch.float32, CPU, quantization="none").model
     rtn: dict[str, Int4Weight] = {}
@@ -302,10 +321,11 @@ def test_tuning_scales_and_zeros_lowers_held_out_kl(gguf_path: str, ref, calibra
             return sum(distillation_kl(m, ref.model, row).item() for row in answers[:, :128]) / answers.shape[0]
 
     before = held_out_kl()
+    teacher_norms = {n: p.clone() for n, p in ref.model.named_parameters() if n.endswith("norm.weight")}
     tuned = tune_group_qparams(m, ref.model, rtn, calib[:, :64], epochs=1.0, lr=3e-3)  # 16 steps, about 40 s
     after = held_out_kl()
     assert 0.05 < before < 1.0, before  # a real 4-bit error
-    assert after < 0.8 * before, (after, before)  # measured 0.511 -> 0.329
+    assert after < 0.8 * before, (after, before)  # measured 0.511 -> 0.330
     assert tuned.keys() == rtn.keys()
     moved = 0
     for name, w in tuned.items():
@@ -314,4 +334,8 @@ def test_tuning_scales_and_zeros_lowers_held_out_kl(gguf_path: str, ref, calibra
         assert torch.equal(m.get_submodule(name).weight, w.dequantize()), name
         moved += int(not torch.equal(w.scales, rtn[name].scales))
     assert moved == len(rtn)
+    assert len(teacher_norms) == 2 * m.config.num_layers + 1
+    for n, p in teacher_norms.items():
+        assert torch.equal(ref.model.get_parameter(n), p), n  # the teacher is only run forward
+        assert not torch.equal(m.get_parameter(n), p), n  # the student's gains were tuned
     assert all(p.requires_grad for p in m.parameters())  # flags restored
