@@ -7,7 +7,7 @@ calibrated on GSM8K test questions + answers and AlpacaEval instructions (not th
     python bench/int4.py --tokens 20000
     python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
 GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant.tune), two paired rows:
-    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 2
+    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 1
 Where a group size hurts, one layer at a time (round-to-nearest):
     python bench/int4.py --sensitivity --tokens 1024
 CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
