@@ -124,39 +124,71 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
     return model.eval()
 
 
-def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
-                   dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
-                   act_order: bool = False, damp: float = 0.01, refit: bool = True, tune_epochs: float = 0.0,
-                   on_layer: Callable[[int, float], None] | None = None) -> LlamaModel:
-    """Quantize a filled model in place: each projection (and the embedding when asked) becomes INT4, on the
-    model's device with its dtype. Returns the model. Raises ValueError for an unsupported group size.
+def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding: bool = False, *,
+                     calibration: torch.Tensor | None = None, act_order: bool = False, damp: float = 0.01,
+                     refit: bool = True, tune_epochs: float = 0.0,
+                     on_layer: Callable[[int, float], None] | None = None,
+                     on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
+    """INT4 weights for a filled model: every decoder projection and an untied LM head, plus the embedding when
+    `include_embedding` (a tied LM head then reads it). The one driver behind quantize_model (modules swapped in
+    place) and `tokenmill quantize --method gptq` (engine.quant.loading, weights written to a folder).
 
-    calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token ids
-    (engine.quant.calibration.calibration_batch) = GPTQ for the decoder projections (engine.quant.gptq, run in the
-    model's dtype, so pass an fp32 model), after the embedding so its rounding is calibrated for. An untied LM head
-    and the embedding always use round-to-nearest. act_order, damp, refit, tune_epochs and on_layer go to
-    gptq_quantize_model (the tuning distills from a copy of the model as passed in)."""
+    Args:
+        model: LlamaModel with plain nn.Linear / nn.Embedding weights; fp32 when calibrating.
+        group_size: input features per scale/zero group (32, 64, 128 or 256).
+        calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token
+            ids (engine.quant.calibration.calibration_batch) = GPTQ for the decoder projections (engine.quant.gptq),
+            run after the embedding is rounded so the calibration sees the INT4 embedding; then, for
+            tune_epochs > 0, every group's scale and zero (and every RMSNorm gain) tuned end to end against a copy
+            of the model as passed in (engine.quant.tune). The embedding and an untied LM head always use
+            round-to-nearest.
+        act_order, damp, refit, tune_epochs, on_layer, on_tune_step: as engine.quant.gptq.gptq_quantize_model.
+    Returns {module name: Int4Weight} with bf16 scales and zeros. With calibration the model is modified in place:
+    the rounded embedding and each calibrated projection hold their dequantized INT4 values (plain modules), and
+    with tuning the RMSNorm gains are the tuned ones, so take the model's other tensors from it afterwards.
+    Raises ValueError for an unsupported group size, or calibration on a model that is not fp32.
+    """
+    check_group_size(group_size)
     handler = Int4QuantHandler(group_size, include_embedding)
-    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    weights: dict[str, Int4Weight] = {}
     teacher = copy.deepcopy(model) if calibration is not None and tune_epochs > 0 else None
-    if include_embedding:
-        w = quantize_int4(model.embed_tokens.weight.detach(), group_size)
-        model.embed_tokens = Int4Embedding(w, dtype, device)
-        if model.config.tie_word_embeddings:
-            model.lm_head = Int4Linear(w, dtype, device, dequant_min_rows)
-    calibrated: dict[str, Int4Weight] = {}
+    if include_embedding:  # first, so the calibration forwards see the INT4 embedding
+        emb = model.embed_tokens.weight
+        weights[EMBEDDING] = quantize_int4(emb.detach(), group_size)
+        if calibration is not None:
+            emb.data = weights[EMBEDDING].dequantize(emb.dtype).to(emb.device)
     if calibration is not None:
         from engine.quant.gptq import gptq_quantize_model
 
-        calibrated = gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp, refit=refit,
-                                         tune_epochs=tune_epochs, teacher=teacher, on_layer=on_layer)
+        weights.update(gptq_quantize_model(model, calibration, group_size, act_order=act_order, damp=damp,
+                                           refit=refit, tune_epochs=tune_epochs, teacher=teacher,
+                                           on_layer=on_layer, on_tune_step=on_tune_step))
         del teacher
-    for name, module in list(model.named_modules()):
-        if not name:
-            continue
-        tied = name == LM_HEAD and model.config.tie_word_embeddings
-        # NOTE: a tied LM head is quantized with the embedding above, never on its own.
-        if isinstance(module, nn.Linear) and handler.wants(f"{name}.weight") and not tied:
-            w = calibrated.get(name) or quantize_int4(module.weight.detach(), group_size)
+    for name, module in model.named_modules():
+        tied = name == LM_HEAD and model.config.tie_word_embeddings  # follows the embedding, never on its own
+        if isinstance(module, nn.Linear) and handler.wants(f"{name}.weight") and not tied and name not in weights:
+            weights[name] = quantize_int4(module.weight.detach(), group_size)
+    return weights
+
+
+def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
+                   dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
+                   act_order: bool = False, damp: float = 0.01, refit: bool = True, tune_epochs: float = 0.0,
+                   on_layer: Callable[[int, float], None] | None = None,
+                   on_tune_step: Callable[[int, int, float], None] | None = None) -> LlamaModel:
+    """Quantize a filled model in place: each projection (and the embedding when asked; a tied LM head with it)
+    becomes an Int4Linear / Int4Embedding on the model's device with its dtype, the weights chosen by
+    quantize_weights (round-to-nearest, or GPTQ + tuning with `calibration`; pass an fp32 model then). Returns the
+    model. dequant_min_rows: Int4Linear's kernel switch. Raises ValueError as quantize_weights."""
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    weights = quantize_weights(model, group_size, include_embedding, calibration=calibration, act_order=act_order,
+                               damp=damp, refit=refit, tune_epochs=tune_epochs, on_layer=on_layer,
+                               on_tune_step=on_tune_step)
+    if EMBEDDING in weights:
+        model.embed_tokens = Int4Embedding(weights[EMBEDDING], dtype, device)
+        if model.config.tie_word_embeddings:
+            weights[LM_HEAD] = weights[EMBEDDING]
+    for name, w in weights.items():
+        if name != EMBEDDING:
             set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
     return model

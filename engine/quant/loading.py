@@ -10,7 +10,6 @@ quantization modes (EngineConfig.quantization):
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,15 +24,15 @@ from engine.model import LlamaModel
 from engine.quant.folder import is_model_folder, read_folder, save_folder
 from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.quant.handler import (
-    EMBEDDING,
     LM_HEAD,
     Int4QuantHandler,
     QuantizedState,
     build_model,
     dequantize_state_dict,
     is_linear_weight,
+    quantize_weights,
 )
-from engine.quant.qparams import Int4Weight, quantize_int4
+from engine.quant.qparams import Int4Weight
 from engine.tokenizer import Tokenizer
 
 QUANTIZATION_MODES = ("none", "auto", "int4")
@@ -181,26 +180,15 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
                     tune_epochs: float, on_layer: Callable[[int, float], None] | None,
                     on_tune_step: Callable[[int, int, float], None] | None) -> dict[str, Any]:
     from engine.quant.calibration import calibration_batch
-    from engine.quant.gptq import gptq_quantize_model
 
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     cfg, llama = loaded.config, loaded.model
     calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
-    handler = Int4QuantHandler(group_size, include_embedding)
-    state: QuantizedState = {}
-    teacher = copy.deepcopy(llama) if tune_epochs > 0 else None  # before the embedding is rounded
-    if include_embedding:  # first, so the calibration forwards see the INT4 embedding the folder will hold
-        emb = quantize_int4(llama.embed_tokens.weight.detach(), group_size)
-        state[EMBEDDING] = emb
-        llama.embed_tokens.weight.data = emb.dequantize()
-    state.update(gptq_quantize_model(llama, calibration, group_size, act_order=act_order, damp=damp,
-                                     tune_epochs=tune_epochs, teacher=teacher, on_layer=on_layer,
-                                     on_tune_step=on_tune_step))
-    del teacher
-    for name, w in llama.state_dict().items():
-        module = name.removesuffix(".weight")
-        if module in state or (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
-            continue
-        state.update(handler.quantize_state_dict({name: w}))  # an untied LM head: round-to-nearest
+    state: QuantizedState = dict(quantize_weights(llama, group_size, include_embedding, calibration=calibration,
+                                                  act_order=act_order, damp=damp, tune_epochs=tune_epochs,
+                                                  on_layer=on_layer, on_tune_step=on_tune_step))
+    for name, w in llama.state_dict().items():  # the norms (tuned ones included) and a kept embedding
+        if name.removesuffix(".weight") not in state and not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
+            state[name] = w
     return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=4, group_size=group_size,
                        source=os.path.basename(path), method="gptq")
