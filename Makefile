@@ -28,7 +28,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# Full-size quality gates the CI budget leaves out (INT4 g128 GPTQ + tuning on 20k tokens: about 10 minutes).
+# Full-size quality gates the CI budget leaves out (INT4 g128 GPTQ + tuning on 20k tokens: about 14 minutes).
 quality: setup
 	TOKENMILL_QUALITY_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider -m quality
 

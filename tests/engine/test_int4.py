@@ -161,7 +161,7 @@ def test_perplexity_g128_within_10_percent(gguf_path: str, ref, reference_ids) -
 def test_perplexity_gptq_tuned_g128_within_10_percent(gguf_path: str, ref, data_dir, tmp_path) -> None:  # noqa: ANN001
     """The issue's g128 gate on the full 20k-token sample, through what a user runs: `tokenmill quantize --method
     gptq --keep-embedding` with its defaults (GSM8K question+answer and AlpacaEval instructions, not the evaluation
-    text), the folder loaded back, perplexity on AlpacaEval reference answers. About 10 minutes on 2 CPU cores:
+    text), the folder loaded back, perplexity on AlpacaEval reference answers. About 14 minutes on 2 CPU cores:
     `make quality`."""
     t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"])
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
