@@ -148,8 +148,7 @@ def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding
     with tuning the RMSNorm gains are the tuned ones, so take the model's other tensors from it afterwards.
     Raises ValueError for an unsupported group size, or calibration on a model that is not fp32.
     """
-    check_group_size(group_size)
-    handler = Int4QuantHandler(group_size, include_embedding)
+    handler = Int4QuantHandler(group_size, include_embedding)  # checks the group size
     weights: dict[str, Int4Weight] = {}
     teacher = copy.deepcopy(model) if calibration is not None and tune_epochs > 0 else None
     if include_embedding:  # first, so the calibration forwards see the INT4 embedding
