@@ -29,6 +29,8 @@ class AttentionMetadata:
         query_lens: list of B ints (host), new tokens per request this step.
         seq_lens_host: list of B ints (host), the same as seq_lens.
         decode_only: True when every request has exactly one new token (the fast decode path).
+        plan: the torch path's batching of this step (BatchPlan), built on first use and then shared by every
+            layer; the Triton kernels do not read it.
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +40,13 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_host: list[int]
     decode_only: bool
+    plan: BatchPlan | None = None
+
+    def batch_plan(self, block_size: int, dtype: torch.dtype) -> BatchPlan:
+        """This step's BatchPlan for KV blocks of `block_size` tokens and attention in `dtype`, built once."""
+        if self.plan is None:
+            self.plan = BatchPlan.build(self, block_size, dtype)
+        return self.plan
 
     @classmethod
     def single_prefill(cls, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -71,58 +80,132 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, num_kv_heads, head_dim] keys (or values) of one request, read through its block table."""
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+@dataclass
+class BatchPlan:
+    """How the torch path batches one step: every decode row in one attention call, every prefill chunk in another.
+
+    Built once per step (`AttentionMetadata.batch_plan`) from the host lists and reused by every layer, so no
+    layer loops over requests in Python. Each group reads its requests' contexts through one gather of whole KV
+    blocks (`block_ids`, padded with block 0 to the group's longest context) and masks what a query may not see
+    with an additive mask (0 or -inf) of the attention dtype.
+
+    Attributes:
+        decode_rows: rows of q (and requests) of the decode group: a slice when they lead the step (the model
+            runner orders decodes first), else an int64 index tensor; None when the step has no decode row.
+        decode_block_ids: int64 [Bd * nb_d], the decode requests' block tables flattened.
+        decode_mask: [Bd, 1, 1, nb_d * block_size] additive mask (keys past each request's seq_len are -inf).
+        prefill_rows: int64 [Tp], the rows of q fed by prefill chunks, request by request; None without prefill.
+        prefill_block_ids: int64 [P * nb_p].
+        prefill_pad_index: int64 [Tp], where each prefill row sits in the padded [P * max_q_len] query batch.
+        prefill_mask: [P, 1, max_q_len, nb_p * block_size] additive causal mask; a padded query row sees key 0
+            (its output is discarded) so no row of the softmax is empty.
+        max_q_len: the longest prefill chunk (tokens).
+    """
+
+    decode_rows: slice | torch.Tensor | None
+    decode_block_ids: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefill_rows: torch.Tensor | None
+    prefill_block_ids: torch.Tensor | None
+    prefill_pad_index: torch.Tensor | None
+    prefill_mask: torch.Tensor | None
+    max_q_len: int
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> BatchPlan:
+        """The plan of `meta`'s step for KV blocks of `block_size` tokens and attention in `dtype`."""
+        device = meta.block_tables.device
+        decode = [b for b, n in enumerate(meta.query_lens) if n == 1]
+        prefill = [b for b, n in enumerate(meta.query_lens) if n > 1]
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+
+        def blocks(reqs: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+            seq = [meta.seq_lens_host[b] for b in reqs]
+            nb = -(-max(seq) // block_size)
+            idx = torch.tensor(reqs, device=device)
+            ids = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
+            return ids, nb, torch.tensor(seq, device=device)
+
+        decode_rows = decode_ids = decode_mask = None
+        if decode:
+            decode_ids, nb, seq = blocks(decode)
+            keys = torch.arange(nb * block_size, device=device)
+            visible = keys[None, :] < seq[:, None]
+            decode_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            decode_mask = decode_mask[:, None, None, :]
+            contiguous = decode == list(range(len(decode))) and starts[len(decode)] == len(decode)
+            decode_rows = slice(0, len(decode)) if contiguous else torch.tensor(
+                [starts[b] for b in decode], device=device)
+        prefill_rows = prefill_ids = pad_index = prefill_mask = None
+        max_q = 0
+        if prefill:
+            prefill_ids, nb, seq = blocks(prefill)
+            q_lens = [meta.query_lens[b] for b in prefill]
+            max_q = max(q_lens)
+            prefill_rows = torch.tensor([r for b in prefill for r in range(starts[b], starts[b + 1])], device=device)
+            pad_index = torch.tensor([i * max_q + j for i, n in enumerate(q_lens) for j in range(n)], device=device)
+            q_len = torch.tensor(q_lens, device=device)
+            j = torch.arange(max_q, device=device)
+            keys = torch.arange(nb * block_size, device=device)
+            # Query j of request i sits at position seq_len - q_len + j and sees keys up to it.
+            pos = (seq - q_len)[:, None] + j[None, :]  # [P, max_q]
+            visible = keys[None, None, :] <= pos[:, :, None]
+            visible |= (j[None, :] >= q_len[:, None])[:, :, None] & (keys == 0)[None, None, :]
+            prefill_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            prefill_mask = prefill_mask[:, None]
+        return cls(decode_rows, decode_ids, decode_mask, prefill_rows, prefill_ids, pad_index, prefill_mask, max_q)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """Contexts read through block tables: [num_seqs, Hkv, nb * block_size, D] in `dtype` (one copy of the blocks)."""
+    ctx = cache.index_select(0, block_ids)  # [S * nb, block_size, Hkv, D]
+    ctx = ctx.view(num_seqs, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return ctx if ctx.dtype == dtype else ctx.to(dtype)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """Causal attention of the step's queries over each request's cached keys and values (reference path).
+    """Causal attention of the step's queries over each request's cached keys and values (the torch path: CPU,
+    tests, and the oracle of the GPU kernels).
 
     q: [T, num_heads, head_dim]; caches as in the module docstring (already holding this step's K/V);
     returns [T, num_heads, head_dim] in q's dtype. Grouped-query attention: query head h reads KV head
-    h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). Softmax in fp32 when q is half precision.
+    h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
+    scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
     """
-    num_heads = q.shape[1]
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if meta.decode_only:
-        # One query per request: gather every context padded to the longest and mask the padding.
-        seq_lens = meta.seq_lens_host
-        max_len = max(seq_lens)
-        block_size = k_cache.shape[1]
-        max_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[:, :max_blocks].long()
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        positions = torch.arange(max_len, device=q.device)
-        mask = positions[None, :] < meta.seq_lens.to(q.device)[:, None]  # [B, L]
+    plan = meta.batch_plan(k_cache.shape[1], q.dtype)
+    if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == num_tokens:
+        out = None  # decode only: the decode output is the whole output
+    else:
+        out = torch.empty_like(q)
+    if plan.decode_rows is not None:
+        qd = q[plan.decode_rows] if isinstance(plan.decode_rows, slice) else q.index_select(0, plan.decode_rows)
+        b = qd.shape[0]
+        k = _gather(k_cache, plan.decode_block_ids, b, q.dtype)  # [B, Hkv, L, D]
+        v = _gather(v_cache, plan.decode_block_ids, b, q.dtype)
         # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
         # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
-        qb = q.reshape(q.shape[0], num_kv_heads, group, q.shape[2])
-        kb = k.permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-        vb = v.permute(0, 2, 1, 3).to(q.dtype)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=scale)
-        return o.reshape(q.shape)
-    out = torch.empty_like(q)
-    start = 0
-    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
-        end = start + q_len
-        k = _gather_context(k_cache, meta.block_tables[b], seq_len)  # [L, Hkv, D]
-        v = _gather_context(v_cache, meta.block_tables[b], seq_len)
-        qb = q[start:end].transpose(0, 1)  # [H, Lq, D]
-        kb = k.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]; enable_gqa maps query head h to KV head h // group
-        vb = v.transpose(0, 1).to(q.dtype)
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
+                                           attn_mask=plan.decode_mask, scale=scale).view(b, num_heads, head_dim)
+        if out is None:
+            return o
+        if isinstance(plan.decode_rows, slice):
+            out[plan.decode_rows] = o
         else:
-            # Chunked prefill or decode: query j sits at position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
-        start = end
+            out.index_copy_(0, plan.decode_rows, o)
+    if plan.prefill_rows is not None:
+        num_seqs = plan.prefill_mask.shape[0]
+        qp = q.new_zeros(num_seqs * plan.max_q_len, num_heads, head_dim)
+        qp.index_copy_(0, plan.prefill_pad_index, q.index_select(0, plan.prefill_rows))
+        qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
+        k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+        v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
+        out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
     return out

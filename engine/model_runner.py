@@ -79,8 +79,12 @@ class ModelRunner:
                                        max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+        """Inputs of one step: input_ids and positions (int64 [T]), the attention metadata, and the rows of the
+        hidden states to sample from with their requests (those whose step reaches their last token)."""
         bs = self.block_size
+        # Decodes first: the torch attention path then reads the decode rows as one slice of the step.
+        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -88,6 +92,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_rows: list[int] = []
+        sampling: list[Request] = []
         for req, n in scheduled:
             start = req.num_computed_tokens
             table = block_tables[req.request_id]
@@ -100,6 +105,7 @@ class ModelRunner:
             tables.append(table)
             if start + n == req.num_tokens:
                 logits_rows.append(len(input_ids) - 1)
+                sampling.append(req)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         qsl = [0]
@@ -120,14 +126,14 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             decode_only=all(n == 1 for n in query_lens),
         )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), meta, logits_rows
+        return dev(input_ids, torch.int64), dev(positions, torch.int64), meta, logits_rows, sampling
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
                 ) -> list[tuple[Request, int]]:
         """Run one step; return (request, sampled token) for each request whose step reached its last token
         (decodes and final prefill chunks). Requests mid-prefill sample nothing."""
-        input_ids, positions, meta, logits_rows = self._prepare(scheduled, block_tables)
+        input_ids, positions, meta, logits_rows, sampling = self._prepare(scheduled, block_tables)
         graphs = self.graphs
         if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
             if not graphs.graphs:
@@ -135,8 +141,6 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampling = [s.request for s in scheduled if s.request.num_computed_tokens + s.num_new_tokens
-                    == s.request.num_tokens]
         if not sampling:
             return []
         rows = torch.tensor(logits_rows, device=self.device)
