@@ -58,8 +58,8 @@ class EngineConfig:
 
     Attributes:
         device: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available, else cpu).
-        dtype: "float32", "bfloat16" or "float16" for activations, weights and KV cache ("auto" = float32 on cpu,
-            bfloat16 on cuda).
+        dtype: "float32", "bfloat16" or "float16" for activations, weights and KV cache ("auto" = bfloat16 on cuda
+            and on cpus with native bf16 (AVX512-BF16 / AMX), float32 on other cpus).
         block_size: tokens per KV cache block (PagedAttention, Kwon et al., SOSP 2023).
         num_kv_blocks: blocks in the KV pool; None sizes it from `kv_cache_memory_bytes` (cpu) or from the free
             device memory times `gpu_memory_utilization` (cuda).

@@ -166,8 +166,8 @@ def run(
         help=f"Device price, USD per hour, for the bill (default {DEFAULT_PRICE_PER_HOUR_USD}: a spot H100).")
     ] = DEFAULT_PRICE_PER_HOUR_USD,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.", envvar="TOKENMILL_DEVICE")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on cpu, bf16 on cuda), float32, bfloat16, float16.",
-                                       envvar="TOKENMILL_DTYPE")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
+                                            "bfloat16, float16.", envvar="TOKENMILL_DTYPE")] = "auto",
     max_num_seqs: Annotated[int, typer.Option(help="Most rows decoding at once per engine.",
                                               envvar="TOKENMILL_MAX_NUM_SEQS")] = 256,
     kv_cache_gib: Annotated[float, typer.Option(help="KV cache size on cpu, GiB per worker (on cuda the pool is "

@@ -118,8 +118,8 @@ def perplexity(
                                                    "INT4), int4 (quantize the rest on load).")] = "auto",
     group_size: Annotated[int, typer.Option(help="Group size for --quantization int4.")] = 128,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (fp32 on cpu, bf16 on cuda), float32, bfloat16, float16.")
-                     ] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
+                                            "bfloat16, float16.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help='Print one line {"perplexity": float, "tokens": int}.')
                        ] = False,
 ) -> None:

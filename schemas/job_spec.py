@@ -77,7 +77,8 @@ JOB_SPEC_SCHEMA: dict[str, Any] = {
             "device": {"type": "string", "pattern": "^(auto|cpu|cuda(:[0-9]+)?)$",
                        "description": "auto, cpu, cuda or cuda:N."},
             "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"],
-                      "description": "auto (fp32 on cpu, bf16 on cuda), float32, bfloat16 or float16."},
+                      "description": "auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
+                                     "bfloat16 or float16."},
             "max_num_seqs": {**_COUNT, "description": "Most rows decoding at once per engine (default 256)."},
             "kv_cache_gib": {"type": "number", "exclusiveMinimum": 0,
                              "description": "KV cache size on cpu, GiB per worker, > 0 (default 1)."},
