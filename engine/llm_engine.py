@@ -79,6 +79,7 @@ class LLMEngine:
         self.device = device
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         limit = model_config.max_position_embeddings

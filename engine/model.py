@@ -59,8 +59,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is the concatenation of `modules`' outputs (along out_features), or None when they
+    cannot be merged. All take the same input [..., K]; the merged one returns [..., sum(N_i)].
+
+    Plain bias-free nn.Linear layers merge by concatenating their weights (as vLLM's QKVParallelLinear and
+    MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix); other module types merge through a
+    `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear). The originals are not
+    changed.
+    """
+    first = modules[0]
+    if any(type(m) is not type(first) for m in modules):
+        return None
+    if type(first) is nn.Linear:
+        if any(m.bias is not None or m.weight.dtype != first.weight.dtype or m.weight.device != first.weight.device
+               or m.in_features != first.in_features for m in modules):
+            return None
+        weight = torch.cat([m.weight.detach() for m in modules])
+        with torch.device("meta"):
+            merged = nn.Linear(first.in_features, weight.shape[0], bias=False)
+        merged.weight = nn.Parameter(weight, requires_grad=False)
+        return merged
+    concat = getattr(type(first), "concat", None)
+    return concat(modules) if concat is not None else None
+
+
 class Attention(nn.Module):
-    """Self-attention over the paged KV cache."""
+    """Self-attention over the paged KV cache.
+
+    Q, K and V come from q_proj/k_proj/v_proj (the names of the model files and of GPTQ), or, after `fuse()`, from
+    one qkv_proj: one GEMM of N = (num_heads + 2 * num_kv_heads) * head_dim instead of three narrower ones.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,15 +99,34 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None
+
+    def fuse(self) -> bool:
+        """Replace q_proj/k_proj/v_proj by one qkv_proj (engine.model.concat_linears). Returns whether it fused
+        (False when already fused or when the three cannot be merged)."""
+        if self.qkv_proj is not None:
+            return False
+        merged = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        if merged is None:
+            return False
+        self.qkv_proj = merged
+        del self.q_proj, self.k_proj, self.v_proj
+        return True
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
         """Everything before o_proj: x [T, hidden] -> [T, num_heads * head_dim]; writes this step's K/V into the
         caches. (GPTQ calibration needs o_proj's input.)"""
-        t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+            qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # one RoPE for Q and K
+            q, k = qk[:, :h], qk[:, h:]
+            v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
+        else:
+            q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)
+            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
+            v = self.v_proj(x).view(t, hkv, d)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return attn_fn(q, k_cache, v_cache, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
 
@@ -88,15 +136,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); after `fuse()`, gate and up are one gate_up_proj GEMM."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.intermediate_size = cfg.intermediate_size
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse(self) -> bool:
+        """Replace gate_proj/up_proj by one gate_up_proj. Returns whether it fused (as Attention.fuse)."""
+        if self.gate_up_proj is not None:
+            return False
+        merged = concat_linears([self.gate_proj, self.up_proj])
+        if merged is None:
+            return False
+        self.gate_up_proj = merged
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -149,6 +213,12 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, k_cache, v_cache, meta, self.attn_fn)
         return self.norm(x)
+
+    def fuse_projections(self) -> int:
+        """Merge each layer's Q/K/V and gate/up projections into one GEMM each (Attention.fuse, MLP.fuse), in
+        place: the serving layout. Loading, GPTQ and `quantize_model` work on the unfused names, so fuse after
+        them. Returns the number of merged modules (0 when already fused)."""
+        return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -20,6 +20,7 @@ from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, check_group_size, quantize_int4
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
 EMBEDDING = "embed_tokens"
 LM_HEAD = "lm_head"
 
@@ -27,9 +28,10 @@ QuantizedState = dict[str, "torch.Tensor | Int4Weight"]
 
 
 def is_linear_weight(name: str) -> bool:
-    """True for the weight of a decoder projection or the LM head (HF names without "model.")."""
+    """True for the weight of a decoder projection (fused or not) or the LM head (HF names without "model.")."""
     module = name.removesuffix(".weight")
-    return name.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEAR_MODULES or module == LM_HEAD)
+    return name.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES
+                                         or module == LM_HEAD)
 
 
 class Int4QuantHandler:

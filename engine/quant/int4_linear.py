@@ -78,6 +78,7 @@ class Int4Linear(nn.Module):
                  dequant_min_rows: int | None | str = "auto") -> None:
         super().__init__()
         device = torch.device(device)
+        self.source, self.dtype, self.device, self.dequant_min_rows_arg = weight, dtype, device, dequant_min_rows
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.padded_in_features, self.group_size = weight.padded_in_features, weight.group_size
         self.packed: torch.Tensor | None = None
@@ -105,6 +106,23 @@ class Int4Linear(nn.Module):
             self.dequant_min_rows = rows
         else:
             raise ValueError(f"Int4Linear runs on cpu or cuda, not {device.type}; load the model with device=cpu")
+
+    @classmethod
+    def concat(cls, modules: list[Int4Linear]) -> Int4Linear | None:
+        """One Int4Linear whose output is the concatenation of `modules`' outputs (their weights stacked along N,
+        as engine.model.concat_linears asks), or None when their input width, group size, scale dtype,
+        activation dtype or device differ. The originals are not changed."""
+        first = modules[0]
+        srcs = [m.source for m in modules]
+        if any((s.in_features, s.group_size, s.scales.dtype) != (first.source.in_features, first.source.group_size,
+                                                                  first.source.scales.dtype) for s in srcs) or any(
+                (m.dtype, m.device) != (first.dtype, first.device) for m in modules):
+            return None
+        weight = Int4Weight(torch.cat([s.qweight.to(first.device) for s in srcs]),
+                            torch.cat([s.scales.to(first.device) for s in srcs]),
+                            torch.cat([s.zeros.to(first.device) for s in srcs]), first.in_features,
+                            first.group_size)
+        return cls(weight, first.dtype, first.device, first.dequant_min_rows_arg)
 
     def kernel_for(self, m: int) -> str:
         """"tinygemm" or "dequant": the kernel a forward with `m` rows will use."""

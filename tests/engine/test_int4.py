@@ -117,6 +117,34 @@ def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, alpaca_i
     assert agree > 0.8
 
 
+def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(_logits(model, ids + out)[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_fused_projections_give_the_same_greedy_tokens(gguf_path: str, ref, alpaca_instructions,  # noqa: ANN001
+                                                       quantization: str) -> None:
+    """The serving layout (one QKV and one gate/up GEMM per layer, plain fp32 and INT4 Q4_1) computes what the
+    file's separate projections compute: logits within fp32 rounding, the same greedy tokens."""
+    unfused = ref if quantization == "none" else load_model(gguf_path, torch.float32, CPU, quantization=quantization)
+    fused = copy.deepcopy(unfused.model)
+    assert fused.fuse_projections() == 2 * unfused.config.num_layers
+    assert fused.fuse_projections() == 0  # idempotent
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
+    kind = torch.nn.Linear if quantization == "none" else Int4Linear
+    assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
+    assert attn.qkv_proj.out_features == (unfused.config.num_heads + 2 * unfused.config.num_kv_heads) * 64
+    for prompt in alpaca_instructions[:2]:
+        ids = ref.tokenizer.encode(prompt)
+        a, b = _logits(unfused.model, ids), _logits(fused, ids)
+        assert ((a - b).norm() / a.norm()).item() < 1e-5
+        assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
+
+
 def test_quantize_save_load_generate(gguf_path: str, tmp_path) -> None:  # noqa: ANN001
     from engine import EngineConfig, LLMEngine, SamplingParams
 
