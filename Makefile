@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup demo test quality lint bench clean
+.PHONY: setup demo test quality lint bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: setup
 
 bench: setup
 	$(PY) bench/throughput.py --num-prompts 64 --workload both
+
+# Our engine vs HF transformers (fp32, bf16) and CTranslate2 (int8, float32) on CPU, each in its own process.
+peers: setup
+	$(PIP) install -q -e '.[bench]'
+	$(PY) bench/peers.py --workload both
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

