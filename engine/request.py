@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 
@@ -31,10 +32,11 @@ class Request:
         num_computed_tokens: tokens whose K/V are in this request's blocks.
         num_preemptions: times the request lost its blocks and went back to waiting.
         finish_reason: "stop" | "length" once finished, else None.
+        detokenizer: the output's text and stop strings (engine.detokenizer), or None when there is no tokenizer.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_index: int) -> None:
+                 arrival_index: int, detokenizer: IncrementalDetokenizer | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
         self.request_id = request_id
@@ -47,6 +49,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
         self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -23,6 +23,21 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: LLMEngine, a
     assert [o.output_token_ids for o in greedy] != [o.output_token_ids for o in together]
 
 
+def test_seeded_sampling_survives_preemption(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+    # A pool that holds the four prompts (112 blocks of 4) with 2 blocks to spare but not their 8 output tokens each:
+    # requests are preempted mid-decode and recomputed; a seeded request's noise depends only on (seed, output
+    # index), so it picks up its draws where it left them.
+    prompts = gsm8k_questions[40:44]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=0 if i % 2 else 40, top_p=0.9, seed=i)
+              for i in range(len(prompts))]
+    roomy = engine.generate(prompts, params)
+    tight = engine.with_config(EngineConfig(device="cpu", dtype="float32", block_size=4, num_kv_blocks=114,
+                                            max_num_seqs=4, enable_prefix_caching=False))
+    squeezed = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions >= 1 and any(o.num_preemptions for o in squeezed)
+    assert [o.output_token_ids for o in squeezed] == [o.output_token_ids for o in roomy]
+
+
 def test_top_k_one_is_greedy(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
     prompts = gsm8k_questions[:3]
     greedy = engine.generate(prompts, SamplingParams(max_tokens=10))
