@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_gguf_model, resolve_model_path
 from engine.model import LlamaModel
@@ -190,7 +191,8 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                              f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
-        return Request(request_id, token_ids, params, index)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        return Request(request_id, token_ids, params, index, detokenizer)
 
     def _check_stop(self, req: Request) -> str | None:
         """finish_reason after the token just appended, or None to go on."""
@@ -200,12 +202,10 @@ class LLMEngine:
             return "stop"
         if token in sp.stop_token_ids:
             return "stop"
-        if sp.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids)
-            hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
-            if hits:
-                req.stop_text_end = min(hits)
-                return "stop"
+        # Only requests with stop strings need their text every step: a few new tokens decoded, a few characters
+        # searched. The others are decoded once, in _output.
+        if sp.stop and req.detokenizer is not None and req.detokenizer.update(req.output_token_ids) is not None:
+            return "stop"
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -241,9 +241,7 @@ class LLMEngine:
         return finished
 
     def _output(self, req: Request, start: float) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
-        if req.stop_text_end is not None:
-            text = text[:req.stop_text_end]
+        text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,

@@ -50,7 +50,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
-        self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
