@@ -41,6 +41,17 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     decode_only: bool
     plan: BatchPlan | None = None
+    _leading_decodes: int | None = None
+
+    def num_leading_decodes(self) -> int:
+        """How many requests decode (one new token each) when they all lead the step, as the model runner orders
+        them; -1 when a decode follows a prefill chunk. Counted once per step."""
+        if self._leading_decodes is None:
+            n = 0
+            while n < len(self.query_lens) and self.query_lens[n] == 1:
+                n += 1
+            self._leading_decodes = n if 1 not in self.query_lens[n:] else -1
+        return self._leading_decodes
 
     def batch_plan(self, block_size: int, dtype: torch.dtype) -> BatchPlan:
         """This step's BatchPlan for KV blocks of `block_size` tokens and attention in `dtype`, built once."""
@@ -165,47 +176,80 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: 
     return ctx if ctx.dtype == dtype else ctx.to(dtype)
 
 
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan,
+                    scale: float) -> torch.Tensor:
+    """The decode rows of `plan` through one SDPA call: [Bd, num_heads, head_dim]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    qd = q[plan.decode_rows] if isinstance(plan.decode_rows, slice) else q.index_select(0, plan.decode_rows)
+    b = qd.shape[0]
+    k = _gather(k_cache, plan.decode_block_ids, b, q.dtype)  # [B, Hkv, L, D]
+    v = _gather(v_cache, plan.decode_block_ids, b, q.dtype)
+    # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
+    # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
+    group = num_heads // num_kv_heads
+    return F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
+                                          attn_mask=plan.decode_mask, scale=scale).view(b, num_heads, head_dim)
+
+
+def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan, scale: float,
+                     out: torch.Tensor) -> None:
+    """The prefill rows of `plan` through one SDPA call over the padded chunks, written into `out` [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs = plan.prefill_mask.shape[0]
+    qp = q.new_zeros(num_seqs * plan.max_q_len, num_heads, head_dim)
+    qp.index_copy_(0, plan.prefill_pad_index, q.index_select(0, plan.prefill_rows))
+    qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
+    k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+    v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
+    out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """Causal attention of the step's queries over each request's cached keys and values (the torch path: CPU,
-    tests, and the oracle of the GPU kernels).
+    """Causal attention of the step's queries over each request's cached keys and values (the torch path: tests,
+    and the oracle of the CPU and GPU kernels).
 
     q: [T, num_heads, head_dim]; caches as in the module docstring (already holding this step's K/V);
     returns [T, num_heads, head_dim] in q's dtype. Grouped-query attention: query head h reads KV head
     h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
     scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     plan = meta.batch_plan(k_cache.shape[1], q.dtype)
-    if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == num_tokens:
-        out = None  # decode only: the decode output is the whole output
-    else:
-        out = torch.empty_like(q)
+    if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == q.shape[0]:
+        return _attend_decodes(q, k_cache, v_cache, plan, scale)  # decode only: the decode output is the whole
+    out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        qd = q[plan.decode_rows] if isinstance(plan.decode_rows, slice) else q.index_select(0, plan.decode_rows)
-        b = qd.shape[0]
-        k = _gather(k_cache, plan.decode_block_ids, b, q.dtype)  # [B, Hkv, L, D]
-        v = _gather(v_cache, plan.decode_block_ids, b, q.dtype)
-        # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
-        # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
-        o = F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
-                                           attn_mask=plan.decode_mask, scale=scale).view(b, num_heads, head_dim)
-        if out is None:
-            return o
+        o = _attend_decodes(q, k_cache, v_cache, plan, scale)
         if isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = o
         else:
             out.index_copy_(0, plan.decode_rows, o)
     if plan.prefill_rows is not None:
-        num_seqs = plan.prefill_mask.shape[0]
-        qp = q.new_zeros(num_seqs * plan.max_q_len, num_heads, head_dim)
-        qp.index_copy_(0, plan.prefill_pad_index, q.index_select(0, plan.prefill_rows))
-        qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
-        k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
-        v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
-        out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
+        _attend_prefills(q, k_cache, v_cache, plan, scale, out)
+    return out
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """`paged_attention_ref`'s contract on the CPU, with the decode rows in a C++ kernel (engine/csrc/
+    cpu_attention.cpp) that reads each context in place through the block table: no gather copy, no padding to
+    the longest context, fp32 softmax. Prefill chunks take the reference's SDPA path. Falls back to
+    `paged_attention_ref` when the kernels are not built (engine.cpu_kernels) or the decodes do not lead the step
+    (the model runner puts them first).
+    """
+    from engine.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    nd = meta.num_leading_decodes()
+    if ops is None or nd <= 0:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    o = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    if nd == q.shape[0]:
+        return o
+    out = torch.empty_like(q)
+    out[:nd] = o
+    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype), scale, out)
     return out

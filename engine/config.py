@@ -76,9 +76,9 @@ class EngineConfig:
             reference path); "auto" = weights stored as INT4 stay INT4 (GGUF Q4_0/Q4_1 natively, INT4 folders);
             "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise).
         int4_group_size: input features per scale/zero group when quantizing on load (32, 64, 128 or 256).
-        attention_backend: "auto" (the Triton kernels on CUDA when triton imports, else the torch reference),
-            "triton" (engine.triton_attention; on CPU only under TRITON_INTERPRET=1) or "torch"
-            (engine.attention.paged_attention_ref).
+        attention_backend: "auto" (the Triton kernels on CUDA when triton imports; on CPU the C++ decode kernel,
+            engine.attention.paged_attention_cpu; else the torch reference), "triton" (engine.triton_attention; on
+            CPU only under TRITON_INTERPRET=1), "cpu" or "torch" (engine.attention.paged_attention_ref).
         enforce_eager: never capture CUDA graphs. Otherwise, on CUDA with the Triton backend, decode steps replay
             graphs captured once per batch-size bucket (engine.cuda_graph) on their first use.
 
@@ -123,5 +123,5 @@ class EngineConfig:
             raise ValueError(f"quantization must be none, auto or int4, got {self.quantization!r}")
         if self.int4_group_size not in (32, 64, 128, 256):
             raise ValueError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton, cpu or torch, got {self.attention_backend!r}")

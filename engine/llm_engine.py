@@ -17,6 +17,7 @@ from engine.loader import load_gguf_model, resolve_model_path
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner, kv_block_bytes, select_attention
 from engine.outputs import RequestOutput
+from engine.packed_linear import pack_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -81,6 +82,8 @@ class LLMEngine:
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
+        if device.type == "cpu":
+            pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
         limit = model_config.max_position_embeddings

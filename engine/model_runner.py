@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, paged_attention_ref
+from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.model import AttentionFn, LlamaModel
@@ -22,20 +22,25 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 def select_attention(backend: str, device: torch.device) -> AttentionFn:
     """The paged attention function for EngineConfig.attention_backend on `device`.
 
-    "auto": the Triton kernels on CUDA when triton imports, else the torch reference; "triton" insists (raises
-    ValueError when triton cannot run here: no CUDA and no TRITON_INTERPRET=1); "torch": the reference.
+    "auto": the Triton kernels on CUDA when triton imports, the C++ decode kernel on CPU (paged_attention_cpu),
+    else the torch reference; "triton" insists (raises ValueError when triton cannot run here: no CUDA and no
+    TRITON_INTERPRET=1); "cpu": paged_attention_cpu (ValueError off the CPU); "torch": the reference.
     """
     from engine.triton_attention import paged_attention_triton, triton_available
 
     if backend == "torch":
         return paged_attention_ref
+    if backend == "cpu" or (backend == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device.type}; use 'auto'")
+        return paged_attention_cpu
     if backend == "triton":
         if not triton_available():
             raise ValueError("attention_backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on "
                              "CPU); pip install triton, or use attention_backend='torch'")
         return paged_attention_triton
     if backend != "auto":
-        raise ValueError(f"attention_backend must be auto, triton or torch, got {backend!r}")
+        raise ValueError(f"attention_backend must be auto, triton, cpu or torch, got {backend!r}")
     return paged_attention_triton if device.type == "cuda" and triton_available() else paged_attention_ref
 
 

@@ -20,7 +20,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from engine.attention import AttentionMetadata, paged_attention_ref, write_kv  # noqa: E402
+import attention_steps  # noqa: E402
+
+from engine.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
 from engine.triton_attention import (  # noqa: E402
     decode_num_splits,
     paged_attention_triton,
@@ -31,7 +33,7 @@ from engine.triton_attention import (  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
-HEAD_DIM = 64
+HEAD_DIM = attention_steps.HEAD_DIM
 # Max abs error vs the reference per dtype: fp32 runs IEEE dots; half precision rounds P to 16 bits before P @ V.
 ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -46,44 +48,11 @@ def _needs_a_backend() -> None:
 
 
 def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int,
-              dtype: torch.dtype, device: str = DEVICE, head_dim: int = HEAD_DIM, seed: int = 0,
-              extra_table_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A random step: q [T, H, D], caches with each request's blocks at shuffled (non-contiguous) ids, and its
-    metadata. Context K/V are random cache contents; this step's K/V go in through `write_kv` and the slot mapping,
-    as in the model. extra_table_cols pads the block tables (as CUDA-graph capture does)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3  # spare blocks no request owns
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables: list[list[int]] = []
-    for n in blocks_per_req:
-        tables.append(perm[:n])
-        perm = perm[n:]
-    width = max(blocks_per_req) + extra_table_cols
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, q_len, s in zip(tables, query_lens, seq_lens, strict=True) for p in range(s - q_len, s)]
-    num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k_new = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    v_new = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
-    write_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        query_lens=list(query_lens),
-        seq_lens_host=list(seq_lens),
-        decode_only=all(n == 1 for n in query_lens),
-    )
-    return q.to(device), k_cache.to(device), v_cache.to(device), meta
+              dtype: torch.dtype, device: str = DEVICE, **kwargs: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """attention_steps.make_step on this module's device (the GPU, or the CPU under the interpreter)."""
+    return attention_steps.make_step(query_lens, seq_lens, num_heads, num_kv_heads, block_size, dtype, device,
+                                     **kwargs)
 
 
 def max_err(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

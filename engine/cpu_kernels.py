@@ -1,0 +1,58 @@
+"""C++ kernels of the CPU path (engine/csrc/), compiled for this machine on first use.
+
+`cpu_ops()` builds engine/csrc/cpu_attention.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
+-march=native, so the build is for the CPU it runs on) into torch's extension cache (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions), under a name that hashes the source, the flags, torch's version and this CPU's flags:
+later processes on the same machine load it in well under a second (a build takes about 30 s on 2 cores), and
+concurrent first builds wait on torch's file lock. When the build cannot run (no compiler, no ninja, a build
+error) or TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers
+use the plain torch path, which computes the same function.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+# The kernels vectorize by hand (GCC vector extensions), so no -ffast-math: the softmax needs -inf and exact order.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    """The compiled kernels (functions `paged_decode_attention`), or None when they cannot be built here."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
+    name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False)
+    except Exception as e:  # no compiler / ninja, or a build error: the torch path does the same work
+        log.warning("tokenmill's CPU kernels could not be built (%s: %s); using the plain torch path, which is "
+                    "slower. Install g++ and ninja (pip install ninja) to get them.", type(e).__name__,
+                    str(e).strip().splitlines()[-1:] if str(e).strip() else "")
+        return None

@@ -1,0 +1,248 @@
+// Paged decode attention on the CPU: one query token per request against its cached keys and values, read in
+// place through the block table (no gather copy). Layout and contract: engine/attention.py. Compiled at first use
+// by engine/cpu_kernels.py (torch.utils.cpp_extension.load, -O3 -march=native).
+//
+// Work is split over (request, KV head) pairs; each pair serves its `group` query heads (grouped-query attention,
+// Ainslie et al. 2023) so every key and value row is read once per pair. Scores, softmax and the weighted sum of
+// values are computed in fp32 whatever the storage dtype (fp32, bf16, fp16), as the reference's fp32 softmax.
+// Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP
+// 2023); two-pass softmax with the row maximum subtracted (Milakov & Gimelshein, 2018, for the online form).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Widen a row to fp32. bf16 is the high half of an fp32: a 16-bit shift, which vectorizes (c10::BFloat16's
+// conversion operator does not).
+template <typename T>
+inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int64_t d) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) o[i] = static_cast<uint32_t>(s[i]) << 16;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// 16 fp32 lanes as one value: the compiler maps it to one AVX-512 register or two AVX2 ones.
+typedef float v16 __attribute__((vector_size(64)));
+
+// Horizontal sums of 16 vectors at once: lane j of the result is the sum of the lanes of a[bitreverse4(j)], so a
+// caller that puts token t in a[bitreverse4(t)] gets the 16 dot products in order. Four levels of shuffle + add
+// (15 of each in all) instead of 16 separate reductions of 4 steps each.
+inline v16 transpose_reduce16(v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t head_dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+// exp of 16 lanes: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial
+// for expf (Moshier, "Cephes Math Library", expf.c; relative error about 1e-7), scaled by 2^n through the exponent
+// bits. Inputs are clamped to [-87.3, 88.7]: exp(-87.3) ~ 1e-38 stands in for exp(-inf) = 0.
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.3f, hi = v16{} + 88.7f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v16 y = x * 1.44269504088896341f;
+  const vi16 n = __builtin_convertvector(y + (y >= 0 ? v16{} + 0.5f : v16{} - 0.5f), vi16);
+  const v16 fn = __builtin_convertvector(n, v16);
+  v16 r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const vi16 bits = (n + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hmax16(v16 v) {
+  float r[16];
+  __builtin_memcpy(r, &v, sizeof(r));
+  float m = r[0];
+  for (int i = 1; i < 16; ++i) m = r[i] > m ? r[i] : m;
+  return m;
+}
+
+inline float hsum16(v16 v) {
+  float r[16];
+  __builtin_memcpy(r, &v, sizeof(r));
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += r[i];
+  return s;
+}
+
+template <typename T>
+void decode_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
+                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
+                   int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t group, float scale,
+                   T* out) {
+  const int64_t num_heads = num_kv_heads * group;
+  const int64_t row = num_kv_heads * head_dim;  // elements per token slot in the cache: every KV head's columns
+  const bool vectorized = head_dim % 16 == 0;
+  const int64_t chunks = head_dim / 16;
+  // One request per work item: its keys and values are read as whole cache rows (all KV heads), block by block,
+  // so each block of the cache streams in once, in address order.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), kf(16 * row), scores;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = seq_lens[b];
+      const int32_t* table = block_tables + b * table_stride;
+      auto slot = [&](const T* cache, int64_t t) {
+        return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
+      };
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* dst = qf.data() + h * head_dim;
+        load_row(q + b * q_stride_t + h * q_stride_h, dst, head_dim);
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] *= scale;
+      }
+      const int64_t padded = (len + 15) / 16 * 16;
+      scores.resize(num_heads * padded);
+      for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(slot(k_cache, j), row);
+      // Scores, 16 keys at a time: the keys widened to fp32 once, then each query head's 16 dot products reduced
+      // together (transpose_reduce16).
+      for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t0);
+        for (int64_t j = t0 + 16; j < std::min<int64_t>(t0 + 32, len); ++j) prefetch_row(slot(k_cache, j), row);
+        if (t0 + 16 >= len)
+          for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(slot(v_cache, j), row);
+        for (int64_t j = 0; j < n; ++j) load_row(slot(k_cache, t0 + j), kf.data() + j * row, row);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = qf.data() + h * head_dim;
+          const float* kh = kf.data() + (h / group) * head_dim;  // query head h reads KV head h / group
+          float* sh = scores.data() + h * padded + t0;
+          if (vectorized) {
+            v16 a[16];
+            for (int j = 0; j < 16; ++j) {
+              v16 s = {};
+              if (j < n)
+                for (int64_t c = 0; c < chunks; ++c) s += load16(qh + 16 * c) * load16(kh + j * row + 16 * c);
+              a[kBitrev4[j]] = s;
+            }
+            float r[16];
+            const v16 sums = transpose_reduce16(a);
+            __builtin_memcpy(r, &sums, sizeof(r));
+            for (int64_t j = 0; j < n; ++j) sh[j] = r[j];
+          } else {
+            for (int64_t j = 0; j < n; ++j) {
+              const float* kj = kh + j * row;
+              float s = 0.f;
+              for (int64_t i = 0; i < head_dim; ++i) s += qh[i] * kj[i];
+              sh[j] = s;
+            }
+          }
+        }
+      }
+      // Softmax per query head, 16 scores at a time; the padding past len holds -inf (exp -> ~0, never read
+      // below).
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* sh = scores.data() + h * padded;
+        for (int64_t t = len; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+        v16 mv = load16(sh);
+        for (int64_t t = 16; t < padded; t += 16) {
+          const v16 x = load16(sh + t);
+          mv = x > mv ? x : mv;
+        }
+        const float m = hmax16(mv);
+        v16 sum = {};
+        for (int64_t t = 0; t < padded; t += 16) {
+          const v16 e = exp16(load16(sh + t) - m);
+          __builtin_memcpy(sh + t, &e, sizeof(e));
+          sum += e;
+        }
+        const float inv = 1.f / hsum16(sum);
+        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        if (t + 8 < len) prefetch_row(slot(v_cache, t + 8), row);
+        load_row(slot(v_cache, t), kf.data(), row);
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float p = scores[h * padded + t];
+          const float* vh = kf.data() + (h / group) * head_dim;
+          float* ah = acc.data() + h * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) ah[i] += p * vh[i];
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* dst = out + (b * num_heads + h) * head_dim;
+        const float* ah = acc.data() + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(ah[i]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
+// seq_lens int32 [B] (>= 1). Returns [B, H, D] in q's dtype.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the KV caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1, "block_tables int32");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32 contiguous");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per row");
+  auto out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
+                            block_tables.data_ptr<int32_t>(), block_tables.stride(0), seq_lens.data_ptr<int32_t>(),
+                            num_seqs, num_heads / num_kv_heads, static_cast<float>(scale), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+}

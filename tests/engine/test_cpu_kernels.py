@@ -1,0 +1,115 @@
+"""The CPU serving path: the C++ paged decode attention (engine/csrc) and oneDNN-packed linears, each against the
+plain torch computation it replaces, then the whole engine on real prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_steps import make_step
+from torch import nn
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.attention import paged_attention_cpu, paged_attention_ref
+from engine.cpu_kernels import cpu_ops
+from engine.packed_linear import PackedLinear, pack_linears, packing_available
+
+# Max abs error vs the reference: fp32 differs by summation order; bf16 outputs round to 8 bits of mantissa.
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    built = cpu_ops()
+    if built is None:
+        pytest.fail("the CPU kernels did not build (g++ and ninja are test dependencies); see the warning above")
+    return built
+
+
+# (query_lens, seq_lens): decodes lead, as the model runner orders them. Contexts of 1 token, under one block,
+# and over several blocks, none a multiple of the block size; then decodes followed by a chunked and a full prefill.
+STEPS = [([1] * 5, [1, 13, 16, 37, 70]), ([1, 1, 1, 21, 40], [9, 33, 120, 30, 40])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (6, 2, 40)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("step", STEPS)
+def test_cpu_attention_matches_the_reference(ops: object, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                             head_dim: int, block_size: int,
+                                             step: tuple[list[int], list[int]]) -> None:
+    # head_dim 40 takes the kernel's scalar path (not a multiple of 16 lanes).
+    q, kc, vc, meta = make_step(*step, num_heads, num_kv_heads, block_size, dtype, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    out = paged_attention_cpu(q, kc, vc, meta, scale)
+    ref = paged_attention_ref(q, kc, vc, meta, scale)
+    assert out.shape == ref.shape and out.dtype == dtype
+    assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
+
+
+def test_cpu_decode_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None:
+    # q as the model passes it: a view of the fused QKV output (row stride > num_heads * head_dim).
+    seq_lens = [700, 1, 333]
+    _, kc, vc, meta = make_step([1, 1, 1], seq_lens, 6, 2, 16, torch.float32, seed=3)
+    qkv = torch.randn(3, 6 + 2 * 2, 64)
+    q = qkv[:, :6]
+    scale = 0.125
+    out = ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale)
+    assert (out - paged_attention_ref(q.contiguous(), kc, vc, meta, scale)).abs().max().item() < ATOL[torch.float32]
+
+
+def test_cpu_attention_falls_back_when_a_decode_follows_a_prefill(ops: object) -> None:
+    q, kc, vc, meta = make_step([21, 1, 5], [21, 40, 30], 6, 2, 16, torch.float32)
+    assert meta.num_leading_decodes() == -1
+    out = paged_attention_cpu(q, kc, vc, meta, 0.125)
+    assert (out - paged_attention_ref(q, kc, vc, meta, 0.125)).abs().max().item() < ATOL[torch.float32]
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(96, 80, generator=gen) * 0.1).to(dtype)
+    packed = PackedLinear(weight)
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(2, rows, 80, generator=gen).to(dtype)
+        ref = F.linear(x, weight)
+        y = packed(x)
+        assert y.shape == ref.shape and y.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(y, ref)  # both are oneDNN's bf16 GEMM
+        else:
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fp32/bf16 CPU weight"):
+        PackedLinear(weight.half())
+
+
+@pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+def test_pack_linears_replaces_plain_linears_only() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=True),
+                          nn.Sequential(nn.Linear(8, 8, bias=False)))
+    assert pack_linears(model) == 2
+    assert isinstance(model[1], PackedLinear) and isinstance(model[3][0], PackedLinear)
+    assert type(model[2]) is nn.Linear and type(model[0]) is nn.Embedding  # a bias, an embedding: kept
+    assert pack_linears(model) == 0  # idempotent
+
+
+@pytest.mark.slow
+def test_cpu_serving_path_gives_the_reference_greedy_tokens(engine: LLMEngine,
+                                                            gsm8k_questions: list[str]) -> None:
+    # The default CPU path (C++ decode attention, packed fp32 GEMMs) against the torch reference attention on the
+    # same weights, on real prompts in one continuous batch (prefill chunks mixed with decodes).
+    # NOTE: engines made by with_config share the model, and the newest one sets its attention function.
+    prompts = gsm8k_questions[:12]
+    params = SamplingParams(max_tokens=24)
+    ours_engine = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=256))
+    assert ours_engine.runner.model.attn_fn is paged_attention_cpu
+    assert isinstance(ours_engine.runner.model.lm_head, PackedLinear)
+    ours = ours_engine.generate(prompts, params)
+    assert ours_engine.num_steps > 24  # prompts were prefilled in chunks, beside decodes
+    reference = engine.with_config(EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
+                                                max_num_batched_tokens=256))
+    assert reference.runner.model.attn_fn is paged_attention_ref
+    ref = reference.generate(prompts, params)
+    assert [o.output_token_ids for o in ours] == [o.output_token_ids for o in ref]
+    engine.with_config(engine.config)  # the session's engine back on its own attention function
