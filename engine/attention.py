@@ -235,7 +235,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
     """`paged_attention_ref`'s contract on the CPU, with the decode rows in a C++ kernel (engine/csrc/
-    cpu_attention.cpp) that reads each context in place through the block table: no gather copy, no padding to
+    cpu_kernels.cpp) that reads each context in place through the block table: no gather copy, no padding to
     the longest context, fp32 softmax. Prefill chunks take the reference's SDPA path. Falls back to
     `paged_attention_ref` when the kernels are not built (engine.cpu_kernels) or the decodes do not lead the step
     (the model runner puts them first).

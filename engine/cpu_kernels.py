@@ -1,6 +1,6 @@
 """C++ kernels of the CPU path (engine/csrc/), compiled for this machine on first use.
 
-`cpu_ops()` builds engine/csrc/cpu_attention.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
+`cpu_ops()` builds engine/csrc/cpu_kernels.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
 -march=native, so the build is for the CPU it runs on) into torch's extension cache (TORCH_EXTENSIONS_DIR, default
 ~/.cache/torch_extensions), under a name that hashes the source, the flags, torch's version and this CPU's flags:
 later processes on the same machine load it in well under a second (a build takes about 30 s on 2 cores), and
@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_attention.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
 # The kernels vectorize by hand (GCC vector extensions), so no -ffast-math: the softmax needs -inf and exact order.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -39,7 +39,8 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled kernels (functions `paged_decode_attention`), or None when they cannot be built here."""
+    """The compiled kernels (paged_decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul), or None
+    when they cannot be built here."""
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
     digest = hashlib.sha256()

@@ -8,6 +8,7 @@ SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCaus
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -15,19 +16,46 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
+from engine.cpu_kernels import cpu_ops
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
 
+def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels (engine.cpu_kernels) when they can serve `x`: a CPU tensor with autograd off (the kernels
+    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run."""
+    if x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return cpu_ops()
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 as HF transformers does. x: [..., hidden] -> same shape."""
+    """Root-mean-square layer norm, computed in fp32 as HF transformers does. x: [..., hidden] -> same shape.
+
+    With `residual` (same shape), normalizes residual + x instead and returns (normalized, residual + x): the
+    decoder's skip connection fused into the norm, as vLLM's fused_add_rms_norm (one pass on the CPU).
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_cpu_ops(x)
+        if ops is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
+                out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return out, total
+        if residual is not None:
+            total = residual + x
+            return self._norm(total), total
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -120,6 +148,10 @@ class Attention(nn.Module):
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
+            ops = fused_cpu_ops(qkv)
+            if ops is not None and qkv.dim() == 2 and cos.dtype == qkv.dtype == k_cache.dtype:
+                q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass, in C++
+                return attn_fn(q, k_cache, v_cache, meta, self.scale).reshape(t, h * d)
             qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # one RoPE for Q and K
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
@@ -159,7 +191,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            ops = fused_cpu_ops(gate_up)
+            if ops is not None and gate_up.dim() == 2:
+                return self.down_proj(ops.silu_and_mul(gate_up))
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -176,8 +212,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, attn_fn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, attn_fn)
+        h, x = self.post_attention_layernorm(h, residual=x)  # x + attention, and its norm, in one pass
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

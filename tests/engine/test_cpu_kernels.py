@@ -65,6 +65,54 @@ def test_cpu_attention_falls_back_when_a_decode_follows_a_prefill(ops: object) -
     assert (out - paged_attention_ref(q, kc, vc, meta, 0.125)).abs().max().item() < ATOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_compute_the_decoder_ops(ops: object, dtype: torch.dtype) -> None:
+    # Each fused op against the torch ops it replaces (engine.model with autograd on takes the torch path), on
+    # activations of real scale. The kernels round once where torch rounds after every op, and sum in another order.
+    from engine.model import RMSNorm, apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, inter, heads, kv_heads, head_dim = 37, 96, 160, 6, 2, 16
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    res = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    with torch.no_grad():
+        fused_out, fused_sum = norm(x, residual=res)
+        fused_plain = norm(x)
+    ref_sum = res + x
+    with torch.enable_grad():
+        ref_out, ref_plain = norm._norm(ref_sum).detach(), norm._norm(x).detach()
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-6}
+    assert torch.equal(fused_sum, ref_sum)
+    torch.testing.assert_close(fused_out, ref_out, **tol)
+    torch.testing.assert_close(fused_plain, ref_plain, **tol)
+
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    silu_ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), silu_ref, **tol)
+
+    # RoPE of Q and K from a fused QKV row (a strided view, as the model passes it), K/V into a paged cache.
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim + 8, generator=gen)).to(dtype)[:, 8:]
+    angles = torch.randn(rows, head_dim // 2, generator=gen) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    block_size, num_blocks = 4, 12
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].reshape(rows, heads + kv_heads, head_dim)
+    rotated = apply_rope(qk, cos, sin)
+    torch.testing.assert_close(q, rotated[:, :heads], **tol)
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, head_dim)[slots], rotated[:, heads:], **tol)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(rows, kv_heads, head_dim)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(-1, kv_heads, head_dim)[untouched].any()
+
+
 @pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:

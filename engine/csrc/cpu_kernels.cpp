@@ -1,6 +1,10 @@
-// Paged decode attention on the CPU: one query token per request against its cached keys and values, read in
-// place through the block table (no gather copy). Layout and contract: engine/attention.py. Compiled at first use
-// by engine/cpu_kernels.py (torch.utils.cpp_extension.load, -O3 -march=native).
+// The CPU path's kernels, compiled at first use by engine/cpu_kernels.py (torch.utils.cpp_extension.load, -O3
+// -march=native):
+// - paged decode attention: one query token per request against its cached keys and values, read in place
+//   through the block table (no gather copy). Layout and contract: engine/attention.py.
+// - the decoder's elementwise work fused into one pass over each row (as vLLM's fused_add_rms_norm,
+//   rotary_embedding + reshape_and_cache, silu_and_mul): RMSNorm with the residual add, RoPE of Q and K with the
+//   K/V cache write, SiLU(gate) * up. Each computes in fp32 and rounds once to the storage dtype.
 //
 // Work is split over (request, KV head) pairs; each pair serves its `group` query heads (grouped-query attention,
 // Ainslie et al. 2023) so every key and value row is read once per pair. Scores, softmax and the weighted sum of
@@ -34,6 +38,15 @@ inline void load_row(const T* __restrict__ src, float* __restrict__ dst, int64_t
     for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
+
+template <typename T>
+inline void store_row(const float* __restrict__ src, T* __restrict__ dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);  // round to nearest even, as torch's casts
+}
+
+// The value a float takes once stored as T (torch rounds every op's result to the tensor's dtype).
+template <typename T>
+inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
 // 16 fp32 lanes as one value: the compiler maps it to one AVX-512 register or two AVX2 ones.
 typedef float v16 __attribute__((vector_size(64)));
@@ -216,7 +229,158 @@ void decode_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* 
   });
 }
 
+// RMSNorm (Zhang & Sennrich, 2019) as HF transformers' LlamaRMSNorm computes it: x in fp32, x * rsqrt(mean(x^2)
+// + eps), rounded to T, times the weight, rounded to T. With a residual: sum = round_T(residual + x) first (the
+// decoder's skip connection, stored to `sum_out`), and that sum is what gets normalized.
+template <typename T>
+void rms_norm_kernel(const T* x, int64_t x_stride, const T* residual, T* sum_out, const T* weight, T* out,
+                     int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(hidden), wf(hidden);
+    load_row(weight, wf.data(), hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x + r * x_stride, xf.data(), hidden);
+      if (residual != nullptr) {
+        const T* res = residual + r * hidden;
+        T* sum = sum_out + r * hidden;
+        for (int64_t i = 0; i < hidden; ++i) {
+          sum[i] = static_cast<T>(xf[i] + static_cast<float>(res[i]));
+          xf[i] = static_cast<float>(sum[i]);
+        }
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < hidden; ++i) ss += xf[i] * xf[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      T* o = out + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(wf[i] * round_to<T>(xf[i] * inv));
+    }
+  });
+}
+
+// RoPE (Su et al., RoFormer, 2021; HF's rotate-half form) of the Q and K heads of a fused QKV row, Q into `q_out`,
+// K and V into the paged cache at the token's slot (engine.attention.write_kv's layout).
+template <typename T>
+void rope_cache_kernel(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, const int64_t* slots,
+                       T* q_out, T* k_cache, T* v_cache, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(head_dim), s(head_dim), x(head_dim), y(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      load_row(cos + t * head_dim, c.data(), head_dim);
+      load_row(sin + t * head_dim, s.data(), head_dim);
+      const T* row = qkv + t * qkv_stride;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        load_row(row + h * head_dim, x.data(), head_dim);
+        for (int64_t i = 0; i < half; ++i) {
+          y[i] = x[i] * c[i] - x[i + half] * s[i];
+          y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        T* dst = h < num_heads ? q_out + (t * num_heads + h) * head_dim
+                               : k_cache + (slots[t] * num_kv_heads + (h - num_heads)) * head_dim;
+        store_row(y.data(), dst, head_dim);
+      }
+      std::copy(row + (num_heads + num_kv_heads) * head_dim, row + (num_heads + 2 * num_kv_heads) * head_dim,
+                v_cache + slots[t] * num_kv_heads * head_dim);
+    }
+  });
+}
+
+// SwiGLU's gate (Shazeer, 2020): out = silu(gate) * up, gate and up the two halves of a fused gate_up row.
+template <typename T>
+void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(gate_up + r * 2 * inter, g.data(), inter);
+      load_row(gate_up + r * 2 * inter + inter, u.data(), inter);
+      for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t n = std::min<int64_t>(16, inter - i);
+        if (n == 16) {
+          const v16 x = load16(g.data() + i);
+          const v16 y = x / (1.f + exp16(v16{} - x)) * load16(u.data() + i);
+          __builtin_memcpy(g.data() + i, &y, sizeof(y));
+        } else {
+          for (int64_t j = i; j < i + n; ++j) g[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        }
+      }
+      store_row(g.data(), out + r * inter, inter);
+    }
+  });
+}
+
 }  // namespace
+
+#define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
+
+// x [T, H] (rows may be strided), weight [H]. Returns [T, H] in x's dtype.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] of x's dtype");
+  auto out = torch::empty(x.sizes(), x.options());
+  TM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, nullptr, weight.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x, residual [T, H] contiguous, weight [H]. Returns (rms_norm(residual + x), residual + x), both new tensors.
+std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                        const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type(), "x and residual must be contiguous [T, H] of one dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] of x's dtype");
+  auto out = torch::empty(x.sizes(), x.options());
+  auto sum = torch::empty(x.sizes(), x.options());
+  TM_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(1), residual.data_ptr<scalar_t>(),
+                              sum.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return {out, sum};
+}
+
+// qkv [T, (H + 2 Hkv) D] (rows may be strided), cos/sin [T, D] of qkv's dtype, slot_mapping int64 [T], caches
+// [blocks, block_size, Hkv, D] contiguous. Writes K (rotated) and V into the caches; returns rotated Q [T, H, D].
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                            const torch::Tensor& slot_mapping, int64_t num_heads) {
+  const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == tokens && cos.size(1) == head_dim &&
+              cos.scalar_type() == qkv.scalar_type() && sin.sizes() == cos.sizes() &&
+              sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, D] of qkv's dtype, contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+              v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous, of qkv's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == tokens, "slot_mapping must be int64 [T]");
+  auto q = torch::empty({tokens, num_heads, head_dim}, qkv.options());
+  TM_DISPATCH(qkv.scalar_type(), "rope_write_kv", [&] {
+    rope_cache_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), cos.data_ptr<scalar_t>(),
+                                sin.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), q.data_ptr<scalar_t>(),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tokens, num_heads,
+                                num_kv_heads, head_dim);
+  });
+  return q;
+}
+
+// gate_up [T, 2I] contiguous -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I], contiguous");
+  const int64_t inter = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  TM_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter);
+  });
+  return out;
+}
 
 // q [B, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
 // seq_lens int32 [B] (>= 1). Returns [B, H, D] in q's dtype.
@@ -245,4 +409,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x)");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE of Q and K from a fused QKV, K/V written to the paged cache");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up");
 }
