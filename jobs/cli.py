@@ -80,6 +80,11 @@ class _Reporter:
             self._line()  # the last state, so log readers see where the job ended
 
 
+def _ran_in(dtypes: list[str], quantizations: list[str]) -> str:
+    """"bfloat16 / none": what the committed shards ran in; every distinct value when shards differ."""
+    return f"{', '.join(dtypes) or 'n/a'} / {', '.join(quantizations) or 'n/a'}"
+
+
 def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
@@ -96,6 +101,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
                                    f"({summary.gpu_s_lost:.1f} device-seconds lost)"),
+        ("dtype / quantization", _ran_in(summary.dtypes, summary.quantizations)),
     ]:
         t.add_row(k, v)
     out.print(t)
@@ -168,6 +174,10 @@ def run(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.", envvar="TOKENMILL_DEVICE")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
                                             "bfloat16, float16.", envvar="TOKENMILL_DTYPE")] = "auto",
+    quantization: Annotated[str, typer.Option(
+        help="none (weights dequantized to --dtype, the reference), auto (INT4 where the model file stores INT4), "
+             "int4 (every projection INT4 on load), int8 (W8A8 on the CPU: int8 weights per channel, int8 "
+             "activations per token).", envvar="TOKENMILL_QUANTIZATION")] = "none",
     max_num_seqs: Annotated[int, typer.Option(help="Most rows decoding at once per engine.",
                                               envvar="TOKENMILL_MAX_NUM_SEQS")] = 256,
     kv_cache_gib: Annotated[float, typer.Option(help="KV cache size on cpu, GiB per worker (on cuda the pool is "
@@ -189,8 +199,8 @@ def run(
                    stop=tuple(stop or ()), rows_per_shard=rows_per_shard, limit=limit,
                    checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds, scheduler=scheduler,
                    workers=workers, gpus_per_worker=gpus_per_worker, device=device, dtype=dtype,
-                   max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
-                   price_per_hour=price_per_hour)
+                   quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
+                   max_model_len=max_model_len, price_per_hour=price_per_hour)
     _execute(spec, resume, json_summary)
 
 
@@ -228,6 +238,7 @@ def _print_status(st: JobStatus) -> None:
         ("cost", f"${st.cost_usd:.6f}"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.gpu_s_lost:.1f} device-seconds lost)"),
+        ("dtype / quantization", _ran_in(st.dtypes, st.quantizations)),
         ("run", "none" if st.lease is None else f"{st.lease['holder']} (lease for {st.lease['expires_in_s']} s)"),
     ]:
         t.add_row(k, v)

@@ -30,6 +30,7 @@ from jobs.errors import (
     JobError,
 )
 from jobs.lease import newest_record
+from jobs.summary import add_distinct
 from pipeline.accounting import tokens_per_dollar
 from pipeline.input import MANIFEST_PATH, InputManifest, Shard, read_manifest
 from pipeline.preemption import CANCEL_NAME
@@ -119,7 +120,8 @@ class JobStatus:
 
     `state` is one of done, running (a run holds the lease), failed (failed shards, no run holding the job),
     cancelled, incomplete (pending or partial shards, no run holding the job); `exit_code` maps it (jobs.errors).
-    Token counts in tokens, cost in USD, gpu_s_lost in device-seconds.
+    Token counts in tokens, cost in USD, gpu_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
+    torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's).
     """
 
     output: str
@@ -140,6 +142,8 @@ class JobStatus:
     cancelled: dict[str, Any] | None = None
     failed: dict[str, str] = field(default_factory=dict)
     shard_states: dict[str, str] = field(default_factory=dict)
+    dtypes: list[str] = field(default_factory=list)
+    quantizations: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_dollar(self) -> float | None:
@@ -155,7 +159,8 @@ class JobStatus:
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
                 "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
                 "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3), "lease": self.lease,
-                "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states}
+                "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,
+                "dtypes": self.dtypes, "quantizations": self.quantizations}
 
 
 def job_status(output_url: str) -> JobStatus:
@@ -187,6 +192,8 @@ def job_status(output_url: str) -> JobStatus:
             status.cost_usd += float(row["cost_usd"])
             status.preemptions += int(row.get("preemptions") or 0)
             status.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
+            add_distinct(status.dtypes, row.get("dtype"))
+            add_distinct(status.quantizations, row.get("quantization"))
     lease = newest_record(output_url)
     if lease is not None and lease.active():
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,

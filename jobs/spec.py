@@ -32,7 +32,8 @@ def engine_config(spec: JobSpec) -> EngineConfig:
     if spec.kv_cache_gib <= 0:
         raise JobError(f"kv_cache_gib must be > 0 GiB, got {spec.kv_cache_gib}")
     try:
-        return EngineConfig(device=spec.device, dtype=spec.dtype, max_num_seqs=spec.max_num_seqs,
+        return EngineConfig(device=spec.device, dtype=spec.dtype, quantization=spec.quantization,
+                            max_num_seqs=spec.max_num_seqs,
                             kv_cache_memory_bytes=int(spec.kv_cache_gib * (1 << 30)),
                             max_model_len=spec.max_model_len)
     except ValueError as e:

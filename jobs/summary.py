@@ -19,7 +19,9 @@ class JobSummary:
     `attempts`, `preemptions` and `gpu_s_lost` (device-seconds of work no commit kept) come from their accounting;
     `interruptions` counts shard runs this job saw stop (preemption or cancel). `stopped` maps shards left
     unfinished by a cancel to why; `cancelled` says the job was cancelled; `already_done` that it had finished
-    before this run started (nothing ran).
+    before this run started (nothing ran). `dtypes` and `quantizations` are the distinct torch dtypes ("bfloat16",
+    "float32", ...) and weight quantizations (none, auto, int4, int8) the committed shards ran in, sorted: one value
+    each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
     """
 
     shards: int = 0
@@ -40,6 +42,8 @@ class JobSummary:
     interruptions: int = 0
     cancelled: bool = False
     already_done: bool = False
+    dtypes: list[str] = field(default_factory=list)
+    quantizations: list[str] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -61,6 +65,8 @@ class JobSummary:
         self.attempts += int(row.get("attempts") or 1)
         self.preemptions += int(row.get("preemptions") or 0)
         self.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
+        add_distinct(self.dtypes, row.get("dtype"))
+        add_distinct(self.quantizations, row.get("quantization"))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -72,7 +78,16 @@ class JobSummary:
                 "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
                 "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
                 "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
-                "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done}
+                "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
+                "dtypes": self.dtypes, "quantizations": self.quantizations}
+
+
+def add_distinct(values: list[str], value: str | None) -> None:
+    """Add `value` to the sorted list of distinct `values`, unless it is None (an accounting file written before
+    the column existed) or already there."""
+    if value is not None and value not in values:
+        values.append(value)
+        values.sort()
 
 
 class JobProgress:

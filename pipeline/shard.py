@@ -90,7 +90,9 @@ def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) 
     for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
         path = accounting_path(root, shard_id, attempt)
         if exists_now(fs, path):
-            return read_table(fs, path).to_pylist()[-1]
+            row = read_table(fs, path).to_pylist()[-1]
+            # A file written before a column was added (dtype, quantization) lacks it: read as null.
+            return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
     return None
 
 
@@ -297,8 +299,9 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
     row = accounting_row(
         shard_id=shard.shard_id, attempt=attempt, input_path=shard.url, row_start=shard.row_start, results=results,
         wall_s=wall_s, generated_tokens=generated_tokens, gpu_s=gpu_s, earlier=earlier, rows_resumed=rows_resumed,
-        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name, model=engine.model_name,
-        price_per_hour_usd=cfg.price_per_hour_usd)
+        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
+        dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
+        model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd)
     commit_table(fs, accounting_path(root, shard.shard_id, attempt), pa.Table.from_pylist([row],
                                                                                          schema=ACCOUNTING_SCHEMA))
     return row

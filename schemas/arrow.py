@@ -3,6 +3,8 @@
 Layout: OUTPUT/results/<shard_id>.parquet (one row per input row) and OUTPUT/accounting/<shard_id>.attempt-NNN.parquet
 (one row, by the attempt that finished the shard). While a shard runs, OUTPUT/checkpoints/<shard_id>/ holds its
 checkpoint parts (CHECKPOINT_PART_SCHEMA). All are written once, with create-only semantics, and never overwritten.
+Accounting files written before the dtype and quantization columns existed lack them; readers take them as null
+(pipeline.shard.read_committed_accounting).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("output_tokens_per_s", pa.float64(), nullable=False,
              metadata={"doc": "tokens this attempt generated / wall_s, tokens per second"}),
     pa.field("device", pa.string(), nullable=False, metadata={"doc": "cpu or the GPU's name"}),
+    pa.field("dtype", pa.string(), nullable=False,
+             metadata={"doc": "the torch dtype the engine ran in (float32, bfloat16, float16), 'auto' resolved"}),
+    pa.field("quantization", pa.string(), nullable=False,
+             metadata={"doc": "how the engine held the weights: none, auto, int4 or int8 (EngineConfig.quantization)"}),
     pa.field("price_per_hour_usd", pa.float64(), nullable=False, metadata={"doc": "price of the device, USD/hour"}),
     pa.field("cost_usd", pa.float64(), nullable=False, metadata={
         "doc": "gpu_s_billed / 3600 * price_per_hour_usd: every attempt of the shard, lost time included, USD"}),

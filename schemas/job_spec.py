@@ -79,6 +79,11 @@ JOB_SPEC_SCHEMA: dict[str, Any] = {
             "dtype": {"enum": ["auto", "float32", "bfloat16", "float16"],
                       "description": "auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
                                      "bfloat16 or float16."},
+            "quantization": {"enum": ["none", "auto", "int4", "int8"],
+                             "description": "none (weights dequantized to dtype, the reference; default), auto "
+                                            "(INT4 where the model file stores INT4), int4 (every projection INT4 "
+                                            "on load), int8 (W8A8 on the CPU: int8 weights per channel, int8 "
+                                            "activations per token)."},
             "max_num_seqs": {**_COUNT, "description": "Most rows decoding at once per engine (default 256)."},
             "kv_cache_gib": {"type": "number", "exclusiveMinimum": 0,
                              "description": "KV cache size on cpu, GiB per worker, > 0 (default 1)."},
@@ -123,6 +128,7 @@ class JobSpec:
     gpus_per_worker: int = 0
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
     max_num_seqs: int = 256
     kv_cache_gib: float = 1.0
     max_model_len: int | None = None
@@ -135,7 +141,8 @@ _FIELDS = {("columns", "prompt"): "prompt_column", ("columns", "messages"): "mes
            **{("sampling", k): k for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")},
            **{("sharding", k): k for k in ("rows_per_shard", "limit", "checkpoint_rows", "checkpoint_seconds")},
            **{("cluster", k): k for k in ("scheduler", "workers", "gpus_per_worker")},
-           **{("engine", k): k for k in ("device", "dtype", "max_num_seqs", "kv_cache_gib", "max_model_len")}}
+           **{("engine", k): k for k in ("device", "dtype", "quantization", "max_num_seqs", "kv_cache_gib",
+                                         "max_model_len")}}
 
 
 def _describe(error: jsonschema.ValidationError) -> str:

@@ -12,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from engine import EngineConfig
+from engine.llm_engine import resolve_device, resolve_dtype
 from jobs.cli import app
 from jobs.lease import Lease
 from jobs.spec import engine_config, run_config
@@ -37,6 +38,11 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def _auto_dtype() -> str:
+    """The dtype `--dtype auto` runs in on this machine (bfloat16 on CPUs with native bf16, else float32)."""
+    return str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")
+
+
 def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--rows-per-shard", "8",
@@ -46,6 +52,8 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     summary = _summary(res.stdout)
     assert summary["shards"] == 3 and summary["shards_failed"] == 0
     assert summary["rows_ok"] == 20 and summary["output_tokens"] == 160
+    ran = _auto_dtype()
+    assert (summary["dtypes"], summary["quantizations"]) == ([ran], ["none"])  # what ran: auto resolved, the default
     # Not a terminal: progress comes as JSON lines on stderr, ending at the job's totals.
     progress = [json.loads(line) for line in res.stderr.splitlines() if line.startswith('{"event": "progress"')]
     assert progress and (progress[-1]["rows_done"], progress[-1]["output_tokens"]) == (20, 160)
@@ -60,7 +68,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     assert acc.schema.equals(ACCOUNTING_SCHEMA, check_metadata=False)
     assert acc.num_rows == 3 and sum(acc.column("rows").to_pylist()) == 20
     assert all(r["price_per_hour_usd"] == 1.5 and r["tokens_per_dollar"] > 0 and r["device"] == "cpu"
-               for r in acc.to_pylist())
+               and r["dtype"] == ran and r["quantization"] == "none" for r in acc.to_pylist())
 
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert [s["shard_id"] for s in manifest["shards"]] == sorted(acc.column("shard_id").to_pylist())
@@ -78,6 +86,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     submitted = runner.invoke(app, ["submit", str(spec), "--json"])
     assert submitted.exit_code == 0, submitted.output
     assert _summary(submitted.stdout)["rows_ok"] == 20 and "already finished" in submitted.stderr
+    assert _summary(submitted.stdout)["dtypes"] == [ran]  # read back from the committed accounting
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.parquet")} == mtimes
 
     # The same OUTPUT with other shards is refused before any work.
@@ -90,6 +99,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     st = json.loads(status.stdout)
     assert st["state"] == "done" and st["shards"]["done"] == 3 and st["rows_committed"] == 20
     assert st["output_tokens"] == 160 and st["tokens_per_dollar"] > 0 and st["attempts"] == 3
+    assert (st["dtypes"], st["quantizations"]) == ([ran], ["none"])
 
 
 def test_missing_prompt_column_stops_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:
@@ -117,8 +127,10 @@ def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path) -
     st = json.loads(status.stdout)
     assert st["state"] == "failed" and st["shards"]["done"] == 1 and st["shards"]["failed"] == 1
     assert "b.parquet" in st["failed"]["00001-000000000"]
+    assert (st["dtypes"], st["quantizations"]) == ([_auto_dtype()], ["none"])  # of the shard that ran
     table = runner.invoke(app, ["status", str(out)])
     assert table.exit_code == 1 and "shard 00001-000000000 failed" in table.stderr
+    assert f"{_auto_dtype()} / none" in table.stdout
 
 
 def test_a_held_lease_or_a_cancel_refuses_the_run_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:
@@ -147,6 +159,16 @@ def test_a_held_lease_or_a_cancel_refuses_the_run_before_any_work(gsm8k_folder: 
 def test_bad_option_is_a_usage_error(gsm8k_folder: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["run", str(gsm8k_folder), str(tmp_path / "o"), "--top-p", "1.5"])
     assert res.exit_code == 2 and "top_p" in res.output
+
+
+@pytest.mark.parametrize(("option", "allowed"), [("--quantization", "none, auto, int4 or int8"),
+                                                 ("--dtype", "auto, float32, bfloat16 or float16")])
+def test_bad_engine_option_names_the_allowed_values(gsm8k_folder: Path, tmp_path: Path, option: str,
+                                                    allowed: str) -> None:
+    res = runner.invoke(app, ["run", str(gsm8k_folder), str(tmp_path / "o"), "--prompt-column", "question", option,
+                              "bogus"])
+    assert res.exit_code == 2 and allowed in res.stderr and "'bogus'" in res.stderr
+    assert not (tmp_path / "o").exists()  # refused before any work
 
 
 def test_messages_column_input(tmp_path: Path, data_dir: Path) -> None:
@@ -195,3 +217,4 @@ def test_spec_defaults_are_the_pipeline_and_engine_defaults() -> None:
     spec = JobSpec(input="in/", output="out/")
     assert run_config(spec) == RunConfig()
     assert engine_config(spec) == EngineConfig()
+    assert engine_config(JobSpec(input="in/", output="out/", quantization="int8")).quantization == "int8"

@@ -65,3 +65,14 @@ def test_summary_rolls_up_shards_in_tokens_seconds_and_usd() -> None:
     assert d["output_tokens_per_s"] == pytest.approx(400 / 30.0, abs=0.01)
     assert s.tokens_per_dollar == pytest.approx(400 / (30.0 / 3600 * 2.0))
     assert JobSummary().tokens_per_dollar is None  # nothing billed: undefined, not infinite
+
+
+def test_summary_lists_the_distinct_dtypes_and_quantizations_the_shards_ran_in() -> None:
+    s = JobSummary(shards=4)
+    base = {"rows": 1, "rows_ok": 1, "rows_error": 0, "input_tokens": 9, "output_tokens": 4, "wall_s": 1.0,
+            "cost_usd": 0.001}
+    for dtype, quantization in (("float32", "none"), ("bfloat16", "int8"), ("float32", "none"), (None, None)):
+        s.add({**base, "dtype": dtype, "quantization": quantization})  # None: accounting from before the columns
+    assert (s.as_dict()["dtypes"], s.as_dict()["quantizations"]) == (["bfloat16", "float32"], ["int8", "none"])
+    s.add(base)  # a row read without the keys at all
+    assert JobSummary().as_dict()["dtypes"] == [] and s.shards_ok == 5

@@ -55,6 +55,7 @@ def test_bad_rows_become_error_rows_and_the_shard_goes_on(engine: LLMEngine, bad
     assert a["cost_usd"] == pytest.approx(a["gpu_s_billed"] / 3600 * 3.6)
     assert a["tokens_per_dollar"] == pytest.approx(18 / a["cost_usd"])
     assert (a["attempts"], a["preemptions"], a["rows_resumed"], a["kv_preemptions"]) == (1, 0, 0, 0)
+    assert (a["device"], a["dtype"], a["quantization"]) == ("cpu", "float32", "none")  # the session engine's
     assert acct["rows_ok"] == 3
 
 

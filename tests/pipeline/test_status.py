@@ -6,17 +6,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from shard_helpers import shard_cfg
 
 from engine import LLMEngine, RequestOutput
+from pipeline.accounting import EarlierAttempts, accounting_row
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.checkpoint import Checkpointer
 from pipeline.input import Shard
-from pipeline.shard import ShardError, run_shard
+from pipeline.shard import ShardError, accounting_path, results_path, run_shard
 from pipeline.status import shard_state
-from pipeline.storage import output_fs
+from pipeline.storage import commit_table, output_fs
+from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 
 def test_corrupt_input_fails_its_shard_with_the_error_and_the_others_finish(engine: LLMEngine, rows_file: str,
@@ -66,3 +69,28 @@ def test_running_partial_stale_and_pending_follow_the_records(rows_file: str, tm
     assert shard_state(out, shard_id).state == "partial"  # ended: not running, whatever the clock says
     claim_attempt(fs, root, "00001-000000000")
     assert shard_state(out, "00001-000000000", now=later).state == "pending"  # killed before any checkpoint
+
+
+def test_accounting_written_before_the_dtype_columns_still_reads(tmp_path: Path) -> None:
+    """A shard committed by a tokenmill whose ACCOUNTING_SCHEMA had no dtype / quantization columns is done, its
+    accounting read with those two as null and every other column as written."""
+    out = str(tmp_path / "out")
+    fs, root = output_fs(out)
+    shard_id = "00000-000000000"
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    results = pa.Table.from_pylist([{"id": "0", "completion": "Natalia sold 48 clips", "finish_reason": "length",
+                                     "prompt_tokens": 12, "completion_tokens": 5, "error": None, "model": "m"}],
+                                   schema=RESULTS_SCHEMA)
+    commit_table(fs, results_path(root, shard_id), results)
+    row = accounting_row(shard_id=shard_id, attempt=attempt, input_path="file:///in.parquet", row_start=0,
+                         results=results, wall_s=1.0, generated_tokens=5, gpu_s=1.5, earlier=EarlierAttempts(),
+                         rows_resumed=0, kv_preemptions=0, device="cpu", dtype="float32", quantization="none",
+                         model="m", price_per_hour_usd=2.0)
+    old_schema = pa.schema([f for f in ACCOUNTING_SCHEMA if f.name not in ("dtype", "quantization")])
+    commit_table(fs, accounting_path(root, shard_id, attempt), pa.Table.from_pylist([row], schema=old_schema))
+
+    done = shard_state(out, shard_id)
+    assert (done.state, done.rows_committed) == ("done", 1) and done.accounting is not None
+    assert list(done.accounting) == ACCOUNTING_SCHEMA.names
+    assert (done.accounting["dtype"], done.accounting["quantization"]) == (None, None)
+    assert done.accounting["output_tokens"] == 5 and done.accounting["cost_usd"] == pytest.approx(1.5 / 3600 * 2.0)

@@ -24,6 +24,7 @@ def test_accounting_schema_has_the_bill() -> None:
     needed = {"shard_id": pa.string(), "attempt": pa.int32(), "rows": pa.int64(), "rows_ok": pa.int64(),
               "rows_error": pa.int64(), "input_tokens": pa.int64(), "output_tokens": pa.int64(),
               "wall_s": pa.float64(), "output_tokens_per_s": pa.float64(), "device": pa.string(),
+              "dtype": pa.string(), "quantization": pa.string(),
               "price_per_hour_usd": pa.float64(), "cost_usd": pa.float64(), "tokens_per_dollar": pa.float64(),
               "model": pa.string()}
     types = {f.name: f.type for f in ACCOUNTING_SCHEMA}

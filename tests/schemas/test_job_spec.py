@@ -24,6 +24,9 @@ def test_example_spec_loads_with_its_values() -> None:
 def test_minimal_spec_takes_the_run_defaults() -> None:
     spec = parse_job_spec({"input": "s3://b/in/", "output": "s3://b/out/", "sampling": {"stop": ["\n\n"]}})
     assert spec == JobSpec(input="s3://b/in/", output="s3://b/out/", stop=("\n\n",))
+    assert spec.quantization == "none"
+    int8 = parse_job_spec({"input": "a", "output": "b", "engine": {"quantization": "int8", "dtype": "float32"}})
+    assert (int8.quantization, int8.dtype) == ("int8", "float32")
 
 
 @pytest.mark.parametrize(("doc", "expected"), [
@@ -35,6 +38,8 @@ def test_minimal_spec_takes_the_run_defaults() -> None:
       "Nucleus sampling mass in (0, 1]"]),
     ({"input": "a", "output": "b", "engine": {"device": "gpu", "dtype": "fp8"}},
      ["engine.device: 'gpu' does not match", "auto, cpu, cuda or cuda:N", "engine.dtype: 'fp8' is not one of"]),
+    ({"input": "a", "output": "b", "engine": {"quantization": "int3"}},
+     ["engine.quantization: 'int3' is not one of ['none', 'auto', 'int4', 'int8']", "W8A8 on the CPU"]),
     ({"input": "a", "output": "b", "cluster": {"scheduler": "dask:8786", "gpus_per_worker": -1}},
      ["cluster.gpus_per_worker: -1 is less than the minimum of 0", "cluster.scheduler: 'dask:8786' does not match",
       "tcp://host:8786"]),
