@@ -42,6 +42,14 @@ class AttentionMetadata:
     decode_only: bool
     plan: BatchPlan | None = None
     _leading_decodes: int | None = None
+    _prefill_pairs: int | None = None
+
+    def max_prefill_pairs(self) -> int:
+        """The most (query, key) pairs of one prefill chunk of the step (q_len x seq_len; 0 when all decode)."""
+        if self._prefill_pairs is None:
+            self._prefill_pairs = max((q * s for q, s in zip(self.query_lens, self.seq_lens_host, strict=True)
+                                       if q > 1), default=0)
+        return self._prefill_pairs
 
     def num_leading_decodes(self) -> int:
         """How many requests decode (one new token each) when they all lead the step, as the model runner orders
@@ -232,24 +240,34 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+# Prefill chunks of at most this many (query, key) pairs per request go through the C++ kernel together with the
+# decodes: one call, no padding, no mask. Longer ones take SDPA's blocked (GEMM) path, which wins there: the
+# kernel's cost grows as q_len x seq_len with dot products at vector rather than GEMM rates. Measured crossover
+# (`python bench/cpu_kernels.py --prefill`, 2-core EPYC, SmolLM2's 9/3 heads of 64): see bench/README.md.
+CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """`paged_attention_ref`'s contract on the CPU, with the decode rows in a C++ kernel (engine/csrc/
-    cpu_kernels.cpp) that reads each context in place through the block table: no gather copy, no padding to
-    the longest context, fp32 softmax. Prefill chunks take the reference's SDPA path. Falls back to
-    `paged_attention_ref` when the kernels are not built (engine.cpu_kernels) or the decodes do not lead the step
-    (the model runner puts them first).
+    """`paged_attention_ref`'s contract on the CPU, in a C++ kernel (engine/csrc/cpu_kernels.cpp) that reads each
+    context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
+    Decodes and short prefill chunks (CPU_KERNEL_MAX_PREFILL_PAIRS) run in one kernel call; a step with a longer
+    chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
+    `paged_attention_ref` when the kernels are not built (engine.cpu_kernels).
     """
     from engine.cpu_kernels import cpu_ops
 
     ops = cpu_ops()
-    nd = meta.num_leading_decodes()
-    if ops is None or nd <= 0:
+    if ops is None:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)
-    o = ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-    if nd == q.shape[0]:
-        return o
+    if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   scale)
+    nd = meta.num_leading_decodes()
+    if nd <= 0:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    out[:nd] = o
+    out[:nd] = ops.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                   meta.query_start_loc[:nd + 1], scale)
     _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype), scale, out)
     return out

@@ -39,8 +39,8 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled kernels (paged_decode_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul), or None
-    when they cannot be built here."""
+    """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
+    quantize_rows_u8), or None when they cannot be built here."""
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
     digest = hashlib.sha256()

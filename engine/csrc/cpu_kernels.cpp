@@ -127,104 +127,132 @@ inline float hsum16(v16 v) {
   return s;
 }
 
+// One work item: query rows [row_begin, row_end) of request `seq`, at most kRowsPerItem of them.
+struct AttnItem {
+  int64_t seq, row_begin, row_end;
+};
+constexpr int64_t kRowsPerItem = 8;
+
+// Causal attention of every query row of a step over its request's cached keys and values (the step's own K/V
+// already written). Row j of request b (query_start_loc[b] <= j < query_start_loc[b + 1]) sits at position
+// seq_lens[b] - q_len_b + (j - query_start_loc[b]) and sees keys 0..that position. A decode is a request with one
+// row. The rows of an item share each key/value block read: the block streams in once per item, in address order,
+// as whole cache rows (all KV heads).
 template <typename T>
-void decode_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
-                   int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
-                   int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t group, float scale,
-                   T* out) {
+void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
+                      int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
+                      int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
+                      int64_t num_seqs, int64_t group, float scale, T* out) {
   const int64_t num_heads = num_kv_heads * group;
   const int64_t row = num_kv_heads * head_dim;  // elements per token slot in the cache: every KV head's columns
   const bool vectorized = head_dim % 16 == 0;
   const int64_t chunks = head_dim / 16;
-  // One request per work item: its keys and values are read as whole cache rows (all KV heads), block by block,
-  // so each block of the cache streams in once, in address order.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(num_heads * head_dim), acc(num_heads * head_dim), kf(16 * row), scores;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = seq_lens[b];
+  std::vector<AttnItem> items;
+  for (int64_t b = 0; b < num_seqs; ++b)
+    for (int64_t r = query_start_loc[b]; r < query_start_loc[b + 1]; r += kRowsPerItem)
+      items.push_back({b, r, std::min<int64_t>(r + kRowsPerItem, query_start_loc[b + 1])});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kRowsPerItem * num_heads * head_dim), acc(kRowsPerItem * num_heads * head_dim),
+        kf(16 * row), scores;
+    int64_t lim[kRowsPerItem];
+    for (int64_t it = begin; it < end; ++it) {
+      const AttnItem item = items[it];
+      const int64_t b = item.seq, nr = item.row_end - item.row_begin;
+      const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]);
+      for (int64_t j = 0; j < nr; ++j) lim[j] = first_pos + (item.row_begin - query_start_loc[b]) + j + 1;
+      const int64_t len = lim[nr - 1];  // the last row sees the most keys
       const int32_t* table = block_tables + b * table_stride;
       auto slot = [&](const T* cache, int64_t t) {
         return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
       };
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* dst = qf.data() + h * head_dim;
-        load_row(q + b * q_stride_t + h * q_stride_h, dst, head_dim);
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] *= scale;
-      }
+      for (int64_t j = 0; j < nr; ++j)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* dst = qf.data() + (j * num_heads + h) * head_dim;
+          load_row(q + (item.row_begin + j) * q_stride_t + h * q_stride_h, dst, head_dim);
+          for (int64_t i = 0; i < head_dim; ++i) dst[i] *= scale;
+        }
       const int64_t padded = (len + 15) / 16 * 16;
-      scores.resize(num_heads * padded);
-      for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(slot(k_cache, j), row);
-      // Scores, 16 keys at a time: the keys widened to fp32 once, then each query head's 16 dot products reduced
-      // together (transpose_reduce16).
+      scores.resize(nr * num_heads * padded);
+      for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) prefetch_row(slot(k_cache, t), row);
+      // Scores, 16 keys at a time: the keys widened to fp32 once, then each (row, head)'s 16 dot products reduced
+      // together (transpose_reduce16). Keys past a row's limit are computed and then masked by the softmax.
       for (int64_t t0 = 0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
-        for (int64_t j = t0 + 16; j < std::min<int64_t>(t0 + 32, len); ++j) prefetch_row(slot(k_cache, j), row);
+        for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, len); ++t) prefetch_row(slot(k_cache, t), row);
         if (t0 + 16 >= len)
-          for (int64_t j = 0; j < std::min<int64_t>(16, len); ++j) prefetch_row(slot(v_cache, j), row);
-        for (int64_t j = 0; j < n; ++j) load_row(slot(k_cache, t0 + j), kf.data() + j * row, row);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float* qh = qf.data() + h * head_dim;
-          const float* kh = kf.data() + (h / group) * head_dim;  // query head h reads KV head h / group
-          float* sh = scores.data() + h * padded + t0;
-          if (vectorized) {
-            v16 a[16];
-            for (int j = 0; j < 16; ++j) {
-              v16 s = {};
-              if (j < n)
-                for (int64_t c = 0; c < chunks; ++c) s += load16(qh + 16 * c) * load16(kh + j * row + 16 * c);
-              a[kBitrev4[j]] = s;
-            }
-            float r[16];
-            const v16 sums = transpose_reduce16(a);
-            __builtin_memcpy(r, &sums, sizeof(r));
-            for (int64_t j = 0; j < n; ++j) sh[j] = r[j];
-          } else {
-            for (int64_t j = 0; j < n; ++j) {
-              const float* kj = kh + j * row;
-              float s = 0.f;
-              for (int64_t i = 0; i < head_dim; ++i) s += qh[i] * kj[i];
-              sh[j] = s;
+          for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) prefetch_row(slot(v_cache, t), row);
+        for (int64_t t = 0; t < n; ++t) load_row(slot(k_cache, t0 + t), kf.data() + t * row, row);
+        for (int64_t j = 0; j < nr; ++j) {
+          if (lim[j] <= t0) continue;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* qh = qf.data() + (j * num_heads + h) * head_dim;
+            const float* kh = kf.data() + (h / group) * head_dim;  // query head h reads KV head h / group
+            float* sh = scores.data() + (j * num_heads + h) * padded + t0;
+            if (vectorized) {
+              v16 a[16];
+              for (int t = 0; t < 16; ++t) {
+                v16 acc16 = {};
+                if (t < n)
+                  for (int64_t c = 0; c < chunks; ++c)
+                    acc16 += load16(qh + 16 * c) * load16(kh + t * row + 16 * c);
+                a[kBitrev4[t]] = acc16;
+              }
+              float r[16];
+              const v16 sums = transpose_reduce16(a);
+              __builtin_memcpy(r, &sums, sizeof(r));
+              for (int64_t t = 0; t < n; ++t) sh[t] = r[t];
+            } else {
+              for (int64_t t = 0; t < n; ++t) {
+                const float* kt = kh + t * row;
+                float dot = 0.f;
+                for (int64_t i = 0; i < head_dim; ++i) dot += qh[i] * kt[i];
+                sh[t] = dot;
+              }
             }
           }
         }
       }
-      // Softmax per query head, 16 scores at a time; the padding past len holds -inf (exp -> ~0, never read
-      // below).
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* sh = scores.data() + h * padded;
-        for (int64_t t = len; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-        v16 mv = load16(sh);
-        for (int64_t t = 16; t < padded; t += 16) {
-          const v16 x = load16(sh + t);
-          mv = x > mv ? x : mv;
+      // Softmax per (row, head), 16 scores at a time; everything past the row's limit holds -inf (exp -> ~0 in
+      // the sum, and never read below).
+      for (int64_t j = 0; j < nr; ++j) {
+        const int64_t pj = (lim[j] + 15) / 16 * 16;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* sh = scores.data() + (j * num_heads + h) * padded;
+          for (int64_t t = lim[j]; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+          v16 mv = load16(sh);
+          for (int64_t t = 16; t < pj; t += 16) {
+            const v16 x = load16(sh + t);
+            mv = x > mv ? x : mv;
+          }
+          const float m = hmax16(mv);
+          v16 sum = {};
+          for (int64_t t = 0; t < pj; t += 16) {
+            const v16 e = exp16(load16(sh + t) - m);
+            __builtin_memcpy(sh + t, &e, sizeof(e));
+            sum += e;
+          }
+          const float inv = 1.f / hsum16(sum);
+          for (int64_t t = 0; t < lim[j]; ++t) sh[t] *= inv;
         }
-        const float m = hmax16(mv);
-        v16 sum = {};
-        for (int64_t t = 0; t < padded; t += 16) {
-          const v16 e = exp16(load16(sh + t) - m);
-          __builtin_memcpy(sh + t, &e, sizeof(e));
-          sum += e;
-        }
-        const float inv = 1.f / hsum16(sum);
-        for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + nr * num_heads * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
         if (t + 8 < len) prefetch_row(slot(v_cache, t + 8), row);
         load_row(slot(v_cache, t), kf.data(), row);
-        for (int64_t h = 0; h < num_heads; ++h) {
-          const float p = scores[h * padded + t];
-          const float* vh = kf.data() + (h / group) * head_dim;
-          float* ah = acc.data() + h * head_dim;
+        for (int64_t j = 0; j < nr; ++j) {
+          if (lim[j] <= t) continue;
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float p = scores[(j * num_heads + h) * padded + t];
+            const float* vh = kf.data() + (h / group) * head_dim;
+            float* ah = acc.data() + (j * num_heads + h) * head_dim;
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) ah[i] += p * vh[i];
+            for (int64_t i = 0; i < head_dim; ++i) ah[i] += p * vh[i];
+          }
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        T* dst = out + (b * num_heads + h) * head_dim;
-        const float* ah = acc.data() + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<T>(ah[i]);
-      }
+      for (int64_t j = 0; j < nr; ++j)
+        store_row(acc.data() + j * num_heads * head_dim, out + (item.row_begin + j) * num_heads * head_dim,
+                  num_heads * head_dim);
     }
   });
 }
@@ -310,6 +338,25 @@ void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+// Symmetric per-row INT8 quantization of activations (W8A8's dynamic per-token scheme; Xiao et al., SmoothQuant,
+// 2023): scale = max|x| / 127 (1e-12 at least), q = round_half_even(x / scale) + 128 as uint8, the u8 x s8 form of
+// VNNI's int8 dot products.
+template <typename T>
+void quantize_rows_kernel(const T* x, int64_t x_stride, uint8_t* q, float* scales, int64_t rows, int64_t cols) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      load_row(x + r * x_stride, xf.data(), cols);
+      float m = 0.f;
+      for (int64_t i = 0; i < cols; ++i) m = std::max(m, std::fabs(xf[i]));
+      const float scale = std::max(m, 1e-12f) / 127.f;
+      scales[r] = scale;
+      uint8_t* qr = q + r * cols;
+      for (int64_t i = 0; i < cols; ++i) qr[i] = static_cast<uint8_t>(std::nearbyint(xf[i] / scale) + 128.f);
+    }
+  });
+}
+
 }  // namespace
 
 #define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
@@ -382,35 +429,59 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// q [B, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
-// seq_lens int32 [B] (>= 1). Returns [B, H, D] in q's dtype.
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim");
+// x [M, K] (rows may be strided) -> (uint8 [M, K], fp32 scales [M, 1]); see quantize_rows_kernel.
+std::vector<torch::Tensor> quantize_rows_u8(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
+  auto scales = torch::empty({x.size(0), 1}, x.options().dtype(torch::kFloat32));
+  TM_DISPATCH(x.scalar_type(), "quantize_rows_u8", [&] {
+    quantize_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), q.data_ptr<uint8_t>(),
+                                   scales.data_ptr<float>(), x.size(0), x.size(1));
+  });
+  return {q, scales};
+}
+
+// q [T, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
+// seq_lens int32 [B] (>= the request's query rows), query_start_loc int32 [B + 1] (prefix sums of the query rows,
+// starting at 0 and ending at T). Returns [T, H, D] in q's dtype.
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                              const torch::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the KV caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1, "block_tables int32");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32 contiguous");
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+              "query_start_loc int32 contiguous");
+  const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs, "one table and length per row");
-  auto out = torch::empty({num_seqs, num_heads, head_dim}, q.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
-                            block_tables.data_ptr<int32_t>(), block_tables.stride(0), seq_lens.data_ptr<int32_t>(),
-                            num_seqs, num_heads / num_kv_heads, static_cast<float>(scale), out.data_ptr<scalar_t>());
+  TORCH_CHECK(block_tables.size(0) >= num_seqs && query_start_loc.size(0) == num_seqs + 1,
+              "one block table per request and num_seqs + 1 query offsets");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == q.size(0), "query_start_loc must run from 0 to T");
+  for (int64_t b = 0; b < num_seqs; ++b)
+    TORCH_CHECK(qsl[b + 1] > qsl[b] && lens[b] >= qsl[b + 1] - qsl[b] &&
+                    (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
+                "every request needs >= 1 query row, seq_len >= its rows, and its blocks in the table");
+  auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
+  TM_DISPATCH(q.scalar_type(), "paged_attention", [&] {
+    attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
+                               v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
+                               block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, qsl, num_seqs,
+                               num_heads / num_kv_heads, static_cast<float>(scale), out.data_ptr<scalar_t>());
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Paged decode attention (CPU)");
+  m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of Q and K from a fused QKV, K/V written to the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up");
+  m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric INT8 (+128 as uint8) with fp32 scales");
 }

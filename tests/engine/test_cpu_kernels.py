@@ -47,22 +47,28 @@ def test_cpu_attention_matches_the_reference(ops: object, dtype: torch.dtype, nu
     assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
 
 
-def test_cpu_decode_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None:
-    # q as the model passes it: a view of the fused QKV output (row stride > num_heads * head_dim).
-    seq_lens = [700, 1, 333]
-    _, kc, vc, meta = make_step([1, 1, 1], seq_lens, 6, 2, 16, torch.float32, seed=3)
-    qkv = torch.randn(3, 6 + 2 * 2, 64)
+def test_cpu_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None:
+    # q as the model passes it: a view of the fused QKV output (row stride > num_heads * head_dim); decodes after
+    # and before prefill chunks, one chunk longer than a work item's 8 rows.
+    query_lens, seq_lens = [1, 19, 1, 3], [700, 40, 1, 333]
+    _, kc, vc, meta = make_step(query_lens, seq_lens, 6, 2, 16, torch.float32, seed=3)
+    qkv = torch.randn(sum(query_lens), 6 + 2 * 2, 64)
     q = qkv[:, :6]
     scale = 0.125
-    out = ops.paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, scale)
+    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
     assert (out - paged_attention_ref(q.contiguous(), kc, vc, meta, scale)).abs().max().item() < ATOL[torch.float32]
+    with pytest.raises(RuntimeError, match="seq_len >= its rows"):
+        ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens - 20, meta.query_start_loc, scale)
 
 
-def test_cpu_attention_falls_back_when_a_decode_follows_a_prefill(ops: object) -> None:
-    q, kc, vc, meta = make_step([21, 1, 5], [21, 40, 30], 6, 2, 16, torch.float32)
-    assert meta.num_leading_decodes() == -1
-    out = paged_attention_cpu(q, kc, vc, meta, 0.125)
-    assert (out - paged_attention_ref(q, kc, vc, meta, 0.125)).abs().max().item() < ATOL[torch.float32]
+def test_cpu_attention_sends_long_prefill_chunks_to_sdpa(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.attention
+
+    monkeypatch.setattr(engine.attention, "CPU_KERNEL_MAX_PREFILL_PAIRS", 100)
+    for query_lens, seq_lens in (([1, 1, 21, 5], [9, 40, 21, 30]), ([21, 1, 5], [21, 40, 30])):
+        q, kc, vc, meta = make_step(query_lens, seq_lens, 6, 2, 16, torch.float32)
+        out = paged_attention_cpu(q, kc, vc, meta, 0.125)
+        assert (out - paged_attention_ref(q, kc, vc, meta, 0.125)).abs().max().item() < ATOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
