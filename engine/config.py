@@ -74,7 +74,8 @@ class EngineConfig:
             template) across requests instead of recomputing them.
         quantization: how weights are held (engine.quant.loading): "none" = all dequantized to `dtype` (the
             reference path); "auto" = weights stored as INT4 stay INT4 (GGUF Q4_0/Q4_1 natively, INT4 folders);
-            "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise).
+            "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise);
+            "int8" = W8A8 on the CPU (int8 weights per channel, int8 activations per token; oneDNN).
         int4_group_size: input features per scale/zero group when quantizing on load (32, 64, 128 or 256).
         attention_backend: "auto" (the Triton kernels on CUDA when triton imports; on CPU the C++ decode kernel,
             engine.attention.paged_attention_cpu; else the torch reference), "triton" (engine.triton_attention; on
@@ -119,8 +120,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
-        if self.quantization not in ("none", "auto", "int4"):
-            raise ValueError(f"quantization must be none, auto or int4, got {self.quantization!r}")
+        if self.quantization not in ("none", "auto", "int4", "int8"):
+            raise ValueError(f"quantization must be none, auto, int4 or int8, got {self.quantization!r}")
         if self.int4_group_size not in (32, 64, 128, 256):
             raise ValueError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):

@@ -115,7 +115,8 @@ def perplexity(
     context: Annotated[int, typer.Option(help="Chunk length in tokens (each chunk starts from an empty cache).")
                        ] = 1024,
     quantization: Annotated[str, typer.Option(help="none (dequantized reference), auto (INT4 where stored as "
-                                                   "INT4), int4 (quantize the rest on load).")] = "auto",
+                                                   "INT4), int4 (quantize the rest on load), int8 (W8A8, CPU).")
+                            ] = "auto",
     group_size: Annotated[int, typer.Option(help="Group size for --quantization int4.")] = 128,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "

@@ -6,6 +6,8 @@ quantization modes (EngineConfig.quantization):
     "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
             saved; everything else in the compute dtype.
     "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
+    "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection and the LM head as INT8 per output
+            channel, activations quantized per token at run time; loaded as "none", then fused and quantized.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from engine.quant.handler import (
 from engine.quant.qparams import Int4Weight
 from engine.tokenizer import Tokenizer
 
-QUANTIZATION_MODES = ("none", "auto", "int4")
+QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
 
 
 @dataclass
@@ -98,7 +100,7 @@ def read_state(path: str, quantization: str, group_size: int) -> tuple[ModelConf
         reader = GGUFReader(path)
         cfg = read_gguf_config(reader)
         state = dict(iter_gguf_state(reader, cfg, native_int4=quantization != "none"))
-    if quantization == "none":
+    if quantization in ("none", "int8"):
         return cfg, dequantize_state_dict(state, torch.float32)
     if quantization == "int4":
         state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
@@ -120,7 +122,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     cfg, state = read_state(path, quantization, group_size)
     n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
     llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
-    return LoadedModel(cfg, llama, Tokenizer(_hf_tokenizer(path)), n_int4)
+    tokenizer = Tokenizer(_hf_tokenizer(path))
+    if quantization == "int8":
+        from engine.quant.int8_linear import quantize_model_int8
+        from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
+
+        if device.type != "cpu":
+            raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
+                             "'auto' or 'int4'")
+        llama.fuse_projections()
+        calibration = torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device)
+        smooth_model(llama, calibration)
+        quantize_model_int8(llama)
+    return LoadedModel(cfg, llama, tokenizer, n_int4)
 
 
 QUANTIZE_METHODS = ("rtn", "gptq")

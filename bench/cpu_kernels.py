@@ -1,0 +1,187 @@
+"""Micro-benchmarks of the CPU path's building blocks, at SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of
+64, intermediate 1536, vocabulary 49,152).
+
+Usage:
+    python bench/cpu_kernels.py --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.packed_linear) vs W8A8
+    python bench/cpu_kernels.py --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
+    python bench/cpu_kernels.py --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
+
+--gemm: each projection and the LM head at M = 16, 64, 256, 1024 rows, fp32 and bf16, then INT8 W8A8
+(engine.quant.int8_linear: the oneDNN int8 GEMM alone, and with the per-token activation quantization around it).
+--attention: B decode requests with contexts of 64-160 tokens in a 30-layer KV pool (one cache per layer, cycled,
+so the caches come from memory as in a real step, not from the L2), paged in 16-token blocks at shuffled ids.
+Medians of repeated calls on the threads torch uses (--threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576),
+          "lm_head": (576, 49152)}  # (K, N)
+
+
+def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall time of fn() in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_gemm(rows: list[int], reps: int) -> None:
+    from engine.packed_linear import PackedLinear
+    from engine.quant.int8_linear import Int8Linear, int8_available
+
+    print("| M | projection | fp32 F.linear | fp32 packed | bf16 F.linear | bf16 packed | int8 GEMM only "
+          "| int8 W8A8 (bf16 in/out) |")
+    print("|---|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for m in rows:
+        for name, (k, n) in SHAPES.items():
+            w = torch.randn(n, k, generator=gen) * 0.05
+            x = torch.randn(m, k, generator=gen)
+            flop = 2 * m * k * n / 1e9
+            cells = []
+            for dtype in (torch.float32, torch.bfloat16):
+                wd, xd = w.to(dtype), x.to(dtype)
+                packed = PackedLinear(wd)
+                cells.append(flop / median_s(lambda wd=wd, xd=xd: F.linear(xd, wd), reps))
+                cells.append(flop / median_s(lambda p=packed, xd=xd: p(xd), reps))
+            if int8_available():
+                lin = Int8Linear(w, torch.bfloat16)
+                qx = torch.randint(0, 255, (m, k), dtype=torch.uint8, generator=gen)
+                cells.append(flop / median_s(lambda lin=lin, qx=qx: torch.ops.onednn.qlinear_pointwise(
+                    qx, 1.0, 128, lin.packed, lin.weight_scale, lin.weight_zero_point, None, 1.0, 0, torch.bfloat16,
+                    "none", [], ""), reps))
+                xb = x.bfloat16()
+                cells.append(flop / median_s(lambda lin=lin, xb=xb: lin(xb), reps))
+            print(f"| {m} | {name} | " + " | ".join(f"{c:.0f}" for c in cells) + " |", flush=True)
+
+
+def bench_attention(batches: list[int], reps: int) -> None:
+    from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
+    from engine.cpu_kernels import cpu_ops
+
+    if cpu_ops() is None:
+        sys.exit("the C++ kernels did not build here (see the warning)")
+    heads, kv_heads, head_dim, block_size, layers = 9, 3, 64, 16, 30
+    print("| batch | dtype | torch reference ms/layer | C++ kernel ms/layer | speedup | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for b in batches:
+        seq = torch.randint(64, 161, (b,), generator=gen)
+        nb = [-(-int(s) // block_size) for s in seq]
+        num_blocks = sum(nb)
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        tables, width = [], max(nb)
+        for n in nb:
+            tables.append(perm[:n] + [0] * (width - n))
+            perm = perm[n:]
+        meta = AttentionMetadata(slot_mapping=torch.zeros(b, dtype=torch.int64),
+                                 query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+                                 seq_lens=seq.to(torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+                                 query_lens=[1] * b, seq_lens_host=seq.tolist(), decode_only=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            caches = [(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype),
+                       torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype))
+                      for _ in range(layers)]
+            q = torch.randn(b, heads, head_dim, generator=gen).to(dtype)
+
+            def run(fn: Callable[..., torch.Tensor], caches: list = caches, q: torch.Tensor = q,
+                    meta: AttentionMetadata = meta) -> None:
+                for kc, vc in caches:
+                    fn(q, kc, vc, meta, 0.125)
+
+            meta.plan = None
+            ref_s = median_s(lambda: run(paged_attention_ref), reps) / layers
+            ours_s = median_s(lambda: run(paged_attention_cpu), reps) / layers
+            kc, vc = caches[0]
+            diff = (paged_attention_cpu(q, kc, vc, meta, 0.125).float()
+                    - paged_attention_ref(q, kc, vc, meta, 0.125).float()).abs().max().item()
+            print(f"| {b} | {str(dtype).removeprefix('torch.')} | {ref_s * 1e3:.3f} | {ours_s * 1e3:.3f} "
+                  f"| {ref_s / ours_s:.1f}x | {diff:.1e} |", flush=True)
+
+
+def bench_prefill(lengths: list[int], reps: int) -> None:
+    """Prefill attention per layer: SDPA over padded chunks (paged_attention_ref) vs the C++ kernel, for one prompt
+    of each length, and for 16 prompts of 64-160 tokens in one step (a chat batch)."""
+    from engine.attention import AttentionMetadata, paged_attention_ref
+    from engine.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        sys.exit("the C++ kernels did not build here (see the warning)")
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    print("| prompts x tokens | dtype | SDPA ms/layer | C++ kernel ms/layer | kernel / SDPA | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    cases = [[n] for n in lengths] + [torch.randint(64, 161, (16,), generator=gen).tolist()]
+    for lens in cases:
+        nb = [-(-n // block_size) for n in lens]
+        perm = torch.randperm(sum(nb), generator=gen).tolist()
+        tables = []
+        for n in nb:
+            tables.append(perm[:n] + [0] * (max(nb) - n))
+            perm = perm[n:]
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        for dtype in (torch.float32, torch.bfloat16):
+            kc = torch.randn(sum(nb), block_size, kv_heads, head_dim, generator=gen).to(dtype)
+            vc = torch.randn_like(kc)
+            q = torch.randn(sum(lens), heads, head_dim, generator=gen).to(dtype)
+            meta = AttentionMetadata(slot_mapping=torch.zeros(sum(lens), dtype=torch.int64),
+                                     query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                                     seq_lens=torch.tensor(lens, dtype=torch.int32),
+                                     block_tables=torch.tensor(tables, dtype=torch.int32), query_lens=list(lens),
+                                     seq_lens_host=list(lens), decode_only=False)
+            sdpa_s = median_s(lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention_ref(q, kc, vc, meta, 0.125), reps)
+            ours_s = median_s(lambda q=q, kc=kc, vc=vc, meta=meta: ops.paged_attention(
+                q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125), reps)
+            diff = (ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
+                    .float() - paged_attention_ref(q, kc, vc, meta, 0.125).float()).abs().max().item()
+            label = f"1 x {lens[0]}" if len(lens) == 1 else f"{len(lens)} x {min(lens)}-{max(lens)}"
+            print(f"| {label} | {str(dtype).removeprefix('torch.')} | {sdpa_s * 1e3:.2f} | {ours_s * 1e3:.2f} "
+                  f"| {ours_s / sdpa_s:.2f} | {diff:.1e} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    every = not (args.gemm or args.attention or args.prefill)
+    if args.gemm or every:
+        bench_gemm(args.rows, args.reps)
+    if args.attention or every:
+        bench_attention(args.batches, args.reps)
+    if args.prefill or every:
+        bench_prefill(args.lengths, args.reps)
+
+
+if __name__ == "__main__":
+    main()
