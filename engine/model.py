@@ -221,7 +221,7 @@ class LlamaModel(nn.Module):
     """The decoder and LM head.
 
     forward: input_ids int64 [T], positions int64 [T], per-layer caches, metadata -> hidden states [T, hidden].
-    compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab].
+    compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab] (or in the model's dtype).
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
@@ -257,5 +257,8 @@ class LlamaModel(nn.Module):
         them. Returns the number of merged modules (0 when already fused)."""
         return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
+        """Logits [S, vocab] of hidden [S, hidden]: fp32, or in the model's dtype when not full_precision (what the
+        sampler takes: greedy rows need no fp32 copy of [S, vocab])."""
+        logits = self.lm_head(hidden)
+        return logits.float() if full_precision else logits

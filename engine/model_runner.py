@@ -149,7 +149,7 @@ class ModelRunner:
         if not sampling:
             return []
         rows = torch.tensor(logits_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden.index_select(0, rows), full_precision=False)
         tokens = sample(logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling],
                         self.generator)
         return list(zip(sampling, tokens, strict=True))

@@ -133,7 +133,7 @@ def _race_noise(g: _Rows, shape: tuple[int, int], vocab: int, token_ids: torch.T
 
 def _sample_full(logits: torch.Tensor, g: _Rows, generator: torch.Generator) -> torch.Tensor:
     """Rows without top_k: the race over the whole vocabulary ([R, V]). Returns int64 [R] token ids."""
-    x = logits.index_select(0, g.rows).div_(g.temperature[:, None])
+    x = logits.index_select(0, g.rows).float().div_(g.temperature[:, None])
     if g.any_top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         x = x.scatter_(-1, order, mask_top_p_sorted(sorted_x, g.top_p))
@@ -146,7 +146,7 @@ def _sample_top_k(logits: torch.Tensor, g: _Rows, generator: torch.Generator) ->
     so top-p needs no sort of the vocabulary. Returns int64 [R] token ids."""
     values, ids = torch.topk(logits.index_select(0, g.rows), g.max_k, dim=-1)  # descending
     ranks = torch.arange(g.max_k, device=values.device)
-    x = values.div_(g.temperature[:, None]).masked_fill_(ranks >= g.top_k[:, None], float("-inf"))
+    x = values.float().div_(g.temperature[:, None]).masked_fill_(ranks >= g.top_k[:, None], float("-inf"))
     if g.any_top_p:
         x = mask_top_p_sorted(x, g.top_p)
     noise = _race_noise(g, tuple(x.shape), logits.shape[-1], ids, generator)
@@ -158,11 +158,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
            generator: torch.Generator) -> list[int]:
     """Pick one token per row, all rows of a kind together.
 
-    logits: fp32 [S, V]; params: S SamplingParams; output_indices: for each row, how many output tokens the request
-    already has (with the seed, the counter of a seeded row's noise); generator: the engine's generator, drawn once
-    per group for its unseeded sampled rows. Greedy rows take the argmax. Sampled rows are divided by their
-    temperature, cut to their top_k (ties at the k-th broken by topk's order) and top_p nucleus, and drawn by one
-    exponential race: rows with top_k as one [R, max k] group, the others as one [R, V] group.
+    logits: [S, V], fp32 or the model's dtype (the argmax is exact in either; sampled rows are upcast to fp32 after
+    they are selected, so a batch of greedy rows never converts the logits); params: S SamplingParams;
+    output_indices: for each row, how many output tokens the request already has (with the seed, the counter of a
+    seeded row's noise); generator: the engine's generator, drawn once per group for its unseeded sampled rows.
+    Greedy rows take the argmax. Sampled rows are divided by their temperature, cut to their top_k (ties at the
+    k-th broken by topk's order) and top_p nucleus, and drawn by one exponential race: rows with top_k as one
+    [R, max k] group, the others as one [R, V] group.
     Returns S token ids (host ints; the one device->host sync of a step).
     """
     tokens = logits.argmax(dim=-1)
