@@ -15,6 +15,8 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +50,8 @@ def cpu_ops() -> ModuleType | None:
         digest.update(src.read_bytes())
     digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+    if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
