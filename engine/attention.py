@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -255,8 +257,6 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
     `paged_attention_ref` when the kernels are not built (engine.cpu_kernels).
     """
-    from engine.cpu_kernels import cpu_ops
-
     ops = cpu_ops()
     if ops is None:
         return paged_attention_ref(q, k_cache, v_cache, meta, scale)

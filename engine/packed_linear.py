@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quant.handler import set_module
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -64,7 +66,5 @@ def pack_linears(model: nn.Module) -> int:
              if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
              and m.weight.dtype in PACKED_DTYPES]
     for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, PackedLinear(owner.get_submodule(child).weight))
+        set_module(model, name, PackedLinear(model.get_submodule(name).weight))
     return len(names)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model import fused_cpu_ops
+
 _QMAX = 127.0
 _ZERO_POINT = 128  # uint8 activations: q_x + 128
 
@@ -72,15 +74,7 @@ class Int8Linear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
         self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
 
-    @classmethod
-    def concat(cls, modules: list[Int8Linear]) -> Int8Linear | None:
-        """Not supported: fuse the float weights first (engine.model.concat_linears), then quantize; per-channel
-        scales make that identical. Returns None."""
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.model import fused_cpu_ops
-
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         ops = fused_cpu_ops(x2)
