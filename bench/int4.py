@@ -239,7 +239,9 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int) -> None:
         for b in batches:
             prompts = [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(b)]
             sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+            # Warm up at this batch's shapes: Triton compiles a kernel per new constexpr set (split count, chunk
+            # bucket) on first use; a batch-1 warm-up left that inside the batch-8 and batch-32 timings (2026-11-25).
+            engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
             torch.cuda.synchronize()
             t = time.perf_counter()
             outs = engine.generate(prompts, sp)

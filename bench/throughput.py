@@ -15,6 +15,7 @@ the same work, as in vLLM's throughput benchmark. Workloads:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default 64 on cpu, 256 on cuda")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 64 on cpu, 512 on cuda")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-static-w2", action="store_true",
+                    help="on cuda, also run HF's static batch on w2 (skipped by default: about 6 minutes on an H100)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     n = args.num_prompts or (512 if cuda else 64)
@@ -155,48 +158,65 @@ def main() -> None:
     prompts, references = alpaca_rows(n)
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     ref_lens = [len(tokenizer.encode(r)) for r in references]
-    hf = None
-    if not args.skip_hf:
-        if preset:
-            hf = hf_random_model(engine.model_config, engine.dtype, engine.device)
-        else:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                      dtype=torch.float32).to(args.device).eval()
     pad = engine.eos_token_id if engine.eos_token_id is not None else 0
     hf_bs = args.hf_batch_size or (256 if cuda else 64)
     run_ours(engine, prompt_ids[:2], [4, 4])  # warm-up
     rows: list[tuple[str, str, float, int, int]] = []  # workload, engine, seconds, output tokens, total tokens
     prompt_tokens = sum(len(p) for p in prompt_ids)
+    workload_tokens = {}
     for w in workloads:
         if w == "w1":
-            max_tokens = [args.max_tokens or (256 if cuda else 64)] * n
+            workload_tokens[w] = [args.max_tokens or (256 if cuda else 64)] * n
         else:
-            max_tokens = [max(1, min(args.w2_max_tokens or (1024 if cuda else 256), r)) for r in ref_lens]
+            workload_tokens[w] = [max(1, min(args.w2_max_tokens or (1024 if cuda else 256), r)) for r in ref_lens]
+    for w in workloads:  # ours first, all workloads; then HF alone on the device (both at once need > 80 GB)
         engine.reset_prefix_cache()  # every run starts cold: no reuse of an earlier workload's prompt blocks
-        s, tok = run_ours(engine, prompt_ids, max_tokens)
+        s, tok = run_ours(engine, prompt_ids, workload_tokens[w])
         rows.append((w, "tokenmill", s, tok, tok + prompt_tokens))
-        if hf is not None:
+        print(f"{w} tokenmill: {tok} output tokens in {s:.2f} s ({tok / s:.1f} tok/s)", flush=True)
+    info = (engine.device, engine.device_name, engine.model_name, engine.model_config,
+            sum(p.numel() for p in engine.runner.model.parameters()))
+    device, device_name, model_name, model_config, num_params = info
+    del engine, tokenizer_engine
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        if preset:
+            hf = hf_random_model(model_config, getattr(torch, dtype), device)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                      dtype=torch.float32).to(args.device).eval()
+        for w in workloads:
+            max_tokens = workload_tokens[w]
             if cuda and w == "w1":
                 s, tok = run_hf_generate_batch(hf, prompt_ids, max_tokens)
                 rows.append((w, "HF generate_batch (continuous)", s, tok, tok + prompt_tokens))
-            s, tok = run_hf(hf, prompt_ids, max_tokens, hf_bs, pad, engine.device)
+                print(f"{w} HF generate_batch: {tok} output tokens in {s:.2f} s ({tok / s:.1f} tok/s)", flush=True)
+            if cuda and w == "w2" and not args.hf_static_w2:
+                print("w2 HF generate (static batch): skipped on cuda (about 6 minutes on an H100; --hf-static-w2 "
+                      "runs it)", flush=True)
+                continue
+            s, tok = run_hf(hf, prompt_ids, max_tokens, hf_bs, pad, device)
             rows.append((w, f"HF generate (static batch {hf_bs})", s, tok, tok + prompt_tokens))
-    del tokenizer_engine
+            print(f"{w} HF generate: {tok} output tokens in {s:.2f} s ({tok / s:.1f} tok/s)", flush=True)
+        del hf
 
-    print(f"\ndevice={engine.device_name} torch={torch.__version__} dtype={dtype} model={engine.model_name} "
+    print(f"\ndevice={device_name} torch={torch.__version__} dtype={dtype} model={model_name} "
           f"threads={torch.get_num_threads()} requests={n} (AlpacaEval, {prompt_tokens} prompt tokens)")
     print(f"{'workload':<9} {'engine':<34} {'seconds':>9} {'out tokens':>11} {'out tok/s':>10} {'total tok/s':>12} "
           f"{'vs HF':>7}")
     for w in workloads:
         group = [r for r in rows if r[0] == w]
-        base = group[-1][3] / group[-1][2]
+        base = group[-1][3] / group[-1][2] if group[-1][1].startswith("HF") else None
         for _, name, s, tok, total in group:
-            print(f"{w:<9} {name:<34} {s:>9.2f} {tok:>11d} {tok / s:>10.1f} {total / s:>12.1f} {tok / s / base:>6.2f}x")
+            ratio = f"{tok / s / base:>6.2f}x" if base else f"{'n/a':>7}"
+            print(f"{w:<9} {name:<34} {s:>9.2f} {tok:>11d} {tok / s:>10.1f} {total / s:>12.1f} {ratio}")
     if cuda:
-        flops, bw = roofs(engine.device)
-        params = sum(p.numel() for p in engine.runner.model.parameters())
+        flops, bw = roofs(device)
+        params = num_params
         compute_roof = flops / (2 * params)
         print(f"\nroofs: bf16 matmul {flops / 1e12:.0f} TFLOP/s -> {compute_roof:,.0f} tok/s at "
               f"2 x {params / 1e9:.2f}e9 FLOP/token; copy {bw / 1e9:.0f} GB/s")

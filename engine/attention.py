@@ -199,7 +199,7 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
     group = num_heads // num_kv_heads
     return F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
-                                          attn_mask=plan.decode_mask, scale=scale).view(b, num_heads, head_dim)
+                                          attn_mask=plan.decode_mask, scale=scale).reshape(b, num_heads, head_dim)
 
 
 def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan, scale: float,

@@ -165,7 +165,12 @@ class LLMEngine:
         if budget < per_block:
             raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
                              "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")
-        return budget // per_block
+        # No more than max_num_seqs requests of max_model_len tokens could ever hold: a small model on a big GPU
+        # would otherwise take (and zero) most of the card's memory for blocks no schedule can use.
+        max_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        usable = self.config.max_num_seqs * -(-max_len // self.block_size)
+        return min(budget // per_block, usable)
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -86,6 +86,67 @@ inline void prefetch_row(const T* p, int64_t head_dim) {
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
+// 16 elements of T widened to fp32 lanes (bf16: the 16-bit shift of load_row, in registers).
+template <typename T>
+inline v16 load16_as_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load16(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    u16x16 h;
+    __builtin_memcpy(&h, p, sizeof(h));
+    const vi16 w = __builtin_convertvector(h, vi16) << 16;
+    v16 f;
+    __builtin_memcpy(&f, &w, sizeof(f));
+    return f;
+  } else {
+    float tmp[16];
+    for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+    return load16(tmp);
+  }
+}
+
+// out_i[0:16*CH] = sum over t < n of p_i[t] * V[t], i < P, for P query heads that read the same KV head (its slice
+// at `off` in each cache row) of one request, whose values are read in place block by block through its block table.
+// The P*CH accumulators stay in registers for the whole sum and each value vector is widened once for all P heads,
+// so a value element costs one load and P FMAs (head_dim 64: CH = 4, P <= 4; 128: CH = 8, P <= 2).
+template <typename T, int CH, int P>
+inline void weighted_values(const T* v_cache, const int32_t* table, int64_t block_size, int64_t row, int64_t off,
+                            const float* const* p, int64_t n, float* const* out) {
+  v16 a[P][CH] = {};
+  for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+    const T* base = v_cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + off;
+    if (t0 + block_size < n) {  // the next block's rows of this head, while this block's FMAs run
+      const T* next = v_cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_size * row + off;
+      for (int64_t tt = 0; tt < block_size; ++tt) prefetch_row(next + tt * row, 16 * CH);
+    }
+    const int64_t m = std::min<int64_t>(block_size, n - t0);
+    for (int64_t tt = 0; tt < m; ++tt) {
+      const T* vr = base + tt * row;
+      v16 v[CH];
+      for (int c = 0; c < CH; ++c) v[c] = load16_as_f32(vr + 16 * c);
+      for (int i = 0; i < P; ++i) {
+        const v16 pt = p[i][t0 + tt] - v16{};
+        for (int c = 0; c < CH; ++c) a[i][c] += pt * v[c];
+      }
+    }
+  }
+  for (int i = 0; i < P; ++i)
+    for (int c = 0; c < CH; ++c) __builtin_memcpy(out[i] + 16 * c, &a[i][c], sizeof(v16));
+}
+
+// weighted_values for `count` heads (1..4 with CH = 4, 1..2 with CH = 8) sharing one KV head and one key count n.
+template <typename T, int CH>
+inline void weighted_values_n(int count, const T* v_cache, const int32_t* table, int64_t block_size, int64_t row,
+                              int64_t off, const float* const* p, int64_t n, float* const* out) {
+  switch (count) {
+    case 1: weighted_values<T, CH, 1>(v_cache, table, block_size, row, off, p, n, out); break;
+    case 2: weighted_values<T, CH, 2>(v_cache, table, block_size, row, off, p, n, out); break;
+    case 3: if constexpr (CH == 4) weighted_values<T, CH, 3>(v_cache, table, block_size, row, off, p, n, out); break;
+    default: if constexpr (CH == 4) weighted_values<T, CH, 4>(v_cache, table, block_size, row, off, p, n, out);
+  }
+}
+
 // exp of 16 lanes: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and Cephes' degree-6 polynomial
 // for expf (Moshier, "Cephes Math Library", expf.c; relative error about 1e-7), scaled by 2^n through the exponent
 // bits. Inputs are clamped to [-87.3, 88.7]: exp(-87.3) ~ 1e-38 stands in for exp(-inf) = 0.
@@ -234,6 +295,29 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
           const float inv = 1.f / hsum16(sum);
           for (int64_t t = 0; t < lim[j]; ++t) sh[t] *= inv;
         }
+      }
+      if (vectorized && (chunks == 4 || chunks == 8)) {
+        const int max_heads = chunks == 4 ? 4 : 2;  // 16 accumulator registers at most
+        for (int64_t j = 0; j < nr; ++j)
+          for (int64_t g = 0; g < num_kv_heads; ++g)
+            for (int64_t h0 = 0; h0 < group; h0 += max_heads) {
+              const int count = static_cast<int>(std::min<int64_t>(max_heads, group - h0));
+              const float* ph[4];
+              float* ah[4];
+              for (int i = 0; i < count; ++i) {
+                const int64_t h = g * group + h0 + i;
+                ph[i] = scores.data() + (j * num_heads + h) * padded;
+                ah[i] = acc.data() + (j * num_heads + h) * head_dim;
+              }
+              if (chunks == 4)
+                weighted_values_n<T, 4>(count, v_cache, table, block_size, row, g * head_dim, ph, lim[j], ah);
+              else
+                weighted_values_n<T, 8>(count, v_cache, table, block_size, row, g * head_dim, ph, lim[j], ah);
+            }
+        for (int64_t j = 0; j < nr; ++j)
+          store_row(acc.data() + j * num_heads * head_dim, out + (item.row_begin + j) * num_heads * head_dim,
+                    num_heads * head_dim);
+        continue;
       }
       std::fill(acc.begin(), acc.begin() + nr * num_heads * head_dim, 0.f);
       for (int64_t t = 0; t < len; ++t) {
