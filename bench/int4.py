@@ -10,8 +10,9 @@ GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant
     python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 1
 Where a group size hurts, one layer at a time (round-to-nearest):
     python bench/int4.py --sensitivity --tokens 1024
-CUDA (an H100; not run yet): Llama-3.1-8B shape, random weights, bf16 vs INT4 g128 in the same run: per-layer
-kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch 1/8/32, KV room.
+CUDA (first run on an H100 2026-11-25: bench/README.md "GPU"): Llama-3.1-8B shape, random weights, bf16 vs INT4
+g128 in the same run: per-layer kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch
+1/8/32, KV room.
     python bench/int4.py --device cuda
 Prints one JSON line per measurement.
 """
