@@ -2,12 +2,40 @@
 
 Chat templates are rendered by transformers in jinja2's ImmutableSandboxedEnvironment, so a template shipped inside
 a model file cannot reach Python objects.
+
+Building the tokenizer from a GGUF file parses its vocabulary and merges in Python (seconds per process: every Dask
+worker paid it at start-up), so the result is cached as an HF tokenizer folder (tokenizer.json and its config) under
+$TOKENMILL_CACHE_DIR (default $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), keyed by the file's path, size,
+modification time and the transformers version; a later load reads that folder in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """tokenmill's cache folder: $TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill."""
+    if os.environ.get("TOKENMILL_CACHE_DIR"):
+        return Path(os.environ["TOKENMILL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenmill"
+
+
+def _gguf_tokenizer_cache(path: str) -> Path:
+    """The cache folder of the tokenizer of the GGUF file at `path` (a new key whenever the file changes)."""
+    import transformers
+
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 class Tokenizer:
@@ -25,13 +53,32 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
-        """Load the tokenizer (vocab, merges, special tokens, chat template) stored in a GGUF file."""
+        """Load the tokenizer (vocab, merges, special tokens, chat template) stored in a GGUF file.
+
+        Cached after the first build (module docstring); raises OSError when `path` cannot be read."""
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        cached = _gguf_tokenizer_cache(path)
+        if (cached / "tokenizer.json").is_file():
+            try:
+                return cls(AutoTokenizer.from_pretrained(cached))
+            except Exception as e:  # noqa: BLE001 - a damaged cache entry: rebuild it from the model file
+                log.warning("ignoring the cached tokenizer at %s (%s); rebuilding it from %s", cached, e, path)
+                shutil.rmtree(cached, ignore_errors=True)
         hf_logging.disable_progress_bar()
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                             gguf_file=os.path.basename(path))
+        try:  # written beside, then renamed into place: concurrent workers never read half a folder
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-")
+            tok.save_pretrained(tmp)
+            try:
+                os.rename(tmp, cached)
+            except OSError:  # another process got there first
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:  # a read-only home: no cache, same tokenizer
+            log.debug("tokenizer cache not written (%s)", e)
         return cls(tok)
 
     def encode(self, text: str) -> list[int]:
