@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jobs import model_commands
+from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
 from jobs.spec import run_spec
@@ -296,6 +296,7 @@ def version() -> None:
 
 
 model_commands.register(app)
+output_commands.register(app)
 
 if __name__ == "__main__":
     app()

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from engine import EngineConfig
 from jobs.errors import JobError
+from jobs.openai_batch import prepare_spec
 from jobs.runner import run_job
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
@@ -43,8 +44,12 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,
              on_progress: ProgressFn | None = None) -> JobSummary:
     """Run (or resume, or find finished) the job a spec describes; see jobs.runner.run_job for what happens and
-    the JobError exit codes it raises."""
-    cfg, engine = run_config(spec), engine_config(spec)
+    the JobError exit codes it raises. An OpenAI batch file (.jsonl) as input is converted first
+    (jobs.openai_batch.prepare_spec)."""
+    engine = engine_config(spec)
+    run_config(spec)  # bad options stop here, before a batch file is staged under OUTPUT
+    spec = prepare_spec(spec)
+    cfg = run_config(spec)
     return run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine, workers=spec.workers,
                    scheduler_address=spec.scheduler, gpus_per_worker=spec.gpus_per_worker, resume=resume,
                    on_start=on_start, on_progress=on_progress)

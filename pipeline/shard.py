@@ -24,13 +24,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from engine import LLMEngine, RequestOutput
+from engine import LLMEngine, RequestOutput, SamplingParams
 from pipeline.accounting import accounting_row, bill_earlier_attempts
 from pipeline.attempts import claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.preemption import StopSignal, stop_deadline_s
+from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
 from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
@@ -66,10 +67,19 @@ class ShardInterrupted(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardRows:
-    """The rows of one shard: ids (text) and prompts (text, message lists, or None for a missing prompt)."""
+    """The rows of one shard: ids (text) and prompts (text, message lists, or None for a missing prompt); per row,
+    optionally, its own sampling values and a request error (pipeline.row_options; None: the input has none)."""
 
     ids: list[str]
     prompts: list[Any]
+    overrides: list[dict[str, Any]] | None = None
+    errors: list[str | None] | None = None
+
+    def take(self, indices: list[int]) -> ShardRows:
+        """The rows at `indices`, in that order."""
+        return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices],
+                         None if self.overrides is None else [self.overrides[k] for k in indices],
+                         None if self.errors is None else [self.errors[k] for k in indices])
 
 
 def results_path(root: str, shard_id: str) -> str:
@@ -110,7 +120,7 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str) -> tuple[
     """The row groups of the shard's file that overlap its rows, and the file row of the first one."""
     with fsspec.open(shard.url, "rb") as f, pq.ParquetFile(f) as pf:
         names = pf.schema_arrow.names
-        columns = [prompt_column] + ([id_column] if id_column in names else [])
+        columns = [prompt_column] + ([id_column] if id_column in names else []) + row_option_columns(names)
         groups, first_row, offset = [], None, 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
@@ -140,7 +150,8 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str) -> ShardRows:
     else:
         ids = [str(shard.row_start + i) for i in range(len(prompts))]
     ids = [i if i is not None else str(shard.row_start + k) for k, i in enumerate(ids)]
-    return ShardRows(ids, prompts)
+    options = {c: table.column(c).to_pylist() for c in row_option_columns(table.column_names)}
+    return ShardRows(ids, prompts, row_overrides(options, len(ids)), options.get(ROW_ERROR_COLUMN))
 
 
 def _row_seed(seed: int | None, row_id: str) -> int | None:
@@ -159,8 +170,9 @@ def _prompt_problem(prompt: Any) -> str | None:
 
 def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
                   on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
-    """One RequestOutput per row, in row order. Bad rows (null, empty, too long) become error outputs; the others
-    run as one continuous batch.
+    """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
+    out-of-range per-row sampling values) become error outputs; the others run as one continuous batch, each with
+    the job's sampling and its own values put in (pipeline.row_options).
 
     `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes:
     the checkpoint hook. `should_stop` is passed to the engine: once it returns True, unfinished rows come back with
@@ -170,8 +182,15 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
     """
     outputs: dict[int, RequestOutput] = {}
     runnable: list[int] = []
+    params: list[SamplingParams] = []
     for k, prompt in enumerate(rows.prompts):
-        problem = _prompt_problem(prompt)
+        problem = (rows.errors[k] if rows.errors else None) or _prompt_problem(prompt)
+        if not problem:
+            try:
+                params.append(row_sampling_params(cfg.sampling_params(_row_seed(cfg.seed, rows.ids[k])),
+                                                  rows.overrides[k] if rows.overrides else None))
+            except ValueError as e:
+                problem = f"this row's own sampling values: {e}"
         if problem:
             outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
             if on_row:
@@ -192,7 +211,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
 
     generated = engine.generate(
         [rows.prompts[k] for k in runnable],
-        [cfg.sampling_params(_row_seed(cfg.seed, rows.ids[k])) for k in runnable],
+        params,
         request_ids=[str(k) for k in runnable],
         use_chat_template=cfg.use_chat_template,
         on_output=on_output,
@@ -274,8 +293,8 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
             return notice.is_set() or (should_stop is not None and should_stop())
 
         t_gen = time.perf_counter()
-        outputs = generate_rows(engine, ShardRows([rows.ids[k] for k in todo], [rows.prompts[k] for k in todo]), cfg,
-                                progress, on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop)
+        outputs = generate_rows(engine, rows.take(todo), cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
+                                should_stop=stop)
         wall_s = time.perf_counter() - t_gen
         generated_tokens = sum(o.num_output_tokens for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)

@@ -108,3 +108,28 @@ def test_folders_skip_underscore_and_hidden_files(tmp_path: Path, gsm8k_table: p
         pq.write_table(gsm8k_table.slice(0, 2), tmp_path / name)
     _, files = resolve_inputs(str(tmp_path))
     assert [Path(f).name for f in files] == ["part-0.parquet"]
+
+
+def test_per_row_sampling_columns_win_over_the_job_and_bad_values_become_error_rows(
+        tmp_path: Path, engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    qs = gsm8k_table.column("question").to_pylist()[40:45]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", "c", "d", "e"], "question": qs,
+        "max_tokens": pa.array([2, None, 0, None, 4], pa.int64()),
+        "temperature": pa.array([None, None, None, -1.0, 0.7], pa.float64()),
+        "seed": pa.array([None, None, None, None, 3], pa.int64()),
+        "request_error": [None, None, None, None, None]}), path)
+    rows = read_shard(_shard(path, 0, 5), "question", "id")
+    assert rows.overrides == [{"max_tokens": 2}, {}, {"max_tokens": 0}, {"temperature": -1.0},
+                              {"max_tokens": 4, "temperature": 0.7, "seed": 3}]
+    outs = generate_rows(engine, rows.take([4, 0, 1, 2, 3]), RunConfig(max_tokens=6))
+    assert [o.request_id for o in outs] == ["e", "a", "b", "c", "d"]
+    assert [o.num_output_tokens for o in outs[:3]] == [4, 2, 6]  # the row's max_tokens, else the job's
+    assert "max_tokens must be an integer >= 1, got 0" in outs[3].error
+    assert "temperature must be >= 0" in outs[4].error and outs[4].finish_reason == "error"
+    # A row's own seed makes its sample reproducible; a request error from the input stops the row unrun.
+    again = generate_rows(engine, ShardRows(["e", "x"], [qs[4], qs[0]], [rows.overrides[4], {}],
+                                            [None, "line 3: not valid JSON"]), RunConfig(max_tokens=6))
+    assert again[0].text == outs[0].text
+    assert (again[1].finish_reason, again[1].error) == ("error", "line 3: not valid JSON")

@@ -1,0 +1,309 @@
+"""OpenAI Batch API files in and out: a thin conversion around the native Parquet job.
+
+In: `tokenmill run requests.jsonl OUTPUT` takes the OpenAI batch input format (one JSON request per line:
+`custom_id`, `method` POST, `url` /v1/chat/completions or /v1/completions, `body` with `messages` or `prompt` and
+sampling fields). The lines are converted once into a Parquet file under OUTPUT/_input/ (create-only, with the
+JSONL's size and version in its metadata) that the job then runs like any Parquet input: the same manifest,
+exactly-once commits, resume and accounting. `custom_id` becomes the row id; the body's max_tokens
+(max_completion_tokens), temperature, top_p, top_k, seed and stop become per-row sampling columns
+(pipeline.row_options), so a row's own values win over the job's; a line that cannot be mapped (not JSON, another
+endpoint, `n` > 1, a field we do not support) becomes an error row whose `request_error` names the problem.
+
+Out: `tokenmill export OUTPUT --format openai-batch` writes the OpenAI batch output format, one line per row in
+input order: `id`, `custom_id`, `response` {`status_code` 200, `request_id`, `body`: a chat.completion or
+text_completion object with `choices` and `usage`} and `error` null; an error row has `response` null and `error`
+{`code`, `message`}.
+
+NOTE: the lines are parsed one by one with json.loads rather than by pyarrow's or polars' JSON readers: those fail
+the whole file on one malformed line, and a malformed line must become an error row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import fsspec
+import pyarrow as pa
+
+from jobs.errors import JobError
+from pipeline.input import InputManifest, _normalized, file_version, read_manifest
+from pipeline.row_options import ROW_ERROR_COLUMN
+from pipeline.shard import read_committed_accounting, results_path
+from pipeline.storage import commit_table, exists_now, output_fs, read_table
+from schemas.job_spec import JobSpec
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+STAGED_PATH = "_input/requests.parquet"  # relative to OUTPUT
+# Body fields we accept when they ask for nothing we do not do: field -> the values that are fine.
+_NEUTRAL = {"n": (1, None), "stream": (False, None), "logprobs": (False, None), "echo": (False, None),
+            "frequency_penalty": (0, None), "presence_penalty": (0, None)}
+_IGNORED = ("model", "user", "metadata", "store")  # the job's model runs every row; the rest is bookkeeping
+_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+_COLUMNS = {"id": pa.string(), "messages": pa.list_(_MESSAGE), "prompt": pa.string(), "max_tokens": pa.int64(),
+            "temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(), "seed": pa.int64(),
+            "stop": pa.list_(pa.string()), ROW_ERROR_COLUMN: pa.string()}
+
+
+def is_openai_batch(url: str) -> bool:
+    """Whether INPUT names an OpenAI batch file (a .jsonl file, local or an fsspec URL)."""
+    return url.rstrip("/").lower().endswith(".jsonl")
+
+
+class _BadRequest(ValueError):
+    """One request line that cannot be mapped; the message names the problem and the fix."""
+
+
+def _check_number(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise _BadRequest(f"body.{name} must be a {'integer' if kind is int else 'number'}, got {value!r}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or the text parts of a content-part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise _BadRequest(f"{where} must be text or a list of text parts; images, audio and tool calls are not supported")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _BadRequest("body.messages must be a non-empty list of {role, content} for /v1/chat/completions")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _BadRequest(f"body.messages[{i}] must be an object with a role and a content")
+        role = "system" if m["role"] == "developer" else m["role"]  # chat templates know system, not developer
+        out.append({"role": role, "content": _text(m.get("content"), f"body.messages[{i}].content")})
+    return out
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise _BadRequest("body.prompt must be one text prompt for /v1/completions (lists of prompts and token ids "
+                          "are not supported: one request per line)")
+    return prompt
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The body's sampling fields under pipeline.row_options' names; types checked (ranges: at run time)."""
+    max_tokens = _check_number(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _check_number(body, "max_tokens", int)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise _BadRequest(f"body.stop must be a non-empty string or a list of them, got {stop!r}")
+    return {"max_tokens": max_tokens, "temperature": _check_number(body, "temperature", (int, float)),
+            "top_p": _check_number(body, "top_p", (int, float)), "top_k": _check_number(body, "top_k", int),
+            "seed": _check_number(body, "seed", int), "stop": stop}
+
+
+def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
+    """(url, row values) of one parsed line. Raises _BadRequest."""
+    if not isinstance(doc, dict):
+        raise _BadRequest("a line must be a JSON object {custom_id, method, url, body}")
+    url, body = doc.get("url"), doc.get("body")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise _BadRequest(f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+    if endpoint is not None and url != endpoint:
+        raise _BadRequest(f"url {url!r} differs from this file's endpoint {endpoint!r} (its first request); a batch "
+                          "file holds requests to one endpoint: put these in a file of their own")
+    if doc.get("method", "POST") != "POST":
+        raise _BadRequest(f"method {doc.get('method')!r} is not supported; batch requests are POST")
+    if not isinstance(body, dict):
+        raise _BadRequest("body must be a JSON object with the request")
+    unsupported = sorted(k for k in body if k not in (*_SAMPLING, *_IGNORED, *_NEUTRAL, "messages", "prompt")
+                         or (k in _NEUTRAL and body[k] not in _NEUTRAL[k]))
+    if unsupported:
+        raise _BadRequest(f"body fields {unsupported} are not supported (tokenmill generates one plain completion per "
+                          f"request: n must be 1; no streaming, logprobs, penalties or tools); remove them")
+    prompt = {"messages": _messages(body)} if url == CHAT_URL else {"prompt": _prompt(body)}
+    return url, {**prompt, **_sampling(body)}
+
+
+def parse_batch_lines(lines: Iterable[str]) -> tuple[pa.Table, str]:
+    """Convert OpenAI batch input lines into the job's input table and the file's endpoint.
+
+    Returns a table with columns id (custom_id; "line-<n>" when a line has none), messages (chat) or prompt
+    (completions), the per-row sampling columns (null where the request does not set them) and request_error (null,
+    or why the line cannot run, naming its line number and the fix). Blank lines are skipped. A repeated custom_id
+    makes the later line an error row. The endpoint is that of the first well-formed line (chat when there is none).
+    """
+    rows: list[dict[str, Any]] = []
+    endpoint: str | None = None
+    seen: dict[str, int] = {}
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        custom_id = f"line-{line_no}"
+        try:
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _BadRequest(f"not valid JSON ({e})") from e
+            if isinstance(doc, dict) and isinstance(doc.get("custom_id"), str) and doc["custom_id"]:
+                custom_id = doc["custom_id"]
+            else:
+                raise _BadRequest("custom_id must be a non-empty string")
+            if custom_id in seen:
+                raise _BadRequest(f"custom_id {custom_id!r} repeats line {seen[custom_id]}; custom_ids must be unique")
+            seen[custom_id] = line_no
+            url, values = _request(doc, endpoint)
+            endpoint = endpoint or url
+            rows.append({"id": custom_id, **values})
+        except _BadRequest as e:
+            seen.setdefault(custom_id, line_no)
+            rows.append({"id": custom_id, ROW_ERROR_COLUMN: f"line {line_no}: {e}"})
+    endpoint = endpoint or CHAT_URL
+    schema = pa.schema([(name, t) for name, t in _COLUMNS.items()
+                        if name != ("prompt" if endpoint == CHAT_URL else "messages")])
+    return pa.Table.from_pylist(rows, schema=schema), endpoint
+
+
+def read_batch_file(url: str) -> tuple[pa.Table, str, dict[str, str]]:
+    """Parse the OpenAI batch file at `url` (local or fsspec URL): (table, endpoint, source metadata: its URL, size
+    and version). Raises JobError (exit 2) when it cannot be read."""
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        size, version = file_version(fs, path)
+        with fs.open(path, "rt", encoding="utf-8") as f:
+            table, endpoint = parse_batch_lines(f)
+    except (FileNotFoundError, UnicodeDecodeError) as e:
+        raise JobError(f"cannot read the OpenAI batch file {url!r}: {e}; give a UTF-8 .jsonl file") from e
+    if table.num_rows == 0:
+        raise JobError(f"the OpenAI batch file {url!r} holds no requests")
+    source = {"source": _normalized(url), "size": str(size), "version": version, "endpoint": endpoint}
+    return table, endpoint, source
+
+
+def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
+    """Convert the batch file into OUTPUT/_input/requests.parquet (create-only) and return (its URL, endpoint).
+
+    A job that already staged it reuses it when the batch file is the same one (URL, size, version); a batch file
+    that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards.
+    """
+    fs, root = output_fs(output_url)
+    staged = f"{root}/{STAGED_PATH}"
+    if not exists_now(fs, staged):
+        table, _, source = read_batch_file(input_url)
+        meta = {f"tokenmill.{k}".encode(): v.encode() for k, v in source.items()}
+        commit_table(fs, staged, table.replace_schema_metadata(meta))
+    meta = {k.decode().removeprefix("tokenmill."): v.decode()
+            for k, v in (read_table(fs, staged).schema.metadata or {}).items() if k.startswith(b"tokenmill.")}
+    src_fs, src_path = fsspec.core.url_to_fs(input_url)
+    try:
+        now = file_version(src_fs, src_path)
+    except FileNotFoundError:
+        now = None
+    if meta.get("source") != _normalized(input_url) or now != (int(meta["size"]), meta["version"]):
+        raise JobError(f"{output_url} holds a job started from {meta.get('source')} ({meta.get('size')} bytes, "
+                       f"version {meta.get('version')}); {input_url} is another file or has changed since. Restore "
+                       "it, or run the new batch file into a new OUTPUT")
+    return fs.unstrip_protocol(staged), meta["endpoint"]
+
+
+def batch_spec(spec: JobSpec, staged_url: str, endpoint: str) -> JobSpec:
+    """The spec that runs the staged requests: ids from custom_id, chat requests' messages through the chat
+    template, completions' prompts raw."""
+    return dataclasses.replace(spec, input=staged_url, prompt_column="prompt", messages_column="messages",
+                               id_column="id", chat_template=endpoint == CHAT_URL)
+
+
+def prepare_spec(spec: JobSpec) -> JobSpec:
+    """`spec` itself, or, when its input is an OpenAI batch file, the spec that runs the staged conversion of it
+    (stage_batch_file: writes OUTPUT/_input/requests.parquet once). Raises JobError (exit 2)."""
+    if not is_openai_batch(spec.input):
+        return spec
+    staged, endpoint = stage_batch_file(spec.input, spec.output)
+    return batch_spec(spec, staged, endpoint)
+
+
+# --- out -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportCounts:
+    """What export_openai_batch wrote: response lines, error lines, and the shards that have no committed results
+    yet (their rows are missing from the file)."""
+
+    responses: int
+    errors: int
+    missing_shards: tuple[str, ...]
+
+
+def _stable_id(*parts: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, "/".join(parts)).hex
+
+
+def _is_chat(manifest: InputManifest) -> bool:
+    """Chat-shaped responses when rows went through the chat template (messages, or text with the template)."""
+    return manifest.prompt_column == manifest.options.get("messages_column") or bool(
+        manifest.options.get("use_chat_template"))
+
+
+def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
+    """The OpenAI batch output objects of the job at OUTPUT, one per committed result row in input order (shards in
+    manifest order, rows in shard order); then, for each shard without committed results, its id (a str).
+    Ids (`id`, `request_id`, the body's `id`) are stable: the same job exports the same file. Raises JobError
+    (exit 2) when no job started at OUTPUT."""
+    manifest = read_manifest(output_url)
+    if manifest is None:
+        raise JobError(f"no job at {output_url}: its input manifest (_manifest/input.json) is missing")
+    fs, root = output_fs(output_url)
+    chat = _is_chat(manifest)
+    for shard in manifest.shards():
+        path = results_path(root, shard.shard_id)
+        accounting = read_committed_accounting(fs, root, shard.shard_id)
+        if accounting is None:
+            yield shard.shard_id
+            continue
+        created = int(accounting["finished_at"].timestamp())
+        for row in read_table(fs, path).to_pylist():
+            key = _stable_id(manifest.input, manifest.created_at, row["id"])
+            line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": row["id"]}
+            if row["error"] is not None:
+                yield {**line, "response": None, "error": {"code": "invalid_request", "message": row["error"]}}
+                continue
+            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": row["completion"]}}
+                                      if chat else {"index": 0, "text": row["completion"]})
+            body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
+                    "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": row["model"],
+                    "choices": [{**choice, "logprobs": None, "finish_reason": row["finish_reason"]}],
+                    "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
+                              "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
+            yield {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def export_openai_batch(output_url: str, dest: IO[str]) -> ExportCounts:
+    """Write the job's rows to `dest` in the OpenAI batch output format (batch_output_lines), one JSON object per
+    line. Returns the counts; rows of shards not committed yet are missing (their shard ids are listed)."""
+    responses = errors = 0
+    missing: list[str] = []
+    for item in batch_output_lines(output_url):
+        if isinstance(item, str):
+            missing.append(item)
+            continue
+        dest.write(json.dumps(item, ensure_ascii=False) + "\n")
+        if item["error"] is None:
+            responses += 1
+        else:
+            errors += 1
+    return ExportCounts(responses, errors, tuple(missing))

@@ -1,0 +1,56 @@
+"""`tokenmill export`: a finished (or partial) job's rows in another format. Wire it in with `register(app)`."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import fsspec
+import typer
+
+from jobs.errors import EXIT_FAILED_SHARDS, JobError
+from jobs.openai_batch import export_openai_batch
+
+FORMATS = ("openai-batch",)
+
+
+def _fail(e: Exception, code: int = 2) -> typer.Exit:
+    print(f"error: {e}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def export(
+    output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
+    format: Annotated[str, typer.Option(help="openai-batch: the OpenAI Batch API output format (JSONL: id, "
+                                             "custom_id, response {status_code, request_id, body}, error).")
+                      ] = "openai-batch",
+    to: Annotated[str, typer.Option("--to", "-o", help="File or fsspec URL to write; - = stdout.")] = "-",
+) -> None:
+    """Write the job's rows at OUTPUT in another format, in input order: one line per committed row.
+
+    Example: tokenmill export out/ --format openai-batch --to batch_output.jsonl
+
+    Exit codes: 0 every row written, 1 some shards have no committed results yet (their rows are missing; the
+    shard ids go to stderr), 2 no job at OUTPUT or an unknown format.
+    """
+    if format not in FORMATS:
+        raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
+    try:
+        if to == "-":
+            counts = export_openai_batch(output, sys.stdout)
+        else:
+            with fsspec.open(to, "wt", encoding="utf-8") as dest:
+                counts = export_openai_batch(output, dest)
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
+    print(f"exported {counts.responses} responses and {counts.errors} errors from {output} to {to}",
+          file=sys.stderr)
+    if counts.missing_shards:
+        print(f"shards without committed results (their rows are missing): {', '.join(counts.missing_shards)}; "
+              "finish the job (tokenmill status) and export again", file=sys.stderr)
+        raise typer.Exit(EXIT_FAILED_SHARDS)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `export` command to `app`."""
+    app.command()(export)

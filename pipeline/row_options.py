@@ -1,0 +1,52 @@
+"""Per-row sampling and per-row request errors carried by the input itself.
+
+An input file may hold, beside its prompt and id columns:
+
+- sampling columns named as engine.SamplingParams fields (ROW_SAMPLING_COLUMNS: max_tokens, temperature, top_p,
+  top_k, seed, stop). A row's non-null value wins over the job's default (RunConfig); a row's own seed is used as
+  is (the job's seed is mixed with the row id, see RunConfig);
+- a `request_error` column (ROW_ERROR_COLUMN): text that makes the row an error row with that message, without
+  running it. Converters fill it for requests they cannot map (jobs.openai_batch: a malformed JSONL line).
+
+A row whose own values are out of range (max_tokens 0, temperature -1) becomes an error row naming the value, not a
+failed shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from engine import SamplingParams
+
+ROW_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+ROW_ERROR_COLUMN = "request_error"
+
+
+def row_option_columns(names: Iterable[str]) -> list[str]:
+    """The per-row option columns (sampling and request_error) among a file's column `names`, in a fixed order."""
+    present = set(names)
+    return [c for c in (*ROW_SAMPLING_COLUMNS, ROW_ERROR_COLUMN) if c in present]
+
+
+def row_overrides(columns: dict[str, list[Any]], num_rows: int) -> list[dict[str, Any]] | None:
+    """Per row, the non-null sampling values of the columns read ({name: values}); None when there are none."""
+    sampling = [c for c in ROW_SAMPLING_COLUMNS if c in columns]
+    if not sampling:
+        return None
+    return [{c: columns[c][k] for c in sampling if columns[c][k] is not None} for k in range(num_rows)]
+
+
+def row_sampling_params(default: SamplingParams, overrides: dict[str, Any] | None) -> SamplingParams:
+    """`default` with a row's own sampling values put in. Raises ValueError (naming the field and the allowed range)
+    when a row's value is out of range or of the wrong type."""
+    if not overrides:
+        return default
+    values = dict(overrides)
+    if "stop" in values:
+        values["stop"] = (values["stop"],) if isinstance(values["stop"], str) else tuple(values["stop"])
+    try:
+        return dataclasses.replace(default, **values)
+    except TypeError as e:  # a list where a number belongs, say
+        raise ValueError(f"a per-row sampling value has the wrong type ({overrides}): {e}") from e

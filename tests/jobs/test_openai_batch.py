@@ -1,0 +1,137 @@
+"""OpenAI batch JSONL in (`tokenmill run requests.jsonl OUTPUT`) and out (`tokenmill export --format openai-batch`):
+real GSM8K questions, a real Dask LocalCluster, the real model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from jobs.cli import app
+from jobs.openai_batch import CHAT_URL, COMPLETIONS_URL, parse_batch_lines
+
+runner = CliRunner()
+
+
+def _chat_line(custom_id: str, question: str, **body: object) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT_URL,
+                       "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": question}], **body}})
+
+
+def _requests(questions: list[str]) -> tuple[list[str], dict[str, dict]]:
+    """32 chat requests with mixed per-row sampling (two of them malformed), and each one's body fields."""
+    lines, bodies = [], {}
+    for i, q in enumerate(questions[:32]):
+        cid = f"gsm8k-{i:02d}"
+        body: dict[str, object] = [{"temperature": 0.8, "seed": i, "max_tokens": 6}, {"max_completion_tokens": 3},
+                                   {}, {"temperature": 0.5, "top_p": 0.9, "stop": ["\n\n"], "max_tokens": 5}][i % 4]
+        if i == 9:
+            body = {"n": 2}  # unsupported: one completion per request
+        lines.append(_chat_line(cid, q, **body))
+        bodies[cid] = body
+    # A request without messages: the body of a completion sent to the chat endpoint.
+    lines[17] = json.dumps({"custom_id": "gsm8k-17", "method": "POST", "url": CHAT_URL,
+                            "body": {"model": "gpt-4o-mini", "prompt": questions[17]}})
+    return lines, bodies
+
+
+def test_malformed_lines_become_error_rows_naming_line_and_fix() -> None:
+    q = "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"
+    lines = [
+        _chat_line("ok", q, max_tokens=7, stop="\n"),
+        '{"custom_id": "cut", "method": "POST", "url": "/v1/chat/comp',  # a truncated upload
+        "",
+        _chat_line("tools", q, tools=[{"type": "function"}]),
+        _chat_line("ok", q),
+        json.dumps({"custom_id": "other", "method": "POST", "url": COMPLETIONS_URL, "body": {"prompt": q}}),
+        _chat_line("hot", q, temperature="high"),
+        json.dumps({"custom_id": "parts", "url": CHAT_URL, "body": {"messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "2 + 2"}, {"type": "text", "text": " = ?"}]}]}}),
+    ]
+    table, endpoint = parse_batch_lines(lines)
+    assert endpoint == CHAT_URL and "prompt" not in table.column_names
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == ["ok", "line-2", "tools", "ok", "other", "hot", "parts"]
+    ok, cut, tools, again, other, hot, parts = rows
+    assert (ok["max_tokens"], ok["stop"], ok["temperature"], ok["request_error"]) == (7, ["\n"], None, None)
+    assert ok["messages"] == [{"role": "user", "content": q}]
+    assert cut["request_error"].startswith("line 2: not valid JSON")
+    assert "line 4: body fields ['tools'] are not supported" in tools["request_error"]
+    assert "custom_id 'ok' repeats line 1" in again["request_error"]
+    assert "differs from this file's endpoint '/v1/chat/completions'" in other["request_error"]
+    assert "body.temperature must be a number, got 'high'" in hot["request_error"]
+    assert parts["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = ?"}]
+
+    completions, endpoint = parse_batch_lines(
+        [json.dumps({"custom_id": "c", "url": COMPLETIONS_URL, "body": {"prompt": [q], "max_tokens": 4}})])
+    assert endpoint == COMPLETIONS_URL and completions.to_pylist()[0]["prompt"] == q
+
+
+def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_questions: list[str]) -> None:
+    lines, bodies = _requests(gsm8k_questions[200:])
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    args = ["run", str(requests), str(out), "--max-tokens", "8", "--rows-per-shard", "16", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (summary["rows_ok"], summary["rows_error"], summary["shards"]) == (30, 2, 2)
+
+    exported = tmp_path / "batch_output.jsonl"
+    ex = runner.invoke(app, ["export", str(out), "--format", "openai-batch", "--to", str(exported)])
+    assert ex.exit_code == 0, ex.output
+    assert "exported 30 responses and 2 errors" in ex.stderr
+    got = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == [f"gsm8k-{i:02d}" for i in range(32)]  # each once, in input order
+    results = {r["id"]: r for r in pq.read_table(out / "results").to_pylist()}
+
+    errors = {g["custom_id"]: g for g in got if g["error"] is not None}
+    assert sorted(errors) == ["gsm8k-09", "gsm8k-17"]
+    assert all(g["response"] is None for g in errors.values())
+    assert "body fields ['n'] are not supported" in errors["gsm8k-09"]["error"]["message"]
+    assert "body.messages must be a non-empty list" in errors["gsm8k-17"]["error"]["message"]
+
+    for g in got:
+        if g["error"] is not None:
+            continue
+        cid, body = g["custom_id"], g["response"]["body"]
+        assert g["response"]["status_code"] == 200 and g["id"].startswith("batch_req_")
+        assert body["object"] == "chat.completion" and body["model"] == results[cid]["model"]
+        (choice,) = body["choices"]
+        assert choice["message"] == {"role": "assistant", "content": results[cid]["completion"]}
+        assert choice["finish_reason"] == results[cid]["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (results[cid]["prompt_tokens"],
+                                                                        results[cid]["completion_tokens"])
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+        # The row's own max_tokens (or max_completion_tokens) wins over the job's --max-tokens 8.
+        limit = bodies[cid].get("max_tokens") or bodies[cid].get("max_completion_tokens") or 8
+        assert usage["completion_tokens"] <= limit
+        if "max_completion_tokens" in bodies[cid]:  # greedy answers to math questions run past 3 tokens
+            assert (usage["completion_tokens"], choice["finish_reason"]) == (3, "length")
+    ok = [g["response"]["body"]["usage"] for g in got if g["error"] is None]
+    assert sum(u["prompt_tokens"] for u in ok) == summary["input_tokens"]
+    assert sum(u["completion_tokens"] for u in ok) == summary["output_tokens"]
+    assert max(u["completion_tokens"] for u in ok) == 8  # the default rows ran to the job's max_tokens
+
+    # A rerun of the same file finds the job done; the export is the same file, byte for byte.
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and "already finished" in again.stderr
+    assert runner.invoke(app, ["export", str(out)]).stdout == exported.read_text()
+    # Another batch file into the same OUTPUT is refused before any work.
+    requests.write_text("\n".join(lines[:5]) + "\n")
+    changed = runner.invoke(app, args)
+    assert changed.exit_code == 2 and "has changed since" in changed.stderr
+
+
+@pytest.mark.parametrize("fmt", ["csv"])
+def test_export_refuses_unknown_format_and_missing_job(tmp_path: Path, fmt: str) -> None:
+    bad = runner.invoke(app, ["export", str(tmp_path), "--format", fmt])
+    assert bad.exit_code == 2 and "unknown --format 'csv'" in bad.stderr
+    missing = runner.invoke(app, ["export", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "no job at" in missing.stderr
