@@ -114,11 +114,12 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _execute(spec: JobSpec, resume: bool, as_json: bool) -> None:
+def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | None = None) -> None:
     """Run a spec with progress on stderr and the summary on stdout; exit with the job's code."""
     reporter = _Reporter()
     try:
-        summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update)
+        summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
+                           metrics_file=metrics_file)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
     finally:
@@ -133,6 +134,8 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool) -> None:
         raise typer.Exit(EXIT_CANCELLED)
 
 
+_METRICS_HELP = ("Write the job's Prometheus metrics to this node_exporter textfile (*.prom) as the run goes. "
+                 "TOKENMILL_PUSHGATEWAY_URL pushes them to a Pushgateway.")
 _RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); without it such a job is refused (exit 4)."
 
 
@@ -188,6 +191,7 @@ def run(
                                                       envvar="TOKENMILL_MAX_MODEL_LEN")] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
+    metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
 ) -> None:
     """Generate a completion for every row of INPUT and write results and accounting under OUTPUT.
 
@@ -201,7 +205,7 @@ def run(
                    workers=workers, gpus_per_worker=gpus_per_worker, device=device, dtype=dtype,
                    quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
                    max_model_len=max_model_len, price_per_hour=price_per_hour)
-    _execute(spec, resume, json_summary)
+    _execute(spec, resume, json_summary, metrics_file)
 
 
 @app.command()
@@ -212,6 +216,7 @@ def submit(
                                                        "embedded LocalCluster.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
+    metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
 ) -> None:
     """Run the job a YAML spec describes, and wait for it. Idempotent: a finished job is a no-op (exit 0), a
     partial one resumes where it stopped, a running one is left alone (exit 3).
@@ -224,7 +229,7 @@ def submit(
         raise _fail(e) from e
     if scheduler:
         spec = dataclasses.replace(spec, scheduler=scheduler)
-    _execute(spec, resume, json_summary)
+    _execute(spec, resume, json_summary, metrics_file)
 
 
 def _print_status(st: JobStatus) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from engine import EngineConfig
 from jobs.errors import JobError
+from jobs.metrics import JobMetrics
 from jobs.openai_batch import prepare_spec
 from jobs.runner import run_job
 from jobs.summary import JobSummary
@@ -42,14 +43,33 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 
 def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,
-             on_progress: ProgressFn | None = None) -> JobSummary:
+             on_progress: ProgressFn | None = None, metrics_file: str | None = None) -> JobSummary:
     """Run (or resume, or find finished) the job a spec describes; see jobs.runner.run_job for what happens and
     the JobError exit codes it raises. An OpenAI batch file (.jsonl) as input is converted first
-    (jobs.openai_batch.prepare_spec)."""
+    (jobs.openai_batch.prepare_spec). Metrics go to TOKENMILL_PUSHGATEWAY_URL and/or `metrics_file` (a
+    node_exporter textfile) as the run goes (jobs.metrics)."""
     engine = engine_config(spec)
     run_config(spec)  # bad options stop here, before a batch file is staged under OUTPUT
+    try:
+        metrics = JobMetrics.from_env(spec.output, spec.model, metrics_file)
+    except ValueError as e:
+        raise JobError(str(e)) from e
     spec = prepare_spec(spec)
     cfg = run_config(spec)
-    return run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine, workers=spec.workers,
-                   scheduler_address=spec.scheduler, gpus_per_worker=spec.gpus_per_worker, resume=resume,
-                   on_start=on_start, on_progress=on_progress)
+    if metrics is not None:
+        on_start, on_progress = _tee(on_start, metrics.start), _tee(on_progress, metrics.progress)
+    summary = run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine, workers=spec.workers,
+                      scheduler_address=spec.scheduler, gpus_per_worker=spec.gpus_per_worker, resume=resume,
+                      on_start=on_start, on_progress=on_progress)
+    if metrics is not None:
+        metrics.finish(summary)
+    return summary
+
+
+def _tee(first: Callable[..., None] | None, second: Callable[..., None]) -> Callable[..., None]:
+    """A callback that calls `first` (when given), then `second`, with the same arguments."""
+    def both(*args: int) -> None:
+        if first is not None:
+            first(*args)
+        second(*args)
+    return both
