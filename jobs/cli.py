@@ -114,8 +114,38 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | None = None) -> None:
-    """Run a spec with progress on stderr and the summary on stdout; exit with the job's code."""
+def _print_forecast(spec: JobSpec, as_json: bool) -> None:
+    """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
+    from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
+
+    try:
+        fc = forecast_job(spec)
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
+    if as_json:
+        print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict()}))
+        return
+    t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
+    tpd = fc.tokens_per_dollar
+    for k, v in [("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", f"{fc.input_tokens:,}"),
+                 ("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})"),
+                 ("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
+                                  f"{fc.dtype})"),
+                 ("cost", f"${fc.cost_usd:.6f} at ${fc.price_per_hour_usd}/hour"),
+                 ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+                 ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} prefill tok/s, "
+                                 f"{fc.mean_output_tokens_observed:.1f} output tokens per row, "
+                                 f"{fc.calibration_s:.1f} s")]:
+        t.add_row(k, v)
+    out.print(t)
+
+
+def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | None = None,
+             dry_run: bool = False) -> None:
+    """Run a spec with progress on stderr and the summary on stdout; exit with the job's code. `dry_run`: print
+    the job's forecast instead and write nothing."""
+    if dry_run:
+        return _print_forecast(spec, as_json)
     reporter = _Reporter()
     try:
         summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
@@ -136,6 +166,8 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
 
 _METRICS_HELP = ("Write the job's Prometheus metrics to this node_exporter textfile (*.prom) as the run goes. "
                  "TOKENMILL_PUSHGATEWAY_URL pushes them to a Pushgateway.")
+_DRY_RUN_HELP = ("Print what the job will cost (rows, tokens, device-hours, USD at --price-per-hour) from its input "
+                 "and a short calibration of the engine here, and write nothing.")
 _RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); without it such a job is refused (exit 4)."
 
 
@@ -192,6 +224,7 @@ def run(
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
     metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help=_DRY_RUN_HELP)] = False,
 ) -> None:
     """Generate a completion for every row of INPUT and write results and accounting under OUTPUT.
 
@@ -205,7 +238,7 @@ def run(
                    workers=workers, gpus_per_worker=gpus_per_worker, device=device, dtype=dtype,
                    quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
                    max_model_len=max_model_len, price_per_hour=price_per_hour)
-    _execute(spec, resume, json_summary, metrics_file)
+    _execute(spec, resume, json_summary, metrics_file, dry_run)
 
 
 @app.command()
@@ -217,6 +250,7 @@ def submit(
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
     metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help=_DRY_RUN_HELP)] = False,
 ) -> None:
     """Run the job a YAML spec describes, and wait for it. Idempotent: a finished job is a no-op (exit 0), a
     partial one resumes where it stopped, a running one is left alone (exit 3).
@@ -229,7 +263,7 @@ def submit(
         raise _fail(e) from e
     if scheduler:
         spec = dataclasses.replace(spec, scheduler=scheduler)
-    _execute(spec, resume, json_summary, metrics_file)
+    _execute(spec, resume, json_summary, metrics_file, dry_run)
 
 
 def _print_status(st: JobStatus) -> None:

@@ -1,0 +1,54 @@
+"""How far off is `tokenmill run --dry-run`? Forecast a job, run it, compare device-seconds.
+
+Usage:
+    python bench/forecast.py --rows 128 --max-tokens 32             # 128 GSM8K rows on the CPU, one worker
+Prints the forecast (device-seconds, tokens, cost), the job's actual summary, and forecast / actual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs.forecast import forecast_job  # noqa: E402
+from jobs.spec import run_spec  # noqa: E402
+from schemas.job_spec import JobSpec  # noqa: E402
+
+DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=128)
+    ap.add_argument("--start", type=int, default=0, help="first GSM8K row")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rows-per-shard", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=1)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "in.parquet"
+        pq.write_table(pq.read_table(DATA / "gsm8k_test.parquet", columns=["id", "question"]).slice(
+            args.start, args.rows), src)
+        spec = JobSpec(input=str(src), output=str(Path(tmp) / "out"), prompt_column="question",
+                       max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard, workers=args.workers)
+        fc = forecast_job(spec)
+        assert not Path(spec.output).exists(), "the forecast wrote under OUTPUT"
+        summary = run_spec(spec)
+        actual = summary.as_dict()
+    print(json.dumps({"forecast": fc.as_dict(), "actual": {k: actual[k] for k in (
+        "rows", "input_tokens", "output_tokens", "device_s", "cost_usd", "tokens_per_dollar")}}, indent=1))
+    print(f"device-seconds: forecast {fc.device_s:.1f}, actual {actual['device_s']:.1f}, "
+          f"forecast / actual {fc.device_s / actual['device_s']:.2f}; output tokens: forecast {fc.output_tokens}, "
+          f"actual {actual['output_tokens']}; input tokens: forecast {fc.input_tokens}, actual {actual['input_tokens']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""What a job will cost before it runs (`tokenmill run ... --dry-run`): rows, tokens, device-hours and USD.
+
+The forecast plans the job's shards from its input as a first start would (pipeline.input.build_manifest: it lists
+and reads footers, writes nothing), tokenizes the rows of its first shard, loads the job's engine here (same model,
+device, dtype, quantization, threads per worker) and measures it in a short calibration on a sample of those rows:
+
+1. the sample with the job's own sampling (per-row values included): the observed mean output tokens per row, the
+   expected output length (bounded by max_tokens; rows that stop early pull it down);
+2. the sample again with max_tokens 1, the prefix cache reset: prefill tokens per second;
+3. decode step time at two batch sizes, the sample's and the job's concurrency (min(shard rows, max_num_seqs)),
+   from copies of the sample prompts (their prefill comes from the prefix cache) run for 1 and 1 + K tokens with
+   ignore_eos; a step's time is taken as affine in the batch size between the two.
+
+A fresh engine's first call is timed as well (kernels loaded, weights packed: seconds on the CPU); each worker's
+first shard pays it. Each shard then costs prefill (its input tokens / prefill rate) plus decode (rows x expected
+output tokens / its concurrency steps at that concurrency's step time) plus a fixed overhead (reads and commits).
+Device-seconds, cost at the job's price per hour and tokens per dollar follow. bench/README.md says how far off it
+was on a real job.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from engine import LLMEngine, SamplingParams
+from jobs.errors import JobError
+from jobs.openai_batch import batch_spec, is_openai_batch, read_batch_file
+from jobs.plugin import default_torch_threads
+from jobs.spec import engine_config, run_config
+from pipeline.config import InputError, RunConfig
+from pipeline.input import Shard, build_manifest
+from pipeline.row_options import row_sampling_params
+from pipeline.shard import ShardRows, generate_rows, read_shard
+from schemas.job_spec import JobSpec
+
+SAMPLE_ROWS = 16
+CALIBRATION_STEPS = 8  # K: decode steps timed per batch size
+SHARD_OVERHEAD_S = 0.3  # reading a shard, checkpoint parts, results and accounting commits; seconds, measured on CPU
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A job's expected size and bill (tokens; seconds; USD).
+
+    `input_tokens` is exact when the first shard holds every row, else its mean per row times the rows;
+    `output_tokens` is the expected count (the calibration sample's mean per row), `output_tokens_max` the bound
+    from max_tokens. `device_s` is the expected device-seconds billed for the whole job (no preemptions).
+    """
+
+    rows: int
+    shards: int
+    input_tokens: int
+    output_tokens: int
+    output_tokens_max: int
+    sample_rows: int
+    mean_output_tokens_observed: float
+    prefill_tokens_per_s: float
+    decode_step_s: dict[int, float]
+    warmup_s: float
+    device_s: float
+    price_per_hour_usd: float
+    device: str
+    dtype: str
+    model: str
+    calibration_s: float
+
+    @property
+    def device_hours(self) -> float:
+        """Expected device-hours."""
+        return self.device_s / 3600.0
+
+    @property
+    def cost_usd(self) -> float:
+        """Expected cost at the job's price per device-hour, USD."""
+        return self.device_hours * self.price_per_hour_usd
+
+    @property
+    def tokens_per_dollar(self) -> float | None:
+        """Expected output tokens per USD; None when the price is 0."""
+        return self.output_tokens / self.cost_usd if self.cost_usd > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready forecast."""
+        d = asdict(self)
+        d["decode_step_s"] = {str(k): round(v, 6) for k, v in self.decode_step_s.items()}
+        return {**d, "device_hours": self.device_hours, "cost_usd": self.cost_usd,
+                "tokens_per_dollar": self.tokens_per_dollar}
+
+
+def _prompt_tokens(engine: LLMEngine, prompt: Any, use_chat_template: bool) -> int:
+    """Prompt length in tokens as the engine will see it (0 for a row that will be an error row)."""
+    if isinstance(prompt, str) and prompt.strip():
+        tok = engine.tokenizer
+        return len(tok.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat_template
+                   else tok.encode(prompt))
+    if isinstance(prompt, list) and prompt:
+        return len(engine.tokenizer.apply_chat_template(prompt))
+    return 0
+
+
+def _timed(engine: LLMEngine, prompts: Sequence[Any], params: SamplingParams | list[SamplingParams],
+           use_chat_template: bool) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    outs = engine.generate(list(prompts), params, use_chat_template=use_chat_template)
+    return time.perf_counter() - t0, outs
+
+
+def _decode_step_s(engine: LLMEngine, prompts: list[Any], batch: int, use_chat_template: bool) -> float:
+    """Seconds per decode step with `batch` sequences (copies of `prompts`; their prefill is cached)."""
+    copies = [prompts[i % len(prompts)] for i in range(batch)]
+    _timed(engine, copies, SamplingParams(max_tokens=1), use_chat_template)  # fills the prefix cache
+    t1, _ = _timed(engine, copies, SamplingParams(max_tokens=1), use_chat_template)
+    tk, _ = _timed(engine, copies, SamplingParams(max_tokens=1 + CALIBRATION_STEPS, ignore_eos=True),
+                   use_chat_template)
+    return max(tk - t1, 1e-9) / CALIBRATION_STEPS
+
+
+def _sampling_of(rows: ShardRows, cfg: RunConfig, k: int) -> SamplingParams:
+    """The row's sampling params as the job would run it (an out-of-range row value: the job's)."""
+    try:
+        return row_sampling_params(cfg.sampling_params(), rows.overrides[k] if rows.overrides else None)
+    except ValueError:
+        return cfg.sampling_params()
+
+
+def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
+    """Forecast the job `spec` describes (see the module docstring). Writes nothing under OUTPUT. Loads the engine
+    in this process (seconds to minutes). Raises JobError (exit 2) for bad input or options."""
+    if sample_rows < 1:
+        raise JobError(f"the calibration sample needs >= 1 row, got {sample_rows}")
+    run_config(spec)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-forecast-") as tmp:
+        if is_openai_batch(spec.input):
+            table, endpoint, _ = read_batch_file(spec.input)
+            pq.write_table(table, f"{tmp}/requests.parquet")
+            spec = batch_spec(spec, f"{tmp}/requests.parquet", endpoint)
+        cfg = run_config(spec)
+        try:
+            manifest = build_manifest(spec.input, cfg)
+        except InputError as e:
+            raise JobError(str(e)) from e
+        shards = manifest.shards()
+        if not shards:
+            raise JobError(f"{spec.input} holds no rows")
+        first = read_shard(shards[0], manifest.prompt_column, cfg.id_column)
+    return _calibrate(spec, cfg, shards, first, sample_rows)
+
+
+def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardRows, sample_rows: int) -> Forecast:
+    econf = engine_config(spec)
+    if spec.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
+        torch.set_num_threads(default_torch_threads(spec.workers))
+    t_start = time.perf_counter()
+    engine = LLMEngine.from_model(spec.model, econf)
+    chat = cfg.use_chat_template
+    # A fresh engine's first step is slow (kernels loaded, weights packed): every worker's first shard pays it.
+    warmup_s, _ = _timed(engine, [first.prompts[k] for k in range(len(first.prompts))
+                                  if isinstance(first.prompts[k], str | list) and first.prompts[k]][:1],
+                         SamplingParams(max_tokens=1), chat)
+    lengths = [0 if (first.errors and first.errors[k]) else _prompt_tokens(engine, p, chat)
+               for k, p in enumerate(first.prompts)]
+    runnable = [k for k, n in enumerate(lengths) if 0 < n < engine.max_model_len]
+    if not runnable:
+        raise JobError("no row of the first shard can run (all empty, too long, or request errors); nothing to "
+                       "forecast")
+    mean_in = sum(lengths) / len(lengths)
+    sample = runnable[:: max(1, len(runnable) // sample_rows)][:sample_rows]
+    rows = first.take(sample)
+    outs = generate_rows(engine, rows, cfg)
+    mean_out = sum(o.num_output_tokens for o in outs) / len(outs)
+    prompts = rows.prompts
+    engine.reset_prefix_cache()
+    t_prefill, outs1 = _timed(engine, prompts, SamplingParams(max_tokens=1), chat)
+    prefill_rate = sum(o.num_prompt_tokens for o in outs1) / max(t_prefill, 1e-9)
+    concurrency = max(min(s.num_rows, econf.max_num_seqs) for s in shards)
+    steps = {b: _decode_step_s(engine, prompts, b, chat) for b in sorted({len(prompts), concurrency})}
+
+    def step_s(batch: int) -> float:
+        (b0, d0), (b1, d1) = min(steps.items()), max(steps.items())
+        return d0 if b1 == b0 else d0 + (d1 - d0) * (batch - b0) / (b1 - b0)
+
+    max_out = [_sampling_of(first, cfg, k).max_tokens for k in runnable]
+    ok = len(runnable) / len(lengths)  # the share of rows that run (the rest are error rows: no device time)
+    device_s = warmup_s * min(spec.workers, len(shards))
+    for s in shards:
+        n = s.num_rows * ok
+        c = max(1, min(round(n), econf.max_num_seqs))
+        device_s += n * mean_in / prefill_rate + math.ceil(n * mean_out / c) * step_s(c) + SHARD_OVERHEAD_S
+    total_rows = sum(s.num_rows for s in shards)
+    return Forecast(
+        rows=total_rows, shards=len(shards), input_tokens=round(mean_in * total_rows),
+        output_tokens=round(mean_out * total_rows * ok),
+        output_tokens_max=round(sum(max_out) / len(max_out) * total_rows * ok),
+        sample_rows=len(sample), mean_output_tokens_observed=mean_out, prefill_tokens_per_s=prefill_rate,
+        decode_step_s=steps, warmup_s=warmup_s, device_s=device_s, price_per_hour_usd=spec.price_per_hour,
+        device=engine.device_name,
+        dtype=str(engine.dtype).removeprefix("torch."), model=engine.model_name,
+        calibration_s=time.perf_counter() - t_start)

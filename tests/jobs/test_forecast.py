@@ -1,0 +1,57 @@
+"""`tokenmill run --dry-run`: the forecast of real GSM8K jobs (Parquet and OpenAI batch JSONL) from the real model,
+and nothing written. How close it comes to a real job's device-seconds is a bench figure (bench/forecast.py,
+bench/README.md): timings are not asserted here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from engine.loader import default_model_path
+from engine.tokenizer import Tokenizer
+from jobs.cli import app
+from jobs.openai_batch import CHAT_URL
+
+runner = CliRunner()
+
+
+def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Path, data_dir: Path) -> None:
+    rows = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(600, 10)
+    src = tmp_path / "in.parquet"
+    pq.write_table(rows, src)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(src), str(out), "--prompt-column", "question", "--max-tokens", "4",
+                              "--rows-per-shard", "6", "--price-per-hour", "3.0", "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    fc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not out.exists()  # nothing written under OUTPUT
+    assert (fc["event"], fc["rows"], fc["shards"], fc["device"]) == ("forecast", 10, 2, "cpu")
+    # Input tokens: the first shard's prompts through the chat template, its mean per row times the rows.
+    tok = Tokenizer.from_gguf(default_model_path())
+    first = [len(tok.apply_chat_template([{"role": "user", "content": q}]))
+             for q in rows.column("question").to_pylist()[:6]]
+    assert fc["input_tokens"] == round(sum(first) / 6 * 10)
+    # Greedy answers to math questions run past 4 tokens: the expected output is the max_tokens bound.
+    assert fc["output_tokens"] == fc["output_tokens_max"] == 40 and fc["mean_output_tokens_observed"] == 4
+    assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and set(fc["decode_step_s"]) == {"6"}
+    assert fc["cost_usd"] == fc["device_s"] / 3600 * 3.0
+    assert fc["tokens_per_dollar"] == fc["output_tokens"] / fc["cost_usd"]
+
+
+def test_dry_run_of_a_batch_file_stages_nothing_and_leaves_error_rows_out(tmp_path: Path,
+                                                                          gsm8k_questions: list[str]) -> None:
+    lines = [json.dumps({"custom_id": f"q{i}", "method": "POST", "url": CHAT_URL,
+                         "body": {"messages": [{"role": "user", "content": q}], "max_tokens": 3}})
+             for i, q in enumerate(gsm8k_questions[700:705])] + ['{"custom_id": "broken"']
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(requests), str(out), "--dry-run"])  # the table a person reads
+    assert res.exit_code == 0, res.output
+    assert not out.exists()
+    assert "nothing written" in res.stdout and "device-hours" in res.stdout
+    assert "│ rows / shards" in res.stdout and "│ 6 / 1" in res.stdout
+    assert "(15)" in res.stdout  # output tokens at most: the rows' own max_tokens 3 x 5; the broken row: none
