@@ -1,4 +1,5 @@
-"""`tokenmill export`: a finished (or partial) job's rows in another format. Wire it in with `register(app)`."""
+"""`tokenmill export` (a job's rows in another format) and `tokenmill report` (a job's HTML page). Wire them in
+with `register(app)`."""
 
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def export(
         raise typer.Exit(EXIT_FAILED_SHARDS)
 
 
+def report(
+    output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
+    html: Annotated[str, typer.Option(help="The page to write: a file or fsspec URL.")] = "report.html",
+) -> None:
+    """Write one self-contained HTML page of the job at OUTPUT (plots embedded): totals, output tokens/s over time,
+    tokens per dollar per shard, attempts and preemptions per shard with the device-seconds lost, error rows by
+    reason, latency spread per shard. Works on a running or partial job too (what is committed so far).
+
+    Example: tokenmill report out/ --html report.html
+
+    Exit codes: 0 written, 2 no job at OUTPUT.
+    """
+    from jobs.report import render_report  # matplotlib: only for this command
+
+    try:
+        page = render_report(output)
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
+    with fsspec.open(html, "wt", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote the report of {output} to {html}", file=sys.stderr)
+
+
 def register(app: typer.Typer) -> None:
-    """Add the `export` command to `app`."""
+    """Add the `export` and `report` commands to `app`."""
     app.command()(export)
+    app.command()(report)

@@ -95,7 +95,7 @@ def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
     committed a row, the earliest part's copy is kept."""
     if not parts:
         return CHECKPOINT_PART_SCHEMA.empty_table()
-    table = pa.concat_tables([read_table(fs, p.path).cast(CHECKPOINT_PART_SCHEMA) for p in parts])
+    table = pa.concat_tables([_as_part(read_table(fs, p.path)) for p in parts])
     table = table.take(pc.sort_indices(table, [("row", "ascending")]))  # stable: earlier parts first per row
     rows = table.column("row").to_numpy()
     first = np.ones(len(rows), dtype=bool)
@@ -103,12 +103,21 @@ def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
     return table.filter(pa.array(first))
 
 
+def _as_part(table: pa.Table) -> pa.Table:
+    """A part as CHECKPOINT_PART_SCHEMA; a column added since the part was written (latency_s) is null."""
+    for f in CHECKPOINT_PART_SCHEMA:
+        if f.name not in table.column_names:
+            table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+    return table.select(CHECKPOINT_PART_SCHEMA.names).cast(CHECKPOINT_PART_SCHEMA)
+
+
 def part_table(rows: list[tuple[int, RequestOutput]], model: str) -> pa.Table:
     """Finished rows (position in the shard, output) as a part (CHECKPOINT_PART_SCHEMA)."""
     return pa.Table.from_pylist([{
         "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
         "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
-        "model": model, "row": k, "kv_preemptions": o.num_preemptions} for k, o in rows], schema=CHECKPOINT_PART_SCHEMA)
+        "model": model, "latency_s": o.latency_s, "row": k, "kv_preemptions": o.num_preemptions} for k, o in rows],
+        schema=CHECKPOINT_PART_SCHEMA)
 
 
 class Checkpointer:

@@ -20,6 +20,9 @@ RESULTS_SCHEMA = pa.schema([
     pa.field("completion_tokens", pa.int32(), nullable=False, metadata={"doc": "generated tokens"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
+    pa.field("latency_s", pa.float64(), metadata={"doc": "seconds from the start of the attempt's generate call to "
+                                                         "the row's last token; null for error rows (and in files "
+                                                         "written before the column existed)"}),
 ])
 
 ACCOUNTING_SCHEMA = pa.schema([
