@@ -47,7 +47,8 @@ def main() -> None:
         "rows", "input_tokens", "output_tokens", "device_s", "cost_usd", "tokens_per_dollar")}}, indent=1))
     print(f"device-seconds: forecast {fc.device_s:.1f}, actual {actual['device_s']:.1f}, "
           f"forecast / actual {fc.device_s / actual['device_s']:.2f}; output tokens: forecast {fc.output_tokens}, "
-          f"actual {actual['output_tokens']}; input tokens: forecast {fc.input_tokens}, actual {actual['input_tokens']}")
+          f"actual {actual['output_tokens']}; input tokens: forecast {fc.input_tokens}, "
+          f"actual {actual['input_tokens']}")
 
 
 if __name__ == "__main__":

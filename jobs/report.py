@@ -1,8 +1,8 @@
 """`tokenmill report`: one self-contained HTML page (plots embedded as SVG) of a job, from what is committed under
 OUTPUT: totals (jobs.control.job_status), output tokens/s over time (checkpoint parts: their tokens at their commit
 times), tokens per dollar per shard, attempts and preemptions per shard with the device-seconds lost (accounting/),
-error rows by reason and latency spread per shard (results/). Tables go through polars, plots through matplotlib
-(Agg backend), the page through a jinja2 template with autoescaping.
+error rows by reason (results/) and latency spread per shard (the checkpoint parts' latency_s). Tables go through
+polars, plots through matplotlib (Agg backend), the page through a jinja2 template with autoescaping.
 """
 
 from __future__ import annotations
@@ -35,13 +35,15 @@ MAX_TIME_BINS = 40
 class ReportData:
     """What the page shows, read from OUTPUT: the status (totals), one row per shard (`shards`: shard_id, state,
     rows, rows_error, output_tokens, tokens_per_dollar, attempts, preemptions, gpu_s_lost, gpu_s_billed), the rows
-    of the committed results (`results`: shard_id, error, latency_s) and the committed checkpoint parts (`parts`:
-    committed_at in seconds since the job's first attempt started, output_tokens)."""
+    of the committed results (`results`: shard_id, error), the committed checkpoint parts (`parts`: committed_at in
+    seconds since the job's first attempt started, output_tokens) and the latencies of the rows in them
+    (`latencies`: shard_id, latency_s; every attempt's rows)."""
 
     status: JobStatus
     shards: pl.DataFrame
     results: pl.DataFrame
     parts: pl.DataFrame
+    latencies: pl.DataFrame
 
 
 def read_report_data(output_url: str) -> ReportData:
@@ -51,7 +53,7 @@ def read_report_data(output_url: str) -> ReportData:
     if manifest is None:  # removed since job_status read it
         raise JobError(f"no tokenmill job at {output_url}")
     fs, root = output_fs(output_url)
-    shard_rows, result_frames, part_rows = [], [], []
+    shard_rows, result_frames, latency_frames, part_rows = [], [], [], []
     first_start: float | None = None
     for shard in manifest.shards():
         sid = shard.shard_id
@@ -68,23 +70,24 @@ def read_report_data(output_url: str) -> ReportData:
                            "preemptions": acc.get("preemptions") or 0, "gpu_s_lost": acc.get("gpu_s_lost") or 0.0,
                            "gpu_s_billed": acc.get("gpu_s_billed")})
         if exists_now(fs, results_path(root, sid)):
-            table = read_table(fs, results_path(root, sid))
-            latency = (table.column("latency_s").to_pylist() if "latency_s" in table.column_names
-                       else [None] * table.num_rows)  # results written before the column existed
-            result_frames.append(pl.DataFrame({"shard_id": [sid] * table.num_rows,
-                                               "error": table.column("error").to_pylist(), "latency_s": latency},
-                                              schema={"shard_id": pl.String, "error": pl.String,
-                                                      "latency_s": pl.Float64}))
+            errors = read_table(fs, results_path(root, sid), columns=["error"]).column("error").to_pylist()
+            result_frames.append(pl.DataFrame({"shard_id": [sid] * len(errors), "error": errors},
+                                              schema={"shard_id": pl.String, "error": pl.String}))
         for part in committed_parts(fs, root, sid):
+            table = pl.from_arrow(read_table(fs, part.path))
+            if "latency_s" in table.columns:  # parts written before the column existed lack it
+                latency_frames.append(table.select(pl.lit(sid).alias("shard_id"), "latency_s").drop_nulls())
             if part.committed_at is not None:
-                tokens = read_table(fs, part.path, columns=["completion_tokens"]).column("completion_tokens")
-                part_rows.append({"committed_at": part.committed_at, "output_tokens": sum(tokens.to_pylist())})
+                part_rows.append({"committed_at": part.committed_at,
+                                  "output_tokens": int(table["completion_tokens"].sum())})
     parts = pl.DataFrame(part_rows, schema={"committed_at": pl.Float64, "output_tokens": pl.Int64})
     if first_start is not None and parts.height:
         parts = parts.with_columns(pl.col("committed_at") - first_start).sort("committed_at")
     results = (pl.concat(result_frames) if result_frames else
-               pl.DataFrame(schema={"shard_id": pl.String, "error": pl.String, "latency_s": pl.Float64}))
-    return ReportData(status, pl.DataFrame(shard_rows, infer_schema_length=None), results, parts)
+               pl.DataFrame(schema={"shard_id": pl.String, "error": pl.String}))
+    latencies = (pl.concat(latency_frames) if latency_frames else
+                 pl.DataFrame(schema={"shard_id": pl.String, "latency_s": pl.Float64}))
+    return ReportData(status, pl.DataFrame(shard_rows, infer_schema_length=None), results, parts, latencies)
 
 
 def error_reason(message: str) -> str:
@@ -150,8 +153,8 @@ def _errors_plot(results: pl.DataFrame) -> tuple[str, pl.DataFrame]:
     return _svg(fig), errors
 
 
-def _latency_plot(results: pl.DataFrame) -> str:
-    ok = results.filter(pl.col("latency_s").is_not_null())
+def _latency_plot(latencies: pl.DataFrame) -> str:
+    ok = latencies
     fig, ax = plt.subplots(figsize=(8, 3))
     ids = sorted(ok["shard_id"].unique().to_list())
     if ids:
@@ -209,7 +212,7 @@ def render_report(output_url: str) -> str:
     tpd_svg, attempts_svg = _per_shard_plots(data.shards)
     errors_svg, errors = _errors_plot(data.results)
     svgs = {"time": _tokens_over_time(data.parts), "tpd": tpd_svg, "attempts": attempts_svg, "errors": errors_svg,
-            "latency": _latency_plot(data.results)}
+            "latency": _latency_plot(data.latencies)}
     shown = data.shards.with_columns(pl.col("tokens_per_dollar").round(0), pl.col("gpu_s_lost").round(3),
                                      pl.col("gpu_s_billed").round(2))
     return _TEMPLATE.render(st=st, totals=totals, shards=shown, errors=errors, svgs=svgs,

@@ -116,7 +116,7 @@ def part_table(rows: list[tuple[int, RequestOutput]], model: str) -> pa.Table:
     return pa.Table.from_pylist([{
         "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
         "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
-        "model": model, "latency_s": o.latency_s, "row": k, "kv_preemptions": o.num_preemptions} for k, o in rows],
+        "model": model, "row": k, "kv_preemptions": o.num_preemptions, "latency_s": o.latency_s} for k, o in rows],
         schema=CHECKPOINT_PART_SCHEMA)
 
 

@@ -20,9 +20,6 @@ RESULTS_SCHEMA = pa.schema([
     pa.field("completion_tokens", pa.int32(), nullable=False, metadata={"doc": "generated tokens"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
-    pa.field("latency_s", pa.float64(), metadata={"doc": "seconds from the start of the attempt's generate call to "
-                                                         "the row's last token; null for error rows (and in files "
-                                                         "written before the column existed)"}),
 ])
 
 ACCOUNTING_SCHEMA = pa.schema([
@@ -67,8 +64,12 @@ ACCOUNTING_SCHEMA = pa.schema([
 ])
 
 # A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA, plus where each row sits
-# in the shard (the resume and dedupe key: ids may repeat in an input, positions cannot) and its KV recompute count.
+# in the shard (the resume and dedupe key: ids may repeat in an input, positions cannot), its KV recompute count and
+# its latency.
 CHECKPOINT_PART_SCHEMA = pa.schema(list(RESULTS_SCHEMA) + [
     pa.field("row", pa.int64(), nullable=False, metadata={"doc": "position of the row in its shard, 0-based"}),
     pa.field("kv_preemptions", pa.int32(), nullable=False, metadata={"doc": "RequestOutput.num_preemptions"}),
+    pa.field("latency_s", pa.float64(), metadata={"doc": "seconds from the start of the attempt's generate call to "
+                                                         "the row's last token (tokenmill report); null for error "
+                                                         "rows and in parts written before the column existed"}),
 ])

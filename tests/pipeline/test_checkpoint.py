@@ -92,7 +92,8 @@ def test_rows_committed_by_two_racing_attempts_appear_once(waves: LLMEngine, sha
     def commit_zombie_part() -> None:
         rows = reference.slice(8, 4)
         part = rows.append_column("row", pa.array(range(8, 12), pa.int64())).append_column(
-            "kv_preemptions", pa.array([0] * 4, pa.int32())).cast(CHECKPOINT_PART_SCHEMA)
+            "kv_preemptions", pa.array([0] * 4, pa.int32())).append_column(
+            "latency_s", pa.array([1.0] * 4, pa.float64())).cast(CHECKPOINT_PART_SCHEMA)
         stem = part_stem(root, shard.shard_id, zombie, 1, 4)
         assert commit_table(fs, f"{stem}.parquet", part)
         assert commit_json(fs, f"{stem}.commit", {"attempt": zombie, "part": 1, "rows": 4, "elapsed_s": 1.0,
