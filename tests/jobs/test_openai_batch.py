@@ -135,3 +135,29 @@ def test_export_refuses_unknown_format_and_missing_job(tmp_path: Path, fmt: str)
     assert bad.exit_code == 2 and "unknown --format 'csv'" in bad.stderr
     missing = runner.invoke(app, ["export", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "no job at" in missing.stderr
+
+
+def test_batch_file_on_s3_is_staged_once_and_a_changed_one_refused(gsm8k_questions: list[str]) -> None:
+    """Local and s3:// alike: the batch file and OUTPUT on a (moto) S3; staging is create-only and checks the
+    file's ETag on every later run."""
+    import fsspec
+    from s3_faults import flaky_s3
+
+    from jobs.errors import JobError
+    from jobs.openai_batch import stage_batch_file
+
+    lines, _ = _requests(gsm8k_questions[800:])
+    with flaky_s3(rate=0.0, lost_rate=0.0) as s3:
+        fs = fsspec.filesystem("s3")
+        src, out = f"s3://{s3.bucket}/batches/requests.jsonl", f"s3://{s3.bucket}/out"
+        fs.pipe(src, ("\n".join(lines) + "\n").encode())
+        staged, endpoint = stage_batch_file(src, out)
+        assert (staged, endpoint) == (f"s3://{s3.bucket}/out/_input/requests.parquet", CHAT_URL)
+        with fs.open(staged, "rb") as f:
+            table = pq.read_table(f)
+        assert table.num_rows == 32 and table.column("request_error").null_count == 30
+        modified = fs.info(staged)["LastModified"]
+        assert stage_batch_file(src, out) == (staged, endpoint) and fs.info(staged)["LastModified"] == modified
+        fs.pipe(src, ("\n".join(lines[:3]) + "\n").encode())
+        with pytest.raises(JobError, match="has changed since"):
+            stage_batch_file(src, out)
