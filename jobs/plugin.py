@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
+import pickle
 import threading
+import time
 from typing import Any
 
-from distributed import Client, WorkerPlugin, get_worker
+from distributed import Client, NannyPlugin, WorkerPlugin, get_worker
+from distributed.core import Status
 
 from engine import EngineConfig, LLMEngine
 
 PLUGIN_PREFIX = "tokenmill-engine"
+
+log = logging.getLogger(__name__)
 
 
 class EnginePlugin(WorkerPlugin):
@@ -169,6 +176,9 @@ class PreemptionPlugin(WorkerPlugin):
         threading.Thread(target=self._watch, args=(worker,), name="tokenmill-preemption", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
+        # A worker closing for any reason (its nanny's stop, a retire) stops its shard: the finished rows are committed
+        # in the time the close leaves instead of being lost with the process.
+        self.stop.set("worker closing")
         self.closed.set()
         if self.sigterm_installed and threading.current_thread() is threading.main_thread():
             import signal
@@ -211,3 +221,60 @@ def get_preemption() -> PreemptionPlugin | None:
     """This worker's PreemptionPlugin, or None when it is not registered."""
     plugin = get_worker().plugins.get(PREEMPTION_PLUGIN)
     return plugin if isinstance(plugin, PreemptionPlugin) else None
+
+
+DRAIN_PLUGIN = "tokenmill-drain"
+NANNY_CLOSING = "nanny closing"  # the stop reason of a drain: the nanny takes the worker out itself
+# Seconds a nanny's drain waits beyond TOKENMILL_STOP_DEADLINE_S: the engine's current step, the end record, the
+# shard's error reaching the scheduler.
+DRAIN_MARGIN_S = 10.0
+
+
+class DrainNannyPlugin(NannyPlugin):
+    """Gives a worker's shards their stop deadline when its nanny closes (SIGTERM to the `dask worker` CLI).
+
+    On Kubernetes the kubelet sends SIGTERM to the pod's PID 1, the `dask worker` CLI; the worker process (the
+    nanny's child) gets no signal. The CLI closes its nanny with a 10 s timeout, and the nanny tells the worker to
+    close and kills it after 0.8 x 10 = 8 s (distributed/cli/dask_worker.py, nanny.py): less than
+    TOKENMILL_STOP_DEADLINE_S (default 20 s), and the close reports the worker gone before the shard has committed.
+    This plugin's `teardown` runs first in the nanny's close, before the kill and for as long as it needs: it stops
+    the worker's shards (PreemptionPlugin's StopSignal, reason NANNY_CLOSING), keeps new tasks off the worker, and
+    waits until the running shard has committed its finished rows and failed with WorkerPreempted (so the client
+    runs it again elsewhere), at most TOKENMILL_STOP_DEADLINE_S + DRAIN_MARGIN_S seconds. The pod's
+    terminationGracePeriodSeconds must cover that plus the preStop hook and the worker's close (infra/README.md).
+    Registered by `tokenmill run` on clusters it connects to (not on its own LocalCluster).
+    """
+
+    idempotent = True
+    name = DRAIN_PLUGIN
+
+    async def teardown(self, nanny: Any) -> None:
+        address = nanny.worker_address if nanny.process is not None else None
+        if not address:
+            return
+        from pipeline.preemption import stop_deadline_s
+
+        timeout_s = stop_deadline_s() + DRAIN_MARGIN_S
+        try:
+            async with nanny.rpc(address) as worker:
+                reply = await asyncio.wait_for(
+                    worker.run(function=pickle.dumps(drain_worker), args=pickle.dumps((timeout_s,))), timeout_s + 5)
+            if reply.get("status") == "OK" and reply["result"]:
+                log.warning("worker %s still runs %d shards after %.0f s; closing it", address, reply["result"],
+                            timeout_s)
+        except Exception as e:  # noqa: BLE001 - the worker may be gone already; the nanny's close goes on
+            log.info("could not drain worker %s: %s", address, e)
+
+
+async def drain_worker(timeout_s: float, dask_worker: Any) -> int:
+    """Run on a worker's event loop (DrainNannyPlugin): stop its shards, start no new task, and wait up to
+    `timeout_s` seconds until no task executes. Returns the tasks still executing (0 when drained)."""
+    plugin = dask_worker.plugins.get(PREEMPTION_PLUGIN)
+    if isinstance(plugin, PreemptionPlugin):
+        plugin.stop.set(NANNY_CLOSING)
+    if dask_worker.status == Status.running:
+        dask_worker.status = Status.closing_gracefully  # the scheduler sends it nothing more; queued tasks wait
+    deadline = time.monotonic() + timeout_s
+    while dask_worker.state.executing_count and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return dask_worker.state.executing_count

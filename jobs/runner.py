@@ -22,6 +22,8 @@ from jobs.control import SUCCESS_NAME, cancel_record, job_done, read_success, re
 from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
 from jobs.lease import Lease
 from jobs.plugin import (
+    NANNY_CLOSING,
+    DrainNannyPlugin,
     EnginePlugin,
     PreemptionPlugin,
     WorkerPreempted,
@@ -219,6 +221,8 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
                                    f"{opts.scheduler_address} offers a GPU resource: start the workers with "
                                    "`dask worker ... --resources GPU=1`")
                 client.register_plugin(PreemptionPlugin(restart=cluster is not None), name=PreemptionPlugin.name)
+                if cluster is None:  # `dask worker` nannies: a SIGTERM to the CLI must not kill a shard mid-commit
+                    client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
                 plugin_name = register_engine(client, EnginePlugin(
                     model, engine_config, default_torch_threads(opts.workers) if cluster else None))
                 client.subscribe_topic(PROGRESS_TOPIC, progress.event)
@@ -271,7 +275,7 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
                 row = fut.result()
             except (ShardInterrupted, WorkerPreempted) as e:
                 summary.interruptions += 1
-                if isinstance(e, WorkerPreempted):
+                if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
                     _take_out(client, e.worker, own_cluster)
                 if cancel_record(output_url) is not None:
                     summary.cancelled = True

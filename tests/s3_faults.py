@@ -20,6 +20,7 @@ import contextlib
 import logging
 import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -64,6 +65,8 @@ class FaultInjector:
         seed: seed of the RNG that draws the faults.
         applies: which requests may fail, from the WSGI environ (default: requests on object keys, i.e. a path
             below the bucket; bucket-level calls such as CreateBucket pass).
+
+    `delay`, when set, gets every request's environ and returns seconds to hold it before serving it (a slow S3).
     """
 
     def __init__(self, app: Callable[..., Iterable[bytes]], rate: float = 0.15, lost_rate: float = 0.05,
@@ -74,6 +77,7 @@ class FaultInjector:
         self.applies = applies or (lambda environ: environ.get("PATH_INFO", "/").strip("/").count("/") >= 1)
         self.stats = FaultStats()
         self.enabled = True
+        self.delay: Callable[[dict[str, Any]], float] | None = None
 
     def _draw(self) -> float:
         with self.lock:
@@ -86,6 +90,8 @@ class FaultInjector:
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         method = environ["REQUEST_METHOD"]
+        if self.delay is not None and (seconds := self.delay(environ)) > 0:
+            time.sleep(seconds)
         if not self.enabled or not self.applies(environ):
             return self.app(environ, start_response)
         draw = self._draw()

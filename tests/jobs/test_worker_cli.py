@@ -1,0 +1,148 @@
+"""A spot preemption as Kubernetes delivers it: SIGTERM to the pod's PID 1, the `dask worker` CLI, not to the worker
+process. The CLI closes its nanny with timeout=10 and the nanny kills the worker process 0.8 x 10 = 8 s later
+(distributed/cli/dask_worker.py, nanny.py), shorter than TOKENMILL_STOP_DEADLINE_S (20 s). jobs.plugin.DrainNannyPlugin
+makes the nanny stop the shard and wait for its commit first.
+
+Real `dask scheduler` and `dask worker --nthreads 1 --resources GPU=1` processes with the Dask config Kubernetes
+mounts (infra/k8s/base/dask.yaml), `tokenmill run` as a process, real GSM8K rows, the real model on CPU, OUTPUT on a
+local S3 (moto) whose first write after the signal takes 10 s: a commit slower than the nanny's 8 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fsspec
+import psutil
+import pyarrow.parquet as pq
+from distributed import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+DASK = Path(sys.executable).with_name("dask")
+DASK_CONFIG = ROOT / "infra" / "k8s" / "base" / "dask.yaml"
+WAIT_S = 600.0  # generous: a loaded CI box; the test never asserts on time
+SLOW_COMMIT_S = 10.0  # the first write of the interrupted attempt after the signal: longer than the nanny's 8 s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """`dask scheduler` and `workers` x `dask worker ADDRESS --nthreads 1 --resources GPU=1` processes on 127.0.0.1,
+    as the Kubernetes manifests start them; yields the scheduler address and the worker CLI processes once they are
+    all connected. Their output goes to `log`."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    out = log.open("ab")
+    procs = [subprocess.Popen([str(DASK), "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+                               "--dashboard-address", ":0"], env=env, stdout=out, stderr=out)]
+    try:
+        procs += [subprocess.Popen([str(DASK), "worker", address, "--nthreads", "1", "--resources", "GPU=1",
+                                    "--name", f"gpu-{i}", "--host", "127.0.0.1", "--dashboard-address", ":0"],
+                                   env=env, stdout=out, stderr=out) for i in range(workers)]
+        with Client(address, timeout=WAIT_S) as client:
+            client.wait_for_workers(workers, timeout=WAIT_S)
+        yield address, procs[1:]
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        out.close()
+
+
+def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhere(data_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """SIGTERM to the CLI of the worker running a shard, after the shard's first checkpoint and with rows in flight
+    for longer than 8 s: the shard stops, commits its finished rows (a 10 s write) and records the interrupted
+    attempt before the worker dies; it runs again on the other worker and resumes; every id exactly once."""
+    from s3_faults import flaky_s3
+
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(800, 24)
+    ids = table.column("id").to_pylist()
+    (tmp_path / "in").mkdir()
+    pq.write_table(table, tmp_path / "in" / "in.parquet")
+    with flaky_s3(rate=0.0, lost_rate=0.0) as s3:
+        out = f"s3://{s3.bucket}/job"
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        victim: dict[str, str] = {}  # the stopped shard and its worker CLI's pid, set as the signal goes out
+
+        def delay(environ: dict) -> float:
+            # One slow write: the stopped shard's first attempt's first write after the signal (its last part, or its
+            # end record when no row was pending).
+            shard = victim.get("shard")
+            if (shard and not victim.get("slowed") and environ["REQUEST_METHOD"] == "PUT"
+                    and re.search(rf"/(checkpoints/{shard}/a001-|attempts/{shard}/attempt-001\.end)",
+                                  environ.get("PATH_INFO", ""))):
+                victim["slowed"] = environ["PATH_INFO"]
+                return SLOW_COMMIT_S
+            return 0.0
+
+        s3.faults.delay = delay
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   DASK_CONFIG=str(DASK_CONFIG), TOKENMILL_STOP_POLL_S="0.2")
+        with dask_cli_cluster(env, tmp_path / "dask.log") as (address, workers):
+            pids = {w.pid: w for w in workers}
+
+            def terminate_after_first_checkpoint() -> None:
+                deadline = time.monotonic() + WAIT_S
+                while time.monotonic() < deadline:
+                    fs.invalidate_cache()
+                    markers = fs.glob(f"{s3.bucket}/job/checkpoints/*/*.commit")
+                    if markers:
+                        shard = markers[0].split("/")[-2]
+                        start = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.json"))
+                        cli = pids[psutil.Process(start["pid"]).ppid()]  # the worker process's parent: its CLI
+                        victim.update(shard=shard, cli=str(cli.pid))
+                        cli.send_signal(signal.SIGTERM)  # as the kubelet does, to the pod's PID 1
+                        return
+                    time.sleep(0.1)
+
+            terminator = threading.Thread(target=terminate_after_first_checkpoint, daemon=True)
+            terminator.start()
+            run = subprocess.run(
+                [sys.executable, "-m", "jobs.cli", "run", str(tmp_path / "in"), out, "--prompt-column", "question",
+                 "--max-tokens", "32", "--rows-per-shard", "12", "--checkpoint-rows", "2", "--max-num-seqs", "2",
+                 "--kv-cache-gib", "0.25", "--device", "cpu", "--dtype", "float32", "--scheduler", address,
+                 "--gpus-per-worker", "1", "--json"],
+                env=env, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+            terminator.join()
+            assert "shard" in victim, "no shard was caught mid-run"
+            stopped_cli = next(w for w in workers if str(w.pid) == victim["cli"])
+            assert stopped_cli.wait(timeout=WAIT_S) == 0  # the CLI exits on its own once its nanny has closed
+        assert run.returncode == 0, run.stderr[-3000:]
+        summary = json.loads(run.stdout.strip().splitlines()[-1])
+        assert summary["shards_ok"] == 2 and summary["interruptions"] >= 1
+
+        shard = victim["shard"]
+        results = pq.read_table(f"{s3.bucket}/job/results", filesystem=fs).column("id").to_pylist()
+        assert sorted(results) == sorted(ids)  # every id exactly once
+        # The interrupted attempt ended on its own (a kill leaves no end record) after committing its finished rows,
+        # the slow part included: every row it counted is in a part with a commit marker.
+        end = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.end.json"))
+        assert end["outcome"] == "interrupted" and end["reason"] == "nanny closing" and victim.get("slowed")
+        parts = fs.glob(f"{s3.bucket}/job/checkpoints/{shard}/a001-*.commit")
+        assert end["rows_committed"] == sum(int(p.rsplit("-n", 1)[1].split(".")[0]) for p in parts) >= 2
+        assert end["rows_committed"] < 12  # rows were in flight: the next attempt ran them
+        acct = pq.read_table(f"{s3.bucket}/job/accounting", filesystem=fs).to_pylist()
+        (row,) = [r for r in acct if r["shard_id"] == shard]
+        assert row["attempts"] >= 2 and row["preemptions"] >= 1 and row["rows_resumed"] == end["rows_committed"]
