@@ -168,6 +168,8 @@ _METRICS_HELP = ("Write the job's Prometheus metrics to this node_exporter textf
                  "TOKENMILL_PUSHGATEWAY_URL pushes them to a Pushgateway.")
 _DRY_RUN_HELP = ("Print what the job will cost (rows, tokens, device-hours, USD at --price-per-hour) from its input "
                  "and a short calibration of the engine here, and write nothing.")
+# What the dask-kubernetes operator sets in the pods it starts; `--scheduler` wins over it.
+SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
 _RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); without it such a job is refused (exit 4)."
 
 
@@ -194,7 +196,8 @@ def run(
     workers: Annotated[int, typer.Option(help="Worker processes of the embedded Dask LocalCluster, each "
                                               "holding one engine.")] = 1,
     scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786) of an "
-                                                       "existing cluster instead of the LocalCluster.")] = None,
+                                                       "existing cluster instead of the LocalCluster.",
+                                                  envvar=SCHEDULER_ENV)] = None,
     gpus_per_worker: Annotated[int, typer.Option(help="GPUs per worker; > 0 makes each shard ask for resources "
                                                       "GPU=1.")] = 0,
     rows_per_shard: Annotated[int, typer.Option(help="Rows per shard (unit of scheduling and accounting); fixed "
@@ -246,14 +249,17 @@ def submit(
     job: Annotated[str, typer.Argument(help="Job spec YAML (see infra/job.example.yaml), a path or fsspec URL.")],
     scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786); overrides the "
                                                        "spec's cluster.scheduler. Default: the spec's, else an "
-                                                       "embedded LocalCluster.")] = None,
+                                                       "embedded LocalCluster.", envvar=SCHEDULER_ENV)] = None,
+    output: Annotated[str | None, typer.Option(help="OUTPUT instead of the spec's output, e.g. one per day from "
+                                                    "a scheduler: s3://bucket/jobs/nightly/20260101/.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
     metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help=_DRY_RUN_HELP)] = False,
 ) -> None:
     """Run the job a YAML spec describes, and wait for it. Idempotent: a finished job is a no-op (exit 0), a
-    partial one resumes where it stopped, a running one is left alone (exit 3).
+    partial one resumes where it stopped, a running one is left alone (exit 3). This process drives the job: keep
+    it alive until it exits (on Kubernetes, a Job or CronJob pod); a rerun picks up where it stopped.
 
     Example: tokenmill submit infra/job.example.yaml --scheduler tcp://dask-scheduler:8786
     """
@@ -263,6 +269,8 @@ def submit(
         raise _fail(e) from e
     if scheduler:
         spec = dataclasses.replace(spec, scheduler=scheduler)
+    if output:
+        spec = dataclasses.replace(spec, output=output)
     _execute(spec, resume, json_summary, metrics_file, dry_run)
 
 

@@ -55,7 +55,8 @@ def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2) -> Iterat
                                     "--name", f"gpu-{i}", "--host", "127.0.0.1", "--dashboard-address", ":0"],
                                    env=env, stdout=out, stderr=out) for i in range(workers)]
         with Client(address, timeout=WAIT_S) as client:
-            client.wait_for_workers(workers, timeout=WAIT_S)
+            if workers:
+                client.wait_for_workers(workers, timeout=WAIT_S)
         yield address, procs[1:]
     finally:
         for p in reversed(procs):
@@ -146,3 +147,28 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
         acct = pq.read_table(f"{s3.bucket}/job/accounting", filesystem=fs).to_pylist()
         (row,) = [r for r in acct if r["shard_id"] == shard]
         assert row["attempts"] >= 2 and row["preemptions"] >= 1 and row["rows_resumed"] == end["rows_committed"]
+
+
+def test_submit_and_run_reach_the_cluster_in_DASK_SCHEDULER_ADDRESS(data_dir: Path, tmp_path: Path) -> None:
+    """The dask-kubernetes operator puts the scheduler's address in DASK_SCHEDULER_ADDRESS: `tokenmill submit` and
+    `run` connect there without --scheduler (a real `dask scheduler` with no worker: refused, naming it), and
+    `submit --output` writes where it says instead of the spec's output."""
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(0, 4),
+                   tmp_path / "in.parquet")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"input: {tmp_path / 'in.parquet'}\noutput: {tmp_path / 'spec-out'}\n"
+                    "columns: {prompt: question}\ncluster: {gpus_per_worker: 1}\n")
+    env = dict(os.environ, DASK_CONFIG=str(DASK_CONFIG))
+    with dask_cli_cluster(env, tmp_path / "dask.log", workers=0) as (address, _):
+        runner = CliRunner()
+        submitted = runner.invoke(app, ["submit", str(spec), "--output", str(tmp_path / "day-1")],
+                                  env={"DASK_SCHEDULER_ADDRESS": address})
+        ran = runner.invoke(app, ["run", str(tmp_path / "in.parquet"), str(tmp_path / "run-out"), "--prompt-column",
+                                  "question", "--gpus-per-worker", "1"], env={"DASK_SCHEDULER_ADDRESS": address})
+    for res in (submitted, ran):
+        assert res.exit_code == 2 and f"no worker of the cluster at {address} offers a GPU" in res.stderr
+    assert (tmp_path / "day-1" / "_manifest" / "input.json").is_file() and not (tmp_path / "spec-out").exists()
