@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup test-servers demo test quality lint bench peers clean
+.PHONY: setup test-servers demo test quality airflow-venv airflow-test lint bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,6 +40,19 @@ test: setup test-servers
 quality: setup
 	TOKENMILL_QUALITY_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider -m quality
 
+# Airflow 3 in a venv of its own (its pins conflict with ours), for infra/airflow/tokenmill_dag.py and its tests.
+AIRFLOW_VENV ?= .airflow-venv
+$(AIRFLOW_VENV)/.installed:
+	python3 -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/pip install -q "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes
+	touch $@
+
+airflow-venv: $(AIRFLOW_VENV)/.installed
+
+# The DAG in a real Airflow: `airflow dags test` of a small job, its rerun, exit codes (about 1.5 minutes).
+airflow-test: setup airflow-venv
+	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -m airflow
+
 lint: setup
 	$(VENV)/bin/ruff check engine pipeline jobs schemas tests bench
 
@@ -52,4 +65,4 @@ peers: setup
 	$(PY) bench/peers.py --workload both
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(DEMO_OUT) .pytest_cache

@@ -58,10 +58,9 @@ def test_invariants(overlay: str, tmp_path: Path) -> None:
     service = _one(objects, "Service", "dask-scheduler")
     port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "comm")
     address = f"tcp://{service['metadata']['name']}:{port}"
-    configs = {o["metadata"]["name"].rsplit("-", 1)[0]: o for o in objects if o["kind"] == "ConfigMap"}
 
     # The Dask config (mounted at /etc/dask in scheduler and workers): what a spot fleet and the engine need.
-    dask = yaml.safe_load(configs["tokenmill-dask"]["data"]["tokenmill.yaml"])["distributed"]
+    dask = yaml.safe_load(_one(objects, "ConfigMap", "tokenmill-dask")["data"]["tokenmill.yaml"])["distributed"]
     assert dask["scheduler"]["allowed-failures"] >= 10 and dask["worker"]["profile"]["enabled"] is False
     assert dask["nanny"]["pre-spawn-environ"]["MALLOC_TRIM_THRESHOLD_"] is None
 
@@ -104,6 +103,6 @@ def test_invariants(overlay: str, tmp_path: Path) -> None:
     (mount,) = submit["volumeMounts"]
     assert mount["mountPath"] == "/etc/tokenmill"
     spec_file = tmp_path / "job.yaml"
-    spec_file.write_text(configs["tokenmill-job"]["data"]["job.yaml"])
+    spec_file.write_text(_one(objects, "ConfigMap", "tokenmill-job")["data"]["job.yaml"])
     spec = load_job_spec(str(spec_file))  # raises JobSpecError naming the field
     assert spec.gpus_per_worker == (1 if gpu else 0) and spec.device == ("cuda" if gpu else "cpu")

@@ -1,0 +1,120 @@
+"""infra/airflow/tokenmill_dag.py in a real Airflow 3 (its own venv: Airflow's pins conflict with ours): the DAG folder
+imports without errors, `airflow dags test` runs the BashOperator DAG on a small real job to success, a second run of
+the same logical date does no work, and tokenmill's exit codes become Airflow's outcomes.
+
+About 1.5 minutes (an Airflow process per command, the model loaded once), so outside the default suite:
+`make airflow-test` installs Airflow into .airflow-venv and runs these (TOKENMILL_AIRFLOW_TESTS=1; another venv with
+TOKENMILL_AIRFLOW_VENV)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DAG_FILE = ROOT / "infra" / "airflow" / "tokenmill_dag.py"
+VENV = Path(os.environ.get("TOKENMILL_AIRFLOW_VENV", ROOT / ".airflow-venv"))
+
+pytestmark = [pytest.mark.airflow, pytest.mark.skipif(
+    os.environ.get("TOKENMILL_AIRFLOW_TESTS") != "1",
+    reason="Airflow tests take about 1.5 minutes: `make airflow-test` runs them (TOKENMILL_AIRFLOW_TESTS=1)")]
+
+
+@pytest.fixture
+def airflow(tmp_path: Path, tokenmill_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The airflow command and an environment: a temporary AIRFLOW_HOME with a migrated SQLite metadata DB, the DAG
+    folder holding only tokenmill_dag.py, and TOKENMILL_BIN, a tokenmill that runs this checkout (the CPU engine's
+    plain torch path: fast to start, and text quality does not matter here)."""
+    airflow_bin = VENV / "bin" / "airflow"
+    if not airflow_bin.is_file():
+        pytest.skip(f"Airflow is not installed at {VENV}: `make airflow-venv`, or set TOKENMILL_AIRFLOW_VENV")
+    home, dags = tmp_path / "airflow", tmp_path / "airflow" / "dags"
+    dags.mkdir(parents=True)
+    shutil.copy(DAG_FILE, dags)
+    tokenmill = tmp_path / "tokenmill"
+    tokenmill.write_text(f'#!/bin/sh\nPYTHONPATH="{tokenmill_env["PYTHONPATH"]}" TOKENMILL_CPU_KERNELS=0 '
+                         f'exec "{Path(sys.executable).with_name("tokenmill")}" "$@"\n')
+    tokenmill.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "AIRFLOW", "VIRTUAL_ENV"))} | {
+        "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "TOKENMILL_BIN": str(tokenmill), "TOKENMILL_OUTPUT_ROOT": str(tmp_path / "runs")}
+    subprocess.run([str(airflow_bin), "db", "migrate"], env=env, check=True, capture_output=True, cwd=tmp_path)
+    return [str(airflow_bin)], env
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_the_dag_folder_imports_and_exit_codes_map_to_outcomes(airflow: tuple[list[str], dict[str, str]],
+                                                                tmp_path: Path) -> None:
+    cmd, env = airflow
+    listed = _run([*cmd, "dags", "list", "--local", "-o", "json"], env, tmp_path)
+    errors = _run([*cmd, "dags", "list-import-errors", "--local", "-o", "json"], env, tmp_path)
+    assert listed.returncode == 0 and errors.returncode == 0, listed.stderr + errors.stderr
+    (dags,) = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("[")]  # warnings go there too
+    assert {d["dag_id"] for d in dags} == {"tokenmill_nightly_local", "tokenmill_nightly_k8s"}
+    assert "tokenmill_dag.py" not in errors.stdout
+    # The pieces that need no cluster, in Airflow's interpreter: the exit-code mapping and the pod operator's setup.
+    check = f"""
+import importlib.util
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from kubernetes.client import models as k8s
+spec = importlib.util.spec_from_file_location("tokenmill_dag", {str(DAG_FILE)!r})
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+
+def outcome(code):
+    try:
+        m.raise_for_exit_code(code, "tokenmill submit")
+    except AirflowFailException:
+        return "fail"
+    except AirflowException:
+        return "retry"
+    return "ok"
+
+assert [outcome(c) for c in (0, 1, 2, 3, 4, 137)] == ["ok", "retry", "fail", "retry", "fail", "retry"]
+terminated = k8s.V1ContainerState(terminated=k8s.V1ContainerStateTerminated(exit_code=2))
+pod = k8s.V1Pod(status=k8s.V1PodStatus(container_statuses=[k8s.V1ContainerStatus(
+    name="base", image="i", image_id="", ready=False, restart_count=0, state=terminated)]))
+assert m.container_exit_code(pod, "base") == 2 and m.container_exit_code(pod, "other") is None
+task = m.k8s_dag.get_task("submit")
+assert task.deferrable and task.arguments[:2] == ["tokenmill", "submit"] and "{{{{ ds_nodash }}}}" in task.arguments[4]
+assert "DASK_SCHEDULER_ADDRESS" in str(task.env_vars)
+assert m.local_dag.get_task("submit").retry_delay.total_seconds() >= m.LEASE_TTL_S
+print("ok")
+"""
+    res = _run([str(VENV / "bin" / "python"), "-c", check], env, tmp_path)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def test_dags_test_runs_the_job_and_a_rerun_of_the_day_is_a_no_op(airflow: tuple[list[str], dict[str, str]],
+                                                                  small_job: Path, tmp_path: Path) -> None:
+    cmd, env = airflow
+    env = env | {"TOKENMILL_JOB_SPEC": str(small_job)}
+    first = _run([*cmd, "dags", "test", "tokenmill_nightly_local", "2026-01-01"], env, tmp_path)
+    assert first.returncode == 0 and "new_state=success" in first.stdout + first.stderr, first.stdout[-3000:]
+    out = tmp_path / "runs" / "20260101"  # keyed on the logical date, not the run id
+    assert (out / "_SUCCESS").is_file()
+    before = _files(out)
+
+    again = _run([*cmd, "dags", "test", "tokenmill_nightly_local", "2026-01-01"], env, tmp_path)
+    assert again.returncode == 0 and "new_state=success" in again.stdout + again.stderr, again.stdout[-3000:]
+    assert '"already_done": true' in again.stdout + again.stderr  # tokenmill's summary: the job was finished
+    assert _files(out) == before  # nothing written, nothing rewritten
+
+    # A bad spec (exit 2) fails the task at once, without the retries a transient failure gets.
+    bad = _run([*cmd, "dags", "test", "tokenmill_nightly_local", "2026-01-02"],
+               env | {"TOKENMILL_JOB_SPEC": str(tmp_path / "missing.yaml")}, tmp_path)
+    log = bad.stdout + bad.stderr
+    assert "exited 2: bad input" in log and "new_state=failed" in log and "up_for_retry" not in log, log[-3000:]
