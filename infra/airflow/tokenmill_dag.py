@@ -42,6 +42,10 @@ DEFAULT_ARGS: dict[str, Any] = {
     # Long enough for a dead run's lease to expire (exit 3 means a run holds it).
     "retry_delay": timedelta(seconds=LEASE_TTL_S + 30),
 }
+# One run at a time (a second would find the job's lease held); no backfill of missed days unless asked.
+DAG_ARGS: dict[str, Any] = {"schedule": SCHEDULE, "start_date": pendulum.datetime(2026, 1, 1, tz="UTC"),
+                            "catchup": False, "max_active_runs": 1, "default_args": DEFAULT_ARGS,
+                            "tags": ["tokenmill"], "doc_md": __doc__}
 
 
 def raise_for_exit_code(code: int | None, what: str) -> None:
@@ -76,16 +80,7 @@ class TokenmillBashOperator(BashOperator):
             raise e
 
 
-with DAG(
-    dag_id="tokenmill_nightly_local",
-    schedule=SCHEDULE,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    default_args=DEFAULT_ARGS,
-    tags=["tokenmill"],
-    doc_md=__doc__,
-) as local_dag:
+with DAG(dag_id="tokenmill_nightly_local", **DAG_ARGS) as local_dag:
     TokenmillBashOperator(
         task_id="submit",
         # NOTE: tokenmill must be on the PATH of Airflow's workers (or set TOKENMILL_BIN to its full path).
@@ -118,16 +113,7 @@ if KubernetesPodOperator is not None:
                 return status.state.terminated.exit_code
         return None
 
-    with DAG(
-        dag_id="tokenmill_nightly_k8s",
-        schedule=SCHEDULE,
-        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-        catchup=False,
-        max_active_runs=1,
-        default_args=DEFAULT_ARGS,
-        tags=["tokenmill"],
-        doc_md=__doc__,
-    ) as k8s_dag:
+    with DAG(dag_id="tokenmill_nightly_k8s", **DAG_ARGS) as k8s_dag:
         TokenmillPodOperator(
             task_id="submit",
             name="tokenmill-submit",
