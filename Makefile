@@ -54,7 +54,7 @@ airflow-test: setup airflow-venv
 	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -m airflow
 
 lint: setup
-	$(VENV)/bin/ruff check engine pipeline jobs schemas tests bench
+	$(VENV)/bin/ruff check engine pipeline jobs schemas tests bench infra
 
 bench: setup
 	$(PY) bench/throughput.py --num-prompts 64 --workload both

@@ -32,9 +32,10 @@ engine: {{device: cpu, dtype: float32, max_num_seqs: 2, kv_cache_gib: 0.25}}
 @pytest.fixture
 def tokenmill_env() -> dict[str, str]:
     """The environment a scheduler (cron, Airflow) gives tokenmill: this venv's bin first on PATH (the `tokenmill`
-    entry point), this checkout first on PYTHONPATH."""
+    entry point), this checkout first on PYTHONPATH, the CPU engine's plain torch path (no kernel build to wait for;
+    these tests are about processes, not speed or text)."""
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "tokenmill").is_file():
         pytest.fail(f"no tokenmill entry point beside {sys.executable}: pip install -e . in that venv")
     return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), TOKENMILL_CPU_KERNELS="0")
