@@ -73,9 +73,13 @@ def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2) -> Iterat
 
 def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhere(data_dir: Path,
                                                                                   tmp_path: Path) -> None:
-    """SIGTERM to the CLI of the worker running a shard, after the shard's first checkpoint and with rows in flight
-    for longer than 8 s: the shard stops, commits its finished rows (a 10 s write) and records the interrupted
-    attempt before the worker dies; it runs again on the other worker and resumes; every id exactly once."""
+    """SIGTERM to the CLI of the worker running a shard, after the shard's first checkpoint: the shard stops,
+    commits its finished rows (a 10 s write) and records the interrupted attempt before the worker dies; it runs
+    again on the other worker and resumes; every id exactly once.
+
+    Sized so that the stop must outlast the nanny's 8 s: 10 of the shard's 12 rows (32 tokens each) are left at the
+    signal (about 11 s of generation on 2 loaded cores), and the commit after the signal takes 10 s on any machine.
+    Without the drain the worker is SIGKILLed at 8 s: no end record, no WorkerPreempted reaches the client."""
     from s3_faults import flaky_s3
 
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(800, 24)
