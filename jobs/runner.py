@@ -8,6 +8,7 @@ ones resume from their checkpoints (pipeline.shard.run_shard), and a finished jo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -215,11 +216,10 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
             silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
         try:
             with Client(opts.scheduler_address or cluster) as client:
-                if resources and not any(w.get("resources", {}).get("GPU")
-                                         for w in client.scheduler_info()["workers"].values()):
+                if resources and not wait_for_gpu_worker(client, worker_wait_s()):
                     raise JobError(f"gpus_per_worker is {opts.gpus_per_worker} but no worker of the cluster at "
-                                   f"{opts.scheduler_address} offers a GPU resource: start the workers with "
-                                   "`dask worker ... --resources GPU=1`")
+                                   f"{opts.scheduler_address} offers a GPU resource (waited {worker_wait_s():g} s, "
+                                   f"{WORKER_WAIT_ENV}): start the workers with `dask worker ... --resources GPU=1`")
                 client.register_plugin(PreemptionPlugin(restart=cluster is not None), name=PreemptionPlugin.name)
                 if cluster is None:  # `dask worker` nannies: a SIGTERM to the CLI must not kill a shard mid-commit
                     client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
@@ -234,6 +234,32 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
         finally:
             if cluster is not None:
                 cluster.close()
+
+
+WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
+
+
+def worker_wait_s() -> float:
+    """Seconds a run waits for a GPU worker to join the cluster (env TOKENMILL_WORKER_WAIT_S, default 0: none).
+    Set it where workers scale from zero (Karpenter, cluster autoscaler). Raises JobError for a bad value."""
+    raw = os.environ.get(WORKER_WAIT_ENV, "").strip() or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise JobError(f"{WORKER_WAIT_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
+    """True once a worker of `client`'s cluster offers a GPU resource; polls every 2 s for up to `wait_s` s."""
+    deadline = time.monotonic() + wait_s
+    while not any(w.get("resources", {}).get("GPU") for w in client.scheduler_info()["workers"].values()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    return True
 
 
 def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig,

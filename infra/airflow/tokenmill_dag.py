@@ -121,7 +121,7 @@ if KubernetesPodOperator is not None:
             image=IMAGE,
             service_account_name="tokenmill",  # infra/k8s: the identity that reads input and writes OUTPUT
             arguments=["tokenmill", "submit", "/etc/tokenmill/job.yaml", "--output", OUTPUT, "--json"],
-            env_vars={"DASK_SCHEDULER_ADDRESS": DASK_SCHEDULER},
+            env_vars={"DASK_SCHEDULER_ADDRESS": DASK_SCHEDULER, "TOKENMILL_WORKER_WAIT_S": "900"},
             volumes=[k8s.V1Volume(name="job", config_map=k8s.V1ConfigMapVolumeSource(name="tokenmill-job"))],
             volume_mounts=[k8s.V1VolumeMount(name="job", mount_path="/etc/tokenmill", read_only=True)],
             container_resources=k8s.V1ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"},

@@ -96,7 +96,8 @@ def test_invariants(overlay: str, tmp_path: Path) -> None:
     job = cron["jobTemplate"]["spec"]
     (submit,) = job["template"]["spec"]["containers"]
     assert "exec tokenmill submit /etc/tokenmill/job.yaml --output" in submit["args"][-1]
-    assert {e["name"]: e.get("value") for e in submit["env"]}["DASK_SCHEDULER_ADDRESS"] == address
+    submit_env = {e["name"]: e.get("value") for e in submit["env"]}
+    assert submit_env["DASK_SCHEDULER_ADDRESS"] == address and float(submit_env["TOKENMILL_WORKER_WAIT_S"]) > 0
     actions = {code: r["action"] for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r
                for code in r["onExitCodes"]["values"]}
     assert actions == {2: "FailJob", 4: "FailJob", 3: "Ignore"}

@@ -21,12 +21,15 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
 import psutil
 import pyarrow.parquet as pq
 from distributed import Client
+
+from jobs.runner import wait_for_gpu_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 DASK = Path(sys.executable).with_name("dask")
@@ -155,8 +158,9 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
 
 def test_submit_and_run_reach_the_cluster_in_DASK_SCHEDULER_ADDRESS(data_dir: Path, tmp_path: Path) -> None:
     """The dask-kubernetes operator puts the scheduler's address in DASK_SCHEDULER_ADDRESS: `tokenmill submit` and
-    `run` connect there without --scheduler (a real `dask scheduler` with no worker: refused, naming it), and
-    `submit --output` writes where it says instead of the spec's output."""
+    `run` connect there without --scheduler (a real `dask scheduler` with no worker: refused, naming it, after
+    waiting TOKENMILL_WORKER_WAIT_S), `submit --output` writes where it says instead of the spec's output, and a run
+    waiting for a GPU worker goes on once one joins."""
     from typer.testing import CliRunner
 
     from jobs.cli import app
@@ -170,9 +174,21 @@ def test_submit_and_run_reach_the_cluster_in_DASK_SCHEDULER_ADDRESS(data_dir: Pa
     with dask_cli_cluster(env, tmp_path / "dask.log", workers=0) as (address, _):
         runner = CliRunner()
         submitted = runner.invoke(app, ["submit", str(spec), "--output", str(tmp_path / "day-1")],
-                                  env={"DASK_SCHEDULER_ADDRESS": address})
+                                  env={"DASK_SCHEDULER_ADDRESS": address, "TOKENMILL_WORKER_WAIT_S": "1"})
         ran = runner.invoke(app, ["run", str(tmp_path / "in.parquet"), str(tmp_path / "run-out"), "--prompt-column",
                                   "question", "--gpus-per-worker", "1"], env={"DASK_SCHEDULER_ADDRESS": address})
+        # Where workers scale from zero, a run waits for the first GPU worker (TOKENMILL_WORKER_WAIT_S).
+        with Client(address) as client, ThreadPoolExecutor(1) as pool:
+            waited = pool.submit(wait_for_gpu_worker, client, WAIT_S)
+            late = subprocess.Popen([str(DASK), "worker", address, "--nthreads", "1", "--resources", "GPU=1",
+                                     "--host", "127.0.0.1", "--dashboard-address", ":0"], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                assert waited.result(timeout=WAIT_S) is True
+            finally:
+                late.terminate()
+                late.wait(timeout=60)
     for res in (submitted, ran):
         assert res.exit_code == 2 and f"no worker of the cluster at {address} offers a GPU" in res.stderr
+    assert "(waited 1 s, TOKENMILL_WORKER_WAIT_S)" in submitted.stderr and "(waited 0 s" in ran.stderr
     assert (tmp_path / "day-1" / "_manifest" / "input.json").is_file() and not (tmp_path / "spec-out").exists()
