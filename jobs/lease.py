@@ -40,6 +40,7 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from jobs.errors import EXIT_LEASE_HELD, JobError
+from pipeline.preemption import env_seconds
 from pipeline.storage import commit_json, list_folder, modified_at, output_fs, read_json
 
 LEASE_DIR = "_lease"
@@ -49,14 +50,10 @@ TTL_ENV = "TOKENMILL_LEASE_TTL_S"
 
 def default_ttl_s() -> float:
     """The lease TTL in seconds: $TOKENMILL_LEASE_TTL_S, else 60. Raises JobError (exit 2) for a bad value."""
-    raw = os.environ.get(TTL_ENV)
     try:
-        ttl = float(raw) if raw else DEFAULT_TTL_S
+        return env_seconds(TTL_ENV, DEFAULT_TTL_S)
     except ValueError as e:
-        raise JobError(f"{TTL_ENV} must be a number of seconds, got {raw!r}") from e
-    if ttl <= 0:
-        raise JobError(f"{TTL_ENV} must be > 0 seconds, got {raw!r}")
-    return ttl
+        raise JobError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, pushadd_to_gate
 
 from engine.loader import DEFAULT_MODEL_FILE
 from jobs.summary import JobSummary
+from pipeline.preemption import env_seconds
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +113,8 @@ class JobMetrics:
         url = os.environ.get(PUSHGATEWAY_ENV) or None
         if url is None and metrics_file is None:
             return None
-        raw = os.environ.get(INTERVAL_ENV, str(DEFAULT_INTERVAL_S))
-        try:
-            interval = float(raw)
-        except ValueError as e:
-            raise ValueError(f"{INTERVAL_ENV} must be a number of seconds, got {raw!r}") from e
         return cls(job_name(output_url), model_label(model), pushgateway_url=url, metrics_file=metrics_file,
-                   interval_s=interval)
+                   interval_s=env_seconds(INTERVAL_ENV, DEFAULT_INTERVAL_S, allow_zero=True))
 
     def start(self, rows: int) -> None:
         """The run starts: the job has `rows` rows. Publishes at once."""

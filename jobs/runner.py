@@ -8,7 +8,6 @@ ones resume from their checkpoints (pipeline.shard.run_shard), and a finished jo
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -44,6 +43,7 @@ from pipeline.input import (
     pin_manifest,
     read_manifest,
 )
+from pipeline.preemption import env_seconds
 from pipeline.shard import ProgressFn, ShardInterrupted, results_path
 from pipeline.storage import commit_json, output_fs
 
@@ -242,14 +242,10 @@ WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
 def worker_wait_s() -> float:
     """Seconds a run waits for a GPU worker to join the cluster (env TOKENMILL_WORKER_WAIT_S, default 0: none).
     Set it where workers scale from zero (Karpenter, cluster autoscaler). Raises JobError for a bad value."""
-    raw = os.environ.get(WORKER_WAIT_ENV, "").strip() or "0"
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise JobError(f"{WORKER_WAIT_ENV} must be a number of seconds >= 0, got {raw!r}")
-    return value
+        return env_seconds(WORKER_WAIT_ENV, 0.0, allow_zero=True)
+    except ValueError as e:
+        raise JobError(str(e)) from None
 
 
 def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:

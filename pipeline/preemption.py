@@ -41,7 +41,9 @@ CANCEL_NAME = "_CANCEL"
 FILE_POLL_S = 0.5
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float, *, allow_zero: bool = False) -> float:
+    """Seconds from environment variable `name` (unset or blank: `default`): the one parser of tokenmill's *_S
+    settings. Raises ValueError naming the variable for a non-number, or for a value <= 0 (< 0 with allow_zero)."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
@@ -49,15 +51,15 @@ def _env_seconds(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {raw!r}")
+    if not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, got {raw!r}")
     return value
 
 
 def stop_deadline_s() -> float:
     """Seconds run_shard may spend committing finished rows after a stop: env TOKENMILL_STOP_DEADLINE_S, default 20.
     Raises ValueError when the variable is not a positive number."""
-    return _env_seconds(DEADLINE_ENV, 20.0)
+    return env_seconds(DEADLINE_ENV, 20.0)
 
 
 def cancel_url(output_url: str) -> str:
@@ -94,7 +96,7 @@ class StopSignal:
         and, given a job's OUTPUT, its cancel marker. Raises ValueError for a bad TOKENMILL_STOP_POLL_S."""
         return cls(notice_file=os.environ.get(NOTICE_FILE_ENV) or None if notices else None,
                    notice_url=os.environ.get(NOTICE_URL_ENV) or None if notices else None,
-                   cancel=cancel_url(output_url) if output_url else None, poll_s=_env_seconds(POLL_ENV, 5.0))
+                   cancel=cancel_url(output_url) if output_url else None, poll_s=env_seconds(POLL_ENV, 5.0))
 
     def set(self, reason: str = "stop") -> None:
         """Set the flag (first reason wins). Safe from signal handlers and other threads."""
