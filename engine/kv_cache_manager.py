@@ -127,7 +127,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}  # chain hashes of each request's cached full blocks
+        self._num_cached: dict[str, int] = {}  # leading full blocks of each request registered in the cache
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -136,17 +136,31 @@ class KVCacheManager:
     def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
         return tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
 
+    def block_hashes(self, request: Request, num_blocks: int | None = None) -> list[int]:
+        """Chain hashes of `request`'s first `num_blocks` full blocks (default: every full block but one holding
+        the last token, whose logits are always computed: the blocks a prefix-cache lookup may match). Kept on the
+        request (`request.block_hashes`, as vLLM v1 does) and extended as its tokens grow, so each block is hashed
+        once. Raises ValueError when fewer than `num_blocks` blocks are full."""
+        if num_blocks is None:
+            num_blocks = (request.num_tokens - 1) // self.block_size
+        if num_blocks * self.block_size > request.num_tokens:
+            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, fewer than "
+                             f"{num_blocks} full blocks of {self.block_size}")
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = chain_hash(parent, self._block_tokens(request, i))
+            hashes.append(parent)
+        return hashes[:num_blocks]
+
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Cached blocks holding a prefix of `request`'s tokens (leading full blocks, in order; empty when prefix
         caching is off). At least the last token is always left to compute, since its logits are needed."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
-        for i in range((request.num_tokens - 1) // self.block_size):
-            tokens = self._block_tokens(request, i)
-            parent = chain_hash(parent, tokens)
-            b = self.pool.lookup(parent, tokens)
+        for i, h in enumerate(self.block_hashes(request)):
+            b = self.pool.lookup(h, self._block_tokens(request, i))
             if b is None:
                 break
             hits.append(b)
@@ -180,30 +194,26 @@ class KVCacheManager:
         self.block_tables[request.request_id] = table
         request.num_computed_tokens = num_computed
         if computed_blocks:
-            parent: int | None = None
-            hashes = []
-            for i in range(len(computed_blocks)):
-                parent = chain_hash(parent, self._block_tokens(request, i))
-                hashes.append(parent)
-            self._hashes[request.request_id] = hashes
+            self._num_cached[request.request_id] = len(computed_blocks)
         return table
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register `request`'s newly computed full blocks for reuse (call after its num_computed_tokens moved)."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes.setdefault(request.request_id, [])
+        done = self._num_cached.get(request.request_id, 0)
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
         table = self.block_tables[request.request_id]
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), request.num_computed_tokens // self.block_size):
-            tokens = self._block_tokens(request, i)
-            parent = chain_hash(parent, tokens)
-            hashes.append(parent)
-            self.pool.cache_block(table[i], parent, tokens)
+        hashes = self.block_hashes(request, full)
+        for i in range(done, full):
+            self.pool.cache_block(table[i], hashes[i], self._block_tokens(request, i))
+        self._num_cached[request.request_id] = full
 
     def free(self, request: Request) -> None:
         """Release every block of `request` (finished or preempted); cached blocks stay reusable until evicted."""
-        self._hashes.pop(request.request_id, None)
+        self._num_cached.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.free(table)

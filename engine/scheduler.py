@@ -41,7 +41,9 @@ class Scheduler:
     chunk of at most the leftover budget when prefilling); when the pool is full the newest running request is
     preempted (blocks freed, `num_computed_tokens` reset, back to the head of the queue) and recomputed later.
     If nothing was preempted, waiting requests are admitted while `max_num_seqs`, the token budget and the pool
-    allow, starting past any prefix-cache hits. A long prompt is prefilled in chunks across steps.
+    allow, starting past any prefix-cache hits; a request whose next full block another request computes in this
+    step waits for the next step and takes that block from the cache. A long prompt is prefilled in chunks across
+    steps.
 
     Args:
         kv_cache: the block tables and pool.
@@ -75,6 +77,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        pending: set[int] = set()  # hashes of the full blocks this step computes
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -87,21 +90,51 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledRequest(req, n))
+                self._add_pending(pending, req, n)
                 budget -= n
                 i += 1
         if not preempted:
-            while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-                req = self.waiting[0]
-                hits = self.kv_cache.get_computed_blocks(req)
-                n = min(req.num_tokens - len(hits) * self.kv_cache.block_size, budget)
-                if self.kv_cache.allocate_slots(req, n, hits) is None:
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append(ScheduledRequest(req, n))
-                budget -= n
+            self._admit(scheduled, pending, budget)
         return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, scheduled: list[ScheduledRequest], pending: set[int], budget: int) -> None:
+        """Admit waiting requests in queue order while max_num_seqs, the token budget and the pool allow.
+
+        In-batch prefix sharing (as SGLang's scheduler deprioritizes requests whose prefix another request of the
+        same batch is computing): a request whose next uncached full block is one this step already computes for
+        another request waits one step, then finds that block in the prefix cache instead of computing it again.
+        Offline jobs send the same system prompt or template head on every row, so this saves that much prefill
+        per request. At most max_num_seqs requests are passed over per step; their order in the queue is kept."""
+        deferred: list[Request] = []
+        while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
+               and len(deferred) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv_cache.get_computed_blocks(req)
+            if pending and self.kv_cache.enable_prefix_caching:
+                hashes = self.kv_cache.block_hashes(req)
+                if len(hits) < len(hashes) and hashes[len(hits)] in pending:
+                    deferred.append(self.waiting.popleft())
+                    continue
+            n = min(req.num_tokens - len(hits) * self.kv_cache.block_size, budget)
+            if self.kv_cache.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            self._add_pending(pending, req, n)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def _add_pending(self, pending: set[int], req: Request, num_new_tokens: int) -> None:
+        """Add the hashes of the full blocks `req` completes by computing `num_new_tokens` more tokens."""
+        if not self.kv_cache.enable_prefix_caching:
+            return
+        bs = self.kv_cache.block_size
+        first = req.num_computed_tokens // bs
+        last = min((req.num_computed_tokens + num_new_tokens) // bs, (req.num_tokens - 1) // bs)
+        if last > first:
+            pending.update(self.kv_cache.block_hashes(req, last)[first:])
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

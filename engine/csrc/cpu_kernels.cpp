@@ -441,6 +441,44 @@ void quantize_rows_kernel(const T* x, int64_t x_stride, uint8_t* q, float* scale
   });
 }
 
+// Index of each row's largest value, the first one on ties, as torch.argmax (a NaN counts as the largest, the
+// first NaN wins). One vectorized pass finds the maximum (and whether a NaN is there), a second finds its first
+// index. torch's own CPU argmax of bf16 rows reduces one element at a time (5.6 ms for 64 x 49,152 here).
+template <typename T>
+void argmax_rows_kernel(const T* x, int64_t x_stride, int64_t rows, int64_t cols, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * x_stride;
+      const int64_t vec_end = cols - cols % 16;
+      v16 m;
+      for (int j = 0; j < 16; ++j) m[j] = -std::numeric_limits<float>::infinity();
+      vi16 nan_lanes = {};
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        const v16 v = load16_as_f32(row + i);
+        nan_lanes |= (v != v);
+        m = v > m ? v : m;
+      }
+      bool nan = false;
+      for (int j = 0; j < 16; ++j) nan |= nan_lanes[j] != 0;
+      float best = hmax16(m);
+      for (int64_t i = vec_end; i < cols; ++i) {
+        const float v = static_cast<float>(row[i]);
+        nan |= v != v;
+        best = v > best ? v : best;
+      }
+      int64_t idx = 0;
+      for (int64_t i = 0; i < cols; ++i) {
+        const float v = static_cast<float>(row[i]);
+        if (nan ? v != v : v == best) {
+          idx = i;
+          break;
+        }
+      }
+      out[r] = idx;
+    }
+  });
+}
+
 }  // namespace
 
 #define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
@@ -561,6 +599,17 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
   return out;
 }
 
+// x [S, V] (rows may be strided) -> int64 [S]: torch.argmax(x, dim=-1), see argmax_rows_kernel.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [S, V] with contiguous rows, V > 0");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  TM_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
+    argmax_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0), x.size(1),
+                                 out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -568,4 +617,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE of Q and K from a fused QKV, K/V written to the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up");
   m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric INT8 (+128 as uint8) with fp32 scales");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of [S, V] rows");
 }

@@ -121,6 +121,21 @@ def test_fused_elementwise_kernels_compute_the_decoder_ops(ops: object, dtype: t
     assert not k_cache.view(-1, kv_heads, head_dim)[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torch_argmax(ops: object, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    # Real logits' shape (SmolLM2's vocabulary) and short rows that end inside and before one 16-lane vector.
+    for rows, cols in [(64, 49152), (7, 37), (3, 16), (2, 5), (1, 1)]:
+        x = torch.randn(rows, cols, generator=gen).to(dtype)
+        x[0, cols // 2] = x[0].max()  # a tie: the first index wins
+        if rows > 2:
+            x[1] = float("-inf")  # all -inf: index 0
+            x[2, -1] = x[2, cols // 3] = float("nan")  # NaN counts as the largest; the first NaN wins
+        assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1)), (dtype, rows, cols)
+    wide = torch.randn(4, 100, generator=gen).to(dtype)
+    assert torch.equal(ops.argmax_rows(wide[:, 10:90]), wide[:, 10:90].argmax(dim=-1))  # strided rows
+
+
 @pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:

@@ -9,8 +9,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 
-def _requests(lengths: list[int], max_tokens: int = 4) -> list[Request]:
-    return [Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), i)
+def _requests(lengths: list[int], max_tokens: int = 4, shared: int = 0) -> list[Request]:
+    """Requests with prompts of the given lengths; the first `shared` tokens are the same in all, the rest differ."""
+    return [Request(f"r{i}", [1 + t if t < shared else 1000 * (i + 1) + t for t in range(n)],
+                    SamplingParams(max_tokens=max_tokens), i)
             for i, n in enumerate(lengths)]
 
 
@@ -95,3 +97,51 @@ def test_preempted_request_recomputes_its_outputs() -> None:
     while sched.has_unfinished:
         _run_step(sched)
     assert b.num_output_tokens == 6 and a.num_output_tokens == 6
+
+
+def test_requests_sharing_a_prefix_with_one_being_computed_wait_a_step_and_reuse_its_blocks() -> None:
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    # r0..r2 share 9 tokens (2 full blocks of 4); r3 shares nothing.
+    reqs = _requests([14, 12, 11], shared=9) + [Request("r3", list(range(500, 510)), SamplingParams(max_tokens=4), 3)]
+    sched.add_requests(reqs)
+    plan = sched.schedule()
+    # r1 and r2 would compute the blocks r0 computes in this step: they wait; r3 does not share, so it runs.
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("r0", 14), ("r3", 10)]
+    assert [r.request_id for r in sched.waiting] == ["r1", "r2"]
+    _advance(plan)
+    for s in plan.scheduled:
+        kv.cache_full_blocks(s.request)
+    plan = sched.schedule()
+    # Next step they find r0's two shared blocks in the cache and prefill only the rest.
+    new = {s.request.request_id: s.num_new_tokens for s in plan.scheduled}
+    assert new == {"r0": 1, "r3": 1, "r1": 12 - 8, "r2": 11 - 8}
+    assert kv.block_tables["r1"][:2] == kv.block_tables["r0"][:2] == kv.block_tables["r2"][:2]
+    assert kv.pool.num_cache_hits == 4
+    kv.check_integrity()
+    while sched.has_unfinished:
+        _run_step(sched)
+    assert all(r.num_output_tokens == 4 for r in reqs)
+
+
+def test_a_chunked_shared_prefix_is_computed_once_chunk_by_chunk() -> None:
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
+    reqs = _requests([20, 20], shared=17)  # 4 shared full blocks, prefilled 8 tokens a step
+    sched.add_requests(reqs)
+    computed_by_r1 = 0
+    while reqs[1].num_output_tokens == 0:
+        plan = sched.schedule()
+        computed_by_r1 += sum(n for r, n in plan.scheduled if r is reqs[1])
+        _advance(plan)
+        for s in plan.scheduled:
+            kv.cache_full_blocks(s.request)
+    # r1 waited while r0 computed the shared blocks, then computed only what follows them.
+    assert computed_by_r1 == 20 - 16
+    assert kv.block_tables["r1"][:4] == kv.block_tables["r0"][:4]
+
+
+def test_prefix_caching_off_admits_without_waiting() -> None:
+    sched = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add_requests(_requests([14, 12], shared=9))
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["r0", "r1"]
