@@ -16,7 +16,7 @@ from rich.table import Table
 from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.spec import run_spec
+from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
 from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
 from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
@@ -88,6 +88,7 @@ def _ran_in(dtypes: list[str], quantizations: list[str]) -> str:
 def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
+        _warn_ids(summary)
         return
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
@@ -107,6 +108,15 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     out.print(t)
     for shard_id, error in summary.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+    _warn_ids(summary)
+
+
+def _warn_ids(summary: JobSummary) -> None:
+    """Warn on stderr about null and repeated ids (results tell such rows apart by input_file + input_row)."""
+    if summary.ids_null or summary.ids_repeated:
+        err.print(f"[yellow]warning:[/yellow] {summary.ids_repeated} result rows share their id with another row and "
+                  f"{summary.ids_null} have a null id; join results to the input on input_file + input_row, or give "
+                  "the input a unique id column (--id-column)")
 
 
 def _fail(e: Exception, code: int = 2) -> typer.Exit:
@@ -144,6 +154,10 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
              dry_run: bool = False) -> None:
     """Run a spec with progress on stderr and the summary on stdout; exit with the job's code. `dry_run`: print
     the job's forecast instead and write nothing."""
+    try:
+        spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
     if dry_run:
         return _print_forecast(spec, as_json)
     reporter = _Reporter()
