@@ -16,13 +16,16 @@ from rich.table import Table
 from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
+from jobs.interrupt import ClientInterrupt
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
 from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
 from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
 
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
-               "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume).")
+               "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
+               "unfinished and no run holds it, 130 / 143 interrupted by SIGINT / SIGTERM (committed rows kept; run "
+               "again to resume).")
 
 app = typer.Typer(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
@@ -161,16 +164,29 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     if dry_run:
         return _print_forecast(spec, as_json)
     reporter = _Reporter()
+    interrupt = ClientInterrupt(spec.output)
     try:
-        summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
-                           metrics_file=metrics_file)
-    except JobError as e:
-        raise _fail(e, e.exit_code) from e
-    finally:
+        with interrupt:
+            summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
+                               metrics_file=metrics_file)
+    except (JobError, KeyboardInterrupt) as e:
         reporter.stop()
+        if interrupt.signum is None:
+            raise _fail(e, getattr(e, "exit_code", 2)) from e
+        interrupt.lift()
+        err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
+                  f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
+        raise typer.Exit(interrupt.exit_code) from e
+    reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
     _print_summary(summary, spec.output, as_json)
+    if interrupt.signum is not None and (summary.stopped or summary.cancelled):
+        interrupt.lift()
+        err.print(f"interrupted by {interrupt.name}: the running shards committed their finished rows and stopped "
+                  f"({summary.rows_ok + summary.rows_error} rows in finished shards, {len(summary.stopped)} shards "
+                  f"unfinished); the lease is released. Run the same command again to resume")
+        raise typer.Exit(interrupt.exit_code)
     if summary.failed:
         raise typer.Exit(EXIT_FAILED_SHARDS)
     if summary.cancelled:
