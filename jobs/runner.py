@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import dask
 import pyarrow as pa
@@ -187,7 +188,8 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
     for shard, state in zip(shards, shard_states(output_url, shards), strict=True):
         if state.state == "done" and state.accounting is not None:
             summary.add(state.accounting)
-            progress.finish(shard.shard_id, int(state.accounting["rows"]), int(state.accounting["output_tokens"]))
+            # Rows committed by an earlier run: counted as done, but their tokens are not this run's throughput.
+            progress.finish(shard.shard_id, int(state.accounting["rows"]), 0)
         else:
             todo.append(shard)
     return todo
@@ -320,10 +322,16 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
                 progress.finish(shard.shard_id, shard.num_rows, 0)
                 continue
             summary.add(row)
-            progress.finish(shard.shard_id, int(row["rows"]), int(row["output_tokens"]))
+            progress.finish(shard.shard_id, int(row["rows"]), generated_tokens(row))
     finally:
         done_watching.set()
         watcher.join()
+
+
+def generated_tokens(row: dict[str, Any]) -> int:
+    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
+    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count."""
+    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
 
 
 def _take_out(client: Client, worker: str, restart: bool) -> None:
