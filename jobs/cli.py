@@ -16,13 +16,16 @@ from rich.table import Table
 from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.spec import run_spec
+from jobs.interrupt import ClientInterrupt
+from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
 from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
 from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
 
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
-               "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume).")
+               "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
+               "unfinished and no run holds it, 130 / 143 interrupted by SIGINT / SIGTERM (committed rows kept; run "
+               "again to resume).")
 
 app = typer.Typer(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
@@ -88,6 +91,7 @@ def _ran_in(dtypes: list[str], quantizations: list[str]) -> str:
 def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
+        _warn_ids(summary)
         return
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
@@ -107,6 +111,15 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     out.print(t)
     for shard_id, error in summary.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+    _warn_ids(summary)
+
+
+def _warn_ids(summary: JobSummary) -> None:
+    """Warn on stderr about null and repeated ids (results tell such rows apart by input_file + input_row)."""
+    if summary.ids_null or summary.ids_repeated:
+        err.print(f"[yellow]warning:[/yellow] {summary.ids_repeated} result rows share their id with another row and "
+                  f"{summary.ids_null} have a null id; join results to the input on input_file + input_row, or give "
+                  "the input a unique id column (--id-column)")
 
 
 def _fail(e: Exception, code: int = 2) -> typer.Exit:
@@ -144,19 +157,36 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
              dry_run: bool = False) -> None:
     """Run a spec with progress on stderr and the summary on stdout; exit with the job's code. `dry_run`: print
     the job's forecast instead and write nothing."""
+    try:
+        spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
+    except JobError as e:
+        raise _fail(e, e.exit_code) from e
     if dry_run:
         return _print_forecast(spec, as_json)
     reporter = _Reporter()
+    interrupt = ClientInterrupt(spec.output)
     try:
-        summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
-                           metrics_file=metrics_file)
-    except JobError as e:
-        raise _fail(e, e.exit_code) from e
-    finally:
+        with interrupt:
+            summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
+                               metrics_file=metrics_file)
+    except (JobError, KeyboardInterrupt) as e:
         reporter.stop()
+        if interrupt.signum is None:
+            raise _fail(e, getattr(e, "exit_code", 2)) from e
+        interrupt.lift()
+        err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
+                  f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
+        raise typer.Exit(interrupt.exit_code) from e
+    reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
     _print_summary(summary, spec.output, as_json)
+    if interrupt.signum is not None and (summary.stopped or summary.cancelled):
+        interrupt.lift()
+        err.print(f"interrupted by {interrupt.name}: the running shards committed their finished rows and stopped "
+                  f"({summary.rows_ok + summary.rows_error} rows in finished shards, {len(summary.stopped)} shards "
+                  f"unfinished); the lease is released. Run the same command again to resume")
+        raise typer.Exit(interrupt.exit_code)
     if summary.failed:
         raise typer.Exit(EXIT_FAILED_SHARDS)
     if summary.cancelled:

@@ -29,7 +29,7 @@ from jobs.errors import (
     EXIT_OK,
     JobError,
 )
-from jobs.lease import newest_record
+from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_distinct
 from pipeline.accounting import tokens_per_dollar
 from pipeline.input import MANIFEST_PATH, InputManifest, Shard, read_manifest
@@ -195,7 +195,7 @@ def job_status(output_url: str) -> JobStatus:
             add_distinct(status.dtypes, row.get("dtype"))
             add_distinct(status.quantizations, row.get("quantization"))
     lease = newest_record(output_url)
-    if lease is not None and lease.active():
+    if lease is not None and lease.active() and not holder_gone(lease.holder):
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,
                         "expires_in_s": round(lease.expires_at - time.time(), 1)}
     status.cancelled = cancel_record(output_url)

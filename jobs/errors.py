@@ -7,6 +7,8 @@ Exit codes of `tokenmill run` / `submit` (and `status`, which reports a job's st
     3  another run holds the job's lease (its holder and expiry are printed); `status`: a run holds the job
     4  the job was cancelled (`tokenmill cancel`); `run`/`submit` refuse it unless --resume
     5  `status` only: the job is unfinished (pending or partial shards) and no run holds it: submit it again
+    130, 143  `run`/`submit` interrupted by SIGINT (Ctrl-C) / SIGTERM: running shards committed their finished rows
+       and stopped, the lease was released; the same command run again resumes (jobs.interrupt)
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ EXIT_USAGE = 2
 EXIT_LEASE_HELD = 3
 EXIT_CANCELLED = 4
 EXIT_INCOMPLETE = 5
+EXIT_SIGINT = 130  # 128 + the signal's number, the shell's convention
+EXIT_SIGTERM = 143
 
 
 class JobError(Exception):

@@ -76,6 +76,22 @@ class LeaseRecord:
         return f"{self.holder}, lease until {until} ({max(0.0, self.expires_at - time.time()):.0f} s from now)"
 
 
+def holder_gone(holder: str) -> bool:
+    """True when a lease holder (host:pid:random) is a process of this host that no longer exists: its lease can be
+    taken over at once instead of after its expiry. False for other hosts (nothing to check there)."""
+    host, _, rest = holder.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
 class LeaseHeld(JobError):
     """Another run holds the job's lease (exit code 3). `record` is its newest lease record."""
 
@@ -170,7 +186,7 @@ class Lease:
     def acquire(self) -> LeaseRecord:
         """Take the lease. Raises LeaseHeld when another run holds it (or wins the race for it)."""
         newest = _newest(self.fs, self.folder, self.ttl_s)
-        if newest is not None and newest.active() and newest.holder != self.holder:
+        if newest is not None and newest.active() and newest.holder != self.holder and not holder_gone(newest.holder):
             raise LeaseHeld(self.output_url, newest)
         record = self._claim(0 if newest is None else newest.seq + 1)
         if record.holder != self.holder:

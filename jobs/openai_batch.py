@@ -31,7 +31,7 @@ import fsspec
 import pyarrow as pa
 
 from jobs.errors import JobError
-from pipeline.input import InputManifest, _normalized, file_version, read_manifest
+from pipeline.input import InputManifest, absolute_url, file_version, read_manifest
 from pipeline.row_options import ROW_ERROR_COLUMN
 from pipeline.shard import read_committed_accounting, results_path
 from pipeline.storage import commit_table, exists_now, output_fs, read_table
@@ -189,7 +189,7 @@ def read_batch_file(url: str) -> tuple[pa.Table, str, dict[str, str]]:
         raise JobError(f"cannot read the OpenAI batch file {url!r}: {e}; give a UTF-8 .jsonl file") from e
     if table.num_rows == 0:
         raise JobError(f"the OpenAI batch file {url!r} holds no requests")
-    source = {"source": _normalized(url), "size": str(size), "version": version, "endpoint": endpoint}
+    source = {"source": absolute_url(url), "size": str(size), "version": version, "endpoint": endpoint}
     return table, endpoint, source
 
 
@@ -212,7 +212,7 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
         now = file_version(src_fs, src_path)
     except FileNotFoundError:
         now = None
-    if meta.get("source") != _normalized(input_url) or now != (int(meta["size"]), meta["version"]):
+    if meta.get("source") != absolute_url(input_url) or now != (int(meta["size"]), meta["version"]):
         raise JobError(f"{output_url} holds a job started from {meta.get('source')} ({meta.get('size')} bytes, "
                        f"version {meta.get('version')}); {input_url} is another file or has changed since. Restore "
                        "it, or run the new batch file into a new OUTPUT")

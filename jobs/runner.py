@@ -13,9 +13,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import dask
+import pyarrow as pa
+import pyarrow.compute as pc
 from distributed import Client, Future, LocalCluster, as_completed
+from fsspec import AbstractFileSystem
 
 from engine import EngineConfig
 from jobs.control import SUCCESS_NAME, cancel_record, job_done, read_success, resume_cancelled, shard_states
@@ -45,7 +49,7 @@ from pipeline.input import (
 )
 from pipeline.preemption import env_seconds
 from pipeline.shard import ProgressFn, ShardInterrupted, results_path
-from pipeline.storage import commit_json, output_fs
+from pipeline.storage import commit_json, exists_now, output_fs, read_table
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +188,8 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
     for shard, state in zip(shards, shard_states(output_url, shards), strict=True):
         if state.state == "done" and state.accounting is not None:
             summary.add(state.accounting)
-            progress.finish(shard.shard_id, int(state.accounting["rows"]), int(state.accounting["output_tokens"]))
+            # Rows committed by an earlier run: counted as done, but their tokens are not this run's throughput.
+            progress.finish(shard.shard_id, int(state.accounting["rows"]), 0)
         else:
             todo.append(shard)
     return todo
@@ -317,10 +322,16 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
                 progress.finish(shard.shard_id, shard.num_rows, 0)
                 continue
             summary.add(row)
-            progress.finish(shard.shard_id, int(row["rows"]), int(row["output_tokens"]))
+            progress.finish(shard.shard_id, int(row["rows"]), generated_tokens(row))
     finally:
         done_watching.set()
         watcher.join()
+
+
+def generated_tokens(row: dict[str, Any]) -> int:
+    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
+    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count."""
+    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
 
 
 def _take_out(client: Client, worker: str, restart: bool) -> None:
@@ -336,12 +347,33 @@ def _take_out(client: Client, worker: str, restart: bool) -> None:
 
 def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]) -> JobSummary:
     """Stamp the wall time; when every shard is committed, commit OUTPUT/_SUCCESS (the job manifest: its shards and
-    totals; paths relative to OUTPUT). Readers trust a job's output only once _SUCCESS exists."""
+    totals; paths relative to OUTPUT). Readers trust a job's output only once _SUCCESS exists, so it is committed
+    only after checking every shard's results file is there (a shard whose results are not, say written under
+    another folder by a worker, fails instead). Null and repeated ids are counted into the summary."""
     summary.wall_s = time.perf_counter() - t0
     if summary.shards_ok == len(shards) and not summary.failed and not summary.stopped:
         fs, root = output_fs(output_url)
+        for s in shards:
+            if not exists_now(fs, results_path(root, s.shard_id)):
+                summary.failed[s.shard_id] = (f"its results are not at {results_path(output_url, s.shard_id)} "
+                                              "although its task reported them committed; check that the workers "
+                                              "see OUTPUT at the same place as this client, and run the job again")
+        if summary.failed:
+            summary.shards_ok -= len(summary.failed)
+            return summary
+        summary.ids_null, summary.ids_repeated = count_ids(fs, [results_path(root, s.shard_id) for s in shards])
         commit_json(fs, f"{root}/{SUCCESS_NAME}", {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
                         "results": results_path(".", s.shard_id)[2:]} for s in shards],
             "summary": summary.as_dict()})
     return summary
+
+
+def count_ids(fs: AbstractFileSystem, paths: list[str]) -> tuple[int, int]:
+    """(rows with a null id, rows whose id another row has too) over the results files at `paths` (reads only their
+    id column)."""
+    ids = pa.chunked_array([read_table(fs, p, columns=["id"]).column("id") for p in paths], pa.string())
+    nulls = ids.null_count
+    counts = pc.value_counts(ids.drop_null())
+    repeated = pc.sum(pc.filter(counts.field("counts"), pc.greater(counts.field("counts"), 1))).as_py() or 0
+    return nulls, int(repeated)

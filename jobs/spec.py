@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from engine import EngineConfig
 from jobs.errors import JobError
 from jobs.metrics import JobMetrics
 from jobs.openai_batch import prepare_spec
+from jobs.preflight import check_model, check_output
 from jobs.runner import run_job
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
@@ -42,6 +44,12 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         raise JobError(str(e)) from e
 
 
+def checked_spec(spec: JobSpec) -> JobSpec:
+    """The spec with OUTPUT and a local model made absolute, after jobs.preflight's checks of both. Raises JobError
+    (exit 2) naming the problem and the fix."""
+    return dataclasses.replace(spec, output=check_output(spec.output), model=check_model(spec.model))
+
+
 def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,
              on_progress: ProgressFn | None = None, metrics_file: str | None = None) -> JobSummary:
     """Run (or resume, or find finished) the job a spec describes; see jobs.runner.run_job for what happens and
@@ -50,6 +58,7 @@ def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], N
     node_exporter textfile) as the run goes (jobs.metrics)."""
     engine = engine_config(spec)
     run_config(spec)  # bad options stop here, before a batch file is staged under OUTPUT
+    spec = checked_spec(spec)
     try:
         metrics = JobMetrics.from_env(spec.output, spec.model, metrics_file)
     except ValueError as e:

@@ -22,6 +22,8 @@ class JobSummary:
     before this run started (nothing ran). `dtypes` and `quantizations` are the distinct torch dtypes ("bfloat16",
     "float32", ...) and weight quantizations (none, auto, int4, int8) the committed shards ran in, sorted: one value
     each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
+    `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
+    when _SUCCESS is committed; input_file + input_row tell such rows apart).
     """
 
     shards: int = 0
@@ -44,6 +46,8 @@ class JobSummary:
     already_done: bool = False
     dtypes: list[str] = field(default_factory=list)
     quantizations: list[str] = field(default_factory=list)
+    ids_null: int = 0
+    ids_repeated: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -79,7 +83,8 @@ class JobSummary:
                 "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
                 "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
-                "dtypes": self.dtypes, "quantizations": self.quantizations}
+                "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
+                "ids_repeated": self.ids_repeated}
 
 
 def add_distinct(values: list[str], value: str | None) -> None:

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
@@ -82,9 +83,31 @@ def _url(fs: AbstractFileSystem, path: str) -> str:
 
 
 @retry_transient
-def _read_schema_names(fs: AbstractFileSystem, path: str) -> list[str]:
+def _read_schema(fs: AbstractFileSystem, path: str) -> pa.Schema:
     with fs.open(path, "rb") as f:
-        return pq.read_schema(f).names
+        return pq.read_schema(f)
+
+
+def is_text_type(t: pa.DataType) -> bool:
+    """Whether an Arrow column type holds text (string, large_string, string_view)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_messages_type(t: pa.DataType) -> bool:
+    """A list of structs (chat messages), or text (JSON, parsed per row)."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t):
+        return pa.types.is_struct(t.value_type)
+    return is_text_type(t)
+
+
+def _check_column_type(url: str, column: str, t: pa.DataType, messages: bool) -> None:
+    """Raise InputError when a prompt column is not text (or a messages column not a list of {role, content})."""
+    if pa.types.is_null(t) or (_is_messages_type(t) if messages else is_text_type(t)):
+        return  # an all-null column: every row becomes an error row that says so
+    want = ("a list of {role, content} structs, or JSON text" if messages else "text (string)")
+    raise InputError(f"column {column!r} of {url} holds {t}, not {want}. Cast it before the job (e.g. "
+                     f"`table.set_column(i, {column!r}, table[{column!r}].cast(pa.string()))`), or name another "
+                     "column with --prompt-column / --messages-column")
 
 
 @retry_transient
@@ -94,20 +117,23 @@ def _read_num_rows(fs: AbstractFileSystem, path: str) -> int:
 
 
 def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -> str:
-    """Check every readable file has the prompt (or messages) column; return the column to read prompts from.
+    """Check every readable file has the prompt (or messages) column, of a type that holds prompts (text; for
+    messages a list of {role, content} or JSON text); return the column to read prompts from.
 
     Files whose footer cannot be read are skipped here: they fail their own shard later, not the job. Transient
     storage errors are retried, then raised (OSError): a flaky store never makes a good file look corrupt.
-    Raises InputError naming the missing column, the columns found, and the option that fixes it.
+    Raises InputError naming the missing column, the columns found, and the option that fixes it, or naming a column
+    of the wrong type (int64 prompts, say) and how to cast it.
     """
     chosen: str | None = None
     for path in files:
         try:
-            names = _read_schema_names(fs, path)
+            schema = _read_schema(fs, path)
         except Exception as e:  # noqa: BLE001 - a corrupt file fails its shard, not the job
             if is_transient(e):
                 raise
             continue
+        names = schema.names
         if cfg.prompt_column in names:
             column = cfg.prompt_column
         elif cfg.messages_column in names:
@@ -116,6 +142,8 @@ def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -
             raise InputError(
                 f"prompt column {cfg.prompt_column!r} not found in {_url(fs, path)}; columns found: {names}. "
                 f"Name the prompt column with --prompt-column (or the chat messages column with --messages-column)")
+        _check_column_type(_url(fs, path), column, schema.field(column).type,
+                           messages=column == cfg.messages_column != cfg.prompt_column)
         if chosen is not None and column != chosen:
             raise InputError(f"{_url(fs, path)} has column {column!r} but an earlier file has {chosen!r}; "
                              "all input files must use the same prompt column")
@@ -280,8 +308,9 @@ def read_manifest(output_url: str) -> InputManifest | None:
         return None
 
 
-def _normalized(url: str) -> str:
-    """`url` as an absolute fsspec URL, so ./in, in/ and file:///abs/in name the same input."""
+def absolute_url(url: str) -> str:
+    """`url` as an absolute fsspec URL, so ./in, in/ and file:///abs/in name the same place, whatever the working
+    directory of the process that reads it (a Dask worker's is not the client's)."""
     fs, path = fsspec.core.url_to_fs(url)
     return fs.unstrip_protocol(path).rstrip("/")
 
@@ -290,9 +319,9 @@ def check_compatible(manifest: InputManifest, input_url: str, cfg: RunConfig, ou
     """Raise InputError when a run asks for other shards or other results than the job pinned in `manifest`:
     another input, rows_per_shard or limit (shard ids would not match) or another RESULT_OPTIONS value (one OUTPUT
     would mix two kinds of completions). The message names each option, both values, and the fix."""
-    asked = {"input": _normalized(input_url), "rows_per_shard": cfg.rows_per_shard, "limit": cfg.limit,
+    asked = {"input": absolute_url(input_url), "rows_per_shard": cfg.rows_per_shard, "limit": cfg.limit,
              **result_options(cfg)}
-    pinned = {"input": _normalized(manifest.input), "rows_per_shard": manifest.rows_per_shard, "limit": manifest.limit,
+    pinned = {"input": absolute_url(manifest.input), "rows_per_shard": manifest.rows_per_shard, "limit": manifest.limit,
               **manifest.options}
     diffs = [f"{k}: the job has {pinned.get(k)!r}, this run asks for {v!r}" for k, v in asked.items()
              if pinned.get(k) != v]

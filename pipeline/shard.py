@@ -11,6 +11,7 @@ Layout under OUTPUT (every object create-only, never overwritten):
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import zlib
@@ -29,7 +30,7 @@ from pipeline.accounting import accounting_row, bill_earlier_attempts
 from pipeline.attempts import claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
-from pipeline.input import Shard
+from pipeline.input import Shard, is_text_type
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
 from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
@@ -67,19 +68,23 @@ class ShardInterrupted(RuntimeError):
 
 @dataclass(frozen=True)
 class ShardRows:
-    """The rows of one shard: ids (text) and prompts (text, message lists, or None for a missing prompt); per row,
-    optionally, its own sampling values and a request error (pipeline.row_options; None: the input has none)."""
+    """The rows of one shard: ids (text, or None where the id column is null) and prompts (text, message lists, or
+    None for a missing prompt); per row, optionally, its own sampling values and a request error
+    (pipeline.row_options; None: the input has none), and its position in the input file."""
 
-    ids: list[str]
+    ids: list[str | None]
     prompts: list[Any]
     overrides: list[dict[str, Any]] | None = None
     errors: list[str | None] | None = None
+    positions: list[int] | None = None  # each row's position in its input file
 
     def take(self, indices: list[int]) -> ShardRows:
         """The rows at `indices`, in that order."""
-        return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices],
-                         None if self.overrides is None else [self.overrides[k] for k in indices],
-                         None if self.errors is None else [self.errors[k] for k in indices])
+        def pick(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else [values[k] for k in indices]
+
+        return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
+                         pick(self.errors), pick(self.positions))
 
 
 def results_path(root: str, shard_id: str) -> str:
@@ -132,11 +137,15 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str) -> tuple[
     return table, first_row or 0
 
 
-def read_shard(shard: Shard, prompt_column: str, id_column: str) -> ShardRows:
+def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
-    Transient storage errors are retried (pipeline.storage.retry_transient). Raises ShardError (with the file and
-    the reader's message) when the file cannot be read.
+    Ids are the id column's values as text (a null id stays null: results carry input_file and input_row, which
+    name every row), or row positions in the file when the file has no id column. `messages`: the prompt column
+    is a chat messages column; stored as text, each row is parsed as JSON (a row that is not JSON keeps its text
+    and becomes an error row in generate_rows). Transient storage errors are retried
+    (pipeline.storage.retry_transient). Raises ShardError (with the file and the reader's message) when the file
+    cannot be read.
     """
     try:
         table, first_row = _read_row_groups(shard, prompt_column, id_column)
@@ -145,27 +154,72 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str) -> ShardRows:
     start = shard.row_start - first_row
     table = table.slice(start, shard.num_rows)
     prompts = table.column(prompt_column).to_pylist()
+    errors = None
+    if messages and is_text_type(table.schema.field(prompt_column).type):
+        parsed = [_parse_messages(p) for p in prompts]
+        prompts = [p for p, _ in parsed]
+        errors = [e for _, e in parsed]
     if id_column in table.column_names:
-        ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
+        ids: list[str | None] = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
     else:
         ids = [str(shard.row_start + i) for i in range(len(prompts))]
-    ids = [i if i is not None else str(shard.row_start + k) for k, i in enumerate(ids)]
     options = {c: table.column(c).to_pylist() for c in row_option_columns(table.column_names)}
-    return ShardRows(ids, prompts, row_overrides(options, len(ids)), options.get(ROW_ERROR_COLUMN))
+    options_errors = options.get(ROW_ERROR_COLUMN)
+    if errors is None or options_errors is not None:
+        errors = options_errors if errors is None else [a or b for a, b in zip(options_errors, errors, strict=True)]
+    return ShardRows(ids, prompts, row_overrides(options, len(ids)), errors,
+                     list(range(shard.row_start, shard.row_start + len(ids))))
 
 
-def _row_seed(seed: int | None, row_id: str) -> int | None:
-    return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_id.encode())) % (1 << 31)
+def _parse_messages(text: str | None) -> tuple[Any, str | None]:
+    """A messages value stored as JSON text: (the parsed list, None), or (the text, why it is not one)."""
+    if text is None:
+        return None, None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        return text, (f"the messages column holds text that is not JSON ({e}); store a JSON list of "
+                      '{"role": ..., "content": ...} objects, or a list of structs')
+    if not isinstance(value, list):
+        return text, (f"the messages column holds JSON {type(value).__name__}, not a list of "
+                      '{"role": ..., "content": ...} objects')
+    return value, None
+
+
+def _row_seed(seed: int | None, row_key: str) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _messages_problem(messages: list[Any]) -> str | None:
+    """What is wrong with a chat messages list (a message that is not {role, content}, a role outside CHAT_ROLES,
+    content that is not text), or None."""
+    if not messages:
+        return "the messages list is empty; give at least one {role, content} message"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return (f"message {i} is {type(m).__name__} {m!r}, not a {{role, content}} object; give each message "
+                    "as {\"role\": ..., \"content\": ...}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            return f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
+        if not isinstance(content, str):
+            return (f"message {i} ({role}) has content {content!r} of type {type(content).__name__}; content must "
+                    "be text")
+    return None
 
 
 def _prompt_problem(prompt: Any) -> str | None:
     if prompt is None:
         return "the prompt is null; fill in the prompt column for this row"
-    if isinstance(prompt, str) and not prompt.strip():
-        return "the prompt is empty; give it some text"
-    if isinstance(prompt, list) and not prompt:
-        return "the messages list is empty; give at least one {role, content} message"
-    return None
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "the prompt is empty; give it some text"
+    if isinstance(prompt, list):
+        return _messages_problem(prompt)
+    return (f"the prompt is {type(prompt).__name__} {prompt!r}, not text or a list of chat messages; a messages "
+            "column stored as text must hold a JSON list of {role, content} objects")
 
 
 def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
@@ -187,7 +241,8 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
         problem = (rows.errors[k] if rows.errors else None) or _prompt_problem(prompt)
         if not problem:
             try:
-                params.append(row_sampling_params(cfg.sampling_params(_row_seed(cfg.seed, rows.ids[k])),
+                key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
+                params.append(row_sampling_params(cfg.sampling_params(_row_seed(cfg.seed, key)),
                                                   rows.overrides[k] if rows.overrides else None))
             except ValueError as e:
                 problem = f"this row's own sampling values: {e}"
@@ -270,6 +325,14 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
             raise
 
 
+def _results(merged: pa.Table, shard: Shard) -> pa.Table:
+    """The shard's merged parts as RESULTS_SCHEMA: each row with its input file and its position in it."""
+    rows = merged.num_rows
+    table = merged.append_column("input_file", pa.array([shard.url] * rows, pa.string()))
+    table = table.append_column("input_row", pc.add(merged.column("row"), pa.scalar(shard.row_start, pa.int64())))
+    return table.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
+
+
 def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
                  cfg: RunConfig, attempt: int, t0: float, progress: ProgressFn | None, notice: StopSignal,
                  should_stop: Callable[[], bool] | None) -> dict[str, Any]:
@@ -282,7 +345,8 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         kv = merge_parts(fs, parts).column("kv_preemptions")
         rows_resumed = results.num_rows
     else:
-        rows = read_shard(shard, prompt_column, cfg.id_column)
+        rows = read_shard(shard, prompt_column, cfg.id_column,
+                          messages=prompt_column == cfg.messages_column != cfg.prompt_column)
         done = committed_rows(fs, committed_parts(fs, root, shard.shard_id))
         todo = [k for k in range(len(rows.ids)) if k not in done]
         rows_resumed = len(rows.ids) - len(todo)
@@ -309,7 +373,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
             raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {root}/checkpoints/ do not hold "
                                f"rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
         kv = merged.column("kv_preemptions")
-        results = merged.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
+        results = _results(merged, shard)
         if not commit_table(fs, done_path, results):
             results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
     gpu_s = time.monotonic() - t0

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-RESULTS_SCHEMA = pa.schema([
-    pa.field("id", pa.string(), nullable=False, metadata={"doc": "the input row's id (its id column, as text, or "
-                                                                  "its row position in the file)"}),
+# The fields of a finished row, in results and in checkpoint parts alike.
+_ROW_FIELDS = [
+    pa.field("id", pa.string(), metadata={"doc": "the input row's id (its id column, as text; null where that is "
+                                                 "null), or its row position in the file when the input has no id "
+                                                 "column. Ids may repeat: input_file + input_row name a row"}),
     pa.field("completion", pa.string(), metadata={"doc": "generated text; empty on error"}),
     pa.field("finish_reason", pa.string(), nullable=False, metadata={"doc": "stop | length | error"}),
     pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={"doc": "prompt length in tokens"}),
     pa.field("completion_tokens", pa.int32(), nullable=False, metadata={"doc": "generated tokens"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
+]
+
+RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
+    pa.field("input_file", pa.string(), nullable=False, metadata={"doc": "the input file of the row (fsspec URL)"}),
+    pa.field("input_row", pa.int64(), nullable=False,
+             metadata={"doc": "the row's position in input_file, 0-based: unique with input_file, even where ids "
+                              "repeat or are null"}),
 ])
 
 ACCOUNTING_SCHEMA = pa.schema([
@@ -63,10 +72,11 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
 ])
 
-# A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA, plus where each row sits
+# A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA (less input_file and
+# input_row, which the shard adds when it commits its results), plus where each row sits
 # in the shard (the resume and dedupe key: ids may repeat in an input, positions cannot), its KV recompute count and
 # its latency.
-CHECKPOINT_PART_SCHEMA = pa.schema(list(RESULTS_SCHEMA) + [
+CHECKPOINT_PART_SCHEMA = pa.schema(_ROW_FIELDS + [
     pa.field("row", pa.int64(), nullable=False, metadata={"doc": "position of the row in its shard, 0-based"}),
     pa.field("kv_preemptions", pa.int32(), nullable=False, metadata={"doc": "RequestOutput.num_preemptions"}),
     pa.field("latency_s", pa.float64(), metadata={"doc": "seconds from the start of the attempt's generate call to "

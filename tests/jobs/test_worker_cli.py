@@ -45,18 +45,19 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2,
+                     cwd: Path | None = None) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """`dask scheduler` and `workers` x `dask worker ADDRESS --nthreads 1 --resources GPU=1` processes on 127.0.0.1,
-    as the Kubernetes manifests start them; yields the scheduler address and the worker CLI processes once they are
-    all connected. Their output goes to `log`."""
+    as the Kubernetes manifests start them, in the working directory `cwd` (default: this one); yields the scheduler
+    address and the worker CLI processes once they are all connected. Their output goes to `log`."""
     address = f"tcp://127.0.0.1:{_free_port()}"
     out = log.open("ab")
     procs = [subprocess.Popen([str(DASK), "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
-                               "--dashboard-address", ":0"], env=env, stdout=out, stderr=out)]
+                               "--dashboard-address", ":0"], env=env, stdout=out, stderr=out, cwd=cwd)]
     try:
         procs += [subprocess.Popen([str(DASK), "worker", address, "--nthreads", "1", "--resources", "GPU=1",
                                     "--name", f"gpu-{i}", "--host", "127.0.0.1", "--dashboard-address", ":0"],
-                                   env=env, stdout=out, stderr=out) for i in range(workers)]
+                                   env=env, stdout=out, stderr=out, cwd=cwd) for i in range(workers)]
         with Client(address, timeout=WAIT_S) as client:
             if workers:
                 client.wait_for_workers(workers, timeout=WAIT_S)

@@ -31,14 +31,17 @@ def test_read_shard_takes_exactly_its_rows_across_row_groups(tmp_path: Path, gsm
     assert rows.prompts == gsm8k_table.column("question").to_pylist()[5:14]
 
 
-def test_ids_are_row_positions_when_the_id_column_is_absent_or_null(tmp_path: Path, gsm8k_table: pa.Table) -> None:
+def test_ids_are_row_positions_when_the_id_column_is_absent_and_null_ids_stay_null(tmp_path: Path,
+                                                                                     gsm8k_table: pa.Table) -> None:
     path = tmp_path / "noid.parquet"
     pq.write_table(gsm8k_table.select(["question"]).slice(0, 12), path, row_group_size=5)
-    assert read_shard(_shard(path, 6, 12), "question", "id").ids == ["6", "7", "8", "9", "10", "11"]
+    rows = read_shard(_shard(path, 6, 12), "question", "id")
+    assert rows.ids == ["6", "7", "8", "9", "10", "11"] and rows.positions == [6, 7, 8, 9, 10, 11]
+    # A null id is not replaced by the row position: that could collide with a real id ('1' here).
     with_nulls = tmp_path / "nullid.parquet"
-    pq.write_table(pa.table({"id": pa.array([101, None, 103], pa.int64()),
+    pq.write_table(pa.table({"id": pa.array(["1", None, "103"]),
                              "question": gsm8k_table.column("question").to_pylist()[:3]}), with_nulls)
-    assert read_shard(_shard(with_nulls, 0, 3), "question", "id").ids == ["101", "1", "103"]
+    assert read_shard(_shard(with_nulls, 0, 3), "question", "id").ids == ["1", None, "103"]
 
 
 def test_progress_reports_every_row_and_every_output_token(engine: LLMEngine, gsm8k_table: pa.Table) -> None:
@@ -133,3 +136,48 @@ def test_per_row_sampling_columns_win_over_the_job_and_bad_values_become_error_r
                                             [None, "line 3: not valid JSON"]), RunConfig(max_tokens=6))
     assert again[0].text == outs[0].text
     assert (again[1].finish_reason, again[1].error) == ("error", "line 3: not valid JSON")
+
+
+def test_a_malformed_chat_message_is_an_error_row_and_the_rest_of_the_shard_runs(tmp_path: Path, engine: LLMEngine,
+                                                                                 gsm8k_table: pa.Table) -> None:
+    """Role null, content null, content an int, an unknown role: each is an error row naming the message and the
+    fix; the good rows of the same shard (real GSM8K questions) still run. Before: the shard failed with
+    UndefinedError / TypeError from the chat template and lost its good rows."""
+    qs = gsm8k_table.column("question").to_pylist()[60:62]
+    good = [[{"role": "user", "content": qs[0]}], [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": qs[1]}]]
+    bad = [[{"role": None, "content": qs[0]}], [{"role": "user", "content": None}],
+           [{"role": "user", "content": 42}], [{"role": "robot", "content": qs[1]}], ["just text"]]
+    messages = [good[0], *bad, good[1]]
+    outs = generate_rows(engine, ShardRows([f"r{i}" for i in range(len(messages))], messages), RunConfig(max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["length", *["error"] * len(bad), "length"]
+    errors = [o.error for o in outs[1:-1]]
+    assert "role None" in errors[0] and "content None" in errors[1] and "42" in errors[2]
+    assert "'robot'" in errors[3] and "system, user, assistant, tool" in errors[3]
+    assert "message 0" in errors[4]
+    # The same messages stored as JSON text (a CSV import, say) are parsed, not sent as a literal prompt.
+    import json
+
+    path = tmp_path / "json_messages.parquet"
+    pq.write_table(pa.table({"messages": [json.dumps(m) for m in good] + ["not json"]}), path)
+    rows = read_shard(_shard(path, 0, 3), "messages", "id", messages=True)
+    assert rows.prompts[:2] == good
+    outs = generate_rows(engine, rows, RunConfig(max_tokens=4))
+    assert [o.finish_reason for o in outs] == ["length", "length", "error"]
+    assert "not JSON" in outs[2].error
+
+
+def test_a_prompt_column_of_the_wrong_type_is_refused_before_the_job(tmp_path: Path, gsm8k_table: pa.Table) -> None:
+    """int64 prompts used to run to _SUCCESS with every row an error; now validate_columns names the type and the
+    cast. A messages column of text (JSON) or of structs passes."""
+    from pipeline.input import validate_columns
+
+    path = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"id": gsm8k_table.column("id").slice(0, 3), "prompt": pa.array([1, 2, 3])}), path)
+    fs, files = resolve_inputs(str(path))
+    with pytest.raises(InputError, match=r"'prompt' .* holds int64, not text .*cast"):
+        validate_columns(fs, files, RunConfig())
+    msgs = tmp_path / "msgs.parquet"
+    pq.write_table(pa.table({"messages": ['[{"role": "user", "content": "hi"}]']}), msgs)
+    fs, files = resolve_inputs(str(msgs))
+    assert validate_columns(fs, files, RunConfig()) == "messages"

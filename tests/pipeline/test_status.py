@@ -79,7 +79,8 @@ def test_accounting_written_before_the_dtype_columns_still_reads(tmp_path: Path)
     shard_id = "00000-000000000"
     attempt, _ = claim_attempt(fs, root, shard_id)
     results = pa.Table.from_pylist([{"id": "0", "completion": "Natalia sold 48 clips", "finish_reason": "length",
-                                     "prompt_tokens": 12, "completion_tokens": 5, "error": None, "model": "m"}],
+                                     "prompt_tokens": 12, "completion_tokens": 5, "error": None, "model": "m",
+                                     "input_file": "file:///in.parquet", "input_row": 0}],
                                    schema=RESULTS_SCHEMA)
     commit_table(fs, results_path(root, shard_id), results)
     row = accounting_row(shard_id=shard_id, attempt=attempt, input_path="file:///in.parquet", row_start=0,

@@ -13,11 +13,13 @@ from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 def test_results_schema_columns_types_and_nullability() -> None:
     assert RESULTS_SCHEMA.names == ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
-                                    "error", "model"]
+                                    "error", "model", "input_file", "input_row"]
     types = {f.name: f.type for f in RESULTS_SCHEMA}
     assert types["id"] == pa.string() and types["prompt_tokens"] == pa.int32() == types["completion_tokens"]
+    assert types["input_row"] == pa.int64()
     nullable = {f.name for f in RESULTS_SCHEMA if f.nullable}
-    assert nullable == {"completion", "error"}  # error is null exactly when the row ran
+    # error is null exactly when the row ran; a null id stays null (input_file + input_row name every row)
+    assert nullable == {"id", "completion", "error"}
 
 
 def test_accounting_schema_has_the_bill() -> None:

@@ -1,0 +1,70 @@
+"""SIGINT (Ctrl-C) and SIGTERM to a real `tokenmill run` process mid-job, on real GSM8K rows: the shards commit and
+stop, the lease is released, the message says what to do, the exit code is 130 / 143; the same command run again
+(no --resume, no wait for a lease to expire) finishes the job with every row exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.lease import Lease
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 600.0
+ROWS = 12
+
+
+@pytest.fixture()
+def rows(tmp_path: Path, data_dir: Path) -> Path:
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(400, ROWS), path)
+    return path
+
+
+def _args(rows: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column", "question",
+            "--max-tokens", "48", "--rows-per-shard", "6", "--checkpoint-rows", "1", "--max-num-seqs", "2",
+            "--device", "cpu", "--json"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_client_stops_cleanly_and_a_rerun_resumes(rows: Path, tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENMILL_STOP_POLL_S="0.2")
+    proc = subprocess.Popen(_args(rows, out), env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first progress line: rows are being generated
+        if line.startswith('{"event": "progress"'):
+            break
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 128 + signum, stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr and "Run the same command again" in stderr
+    status = subprocess.run([sys.executable, "-m", "jobs.cli", "status", str(out), "--json"], env=env,
+                            capture_output=True, text=True, timeout=WAIT_S)
+    st = json.loads(status.stdout)
+    assert st["lease"] is None and st["cancelled"] is None and st["state"] != "running"
+    assert st["shard_states"] and "running" not in st["shard_states"].values()
+
+    again = subprocess.run(_args(rows, out), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
+    assert again.returncode == 0, again.stderr
+    results = pq.read_table(out / "results")
+    assert sorted(results.column("input_row").to_pylist()) == list(range(ROWS))
+
+
+def test_a_lease_of_a_process_gone_from_this_host_is_taken_over_at_once(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = str(tmp_path / "out")
+    Lease(out, ttl_s=600, holder=f"{socket.gethostname()}:{dead.pid}:gone").acquire()  # never released
+    with Lease(out, ttl_s=600) as lease:  # no LeaseHeld, no 600 s wait
+        assert lease.seq == 1
