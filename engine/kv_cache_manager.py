@@ -172,7 +172,8 @@ class KVCacheManager:
         tokens of `computed_blocks`, prefix-cache hits from `get_computed_blocks` for a request with no blocks yet).
 
         Returns the request's block table (block ids, in order) or None when the pool cannot fit them; the caller
-        then preempts. On success with hits, request.num_computed_tokens advances past them.
+        then preempts. Reads the request, never writes it: on success with hits the scheduler advances
+        num_computed_tokens past them.
         Raises ValueError if num_new_tokens < 1. Source: PagedAttention (SOSP 2023), §4.2.
         """
         if num_new_tokens < 1:
@@ -192,7 +193,6 @@ class KVCacheManager:
         self.pool.num_cache_hits += len(computed_blocks)
         table = table + computed_blocks + (self.pool.allocate(need) if need > 0 else [])
         self.block_tables[request.request_id] = table
-        request.num_computed_tokens = num_computed
         if computed_blocks:
             self._num_cached[request.request_id] = len(computed_blocks)
         return table

@@ -70,6 +70,9 @@ class LLMEngine:
         max_model_len: most tokens (prompt + output) per request.
         device_name: "cpu" or the GPU's name, for accounting.
         num_kv_blocks, block_size: the KV pool's geometry.
+        kv_cache_manager: block tables, block pool and prefix cache (engine.kv_cache_manager); the KV tensors
+            themselves are the runner's `kv_caches`.
+        scheduler: request queues and state (engine.scheduler).
     """
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
@@ -89,15 +92,16 @@ class LLMEngine:
         limit = model_config.max_position_embeddings
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   eos_token_id=self.eos_token_id, max_model_len=self.max_model_len)
         attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
-        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
         self.num_steps = 0
 
     @classmethod
@@ -193,58 +197,29 @@ class LLMEngine:
         raise ValueError("a prompt must be non-empty text, a list of {role, content} messages, or a list of token "
                          f"ids; got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
-    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, index: int,
+    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                       use_chat_template: bool) -> Request:
         token_ids = self._prompt_token_ids(prompt, use_chat_template)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                              f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        return Request(request_id, token_ids, params, index, detokenizer)
-
-    def _check_stop(self, req: Request) -> str | None:
-        """finish_reason after the token just appended, or None to go on."""
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if not sp.ignore_eos and token == self.eos_token_id:
-            return "stop"
-        if token in sp.stop_token_ids:
-            return "stop"
-        # Only requests with stop strings need their text every step: a few new tokens decoded, a few characters
-        # searched. The others are decoded once, in _output.
-        if sp.stop and req.detokenizer is not None and req.detokenizer.update(req.output_token_ids) is not None:
-            return "stop"
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return Request(request_id, token_ids, params, detokenizer)
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (as vLLM's `LLM.reset_prefix_cache`): the next `generate` computes every prompt
         from scratch. Returns the number of cached KV blocks forgotten. Raises RuntimeError while requests run."""
         if self.scheduler.has_unfinished:
             raise RuntimeError("reset_prefix_cache while requests are running; call it between generate calls")
-        return self.kv_cache.pool.reset_prefix_cache()
+        return self.kv_cache_manager.pool.reset_prefix_cache()
 
     def step(self) -> list[Request]:
         """Schedule and run one step; return the requests that finished in it."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
-        sampled = self.runner.execute(plan.scheduled, self.kv_cache.block_tables)
-        for req, n in plan.scheduled:
-            req.num_computed_tokens += n
-            self.kv_cache.cache_full_blocks(req)
-        finished = []
-        now = time.perf_counter()
-        for req, token in sampled:
-            req.append_output_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = self._check_stop(req)
-            if reason is not None:
-                req.finish_time = now
-                self.scheduler.finish(req, reason)
-                finished.append(req)
+        sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
+        finished = self.scheduler.update_from_output(plan, sampled)
         self.num_steps += 1
         return finished
 
@@ -295,7 +270,7 @@ class LLMEngine:
         requests: list[Request] = []
         for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
-                requests.append(self._make_request(rid, prompt, sp, i, use_chat_template))
+                requests.append(self._make_request(rid, prompt, sp, use_chat_template))
                 index_of[rid] = i
             except ValueError as e:
                 outputs[i] = RequestOutput(rid, [], [], "", "error", error=str(e))

@@ -21,14 +21,14 @@ class Request:
 
     NOTE: prefill, chunked prefill, decode and recompute after preemption all follow from two counters:
     `num_computed_tokens` (tokens whose K/V are in the cache) against `num_tokens` (prompt + output). A step feeds
-    tokens [num_computed_tokens, num_computed_tokens + n) and samples only when it reaches `num_tokens`.
+    tokens [num_computed_tokens, num_computed_tokens + n) and samples only when it reaches `num_tokens`. Only the
+    scheduler (engine.scheduler.Scheduler) changes a request's counters, status and finish_reason.
 
     Attributes:
         request_id: caller's id (string).
         prompt_token_ids: the prompt (tokens).
         output_token_ids: generated tokens so far.
         sampling_params: how to sample and when to stop.
-        arrival_index: admission order (for preempting the newest first).
         num_computed_tokens: tokens whose K/V are in this request's blocks.
         num_preemptions: times the request lost its blocks and went back to waiting.
         finish_reason: "stop" | "length" once finished, else None.
@@ -38,7 +38,7 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 arrival_index: int, detokenizer: IncrementalDetokenizer | None = None) -> None:
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
         self.request_id = request_id
@@ -46,7 +46,6 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.arrival_index = arrival_index
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

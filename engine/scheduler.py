@@ -1,4 +1,6 @@
-"""Iteration-level scheduling: which requests run this step, and how many tokens each. Plain Python, no torch.
+"""Iteration-level scheduling: which requests run this step, how many tokens each, and what a step's output does to
+them. Plain Python, no torch. The scheduler owns request state: only it changes a request's counters, status and
+finish reason (vLLM v1's shape: `schedule()` plans a step, `update_from_output()` applies its sampled tokens).
 
 Sources: Yu et al., "Orca: A Distributed Serving System for Transformer-Based Generative Models" (OSDI 2022) for
 iteration-level scheduling; Agrawal et al., "Sarathi-Serve" (OSDI 2024) for chunked prefill under a token budget;
@@ -7,8 +9,9 @@ Kwon et al., PagedAttention (SOSP 2023) for preemption by recomputation.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from engine.kv_cache_manager import KVCacheManager
@@ -23,15 +26,36 @@ class ScheduledRequest(NamedTuple):
 
 
 class SchedulerOutput(NamedTuple):
-    """The plan of one step. `preempted` lost their blocks this step and wait to be recomputed."""
+    """The plan of one step: the requests that run and how many tokens each feeds."""
 
     scheduled: list[ScheduledRequest]
-    preempted: list[Request]
 
     @property
     def num_batched_tokens(self) -> int:
         """Tokens fed to the model this step."""
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def check_stop(request: Request, eos_token_id: int | None, max_model_len: int) -> str | None:
+    """finish_reason after the token just appended to `request`, or None to go on.
+
+    "stop": EOS (unless ignore_eos), one of stop_token_ids, or a stop string completed in the text (requests with
+    stop strings only: their incremental detokenizer searches the new characters); "length": max_tokens output
+    tokens, or max_model_len tokens in all.
+    """
+    sp = request.sampling_params
+    token = request.output_token_ids[-1]
+    if not sp.ignore_eos and token == eos_token_id:
+        return "stop"
+    if token in sp.stop_token_ids:
+        return "stop"
+    # Only requests with stop strings need their text every step: a few new tokens decoded, a few characters
+    # searched. The others are decoded once, when their output is built.
+    if sp.stop and request.detokenizer is not None and request.detokenizer.update(request.output_token_ids) is not None:
+        return "stop"
+    if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= max_model_len:
+        return "length"
+    return None
 
 
 class Scheduler:
@@ -43,20 +67,27 @@ class Scheduler:
     If nothing was preempted, waiting requests are admitted while `max_num_seqs`, the token budget and the pool
     allow, starting past any prefix-cache hits; a request whose next full block another request computes in this
     step waits for the next step and takes that block from the cache. A long prompt is prefilled in chunks across
-    steps.
+    steps. After the model ran, `update_from_output` advances the counters, appends the sampled tokens, and
+    finishes and frees the requests that hit a stop condition.
 
     Args:
-        kv_cache: the block tables and pool.
+        kv_cache_manager: the block tables and pool.
         max_num_seqs: most running requests.
         max_num_batched_tokens: tokens per step, prefill chunks and decodes together.
+        eos_token_id: the model's end-of-sequence token (None: none).
+        max_model_len: most tokens (prompt + output) of a request; reaching it finishes the request ("length").
+    Raises ValueError when a limit is below 1.
     """
 
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 eos_token_id: int | None = None, max_model_len: int = 1 << 62) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -76,16 +107,16 @@ class Scheduler:
         """Plan one step. Never drops a request: the pool running dry preempts, it does not fail."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        preempted = False
         pending: set[int] = set()  # hashes of the full blocks this step computes
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv_cache.allocate_slots(req, n) is None:
+            while self.kv_cache_manager.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
@@ -95,7 +126,41 @@ class Scheduler:
                 i += 1
         if not preempted:
             self._admit(scheduled, pending, budget)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Sequence[tuple[Request, int]],
+                           now: float | None = None) -> list[Request]:
+        """Apply a step's results: every scheduled request's `num_new_tokens` are now in the KV cache (their full
+        blocks registered for prefix caching); each (request, token) in `sampled` (the requests whose step reached
+        their last token) gets its token appended, its first-token time set, and is finished and freed when
+        `check_stop` says so. `now`: time.perf_counter() seconds of the step's end (default: now).
+        Returns the requests that finished in this step."""
+        now = time.perf_counter() if now is None else now
+        for req, n in output.scheduled:
+            req.num_computed_tokens += n
+            self.kv_cache_manager.cache_full_blocks(req)
+        finished = []
+        for req, token in sampled:
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = check_stop(req, self.eos_token_id, self.max_model_len)
+            if reason is not None:
+                req.finish_time = now
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def abort_all(self) -> list[Request]:
+        """Drop every waiting and running request (a spot notice: stop now). Frees their blocks, marks them
+        FINISHED with finish_reason "abort", and returns them (running ones first)."""
+        aborted = self.running + list(self.waiting)
+        for req in aborted:
+            self.kv_cache_manager.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+        self.running, self.waiting = [], deque()
+        return aborted
 
     def _admit(self, scheduled: list[ScheduledRequest], pending: set[int], budget: int) -> None:
         """Admit waiting requests in queue order while max_num_seqs, the token budget and the pool allow.
@@ -105,20 +170,22 @@ class Scheduler:
         another request waits one step, then finds that block in the prefix cache instead of computing it again.
         Offline jobs send the same system prompt or template head on every row, so this saves that much prefill
         per request. At most max_num_seqs requests are passed over per step; their order in the queue is kept."""
+        kv = self.kv_cache_manager
         deferred: list[Request] = []
         while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
                and len(deferred) < self.max_num_seqs):
             req = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(req)
-            if pending and self.kv_cache.enable_prefix_caching:
-                hashes = self.kv_cache.block_hashes(req)
+            hits = kv.get_computed_blocks(req)
+            if pending and kv.enable_prefix_caching:
+                hashes = kv.block_hashes(req)
                 if len(hits) < len(hashes) and hashes[len(hits)] in pending:
                     deferred.append(self.waiting.popleft())
                     continue
-            n = min(req.num_tokens - len(hits) * self.kv_cache.block_size, budget)
-            if self.kv_cache.allocate_slots(req, n, hits) is None:
+            n = min(req.num_tokens - len(hits) * kv.block_size, budget)
+            if kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.popleft()
+            req.num_computed_tokens += len(hits) * kv.block_size
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n))
@@ -128,16 +195,18 @@ class Scheduler:
 
     def _add_pending(self, pending: set[int], req: Request, num_new_tokens: int) -> None:
         """Add the hashes of the full blocks `req` completes by computing `num_new_tokens` more tokens."""
-        if not self.kv_cache.enable_prefix_caching:
+        kv = self.kv_cache_manager
+        if not kv.enable_prefix_caching:
             return
-        bs = self.kv_cache.block_size
+        bs = kv.block_size
         first = req.num_computed_tokens // bs
         last = min((req.num_computed_tokens + num_new_tokens) // bs, (req.num_tokens - 1) // bs)
         if last > first:
-            pending.update(self.kv_cache.block_hashes(req, last)[first:])
+            pending.update(kv.block_hashes(req, last)[first:])
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        """The one place a running request loses its blocks: back to the head of the queue, to be recomputed."""
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -145,20 +214,8 @@ class Scheduler:
         # Head of the queue: a preempted request resumes before new ones are admitted.
         self.waiting.appendleft(request)
 
-    def abort_all(self) -> list[Request]:
-        """Drop every waiting and running request (a spot notice: stop now). Frees their blocks, marks them
-        FINISHED with finish_reason "abort", and returns them (running ones first)."""
-        aborted = self.running + list(self.waiting)
-        for req in aborted:
-            self.kv_cache.free(req)
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-        self.running, self.waiting = [], deque()
-        return aborted
-
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark `request` finished with `reason` ("stop" | "length") and free its blocks."""
+    def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv_cache.free(request)
+        self.kv_cache_manager.free(request)
         self.running.remove(request)

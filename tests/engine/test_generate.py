@@ -110,17 +110,17 @@ def test_prefix_caching_reuses_shared_blocks_and_keeps_outputs(engine: LLMEngine
     with_cache = cached.generate(prompts, params)
     without = plain.generate(prompts, params)
     shared_blocks = 40 // cached.block_size  # the system prompt and template span > 40 tokens
-    assert cached.kv_cache.pool.num_cache_hits >= 5 * shared_blocks
-    assert plain.kv_cache.pool.num_cache_hits == 0
+    assert cached.kv_cache_manager.pool.num_cache_hits >= 5 * shared_blocks
+    assert plain.kv_cache_manager.pool.num_cache_hits == 0
     assert [o.output_token_ids for o in with_cache] == [o.output_token_ids for o in without]
-    cached.kv_cache.check_integrity()
+    cached.kv_cache_manager.check_integrity()
     # After reset_prefix_cache the first request of a rerun finds nothing cached (cold, as on a fresh engine).
     assert cached.reset_prefix_cache() > 0
-    hits = cached.kv_cache.pool.num_cache_hits
+    hits = cached.kv_cache_manager.pool.num_cache_hits
     cold = cached.generate(prompts[:1], params)
-    assert cached.kv_cache.pool.num_cache_hits == hits
+    assert cached.kv_cache_manager.pool.num_cache_hits == hits
     assert cold[0].output_token_ids == without[0].output_token_ids
-    cached.kv_cache.check_integrity()
+    cached.kv_cache_manager.check_integrity()
 
 
 def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: LLMEngine,
@@ -137,8 +137,8 @@ def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: L
     assert sorted(by_reason["length"]) == sorted(finished) == [str(i) for i in range(0, len(prompts), 2)]
     assert sorted(by_reason["abort"]) == [str(i) for i in range(1, len(prompts), 2)]
     assert all(o.num_output_tokens == 0 and o.num_prompt_tokens > 0 for o in outs if o.finish_reason == "abort")
-    assert small.kv_cache.pool.num_free_blocks == small.num_kv_blocks
-    small.kv_cache.check_integrity()
+    assert small.kv_cache_manager.pool.num_free_blocks == small.num_kv_blocks
+    small.kv_cache_manager.check_integrity()
     # The engine is reusable afterwards: the aborted requests run to the same tokens as an undisturbed run.
     again = small.generate(prompts[1::2], params[1::2])
     alone = engine.generate(prompts[1::2], params[1::2])
@@ -159,8 +159,8 @@ def test_a_failing_callback_propagates_and_leaves_the_engine_clean(engine: LLMEn
     with pytest.raises(OSError, match="commit failed"):
         small.generate(prompts, params, on_output=fail)
     assert not small.scheduler.has_unfinished
-    assert small.kv_cache.pool.num_free_blocks == small.num_kv_blocks
-    small.kv_cache.check_integrity()
+    assert small.kv_cache_manager.pool.num_free_blocks == small.num_kv_blocks
+    small.kv_cache_manager.check_integrity()
     again = small.generate(prompts, params)
     alone = engine.generate(prompts, params)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in alone]

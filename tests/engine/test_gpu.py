@@ -81,7 +81,7 @@ def test_kv_pool_overflow_completes_through_preemption(gpu_fp32: LLMEngine, gsm8
     pressured = tight.generate(prompts, params)
     assert tight.scheduler.num_preemptions >= 1
     assert [o.output_token_ids for o in pressured] == [o.output_token_ids for o in roomy]
-    tight.kv_cache.check_integrity()
+    tight.kv_cache_manager.check_integrity()
 
 
 def test_memory_stays_within_gpu_memory_utilization(gguf_path: str, gsm8k_questions: list[str]) -> None:

@@ -36,8 +36,8 @@ def test_greedy_matches_hf_with_preemption(gguf_path: str, gsm8k_questions: list
 
     assert engine.scheduler.num_preemptions >= 1
     assert all(o.num_prompt_tokens > 3 * cfg.block_size for o in outs)
-    engine.kv_cache.check_integrity()
-    assert engine.kv_cache.num_free_blocks == cfg.num_kv_blocks  # nothing leaked after a full run
+    engine.kv_cache_manager.check_integrity()
+    assert engine.kv_cache_manager.num_free_blocks == cfg.num_kv_blocks  # nothing leaked after a full run
 
     model, tok = hf_model_and_tokenizer
     mismatches = []

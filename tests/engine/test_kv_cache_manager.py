@@ -10,7 +10,7 @@ from engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, n_prompt: int, first: int = 100) -> Request:
-    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(), 0)
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams())
 
 
 def test_pool_allocate_free_and_refcounts() -> None:
@@ -81,12 +81,13 @@ def test_prefix_cache_shares_full_blocks_of_a_common_prefix() -> None:
     kv = KVCacheManager(num_blocks=20, block_size=4)
     a = _req("a", 10)  # blocks [0-3] [4-7] [8-9]
     table_a = _prefill(kv, a)
-    b = Request("b", a.prompt_token_ids[:8] + [7, 7, 7], SamplingParams(), 1)  # same first 8 tokens
+    b = Request("b", a.prompt_token_ids[:8] + [7, 7, 7], SamplingParams())  # same first 8 tokens
     hits = kv.get_computed_blocks(b)
     assert hits == table_a[:2]
     table_b = kv.allocate_slots(b, 3, hits)
     assert table_b is not None and table_b[:2] == table_a[:2] and table_b[2] != table_a[2]
-    assert b.num_computed_tokens == 8  # only the 3 new tokens are left to compute
+    # The manager reads requests, never writes them: the scheduler advances b past its 8 cached tokens.
+    assert b.num_computed_tokens == 0
     assert kv.pool.ref_counts[table_a[0]] == 2
     kv.check_integrity()
     kv.free(a)
