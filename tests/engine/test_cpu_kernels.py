@@ -19,7 +19,7 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     built = cpu_ops()
     if built is None:
         pytest.fail("the CPU kernels did not build (g++ and ninja are test dependencies); see the warning above")

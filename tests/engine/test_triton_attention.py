@@ -241,7 +241,7 @@ def test_kernels_compile_for_sm90() -> None:
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:  # noqa: ANN001
+def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:
     # The whole engine (chunked prefill, mixed prefill/decode steps, decode, preemption-free) on the Triton kernels:
     # a 2-layer random model with the real tokenizer and real prompts keeps the interpreter fast enough.
     from engine import EngineConfig, LLMEngine, SamplingParams
