@@ -107,9 +107,9 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
 
     from engine.loader import default_model_path
     from engine.perplexity import perplexity, text_token_ids
-    from engine.quant.handler import LINEAR_MODULES
     from engine.quant.loading import load_model
     from engine.quant.qparams import quantize_int4
+    from engine.quant.state import LINEAR_MODULES
 
     ref = load_model(default_model_path(), torch.float32, torch.device("cpu"), quantization="none")
     texts = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()
@@ -147,8 +147,8 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
     from engine.loader import default_model_path
     from engine.perplexity import perplexity, text_token_ids
     from engine.quant.folder import folder_bytes
-    from engine.quant.handler import quantize_model
     from engine.quant.loading import load_model, quantize_to_folder
+    from engine.quant.quantize import quantize_model
 
     path = default_model_path()
     cpu_dev = torch.device("cpu")
@@ -219,7 +219,7 @@ def _kernel_sweep(dev: torch.device) -> None:
 
 def cuda(batches: list[int], prompt_len: int, max_tokens: int) -> None:
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.quant.handler import quantize_model
+    from engine.quant.quantize import quantize_model
 
     dev = torch.device("cuda")
     _emit(device=torch.cuda.get_device_name(dev), torch=torch.__version__)

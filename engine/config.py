@@ -61,8 +61,10 @@ class EngineConfig:
         dtype: "float32", "bfloat16" or "float16" for activations, weights and KV cache ("auto" = bfloat16 on cuda
             and on cpus with native bf16 (AVX512-BF16 / AMX), float32 on other cpus).
         block_size: tokens per KV cache block (PagedAttention, Kwon et al., SOSP 2023).
-        num_kv_blocks: blocks in the KV pool; None sizes it from `kv_cache_memory_bytes` (cpu) or from the free
-            device memory times `gpu_memory_utilization` (cuda).
+        num_kv_blocks: blocks in the KV pool; None sizes it from `kv_cache_memory_bytes` (cpu), or (cuda) from
+            `gpu_memory_utilization` x the GPU's total memory minus what is already in use (weights included) and
+            the logits of the largest step; either way capped at what max_num_seqs requests of max_model_len tokens
+            could ever hold.
         kv_cache_memory_bytes: KV pool size in bytes on cpu when num_kv_blocks is None.
         gpu_memory_utilization: share (0, 1] of the GPU's total memory the engine may hold, weights included.
         max_num_seqs: most requests decoding at once.

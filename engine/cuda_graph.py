@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.model import LlamaModel
+from engine.model import AttentionFn, LlamaModel
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -30,7 +30,8 @@ class DecodeGraphs:
     """Captured decode steps, one per bucket, sharing one memory pool and one set of static inputs.
 
     Args:
-        model: the decoder (its attn_fn must be capturable: no host syncs, grid from the NOTE above).
+        model: the decoder.
+        attn_fn: its paged attention; must be capturable (no host syncs, grid from the NOTE above).
         kv_caches: the per-layer (k_cache, v_cache) tensors, [num_blocks + 1, block_size, kv_heads, head_dim]
             each; the last block is the scratch block.
         max_num_seqs: the largest bucket.
@@ -38,9 +39,10 @@ class DecodeGraphs:
         max_model_len: upper bound of any sequence length, in tokens.
     """
 
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 max_blocks_per_seq: int, max_model_len: int) -> None:
+    def __init__(self, model: LlamaModel, attn_fn: AttentionFn, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int) -> None:
         self.model = model
+        self.attn_fn = attn_fn
         self.kv_caches = kv_caches
         k0 = kv_caches[0][0]
         self.device = k0.device
@@ -70,7 +72,7 @@ class DecodeGraphs:
         """Capture every bucket, largest first, so smaller ones reuse its memory pool."""
         pool = None
         for b in reversed(self.sizes):
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b), self.attn_fn)
             torch.cuda.synchronize(self.device)
             self.model(*args)  # warm-up: autotuning and lazy inits happen outside the capture
             torch.cuda.synchronize(self.device)

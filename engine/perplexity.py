@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel
+from engine.sequence_forward import forward_sequence
 from engine.tokenizer import Tokenizer
 
-_BLOCK_SIZE = 16
 _LOGIT_ROWS = 256  # logits are materialized this many rows at a time: [256, vocab] fp32 instead of [context, vocab]
 
 
@@ -40,12 +39,7 @@ class PerplexityResult:
 def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, int]:
     """(summed NLL in nats, tokens scored) of one chunk: token_ids int64 [n] on the model's device, n >= 2."""
     n = token_ids.shape[0]
-    cfg = model.config
-    device = token_ids.device
-    caches = [private_kv_cache(n, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-              for _ in range(cfg.num_layers)]
-    meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
-    hidden = model(token_ids, torch.arange(n, device=device), caches, meta)
+    hidden = forward_sequence(model, token_ids, kv_dtype)
     total = 0.0
     for start in range(0, n - 1, _LOGIT_ROWS):
         end = min(start + _LOGIT_ROWS, n - 1)
@@ -63,13 +57,7 @@ def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: tor
     weight = next(model.parameters())
     device = device or weight.device
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
-    n = ids.shape[0]
-    cfg = model.config
-    kv_dtype = kv_dtype or weight.dtype
-    caches = [private_kv_cache(n, _BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-              for _ in range(cfg.num_layers)]
-    meta = AttentionMetadata.single_prefill(n, _BLOCK_SIZE, device)
-    hidden = model(ids, torch.arange(n, device=device), caches, meta)
+    hidden = forward_sequence(model, ids, kv_dtype or weight.dtype)
     return model.compute_logits(hidden[-1:]).float()[0]
 
 

@@ -52,6 +52,23 @@ class Tokenizer:
         self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
 
     @classmethod
+    def from_model_path(cls, path: str) -> Tokenizer:
+        """The tokenizer of a local model: a GGUF file's (`from_gguf`, cached) or a tokenmill model folder's (the HF
+        tokenizer files saved in it). Raises OSError when `path` cannot be read."""
+        if not os.path.isdir(path):
+            return cls.from_gguf(path)
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        return cls(AutoTokenizer.from_pretrained(path))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (what engine.quant.folder saves beside a model's weights)."""
+        return self._tok
+
+    @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
         """Load the tokenizer (vocab, merges, special tokens, chat template) stored in a GGUF file.
 
@@ -63,7 +80,7 @@ class Tokenizer:
         if (cached / "tokenizer.json").is_file():
             try:
                 return cls(AutoTokenizer.from_pretrained(cached))
-            except Exception as e:  # noqa: BLE001 - a damaged cache entry: rebuild it from the model file
+            except Exception as e:  # a damaged cache entry: rebuild it from the model file
                 log.warning("ignoring the cached tokenizer at %s (%s); rebuilding it from %s", cached, e, path)
                 shutil.rmtree(cached, ignore_errors=True)
         hf_logging.disable_progress_bar()

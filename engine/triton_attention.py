@@ -45,7 +45,7 @@ def triton_available() -> bool:
     return _interpreting() or torch.cuda.is_available()
 
 
-def _kernels():  # noqa: ANN202 - returns the lazily imported kernels module
+def _kernels():  # returns the lazily imported kernels module
     """Import the `@triton.jit` kernels on first use (importing them imports triton)."""
     from engine import triton_attention_kernels
 

@@ -181,5 +181,5 @@ class _Without:
     def __init__(self, registry: CollectorRegistry, leave_out: str) -> None:
         self.registry, self.leave_out = registry, leave_out
 
-    def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
+    def collect(self):  # prometheus_client's Collector protocol
         return [m for m in self.registry.collect() if m.name != self.leave_out]

@@ -63,7 +63,7 @@ class EnginePlugin(WorkerPlugin):
 
                 torch.set_num_threads(self.torch_threads)
             self._engine = LLMEngine.from_model(self.model, self.engine_config)
-        except BaseException as e:  # noqa: BLE001 - surfaced to every task that asks for the engine
+        except BaseException as e:  # surfaced to every task that asks for the engine
             self._error = e
         finally:
             self._loaded.set()
@@ -262,7 +262,7 @@ class DrainNannyPlugin(NannyPlugin):
             if reply.get("status") == "OK" and reply["result"]:
                 log.warning("worker %s still runs %d shards after %.0f s; closing it", address, reply["result"],
                             timeout_s)
-        except Exception as e:  # noqa: BLE001 - the worker may be gone already; the nanny's close goes on
+        except Exception as e:  # the worker may be gone already; the nanny's close goes on
             log.info("could not drain worker %s: %s", address, e)
 
 

@@ -47,7 +47,7 @@ def _user() -> str:
         import getpass
 
         return getpass.getuser()
-    except Exception:  # noqa: BLE001 - only for the message
+    except Exception:  # only for the message
         return f"uid {os.getuid()}"
 
 

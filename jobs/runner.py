@@ -317,7 +317,7 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
                 else:
                     summary.failed[shard.shard_id] = f"ShardInterrupted {tries + 1} times; last: {e}"
                 continue
-            except Exception as e:  # noqa: BLE001 - one failed shard never fails the others
+            except Exception as e:  # one failed shard never fails the others
                 summary.failed[shard.shard_id] = f"{type(e).__name__}: {e}"
                 progress.finish(shard.shard_id, shard.num_rows, 0)
                 continue
@@ -341,7 +341,7 @@ def _take_out(client: Client, worker: str, restart: bool) -> None:
             client.restart_workers([worker], raise_for_error=False)
         else:
             client.retire_workers([worker], close_workers=True)
-    except Exception as e:  # noqa: BLE001 - the worker may be gone already
+    except Exception as e:  # the worker may be gone already
         log.info("could not take preempted worker %s out: %s", worker, e)
 
 

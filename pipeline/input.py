@@ -129,7 +129,7 @@ def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -
     for path in files:
         try:
             schema = _read_schema(fs, path)
-        except Exception as e:  # noqa: BLE001 - a corrupt file fails its shard, not the job
+        except Exception as e:  # a corrupt file fails its shard, not the job
             if is_transient(e):
                 raise
             continue
@@ -155,7 +155,7 @@ def _num_rows(fs: AbstractFileSystem, path: str) -> int | None:
     """Rows in the file from its footer; None when the footer cannot be read (the file's shard then fails)."""
     try:
         return _read_num_rows(fs, path)
-    except Exception as e:  # noqa: BLE001 - planned as one shard that reports the error when it runs
+    except Exception as e:  # planned as one shard that reports the error when it runs
         if is_transient(e):
             raise
         return None

@@ -163,7 +163,7 @@ class StopSignal:
             fs, path = fsspec.core.url_to_fs(self.cancel)
             if exists_now(fs, path):
                 self.set(f"cancelled ({self.cancel})")
-        except Exception as e:  # noqa: BLE001 - a store hiccup must not stop or crash the shard; poll again later
+        except Exception as e:  # a store hiccup must not stop or crash the shard; poll again later
             log.warning("could not check the cancel marker %s: %s", self.cancel, e)
 
     def _poll_url(self) -> None:

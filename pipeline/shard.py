@@ -149,7 +149,7 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     """
     try:
         table, first_row = _read_row_groups(shard, prompt_column, id_column)
-    except Exception as e:  # noqa: BLE001 - any reader failure fails this shard with a clear message
+    except Exception as e:  # any reader failure fails this shard with a clear message
         raise ShardError(f"cannot read {shard.url}: {e}. Fix or remove the file and run the job again") from e
     start = shard.row_start - first_row
     table = table.slice(start, shard.num_rows)
@@ -319,7 +319,7 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
             try:
                 end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
                             gpu_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-            except Exception as record_error:  # noqa: BLE001 - the shard's own error is the one to raise
+            except Exception as record_error:  # the shard's own error is the one to raise
                 log.warning("shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt,
                             record_error)
             raise
@@ -395,12 +395,12 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
     """Commit the finished rows within the stop deadline, record the interrupted attempt, raise ShardInterrupted."""
     try:
         ckpt.commit(deadline_s=stop_deadline_s())
-    except Exception as e:  # noqa: BLE001 - report what is committed; the next attempt redoes the rest
+    except Exception as e:  # report what is committed; the next attempt redoes the rest
         log.warning("shard %s: could not commit %d finished rows before stopping: %s", shard_id, len(ckpt.pending), e)
     left = aborted + len(ckpt.pending)
     try:
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
                     gpu_s=time.monotonic() - t0, reason=reason)
-    except Exception as e:  # noqa: BLE001 - without it the next attempt estimates this one's time instead
+    except Exception as e:  # without it the next attempt estimates this one's time instead
         log.warning("shard %s: could not record interrupted attempt %d: %s", shard_id, attempt, e)
     raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

@@ -51,7 +51,7 @@ def gguf_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(gguf_path: str):  # noqa: ANN201
+def engine(gguf_path: str):
     """The real default model on CPU in fp32, loaded once per test session. Tests that need other limits call
     `engine.with_config(...)`, which shares the weights."""
     from engine import EngineConfig, LLMEngine

@@ -1,6 +1,8 @@
 """INT4 weight-only quantization (W4A16, group-wise) in three layers, after gpt-fast's quantize.py:
 qparams (engine.quant.qparams), a handler (engine.quant.handler) and thin modules (engine.quant.int4_linear);
-GGUF Q4 mapping (engine.quant.gguf_int4), model folders (engine.quant.folder) and loading (engine.quant.loading)."""
+shared names and module replacement (engine.quant.state, a leaf), the driver that runs round-to-nearest or GPTQ
+then tuning (engine.quant.quantize), GGUF Q4 mapping (engine.quant.gguf_int4), model folders (engine.quant.folder)
+and loading (engine.quant.loading)."""
 
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4

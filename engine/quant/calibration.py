@@ -1,9 +1,8 @@
 """Calibration text for GPTQ and the end-to-end tuning: token-id batches cut from real text.
 
-Both passes run the model over int64 [S, L] sequences from position 0, each in its own private KV cache of
-`KV_BLOCK_SIZE`-token blocks (engine.attention.private_kv_cache). Use text that is not the evaluation text: the
-defaults mix GSM8K questions and answers with AlpacaEval instructions, and the perplexity gate scores AlpacaEval
-reference answers (bench/README.md, INT4).
+Both passes run the model over int64 [S, L] sequences from position 0, each in its own private KV cache
+(engine.sequence_forward). Use text that is not the evaluation text: the defaults mix GSM8K questions and answers
+with AlpacaEval instructions, and the perplexity gate scores AlpacaEval reference answers (bench/README.md, INT4).
 """
 
 from __future__ import annotations
@@ -11,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-#: KV cache block size (tokens) of the calibration forwards.
-KV_BLOCK_SIZE = 16
 
 
 def calibration_token_ids(tokenizer: object, texts: Sequence[str], num_sequences: int,

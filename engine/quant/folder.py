@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.quant.handler import QuantizedState
 from engine.quant.qparams import Int4Weight
+from engine.quant.state import QuantizedState
 
 CONFIG_FILE = "tokenmill_model.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -32,9 +32,9 @@ projection costs +9.6% perplexity (bench/README.md):
   2. `refit=True`: after the column loop, every row's scales and zeros are re-solved for its codes on the full
      Hessian (`refit_group_qparams`, least squares in 2G unknowns per row) and kept where that lowers the error.
 Whole model, g128, 20k AlpacaEval tokens: +18.4% as published -> +12.0% with both (damp 0.01); the other
-combinations measured +12.3% to +14.0% (bench/README.md, INT4). `tune_epochs` then trains the group scales and
-zeros (and the RMSNorm gains) end to end against the unquantized model (engine.quant.tune): +9.8% with 128
-calibration sequences and one epoch.
+combinations measured +12.3% to +14.0% (bench/README.md, INT4). The driver (engine.quant.quantize) then trains the
+group scales and zeros (and the RMSNorm gains) end to end against the unquantized model (engine.quant.tune): +9.8%
+with 128 calibration sequences and one epoch.
 
 Model pipeline (`gptq_quantize_model`), as the reference llama.py with `--true-sequential`: the calibration
 sequences are embedded once, then decoder layer i sees the outputs of the already quantized layers 0..i-1; inside
@@ -44,7 +44,6 @@ Hessian, then o_proj, then (gate, up), then down_proj. Everything runs in fp32 o
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,11 +51,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, private_kv_cache
+from engine.attention import paged_attention_ref
 from engine.model import LlamaModel
-from engine.quant.calibration import KV_BLOCK_SIZE
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 from engine.quant.refit import refit_group_qparams, row_errors
+from engine.sequence_forward import private_prefill
 
 #: Per decoder layer, the projections quantized together (same input, so one Hessian), in forward order.
 SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -244,26 +243,20 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
 @torch.no_grad()
 def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False, refit: bool = True,
-                        tune_epochs: float = 0.0, teacher: LlamaModel | None = None,
-                        on_layer: Callable[[int, float], None] | None = None,
-                        on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
+                        on_layer: Callable[[int, float], None] | None = None) -> dict[str, Int4Weight]:
     """GPTQ every decoder projection of a filled fp32 `model`, layer by layer (module docstring).
 
     Args:
         model: LlamaModel with plain fp32 nn.Linear projections. Modified in place: each quantized
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
-            outputs); swap in Int4Linear modules afterwards (engine.quant.handler.quantize_model does).
+            outputs); swap in Int4Linear modules afterwards (engine.quant.quantize.quantize_model does).
         calibration: int64 [S, L] token ids (engine.quant.calibration), S sequences of L tokens each.
         group_size, damp, method, act_order, refit: as gptq_quantize_weight.
-        tune_epochs: then tune every group's scale and zero end to end for this many passes over the calibration
-            batch, codes fixed (engine.quant.tune.tune_group_qparams; 0 = off).
-        teacher: the unquantized model the tuning distills from; None = a copy of `model` taken on entry.
-        on_layer: progress callback (layer index, seconds so far); on_tune_step: (step, steps, KL in nats).
+        on_layer: progress callback (layer index, seconds so far).
     Returns {module name: Int4Weight}. Cost: about one forward of the decoder over the S * L tokens (each stage
     of a layer is computed once per sequence and kept) plus the GPTQ solves. Peak extra memory: fp32
-    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Tuning: per epoch,
-    about four forwards per token (teacher forward, model forward and backward), plus the teacher copy and fp32
-    codes (engine.quant.tune). Raises ValueError when the projections are not fp32.
+    [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Raises ValueError when
+    the projections are not fp32.
     """
     import time
 
@@ -272,14 +265,10 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
                          "dtype='float32' (tokenmill quantize does), then quantize")
 
     t0 = time.perf_counter()
-    if tune_epochs > 0 and teacher is None:
-        teacher = copy.deepcopy(model)
-    cfg = model.config
     device = next(model.parameters()).device
     s, seq_len = calibration.shape
-    meta = AttentionMetadata.single_prefill(seq_len, KV_BLOCK_SIZE, device)
     dtype = torch.float32
-    k_cache, v_cache = private_kv_cache(seq_len, KV_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    meta, (k_cache, v_cache) = private_prefill(model.config, seq_len, dtype, device)
     cos, sin = model.rotary(torch.arange(seq_len, device=device), dtype)
     hidden = [model.embed_tokens(calibration[i].to(device)).to(dtype) for i in range(s)]
     out: dict[str, Int4Weight] = {}
@@ -301,7 +290,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         # sequence, after the groups before it are quantized, so the cost is one layer forward.
         xs = [layer.input_layernorm(x) for x in hidden]
         quantize_group(li, 0, xs)
-        xs = [layer.self_attn.attend(a, cos, sin, k_cache, v_cache, meta, model.attn_fn) for a in xs]
+        xs = [layer.self_attn.attend(a, cos, sin, k_cache, v_cache, meta, paged_attention_ref) for a in xs]
         quantize_group(li, 1, xs)
         hidden = [x + layer.self_attn.o_proj(o) for x, o in zip(hidden, xs, strict=True)]
         xs = [layer.post_attention_layernorm(x) for x in hidden]
@@ -312,11 +301,6 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
         del xs
         if on_layer is not None:
             on_layer(li, time.perf_counter() - t0)
-    if tune_epochs > 0 and teacher is not None:
-        from engine.quant.tune import tune_group_qparams
-
-        del hidden
-        out = tune_group_qparams(model, teacher, out, calibration, epochs=tune_epochs, on_step=on_tune_step)
     return out
 
 

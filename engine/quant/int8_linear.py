@@ -92,7 +92,7 @@ def quantize_model_int8(model: nn.Module) -> int:
     compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M 0.35 points of perplexity
     for 6% of throughput; bench/README.md). Fuse the projections first (LlamaModel.fuse_projections) to get the
     serving layout. Returns the number of replaced modules. Raises ValueError as Int8Linear."""
-    from engine.quant.handler import LM_HEAD, is_linear_weight, set_module
+    from engine.quant.state import LM_HEAD, is_linear_weight, set_module
 
     dtype = model.embed_tokens.weight.dtype
     names = [name for name, m in model.named_modules()

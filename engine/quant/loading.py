@@ -17,24 +17,16 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import hf_tensor_name, read_gguf_config, resolve_model_path, unpermute_rope_rows
+from engine.loader import iter_gguf_state, read_gguf_config, resolve_model_path
 from engine.model import LlamaModel
 from engine.quant.folder import is_model_folder, read_folder, save_folder
-from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
-from engine.quant.handler import (
-    LM_HEAD,
-    Int4QuantHandler,
-    QuantizedState,
-    build_model,
-    dequantize_state_dict,
-    is_linear_weight,
-    quantize_weights,
-)
+from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
 from engine.quant.qparams import Int4Weight
+from engine.quant.quantize import quantize_weights
+from engine.quant.state import LM_HEAD, QuantizedState
 from engine.tokenizer import Tokenizer
 
 QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
@@ -48,43 +40,6 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
     num_int4_modules: int
-
-
-def _unpermute(name: str, w: Any, cfg: ModelConfig) -> Any:
-    if name.endswith("q_proj.weight") or name.endswith("q_proj"):
-        return unpermute_rope_rows(w, cfg.num_heads)
-    if name.endswith("k_proj.weight") or name.endswith("k_proj"):
-        return unpermute_rope_rows(w, cfg.num_kv_heads)
-    return w
-
-
-def iter_gguf_state(reader: Any, cfg: ModelConfig,
-                    native_int4: bool) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-    """(name, value) per model tensor of a GGUF file: Q4_0/Q4_1 projection weights as Int4Weight under their module
-    name when `native_int4` (rows un-permuted for Q/K, packed rows and scales alike), else fp32 tensors by HF name."""
-    from gguf.quants import dequantize
-
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
-            continue
-        if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
-            shape = (int(t.shape[1]), int(t.shape[0]))  # ggml lists the fastest dimension first
-            w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
-            yield name.removesuffix(".weight"), w.map_rows(lambda x, n=name: _unpermute(n, x, cfg))
-        else:
-            w = dequantize(t.data, t.tensor_type)
-            yield name, torch.from_numpy(np.array(_unpermute(name, w, cfg), dtype=np.float32, copy=True))
-
-
-def _hf_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
 
 
 def read_state(path: str, quantization: str, group_size: int) -> tuple[ModelConfig, QuantizedState]:
@@ -122,7 +77,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     cfg, state = read_state(path, quantization, group_size)
     n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
     llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
-    tokenizer = Tokenizer(_hf_tokenizer(path))
+    tokenizer = Tokenizer.from_model_path(path)
     if quantization == "int8":
         from engine.quant.int8_linear import quantize_model_int8
         from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
@@ -185,7 +140,7 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         state.update(handler.quantize_state_dict({name: w}) if handler else {name: w.to(torch.bfloat16)})
-    return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=bits,
+    return save_folder(out_dir, cfg, state, Tokenizer.from_model_path(path).hf_tokenizer, bits=bits,
                        group_size=group_size if bits == 4 else None, source=os.path.basename(path))
 
 
@@ -204,5 +159,5 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
     for name, w in llama.state_dict().items():  # the norms (tuned ones included) and a kept embedding
         if name.removesuffix(".weight") not in state and not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
             state[name] = w
-    return save_folder(out_dir, cfg, state, _hf_tokenizer(path), bits=4, group_size=group_size,
+    return save_folder(out_dir, cfg, state, loaded.tokenizer.hf_tokenizer, bits=4, group_size=group_size,
                        source=os.path.basename(path), method="gptq")

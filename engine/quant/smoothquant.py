@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.model import LlamaModel
+from engine.sequence_forward import forward_sequence
 
 #: Text of the calibration forward: a mix of instructions, arithmetic, code, lists and prose.
 CALIBRATION_TEXT = """\
@@ -57,8 +58,6 @@ Summarize the main argument of the article in two sentences, then list three que
 def input_channel_maxima(model: LlamaModel, token_ids: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """max |input| per input channel (fp32 [K]) of each module in `names`, over one forward of token_ids
     (int64 [n]) from an empty private KV cache."""
-    from engine.attention import AttentionMetadata, private_kv_cache
-
     stats: dict[str, torch.Tensor] = {}
     hooks = []
     for name in names:
@@ -67,12 +66,7 @@ def input_channel_maxima(model: LlamaModel, token_ids: torch.Tensor, names: list
             stats[name] = a if name not in stats else torch.maximum(stats[name], a)
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     try:
-        n, cfg, bs = token_ids.shape[0], model.config, 16
-        dtype = model.embed_tokens.weight.dtype
-        caches = [private_kv_cache(n, bs, cfg.num_kv_heads, cfg.head_dim, dtype, token_ids.device)
-                  for _ in range(cfg.num_layers)]
-        model(token_ids, torch.arange(n, device=token_ids.device), caches,
-              AttentionMetadata.single_prefill(n, bs, token_ids.device))
+        forward_sequence(model, token_ids, model.embed_tokens.weight.dtype)
     finally:
         for h in hooks:
             h.remove()

@@ -30,11 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, private_kv_cache
 from engine.model import LlamaModel, RMSNorm
-from engine.quant.calibration import KV_BLOCK_SIZE
-from engine.quant.handler import set_module
 from engine.quant.qparams import Int4Weight, unpack_uint4
+from engine.quant.state import set_module
+from engine.sequence_forward import forward_sequence
 
 
 class _TunableInt4Linear(nn.Module):
@@ -77,20 +76,16 @@ class _TunableInt4Linear(nn.Module):
                           self.source.in_features, self.source.group_size)
 
 
-def _logits(model: LlamaModel, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    cfg, n = model.config, ids.shape[0]
-    caches = [private_kv_cache(n, KV_BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, torch.float32, ids.device)
-              for _ in range(cfg.num_layers)]
-    return model.compute_logits(model(ids, torch.arange(n, device=ids.device), caches, meta))
+def _logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(forward_sequence(model, ids, torch.float32))
 
 
 def distillation_kl(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || model) of the next-token distributions, in nats: a scalar fp32 tensor,
     differentiable in `model`'s parameters. ids: int64 [L], one sequence from position 0 (L >= 1)."""
-    meta = AttentionMetadata.single_prefill(ids.shape[0], KV_BLOCK_SIZE, ids.device)
     with torch.no_grad():
-        target = F.log_softmax(_logits(teacher, ids, meta), -1)
-    return F.kl_div(F.log_softmax(_logits(model, ids, meta), -1), target, log_target=True, reduction="batchmean")
+        target = F.log_softmax(_logits(teacher, ids), -1)
+    return F.kl_div(F.log_softmax(_logits(model, ids), -1), target, log_target=True, reduction="batchmean")
 
 
 def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str, Int4Weight],

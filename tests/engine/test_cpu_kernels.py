@@ -19,7 +19,7 @@ ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     built = cpu_ops()
     if built is None:
         pytest.fail("the CPU kernels did not build (g++ and ninja are test dependencies); see the warning above")
@@ -174,13 +174,13 @@ def test_cpu_serving_path_gives_the_reference_greedy_tokens(engine: LLMEngine,
     prompts = gsm8k_questions[:12]
     params = SamplingParams(max_tokens=24)
     ours_engine = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=256))
-    assert ours_engine.runner.model.attn_fn is paged_attention_cpu
+    assert ours_engine.runner.attn_fn is paged_attention_cpu
     assert isinstance(ours_engine.runner.model.lm_head, PackedLinear)
     ours = ours_engine.generate(prompts, params)
     assert ours_engine.num_steps > 24  # prompts were prefilled in chunks, beside decodes
     reference = engine.with_config(EngineConfig(device="cpu", dtype="float32", attention_backend="torch",
                                                 max_num_batched_tokens=256))
-    assert reference.runner.model.attn_fn is paged_attention_ref
+    assert reference.runner.attn_fn is paged_attention_ref
     ref = reference.generate(prompts, params)
     assert [o.output_token_ids for o in ours] == [o.output_token_ids for o in ref]
     engine.with_config(engine.config)  # the session's engine back on its own attention function

@@ -28,7 +28,7 @@ def _bf16_ulp(x: float) -> float:
 
 def test_gpu_fp32_greedy_equals_the_cpu_reference(engine: LLMEngine, gpu_fp32: LLMEngine,
                                                   gsm8k_questions: list[str]) -> None:
-    assert gpu_fp32.runner.model.attn_fn.__name__ == "paged_attention_triton"
+    assert gpu_fp32.runner.attn_fn.__name__ == "paged_attention_triton"
     assert gpu_fp32.runner.graphs is not None
     prompts = gsm8k_questions[:16]
     params = SamplingParams(max_tokens=32)

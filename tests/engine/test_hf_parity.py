@@ -14,7 +14,7 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model_and_tokenizer(gguf_path: str):  # noqa: ANN201
+def hf_model_and_tokenizer(gguf_path: str):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)

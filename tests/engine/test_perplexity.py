@@ -19,7 +19,7 @@ def app() -> typer.Typer:
     return app
 
 
-def test_perplexity_json_line(app: typer.Typer, data_dir) -> None:  # noqa: ANN001
+def test_perplexity_json_line(app: typer.Typer, data_dir) -> None:
     r = CliRunner().invoke(app, ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column",
                                  "reference_output", "--limit", "5", "--max-tokens", "300", "--json",
                                  "--device", "cpu"])
@@ -29,7 +29,7 @@ def test_perplexity_json_line(app: typer.Typer, data_dir) -> None:  # noqa: ANN0
     assert 1.0 < line["perplexity"] < 50.0 and math.isfinite(line["perplexity"])
 
 
-def test_bad_column_and_bits_exit_2(app: typer.Typer, data_dir, tmp_path) -> None:  # noqa: ANN001
+def test_bad_column_and_bits_exit_2(app: typer.Typer, data_dir, tmp_path) -> None:
     r = CliRunner().invoke(app, ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column", "nope"])
     assert r.exit_code == 2 and "no column 'nope'" in r.output
     r = CliRunner().invoke(app, ["quantize", "--output", str(tmp_path / "x"), "--bits", "8"])
@@ -50,7 +50,7 @@ def test_perplexity_rejects_short_input() -> None:
     assert perplexity(model, list(range(100, 140)), context=16).tokens == 39 - 2  # 3 chunks: 15 + 15 + 7
 
 
-def test_quantize_writes_a_folder_perplexity_loads(app: typer.Typer, data_dir, tmp_path) -> None:  # noqa: ANN001
+def test_quantize_writes_a_folder_perplexity_loads(app: typer.Typer, data_dir, tmp_path) -> None:
     """`tokenmill quantize` (round-to-nearest g32, embedding kept) prints its JSON line and writes a folder that
     `tokenmill perplexity --model DIR` scores close to the GGUF it came from (g32 projections: -0.04% on 20k
     tokens, bench/README.md)."""

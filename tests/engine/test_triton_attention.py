@@ -241,7 +241,7 @@ def test_kernels_compile_for_sm90() -> None:
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:  # noqa: ANN001
+def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:
     # The whole engine (chunked prefill, mixed prefill/decode steps, decode, preemption-free) on the Triton kernels:
     # a 2-layer random model with the real tokenizer and real prompts keeps the interpreter fast enough.
     from engine import EngineConfig, LLMEngine, SamplingParams
@@ -252,7 +252,7 @@ def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_qu
         cfg = EngineConfig(device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=48,
                            attention_backend=backend, enforce_eager=True)
         tiny = LLMEngine.from_config("tiny", cfg, tokenizer=engine.tokenizer, seed=3)
-        assert tiny.runner.model.attn_fn.__name__ == f"paged_attention_{'ref' if backend == 'torch' else 'triton'}"
+        assert tiny.runner.attn_fn.__name__ == f"paged_attention_{'ref' if backend == 'torch' else 'triton'}"
         outs[backend] = tiny.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert all(o.num_prompt_tokens > 48 for o in outs["torch"])  # every prompt was prefilled in chunks
     assert [o.output_token_ids for o in outs["triton"]] == [o.output_token_ids for o in outs["torch"]]

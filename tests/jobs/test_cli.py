@@ -207,7 +207,6 @@ def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None
         assert sorted(results.column("id").to_pylist()) == sorted(table.column("id").to_pylist())
         assert len(fs.glob(f"{s3.bucket}/out/accounting/*.parquet")) == 3
         assert fs.exists(f"{s3.bucket}/out/_SUCCESS") and fs.exists(f"{s3.bucket}/out/_manifest/input.json")
-    print(stats)
     assert stats.faults >= 5, stats
 
 

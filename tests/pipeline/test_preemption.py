@@ -157,7 +157,7 @@ def test_notice_file_and_cancel_marker_stop_the_shard(waves: LLMEngine, shard: S
 class _NoticeServer(BaseHTTPRequestHandler):
     answer: tuple[int, str] = (404, "")
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:  # http.server's name
         status, body = type(self).answer
         self.send_response(status)
         self.end_headers()

@@ -1,0 +1,96 @@
+"""No import cycles among tokenmill's modules (engine, pipeline, jobs, schemas).
+
+The graph is read from the source with the standard library's `ast`, not by importing anything: one node per module
+(a package's __init__.py is the package), an edge for every `import` and `from ... import` of another module of
+these packages, absolute or relative, at the top of a file or inside a function (a lazy import only hides a cycle
+until the first call; issue 19). `from pkg import name` points at pkg.name when that is a module, else at pkg.
+Importing a.b.c also runs a/__init__.py; those implicit edges are left out, as import-linter does, so a package's
+__init__ re-exporting its modules is no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "pipeline", "jobs", "schemas")
+
+
+def module_name(path: Path, root: Path) -> str:
+    """Dotted module name of a .py file under `root` ("engine/quant/__init__.py" -> "engine.quant")."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """{module: modules of `packages` it imports} for every .py file under root/<package>, per the module docstring.
+    Raises SyntaxError naming the file when one does not parse."""
+    files = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    here = name.split(".") if is_package else name.split(".")[:-1]
+                    base = ".".join(here[:len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for target in targets:
+                while target and target not in files:  # `import engine.quant.gptq as g` names the module itself;
+                    target = target.rpartition(".")[0]  # a dotted attribute path falls back to its module
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [m0, m1, ..., m0] (each imports the next), or None when the graph has none."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    for start in sorted(graph):
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_tokenmill_has_no_import_cycle() -> None:
+    graph = import_graph(ROOT, PACKAGES)
+    assert len(graph) > 50 and "engine.quant.gptq" in graph["engine.quant.quantize"]  # the walk saw the code
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_finds_a_cycle_through_a_lazy_relative_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from .b import f\n")
+    (pkg / "a.py").write_text("import pkg.sub.b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n    return g\n")
+    (pkg / "c.py").write_text("from pkg import a\n\ndef g():\n    return 1\n")
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.b"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.c"},
+                     "pkg.c": {"pkg.a"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    (pkg / "c.py").write_text("def g():\n    return 1\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
