@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   creates .venv, installs tokenmill + the default model, runs the main job on 64 real GSM8K prompts
-#   make test   creates .venv, installs the test extras, runs the test suite
+#   make test   creates .venv, installs the test extras (and Airflow 3 in .airflow-venv), runs the test suite
 VENV ?= .venv
+AIRFLOW_VENV ?= .airflow-venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DATA ?= ../shared/data
@@ -33,18 +34,23 @@ test-servers:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus-pushgateway chromium \
 	  >/dev/null; } || echo "note: prometheus-pushgateway / chromium not installed; their tests will skip"
 
+# The Airflow DAG tests run in the default suite: .airflow-venv is built when missing (about 1 minute here); where
+# Airflow cannot be installed (no network) the build is noted and those tests skip, saying why.
 test: setup test-servers
-	$(PY) -m pytest -q -p no:cacheprovider
+	@$(MAKE) --no-print-directory airflow-venv || \
+	  echo "note: Airflow 3 could not be installed into $(AIRFLOW_VENV); the airflow-marked tests will skip"
+	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider
 
 # Full-size quality gates the CI budget leaves out (INT4 g128 GPTQ + tuning on 20k tokens: about 14 minutes).
 quality: setup
 	TOKENMILL_QUALITY_TESTS=1 $(PY) -m pytest -q -p no:cacheprovider -m quality
 
 # Airflow 3 in a venv of its own (its pins conflict with ours), for infra/airflow/tokenmill_dag.py and its tests.
-AIRFLOW_VENV ?= .airflow-venv
+# A failed install removes the half-built venv, so the tests skip instead of running a broken Airflow.
 $(AIRFLOW_VENV)/.installed:
 	python3 -m venv $(AIRFLOW_VENV)
-	$(AIRFLOW_VENV)/bin/pip install -q "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes
+	$(AIRFLOW_VENV)/bin/pip install -q "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes || \
+	  { rm -rf $(AIRFLOW_VENV); exit 1; }
 	touch $@
 
 airflow-venv: $(AIRFLOW_VENV)/.installed

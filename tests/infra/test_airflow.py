@@ -2,9 +2,9 @@
 imports without errors, `airflow dags test` runs the BashOperator DAG on a small real job to success, a second run of
 the same logical date does no work, and tokenmill's exit codes become Airflow's outcomes.
 
-About 1.5 minutes (an Airflow process per command, the model loaded once), so outside the default suite:
-`make airflow-test` installs Airflow into .airflow-venv and runs these (TOKENMILL_AIRFLOW_TESTS=1; another venv with
-TOKENMILL_AIRFLOW_VENV)."""
+About 1.5 minutes (an Airflow process per command, the model loaded once). `make test` (what CI runs) and
+`make airflow-test` install Airflow into .airflow-venv when it is missing and run these (TOKENMILL_AIRFLOW_TESTS=1;
+another venv with TOKENMILL_AIRFLOW_VENV); a plain `pytest` skips them."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DAG_FILE = ROOT / "infra" / "airflow" / "tokenmill_dag.py"
-VENV = Path(os.environ.get("TOKENMILL_AIRFLOW_VENV", ROOT / ".airflow-venv"))
+VENV = Path(os.environ.get("TOKENMILL_AIRFLOW_VENV", ROOT / ".airflow-venv")).resolve()  # commands run in tmp dirs
 
 pytestmark = [pytest.mark.airflow, pytest.mark.skipif(
     os.environ.get("TOKENMILL_AIRFLOW_TESTS") != "1",
-    reason="Airflow tests take about 1.5 minutes: `make airflow-test` runs them (TOKENMILL_AIRFLOW_TESTS=1)")]
+    reason="Airflow tests need Airflow's own venv: `make test` or `make airflow-test` runs them "
+           "(TOKENMILL_AIRFLOW_TESTS=1)")]
 
 
 @pytest.fixture
@@ -33,7 +34,8 @@ def airflow(tmp_path: Path, tokenmill_env: dict[str, str]) -> tuple[list[str], d
     plain torch path: fast to start, and text quality does not matter here)."""
     airflow_bin = VENV / "bin" / "airflow"
     if not airflow_bin.is_file():
-        pytest.skip(f"Airflow is not installed at {VENV}: `make airflow-venv`, or set TOKENMILL_AIRFLOW_VENV")
+        pytest.skip(f"Airflow is not installed at {VENV} (could pip reach apache-airflow? `make airflow-venv` "
+                    "says why), or set TOKENMILL_AIRFLOW_VENV")
     home, dags = tmp_path / "airflow", tmp_path / "airflow" / "dags"
     dags.mkdir(parents=True)
     shutil.copy(DAG_FILE, dags)
