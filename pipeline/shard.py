@@ -150,7 +150,8 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     try:
         table, first_row = _read_row_groups(shard, prompt_column, id_column)
     except Exception as e:  # noqa: BLE001 - any reader failure fails this shard with a clear message
-        raise ShardError(f"cannot read {shard.url}: {e}. Fix or remove the file and run the job again") from e
+        raise ShardError(f"cannot read {shard.url}: {str(e).rstrip('.')}. Fix or remove the file and run the job "
+                         "again") from e
     start = shard.row_start - first_row
     table = table.slice(start, shard.num_rows)
     prompts = table.column(prompt_column).to_pylist()
