@@ -92,6 +92,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
         _warn_ids(summary)
+        _note_repinned(summary)
         return
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
@@ -112,6 +113,14 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     for shard_id, error in summary.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
     _warn_ids(summary)
+    _note_repinned(summary)
+
+
+def _note_repinned(summary: JobSummary) -> None:
+    """Say on stderr which changed input files this run re-pinned (none of their shards had committed rows)."""
+    for url in summary.repinned:
+        err.print(f"note: {url} changed (or was removed) before any of its rows were committed; the job re-pinned it "
+                  "as it is now (a new revision under OUTPUT/_manifest/)")
 
 
 def _warn_ids(summary: JobSummary) -> None:

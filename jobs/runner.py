@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import dask
+import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from distributed import Client, Future, LocalCluster, as_completed
@@ -35,7 +36,9 @@ from jobs.plugin import (
     register_engine,
 )
 from jobs.summary import JobProgress, JobSummary
-from jobs.task import PROGRESS_TOPIC, record_failure, shard_task
+from jobs.task import PROGRESS_TOPIC, ShardFailed, record_failure, shard_task
+from pipeline.attempts import list_attempts
+from pipeline.checkpoint import committed_parts
 from pipeline.config import InputError, RunConfig
 from pipeline.input import (
     InputFile,
@@ -44,8 +47,11 @@ from pipeline.input import (
     build_manifest,
     changed_inputs,
     check_compatible,
+    commit_revision,
     pin_manifest,
     read_manifest,
+    repinned,
+    validate_columns,
 )
 from pipeline.preemption import env_seconds
 from pipeline.shard import ProgressFn, ShardInterrupted, results_path
@@ -163,15 +169,19 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
                 raise JobError(f"the job at {output_url} was cancelled (at {when}); run it with --resume to go on",
                                exit_code=EXIT_CANCELLED)
             resume_cancelled(output_url)
+        repinned: list[str] = []
+        changed: dict[str, str] = {}
+        if not pinned_now:  # a manifest pinned just now was built from the files as they are
+            manifest, repinned, changed = _repin_unstarted_inputs(output_url, manifest, cfg)
         shards = manifest.shards()
         if on_start:
             on_start(sum(s.num_rows for s in shards))
-        summary = JobSummary(shards=len(shards))
+        summary = JobSummary(shards=len(shards), repinned=repinned)
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)
-        if todo and not pinned_now:  # a manifest pinned just now was built from the files as they are
-            todo = _fail_changed_inputs(output_url, manifest, todo, summary, progress)
+        if todo and changed:
+            todo = _fail_changed_inputs(output_url, changed, todo, summary, progress)
         if todo:
             pinned = {f.url: f for f in manifest.files}
             _run_on_cluster(todo, manifest.prompt_column, output_url, cfg, model, engine_config or EngineConfig(),
@@ -195,15 +205,73 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
     return todo
 
 
-def _fail_changed_inputs(output_url: str, manifest: InputManifest, todo: list[Shard], summary: JobSummary,
-                         progress: JobProgress) -> list[Shard]:
-    """Fail (and record as failed) the unfinished shards of pinned files that changed; return the others."""
+def _has_commits(fs: AbstractFileSystem, root: str, shard_id: str) -> bool:
+    """Whether the shard committed anything: its results or a checkpoint part."""
+    return exists_now(fs, results_path(root, shard_id)) or bool(committed_parts(fs, root, shard_id))
+
+
+def _repin_unstarted_inputs(output_url: str, manifest: InputManifest,
+                            cfg: RunConfig) -> tuple[InputManifest, list[str], dict[str, str]]:
+    """Re-pin the changed input files none of whose shards committed anything (a corrupt file fixed or removed since
+    its shard failed), so a job with one bad file can finish in place: a new manifest revision, create-only
+    (pipeline.input.commit_revision). A changed file stays pinned, its unfinished shards to fail, when a shard of it
+    committed rows (they came from the old content), when its prompt column no longer fits the job, or when
+    re-pinning would move the shards of other files (`--limit` spreads rows over files in order).
+
+    Returns (the manifest now pinned, the files re-pinned, url -> why for the changed files that stay pinned).
+    Transient storage errors are retried, then raised."""
     changed = changed_inputs(manifest)
+    if not changed:
+        return manifest, [], {}
+    fs, root = output_fs(output_url)
+    old = manifest.shards()
+    kept: dict[str, str] = {}
+    free: list[str] = []
+    for url, why in changed.items():
+        if any(_has_commits(fs, root, s.shard_id) for s in old if s.url == url):
+            kept[url] = f"{why} (rows of it are committed under OUTPUT, so the job keeps it pinned)"
+        elif (problem := _columns_problem(url, manifest.prompt_column, cfg)) is not None:
+            kept[url] = f"{why}; it cannot be re-pinned: {problem}"
+        else:
+            free.append(url)
+    if not free:
+        return manifest, [], kept
+    revised = repinned(manifest, free)
+    moved = sorted({s.url for s in set(old) - set(revised.shards()) if s.url not in free})
+    if moved:
+        note = f"; re-pinning it would move the shards of {', '.join(moved)} (--limit): keep the file as it was"
+        return manifest, [], kept | {url: changed[url] + note for url in free}
+    why = "; ".join(changed[url] for url in free)
+    manifest = commit_revision(output_url, revised, f"re-pinned files none of whose shards committed rows: {why}")
+    log.warning("re-pinned %s (manifest revision %d): nothing of them was committed", ", ".join(free),
+                manifest.revision)
+    return manifest, free, kept
+
+
+def _columns_problem(url: str, prompt_column: str, cfg: RunConfig) -> str | None:
+    """Why the file at `url`, as it is now, cannot join the job's manifest (its prompt column missing or of another
+    type or name than `prompt_column`), or None (also when it is gone or unreadable: its shard reports that)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not fs.exists(path):
+        return None
+    try:
+        column = validate_columns(fs, [path], cfg)
+    except InputError as e:
+        return str(e)
+    if column != prompt_column:
+        return f"it has prompt column {column!r}; the job reads {prompt_column!r}"
+    return None
+
+
+def _fail_changed_inputs(output_url: str, changed: dict[str, str], todo: list[Shard], summary: JobSummary,
+                         progress: JobProgress) -> list[Shard]:
+    """Fail (and record as failed) the unfinished shards of the pinned files in `changed` (url -> why); return the
+    others."""
     keep = []
     for shard in todo:
         if shard.url in changed:
-            summary.failed[shard.shard_id] = f"InputChanged: {changed[shard.url]}"
-            record_failure(output_url, shard.shard_id, changed[shard.url])
+            attempt = record_failure(output_url, shard.shard_id, changed[shard.url])
+            summary.fail(shard.shard_id, f"InputChanged: {changed[shard.url]}", attempt)
             progress.finish(shard.shard_id, shard.num_rows, 0)
         else:
             keep.append(shard)
@@ -315,10 +383,13 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
                     log.info("shard %s interrupted (%s); running it again", shard.shard_id, e)
                     pending.add(submit(shard, tries + 1))
                 else:
-                    summary.failed[shard.shard_id] = f"ShardInterrupted {tries + 1} times; last: {e}"
+                    summary.fail(shard.shard_id, f"ShardInterrupted {tries + 1} times; last: {e}",
+                                 attempts_claimed(output_url, shard.shard_id))
                 continue
             except Exception as e:  # one failed shard never fails the others
-                summary.failed[shard.shard_id] = f"{type(e).__name__}: {e}"
+                row = ShardFailed(f"{type(e).__name__}: {e}")
+            if isinstance(row, ShardFailed):
+                summary.fail(shard.shard_id, row.error, attempts_claimed(output_url, shard.shard_id))
                 progress.finish(shard.shard_id, shard.num_rows, 0)
                 continue
             summary.add(row)
@@ -326,6 +397,17 @@ def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: s
     finally:
         done_watching.set()
         watcher.join()
+
+
+def attempts_claimed(output_url: str, shard_id: str) -> int:
+    """Attempts the shard has claimed in all (its attempt records), for a failed shard's summary; 0 when they cannot
+    be listed (the failure may be the store's)."""
+    try:
+        fs, root = output_fs(output_url)
+        return list_attempts(fs, root, shard_id).latest
+    except Exception as e:  # a summary count is not worth a second failure
+        log.info("could not list the attempts of shard %s: %s", shard_id, e)
+        return 0
 
 
 def generated_tokens(row: dict[str, Any]) -> int:

@@ -23,7 +23,8 @@ class JobSummary:
     "float32", ...) and weight quantizations (none, auto, int4, int8) the committed shards ran in, sorted: one value
     each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
     `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
-    when _SUCCESS is committed; input_file + input_row tell such rows apart).
+    when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run
+    re-pinned (changed files none of whose shards had committed anything; jobs.runner).
     """
 
     shards: int = 0
@@ -48,6 +49,7 @@ class JobSummary:
     quantizations: list[str] = field(default_factory=list)
     ids_null: int = 0
     ids_repeated: int = 0
+    repinned: list[str] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -72,6 +74,11 @@ class JobSummary:
         add_distinct(self.dtypes, row.get("dtype"))
         add_distinct(self.quantizations, row.get("quantization"))
 
+    def fail(self, shard_id: str, error: str, attempts: int) -> None:
+        """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all."""
+        self.failed[shard_id] = error
+        self.attempts += attempts
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
         return {"shards": self.shards, "shards_ok": self.shards_ok, "shards_failed": len(self.failed),
@@ -84,7 +91,7 @@ class JobSummary:
                 "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
-                "ids_repeated": self.ids_repeated}
+                "ids_repeated": self.ids_repeated, "repinned": self.repinned}
 
 
 def add_distinct(values: list[str], value: str | None) -> None:

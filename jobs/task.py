@@ -6,6 +6,7 @@ Runs on the worker; jobs.runner submits it and gathers what it returns or raises
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from distributed import get_worker
@@ -14,7 +15,7 @@ from jobs.plugin import WorkerPreempted, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
 from pipeline.input import InputFile, Shard
-from pipeline.shard import ShardInterrupted, run_shard
+from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
 PROGRESS_TOPIC = "tokenmill-progress"
@@ -22,32 +23,50 @@ PROGRESS_INTERVAL_S = 0.5
 RETIRE_WAIT_S = 120.0  # how long a task that lands on a stopping worker waits for it to be taken out, seconds
 
 
-class InputChanged(RuntimeError):
-    """A pinned input file changed (size or version) or vanished since the job started; its shard fails."""
+@dataclass(frozen=True)
+class ShardFailed:
+    """What shard_task returns for a shard whose input is the problem (unreadable, or changed since it was pinned):
+    `error` names the file and the fix. Returned, not raised, so the worker does not log a "Compute Failed" traceback
+    for a failure the client reports in words (jobs.runner)."""
+
+    error: str
 
 
-def record_failure(output_url: str, shard_id: str, error: str) -> None:
-    """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`)."""
+def record_failure(output_url: str, shard_id: str, error: str) -> int:
+    """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`);
+    returns its attempt number."""
     fs, root = output_fs(output_url)
     attempt, _ = claim_attempt(fs, root, shard_id)
     end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, gpu_s=0.0, error=error)
+    return attempt
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str, pinned: InputFile | None = None) -> dict[str, Any]:
+               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
-    First checks the shard's file is still the pinned version (`pinned`), else records a failed attempt and raises
-    InputChanged. Polls this worker's stop signal (SIGTERM, spot notice; jobs.plugin.PreemptionPlugin) besides the
-    ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as worker events on PROGRESS_TOPIC, tagged
-    with `run_id` and the shard id. Returns the shard's accounting row. Raises WorkerPreempted when this worker's
-    stop signal stopped the shard (its finished rows committed), and what run_shard raises: ShardInterrupted (a
-    cancel), ShardError (unreadable input), storage errors after retries.
+    Returns the shard's accounting row, or ShardFailed when its input is the problem: the file is no longer the
+    pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError).
+    Raises what _run_shard_task raises otherwise.
     """
-    worker = get_worker()
     if pinned is not None and (error := pinned.changed()) is not None:
         record_failure(output_url, shard.shard_id, error)
-        raise InputChanged(error)
+        return ShardFailed(f"InputChanged: {error}")
+    try:
+        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id)
+    except ShardError as e:
+        return ShardFailed(f"ShardError: {e}")
+
+
+def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
+                    run_id: str) -> dict[str, Any]:
+    """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
+    jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
+    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row.
+    Raises WorkerPreempted when this worker's stop signal stopped the shard (its finished rows committed), and what
+    run_shard raises: ShardInterrupted (a cancel), ShardError (unreadable input), storage errors after retries.
+    """
+    worker = get_worker()
     pending = [0, 0]
     last = [time.monotonic()]
 

@@ -2,10 +2,12 @@
 
 Earlier attempts are billed from their records (pipeline.attempts, pipeline.checkpoint):
 - An attempt that ended on its own (interrupted or failed) wrote its device-seconds in its end record: billed as is.
-- One that was killed (SIGKILL, a vanished VM) could not. Its device time is estimated as the elapsed time at its
-  last committed part (the marker says; 0 without one) plus the time from that commit (or its start) to the start
-  of the next attempt, capped at `checkpoint_seconds`: it checkpoints at least that often while rows finish, so it
-  most likely died within one interval of its last commit.
+- One that was killed (SIGKILL, a vanished VM) could not. It is billed from its start to its last sign of life: the
+  later of its last committed part (the marker's elapsed_s) and its last heartbeat (pipeline.attempts.Heartbeat:
+  the seconds since its start are in the record's name, so one listing gives them). That under-bills by less than
+  one heartbeat interval (RunConfig.heartbeat_seconds), never over-bills. An attempt whose start record has no
+  `heartbeat_s` (written before heartbeats existed) is estimated as before: its last part's elapsed time plus the
+  time to the next attempt's start, capped at `checkpoint_seconds`.
 - Its lost device-seconds (`gpu_s_lost`) are those after its last commit: work no commit kept. For an interrupted
   attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
 """
@@ -41,8 +43,9 @@ class EarlierAttempts:
 
 def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
                           parts: list[Part], checkpoint_seconds: float) -> EarlierAttempts:
-    """Bill the attempts numbered below `attempt` (see the module docstring for the estimates). Reads each one's
-    start record, end record (if listed) and last marker: at most three small objects per earlier attempt."""
+    """Bill the attempts numbered below `attempt` (see the module docstring for the estimates) in device-seconds.
+    Reads each one's start record, end record (if listed) and last marker: at most three small objects per earlier
+    attempt; heartbeats come from `listing` (their names)."""
     earlier = sorted(a for a in listing.started if a < attempt)
     if not earlier:
         return EarlierAttempts()
@@ -56,6 +59,9 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
         if end:
             used = float(end.get("gpu_s", kept))
             preemptions += end.get("outcome") == "interrupted"
+        elif starts[a].get("heartbeat_s") is not None:
+            preemptions += 1
+            used = max(kept, listing.alive.get(a, 0.0))  # start -> last sign of life
         else:
             preemptions += 1
             last_at = marker.get("committed_at", starts[a].get("started_at"))

@@ -30,6 +30,9 @@ class RunConfig:
         checkpoint_rows: a running shard commits a checkpoint part every `checkpoint_rows` finished rows, or
             every `checkpoint_seconds` seconds, whichever comes first (checked as rows finish). A preempted shard
             loses at most one interval of work; smaller intervals cost more (small) object-store writes.
+        heartbeat_seconds: while rows are generated, an attempt that committed no part for this long leaves a
+            sign of life (a tiny create-only record, pipeline.attempts.Heartbeat): an attempt killed without an end
+            record is billed from its start to its last sign of life (seconds; default 15).
 
     Raises:
         InputError: when a value is out of range.
@@ -50,6 +53,7 @@ class RunConfig:
     limit: int | None = None
     checkpoint_rows: int = 64
     checkpoint_seconds: float = 60.0
+    heartbeat_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_column", "messages_column", "id_column"):
@@ -65,6 +69,8 @@ class RunConfig:
             raise InputError(f"checkpoint_rows must be >= 1 row, got {self.checkpoint_rows}")
         if not self.checkpoint_seconds > 0:
             raise InputError(f"checkpoint_seconds must be > 0 seconds, got {self.checkpoint_seconds}")
+        if not self.heartbeat_seconds > 0:
+            raise InputError(f"heartbeat_seconds must be > 0 seconds, got {self.heartbeat_seconds}")
         try:
             self.sampling_params()
         except ValueError as e:

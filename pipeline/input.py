@@ -8,12 +8,18 @@ file with its size, version (S3 ETag; locally the mtime in ns) and row count, an
 results. Every later run of the job with that OUTPUT plans its shards from the manifest, never from a new listing,
 so shard ids stay the same when files are added to the input folder; a pinned file whose size or version changed,
 or that vanished, fails its unfinished shards (`changed_inputs`), not the job.
+
+Manifests are never overwritten. A rerun may re-pin changed files none of whose shards committed anything (a corrupt
+file fixed or removed): it commits a new revision, OUTPUT/_manifest/input-NNN.json (create-only, NNN from 001), with
+those files as they are now (a removed one kept as an entry without rows, so the other files keep their indices and
+shard ids). `read_manifest` reads the latest revision; jobs.runner decides which files may be re-pinned.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,9 +30,10 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
-from pipeline.storage import commit_json, is_transient, output_fs, read_json, retry_transient
+from pipeline.storage import commit_json, is_transient, list_folder, output_fs, read_json, retry_transient
 
-MANIFEST_PATH = "_manifest/input.json"  # relative to OUTPUT
+MANIFEST_PATH = "_manifest/input.json"  # relative to OUTPUT: revision 0, pinned when the job starts
+_REVISION = re.compile(r"^input(?:-(\d+))?\.json$")  # input.json, input-001.json, ...
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "max_tokens", "temperature",
@@ -202,36 +209,49 @@ class InputFile:
         size: bytes.
         version: what changes when the object is replaced: the S3 ETag (GCS generation, Azure etag), locally
             "mtime_ns:<st_mtime_ns>".
-        num_rows: rows from the Parquet footer; None when the footer could not be read (its shard fails).
+        num_rows: rows from the Parquet footer; None when the footer could not be read (its shard fails); 0 for a
+            file removed from the job (`removed`).
+        removed: the file was gone when a manifest revision re-pinned it: it has no shards.
+        pinned_at: when a revision re-pinned it (ISO time); None: when the job started.
     """
 
     url: str
     size: int
     version: str
     num_rows: int | None
+    removed: bool = False
+    pinned_at: str | None = None
 
     def changed(self, pinned_at: str | None = None) -> str | None:
-        """Why the file is no longer the pinned one (other size or version, or gone), or None when it still is.
-        `pinned_at` (an ISO time), when given, goes into the message. Transient storage errors are retried, then
-        raised."""
+        """Why the file is no longer the pinned one (other size or version, gone, or back after its removal), or
+        None when it still is. `pinned_at` (an ISO time), when given, goes into the message. Transient storage
+        errors are retried, then raised."""
         fs, path = fsspec.core.url_to_fs(self.url)
         try:
             size, version = file_version(fs, path)
         except FileNotFoundError:
+            if self.removed:
+                return None
             now = "is gone"
         else:
-            if (size, version) == (self.size, self.version):
+            if self.removed:
+                now = "was removed from the job and is back"
+            elif (size, version) == (self.size, self.version):
                 return None
-            now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
-        since = f" on {pinned_at}" if pinned_at else ""
-        return (f"input changed since the job started{since}: {self.url} {now}. Restore it, or run the new "
-                "input into a new OUTPUT")
+            else:
+                now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+        if self.pinned_at:
+            since = f"since it was re-pinned on {self.pinned_at}"
+        else:
+            since = f"since the job started{f' on {pinned_at}' if pinned_at else ''}"
+        return (f"input changed {since}: {self.url} {now}. Restore it, or run the new input into a new OUTPUT")
 
 
 @dataclass(frozen=True)
 class InputManifest:
     """A job's pinned input: the files, the options that shape its shards (rows_per_shard, limit) and its results
-    (RESULT_OPTIONS, the prompt column read), and when it was pinned. Shards come only from this."""
+    (RESULT_OPTIONS, the prompt column read), and when it was pinned. Shards come only from this. `revision`: 0 for
+    the manifest the job started with, N for OUTPUT/_manifest/input-NNN.json (`repin`)."""
 
     input: str
     files: tuple[InputFile, ...]
@@ -240,6 +260,7 @@ class InputManifest:
     prompt_column: str
     options: dict[str, Any]
     created_at: str
+    revision: int = 0
 
     def shards(self) -> list[Shard]:
         """The job's shards, deterministically from the pinned files and options."""
@@ -250,7 +271,7 @@ class InputManifest:
         """The manifest as committed (JSON-ready)."""
         return {"format": MANIFEST_FORMAT, "input": self.input, "rows_per_shard": self.rows_per_shard,
                 "limit": self.limit, "prompt_column": self.prompt_column, "options": self.options,
-                "created_at": self.created_at, "files": [asdict(f) for f in self.files]}
+                "created_at": self.created_at, "revision": self.revision, "files": [asdict(f) for f in self.files]}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> InputManifest:
@@ -259,7 +280,7 @@ class InputManifest:
             raise InputError(f"input manifest format {doc.get('format')!r} is not {MANIFEST_FORMAT}; this OUTPUT "
                              "was written by another tokenmill version: use a new OUTPUT")
         return cls(doc["input"], tuple(InputFile(**f) for f in doc["files"]), doc["rows_per_shard"], doc["limit"],
-                   doc["prompt_column"], doc["options"], doc["created_at"])
+                   doc["prompt_column"], doc["options"], doc["created_at"], doc.get("revision", 0))
 
 
 def result_options(cfg: RunConfig) -> dict[str, Any]:
@@ -298,14 +319,21 @@ def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:
                          result_options(cfg), datetime.now(UTC).isoformat(timespec="seconds"))
 
 
+def manifest_path(root: str, revision: int) -> str:
+    """Where revision `revision` of the job's manifest is committed (0: _manifest/input.json)."""
+    return f"{root}/{MANIFEST_PATH}" if revision == 0 else f"{root}/_manifest/input-{revision:03d}.json"
+
+
 def read_manifest(output_url: str) -> InputManifest | None:
-    """The job's pinned input manifest under OUTPUT, or None when no job has started there."""
+    """The job's pinned input manifest under OUTPUT (its latest revision: one listing of _manifest/, one read), or
+    None when no job has started there."""
     fs, root = fsspec.core.url_to_fs(output_url)
-    path = f"{root.rstrip('/')}/{MANIFEST_PATH}"
-    try:
-        return InputManifest.from_json(read_json(fs, path))
-    except FileNotFoundError:
+    root = root.rstrip("/")
+    revisions = [int(m.group(1) or 0) for info in list_folder(fs, f"{root}/_manifest")
+                 if (m := _REVISION.match(info["name"].rsplit("/", 1)[-1]))]
+    if not revisions:
         return None
+    return InputManifest.from_json(read_json(fs, manifest_path(root, max(revisions))))
 
 
 def absolute_url(url: str) -> str:
@@ -350,6 +378,37 @@ def pin_manifest(output_url: str, input_url: str, cfg: RunConfig,
             manifest = read_manifest(output_url) or manifest
     check_compatible(manifest, input_url, cfg, output_url)
     return manifest, created
+
+
+def repinned(manifest: InputManifest, urls: list[str]) -> InputManifest:
+    """The next revision of `manifest`, with the files `urls` pinned as they are now: size, version and rows read
+    again, or, for a file that is gone, kept as a removed entry without rows (so the other files keep their indices
+    and shard ids). Commits nothing (commit_revision does). Transient storage errors are retried, then raised."""
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    files = []
+    for f in manifest.files:
+        if f.url not in urls:
+            files.append(f)
+            continue
+        fs, path = fsspec.core.url_to_fs(f.url)
+        try:
+            size, version = file_version(fs, path)
+        except FileNotFoundError:
+            files.append(InputFile(f.url, 0, "", 0, removed=True, pinned_at=now))
+        else:
+            files.append(InputFile(f.url, size, version, _num_rows(fs, path), pinned_at=now))
+    return replace(manifest, files=tuple(files), revision=manifest.revision + 1)
+
+
+def commit_revision(output_url: str, revised: InputManifest, why: str) -> InputManifest:
+    """Commit `revised` (from `repinned`) create-only as OUTPUT/_manifest/input-NNN.json with `why` beside it. The
+    caller must hold the job's lease and must only re-pin files none of whose shards committed anything
+    (jobs.runner). Returns the manifest now pinned: `revised`, or the latest revision when another writer committed
+    that number first. Raises what the store raises (after retries)."""
+    fs, root = output_fs(output_url)
+    if commit_json(fs, manifest_path(root, revised.revision), revised.as_json() | {"why": why}):
+        return revised
+    return read_manifest(output_url) or revised
 
 
 def changed_inputs(manifest: InputManifest) -> dict[str, str]:

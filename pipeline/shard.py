@@ -2,7 +2,8 @@
 
 Layout under OUTPUT (every object create-only, never overwritten):
 
-    attempts/<shard_id>/attempt-NNN.json[.end.json]   who ran the shard when, and how each run ended (pipeline.attempts)
+    attempts/<shard_id>/attempt-NNN[.alive-M|.end].json  who ran the shard when, its signs of life, and how each run
+                                                         ended (pipeline.attempts)
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet  finished rows, committed every few rows or seconds, each with a
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.commit   commit marker (pipeline.checkpoint)
     results/<shard_id>.parquet                        the parts merged: one row per input row, in row order
@@ -27,7 +28,7 @@ from fsspec import AbstractFileSystem
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 from pipeline.accounting import accounting_row, bill_earlier_attempts
-from pipeline.attempts import claim_attempt, end_attempt, list_attempts
+from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard, is_text_type
@@ -150,7 +151,8 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     try:
         table, first_row = _read_row_groups(shard, prompt_column, id_column)
     except Exception as e:  # any reader failure fails this shard with a clear message
-        raise ShardError(f"cannot read {shard.url}: {e}. Fix or remove the file and run the job again") from e
+        raise ShardError(f"cannot read {shard.url}: {str(e).rstrip('.')}. Fix or remove the file and run the job "
+                         "again") from e
     start = shard.row_start - first_row
     table = table.slice(start, shard.num_rows)
     prompts = table.column(prompt_column).to_pylist()
@@ -309,7 +311,7 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
         t0 = time.monotonic()
-        attempt, _ = claim_attempt(fs, root, shard.shard_id)
+        attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
         try:
             return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, progress, notice,
                                 should_stop)
@@ -357,8 +359,10 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
             return notice.is_set() or (should_stop is not None and should_stop())
 
         t_gen = time.perf_counter()
-        outputs = generate_rows(engine, rows.take(todo), cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
-                                should_stop=stop)
+        with Heartbeat(fs, root, shard.shard_id, attempt, every_s=cfg.heartbeat_seconds, started=t0,
+                       last_sign=lambda: ckpt.last_commit):
+            outputs = generate_rows(engine, rows.take(todo), cfg, progress,
+                                    on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop)
         wall_s = time.perf_counter() - t_gen
         generated_tokens = sum(o.num_output_tokens for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)

@@ -16,6 +16,9 @@ from test_worker_cli import DASK_CONFIG, ROOT, WAIT_S, dask_cli_cluster
 from typer.testing import CliRunner
 
 from jobs.cli import app
+from jobs.runner import _repin_unstarted_inputs
+from pipeline.config import RunConfig
+from pipeline.input import pin_manifest, read_manifest
 
 runner = CliRunner()
 
@@ -107,3 +110,84 @@ def test_an_output_that_is_a_file_or_not_writable_is_a_clear_error(gsm8k_rows: P
     finally:
         locked.chmod(0o755)
     assert res.exit_code == 2 and "is not writable" in res.stderr
+
+
+def _snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
+    """Every committed object under OUTPUT (the lease's renewals aside): path -> (mtime ns, content)."""
+    return {str(p.relative_to(out)): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*")
+            if p.is_file() and "_lease" not in p.parts}
+
+
+def test_a_corrupt_file_fixed_or_removed_lets_the_job_finish_in_place(tmp_path: Path, data_dir: Path) -> None:
+    """Three GSM8K files, two of them corrupt (text named .parquet, a truncated file): the good file's shard commits,
+    each bad one fails with its file and problem named, no Dask traceback, attempts counted, exit 1. Then one is
+    fixed and the other removed: the same command finishes the job in place (new manifest revision, the first one
+    untouched), every id once, nothing committed rewritten. Before: InputChanged forever, "attempts 0", and a raw
+    "Compute Failed" traceback from the worker."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, 6)
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(table.slice(0, 2), inp / "a.parquet")
+    (inp / "b.parquet").write_text("question,id\nnot a parquet file\n")
+    pq.write_table(table.slice(4, 2), tmp_path / "c.parquet")
+    (inp / "c.parquet").write_bytes((tmp_path / "c.parquet").read_bytes()[:-40])  # truncated: no footer
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    args = ["run", "in", "out", "--prompt-column", "question", "--max-tokens", "2", "--device", "cpu", "--json"]
+    first = _tokenmill(args, tmp_path, env)
+    assert first.returncode == 1, first.stderr
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["shards_ok"] == 1 and set(summary["failed"]) == {"00001-000000000", "00002-000000000"}
+    assert "in/b.parquet: Parquet magic bytes not found" in summary["failed"]["00001-000000000"]
+    assert "in/c.parquet" in summary["failed"]["00002-000000000"]
+    assert all("Fix or remove the file" in e for e in summary["failed"].values())
+    assert summary["attempts"] == 3  # one each, the failed ones included
+    assert "Compute Failed" not in first.stderr and "Traceback" not in first.stderr, first.stderr
+    out = tmp_path / "out"
+    before = _snapshot(out)
+    assert "results/00000-000000000.parquet" in before
+
+    pq.write_table(table.slice(2, 2), inp / "b.parquet")  # fixed
+    (inp / "c.parquet").unlink()  # removed
+    again = _tokenmill(args, tmp_path, env)
+    assert again.returncode == 0, again.stderr
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["shards"] == 2 and not summary["failed"]
+    assert sorted(summary["repinned"]) == [(inp / "b.parquet").as_uri(), (inp / "c.parquet").as_uri()]
+    assert "re-pinned it as it is now" in again.stderr
+    after = _snapshot(out)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing committed rewritten
+    assert (out / "_manifest" / "input-001.json").is_file() and (out / "_SUCCESS").is_file()
+    results = pq.read_table(out / "results")
+    assert sorted(results.column("id").to_pylist()) == sorted(table.slice(0, 4).column("id").to_pylist())
+
+
+def test_only_files_with_nothing_committed_are_re_pinned(tmp_path: Path, data_dir: Path) -> None:
+    """A changed file with committed rows stays pinned (its unfinished shards fail: their rows would mix two
+    contents); a changed file with nothing committed is re-pinned in a new manifest revision, the first kept as is;
+    a re-pin that would move other files' shards (--limit) is refused."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(0, 8)
+    inp, out = tmp_path / "in", str(tmp_path / "out")
+    inp.mkdir()
+    for name, start in (("a", 0), ("b", 4)):
+        pq.write_table(table.slice(start, 4), inp / f"{name}.parquet")
+    cfg = RunConfig(prompt_column="question", rows_per_shard=2)
+    manifest, _ = pin_manifest(out, str(inp), cfg)
+    first = (tmp_path / "out" / "_manifest" / "input.json").read_bytes()
+    (tmp_path / "out" / "results").mkdir()
+    (tmp_path / "out" / "results" / "00000-000000000.parquet").write_bytes(b"committed")  # a's first shard
+    for name in ("a", "b"):
+        pq.write_table(table.slice(0, 3), inp / f"{name}.parquet")
+    revised, repinned, kept = _repin_unstarted_inputs(out, manifest, cfg)
+    assert repinned == [(inp / "b.parquet").as_uri()] and list(kept) == [(inp / "a.parquet").as_uri()]
+    assert "rows of it are committed" in kept[(inp / "a.parquet").as_uri()]
+    assert revised.revision == 1 and read_manifest(out) == revised
+    assert [s.shard_id for s in revised.shards()] == ["00000-000000000", "00000-000000002", "00001-000000000",
+                                                      "00001-000000002"]
+    assert (tmp_path / "out" / "_manifest" / "input.json").read_bytes() == first
+
+    limited = str(tmp_path / "limited")
+    cfg = RunConfig(prompt_column="question", rows_per_shard=2, limit=5)
+    manifest, _ = pin_manifest(limited, str(inp), cfg)  # a: 3 rows, b: 2 (the limit)
+    pq.write_table(table.slice(0, 4), inp / "a.parquet")  # a now has 4 rows: b's shard would hold 1, not 2
+    again, repinned, kept = _repin_unstarted_inputs(limited, manifest, cfg)
+    assert again == manifest and not repinned and "would move the shards of" in kept[(inp / "a.parquet").as_uri()]

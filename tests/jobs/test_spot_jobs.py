@@ -25,7 +25,8 @@ from jobs.cli import app
 from jobs.control import cancel_job, job_status
 from jobs.lease import Lease
 from jobs.runner import CLUSTER_CONFIG, run_job
-from pipeline.attempts import claim_attempt, end_path
+from pipeline.attempts import claim_attempt, end_path, list_attempts, read_record, start_path
+from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
 from pipeline.input import pin_manifest
 from pipeline.shard import ShardInterrupted, run_shard
@@ -98,17 +99,28 @@ def _when_a_shard_checkpoints(out: Path, client: Client, act: Callable[[str, int
 
 def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                        tmp_path: Path) -> None:
-    """The worker running a shard is SIGKILLed after the shard's first checkpoint: the shard runs again on a worker,
-    resumes from the checkpoint, and the job's results equal an undisturbed run's."""
+    """The worker running a shard is SIGKILLed a second after the shard's first checkpoint: the shard runs again on a
+    worker, resumes from the checkpoint, and the job's results equal an undisturbed run's. The killed attempt is
+    billed from its start to its last sign of life (its heartbeats after the checkpoint), never past the kill.
+    Before: the time from its last checkpoint to the next attempt's start (worker restart included), capped at
+    --checkpoint-seconds, whatever it ran."""
     _, client = cluster
     ids = _gsm8k(data_dir, tmp_path / "in", 400, 24)
-    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2,
+                    heartbeat_seconds=0.2)
     addr = client.scheduler.address
     ref = run_job(str(tmp_path / "in"), str(tmp_path / "ref"), cfg, engine_config=ENGINE, scheduler_address=addr)
     assert ref.shards_ok == 2 and not ref.failed
 
     out = tmp_path / "out"
-    killer = _when_a_shard_checkpoints(out, client, lambda _shard, pid: os.kill(pid, signal.SIGKILL))
+    killed_at: list[float] = []
+
+    def kill(_shard: str, pid: int) -> None:
+        time.sleep(1.0)  # rows go on: heartbeats, maybe another part
+        os.kill(pid, signal.SIGKILL)
+        killed_at.append(time.time())
+
+    killer = _when_a_shard_checkpoints(out, client, kill)
     summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, scheduler_address=addr)
     killer.join()
     killed = killer.acted
@@ -121,6 +133,20 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     acct = _accounting(out)[killed]
     assert acct["attempts"] >= 2 and acct["preemptions"] >= 1 and acct["rows_resumed"] >= 2
     assert summary.attempts >= 3 and summary.preemptions >= 1
+
+    # The bill of the killed attempt, from its own records.
+    fs, root = output_fs(str(out))
+    listing = list_attempts(fs, root, killed)
+    earlier = [a for a in listing.started if a < acct["attempt"]]
+    assert len(earlier) == 1 and earlier[0] not in listing.ended  # the killed one: no end record
+    dead = earlier[0]
+    started_at = read_record(fs, start_path(root, killed, dead))["started_at"]
+    kept = read_record(fs, [p for p in committed_parts(fs, root, killed) if p.attempt == dead][-1].marker)["elapsed_s"]
+    assert dead in listing.alive  # it left signs of life after its last checkpoint
+    last_sign = max(kept, listing.alive[dead])
+    assert acct["gpu_s_billed"] - acct["gpu_s"] == pytest.approx(last_sign, abs=1e-6)
+    assert acct["gpu_s_lost"] == pytest.approx(last_sign - kept, abs=1e-6)
+    assert last_sign <= killed_at[0] - started_at + 0.5  # nothing billed after the kill
 
 
 def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tmp_path: Path) -> None:
