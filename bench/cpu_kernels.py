@@ -5,6 +5,7 @@ Usage:
     python bench/cpu_kernels.py --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.packed_linear) vs W8A8
     python bench/cpu_kernels.py --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
     python bench/cpu_kernels.py --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
+    python bench/cpu_kernels.py --argmax       # ms per step: greedy argmax of [B, 49152] logits, torch vs C++
 
 --gemm: each projection and the LM head at M = 16, 64, 256, 1024 rows, fp32 and bf16, then INT8 W8A8
 (engine.quant.int8_linear: the oneDNN int8 GEMM alone, and with the per-token activation quantization around it).
@@ -160,11 +161,31 @@ def bench_prefill(lengths: list[int], reps: int) -> None:
                   f"| {ours_s / sdpa_s:.2f} | {diff:.1e} |", flush=True)
 
 
+def bench_argmax(batches: list[int], reps: int) -> None:
+    """Greedy sampling's argmax over a step's logits [B, vocab], bf16 and fp32: torch.argmax vs the C++ kernel
+    (engine.sampler.argmax_rows)."""
+    from engine.cpu_kernels import cpu_ops
+
+    ops = cpu_ops()
+    vocab = SHAPES["lm_head"][1]
+    print("| dtype | rows B | torch.argmax ms | C++ argmax_rows ms | speed-up |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        for b in batches:
+            x = torch.randn(b, vocab).to(dtype)
+            torch_s = median_s(lambda x=x: x.argmax(dim=-1), reps)
+            ours_s = median_s(lambda x=x: ops.argmax_rows(x), reps)
+            assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+            print(f"| {str(dtype).removeprefix('torch.')} | {b} | {torch_s * 1e3:.2f} | {ours_s * 1e3:.2f} "
+                  f"| {torch_s / ours_s:.1f}x |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--prefill", action="store_true")
+    ap.add_argument("--argmax", action="store_true")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
@@ -174,13 +195,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    every = not (args.gemm or args.attention or args.prefill)
+    every = not (args.gemm or args.attention or args.prefill or args.argmax)
     if args.gemm or every:
         bench_gemm(args.rows, args.reps)
     if args.attention or every:
         bench_attention(args.batches, args.reps)
     if args.prefill or every:
         bench_prefill(args.lengths, args.reps)
+    if args.argmax or every:
+        bench_argmax(args.batches, args.reps)
 
 
 if __name__ == "__main__":
