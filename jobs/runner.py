@@ -23,7 +23,7 @@ from distributed import Client, Future, LocalCluster, as_completed
 from fsspec import AbstractFileSystem
 
 from engine import EngineConfig
-from jobs.control import SUCCESS_NAME, cancel_record, job_done, read_success, resume_cancelled, shard_states
+from jobs.control import cancel_record, job_done, read_success, resume_cancelled, shard_states
 from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
 from jobs.lease import Lease
 from jobs.plugin import (
@@ -53,8 +53,9 @@ from pipeline.input import (
     repinned,
     validate_columns,
 )
+from pipeline.layout import results_path, success_path
 from pipeline.preemption import env_seconds
-from pipeline.shard import ProgressFn, ShardInterrupted, results_path
+from pipeline.shard import ProgressFn, ShardInterrupted
 from pipeline.storage import commit_json, exists_now, output_fs, read_table
 
 log = logging.getLogger(__name__)
@@ -444,9 +445,9 @@ def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]
             summary.shards_ok -= len(summary.failed)
             return summary
         summary.ids_null, summary.ids_repeated = count_ids(fs, [results_path(root, s.shard_id) for s in shards])
-        commit_json(fs, f"{root}/{SUCCESS_NAME}", {
+        commit_json(fs, success_path(root), {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
-                        "results": results_path(".", s.shard_id)[2:]} for s in shards],
+                        "results": results_path("", s.shard_id)} for s in shards],
             "summary": summary.as_dict()})
     return summary
 

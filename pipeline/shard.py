@@ -1,6 +1,6 @@
 """Run one shard: read its rows, generate, checkpoint finished rows as they come, commit results and accounting.
 
-Layout under OUTPUT (every object create-only, never overwritten):
+Layout under OUTPUT (every object create-only, never overwritten; paths from pipeline.layout):
 
     attempts/<shard_id>/attempt-NNN[.alive-M|.end].json  who ran the shard when, its signs of life, and how each run
                                                          ended (pipeline.attempts)
@@ -27,11 +27,12 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from engine import LLMEngine, RequestOutput, SamplingParams
-from pipeline.accounting import accounting_row, bill_earlier_attempts
+from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard, is_text_type
+from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
 from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
@@ -86,39 +87,6 @@ class ShardRows:
 
         return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
                          pick(self.errors), pick(self.positions))
-
-
-def results_path(root: str, shard_id: str) -> str:
-    """Where a shard's results are committed."""
-    return f"{root}/results/{shard_id}.parquet"
-
-
-def accounting_path(root: str, shard_id: str, attempt: int) -> str:
-    """Where the accounting row of the attempt that finished a shard is committed."""
-    return f"{root}/accounting/{shard_id}.attempt-{attempt:03d}.parquet"
-
-
-def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
-    """committed_accounting on an open filesystem and protocol-less OUTPUT root."""
-    if not exists_now(fs, results_path(root, shard_id)):
-        return None
-    # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
-    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
-        path = accounting_path(root, shard_id, attempt)
-        if exists_now(fs, path):
-            row = read_table(fs, path).to_pylist()[-1]
-            # A file written before a column was added (dtype, quantization) lacks it: read as null.
-            return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
-    return None
-
-
-def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
-    """The accounting row of the shard's latest committed attempt when its results are committed, else None.
-
-    A shard is done only when both its results and an accounting row exist (results are committed first).
-    """
-    fs, root = fsspec.core.url_to_fs(output_url)
-    return read_committed_accounting(fs, root.rstrip("/"), shard_id)
 
 
 @retry_transient
@@ -374,8 +342,9 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         parts = committed_parts(fs, root, shard.shard_id)
         merged = merge_parts(fs, parts)
         if merged.column("row").to_pylist() != list(range(len(rows.ids))):
-            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {root}/checkpoints/ do not hold "
-                               f"rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
+            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under "
+                               f"{checkpoints_dir(root, shard.shard_id)}/ do not hold rows 0..{len(rows.ids) - 1} "
+                               "once each; were parts deleted while it ran?")
         kv = merged.column("kv_preemptions")
         results = _results(merged, shard)
         if not commit_table(fs, done_path, results):
