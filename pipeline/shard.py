@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.llm_engine import prompt_problem
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
@@ -160,38 +161,6 @@ def _row_seed(seed: int | None, row_key: str) -> int | None:
     return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def _messages_problem(messages: list[Any]) -> str | None:
-    """What is wrong with a chat messages list (a message that is not {role, content}, a role outside CHAT_ROLES,
-    content that is not text), or None."""
-    if not messages:
-        return "the messages list is empty; give at least one {role, content} message"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return (f"message {i} is {type(m).__name__} {m!r}, not a {{role, content}} object; give each message "
-                    "as {\"role\": ..., \"content\": ...}")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            return f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
-        if not isinstance(content, str):
-            return (f"message {i} ({role}) has content {content!r} of type {type(content).__name__}; content must "
-                    "be text")
-    return None
-
-
-def _prompt_problem(prompt: Any) -> str | None:
-    if prompt is None:
-        return "the prompt is null; fill in the prompt column for this row"
-    if isinstance(prompt, str):
-        return None if prompt.strip() else "the prompt is empty; give it some text"
-    if isinstance(prompt, list):
-        return _messages_problem(prompt)
-    return (f"the prompt is {type(prompt).__name__} {prompt!r}, not text or a list of chat messages; a messages "
-            "column stored as text must hold a JSON list of {role, content} objects")
-
-
 def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
                   on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
     """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
@@ -208,7 +177,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
     runnable: list[int] = []
     params: list[SamplingParams] = []
     for k, prompt in enumerate(rows.prompts):
-        problem = (rows.errors[k] if rows.errors else None) or _prompt_problem(prompt)
+        problem = (rows.errors[k] if rows.errors else None) or prompt_problem(prompt, token_ids=False)
         if not problem:
             try:
                 key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
