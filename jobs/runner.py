@@ -184,9 +184,9 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         if todo and changed:
             todo = _fail_changed_inputs(output_url, changed, todo, summary, progress)
         if todo:
-            pinned = {f.url: f for f in manifest.files}
-            _run_on_cluster(todo, manifest.prompt_column, output_url, cfg, model, engine_config or EngineConfig(),
-                            cluster_opts, pinned, summary, progress, lease)
+            run = _Run(output_url, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
+                       progress, lease)
+            _run_on_cluster(todo, run, model, engine_config or EngineConfig(), cluster_opts)
         if lease.lost.is_set():
             raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",
                            exit_code=EXIT_LEASE_HELD)
@@ -279,9 +279,23 @@ def _fail_changed_inputs(output_url: str, changed: dict[str, str], todo: list[Sh
     return keep
 
 
-def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig, model: str | None,
-                    engine_config: EngineConfig, opts: ClusterOptions, pinned: dict[str, InputFile],
-                    summary: JobSummary, progress: JobProgress, lease: Lease) -> None:
+@dataclass(frozen=True)
+class _Run:
+    """What the shards of one run share: where they write, how they run, the input files as pinned, and the
+    run's bookkeeping (its summary, progress and lease)."""
+
+    output_url: str
+    cfg: RunConfig
+    prompt_column: str
+    pinned: dict[str, InputFile]
+    summary: JobSummary
+    progress: JobProgress
+    lease: Lease
+
+
+def _run_on_cluster(todo: list[Shard], run: _Run, model: str | None, engine_config: EngineConfig,
+                    opts: ClusterOptions) -> None:
+    """Run `todo` as Dask tasks on the cluster `opts` names (or a LocalCluster of ours) with the engine `model`."""
     resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
@@ -299,10 +313,9 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
                     client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
                 plugin_name = register_engine(client, EnginePlugin(
                     model, engine_config, default_torch_threads(opts.workers) if cluster else None))
-                client.subscribe_topic(PROGRESS_TOPIC, progress.event)
+                client.subscribe_topic(PROGRESS_TOPIC, run.progress.event)
                 try:
-                    _gather(client, todo, prompt_column, output_url, cfg, plugin_name, pinned, resources, summary,
-                            progress, lease, own_cluster=cluster is not None)
+                    _gather(client, todo, run, plugin_name, resources, own_cluster=cluster is not None)
                 finally:
                     client.unsubscribe_topic(PROGRESS_TOPIC)
         finally:
@@ -332,18 +345,18 @@ def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
     return True
 
 
-def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig,
-            plugin_name: str, pinned: dict[str, InputFile], resources: dict[str, int] | None, summary: JobSummary,
-            progress: JobProgress, lease: Lease, own_cluster: bool) -> None:
+def _gather(client: Client, todo: list[Shard], run: _Run, plugin_name: str, resources: dict[str, int] | None, *,
+            own_cluster: bool) -> None:
     """Submit the shards and fold their outcomes into `summary`, resubmitting interrupted ones. A worker that
     reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
     cluster: the machine is going away) before its shard is submitted again."""
+    output_url, summary, progress, lease = run.output_url, run.summary, run.progress, run.lease
     run_id = progress.run_id
     futures: dict[Future, tuple[Shard, int]] = {}
 
     def submit(shard: Shard, tries: int) -> Future:
-        fut = client.submit(shard_task, shard, prompt_column, output_url, cfg, plugin_name, run_id,
-                            pinned.get(shard.url), pure=False, resources=resources,
+        fut = client.submit(shard_task, shard, run.prompt_column, output_url, run.cfg, plugin_name, run_id,
+                            run.pinned.get(shard.url), pure=False, resources=resources,
                             key=f"shard-{shard.shard_id}-{run_id}-{tries}")
         futures[fut] = (shard, tries)
         return fut
