@@ -1,7 +1,7 @@
 """Looking at and steering a job from outside it: `status` (what is done, running, failed, at what cost) and
 `cancel` (stop it), both from what is committed under OUTPUT alone, with no access to the run or its cluster.
 
-Records under OUTPUT that this module reads or writes (all JSON, create-only):
+Records under OUTPUT that this module reads or writes (all JSON, create-only; paths from pipeline.layout):
     _manifest/input.json            the pinned input (pipeline.input): which shards the job has
     _CANCEL                         the cancel marker: running shards stop at their next poll and commit what finished
     _manifest/cancel-<n>.json       a cancel marker set aside by `run/submit --resume` (the marker itself is deleted)
@@ -32,12 +32,11 @@ from jobs.errors import (
 from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_distinct
 from pipeline.accounting import tokens_per_dollar
-from pipeline.input import MANIFEST_PATH, InputManifest, Shard, read_manifest
-from pipeline.preemption import CANCEL_NAME
+from pipeline.input import InputManifest, Shard, read_manifest
+from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
 from pipeline.status import ShardState, shard_state
 from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
 
-SUCCESS_NAME = "_SUCCESS"
 STATES = ("done", "running", "partial", "failed", "pending")
 # Shards whose state status reads at once (each is a few small listings of the store).
 STATUS_THREADS = 16
@@ -51,19 +50,19 @@ def _root(output_url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 def job_done(output_url: str) -> bool:
     """True when OUTPUT/_SUCCESS exists: every shard of the job is committed."""
     fs, root = _root(output_url)
-    return exists_now(fs, f"{root}/{SUCCESS_NAME}")
+    return exists_now(fs, success_path(root))
 
 
 def read_success(output_url: str) -> dict[str, Any]:
     """The committed job manifest OUTPUT/_SUCCESS (shards and summary). Raises FileNotFoundError when absent."""
     fs, root = _root(output_url)
-    return read_json(fs, f"{root}/{SUCCESS_NAME}")
+    return read_json(fs, success_path(root))
 
 
 def cancel_record(output_url: str) -> dict[str, Any] | None:
     """The cancel marker's content ({} if unreadable) when the job is cancelled, else None."""
     fs, root = _root(output_url)
-    path = f"{root}/{CANCEL_NAME}"
+    path = cancel_path(root)
     if not exists_now(fs, path):
         return None
     try:
@@ -81,11 +80,11 @@ def cancel_job(output_url: str, reason: str | None = None) -> str:
     if job_done(output_url):
         return f"the job at {output_url} has already finished; nothing to cancel"
     if read_manifest(output_url) is None:
-        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST_PATH}); nothing to cancel")
+        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST}); nothing to cancel")
     fs, root = output_fs(output_url)
     record = {"cancelled_at": datetime.now(UTC).isoformat(timespec="seconds"),
               "by": f"{socket.gethostname()}:{os.getpid()}", "reason": reason}
-    if commit_json(fs, f"{root}/{CANCEL_NAME}", record):
+    if commit_json(fs, cancel_path(root), record):
         return (f"cancelled the job at {output_url}: running shards stop at their next poll and commit what they "
                 "finished; resume it with `--resume`")
     earlier = cancel_record(output_url) or {}
@@ -100,11 +99,11 @@ def resume_cancelled(output_url: str) -> dict[str, Any] | None:
     if record is None:
         return None
     fs, root = output_fs(output_url)
-    n = len([e for e in list_folder(fs, f"{root}/_manifest") if "/cancel-" in e["name"]])
-    while not commit_json(fs, f"{root}/_manifest/cancel-{n:03d}.json",
+    n = len([e for e in list_folder(fs, manifest_dir(root)) if is_cancel_aside(e["name"])])
+    while not commit_json(fs, cancel_aside_path(root, n),
                           {**record, "resumed_at": datetime.now(UTC).isoformat(timespec="seconds")}):
         n += 1
-    fs.rm_file(f"{root}/{CANCEL_NAME}")
+    fs.rm_file(cancel_path(root))
     return record
 
 
@@ -171,7 +170,7 @@ def job_status(output_url: str) -> JobStatus:
     """
     manifest: InputManifest | None = read_manifest(output_url)
     if manifest is None:
-        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST_PATH}); start one with `tokenmill run` or "
+        raise JobError(f"no tokenmill job at {output_url} (no {MANIFEST}); start one with `tokenmill run` or "
                        "`tokenmill submit`")
     shards = manifest.shards()
     states = shard_states(output_url, shards)

@@ -40,10 +40,10 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from jobs.errors import EXIT_LEASE_HELD, JobError
+from pipeline.layout import lease_dir, lease_path, parse_lease_seq
 from pipeline.preemption import env_seconds
 from pipeline.storage import commit_json, list_folder, modified_at, output_fs, read_json
 
-LEASE_DIR = "_lease"
 DEFAULT_TTL_S = 60.0
 TTL_ENV = "TOKENMILL_LEASE_TTL_S"
 
@@ -102,26 +102,17 @@ class LeaseHeld(JobError):
         self.record = record
 
 
-def _name(seq: int) -> str:
-    return f"{seq:012d}.json"
-
-
-def _seq(path: str) -> int | None:
-    stem = path.rsplit("/", 1)[-1].removesuffix(".json")
-    return int(stem) if stem.isdigit() else None
-
-
-def _listing(fs: AbstractFileSystem, folder: str) -> dict[int, dict[str, Any]]:
+def _listing(fs: AbstractFileSystem, root: str) -> dict[int, dict[str, Any]]:
     """seq -> the fsspec info of that record."""
-    return {s: e for e in list_folder(fs, folder) if (s := _seq(e["name"])) is not None}
+    return {s: e for e in list_folder(fs, lease_dir(root)) if (s := parse_lease_seq(e["name"])) is not None}
 
 
-def _read_record(fs: AbstractFileSystem, folder: str, seq: int, info: dict[str, Any] | None,
+def _read_record(fs: AbstractFileSystem, root: str, seq: int, info: dict[str, Any] | None,
                  ttl_s: float) -> LeaseRecord | None:
     """Record `seq`, or None if it was deleted since the listing. A record that does not parse (a local write cut
     by a crash) counts as held by an unknown run until its modification time + ttl_s."""
     try:
-        doc = read_json(fs, f"{folder}/{_name(seq)}")
+        doc = read_json(fs, lease_path(root, seq))
         return LeaseRecord(str(doc["holder"]), int(doc["seq"]), float(doc["acquired_at"]), float(doc["expires_at"]),
                            bool(doc.get("released", False)))
     except FileNotFoundError:
@@ -134,16 +125,16 @@ def _read_record(fs: AbstractFileSystem, folder: str, seq: int, info: dict[str, 
 def newest_record(output_url: str, ttl_s: float | None = None) -> LeaseRecord | None:
     """The newest lease record under OUTPUT (active or not), or None when no run ever took the lease."""
     fs, root = fsspec.core.url_to_fs(output_url)
-    return _newest(fs, f"{root.rstrip('/')}/{LEASE_DIR}", ttl_s or default_ttl_s())
+    return _newest(fs, root, ttl_s or default_ttl_s())
 
 
-def _newest(fs: AbstractFileSystem, folder: str, ttl_s: float) -> LeaseRecord | None:
+def _newest(fs: AbstractFileSystem, root: str, ttl_s: float) -> LeaseRecord | None:
     for _ in range(3):  # a record deleted between the listing and the read: list again
-        listing = _listing(fs, folder)
+        listing = _listing(fs, root)
         if not listing:
             return None
         seq = max(listing)
-        record = _read_record(fs, folder, seq, listing[seq], ttl_s)
+        record = _read_record(fs, root, seq, listing[seq], ttl_s)
         if record is not None:
             return record
     return None
@@ -166,8 +157,7 @@ class Lease:
         self.output_url = output_url
         self.ttl_s = ttl_s if ttl_s is not None else default_ttl_s()
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.fs, root = output_fs(output_url)
-        self.folder = f"{root}/{LEASE_DIR}"
+        self.fs, self.root = output_fs(output_url)
         self.seq: int | None = None
         self.expires_at = 0.0
         self.lost = threading.Event()
@@ -178,14 +168,14 @@ class Lease:
         """Create record `seq` for this holder; return the record now at `seq` (ours, or another holder's)."""
         now = time.time()
         mine = LeaseRecord(self.holder, seq, now, now if released else now + self.ttl_s, released)
-        if commit_json(self.fs, f"{self.folder}/{_name(seq)}", asdict(mine)):
+        if commit_json(self.fs, lease_path(self.root, seq), asdict(mine)):
             return mine
         # Taken, by another run or by an earlier try of this very commit whose response was lost.
-        return _read_record(self.fs, self.folder, seq, None, self.ttl_s) or mine
+        return _read_record(self.fs, self.root, seq, None, self.ttl_s) or mine
 
     def acquire(self) -> LeaseRecord:
         """Take the lease. Raises LeaseHeld when another run holds it (or wins the race for it)."""
-        newest = _newest(self.fs, self.folder, self.ttl_s)
+        newest = _newest(self.fs, self.root, self.ttl_s)
         if newest is not None and newest.active() and newest.holder != self.holder and not holder_gone(newest.holder):
             raise LeaseHeld(self.output_url, newest)
         record = self._claim(0 if newest is None else newest.seq + 1)
@@ -208,7 +198,7 @@ class Lease:
             # Keep the previous record (a contender that listed a moment ago may be reading it); deleting older ones
             # is only tidiness, a leftover record is never the newest again.
             with contextlib.suppress(OSError):
-                self.fs.rm_file(f"{self.folder}/{_name(old)}")
+                self.fs.rm_file(lease_path(self.root, old))
         return True
 
     def release(self) -> None:

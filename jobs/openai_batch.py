@@ -31,15 +31,15 @@ import fsspec
 import pyarrow as pa
 
 from jobs.errors import JobError
+from pipeline.accounting import read_committed_accounting
 from pipeline.input import InputManifest, absolute_url, file_version, read_manifest
+from pipeline.layout import MANIFEST, results_path, staged_requests_path
 from pipeline.row_options import ROW_ERROR_COLUMN
-from pipeline.shard import read_committed_accounting, results_path
 from pipeline.storage import commit_table, exists_now, output_fs, read_table
 from schemas.job_spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-STAGED_PATH = "_input/requests.parquet"  # relative to OUTPUT
 # Body fields we accept when they ask for nothing we do not do: field -> the values that are fine.
 _NEUTRAL = {"n": (1, None), "stream": (False, None), "logprobs": (False, None), "echo": (False, None),
             "frequency_penalty": (0, None), "presence_penalty": (0, None)}
@@ -200,7 +200,7 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
     that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards.
     """
     fs, root = output_fs(output_url)
-    staged = f"{root}/{STAGED_PATH}"
+    staged = staged_requests_path(root)
     if not exists_now(fs, staged):
         table, _, source = read_batch_file(input_url)
         meta = {f"tokenmill.{k}".encode(): v.encode() for k, v in source.items()}
@@ -265,7 +265,7 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
     (exit 2) when no job started at OUTPUT."""
     manifest = read_manifest(output_url)
     if manifest is None:
-        raise JobError(f"no job at {output_url}: its input manifest (_manifest/input.json) is missing")
+        raise JobError(f"no job at {output_url}: its input manifest ({MANIFEST}) is missing")
     fs, root = output_fs(output_url)
     chat = _is_chat(manifest)
     for shard in manifest.shards():

@@ -19,10 +19,11 @@ import polars as pl
 
 from jobs.control import JobStatus, job_status
 from jobs.errors import JobError
-from pipeline.attempts import list_attempts, read_record, start_path
+from pipeline.accounting import read_committed_accounting
+from pipeline.attempts import list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.input import read_manifest
-from pipeline.shard import read_committed_accounting, results_path
+from pipeline.layout import results_path, start_path
 from pipeline.storage import exists_now, output_fs, read_table
 
 matplotlib.use("Agg")  # no display: render to SVG in memory

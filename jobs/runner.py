@@ -23,7 +23,7 @@ from distributed import Client, Future, LocalCluster, as_completed
 from fsspec import AbstractFileSystem
 
 from engine import EngineConfig
-from jobs.control import SUCCESS_NAME, cancel_record, job_done, read_success, resume_cancelled, shard_states
+from jobs.control import cancel_record, job_done, read_success, resume_cancelled, shard_states
 from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
 from jobs.lease import Lease
 from jobs.plugin import (
@@ -53,8 +53,9 @@ from pipeline.input import (
     repinned,
     validate_columns,
 )
+from pipeline.layout import results_path, success_path
 from pipeline.preemption import env_seconds
-from pipeline.shard import ProgressFn, ShardInterrupted, results_path
+from pipeline.shard import ProgressFn, ShardInterrupted
 from pipeline.storage import commit_json, exists_now, output_fs, read_table
 
 log = logging.getLogger(__name__)
@@ -183,9 +184,9 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         if todo and changed:
             todo = _fail_changed_inputs(output_url, changed, todo, summary, progress)
         if todo:
-            pinned = {f.url: f for f in manifest.files}
-            _run_on_cluster(todo, manifest.prompt_column, output_url, cfg, model, engine_config or EngineConfig(),
-                            cluster_opts, pinned, summary, progress, lease)
+            run = _Run(output_url, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
+                       progress, lease)
+            _run_on_cluster(todo, run, model, engine_config or EngineConfig(), cluster_opts)
         if lease.lost.is_set():
             raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",
                            exit_code=EXIT_LEASE_HELD)
@@ -278,9 +279,23 @@ def _fail_changed_inputs(output_url: str, changed: dict[str, str], todo: list[Sh
     return keep
 
 
-def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig, model: str | None,
-                    engine_config: EngineConfig, opts: ClusterOptions, pinned: dict[str, InputFile],
-                    summary: JobSummary, progress: JobProgress, lease: Lease) -> None:
+@dataclass(frozen=True)
+class _Run:
+    """What the shards of one run share: where they write, how they run, the input files as pinned, and the
+    run's bookkeeping (its summary, progress and lease)."""
+
+    output_url: str
+    cfg: RunConfig
+    prompt_column: str
+    pinned: dict[str, InputFile]
+    summary: JobSummary
+    progress: JobProgress
+    lease: Lease
+
+
+def _run_on_cluster(todo: list[Shard], run: _Run, model: str | None, engine_config: EngineConfig,
+                    opts: ClusterOptions) -> None:
+    """Run `todo` as Dask tasks on the cluster `opts` names (or a LocalCluster of ours) with the engine `model`."""
     resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
@@ -298,10 +313,9 @@ def _run_on_cluster(todo: list[Shard], prompt_column: str, output_url: str, cfg:
                     client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
                 plugin_name = register_engine(client, EnginePlugin(
                     model, engine_config, default_torch_threads(opts.workers) if cluster else None))
-                client.subscribe_topic(PROGRESS_TOPIC, progress.event)
+                client.subscribe_topic(PROGRESS_TOPIC, run.progress.event)
                 try:
-                    _gather(client, todo, prompt_column, output_url, cfg, plugin_name, pinned, resources, summary,
-                            progress, lease, own_cluster=cluster is not None)
+                    _gather(client, todo, run, plugin_name, resources, own_cluster=cluster is not None)
                 finally:
                     client.unsubscribe_topic(PROGRESS_TOPIC)
         finally:
@@ -331,18 +345,18 @@ def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
     return True
 
 
-def _gather(client: Client, todo: list[Shard], prompt_column: str, output_url: str, cfg: RunConfig,
-            plugin_name: str, pinned: dict[str, InputFile], resources: dict[str, int] | None, summary: JobSummary,
-            progress: JobProgress, lease: Lease, own_cluster: bool) -> None:
+def _gather(client: Client, todo: list[Shard], run: _Run, plugin_name: str, resources: dict[str, int] | None, *,
+            own_cluster: bool) -> None:
     """Submit the shards and fold their outcomes into `summary`, resubmitting interrupted ones. A worker that
     reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
     cluster: the machine is going away) before its shard is submitted again."""
+    output_url, summary, progress, lease = run.output_url, run.summary, run.progress, run.lease
     run_id = progress.run_id
     futures: dict[Future, tuple[Shard, int]] = {}
 
     def submit(shard: Shard, tries: int) -> Future:
-        fut = client.submit(shard_task, shard, prompt_column, output_url, cfg, plugin_name, run_id,
-                            pinned.get(shard.url), pure=False, resources=resources,
+        fut = client.submit(shard_task, shard, run.prompt_column, output_url, run.cfg, plugin_name, run_id,
+                            run.pinned.get(shard.url), pure=False, resources=resources,
                             key=f"shard-{shard.shard_id}-{run_id}-{tries}")
         futures[fut] = (shard, tries)
         return fut
@@ -444,9 +458,9 @@ def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]
             summary.shards_ok -= len(summary.failed)
             return summary
         summary.ids_null, summary.ids_repeated = count_ids(fs, [results_path(root, s.shard_id) for s in shards])
-        commit_json(fs, f"{root}/{SUCCESS_NAME}", {
+        commit_json(fs, success_path(root), {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
-                        "results": results_path(".", s.shard_id)[2:]} for s in shards],
+                        "results": results_path("", s.shard_id)} for s in shards],
             "summary": summary.as_dict()})
     return summary
 

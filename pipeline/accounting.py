@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from pipeline.attempts import AttemptListing, end_path, read_record, start_path
+from pipeline.attempts import AttemptListing, list_attempts, read_record
 from pipeline.checkpoint import Part
+from pipeline.layout import accounting_path, end_path, results_path, start_path
+from pipeline.storage import exists_now, read_table
+from schemas import ACCOUNTING_SCHEMA
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,26 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
         "finished_at": datetime.now(UTC),
     }
+
+
+def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
+    """committed_accounting on an open filesystem and protocol-less OUTPUT root."""
+    if not exists_now(fs, results_path(root, shard_id)):
+        return None
+    # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
+    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
+        path = accounting_path(root, shard_id, attempt)
+        if exists_now(fs, path):
+            row = read_table(fs, path).to_pylist()[-1]
+            # A file written before a column was added (dtype, quantization) lacks it: read as null.
+            return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
+    return None
+
+
+def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
+    """The accounting row of the shard's latest committed attempt when its results are committed, else None.
+
+    A shard is done only when both its results and an accounting row exist (results are committed first).
+    """
+    fs, root = fsspec.core.url_to_fs(output_url)
+    return read_committed_accounting(fs, root.rstrip("/"), shard_id)

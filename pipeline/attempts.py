@@ -1,6 +1,6 @@
 """Attempt records: every run of a shard claims a number, and says how it ended when it can.
 
-Layout under OUTPUT (JSON, create-only, never overwritten):
+Layout under OUTPUT (JSON, create-only, never overwritten; paths from pipeline.layout):
 
     attempts/<shard_id>/attempt-NNN.json      start: attempt, started_at (epoch seconds), host, pid, nonce,
                                               heartbeat_s
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
@@ -31,34 +30,12 @@ from typing import Any, Literal
 
 from fsspec import AbstractFileSystem
 
+from pipeline.layout import alive_path, attempts_dir, end_path, parse_attempt_record, start_path
 from pipeline.storage import commit_json, list_folder, modified_at, read_json
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["interrupted", "failed"]
-
-_RECORD = re.compile(r"^attempt-(\d+)(\.end|\.alive-(\d+))?\.json$")
-
-
-def attempts_dir(root: str, shard_id: str) -> str:
-    """The folder of a shard's attempt records."""
-    return f"{root}/attempts/{shard_id}"
-
-
-def start_path(root: str, shard_id: str, attempt: int) -> str:
-    """Where attempt `attempt` of the shard recorded its start."""
-    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.json"
-
-
-def end_path(root: str, shard_id: str, attempt: int) -> str:
-    """Where attempt `attempt` of the shard recorded how it ended (interrupted or failed)."""
-    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.end.json"
-
-
-def alive_path(root: str, shard_id: str, attempt: int, elapsed_s: float) -> str:
-    """Where attempt `attempt` records that it was running `elapsed_s` seconds after its start."""
-    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.alive-{round(elapsed_s * 1000):010d}.json"
-
 
 @dataclass(frozen=True)
 class AttemptListing:
@@ -82,14 +59,14 @@ def list_attempts(fs: AbstractFileSystem, root: str, shard_id: str) -> AttemptLi
     ended: dict[int, float | None] = {}
     alive: dict[int, float] = {}
     for info in list_folder(fs, attempts_dir(root, shard_id)):
-        m = _RECORD.match(info["name"].rsplit("/", 1)[-1])
-        if not m:
+        record = parse_attempt_record(info["name"])
+        if record is None:
             continue
-        attempt = int(m.group(1))
-        if m.group(3) is not None:
-            alive[attempt] = max(alive.get(attempt, 0.0), int(m.group(3)) / 1000)
+        attempt, kind, elapsed_s = record
+        if elapsed_s is not None:
+            alive[attempt] = max(alive.get(attempt, 0.0), elapsed_s)
         else:
-            (ended if m.group(2) else started)[attempt] = modified_at(info)
+            (ended if kind == "end" else started)[attempt] = modified_at(info)
     return AttemptListing(started, ended, alive)
 
 

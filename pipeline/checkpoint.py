@@ -1,6 +1,6 @@
 """Checkpoint parts: the rows a running shard has finished, committed in small create-only pieces.
 
-Layout under OUTPUT:
+Layout under OUTPUT (paths from pipeline.layout):
 
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet   part PPPPP of attempt NNN: ROWS finished rows
                                                        (schemas.CHECKPOINT_PART_SCHEMA)
@@ -16,7 +16,6 @@ rows from a listing alone. The shard's result is the committed parts merged in r
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,17 +27,12 @@ from fsspec import AbstractFileSystem
 from tenacity import stop_after_attempt, stop_before_delay
 
 from engine import RequestOutput
+from pipeline.layout import checkpoints_dir, parse_part, part_stem
 from pipeline.storage import commit_json, commit_table, list_folder, modified_at, read_table
 from schemas.arrow import CHECKPOINT_PART_SCHEMA
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^a(\d+)-p(\d+)-n(\d+)\.(parquet|commit)$")
-
-
-def checkpoints_dir(root: str, shard_id: str) -> str:
-    """The folder of a shard's checkpoint parts and markers."""
-    return f"{root}/checkpoints/{shard_id}"
 
 
 @dataclass(frozen=True)
@@ -60,20 +54,15 @@ class Part:
     committed_at: float | None
 
 
-def part_stem(root: str, shard_id: str, attempt: int, index: int, rows: int) -> str:
-    """The path of a part without its extension (".parquet" for the part, ".commit" for its marker)."""
-    return f"{checkpoints_dir(root, shard_id)}/a{attempt:03d}-p{index:05d}-n{rows}"
-
-
 def committed_parts(fs: AbstractFileSystem, root: str, shard_id: str) -> list[Part]:
     """The shard's committed parts, by (attempt, index), from one fresh listing of its own checkpoint folder."""
     markers: dict[tuple[int, int, int], float | None] = {}
     parts: set[tuple[int, int, int]] = set()
     for info in list_folder(fs, checkpoints_dir(root, shard_id)):
-        m = _NAME.match(info["name"].rsplit("/", 1)[-1])
-        if m:
-            key = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
-            if m.group(4) == "commit":
+        name = parse_part(info["name"])
+        if name:
+            key, is_marker = name[:3], name[3]
+            if is_marker:
                 markers[key] = modified_at(info)
             else:
                 parts.add(key)

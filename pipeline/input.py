@@ -18,7 +18,6 @@ shard ids). `read_manifest` reads the latest revision; jobs.runner decides which
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -30,10 +29,9 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
+from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
 from pipeline.storage import commit_json, is_transient, list_folder, output_fs, read_json, retry_transient
 
-MANIFEST_PATH = "_manifest/input.json"  # relative to OUTPUT: revision 0, pinned when the job starts
-_REVISION = re.compile(r"^input(?:-(\d+))?\.json$")  # input.json, input-001.json, ...
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "max_tokens", "temperature",
@@ -319,18 +317,13 @@ def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:
                          result_options(cfg), datetime.now(UTC).isoformat(timespec="seconds"))
 
 
-def manifest_path(root: str, revision: int) -> str:
-    """Where revision `revision` of the job's manifest is committed (0: _manifest/input.json)."""
-    return f"{root}/{MANIFEST_PATH}" if revision == 0 else f"{root}/_manifest/input-{revision:03d}.json"
-
-
 def read_manifest(output_url: str) -> InputManifest | None:
     """The job's pinned input manifest under OUTPUT (its latest revision: one listing of _manifest/, one read), or
     None when no job has started there."""
     fs, root = fsspec.core.url_to_fs(output_url)
     root = root.rstrip("/")
-    revisions = [int(m.group(1) or 0) for info in list_folder(fs, f"{root}/_manifest")
-                 if (m := _REVISION.match(info["name"].rsplit("/", 1)[-1]))]
+    revisions = [r for info in list_folder(fs, manifest_dir(root))
+                 if (r := parse_manifest_revision(info["name"])) is not None]
     if not revisions:
         return None
     return InputManifest.from_json(read_json(fs, manifest_path(root, max(revisions))))
@@ -373,7 +366,7 @@ def pin_manifest(output_url: str, input_url: str, cfg: RunConfig,
     if manifest is None:
         manifest = built or build_manifest(input_url, cfg)
         fs, root = output_fs(output_url)
-        created = commit_json(fs, f"{root}/{MANIFEST_PATH}", manifest.as_json())
+        created = commit_json(fs, manifest_path(root), manifest.as_json())
         if not created:
             manifest = read_manifest(output_url) or manifest
     check_compatible(manifest, input_url, cfg, output_url)

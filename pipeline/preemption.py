@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 
+from pipeline.layout import cancel_path
 from pipeline.storage import exists_now
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ NOTICE_FILE_ENV = "TOKENMILL_SPOT_NOTICE_FILE"
 NOTICE_URL_ENV = "TOKENMILL_SPOT_NOTICE_URL"
 POLL_ENV = "TOKENMILL_STOP_POLL_S"
 DEADLINE_ENV = "TOKENMILL_STOP_DEADLINE_S"
-CANCEL_NAME = "_CANCEL"
 FILE_POLL_S = 0.5
 
 
@@ -60,11 +60,6 @@ def stop_deadline_s() -> float:
     """Seconds run_shard may spend committing finished rows after a stop: env TOKENMILL_STOP_DEADLINE_S, default 20.
     Raises ValueError when the variable is not a positive number."""
     return env_seconds(DEADLINE_ENV, 20.0)
-
-
-def cancel_url(output_url: str) -> str:
-    """The cancel marker of a job's OUTPUT (an fsspec URL): its existence stops every shard of the job."""
-    return f"{output_url.rstrip('/')}/{CANCEL_NAME}"
 
 
 class StopSignal:
@@ -96,7 +91,7 @@ class StopSignal:
         and, given a job's OUTPUT, its cancel marker. Raises ValueError for a bad TOKENMILL_STOP_POLL_S."""
         return cls(notice_file=os.environ.get(NOTICE_FILE_ENV) or None if notices else None,
                    notice_url=os.environ.get(NOTICE_URL_ENV) or None if notices else None,
-                   cancel=cancel_url(output_url) if output_url else None, poll_s=env_seconds(POLL_ENV, 5.0))
+                   cancel=cancel_path(output_url) if output_url else None, poll_s=env_seconds(POLL_ENV, 5.0))
 
     def set(self, reason: str = "stop") -> None:
         """Set the flag (first reason wins). Safe from signal handlers and other threads."""

@@ -1,6 +1,6 @@
 """Run one shard: read its rows, generate, checkpoint finished rows as they come, commit results and accounting.
 
-Layout under OUTPUT (every object create-only, never overwritten):
+Layout under OUTPUT (every object create-only, never overwritten; paths from pipeline.layout):
 
     attempts/<shard_id>/attempt-NNN[.alive-M|.end].json  who ran the shard when, its signs of life, and how each run
                                                          ended (pipeline.attempts)
@@ -27,11 +27,13 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
 from engine import LLMEngine, RequestOutput, SamplingParams
-from pipeline.accounting import accounting_row, bill_earlier_attempts
+from engine.llm_engine import prompt_problem
+from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard, is_text_type
+from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
 from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
@@ -86,39 +88,6 @@ class ShardRows:
 
         return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
                          pick(self.errors), pick(self.positions))
-
-
-def results_path(root: str, shard_id: str) -> str:
-    """Where a shard's results are committed."""
-    return f"{root}/results/{shard_id}.parquet"
-
-
-def accounting_path(root: str, shard_id: str, attempt: int) -> str:
-    """Where the accounting row of the attempt that finished a shard is committed."""
-    return f"{root}/accounting/{shard_id}.attempt-{attempt:03d}.parquet"
-
-
-def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
-    """committed_accounting on an open filesystem and protocol-less OUTPUT root."""
-    if not exists_now(fs, results_path(root, shard_id)):
-        return None
-    # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
-    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
-        path = accounting_path(root, shard_id, attempt)
-        if exists_now(fs, path):
-            row = read_table(fs, path).to_pylist()[-1]
-            # A file written before a column was added (dtype, quantization) lacks it: read as null.
-            return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
-    return None
-
-
-def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
-    """The accounting row of the shard's latest committed attempt when its results are committed, else None.
-
-    A shard is done only when both its results and an accounting row exist (results are committed first).
-    """
-    fs, root = fsspec.core.url_to_fs(output_url)
-    return read_committed_accounting(fs, root.rstrip("/"), shard_id)
 
 
 @retry_transient
@@ -192,38 +161,6 @@ def _row_seed(seed: int | None, row_key: str) -> int | None:
     return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def _messages_problem(messages: list[Any]) -> str | None:
-    """What is wrong with a chat messages list (a message that is not {role, content}, a role outside CHAT_ROLES,
-    content that is not text), or None."""
-    if not messages:
-        return "the messages list is empty; give at least one {role, content} message"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return (f"message {i} is {type(m).__name__} {m!r}, not a {{role, content}} object; give each message "
-                    "as {\"role\": ..., \"content\": ...}")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            return f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
-        if not isinstance(content, str):
-            return (f"message {i} ({role}) has content {content!r} of type {type(content).__name__}; content must "
-                    "be text")
-    return None
-
-
-def _prompt_problem(prompt: Any) -> str | None:
-    if prompt is None:
-        return "the prompt is null; fill in the prompt column for this row"
-    if isinstance(prompt, str):
-        return None if prompt.strip() else "the prompt is empty; give it some text"
-    if isinstance(prompt, list):
-        return _messages_problem(prompt)
-    return (f"the prompt is {type(prompt).__name__} {prompt!r}, not text or a list of chat messages; a messages "
-            "column stored as text must hold a JSON list of {role, content} objects")
-
-
 def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
                   on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
     """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
@@ -240,7 +177,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
     runnable: list[int] = []
     params: list[SamplingParams] = []
     for k, prompt in enumerate(rows.prompts):
-        problem = (rows.errors[k] if rows.errors else None) or _prompt_problem(prompt)
+        problem = (rows.errors[k] if rows.errors else None) or prompt_problem(prompt, token_ids=False)
         if not problem:
             try:
                 key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
@@ -374,8 +311,9 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         parts = committed_parts(fs, root, shard.shard_id)
         merged = merge_parts(fs, parts)
         if merged.column("row").to_pylist() != list(range(len(rows.ids))):
-            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {root}/checkpoints/ do not hold "
-                               f"rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
+            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under "
+                               f"{checkpoints_dir(root, shard.shard_id)}/ do not hold rows 0..{len(rows.ids) - 1} "
+                               "once each; were parts deleted while it ran?")
         kv = merged.column("kv_preemptions")
         results = _results(merged, shard)
         if not commit_table(fs, done_path, results):

@@ -9,9 +9,10 @@ from typing import Any, Literal
 
 import fsspec
 
-from pipeline.attempts import end_path, list_attempts, read_record
+from pipeline.accounting import read_committed_accounting
+from pipeline.attempts import list_attempts, read_record
 from pipeline.checkpoint import committed_parts
-from pipeline.shard import read_committed_accounting, results_path
+from pipeline.layout import end_path, results_path
 from pipeline.storage import exists_now, read_table
 
 State = Literal["done", "running", "partial", "failed", "pending"]

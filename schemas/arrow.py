@@ -4,7 +4,7 @@ Layout: OUTPUT/results/<shard_id>.parquet (one row per input row) and OUTPUT/acc
 (one row, by the attempt that finished the shard). While a shard runs, OUTPUT/checkpoints/<shard_id>/ holds its
 checkpoint parts (CHECKPOINT_PART_SCHEMA). All are written once, with create-only semantics, and never overwritten.
 Accounting files written before the dtype and quantization columns existed lack them; readers take them as null
-(pipeline.shard.read_committed_accounting).
+(pipeline.accounting.read_committed_accounting).
 """
 
 from __future__ import annotations

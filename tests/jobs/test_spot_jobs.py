@@ -25,10 +25,11 @@ from jobs.cli import app
 from jobs.control import cancel_job, job_status
 from jobs.lease import Lease
 from jobs.runner import CLUSTER_CONFIG, run_job
-from pipeline.attempts import claim_attempt, end_path, list_attempts, read_record, start_path
+from pipeline.attempts import claim_attempt, list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
 from pipeline.input import pin_manifest
+from pipeline.layout import end_path, start_path
 from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 

@@ -12,7 +12,8 @@ from shard_helpers import NULL_ROW, ROWS, shard_cfg
 
 from engine import EngineConfig, LLMEngine
 from pipeline.input import Shard
-from pipeline.shard import results_path, run_shard
+from pipeline.layout import results_path
+from pipeline.shard import run_shard
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ from shard_helpers import MAX_TOKENS, NULL_ROW, ROWS, CountingEngine, interrupt_
 from engine import LLMEngine
 from pipeline import checkpoint
 from pipeline.attempts import claim_attempt
-from pipeline.checkpoint import part_stem
 from pipeline.input import Shard
-from pipeline.shard import results_path, run_shard
+from pipeline.layout import part_stem, results_path
+from pipeline.shard import run_shard
 from pipeline.storage import commit_json, commit_table, output_fs
 from schemas.arrow import CHECKPOINT_PART_SCHEMA
 

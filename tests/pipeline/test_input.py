@@ -11,7 +11,6 @@ import pytest
 
 from pipeline.config import InputError, RunConfig
 from pipeline.input import (
-    MANIFEST_PATH,
     changed_inputs,
     pin_manifest,
     plan_shards,
@@ -93,8 +92,8 @@ def test_first_start_pins_the_manifest_and_later_runs_plan_from_it(gsm8k_parts: 
     out = str(tmp_path / "out")
     cfg = RunConfig(rows_per_shard=8, limit=40, max_tokens=16)
     manifest, created = pin_manifest(out, str(gsm8k_parts), cfg)
-    assert created and (tmp_path / "out" / MANIFEST_PATH).is_file()
-    doc = json.loads((tmp_path / "out" / MANIFEST_PATH).read_text())
+    assert created and (tmp_path / "out" / "_manifest" / "input.json").is_file()
+    doc = json.loads((tmp_path / "out" / "_manifest" / "input.json").read_text())
     assert [Path(f["url"]).name for f in doc["files"]] == ["part-0.parquet", "part-1.parquet", "part-2.parquet"]
     assert [f["num_rows"] for f in doc["files"]] == [25, 10, 7]
     assert all(f["size"] == (gsm8k_parts / Path(f["url"]).name).stat().st_size for f in doc["files"])

@@ -20,18 +20,18 @@ import pytest
 from shard_helpers import ROWS, CountingEngine, interrupt_after, shard_cfg
 
 from engine import LLMEngine
-from pipeline.attempts import end_path, list_attempts, read_record
+from pipeline.attempts import list_attempts, read_record
 from pipeline.input import Shard
+from pipeline.layout import cancel_path, end_path, results_path
 from pipeline.preemption import (
     DEADLINE_ENV,
     NOTICE_FILE_ENV,
     POLL_ENV,
     StopSignal,
-    cancel_url,
     install_sigterm_handler,
     stop_deadline_s,
 )
-from pipeline.shard import ShardInterrupted, results_path, run_shard
+from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,6 +200,6 @@ def test_sigterm_handler_sets_the_flag_and_the_deadline_reads_the_env(monkeypatc
     monkeypatch.setenv(DEADLINE_ENV, "soon")
     with pytest.raises(ValueError, match=DEADLINE_ENV):
         stop_deadline_s()
-    assert cancel_url("s3://bucket/out/") == "s3://bucket/out/_CANCEL"
+    assert cancel_path("s3://bucket/out/") == "s3://bucket/out/_CANCEL"
     err = pickle.loads(pickle.dumps(ShardInterrupted(5, 11)))  # Dask ships it from worker to client
     assert (err.rows_committed, err.rows_in_flight) == (5, 11) and "5 rows committed" in str(err)

@@ -13,7 +13,8 @@ import pytest
 from engine import LLMEngine
 from pipeline.config import RunConfig
 from pipeline.input import Shard
-from pipeline.shard import ShardError, accounting_path, results_path, run_shard
+from pipeline.layout import accounting_path, results_path
+from pipeline.shard import ShardError, run_shard
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 

@@ -16,7 +16,8 @@ from pipeline.accounting import EarlierAttempts, accounting_row
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.checkpoint import Checkpointer
 from pipeline.input import Shard
-from pipeline.shard import ShardError, accounting_path, results_path, run_shard
+from pipeline.layout import accounting_path, results_path
+from pipeline.shard import ShardError, run_shard
 from pipeline.status import shard_state
 from pipeline.storage import commit_table, output_fs
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA

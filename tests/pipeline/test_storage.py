@@ -18,7 +18,8 @@ from engine import LLMEngine
 from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard, plan_shards, resolve_inputs, validate_columns
-from pipeline.shard import accounting_path, results_path, run_shard
+from pipeline.layout import accounting_path, results_path
+from pipeline.shard import run_shard
 from pipeline.status import shard_state
 from pipeline.storage import commit_table, is_transient, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
