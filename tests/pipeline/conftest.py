@@ -1,5 +1,9 @@
 """Shard fixtures shared by the checkpoint, preemption and status tests: 16 real GSM8K rows (one with a null prompt),
-an engine that runs them in waves of 4 (so rows finish a few at a time), and the undisturbed run to compare with."""
+an engine that runs them in waves of 4 (so rows finish a few at a time), and the undisturbed run to compare with.
+
+The pipeline's tests check rows, ids, commits, resumes and accounting, not text: `engine` here is the tiny
+random-weight model with the real tokenizer (tests/conftest.py `tiny_model`), and TOKENMILL_MODEL names it for the
+child processes the tests start."""
 
 from __future__ import annotations
 
@@ -13,6 +17,17 @@ from shard_helpers import NULL_ROW, ROWS, shard_cfg
 from engine import EngineConfig, LLMEngine
 from pipeline.input import Shard
 from pipeline.shard import results_path, run_shard
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_engine: LLMEngine) -> LLMEngine:
+    """The tiny stand-in of the real model (module docstring)."""
+    return tiny_engine
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model_env(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_MODEL", tiny_model)
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_stopped_shard_commits_finished_rows_and_resumes_with_only_the_rest(
 
 
 _CHILD = """
-import json, sys
+import json, os, sys
 from engine import EngineConfig, LLMEngine
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -78,7 +78,8 @@ from pipeline.shard import ShardInterrupted, run_shard
 path, out, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
 stop = StopSignal()
 install_sigterm_handler(stop)
-engine = LLMEngine.from_model(None, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+engine = LLMEngine.from_model(os.environ.get("TOKENMILL_MODEL"), EngineConfig(device="cpu", dtype="float32",
+                                                                            max_num_seqs=4))
 
 def progress(finished, tokens):
     for _ in range(finished):
