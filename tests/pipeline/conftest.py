@@ -53,6 +53,13 @@ def waves(engine: LLMEngine) -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
+def real_waves(gguf_path: str) -> LLMEngine:
+    """The real model limited to 4 rows at a time, for stops polled on a clock (a notice file, a cancel marker):
+    the tiny model can finish a shard between two polls."""
+    return LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+
+
+@pytest.fixture(scope="session")
 def reference(waves: LLMEngine, shard: Shard, tmp_path_factory: pytest.TempPathFactory) -> pa.Table:
     """The shard's results from one undisturbed run (one checkpoint at the end)."""
     out = str(tmp_path_factory.mktemp("reference"))

@@ -129,8 +129,9 @@ def test_sigterm_commits_finished_rows_and_the_process_exits_cleanly(
 
 
 @pytest.mark.parametrize("source", ["notice_file", "cancel_marker"])
-def test_notice_file_and_cancel_marker_stop_the_shard(waves: LLMEngine, shard: Shard, tmp_path: Path,
+def test_notice_file_and_cancel_marker_stop_the_shard(real_waves: LLMEngine, shard: Shard, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    waves = real_waves  # stops polled every 0.05 s: the real model's pace (tests/pipeline/conftest.py)
     out = str(tmp_path / "out")
     notice = tmp_path / "spot-notice"
     monkeypatch.setenv(NOTICE_FILE_ENV, str(notice))
