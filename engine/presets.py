@@ -22,6 +22,13 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
                         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    # "tiny" with SmolLM2-135M's context and RoPE base, a stand-in for the default model in pipeline and jobs tests
+    # (same tokenizer, same limit on prompt length). Its LM head is not tied: a tied random head scores the current
+    # token's own embedding highest, so greedy decoding would repeat the prompt's last token forever.
+    "tiny-smollm2": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=16, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=1,
+                                eos_token_id=2),
 }
 
 
@@ -50,3 +57,33 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
         model.tie_weights()
     model.materialize_rotary(device)
     return model.eval()
+
+
+def save_random_model(out_dir: str, model_config: ModelConfig | str, tokenizer_model: str | None = None, *,
+                      seed: int = 0, never_eos: bool = False) -> str:
+    """Write a model folder of random weights that `--model out_dir` (LLMEngine.from_model) loads: the format
+    `tokenmill quantize --bits 16` writes (engine.quant.folder: bf16 weights, fp32 norms), holding random_model's
+    weights of shape `model_config` (a preset name or a ModelConfig) and the tokenizer and chat template of
+    `tokenizer_model` (a GGUF path or model folder; None = the default SmolLM2-135M-Instruct), so prompts, token
+    counts and detokenization are the real model's. Returns out_dir.
+
+    never_eos: zero the EOS token's LM-head row (tied: its embedding too), so its logit is exactly 0 while the
+    others spread around it: greedy decoding never picks EOS (sampling, about once in vocab_size tokens) and rows
+    run to max_tokens, as tests counting tokens expect. Raises ValueError for an unknown preset, FileExistsError
+    when out_dir holds other files (engine.quant.folder.save_folder).
+    """
+    from engine.loader import resolve_model_path
+    from engine.quant.folder import save_folder
+    from engine.tokenizer import Tokenizer
+
+    cfg = preset_config(model_config) if isinstance(model_config, str) else model_config
+    model = random_model(cfg, torch.float32, torch.device("cpu"), seed=seed, max_positions=1)
+    if never_eos:
+        with torch.no_grad():
+            model.lm_head.weight[cfg.eos_token_id].zero_()
+    state = {name: w for name, w in model.state_dict().items()
+             if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+    path = resolve_model_path(tokenizer_model)
+    save_folder(out_dir, cfg, state, Tokenizer.from_model_path(path).hf_tokenizer, bits=16, group_size=None,
+                source=f"random weights (seed {seed})")
+    return out_dir

@@ -1,4 +1,13 @@
-"""Shared fixtures: the real default model and real prompt sets from ../shared/data."""
+"""Shared fixtures: the real default model, a tiny random-weight stand-in with its tokenizer, and real prompt sets
+from ../shared/data.
+
+Which model a test runs (issue 19): tests that check text or the engine's arithmetic (tests/engine: HF parity,
+generation, INT4/INT8 quality, detokenizer) and the tests marked `slow` run the real SmolLM2-135M-Instruct.
+tests/pipeline and tests/jobs check ids, commits, resumes, accounting and exit codes; they run `tiny_model`
+(tests/pipeline/conftest.py, tests/jobs/conftest.py): random weights of a small shape, but the real tokenizer and
+chat template, so prompts, token counts, context limits and detokenization are the real model's, and EOS is never
+greedy, so rows run to max_tokens as the real model's long answers do.
+"""
 
 from __future__ import annotations
 
@@ -48,6 +57,26 @@ def gguf_path() -> str:
     from engine.loader import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A model folder (the `tokenmill quantize --bits 16` format) of random weights in the "tiny-smollm2" shape
+    (engine.presets: 2 layers of width 64, SmolLM2's vocabulary and 8192-token context) with the real model's
+    tokenizer and chat template, EOS never greedy; written once per test session. Workers load it by path, as
+    `--model DIR`, on the same code path as a real model folder."""
+    from engine.presets import save_random_model
+
+    return save_random_model(str(tmp_path_factory.mktemp("tiny-smollm2")), "tiny-smollm2", gguf_path,
+                             never_eos=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model: str):
+    """`tiny_model` on CPU in fp32, loaded once per test session (`with_config` shares its weights)."""
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine.from_model(tiny_model, EngineConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="session")

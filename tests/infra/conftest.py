@@ -1,4 +1,6 @@
-"""Fixtures of the infra/ tests: a small real job (GSM8K rows, the real model on CPU) as a job spec."""
+"""Fixtures of the infra/ tests: a small real job (GSM8K rows on the CPU engine) as a job spec. These tests are about
+processes, locks, exit codes and reruns, not text: the job runs the tiny random-weight model with the real tokenizer
+(tests/conftest.py `tiny_model`)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def small_job(data_dir: Path, tmp_path: Path) -> Path:
-    """A job spec of 4 real GSM8K rows in 2 shards, 8 tokens each, on the CPU engine (fp32, small KV pool): a run
-    takes seconds once the model is loaded. Its output is tmp_path/out unless overridden with --output."""
+def small_job(data_dir: Path, tmp_path: Path, tiny_model: str) -> Path:
+    """A job spec of 4 real GSM8K rows in 2 shards, 8 tokens each, on the CPU engine (fp32, small KV pool) with the
+    tiny model: a run takes seconds. Its output is tmp_path/out unless overridden with --output."""
     pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(900, 4),
                    tmp_path / "in.parquet")
     spec = tmp_path / "job.yaml"
     spec.write_text(f"""input: {tmp_path / "in.parquet"}
 output: {tmp_path / "out"}
+model: {tiny_model}
 columns: {{prompt: question}}
 sampling: {{max_tokens: 8}}
 sharding: {{rows_per_shard: 2}}

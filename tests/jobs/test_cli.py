@@ -43,6 +43,7 @@ def _auto_dtype() -> str:
     return str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")
 
 
+@pytest.mark.slow  # the real model (tests/jobs/conftest.py): one real end-to-end run, the default model and dtype
 def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--rows-per-shard", "8",

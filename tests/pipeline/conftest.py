@@ -1,5 +1,9 @@
 """Shard fixtures shared by the checkpoint, preemption and status tests: 16 real GSM8K rows (one with a null prompt),
-an engine that runs them in waves of 4 (so rows finish a few at a time), and the undisturbed run to compare with."""
+an engine that runs them in waves of 4 (so rows finish a few at a time), and the undisturbed run to compare with.
+
+The pipeline's tests check rows, ids, commits, resumes and accounting, not text: `engine` here is the tiny
+random-weight model with the real tokenizer (tests/conftest.py `tiny_model`), and TOKENMILL_MODEL names it for the
+child processes the tests start."""
 
 from __future__ import annotations
 
@@ -14,6 +18,17 @@ from engine import EngineConfig, LLMEngine
 from pipeline.input import Shard
 from pipeline.layout import results_path
 from pipeline.shard import run_shard
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_engine: LLMEngine) -> LLMEngine:
+    """The tiny stand-in of the real model (module docstring)."""
+    return tiny_engine
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model_env(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_MODEL", tiny_model)
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +51,13 @@ def shard(rows_file: str) -> Shard:
 def waves(engine: LLMEngine) -> LLMEngine:
     """The session engine limited to 4 rows at a time, so rows finish in waves and a stop lands mid-shard."""
     return engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+
+
+@pytest.fixture(scope="session")
+def real_waves(gguf_path: str) -> LLMEngine:
+    """The real model limited to 4 rows at a time, for stops polled on a clock (a notice file, a cancel marker):
+    the tiny model can finish a shard between two polls."""
+    return LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
 
 
 @pytest.fixture(scope="session")

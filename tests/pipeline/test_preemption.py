@@ -68,7 +68,7 @@ def test_stopped_shard_commits_finished_rows_and_resumes_with_only_the_rest(
 
 
 _CHILD = """
-import json, sys
+import json, os, sys
 from engine import EngineConfig, LLMEngine
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -78,7 +78,8 @@ from pipeline.shard import ShardInterrupted, run_shard
 path, out, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
 stop = StopSignal()
 install_sigterm_handler(stop)
-engine = LLMEngine.from_model(None, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+engine = LLMEngine.from_model(os.environ.get("TOKENMILL_MODEL"), EngineConfig(device="cpu", dtype="float32",
+                                                                            max_num_seqs=4))
 
 def progress(finished, tokens):
     for _ in range(finished):
@@ -128,8 +129,9 @@ def test_sigterm_commits_finished_rows_and_the_process_exits_cleanly(
 
 
 @pytest.mark.parametrize("source", ["notice_file", "cancel_marker"])
-def test_notice_file_and_cancel_marker_stop_the_shard(waves: LLMEngine, shard: Shard, tmp_path: Path,
+def test_notice_file_and_cancel_marker_stop_the_shard(real_waves: LLMEngine, shard: Shard, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    waves = real_waves  # stops polled every 0.05 s: the real model's pace (tests/pipeline/conftest.py)
     out = str(tmp_path / "out")
     notice = tmp_path / "spot-notice"
     monkeypatch.setenv(NOTICE_FILE_ENV, str(notice))
