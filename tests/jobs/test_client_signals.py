@@ -53,6 +53,7 @@ def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
     return stderr
 
 
+@pytest.mark.slow  # the real model (tests/jobs/conftest.py): the tiny model's 6 rows can finish before the signal lands
 def test_a_signal_to_the_client_stops_cleanly_and_a_rerun_resumes(rows: Path, tmp_path: Path) -> None:
     """SIGINT to a run, then SIGTERM to the run that resumes it, then a third run finishes the job: each stop
     releases the lease and lifts its own cancel marker (the next run needs no --resume and no wait)."""

@@ -4,6 +4,7 @@ written as a node_exporter textfile, read back and checked against the job's own
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -114,7 +115,7 @@ def test_a_job_pushes_its_totals_and_writes_a_textfile(pushgateway: str, tmp_pat
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     acc = pq.read_table(out / "accounting").to_pylist()
     model = acc[0]["model"]
-    assert model == model_label(None)  # the label names the model the accounting names
+    assert model == model_label(os.environ.get("TOKENMILL_MODEL"))  # the label names the model the accounting names
 
     pushed = _gateway(pushgateway, "gsm8k-nightly")  # the job name: the last part of OUTPUT
     assert pushed == _series(prom.read_text())  # the textfile holds the same series

@@ -25,13 +25,14 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory, gguf_path: str) -> Pat
     default model's tokenizer (same vocabulary size)."""
     from engine.presets import preset_config, random_model
     from engine.quant.folder import save_folder
-    from engine.quant.loading import _hf_tokenizer
+    from engine.tokenizer import Tokenizer
 
     cfg = preset_config("tiny")
     state = {k: v for k, v in random_model(cfg, torch.float32, torch.device("cpu")).state_dict().items()
              if k != "lm_head.weight"}
     path = tmp_path_factory.mktemp("tiny") / "model"
-    save_folder(str(path), cfg, state, _hf_tokenizer(gguf_path), bits=16, group_size=None, source="tiny")
+    save_folder(str(path), cfg, state, Tokenizer.from_model_path(gguf_path).hf_tokenizer, bits=16, group_size=None,
+                source="tiny")
     return path
 
 

@@ -98,6 +98,7 @@ def _when_a_shard_checkpoints(out: Path, client: Client, act: Callable[[str, int
     return thread
 
 
+@pytest.mark.slow  # the real model (tests/jobs/conftest.py): a tiny model's shard can finish before the kill lands
 def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                        tmp_path: Path) -> None:
     """The worker running a shard is SIGKILLed a second after the shard's first checkpoint: the shard runs again on a
