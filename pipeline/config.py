@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import SamplingParams
+from pydantic import ValidationError
 
-DEFAULT_PRICE_PER_HOUR_USD = 2.0  # a spot H100 at a large cloud, late 2026; pass the real price with --price-per-hour
+from engine import SamplingParams
+from schemas.job_spec import Columns, JobSpec, Sampling, Sharding, format_problems
+
+# The defaults are the job spec's (schemas.job_spec, the one definition of a job's options).
+_COLUMNS, _SAMPLING, _SHARDING = Columns(), Sampling(), Sharding()
+DEFAULT_PRICE_PER_HOUR_USD: float = JobSpec.model_fields["price_per_hour"].default
 
 
 class InputError(ValueError):
@@ -38,37 +43,36 @@ class RunConfig:
         InputError: when a value is out of range.
     """
 
-    prompt_column: str = "prompt"
-    messages_column: str = "messages"
-    id_column: str = "id"
-    use_chat_template: bool = True
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    rows_per_shard: int = 1000
+    prompt_column: str = _COLUMNS.prompt
+    messages_column: str = _COLUMNS.messages
+    id_column: str = _COLUMNS.id
+    use_chat_template: bool = _COLUMNS.chat_template
+    max_tokens: int = _SAMPLING.max_tokens
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k
+    seed: int | None = _SAMPLING.seed
+    stop: tuple[str, ...] = _SAMPLING.stop
+    rows_per_shard: int = _SHARDING.rows_per_shard
     price_per_hour_usd: float = DEFAULT_PRICE_PER_HOUR_USD
-    limit: int | None = None
-    checkpoint_rows: int = 64
-    checkpoint_seconds: float = 60.0
+    limit: int | None = _SHARDING.limit
+    checkpoint_rows: int = _SHARDING.checkpoint_rows
+    checkpoint_seconds: float = _SHARDING.checkpoint_seconds
     heartbeat_seconds: float = 15.0
 
     def __post_init__(self) -> None:
-        for name in ("prompt_column", "messages_column", "id_column"):
-            if not getattr(self, name):
-                raise InputError(f"{name} must name a column, got an empty string")
-        if self.rows_per_shard < 1:
-            raise InputError(f"rows_per_shard must be >= 1, got {self.rows_per_shard}")
-        if self.price_per_hour_usd < 0:
-            raise InputError(f"price per hour must be >= 0 USD, got {self.price_per_hour_usd}")
-        if self.limit is not None and self.limit < 1:
-            raise InputError(f"limit must be >= 1 row, got {self.limit}")
-        if self.checkpoint_rows < 1:
-            raise InputError(f"checkpoint_rows must be >= 1 row, got {self.checkpoint_rows}")
-        if not self.checkpoint_seconds > 0:
-            raise InputError(f"checkpoint_seconds must be > 0 seconds, got {self.checkpoint_seconds}")
+        # The job spec's rules, so a RunConfig built in code is checked as a spec is (same messages).
+        try:
+            JobSpec.model_validate({
+                "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd,
+                "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
+                            "chat_template": self.use_chat_template},
+                "sampling": {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                             "top_k": self.top_k, "seed": self.seed, "stop": self.stop},
+                "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,
+                             "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds}})
+        except ValidationError as e:
+            raise InputError("; ".join(format_problems(e))) from None
         if not self.heartbeat_seconds > 0:
             raise InputError(f"heartbeat_seconds must be > 0 seconds, got {self.heartbeat_seconds}")
         try:

@@ -106,4 +106,4 @@ def test_invariants(overlay: str, tmp_path: Path) -> None:
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(_one(objects, "ConfigMap", "tokenmill-job")["data"]["job.yaml"])
     spec = load_job_spec(str(spec_file))  # raises JobSpecError naming the field
-    assert spec.gpus_per_worker == (1 if gpu else 0) and spec.device == ("cuda" if gpu else "cpu")
+    assert spec.cluster.gpus_per_worker == (1 if gpu else 0) and spec.engine.device == ("cuda" if gpu else "cpu")

@@ -1,0 +1,78 @@
+"""`tokenmill run`'s job options, generated from the job spec model (schemas.job_spec.JobSpec).
+
+Each field of the spec is one option: `--<name>` (schemas.job_spec.OPTIONS names them; sections are flattened,
+`sampling.max_tokens` is --max-tokens, `columns.prompt` is --prompt-column), with the field's description as help,
+its default, its environment variable (Cli metadata) and its section as the help panel. The command receives the
+values as flat keyword arguments and builds the spec with JobSpec.from_options, which validates them exactly as a
+YAML spec is validated. A new field in JobSpec is a new option here with no edit.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import typer
+
+from schemas.job_spec import OPTIONS, Option
+
+
+def _cli_type(option: Option) -> tuple[Any, Any]:
+    """The Python type Typer parses an option as, and its default. Choices and ranges are left to the spec's
+    validation, so `run` and `submit` report a bad value with the same message."""
+    ann = option.field.annotation
+    nullable = get_origin(ann) in (Union, types.UnionType) and type(None) in get_args(ann)
+    if nullable:
+        ann = next(a for a in get_args(ann) if a is not type(None))
+    while get_origin(ann) is Annotated:  # constraints (min_length, ...) are the spec's to check
+        ann = get_args(ann)[0]
+    if get_origin(ann) is Literal:
+        ann = str
+    if get_origin(ann) is tuple:  # stop strings: a repeatable option
+        return list[str] | None, None
+    if nullable:
+        return ann | None, None
+    return ann, option.field.default
+
+
+def _parameter(option: Option) -> inspect.Parameter:
+    kind, default = _cli_type(option)
+    help_text = option.field.description or ""
+    panel = f"Job spec: {option.path[0]}" if len(option.path) > 1 else "Job spec"
+    info = typer.Option(option.flag, help=help_text, envvar=option.cli.envvar, rich_help_panel=panel)
+    if kind is bool:
+        info = typer.Option(f"{option.flag}/--no-{option.flag[2:]}", help=help_text, envvar=option.cli.envvar,
+                            rich_help_panel=panel)
+    return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, info])
+
+
+def job_options(*, skip: tuple[str, ...] = ("input", "output")) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a Typer command: adds one option per job spec field (except `skip`, which the command declares
+    itself, e.g. as arguments) after the command's own parameters. The command takes them as `**options`: flat option
+    names to values, with an option left unset (None where the field's default is not None) omitted."""
+    generated = [_parameter(o) for name, o in OPTIONS.items() if name not in skip]
+    names = {p.name for p in generated}
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p for p in inspect.signature(command, eval_str=True).parameters.values()
+               if p.kind is not p.VAR_KEYWORD]
+        clash = names & {p.name for p in own}
+        if clash:
+            raise TypeError(f"{command.__name__} declares job spec options itself: {sorted(clash)}")
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            options = {n: kwargs.pop(n) for n in names}
+            options = {n: v for n, v in options.items() if v is not None or OPTIONS[n].field.default is None}
+            return command(**kwargs, **options)
+
+        signature = inspect.Signature([*own, *generated])
+        wrapper.__signature__ = signature  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in signature.parameters.values()}
+        return wrapper
+
+    return decorate
