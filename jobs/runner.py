@@ -40,10 +40,11 @@ from jobs.task import PROGRESS_TOPIC, ShardFailed, record_failure, shard_task
 from pipeline.attempts import list_attempts
 from pipeline.checkpoint import committed_parts
 from pipeline.config import InputError, RunConfig
-from pipeline.input import (
+from pipeline.input import Shard, validate_columns
+from pipeline.layout import results_path, success_path
+from pipeline.manifest import (
     InputFile,
     InputManifest,
-    Shard,
     build_manifest,
     changed_inputs,
     check_compatible,
@@ -51,9 +52,7 @@ from pipeline.input import (
     pin_manifest,
     read_manifest,
     repinned,
-    validate_columns,
 )
-from pipeline.layout import results_path, success_path
 from pipeline.preemption import env_seconds
 from pipeline.shard import ProgressFn, ShardInterrupted
 from pipeline.storage import commit_json, exists_now, output_fs, read_table
@@ -100,7 +99,7 @@ class ClusterOptions:
 
 def _manifest_or_error(input_url: str, output_url: str, cfg: RunConfig,
                        built: InputManifest | None) -> tuple[InputManifest, bool]:
-    """The job's pinned manifest and whether this call pinned it (pipeline.input.pin_manifest). Raises JobError."""
+    """The job's pinned manifest and whether this call pinned it (pipeline.manifest.pin_manifest). Raises JobError."""
     try:
         manifest, created = pin_manifest(output_url, input_url, cfg, built)
     except InputError as e:
@@ -215,7 +214,7 @@ def _repin_unstarted_inputs(output_url: str, manifest: InputManifest,
                             cfg: RunConfig) -> tuple[InputManifest, list[str], dict[str, str]]:
     """Re-pin the changed input files none of whose shards committed anything (a corrupt file fixed or removed since
     its shard failed), so a job with one bad file can finish in place: a new manifest revision, create-only
-    (pipeline.input.commit_revision). A changed file stays pinned, its unfinished shards to fail, when a shard of it
+    (pipeline.manifest.commit_revision). A changed file stays pinned, its unfinished shards to fail, when a shard of it
     committed rows (they came from the old content), when its prompt column no longer fits the job, or when
     re-pinning would move the shards of other files (`--limit` spreads rows over files in order).
 

@@ -14,7 +14,8 @@ from distributed import get_worker
 from jobs.plugin import WorkerPreempted, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
-from pipeline.input import InputFile, Shard
+from pipeline.input import Shard
+from pipeline.manifest import InputFile
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 

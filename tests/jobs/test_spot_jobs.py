@@ -28,8 +28,8 @@ from jobs.runner import CLUSTER_CONFIG, run_job
 from pipeline.attempts import claim_attempt, list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
-from pipeline.input import pin_manifest
 from pipeline.layout import end_path, start_path
+from pipeline.manifest import pin_manifest
 from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
