@@ -2,7 +2,7 @@
 `cancel` (stop it), both from what is committed under OUTPUT alone, with no access to the run or its cluster.
 
 Records under OUTPUT that this module reads or writes (all JSON, create-only; paths from pipeline.layout):
-    _manifest/input.json            the pinned input (pipeline.input): which shards the job has
+    _manifest/input.json            the pinned input (pipeline.manifest): which shards the job has
     _CANCEL                         the cancel marker: running shards stop at their next poll and commit what finished
     _manifest/cancel-<n>.json       a cancel marker set aside by `run/submit --resume` (the marker itself is deleted)
     _lease/<seq>.json               who runs the job until when (jobs.lease)
@@ -32,8 +32,9 @@ from jobs.errors import (
 from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_distinct
 from pipeline.accounting import tokens_per_dollar
-from pipeline.input import InputManifest, Shard, read_manifest
+from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
+from pipeline.manifest import InputManifest, read_manifest
 from pipeline.status import ShardState, shard_state
 from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
 

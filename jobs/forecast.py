@@ -36,7 +36,8 @@ from jobs.openai_batch import batch_spec, is_openai_batch, read_batch_file
 from jobs.plugin import default_torch_threads
 from jobs.spec import engine_config, run_config
 from pipeline.config import InputError, RunConfig
-from pipeline.input import Shard, build_manifest
+from pipeline.input import Shard
+from pipeline.manifest import build_manifest
 from pipeline.row_options import row_sampling_params
 from pipeline.shard import ShardRows, generate_rows, read_shard
 from schemas.job_spec import JobSpec

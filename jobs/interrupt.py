@@ -16,7 +16,7 @@ from typing import Any
 
 from jobs.control import cancel_job, cancel_record, resume_cancelled
 from jobs.errors import JobError
-from pipeline.input import read_manifest
+from pipeline.manifest import read_manifest
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 

@@ -31,8 +31,9 @@ import pyarrow as pa
 
 from jobs.errors import JobError
 from pipeline.accounting import read_committed_accounting
-from pipeline.input import InputManifest, absolute_url, file_version, read_manifest
+from pipeline.input import absolute_url, file_version
 from pipeline.layout import MANIFEST, results_path, staged_requests_path
+from pipeline.manifest import InputManifest, read_manifest
 from pipeline.row_options import ROW_ERROR_COLUMN
 from pipeline.storage import commit_table, exists_now, output_fs, read_table
 from schemas.job_spec import Columns, JobSpec

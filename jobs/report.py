@@ -22,8 +22,8 @@ from jobs.errors import JobError
 from pipeline.accounting import read_committed_accounting
 from pipeline.attempts import list_attempts, read_record
 from pipeline.checkpoint import committed_parts
-from pipeline.input import read_manifest
 from pipeline.layout import results_path, start_path
+from pipeline.manifest import read_manifest
 from pipeline.storage import exists_now, output_fs, read_table
 
 matplotlib.use("Agg")  # no display: render to SVG in memory

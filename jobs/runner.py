@@ -1,5 +1,6 @@
-"""Run a job: pin its input, take its lease, run its shards as Dask tasks with the engine resident per worker,
-survive lost workers and preempted shards, gather accounting, commit _SUCCESS.
+"""Run a job: pin its input, take its lease, plan the shards still to do, run them as Dask tasks with the engine
+resident per worker (jobs.cluster: lost workers and preempted shards survived there), gather accounting, commit
+_SUCCESS.
 
 A job is identified by its OUTPUT. Running it again (same options) resumes it: finished shards are skipped, partial
 ones resume from their checkpoints (pipeline.shard.run_shard), and a finished job is a no-op.
@@ -8,42 +9,28 @@ ones resume from their checkpoints (pipeline.shard.run_shard), and a finished jo
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-import dask
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-from distributed import Client, Future, LocalCluster, as_completed
 from fsspec import AbstractFileSystem
 
 from engine import EngineConfig
+from jobs.cluster import ClusterOptions, RunContext, run_on_cluster
 from jobs.control import cancel_record, job_done, read_success, resume_cancelled, shard_states
 from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
 from jobs.lease import Lease
-from jobs.plugin import (
-    NANNY_CLOSING,
-    DrainNannyPlugin,
-    EnginePlugin,
-    PreemptionPlugin,
-    WorkerPreempted,
-    default_torch_threads,
-    register_engine,
-)
 from jobs.summary import JobProgress, JobSummary
-from jobs.task import PROGRESS_TOPIC, ShardFailed, record_failure, shard_task
-from pipeline.attempts import list_attempts
+from jobs.task import record_failure
 from pipeline.checkpoint import committed_parts
 from pipeline.config import InputError, RunConfig
-from pipeline.input import (
-    InputFile,
+from pipeline.input import Shard, validate_columns
+from pipeline.layout import results_path, success_path
+from pipeline.manifest import (
     InputManifest,
-    Shard,
     build_manifest,
     changed_inputs,
     check_compatible,
@@ -51,56 +38,16 @@ from pipeline.input import (
     pin_manifest,
     read_manifest,
     repinned,
-    validate_columns,
 )
-from pipeline.layout import results_path, success_path
-from pipeline.preemption import env_seconds
-from pipeline.shard import ProgressFn, ShardInterrupted
+from pipeline.shard import ProgressFn
 from pipeline.storage import commit_json, exists_now, output_fs, read_table
 
 log = logging.getLogger(__name__)
 
-# A shard may be interrupted (its worker preempted) this many times, and may outlive this many dead workers,
-# before the job gives up on it: spot fleets lose machines.
-MAX_INTERRUPTIONS = 10
-ALLOWED_FAILURES = 10
-# Dask settings of the clusters run_job starts (and what a real cluster's scheduler and workers should set).
-# NOTE: the worker's statistical profiler calls sys._current_frames() every 10 ms, which on CPython 3.11 can deadlock
-# the whole worker process against the garbage collector (python/cpython#106883, dask/distributed#8616); we saw a
-# worker hang mid-shard with it on. Profiling is for debugging; jobs run without it.
-# NOTE: Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's dynamic mmap threshold:
-# every activation tensor over 128 KiB is then mmap'd and unmapped again, page faults and all. Measured on the CPU
-# path (64 GSM8K rows, 128 tokens): 82 vs 136 output tok/s, 59 vs 3.5 s of system time. None unsets it.
-CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
-                  "distributed.worker.profile.enabled": False,
-                  "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """Where shards run.
-
-    Attributes:
-        scheduler_address: a Dask scheduler (tcp://host:8786); None starts a LocalCluster of `workers` processes.
-        workers: worker processes of the LocalCluster (one thread and one engine each).
-        gpus_per_worker: GPUs per worker; > 0 makes each shard ask for resources {"GPU": 1} (LocalCluster workers
-            then offer {"GPU": gpus_per_worker}; on a real cluster start workers with `--resources GPU=N`).
-    """
-
-    scheduler_address: str | None = None
-    workers: int = 1
-    gpus_per_worker: int = 0
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise JobError(f"workers must be >= 1, got {self.workers}")
-        if self.gpus_per_worker < 0:
-            raise JobError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
-
 
 def _manifest_or_error(input_url: str, output_url: str, cfg: RunConfig,
                        built: InputManifest | None) -> tuple[InputManifest, bool]:
-    """The job's pinned manifest and whether this call pinned it (pipeline.input.pin_manifest). Raises JobError."""
+    """The job's pinned manifest and whether this call pinned it (pipeline.manifest.pin_manifest). Raises JobError."""
     try:
         manifest, created = pin_manifest(output_url, input_url, cfg, built)
     except InputError as e:
@@ -144,16 +91,17 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
     the run takes the job's lease (jobs.lease; LeaseHeld, exit 3, when another run holds it), pins the input
     manifest at the first start or checks these options against the pinned one (exit 2 when they differ), refuses
     a cancelled job unless `resume` (exit 4), skips committed shards, fails the shards of input files changed since
-    the job started, and runs the rest as Dask tasks: on the LocalCluster of `workers` processes, or on the
-    cluster at `scheduler_address`. Shards of a dead worker run again elsewhere (Dask, up to ALLOWED_FAILURES on a
-    LocalCluster; set distributed.scheduler.allowed-failures on your scheduler); interrupted shards (ShardInterrupted:
-    SIGTERM or a spot notice on their worker) are submitted again, up to MAX_INTERRUPTIONS times each; both resume
-    from their last checkpoint. A cancel (OUTPUT/_CANCEL) stops running shards and drops queued ones. A failed
-    shard never stops the others. When every shard is committed, OUTPUT/_SUCCESS is committed last.
-    `on_start` gets the total row count; `on_progress` (rows, output tokens) as rows finish.
+    the job started, and runs the rest as Dask tasks (jobs.cluster.run_on_cluster): on the LocalCluster of `workers`
+    processes, or on the cluster at `scheduler_address`. Shards of a dead worker run again elsewhere (Dask, up to
+    jobs.cluster.ALLOWED_FAILURES on a LocalCluster; set distributed.scheduler.allowed-failures on your scheduler);
+    interrupted shards (ShardInterrupted: SIGTERM or a spot notice on their worker) are submitted again, up to
+    jobs.cluster.MAX_INTERRUPTIONS times each; both resume from their last checkpoint. A cancel (OUTPUT/_CANCEL)
+    stops running shards and drops queued ones. A failed shard never stops the others. When every shard is
+    committed, OUTPUT/_SUCCESS is committed last. `on_start` gets the total row count; `on_progress` (rows, output
+    tokens) as rows finish.
 
-    Raises JobError: exit 2 (bad input or options, before any work), 3 (lease held, or lost mid-run),
-    4 (cancelled, and not `resume`).
+    Raises JobError: exit 2 (bad input or options, before any work; or no GPU worker joined the cluster in time,
+    jobs.cluster.run_on_cluster), 3 (lease held, or lost mid-run), 4 (cancelled, and not `resume`).
     """
     cluster_opts = ClusterOptions(scheduler_address, workers, gpus_per_worker)
     checked = _check_before_start(input_url, output_url, cfg)
@@ -184,9 +132,9 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         if todo and changed:
             todo = _fail_changed_inputs(output_url, changed, todo, summary, progress)
         if todo:
-            run = _Run(output_url, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
-                       progress, lease)
-            _run_on_cluster(todo, run, model, engine_config or EngineConfig(), cluster_opts)
+            run = RunContext(output_url, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
+                             progress, lease)
+            run_on_cluster(todo, run, model, engine_config or EngineConfig(), cluster_opts)
         if lease.lost.is_set():
             raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",
                            exit_code=EXIT_LEASE_HELD)
@@ -215,7 +163,7 @@ def _repin_unstarted_inputs(output_url: str, manifest: InputManifest,
                             cfg: RunConfig) -> tuple[InputManifest, list[str], dict[str, str]]:
     """Re-pin the changed input files none of whose shards committed anything (a corrupt file fixed or removed since
     its shard failed), so a job with one bad file can finish in place: a new manifest revision, create-only
-    (pipeline.input.commit_revision). A changed file stays pinned, its unfinished shards to fail, when a shard of it
+    (pipeline.manifest.commit_revision). A changed file stays pinned, its unfinished shards to fail, when a shard of it
     committed rows (they came from the old content), when its prompt column no longer fits the job, or when
     re-pinning would move the shards of other files (`--limit` spreads rows over files in order).
 
@@ -277,168 +225,6 @@ def _fail_changed_inputs(output_url: str, changed: dict[str, str], todo: list[Sh
         else:
             keep.append(shard)
     return keep
-
-
-@dataclass(frozen=True)
-class _Run:
-    """What the shards of one run share: where they write, how they run, the input files as pinned, and the
-    run's bookkeeping (its summary, progress and lease)."""
-
-    output_url: str
-    cfg: RunConfig
-    prompt_column: str
-    pinned: dict[str, InputFile]
-    summary: JobSummary
-    progress: JobProgress
-    lease: Lease
-
-
-def _run_on_cluster(todo: list[Shard], run: _Run, model: str | None, engine_config: EngineConfig,
-                    opts: ClusterOptions) -> None:
-    """Run `todo` as Dask tasks on the cluster `opts` names (or a LocalCluster of ours) with the engine `model`."""
-    resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
-    # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
-    with dask.config.set(CLUSTER_CONFIG):
-        cluster = None if opts.scheduler_address else LocalCluster(
-            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=None,
-            silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
-        try:
-            with Client(opts.scheduler_address or cluster) as client:
-                if resources and not wait_for_gpu_worker(client, worker_wait_s()):
-                    raise JobError(f"gpus_per_worker is {opts.gpus_per_worker} but no worker of the cluster at "
-                                   f"{opts.scheduler_address} offers a GPU resource (waited {worker_wait_s():g} s, "
-                                   f"{WORKER_WAIT_ENV}): start the workers with `dask worker ... --resources GPU=1`")
-                client.register_plugin(PreemptionPlugin(restart=cluster is not None), name=PreemptionPlugin.name)
-                if cluster is None:  # `dask worker` nannies: a SIGTERM to the CLI must not kill a shard mid-commit
-                    client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
-                plugin_name = register_engine(client, EnginePlugin(
-                    model, engine_config, default_torch_threads(opts.workers) if cluster else None))
-                client.subscribe_topic(PROGRESS_TOPIC, run.progress.event)
-                try:
-                    _gather(client, todo, run, plugin_name, resources, own_cluster=cluster is not None)
-                finally:
-                    client.unsubscribe_topic(PROGRESS_TOPIC)
-        finally:
-            if cluster is not None:
-                cluster.close()
-
-
-WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
-
-
-def worker_wait_s() -> float:
-    """Seconds a run waits for a GPU worker to join the cluster (env TOKENMILL_WORKER_WAIT_S, default 0: none).
-    Set it where workers scale from zero (Karpenter, cluster autoscaler). Raises JobError for a bad value."""
-    try:
-        return env_seconds(WORKER_WAIT_ENV, 0.0, allow_zero=True)
-    except ValueError as e:
-        raise JobError(str(e)) from None
-
-
-def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
-    """True once a worker of `client`'s cluster offers a GPU resource; polls every 2 s for up to `wait_s` s."""
-    deadline = time.monotonic() + wait_s
-    while not any(w.get("resources", {}).get("GPU") for w in client.scheduler_info()["workers"].values()):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    return True
-
-
-def _gather(client: Client, todo: list[Shard], run: _Run, plugin_name: str, resources: dict[str, int] | None, *,
-            own_cluster: bool) -> None:
-    """Submit the shards and fold their outcomes into `summary`, resubmitting interrupted ones. A worker that
-    reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
-    cluster: the machine is going away) before its shard is submitted again."""
-    output_url, summary, progress, lease = run.output_url, run.summary, run.progress, run.lease
-    run_id = progress.run_id
-    futures: dict[Future, tuple[Shard, int]] = {}
-
-    def submit(shard: Shard, tries: int) -> Future:
-        fut = client.submit(shard_task, shard, run.prompt_column, output_url, run.cfg, plugin_name, run_id,
-                            run.pinned.get(shard.url), pure=False, resources=resources,
-                            key=f"shard-{shard.shard_id}-{run_id}-{tries}")
-        futures[fut] = (shard, tries)
-        return fut
-
-    done_watching = threading.Event()
-
-    def watch_lease() -> None:
-        # A lost lease: stop waiting for shards (their commits stay valid; the new holder skips what they commit).
-        while not done_watching.wait(1.0):
-            if lease.lost.is_set():
-                client.cancel(list(futures))
-                return
-
-    watcher = threading.Thread(target=watch_lease, name="tokenmill-lease-watch", daemon=True)
-    watcher.start()
-    pending = as_completed([submit(s, 0) for s in todo])
-    cancelled_queue = False
-    try:
-        for fut in pending:
-            shard, tries = futures.pop(fut)
-            if fut.status == "cancelled":
-                summary.stopped[shard.shard_id] = "not finished: the run stopped waiting for it"
-                continue
-            try:
-                row = fut.result()
-            except (ShardInterrupted, WorkerPreempted) as e:
-                summary.interruptions += 1
-                if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
-                    _take_out(client, e.worker, own_cluster)
-                if cancel_record(output_url) is not None:
-                    summary.cancelled = True
-                    summary.stopped[shard.shard_id] = f"cancelled: {e}"
-                    if not cancelled_queue:  # drop the shards that have not started
-                        cancelled_queue = True
-                        running = {k for keys in client.processing().values() for k in keys}
-                        client.cancel([f for f in futures if f.key not in running])
-                elif tries + 1 < MAX_INTERRUPTIONS and not lease.lost.is_set():
-                    log.info("shard %s interrupted (%s); running it again", shard.shard_id, e)
-                    pending.add(submit(shard, tries + 1))
-                else:
-                    summary.fail(shard.shard_id, f"ShardInterrupted {tries + 1} times; last: {e}",
-                                 attempts_claimed(output_url, shard.shard_id))
-                continue
-            except Exception as e:  # one failed shard never fails the others
-                row = ShardFailed(f"{type(e).__name__}: {e}")
-            if isinstance(row, ShardFailed):
-                summary.fail(shard.shard_id, row.error, attempts_claimed(output_url, shard.shard_id))
-                progress.finish(shard.shard_id, shard.num_rows, 0)
-                continue
-            summary.add(row)
-            progress.finish(shard.shard_id, int(row["rows"]), generated_tokens(row))
-    finally:
-        done_watching.set()
-        watcher.join()
-
-
-def attempts_claimed(output_url: str, shard_id: str) -> int:
-    """Attempts the shard has claimed in all (its attempt records), for a failed shard's summary; 0 when they cannot
-    be listed (the failure may be the store's)."""
-    try:
-        fs, root = output_fs(output_url)
-        return list_attempts(fs, root, shard_id).latest
-    except Exception as e:  # a summary count is not worth a second failure
-        log.info("could not list the attempts of shard %s: %s", shard_id, e)
-        return 0
-
-
-def generated_tokens(row: dict[str, Any]) -> int:
-    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
-    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count."""
-    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
-
-
-def _take_out(client: Client, worker: str, restart: bool) -> None:
-    """Restart or retire a preempted worker; errors are logged (the worker takes itself out after a grace)."""
-    try:
-        if restart:
-            client.restart_workers([worker], raise_for_error=False)
-        else:
-            client.retire_workers([worker], close_workers=True)
-    except Exception as e:  # the worker may be gone already
-        log.info("could not take preempted worker %s out: %s", worker, e)
 
 
 def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]) -> JobSummary:

@@ -1,6 +1,6 @@
 """The Dask task of a job: one shard on the worker's resident engine (jobs.plugin), with the worker's stop signal,
 progress events for the client, and the check that the shard's input file is still the pinned version.
-Runs on the worker; jobs.runner submits it and gathers what it returns or raises.
+Runs on the worker; jobs.cluster submits it and gathers what it returns or raises.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from distributed import get_worker
 from jobs.plugin import WorkerPreempted, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
-from pipeline.input import InputFile, Shard
+from pipeline.input import Shard
+from pipeline.manifest import InputFile
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
@@ -27,7 +28,7 @@ RETIRE_WAIT_S = 120.0  # how long a task that lands on a stopping worker waits f
 class ShardFailed:
     """What shard_task returns for a shard whose input is the problem (unreadable, or changed since it was pinned):
     `error` names the file and the fix. Returned, not raised, so the worker does not log a "Compute Failed" traceback
-    for a failure the client reports in words (jobs.runner)."""
+    for a failure the client reports in words (jobs.cluster)."""
 
     error: str
 

@@ -1,7 +1,7 @@
 """Where everything lives under a job's OUTPUT: the one place that spells its paths and parses its names.
 
     OUTPUT/
-      _manifest/input.json                          the pinned input (pipeline.input)
+      _manifest/input.json                          the pinned input (pipeline.manifest)
       _manifest/input-NNN.json                      a revision re-pinning changed files (NNN from 001)
       _manifest/cancel-NNN.json                     a cancel marker set aside by `--resume` (jobs.control)
       _lease/SSSSSSSSSSSS.json                      who runs the job until when (jobs.lease)

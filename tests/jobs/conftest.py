@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import jobs.runner
+import jobs.cluster
 from engine import LLMEngine
 
 
@@ -27,9 +27,9 @@ def _tiny_model_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.M
         return
     tiny = request.getfixturevalue("tiny_model")
     monkeypatch.setenv("TOKENMILL_MODEL", tiny)
-    plugin = jobs.runner.EnginePlugin
+    plugin = jobs.cluster.EnginePlugin
 
     def tiny_by_default(model: str | None, *args: Any, **kwargs: Any) -> Any:
         return plugin(model if model is not None else tiny, *args, **kwargs)
 
-    monkeypatch.setattr(jobs.runner, "EnginePlugin", tiny_by_default)
+    monkeypatch.setattr(jobs.cluster, "EnginePlugin", tiny_by_default)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from jobs.cli import app
 from jobs.runner import _repin_unstarted_inputs
 from pipeline.config import RunConfig
-from pipeline.input import pin_manifest, read_manifest
+from pipeline.manifest import pin_manifest, read_manifest
 
 runner = CliRunner()
 

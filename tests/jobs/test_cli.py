@@ -17,7 +17,7 @@ from jobs.cli import app
 from jobs.lease import Lease
 from jobs.spec import engine_config, run_config
 from pipeline.config import RunConfig
-from pipeline.input import pin_manifest
+from pipeline.manifest import pin_manifest
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA, JobSpec
 
 runner = CliRunner()

@@ -14,8 +14,8 @@ import pytest
 from distributed import Client, LocalCluster
 
 from engine import EngineConfig
+from jobs.cluster import CLUSTER_CONFIG
 from jobs.plugin import PLUGIN_PREFIX, EnginePlugin, get_engine, register_engine
-from jobs.runner import CLUSTER_CONFIG
 
 
 @pytest.fixture(scope="module")

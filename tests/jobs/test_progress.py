@@ -81,7 +81,7 @@ def test_summary_lists_the_distinct_dtypes_and_quantizations_the_shards_ran_in()
 def test_resumed_rows_count_as_done_but_not_as_this_runs_throughput() -> None:
     """A shard that resumed 12 of its 16 rows from checkpoints (output_tokens 160 in all, 40 generated in 2 s by this
     attempt) reports 40 tokens to the progress stream, not 160: a rerun's first speed was 21,037 tok/s before."""
-    from jobs.runner import generated_tokens
+    from jobs.cluster import generated_tokens
 
     row = {"rows": 16, "rows_resumed": 12, "output_tokens": 160, "output_tokens_per_s": 20.0, "wall_s": 2.0}
     assert generated_tokens(row) == 40

@@ -18,7 +18,7 @@ from engine import EngineConfig, LLMEngine
 from jobs.cli import app
 from jobs.report import error_reason, read_report_data
 from pipeline.config import RunConfig
-from pipeline.input import pin_manifest
+from pipeline.manifest import pin_manifest
 from pipeline.shard import ShardInterrupted, run_shard
 
 runner = CliRunner()

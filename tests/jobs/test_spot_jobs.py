@@ -22,14 +22,15 @@ from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
+from jobs.cluster import CLUSTER_CONFIG
 from jobs.control import cancel_job, job_status
 from jobs.lease import Lease
-from jobs.runner import CLUSTER_CONFIG, run_job
+from jobs.runner import run_job
 from pipeline.attempts import claim_attempt, list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.config import RunConfig
-from pipeline.input import pin_manifest
 from pipeline.layout import end_path, start_path
+from pipeline.manifest import pin_manifest
 from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 

@@ -10,14 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import InputError, RunConfig
-from pipeline.input import (
-    changed_inputs,
-    pin_manifest,
-    plan_shards,
-    read_manifest,
-    resolve_inputs,
-    validate_columns,
-)
+from pipeline.input import plan_shards, resolve_inputs, validate_columns
+from pipeline.manifest import changed_inputs, pin_manifest, read_manifest
 
 
 @pytest.fixture()

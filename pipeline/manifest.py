@@ -1,0 +1,228 @@
+"""A job's input manifest: the input files pinned when the job first starts, and its re-pin revisions.
+
+The input manifest, OUTPUT/_manifest/input.json, is committed (create-only) when a job first starts: every input
+file with its size, version (S3 ETag; locally the mtime in ns) and row count, and the options that shape shards and
+results. Every later run of the job with that OUTPUT plans its shards from the manifest, never from a new listing,
+so shard ids stay the same when files are added to the input folder; a pinned file whose size or version changed,
+or that vanished, fails its unfinished shards (`changed_inputs`), not the job.
+
+Manifests are never overwritten. A rerun may re-pin changed files none of whose shards committed anything (a corrupt
+file fixed or removed): it commits a new revision, OUTPUT/_manifest/input-NNN.json (create-only, NNN from 001), with
+those files as they are now (a removed one kept as an entry without rows, so the other files keep their indices and
+shard ids). `read_manifest` reads the latest revision; jobs.runner decides which files may be re-pinned.
+Listing the input, checking its columns and cutting shards are pipeline.input's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import fsspec
+
+from pipeline.config import InputError, RunConfig
+from pipeline.input import Shard, absolute_url, cut_shards, file_version, footer_rows, resolve_inputs, validate_columns
+from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
+from pipeline.storage import commit_json, list_folder, output_fs, read_json
+
+MANIFEST_FORMAT = 1
+# RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
+RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "max_tokens", "temperature",
+                  "top_p", "top_k", "seed", "stop")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One pinned input file.
+
+    Attributes:
+        url: the file as an fsspec URL.
+        size: bytes.
+        version: what changes when the object is replaced: the S3 ETag (GCS generation, Azure etag), locally
+            "mtime_ns:<st_mtime_ns>".
+        num_rows: rows from the Parquet footer; None when the footer could not be read (its shard fails); 0 for a
+            file removed from the job (`removed`).
+        removed: the file was gone when a manifest revision re-pinned it: it has no shards.
+        pinned_at: when a revision re-pinned it (ISO time); None: when the job started.
+    """
+
+    url: str
+    size: int
+    version: str
+    num_rows: int | None
+    removed: bool = False
+    pinned_at: str | None = None
+
+    def changed(self, pinned_at: str | None = None) -> str | None:
+        """Why the file is no longer the pinned one (other size or version, gone, or back after its removal), or
+        None when it still is. `pinned_at` (an ISO time), when given, goes into the message. Transient storage
+        errors are retried, then raised."""
+        fs, path = fsspec.core.url_to_fs(self.url)
+        try:
+            size, version = file_version(fs, path)
+        except FileNotFoundError:
+            if self.removed:
+                return None
+            now = "is gone"
+        else:
+            if self.removed:
+                now = "was removed from the job and is back"
+            elif (size, version) == (self.size, self.version):
+                return None
+            else:
+                now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+        if self.pinned_at:
+            since = f"since it was re-pinned on {self.pinned_at}"
+        else:
+            since = f"since the job started{f' on {pinned_at}' if pinned_at else ''}"
+        return (f"input changed {since}: {self.url} {now}. Restore it, or run the new input into a new OUTPUT")
+
+
+@dataclass(frozen=True)
+class InputManifest:
+    """A job's pinned input: the files, the options that shape its shards (rows_per_shard, limit) and its results
+    (RESULT_OPTIONS, the prompt column read), and when it was pinned. Shards come only from this. `revision`: 0 for
+    the manifest the job started with, N for OUTPUT/_manifest/input-NNN.json (`repin`)."""
+
+    input: str
+    files: tuple[InputFile, ...]
+    rows_per_shard: int
+    limit: int | None
+    prompt_column: str
+    options: dict[str, Any]
+    created_at: str
+    revision: int = 0
+
+    def shards(self) -> list[Shard]:
+        """The job's shards, deterministically from the pinned files and options."""
+        files = [(fsspec.core.url_to_fs(f.url)[1], f.url, f.num_rows) for f in self.files]
+        return cut_shards(files, self.rows_per_shard, self.limit)
+
+    def as_json(self) -> dict[str, Any]:
+        """The manifest as committed (JSON-ready)."""
+        return {"format": MANIFEST_FORMAT, "input": self.input, "rows_per_shard": self.rows_per_shard,
+                "limit": self.limit, "prompt_column": self.prompt_column, "options": self.options,
+                "created_at": self.created_at, "revision": self.revision, "files": [asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> InputManifest:
+        """Parse a committed manifest. Raises InputError when it is not one this version reads."""
+        if doc.get("format") != MANIFEST_FORMAT:
+            raise InputError(f"input manifest format {doc.get('format')!r} is not {MANIFEST_FORMAT}; this OUTPUT "
+                             "was written by another tokenmill version: use a new OUTPUT")
+        return cls(doc["input"], tuple(InputFile(**f) for f in doc["files"]), doc["rows_per_shard"], doc["limit"],
+                   doc["prompt_column"], doc["options"], doc["created_at"], doc.get("revision", 0))
+
+
+def result_options(cfg: RunConfig) -> dict[str, Any]:
+    """The RunConfig options that shape each row's completion (RESULT_OPTIONS), JSON-ready."""
+    opts = {name: getattr(cfg, name) for name in RESULT_OPTIONS}
+    opts["stop"] = list(opts["stop"])
+    return opts
+
+
+def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:
+    """List and check the input now (resolve_inputs, validate_columns) and describe it as a manifest.
+
+    Raises InputError for a missing input or column.
+    """
+    fs, files = resolve_inputs(input_url)
+    prompt_column = validate_columns(fs, files, cfg)
+    pinned = []
+    for path in files:
+        size, version = file_version(fs, path)
+        pinned.append(InputFile(fs.unstrip_protocol(path), size, version, footer_rows(fs, path)))
+    return InputManifest(input_url, tuple(pinned), cfg.rows_per_shard, cfg.limit, prompt_column,
+                         result_options(cfg), datetime.now(UTC).isoformat(timespec="seconds"))
+
+
+def read_manifest(output_url: str) -> InputManifest | None:
+    """The job's pinned input manifest under OUTPUT (its latest revision: one listing of _manifest/, one read), or
+    None when no job has started there."""
+    fs, root = fsspec.core.url_to_fs(output_url)
+    root = root.rstrip("/")
+    revisions = [r for info in list_folder(fs, manifest_dir(root))
+                 if (r := parse_manifest_revision(info["name"])) is not None]
+    if not revisions:
+        return None
+    return InputManifest.from_json(read_json(fs, manifest_path(root, max(revisions))))
+
+
+def check_compatible(manifest: InputManifest, input_url: str, cfg: RunConfig, output_url: str) -> None:
+    """Raise InputError when a run asks for other shards or other results than the job pinned in `manifest`:
+    another input, rows_per_shard or limit (shard ids would not match) or another RESULT_OPTIONS value (one OUTPUT
+    would mix two kinds of completions). The message names each option, both values, and the fix."""
+    asked = {"input": absolute_url(input_url), "rows_per_shard": cfg.rows_per_shard, "limit": cfg.limit,
+             **result_options(cfg)}
+    pinned = {"input": absolute_url(manifest.input), "rows_per_shard": manifest.rows_per_shard, "limit": manifest.limit,
+              **manifest.options}
+    diffs = [f"{k}: the job has {pinned.get(k)!r}, this run asks for {v!r}" for k, v in asked.items()
+             if pinned.get(k) != v]
+    if diffs:
+        raise InputError(f"{output_url} holds a job started on {manifest.created_at} with other options ("
+                         f"{'; '.join(diffs)}). Rerun with the job's options to resume it, or write to a new OUTPUT")
+
+
+def pin_manifest(output_url: str, input_url: str, cfg: RunConfig,
+                 built: InputManifest | None = None) -> tuple[InputManifest, bool]:
+    """The job's input manifest: the one pinned under OUTPUT, or, at the job's first start, a new one (`built`, or
+    build_manifest's) committed create-only to OUTPUT/_manifest/input.json. Returns (manifest, True if this call
+    pinned it).
+
+    When two first starts race, the create-only commit picks one manifest and the other run adopts it.
+    Raises InputError when the input is missing or lacks the prompt column (first start), or when the run's
+    options differ from the pinned job's (check_compatible).
+    """
+    manifest = read_manifest(output_url)
+    created = False
+    if manifest is None:
+        manifest = built or build_manifest(input_url, cfg)
+        fs, root = output_fs(output_url)
+        created = commit_json(fs, manifest_path(root), manifest.as_json())
+        if not created:
+            manifest = read_manifest(output_url) or manifest
+    check_compatible(manifest, input_url, cfg, output_url)
+    return manifest, created
+
+
+def repinned(manifest: InputManifest, urls: list[str]) -> InputManifest:
+    """The next revision of `manifest`, with the files `urls` pinned as they are now: size, version and rows read
+    again, or, for a file that is gone, kept as a removed entry without rows (so the other files keep their indices
+    and shard ids). Commits nothing (commit_revision does). Transient storage errors are retried, then raised."""
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    files = []
+    for f in manifest.files:
+        if f.url not in urls:
+            files.append(f)
+            continue
+        fs, path = fsspec.core.url_to_fs(f.url)
+        try:
+            size, version = file_version(fs, path)
+        except FileNotFoundError:
+            files.append(InputFile(f.url, 0, "", 0, removed=True, pinned_at=now))
+        else:
+            files.append(InputFile(f.url, size, version, footer_rows(fs, path), pinned_at=now))
+    return replace(manifest, files=tuple(files), revision=manifest.revision + 1)
+
+
+def commit_revision(output_url: str, revised: InputManifest, why: str) -> InputManifest:
+    """Commit `revised` (from `repinned`) create-only as OUTPUT/_manifest/input-NNN.json with `why` beside it. The
+    caller must hold the job's lease and must only re-pin files none of whose shards committed anything
+    (jobs.runner). Returns the manifest now pinned: `revised`, or the latest revision when another writer committed
+    that number first. Raises what the store raises (after retries)."""
+    fs, root = output_fs(output_url)
+    if commit_json(fs, manifest_path(root, revised.revision), revised.as_json() | {"why": why}):
+        return revised
+    return read_manifest(output_url) or revised
+
+
+def changed_inputs(manifest: InputManifest) -> dict[str, str]:
+    """Pinned files that changed since the job started: url -> why (size or version differs, or it is gone).
+    Their unfinished shards must fail rather than read other rows under the same shard ids. Transient storage
+    errors are retried, then raised (OSError)."""
+    changed: dict[str, str] = {}
+    for f in manifest.files:
+        if (why := f.changed(manifest.created_at)) is not None:
+            changed[f.url] = why
+    return changed
