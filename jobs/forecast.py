@@ -1,6 +1,6 @@
 """What a job will cost before it runs (`tokenmill run ... --dry-run`): rows, tokens, device-hours and USD.
 
-The forecast plans the job's shards from its input as a first start would (pipeline.input.build_manifest: it lists
+The forecast plans the job's shards from its input as a first start would (pipeline.manifest.build_manifest: it lists
 and reads footers, writes nothing), tokenizes the rows of its first shard, loads the job's engine here (same model,
 device, dtype, quantization, threads per worker) and measures it in a short calibration on a sample of those rows:
 
