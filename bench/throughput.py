@@ -39,16 +39,17 @@ def alpaca_rows(n: int) -> tuple[list[str], list[str]]:
     return t.column("instruction").to_pylist(), t.column("reference_output").to_pylist()
 
 
-def run_ours(engine: LLMEngine, prompt_ids: list[list[int]], max_tokens: list[int]) -> tuple[float, int]:
-    """Seconds and output tokens for one generate over all prompts."""
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+def run_ours(engine: LLMEngine, prompt_ids: list[list[int]], max_tokens: list[int], temperature: float = 0.0,
+             top_p: float = 1.0) -> tuple[float, int]:
+    """Seconds and output tokens for one generate over all prompts (greedy unless temperature > 0)."""
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=temperature, top_p=top_p) for m in max_tokens]
     t0 = time.perf_counter()
     outs = engine.generate(prompt_ids, params)
     return time.perf_counter() - t0, sum(o.num_output_tokens for o in outs)
 
 
 def run_hf(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: list[int], batch_size: int,
-           pad_id: int, device: torch.device) -> tuple[float, int]:
+           pad_id: int, device: torch.device, temperature: float = 0.0, top_p: float = 1.0) -> tuple[float, int]:
     """Seconds and useful output tokens for HF static batched generate (left padding), batches in prompt order;
     a batch runs until its longest request."""
     t0 = time.perf_counter()
@@ -60,7 +61,9 @@ def run_hf(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: list
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
-                                 min_new_tokens=max(lens), do_sample=False, pad_token_id=pad_id)
+                                 min_new_tokens=max(lens), pad_token_id=pad_id,
+                                 **({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+                                    if temperature > 0 else {"do_sample": False}))
         total += sum(min(m, out.shape[1] - width) for m in lens)
     return time.perf_counter() - t0, total
 

@@ -1,11 +1,16 @@
 """Token sampling on the device, vectorized over the batch: greedy, temperature, top-k, top-p, per-request seeds.
 
-Sampling uses the exponential-race form of the Gumbel-max trick: argmax(p / E) with E ~ Exp(1) draws from p
-(Gumbel, 1954; as in vLLM's sampler). Top-p: Holtzman et al., ICLR 2020. Top-k: Fan et al., ACL 2018.
+A sampled row is drawn by the inverse CDF: its logits divided by the temperature become probabilities, cut to the
+top_k best and then the top_p nucleus (Holtzman et al., ICLR 2020; top-k: Fan et al., ACL 2018), and one uniform
+u in [0, 1) picks the token whose cumulative probability first exceeds u times the kept mass (in token order over
+the whole vocabulary without top_k / top_p, else over the kept tokens ranked by probability). On the CPU a C++
+kernel (engine.cpu_kernels `sample_rows`) does a row in a few vectorized passes and finds the nucleus by partial
+sorts; elsewhere the same function in torch ops (a sort only when a row has top_k or top_p). Their draws agree
+except where u falls within rounding (~1e-7) of a boundary between two tokens.
 
-NOTE: a step costs a fixed number of batched tensor ops whatever the batch holds (no per-row kernels) and one
-device->host sync (the final `tolist`). A seeded row's noise is a pure function of (seed, output index, token id)
-and every op is row-wise, so its token does not depend on the other rows of the batch.
+NOTE: a step costs a fixed number of batched ops whatever the batch holds (no per-row Python) and one device->host
+sync (the final `tolist`). A seeded row's uniform is a pure function of (seed, output index) (counter_uniforms)
+and every op is row-wise, so its token does not depend on the other rows of the batch, nor on a preemption.
 """
 
 from __future__ import annotations
@@ -46,56 +51,27 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(_shr(x, 31))
 
 
-def counter_exponentials(seeds: torch.Tensor, output_indices: torch.Tensor, vocab_size: int,
-                         token_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Exp(1) noise that is a pure function of (seed, output index, token id): counter-based, as Philox (Salmon et
-    al., SC 2011), so a seeded request draws the same noise alone, in any batch, and after preemption.
+def counter_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) that are a pure function of (seed, output index): counter-based, as Philox (Salmon et al.,
+    SC 2011), so a seeded request draws the same token alone, in any batch, and after preemption.
 
-    seeds, output_indices: int64 [R] (a seed's bits mod 2^64). token_ids: int64 [R, W], the tokens to draw for,
-    or None for the whole vocabulary (then W = vocab_size). Returns fp32 [R, W], every value > 0.
-    One 64-bit hash per pair of tokens (2v, 2v+1) gives their two 32-bit uniforms, high half to the even token;
-    E = -log1p(-u) with u = (k + 1/2) 2^-32 keeps fp32's full precision for the small E that win the race.
+    seeds, output_indices: int64 [R] (a seed's bits mod 2^64). Returns fp64 [R]: the top 53 bits of
+    splitmix64(splitmix64(seed) + output index), times 2^-53.
     """
-    row_key = splitmix64(splitmix64(seeds) + output_indices)[:, None]  # [R, 1]
-    if token_ids is None:
-        half = (vocab_size + 1) // 2
-        h = splitmix64(row_key + torch.arange(1, half + 1, device=seeds.device) * _i64(_GOLDEN))  # [R, half]
-        bits = torch.empty((h.shape[0], half, 2), dtype=torch.float32, device=h.device)
-        bits[..., 0] = _shr(h, 32)
-        bits[..., 1] = h.bitwise_and_(_LOW32)
-        bits = bits.flatten(1)[:, :vocab_size]
-    else:
-        h = splitmix64(row_key + ((token_ids >> 1) + 1) * _i64(_GOLDEN))  # [R, W]
-        bits = torch.where((token_ids & 1).bool(), h & _LOW32, _shr(h, 32)).to(torch.float32)
-    # u rounds to 1 with odds ~2^-25; E = inf then and that token just cannot win this draw.
-    return bits.mul_(-(2.0**-32)).sub_(2.0**-33).log1p_().neg_()
-
-
-def mask_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what falls outside each row's nucleus: the smallest prefix whose probability reaches top_p.
-
-    sorted_logits: fp32 [R, W], each row in descending order (-inf allowed); top_p: fp32 [R], 1.0 keeps the row
-    whole. Returns fp32 [R, W]. The top token always stays.
-    """
-    probs = sorted_logits.softmax(-1)
-    # Drop a token when the tokens ranked above it already reach top_p. Rows with top_p = 1 keep everything
-    # (fp32 cumsums can reach 1.0 before the tail does).
-    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
-    return sorted_logits.masked_fill(drop, float("-inf"))
+    h = splitmix64(splitmix64(seeds) + output_indices)
+    return _shr(h, 11).to(torch.float64).mul_(2.0**-53)
 
 
 class _Rows(NamedTuple):
-    """The sampled rows of one group and their parameters, on the device (all [R])."""
+    """The sampled rows of a step and their parameters, on the device (all [R])."""
 
     rows: torch.Tensor  # int64: row of each in the step's logits
     top_k: torch.Tensor  # int64: k, or 0 when disabled
-    seeds: torch.Tensor  # int64: the seed's bits (0 for unseeded rows)
-    counters: torch.Tensor  # int64: how many output tokens the request already has
     temperature: torch.Tensor  # fp32
     top_p: torch.Tensor  # fp32
-    is_seeded: list[bool]  # host
-    any_top_p: bool  # host: some row has top_p < 1
-    max_k: int  # host: the largest k
+    u: torch.Tensor  # fp64: the row's uniform in [0, 1)
+    any_cut: bool  # host: some row has top_k or top_p < 1
+    max_k: int  # host: the largest k, 0 when some cut row has no top_k (then the whole row is ranked)
 
 
 def _to_device(values: list[list[int]] | list[list[float]], dtype: torch.dtype, device: torch.device
@@ -106,53 +82,59 @@ def _to_device(values: list[list[int]] | list[list[float]], dtype: torch.dtype, 
 
 
 def _gather_rows(rows: list[int], params: list[SamplingParams], output_indices: list[int], vocab: int,
-                 device: torch.device) -> _Rows:
+                 device: torch.device, generator: torch.Generator) -> _Rows:
+    """The rows' parameters on the device, and their uniforms: counter_uniforms for seeded rows, one draw of the
+    engine's generator for the others."""
     sp = [params[i] for i in rows]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in sp]
+    seeded = [p.seed is not None for p in sp]
     # One int64 [4, R] and one fp32 [2, R] copy carry every per-row parameter.
     ints = _to_device([rows, ks, [0 if p.seed is None else _i64(p.seed) for p in sp],
                        [output_indices[i] for i in rows]], torch.int64, device)
     floats = _to_device([[p.temperature for p in sp], [p.top_p for p in sp]], torch.float32, device)
-    return _Rows(*ints.unbind(0), *floats.unbind(0), is_seeded=[p.seed is not None for p in sp],
-                 any_top_p=any(p.top_p < 1.0 for p in sp), max_k=max(ks))
+    row_ids, top_k, seeds, counters = ints.unbind(0)
+    if all(seeded):
+        u = counter_uniforms(seeds, counters)
+    else:
+        u = torch.empty(len(rows), dtype=torch.float64, device=device).uniform_(generator=generator)
+        if any(seeded):
+            u = torch.where(_to_device([seeded], torch.bool, device)[0], counter_uniforms(seeds, counters), u)
+    cut = [k > 0 or p.top_p < 1.0 for k, p in zip(ks, sp, strict=True)]
+    max_k = 0 if any(c and k == 0 for c, k in zip(cut, ks, strict=True)) else max(ks)
+    return _Rows(row_ids, top_k, *floats.unbind(0), u, any_cut=any(cut), max_k=max_k)
 
 
-def _race_noise(g: _Rows, shape: tuple[int, int], vocab: int, token_ids: torch.Tensor | None,
-                generator: torch.Generator) -> torch.Tensor:
-    """Exp(1) noise fp32 `shape` ([R, W]): counter-based for seeded rows (at `token_ids` [R, W], or the whole
-    vocabulary when None), one draw of the engine's generator for all the others."""
-    device = g.rows.device
-    if all(g.is_seeded):
-        return counter_exponentials(g.seeds, g.counters, vocab, token_ids)
-    noise = torch.empty(shape, device=device).exponential_(generator=generator)
-    if any(g.is_seeded):
-        seeded = _to_device([[j for j, s in enumerate(g.is_seeded) if s]], torch.int64, device)[0]
-        ids = None if token_ids is None else token_ids.index_select(0, seeded)
-        noise.index_copy_(0, seeded, counter_exponentials(g.seeds[seeded], g.counters[seeded], vocab, ids))
-    return noise
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of unnormalized weights fp32 [R, W] (>= 0), the first position whose cumulative weight exceeds
+    u [R] times the row's total (sums in fp64). Returns int64 [R, 1]."""
+    cdf = weights.double().cumsum_(-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=weights.shape[-1] - 1)
 
 
-def _sample_full(logits: torch.Tensor, g: _Rows, generator: torch.Generator) -> torch.Tensor:
-    """Rows without top_k: the race over the whole vocabulary ([R, V]). Returns int64 [R] token ids."""
-    x = logits.index_select(0, g.rows).float().div_(g.temperature[:, None])
-    if g.any_top_p:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        x = x.scatter_(-1, order, mask_top_p_sorted(sorted_x, g.top_p))
-    noise = _race_noise(g, tuple(x.shape), x.shape[-1], None, generator)
-    return x.softmax(-1).div_(noise).argmax(dim=-1)
-
-
-def _sample_top_k(logits: torch.Tensor, g: _Rows, generator: torch.Generator) -> torch.Tensor:
-    """Rows with top_k: the race among each row's k best tokens only ([R, max_k]; the rest would be masked anyway),
-    so top-p needs no sort of the vocabulary. Returns int64 [R] token ids."""
-    values, ids = torch.topk(logits.index_select(0, g.rows), g.max_k, dim=-1)  # descending
-    ranks = torch.arange(g.max_k, device=values.device)
-    x = values.float().div_(g.temperature[:, None]).masked_fill_(ranks >= g.top_k[:, None], float("-inf"))
-    if g.any_top_p:
-        x = mask_top_p_sorted(x, g.top_p)
-    noise = _race_noise(g, tuple(x.shape), logits.shape[-1], ids, generator)
-    picked = x.softmax(-1).div_(noise).argmax(dim=-1, keepdim=True)
-    return ids.gather(1, picked).squeeze(1)
+def _sample_torch(logits: torch.Tensor, g: _Rows) -> torch.Tensor:
+    """The torch ops of the sampler (see the module docstring). Returns int64 [R] token ids."""
+    probs = logits[g.rows].float().div_(g.temperature[:, None]).softmax(-1)  # [R, V]
+    if not g.any_cut:
+        return _pick(probs, g.u).squeeze(1)
+    if g.max_k:  # every cut row has a top_k: rank only the max_k best
+        ranked, ids = torch.topk(probs, g.max_k, dim=-1)
+        # Ties ranked by token id, as the kernel does (bf16 logits tie often; topk's order of ties is unspecified).
+        ids, by_id = ids.sort(dim=-1)
+        ranked, order = ranked.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+    else:
+        ranked, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(ranked.shape[-1], device=ranked.device)
+    k = torch.where(g.top_k > 0, g.top_k, ranked.shape[-1])
+    ranked = ranked.masked_fill_(ranks >= k[:, None], 0.0)
+    # Keep a token while the tokens ranked above it hold less than top_p of the (top_k) mass.
+    cum = ranked.double().cumsum(-1)
+    before = cum - ranked.double()
+    drop = (before >= (g.top_p.double() * cum[:, -1])[:, None]) & (g.top_p < 1.0)[:, None]
+    ranked = ranked.masked_fill_(drop, 0.0)
+    cut = (g.top_k > 0) | (g.top_p < 1.0)  # the other rows walk in token order, as in the kernel
+    return torch.where(cut, ids.gather(1, _pick(ranked, g.u)).squeeze(1), _pick(probs, g.u).squeeze(1))
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -168,24 +150,23 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
            generator: torch.Generator) -> list[int]:
-    """Pick one token per row, all rows of a kind together.
+    """Pick one token per row: greedy rows the argmax, sampled rows by the inverse CDF (module docstring).
 
     logits: [S, V], fp32 or the model's dtype (the argmax is exact in either; sampled rows are upcast to fp32 after
     they are selected, so a batch of greedy rows never converts the logits); params: S SamplingParams;
     output_indices: for each row, how many output tokens the request already has (with the seed, the counter of a
-    seeded row's noise); generator: the engine's generator, drawn once per group for its unseeded sampled rows.
-    Greedy rows take the argmax. Sampled rows are divided by their temperature, cut to their top_k (ties at the
-    k-th broken by topk's order) and top_p nucleus, and drawn by one exponential race: rows with top_k as one
-    [R, max k] group, the others as one [R, V] group.
+    seeded row's uniform); generator: the engine's generator, drawn once per step for the unseeded sampled rows.
     Returns S token ids (host ints; the one device->host sync of a step).
     """
     tokens = argmax_rows(logits)
     vocab = logits.shape[-1]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    with_k = [i for i in sampled if 0 < params[i].top_k < vocab]
-    without_k = [i for i in sampled if not 0 < params[i].top_k < vocab]
-    for rows, group_fn in ((with_k, _sample_top_k), (without_k, _sample_full)):
-        if rows:
-            g = _gather_rows(rows, params, output_indices, vocab, logits.device)
-            tokens.index_copy_(0, g.rows, group_fn(logits, g, generator))
+    if sampled:
+        g = _gather_rows(sampled, params, output_indices, vocab, logits.device, generator)
+        ops = cpu_ops() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
+        if ops is not None:
+            picked = ops.sample_rows(logits, g.rows, g.temperature, g.top_k, g.top_p, g.u)
+        else:
+            picked = _sample_torch(logits, g)
+        tokens.index_copy_(0, g.rows, picked)
     return tokens.tolist()

@@ -17,8 +17,8 @@ class SamplingParams:
             Source: Holtzman et al., "The Curious Case of Neural Text Degeneration" (ICLR 2020).
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: makes this request's samples reproducible whatever else is in the batch and after preemption: the
-            noise for output token i is a hash of (seed, i, token id) (engine.sampler.counter_exponentials). None
-            draws from the engine's generator.
+            uniform that draws output token i is a hash of (seed, i) (engine.sampler.counter_uniforms). None draws
+            from the engine's generator.
         stop: strings that end the completion; the matched string is not part of the returned text.
         stop_token_ids: token ids that end the completion (the model's EOS is always one unless ignore_eos).
         ignore_eos: keep generating past EOS until max_tokens (for benchmarks with fixed output lengths).

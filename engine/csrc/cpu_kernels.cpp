@@ -479,6 +479,113 @@ void argmax_rows_kernel(const T* x, int64_t x_stride, int64_t rows, int64_t cols
   });
 }
 
+// Sampling of [S, V] logit rows by the inverse CDF (engine.sampler: the same draws as its torch path, up to the
+// rounding of exp): each row is divided by its temperature and turned into unnormalized probabilities exp(x - max)
+// (exp16, one vectorized pass), cut to its top_k and then its top_p nucleus, and one uniform u in [0, 1) picks the
+// token whose cumulative probability first exceeds u * (the kept mass). Without top_k / top_p the walk is in token
+// order over the whole row; with them it is over the kept tokens ranked by probability (ties: lower id first), found
+// by partial sorts of 64, 1,024, 16,384 ... candidates until the nucleus closes (no sort of the whole vocabulary in
+// the usual case). Sums in double. Top-p: Holtzman et al., ICLR 2020; top-k: Fan et al., ACL 2018.
+// The token of ranked candidates order[0..kept) (weights p, unnormalized) whose cumulative weight first exceeds
+// u * their total (sums in double).
+inline int64_t pick_ranked(const float* p, const int32_t* order, int64_t kept, double u) {
+  double mass = 0.0;
+  for (int64_t j = 0; j < kept; ++j) mass += p[order[j]];
+  const double target = u * mass;
+  double acc = 0.0;
+  for (int64_t j = 0; j < kept; ++j) {
+    acc += p[order[j]];
+    if (acc > target) return order[j];
+  }
+  return order[kept - 1];
+}
+
+template <typename T>
+void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, const int64_t* rows,
+                        const float* temperature, const int64_t* top_k, const float* top_p, const double* u,
+                        int64_t* out) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(cols);
+    std::vector<int32_t> order;
+    for (int64_t r = begin; r < end; ++r) {
+      float* pr = p.data();
+      load_row(x + rows[r] * x_stride, pr, cols);
+      const float t = temperature[r];
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < cols; ++i) {
+        pr[i] = pr[i] / t;
+        m = pr[i] > m ? pr[i] : m;
+      }
+      const int64_t k = top_k[r];
+      const bool use_k = k > 0 && k < cols;
+      const bool use_p = top_p[r] < 1.f;
+      if (use_k) {
+        // Rank by x (the order of the probabilities) and exponentiate only the k best.
+        order.resize(cols);
+        for (int64_t i = 0; i < cols; ++i) order[i] = static_cast<int32_t>(i);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                          [pr](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+        double total = 0.0;
+        for (int64_t j = 0; j < k; ++j) {
+          pr[order[j]] = std::exp(pr[order[j]] - m);
+          total += pr[order[j]];
+        }
+        int64_t kept = k;
+        if (use_p) {
+          const double threshold = static_cast<double>(top_p[r]) * total;
+          double cum = 0.0;
+          kept = 0;
+          while (kept < k && cum < threshold) cum += pr[order[kept++]];
+        }
+        out[r] = pick_ranked(pr, order.data(), kept, u[r]);
+        continue;
+      }
+      double z = 0.0;
+      const int64_t vec_end = cols - cols % 16;
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        const v16 e = exp16(load16(pr + i) - m);
+        __builtin_memcpy(pr + i, &e, sizeof(e));
+        z += hsum16(e);
+      }
+      for (int64_t i = vec_end; i < cols; ++i) {
+        pr[i] = std::exp(pr[i] - m);
+        z += pr[i];
+      }
+      if (!use_p) {
+        const double target = u[r] * z;
+        double acc = 0.0;
+        int64_t tok = cols - 1;
+        for (int64_t i = 0; i < cols; ++i) {
+          acc += pr[i];
+          if (acc > target) {
+            tok = i;
+            break;
+          }
+        }
+        out[r] = tok;
+        continue;
+      }
+      order.resize(cols);
+      for (int64_t i = 0; i < cols; ++i) order[i] = static_cast<int32_t>(i);
+      const auto better = [pr](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); };
+      // Top-p alone: partial sorts of more and more candidates until the nucleus closes. A token is kept while the
+      // tokens ranked above it hold less than top_p of the mass.
+      const double threshold = static_cast<double>(top_p[r]) * z;
+      int64_t cand = std::min<int64_t>(64, cols);
+      int64_t kept = 0;
+      while (true) {
+        std::partial_sort(order.begin(), order.begin() + cand, order.end(), better);
+        double cum = 0.0;
+        kept = 0;
+        while (kept < cand && cum < threshold) cum += pr[order[kept++]];
+        if (kept < cand || cum >= threshold || cand == cols) break;
+        cand = std::min<int64_t>(cols, cand * 16);
+      }
+      out[r] = pick_ranked(pr, order.data(), kept, u[r]);
+    }
+  });
+}
+
 }  // namespace
 
 #define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
@@ -610,6 +717,32 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// logits [S, V] (rows may be strided); rows int64 [R] (which logit rows), temperature fp32 [R] (> 0), top_k int64
+// [R] (0 = off), top_p fp32 [R] (1 = off), u fp64 [R] in [0, 1). Returns int64 [R] token ids (sample_rows_kernel).
+torch::Tensor sample_rows(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& temperature,
+                          const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& u) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [S, V] with contiguous rows, V > 0");
+  TORCH_CHECK(x.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && top_k.scalar_type() == torch::kInt64 &&
+                  temperature.scalar_type() == torch::kFloat32 && top_p.scalar_type() == torch::kFloat32 &&
+                  u.scalar_type() == torch::kFloat64,
+              "rows, top_k: int64; temperature, top_p: float32; u: float64");
+  TORCH_CHECK(temperature.numel() == n && top_k.numel() == n && top_p.numel() == n && u.numel() == n,
+              "one temperature, top_k, top_p and u per row");
+  auto rows_c = rows.contiguous(), t_c = temperature.contiguous(), k_c = top_k.contiguous();
+  auto p_c = top_p.contiguous(), u_c = u.contiguous();
+  const int64_t* rp = rows_c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < x.size(0), "row index out of range");
+  auto out = torch::empty({n}, x.options().dtype(torch::kInt64));
+  TM_DISPATCH(x.scalar_type(), "sample_rows", [&] {
+    sample_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), n, rp, t_c.data_ptr<float>(),
+                                 k_c.data_ptr<int64_t>(), p_c.data_ptr<float>(), u_c.data_ptr<double>(),
+                                 out.data_ptr<int64_t>());
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -618,4 +751,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up");
   m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric INT8 (+128 as uint8) with fp32 scales");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of [S, V] rows");
+  m.def("sample_rows", &sample_rows, "inverse-CDF sampling of [S, V] rows with temperature, top_k, top_p");
 }

@@ -1,0 +1,108 @@
+"""Sampler microbenchmark (CPU): one step's sampling of [R, V] bf16 logits, the C++ kernel vs the torch ops.
+
+Usage:
+    python bench/sampler.py                       # R = 64 rows, V = 49,152 (SmolLM2's vocabulary), 2 threads
+    python bench/sampler.py --rows 256 --logits model   # logits of the real model on AlpacaEval prompts
+
+What it showed (bench/README.md, "fourth session"): the sampler before (an exponential race over the whole
+vocabulary, with a sort of every row for top-p) took 77 ms per 64-row step at temperature 0.7 and 173 ms with top_p
+0.9 on a quiet machine (about the time of a whole decode step, which was then spent twice); the kernel takes 3.5 and
+5 ms. Run it in the previous commit's tree for the "before" column. `--index-select` times torch's CPU index_select of
+whole logit rows against x[rows]: on a loaded machine it was 500 ms vs 7 ms (its OpenMP threads wait on each other),
+so the sampler selects rows with x[rows].
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine.sampler as sampler  # noqa: E402
+from engine.cpu_kernels import cpu_ops  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+KINDS = {"greedy": SamplingParams(), "temperature 0.7": SamplingParams(temperature=0.7),
+         "t 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+         "t 1.0, top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95),
+         "t 0.7, top_k 50": SamplingParams(temperature=0.7, top_k=50),
+         "t 0.7, top_p 0.9, seeded": SamplingParams(temperature=0.7, top_p=0.9, seed=1)}
+
+
+def model_logits(rows: int) -> torch.Tensor:
+    """bf16 [rows, V] next-token logits of the default model at the end of AlpacaEval prompts (chat template)."""
+    from throughput import alpaca_rows
+
+    import engine.model_runner as model_runner
+    from engine import LLMEngine
+
+    llm = LLMEngine.from_model(None)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in alpaca_rows(rows)[0]]
+    captured: list[torch.Tensor] = []
+    real = model_runner.sample
+
+    def keep(logits: torch.Tensor, *args: object) -> list[int]:
+        captured.append(logits.clone())
+        return real(logits, *args)
+
+    model_runner.sample = keep
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=1))
+    finally:
+        model_runner.sample = real
+    return torch.cat(captured)[:rows].to(torch.bfloat16)
+
+
+def timed(fn: object, n: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--logits", choices=["random", "model"], default="random",
+                    help="random: N(0, 2.5^2) (flat: a large nucleus, the kernel's slow case); model: real logits")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--index-select", action="store_true", help="time torch's index_select vs x[rows] only")
+    args = ap.parse_args()
+    if args.logits == "model":
+        logits = model_logits(args.rows)
+    else:
+        logits = (torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 2.5).to(
+            torch.bfloat16)
+    rows = torch.arange(logits.shape[0])
+    if args.index_select:
+        print(f"index_select: {timed(lambda: logits.index_select(0, rows), args.repeat) * 1e3:.1f} ms, "
+              f"x[rows]: {timed(lambda: logits[rows], args.repeat) * 1e3:.1f} ms ({tuple(logits.shape)} bf16)")
+        return
+    print(f"[{logits.shape[0]}, {logits.shape[1]}] bf16 logits ({args.logits}), {torch.get_num_threads()} threads; "
+          f"ms per step")
+    print("| rows' params | C++ kernel | torch ops | ratio |\n|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for name, params in KINDS.items():
+        ps = [params] * logits.shape[0]
+        idx = [0] * logits.shape[0]
+        kernel = timed(lambda ps=ps, idx=idx: sampler.sample(logits, ps, idx, gen), args.repeat)
+        real_ops = sampler.cpu_ops
+        sampler.cpu_ops = lambda: None
+        try:
+            ops = timed(lambda ps=ps, idx=idx: sampler.sample(logits, ps, idx, gen), args.repeat)
+        finally:
+            sampler.cpu_ops = real_ops
+        print(f"| {name} | {kernel * 1e3:.1f} | {ops * 1e3:.1f} | {ops / kernel:.1f}x |")
+    if cpu_ops() is None:
+        print("note: the CPU kernels could not be built here; both columns are the torch ops")
+
+
+if __name__ == "__main__":
+    main()
