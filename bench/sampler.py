@@ -3,6 +3,7 @@
 Usage:
     python bench/sampler.py                       # R = 64 rows, V = 49,152 (SmolLM2's vocabulary), 2 threads
     python bench/sampler.py --rows 256 --logits model   # logits of the real model on AlpacaEval prompts
+    python bench/sampler.py --generate            # w1 generations per setting, 1 thread, by CPU seconds
 
 What it showed (bench/README.md, "fourth session"): the sampler before (an exponential race over the whole
 vocabulary, with a sort of every row for top-p) took 77 ms per 64-row step at temperature 0.7 and 173 ms with top_p
@@ -58,6 +59,27 @@ def model_logits(rows: int) -> torch.Tensor:
     return torch.cat(captured)[:rows].to(torch.bfloat16)
 
 
+def generate(threads: int) -> None:
+    """w1 (64 AlpacaEval prompts x 64 tokens, EOS ignored) greedy and at each sampling setting, timed in CPU seconds
+    of this process (robust to other processes on a shared machine, unlike wall time)."""
+    from throughput import alpaca_rows
+
+    from engine import LLMEngine
+
+    torch.set_num_threads(threads)
+    llm = LLMEngine.from_model(None)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in alpaca_rows(64)[0]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))
+    print(f"w1, 64 x 64 tokens, {threads} thread(s), output tok/s by CPU seconds\n| params | tok/s |\n|---|---|")
+    for name, p in KINDS.items():
+        params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=p.temperature, top_p=p.top_p,
+                                top_k=p.top_k, seed=p.seed)
+        llm.reset_prefix_cache()
+        t0 = time.process_time()
+        outs = llm.generate(prompts, params)
+        print(f"| {name} | {sum(o.num_output_tokens for o in outs) / (time.process_time() - t0):.1f} |")
+
+
 def timed(fn: object, n: int) -> float:
     fn()
     t0 = time.perf_counter()
@@ -74,7 +96,11 @@ def main() -> None:
                     help="random: N(0, 2.5^2) (flat: a large nucleus, the kernel's slow case); model: real logits")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--index-select", action="store_true", help="time torch's index_select vs x[rows] only")
+    ap.add_argument("--generate", action="store_true", help="whole generations of w1 per setting instead")
+    ap.add_argument("--threads", type=int, default=1, help="with --generate (default 1)")
     args = ap.parse_args()
+    if args.generate:
+        return generate(args.threads)
     if args.logits == "model":
         logits = model_logits(args.rows)
     else:

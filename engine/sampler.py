@@ -1,12 +1,12 @@
 """Token sampling on the device, vectorized over the batch: greedy, temperature, top-k, top-p, per-request seeds.
 
 A sampled row is drawn by the inverse CDF: its logits divided by the temperature become probabilities, cut to the
-top_k best and then the top_p nucleus (Holtzman et al., ICLR 2020; top-k: Fan et al., ACL 2018), and one uniform
-u in [0, 1) picks the token whose cumulative probability first exceeds u times the kept mass (in token order over
-the whole vocabulary without top_k / top_p, else over the kept tokens ranked by probability). On the CPU a C++
-kernel (engine.cpu_kernels `sample_rows`) does a row in a few vectorized passes and finds the nucleus by partial
-sorts; elsewhere the same function in torch ops (a sort only when a row has top_k or top_p). Their draws agree
-except where u falls within rounding (~1e-7) of a boundary between two tokens.
+top_k best and then the top_p nucleus (tokens ranked by probability, ties by lower id; Holtzman et al., ICLR 2020;
+top-k: Fan et al., ACL 2018), and one uniform u in [0, 1) picks, walking the kept tokens in token-id order, the
+first whose cumulative probability exceeds u times the kept mass. On the CPU a C++ kernel (engine.cpu_kernels
+`sample_rows`) does a row in a few vectorized passes and finds the nucleus from a histogram of the probability mass
+(no sort of the vocabulary); elsewhere the same function in torch ops (a sort only when a row has top_k or top_p).
+Their draws agree except where u falls within rounding (~1e-7) of a boundary between two tokens.
 
 NOTE: a step costs a fixed number of batched ops whatever the batch holds (no per-row Python) and one device->host
 sync (the final `tolist`). A seeded row's uniform is a pure function of (seed, output index) (counter_uniforms)
@@ -119,7 +119,8 @@ def _sample_torch(logits: torch.Tensor, g: _Rows) -> torch.Tensor:
         return _pick(probs, g.u).squeeze(1)
     if g.max_k:  # every cut row has a top_k: rank only the max_k best
         ranked, ids = torch.topk(probs, g.max_k, dim=-1)
-        # Ties ranked by token id, as the kernel does (bf16 logits tie often; topk's order of ties is unspecified).
+        # Ties ranked by token id, as the kernel does (bf16 logits tie often; topk's order of ties is unspecified):
+        # it decides which tied token the nucleus keeps.
         ids, by_id = ids.sort(dim=-1)
         ranked, order = ranked.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, order)
@@ -133,8 +134,9 @@ def _sample_torch(logits: torch.Tensor, g: _Rows) -> torch.Tensor:
     before = cum - ranked.double()
     drop = (before >= (g.top_p.double() * cum[:, -1])[:, None]) & (g.top_p < 1.0)[:, None]
     ranked = ranked.masked_fill_(drop, 0.0)
-    cut = (g.top_k > 0) | (g.top_p < 1.0)  # the other rows walk in token order, as in the kernel
-    return torch.where(cut, ids.gather(1, _pick(ranked, g.u)).squeeze(1), _pick(probs, g.u).squeeze(1))
+    kept = torch.zeros_like(probs).scatter_(1, ids, ranked)  # back in token-id order, the order of the walk
+    cut = (g.top_k > 0) | (g.top_p < 1.0)
+    return _pick(torch.where(cut[:, None], kept, probs), g.u).squeeze(1)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -481,23 +481,35 @@ void argmax_rows_kernel(const T* x, int64_t x_stride, int64_t rows, int64_t cols
 
 // Sampling of [S, V] logit rows by the inverse CDF (engine.sampler: the same draws as its torch path, up to the
 // rounding of exp): each row is divided by its temperature and turned into unnormalized probabilities exp(x - max)
-// (exp16, one vectorized pass), cut to its top_k and then its top_p nucleus, and one uniform u in [0, 1) picks the
-// token whose cumulative probability first exceeds u * (the kept mass). Without top_k / top_p the walk is in token
-// order over the whole row; with them it is over the kept tokens ranked by probability (ties: lower id first), found
-// by partial sorts of 64, 1,024, 16,384 ... candidates until the nucleus closes (no sort of the whole vocabulary in
-// the usual case). Sums in double. Top-p: Holtzman et al., ICLR 2020; top-k: Fan et al., ACL 2018.
-// The token of ranked candidates order[0..kept) (weights p, unnormalized) whose cumulative weight first exceeds
-// u * their total (sums in double).
-inline int64_t pick_ranked(const float* p, const int32_t* order, int64_t kept, double u) {
-  double mass = 0.0;
-  for (int64_t j = 0; j < kept; ++j) mass += p[order[j]];
+// (exp16, one vectorized pass), cut to its top_k and then its top_p nucleus (tokens ranked by probability, ties by
+// lower id), and one uniform u in [0, 1) picks, walking the kept tokens in token-id order, the first whose
+// cumulative probability exceeds u * (the kept mass). Top-k: a partial sort of the k best. Top-p alone: a histogram
+// of the probability mass over the top 11 bits of the fp32 probabilities (exponent and 3 mantissa bits, which order
+// as the values do) finds the bucket where the nucleus closes, and only that bucket is sorted: no sort of the
+// vocabulary. Sums in double. Top-p: Holtzman et al., ICLR 2020; top-k: Fan et al., ACL 2018.
+constexpr int kBucketShift = 20;  // fp32 bits >> 20: sign (0), 8 exponent bits, 3 mantissa bits
+constexpr int kBuckets = 1 << 11;
+
+inline uint32_t float_bits(float v) {
+  uint32_t b;
+  __builtin_memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+// Token of the row whose cumulative weight, over the tokens `keep(i)` admits in id order, first exceeds u * their
+// total `mass`; the last admitted token when rounding leaves none.
+template <typename Keep>
+inline int64_t pick_in_order(const float* p, int64_t cols, double mass, double u, Keep keep) {
   const double target = u * mass;
   double acc = 0.0;
-  for (int64_t j = 0; j < kept; ++j) {
-    acc += p[order[j]];
-    if (acc > target) return order[j];
+  int64_t last = 0;
+  for (int64_t i = 0; i < cols; ++i) {
+    if (!keep(i)) continue;
+    acc += p[i];
+    last = i;
+    if (acc > target) return i;
   }
-  return order[kept - 1];
+  return last;
 }
 
 template <typename T>
@@ -507,6 +519,7 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(cols);
     std::vector<int32_t> order;
+    std::vector<double> bucket_mass(kBuckets);
     for (int64_t r = begin; r < end; ++r) {
       float* pr = p.data();
       load_row(x + rows[r] * x_stride, pr, cols);
@@ -519,25 +532,37 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
       const int64_t k = top_k[r];
       const bool use_k = k > 0 && k < cols;
       const bool use_p = top_p[r] < 1.f;
+      const auto ranked_above = [pr](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); };
       if (use_k) {
         // Rank by x (the order of the probabilities) and exponentiate only the k best.
         order.resize(cols);
         for (int64_t i = 0; i < cols; ++i) order[i] = static_cast<int32_t>(i);
-        std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                          [pr](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), ranked_above);
         double total = 0.0;
         for (int64_t j = 0; j < k; ++j) {
           pr[order[j]] = std::exp(pr[order[j]] - m);
           total += pr[order[j]];
         }
         int64_t kept = k;
-        if (use_p) {
+        double mass = total;
+        if (use_p) {  // keep a token while the tokens ranked above it hold less than top_p of the mass
           const double threshold = static_cast<double>(top_p[r]) * total;
-          double cum = 0.0;
+          mass = 0.0;
           kept = 0;
-          while (kept < k && cum < threshold) cum += pr[order[kept++]];
+          while (kept < k && mass < threshold) mass += pr[order[kept++]];
         }
-        out[r] = pick_ranked(pr, order.data(), kept, u[r]);
+        std::sort(order.begin(), order.begin() + kept);  // walk in token-id order
+        const double target = u[r] * mass;
+        double acc = 0.0;
+        int64_t tok = order[kept - 1];
+        for (int64_t j = 0; j < kept; ++j) {
+          acc += pr[order[j]];
+          if (acc > target) {
+            tok = order[j];
+            break;
+          }
+        }
+        out[r] = tok;
         continue;
       }
       double z = 0.0;
@@ -552,36 +577,38 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
         z += pr[i];
       }
       if (!use_p) {
-        const double target = u[r] * z;
-        double acc = 0.0;
-        int64_t tok = cols - 1;
-        for (int64_t i = 0; i < cols; ++i) {
-          acc += pr[i];
-          if (acc > target) {
-            tok = i;
-            break;
-          }
-        }
-        out[r] = tok;
+        out[r] = pick_in_order(pr, cols, z, u[r], [](int64_t) { return true; });
         continue;
       }
-      order.resize(cols);
-      for (int64_t i = 0; i < cols; ++i) order[i] = static_cast<int32_t>(i);
-      const auto better = [pr](int32_t a, int32_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); };
-      // Top-p alone: partial sorts of more and more candidates until the nucleus closes. A token is kept while the
-      // tokens ranked above it hold less than top_p of the mass.
+      // Top-p alone. Mass per bucket; from the top bucket down, the first whose mass reaches the threshold is
+      // where the nucleus closes: every token above it is kept, and its own tokens are ranked to find the cut.
       const double threshold = static_cast<double>(top_p[r]) * z;
-      int64_t cand = std::min<int64_t>(64, cols);
-      int64_t kept = 0;
-      while (true) {
-        std::partial_sort(order.begin(), order.begin() + cand, order.end(), better);
-        double cum = 0.0;
-        kept = 0;
-        while (kept < cand && cum < threshold) cum += pr[order[kept++]];
-        if (kept < cand || cum >= threshold || cand == cols) break;
-        cand = std::min<int64_t>(cols, cand * 16);
+      std::fill(bucket_mass.begin(), bucket_mass.end(), 0.0);
+      for (int64_t i = 0; i < cols; ++i) bucket_mass[float_bits(pr[i]) >> kBucketShift] += pr[i];
+      double above = 0.0;
+      int b = kBuckets - 1;
+      for (; b > 0; --b) {
+        if (above + bucket_mass[b] >= threshold) break;
+        above += bucket_mass[b];
       }
-      out[r] = pick_ranked(pr, order.data(), kept, u[r]);
+      order.clear();
+      for (int64_t i = 0; i < cols; ++i)
+        if (static_cast<int>(float_bits(pr[i]) >> kBucketShift) == b) order.push_back(static_cast<int32_t>(i));
+      if (order.empty()) {  // rounding left the threshold above the whole mass: the nucleus is the whole row
+        out[r] = pick_in_order(pr, cols, z, u[r], [](int64_t) { return true; });
+        continue;
+      }
+      std::sort(order.begin(), order.end(), ranked_above);
+      double mass = above;
+      size_t kept = 0;
+      while (kept < order.size() && mass < threshold) mass += pr[order[kept++]];
+      if (kept == 0) kept = 1;  // rounding: the bucket's first token closes the nucleus
+      mass = above;
+      for (size_t j = 0; j < kept; ++j) mass += pr[order[j]];
+      const float p_cut = pr[order[kept - 1]];
+      const int64_t id_cut = order[kept - 1];
+      out[r] = pick_in_order(pr, cols, mass, u[r],
+                             [pr, p_cut, id_cut](int64_t i) { return pr[i] > p_cut || (pr[i] == p_cut && i <= id_cut); });
     }
   });
 }
