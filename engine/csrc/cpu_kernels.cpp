@@ -12,8 +12,13 @@
 // Source: Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP
 // 2023); two-pass softmax with the row maximum subtracted (Milakov & Gimelshein, 2018, for the online form).
 
-#include <torch/extension.h>
+// Only the headers the kernels use (tensors, parallel_for, at::empty, the pybind11 tensor caster), not
+// <torch/extension.h> (all of libtorch's C++ API): the first build on a machine parses 3x less.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -618,11 +623,11 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
 #define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
 
 // x [T, H] (rows may be strided), weight [H]. Returns [T, H] in x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [H] of x's dtype");
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   TM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
     rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, nullptr, weight.data_ptr<scalar_t>(),
                               out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
@@ -631,14 +636,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // x, residual [T, H] contiguous, weight [H]. Returns (rms_norm(residual + x), residual + x), both new tensors.
-std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                                        const torch::Tensor& weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                        const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
               residual.scalar_type() == x.scalar_type(), "x and residual must be contiguous [T, H] of one dtype");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [H] of x's dtype");
-  auto out = torch::empty(x.sizes(), x.options());
-  auto sum = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
+  auto sum = at::empty(x.sizes(), x.options());
   TM_DISPATCH(x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(1), residual.data_ptr<scalar_t>(),
                               sum.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
@@ -649,9 +654,9 @@ std::vector<torch::Tensor> add_rms_norm(const torch::Tensor& x, const torch::Ten
 
 // qkv [T, (H + 2 Hkv) D] (rows may be strided), cos/sin [T, D] of qkv's dtype, slot_mapping int64 [T], caches
 // [blocks, block_size, Hkv, D] contiguous. Writes K (rotated) and V into the caches; returns rotated Q [T, H, D].
-torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                            const torch::Tensor& slot_mapping, int64_t num_heads) {
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slot_mapping, int64_t num_heads) {
   const int64_t tokens = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
@@ -661,9 +666,9 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
               sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, D] of qkv's dtype, contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
               v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous, of qkv's dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == tokens, "slot_mapping must be int64 [T]");
-  auto q = torch::empty({tokens, num_heads, head_dim}, qkv.options());
+  auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   TM_DISPATCH(qkv.scalar_type(), "rope_write_kv", [&] {
     rope_cache_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), cos.data_ptr<scalar_t>(),
                                 sin.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), q.data_ptr<scalar_t>(),
@@ -674,11 +679,11 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
 }
 
 // gate_up [T, 2I] contiguous -> silu(gate_up[:, :I]) * gate_up[:, I:], [T, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be [T, 2I], contiguous");
   const int64_t inter = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), inter}, gate_up.options());
+  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
   TM_DISPATCH(gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), inter);
   });
@@ -686,10 +691,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 }
 
 // x [M, K] (rows may be strided) -> (uint8 [M, K], fp32 scales [M, 1]); see quantize_rows_kernel.
-std::vector<torch::Tensor> quantize_rows_u8(const torch::Tensor& x) {
+std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
-  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
-  auto scales = torch::empty({x.size(0), 1}, x.options().dtype(torch::kFloat32));
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  auto scales = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
   TM_DISPATCH(x.scalar_type(), "quantize_rows_u8", [&] {
     quantize_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), q.data_ptr<uint8_t>(),
                                    scales.data_ptr<float>(), x.size(0), x.size(1));
@@ -700,16 +705,16 @@ std::vector<torch::Tensor> quantize_rows_u8(const torch::Tensor& x) {
 // q [T, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
 // seq_lens int32 [B] (>= the request's query rows), query_start_loc int32 [B + 1] (prefix sums of the query rows,
 // starting at 0 and ending at T). Returns [T, H, D] in q's dtype.
-torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                              const torch::Tensor& query_start_loc, double scale) {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& query_start_loc, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the KV caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.stride(1) == 1, "block_tables int32");
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(), "seq_lens int32 contiguous");
-  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.is_contiguous(),
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens int32 contiguous");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous(),
               "query_start_loc int32 contiguous");
   const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
@@ -723,7 +728,7 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     TORCH_CHECK(qsl[b + 1] > qsl[b] && lens[b] >= qsl[b + 1] - qsl[b] &&
                     (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
                 "every request needs >= 1 query row, seq_len >= its rows, and its blocks in the table");
-  auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
+  auto out = at::empty({q.size(0), num_heads, head_dim}, q.options());
   TM_DISPATCH(q.scalar_type(), "paged_attention", [&] {
     attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
@@ -734,9 +739,9 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 }
 
 // x [S, V] (rows may be strided) -> int64 [S]: torch.argmax(x, dim=-1), see argmax_rows_kernel.
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [S, V] with contiguous rows, V > 0");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   TM_DISPATCH(x.scalar_type(), "argmax_rows", [&] {
     argmax_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(0), x.size(1),
                                  out.data_ptr<int64_t>());
@@ -746,14 +751,14 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 
 // logits [S, V] (rows may be strided); rows int64 [R] (which logit rows), temperature fp32 [R] (> 0), top_k int64
 // [R] (0 = off), top_p fp32 [R] (1 = off), u fp64 [R] in [0, 1). Returns int64 [R] token ids (sample_rows_kernel).
-torch::Tensor sample_rows(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& temperature,
-                          const torch::Tensor& top_k, const torch::Tensor& top_p, const torch::Tensor& u) {
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& temperature,
+                          const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& u) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [S, V] with contiguous rows, V > 0");
   TORCH_CHECK(x.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
   const int64_t n = rows.numel();
-  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && top_k.scalar_type() == torch::kInt64 &&
-                  temperature.scalar_type() == torch::kFloat32 && top_p.scalar_type() == torch::kFloat32 &&
-                  u.scalar_type() == torch::kFloat64,
+  TORCH_CHECK(rows.scalar_type() == at::kLong && top_k.scalar_type() == at::kLong &&
+                  temperature.scalar_type() == at::kFloat && top_p.scalar_type() == at::kFloat &&
+                  u.scalar_type() == at::kDouble,
               "rows, top_k: int64; temperature, top_p: float32; u: float64");
   TORCH_CHECK(temperature.numel() == n && top_k.numel() == n && top_p.numel() == n && u.numel() == n,
               "one temperature, top_k, top_p and u per row");
@@ -761,7 +766,7 @@ torch::Tensor sample_rows(const torch::Tensor& x, const torch::Tensor& rows, con
   auto p_c = top_p.contiguous(), u_c = u.contiguous();
   const int64_t* rp = rows_c.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < x.size(0), "row index out of range");
-  auto out = torch::empty({n}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({n}, x.options().dtype(at::kLong));
   TM_DISPATCH(x.scalar_type(), "sample_rows", [&] {
     sample_rows_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), n, rp, t_c.data_ptr<float>(),
                                  k_c.data_ptr<int64_t>(), p_c.data_ptr<float>(), u_c.data_ptr<double>(),
