@@ -221,6 +221,27 @@ def _write_weights_cache(folder: Path, cfg: ModelConfig, state: dict[str, torch.
         log.warning("weights cache not written at %s (%s: %s)", folder, type(e).__name__, e)
 
 
+def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and the dequantized weights in `dtype` (CPU tensors under their HF names, a tied LM head left
+    out) of the GGUF file at `path`, through the weights cache (`load_gguf_model`; TOKENMILL_WEIGHTS_CACHE=0 turns
+    it off): read from the cache entry when there is one, else from the file, and the entry written."""
+    use_cache = os.environ.get("TOKENMILL_WEIGHTS_CACHE", "1") != "0"
+    folder = weights_cache_dir(path, dtype) if use_cache else None
+    cached = _read_weights_cache(folder) if folder is not None else None
+    if cached is not None:
+        return cached
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    cfg = read_gguf_config(reader)
+    state = {name: w.to(dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
+    if cfg.tie_word_embeddings:
+        state.pop(f"{LM_HEAD}.weight", None)
+    if folder is not None:
+        _write_weights_cache(folder, cfg, state)
+    return cfg, state
+
+
 def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
                     max_positions: int | None = None) -> tuple[ModelConfig, LlamaModel]:
     """Read a GGUF file and return its config and a filled `LlamaModel` in `dtype` on `device`.
@@ -230,25 +251,12 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
     the first load also writes the dequantized weights in `dtype` with the config as a safetensors file under
     $TOKENMILL_CACHE_DIR/weights (`weights_cache_dir`; keyed by the file's path, size, modification time, the
     dtype and torch's version; about 2 bytes per parameter in bf16), and later loads read that instead: a fraction
-    of a second. TOKENMILL_WEIGHTS_CACHE=0 turns the cache off.
+    of a second (engine.quant.loading's plain loads, quantization "none" and "int8", read the fp32 entry too).
+    TOKENMILL_WEIGHTS_CACHE=0 turns the cache off.
     The model is built on the meta device and each tensor is assigned once, so weights never exist twice.
     Raises ValueError for unsupported architectures or missing tensors.
     """
-    use_cache = os.environ.get("TOKENMILL_WEIGHTS_CACHE", "1") != "0"
-    folder = weights_cache_dir(path, dtype) if use_cache else None
-    cached = _read_weights_cache(folder) if folder is not None else None
-    if cached is not None:
-        cfg, state = cached
-    else:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        cfg = read_gguf_config(reader)
-        state = {name: w.to(dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
-        if cfg.tie_word_embeddings:
-            state.pop(f"{LM_HEAD}.weight", None)
-        if folder is not None:
-            _write_weights_cache(folder, cfg, state)
+    cfg, state = read_gguf_state(path, dtype)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
     fill_model(model, {name: w.to(device=device) for name, w in state.items()}, dtype, device)

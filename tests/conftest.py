@@ -80,9 +80,16 @@ def tiny_engine(tiny_model: str):
 
 
 @pytest.fixture(scope="session")
-def engine(gguf_path: str):
+def real_engine(gguf_path: str):
     """The real default model on CPU in fp32, loaded once per test session. Tests that need other limits call
-    `engine.with_config(...)`, which shares the weights."""
+    `real_engine.with_config(...)`, which shares the weights. tests/pipeline and tests/jobs, whose `engine` is
+    the tiny model, reach the real one by this name."""
     from engine import EngineConfig, LLMEngine
 
     return LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def engine(real_engine):
+    """The real model (`real_engine`) where a test directory does not make it the tiny one."""
+    return real_engine

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import iter_gguf_state, read_gguf_config, resolve_model_path
+from engine.loader import iter_gguf_state, read_gguf_config, read_gguf_state, resolve_model_path
 from engine.model import LlamaModel
 from engine.quant.folder import is_model_folder, read_folder, save_folder
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
@@ -49,12 +49,14 @@ def read_state(path: str, quantization: str, group_size: int) -> tuple[ModelConf
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if os.path.isdir(path):
         cfg, state, _ = read_folder(path)
+    elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
+        return read_gguf_state(path, torch.float32)
     else:
         from gguf import GGUFReader
 
         reader = GGUFReader(path)
         cfg = read_gguf_config(reader)
-        state = dict(iter_gguf_state(reader, cfg, native_int4=quantization != "none"))
+        state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
         return cfg, dequantize_state_dict(state, torch.float32)
     if quantization == "int4":

@@ -119,19 +119,24 @@ def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
     min to q by weighted least squares; keep the best. wf: fp32 [N, G, g]; importance: fp32 >= 0 broadcastable to
     wf (e.g. [G, g], the mean squared activation of each input feature, as the weights of llama.cpp's imatrix
     quantization), None = uniform. Returns fp32 [N, G] twice; a group whose weights sum to zero keeps min-max."""
-    c = (wf.new_ones(()) if importance is None else importance).expand_as(wf)  # a view, no [N, G, g] copy
+    # Uniform weights skip the products with c: multiplying by 1.0 is exact, so the result is the same bit for bit.
+    c = None if importance is None else importance.expand_as(wf)  # a view, no [N, G, g] copy
 
     def weighted_error(s: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         q = ((wf - m[..., None]) / s[..., None]).round().clamp(0, 15)
-        return (c * (wf - q * s[..., None] - m[..., None]) ** 2).sum(-1)
+        err = (wf - q * s[..., None] - m[..., None]) ** 2
+        return (err if c is None else c * err).sum(-1)
 
     best_s, best_m = (hi - lo).clamp(min=1e-6) / 15, lo.clone()
     best_err = weighted_error(best_s, best_m)
-    sum_c, sum_cw = c.sum(-1), (c * wf).sum(-1)
+    if c is None:
+        sum_c, sum_cw = torch.full_like(lo, float(wf.shape[-1])), wf.sum(-1)
+    else:
+        sum_c, sum_cw = c.sum(-1), (c * wf).sum(-1)
     for delta in torch.linspace(-1.0, 1.0, steps).tolist():
         inv = (15 + delta) / (hi - lo).clamp(min=1e-6)
         q = ((wf - lo[..., None]) * inv[..., None]).round_().clamp_(0, 15)
-        cq = c * q
+        cq = q if c is None else c * q
         sum_cq, sum_cq2, sum_cqw = cq.sum(-1), (cq * q).sum(-1), (cq * wf).sum(-1)
         det = sum_c * sum_cq2 - sum_cq * sum_cq
         ok = det > 1e-9 * sum_c * sum_cq2

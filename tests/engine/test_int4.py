@@ -161,9 +161,15 @@ def test_quantize_save_load_generate(gguf_path: str, tmp_path) -> None:
     assert plain.generate(["Hi"], SamplingParams(max_tokens=2))[0].output_token_ids
 
 
-def test_perplexity_g32_within_1_percent(gguf_path: str, ref, reference_ids) -> None:
+@pytest.fixture(scope="module")
+def base_perplexity(ref, reference_ids) -> float:
+    """The fp32 model's perplexity on `reference_ids`, the baseline of the round-to-nearest gates."""
+    return perplexity(ref.model, reference_ids).perplexity
+
+
+def test_perplexity_g32_within_1_percent(gguf_path: str, base_perplexity: float, reference_ids) -> None:
     """Projections at group 32 (the embedding / tied LM head kept fp32, as gpt-fast does)."""
-    base = perplexity(ref.model, reference_ids).perplexity
+    base = base_perplexity
     m = load_model(gguf_path, torch.float32, CPU, quantization="none")
     q = perplexity(quantize_model(m.model, 32), reference_ids).perplexity
     assert 4.0 < base < 8.0
@@ -173,8 +179,8 @@ def test_perplexity_g32_within_1_percent(gguf_path: str, ref, reference_ids) -> 
 @pytest.mark.xfail(strict=True, reason="round-to-nearest misses it: measured +51% (projections) / +72% (with "
                    "embedding) on 20k tokens of SmolLM2-135M Q4_1 requantized at group 128. The calibrated path "
                    "(GPTQ + end-to-end tuning) meets it: test_perplexity_gptq_tuned_g128_within_10_percent")
-def test_perplexity_g128_within_10_percent(gguf_path: str, ref, reference_ids) -> None:
-    base = perplexity(ref.model, reference_ids).perplexity
+def test_perplexity_g128_within_10_percent(gguf_path: str, base_perplexity: float, reference_ids) -> None:
+    base = base_perplexity
     m = load_model(gguf_path, torch.float32, CPU, quantization="none")
     q = perplexity(quantize_model(m.model, 128), reference_ids).perplexity
     assert q / base - 1 < 0.10, (base, q)

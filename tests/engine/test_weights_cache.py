@@ -42,6 +42,14 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
     fresh = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
     again = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in fresh]
+    # The plain load of engine.quant.loading (quantization "none", as `tokenmill perplexity` and INT8 load) reads
+    # the same fp32 entry: no GGUF tensor is dequantized again.
+    from engine import loader
+    from engine.quant.loading import load_model
+
+    monkeypatch.setattr(loader, "iter_gguf_state", no_gguf)
+    plain = load_model(gguf_path, torch.float32, CPU, quantization="none").model.state_dict()
+    assert plain.keys() == a.keys() and all(torch.equal(a[k], plain[k]) for k in a)
 
 
 def test_a_broken_entry_is_rebuilt_and_the_cache_can_be_turned_off(gguf_path: str, tmp_path: Path,

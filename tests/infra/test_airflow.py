@@ -27,15 +27,30 @@ pytestmark = [pytest.mark.airflow, pytest.mark.skipif(
            "(TOKENMILL_AIRFLOW_TESTS=1)")]
 
 
-@pytest.fixture
-def airflow(tmp_path: Path, tokenmill_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The airflow command and an environment: a temporary AIRFLOW_HOME with a migrated SQLite metadata DB, the DAG
-    folder holding only tokenmill_dag.py, and TOKENMILL_BIN, a tokenmill that runs this checkout (the CPU engine's
-    plain torch path: fast to start, and text quality does not matter here)."""
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "AIRFLOW", "VIRTUAL_ENV"))}
+
+
+@pytest.fixture(scope="module")
+def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite metadata DB that `airflow db migrate` brought to Airflow's schema, once for the module; each test
+    gets a copy of its own (`airflow`)."""
     airflow_bin = VENV / "bin" / "airflow"
     if not airflow_bin.is_file():
         pytest.skip(f"Airflow is not installed at {VENV} (could pip reach apache-airflow? `make airflow-venv` "
                     "says why), or set TOKENMILL_AIRFLOW_VENV")
+    home = tmp_path_factory.mktemp("airflow-template")
+    env = _clean_env() | {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    subprocess.run([str(airflow_bin), "db", "migrate"], env=env, check=True, capture_output=True, cwd=home)
+    return home / "airflow.db"
+
+
+@pytest.fixture
+def airflow(tmp_path: Path, tokenmill_env: dict[str, str], migrated_db: Path) -> tuple[list[str], dict[str, str]]:
+    """The airflow command and an environment: a temporary AIRFLOW_HOME with a migrated SQLite metadata DB (a copy
+    of `migrated_db`), the DAG folder holding only tokenmill_dag.py, and TOKENMILL_BIN, a tokenmill that runs this
+    checkout (the CPU engine's plain torch path: fast to start, and text quality does not matter here)."""
+    airflow_bin = VENV / "bin" / "airflow"
     home, dags = tmp_path / "airflow", tmp_path / "airflow" / "dags"
     dags.mkdir(parents=True)
     shutil.copy(DAG_FILE, dags)
@@ -43,10 +58,10 @@ def airflow(tmp_path: Path, tokenmill_env: dict[str, str]) -> tuple[list[str], d
     tokenmill.write_text(f'#!/bin/sh\nPYTHONPATH="{tokenmill_env["PYTHONPATH"]}" TOKENMILL_CPU_KERNELS=0 '
                          f'exec "{Path(sys.executable).with_name("tokenmill")}" "$@"\n')
     tokenmill.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONPATH", "AIRFLOW", "VIRTUAL_ENV"))} | {
+    env = _clean_env() | {
         "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "TOKENMILL_BIN": str(tokenmill), "TOKENMILL_OUTPUT_ROOT": str(tmp_path / "runs")}
-    subprocess.run([str(airflow_bin), "db", "migrate"], env=env, check=True, capture_output=True, cwd=tmp_path)
+    shutil.copyfile(migrated_db, home / "airflow.db")
     return [str(airflow_bin)], env
 
 

@@ -54,10 +54,10 @@ def waves(engine: LLMEngine) -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def real_waves(gguf_path: str) -> LLMEngine:
+def real_waves(real_engine: LLMEngine) -> LLMEngine:
     """The real model limited to 4 rows at a time, for stops polled on a clock (a notice file, a cancel marker):
-    the tiny model can finish a shard between two polls."""
-    return LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
+    the tiny model can finish a shard between two polls. The session's real model (its weights shared)."""
+    return real_engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
 
 
 @pytest.fixture(scope="session")
