@@ -21,6 +21,17 @@ import torch
 DATA_DIR = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) each test process gets its share of the cores
+    for torch (and, through OMP_NUM_THREADS, the processes it starts): two processes of two OpenMP threads each on
+    2 cores would wait on each other at every parallel region."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = pytest.mark.skip(reason="needs a CUDA device")
     quality = pytest.mark.skip(reason="a quality gate of about 10 minutes on 2 CPU cores: `make quality` runs it "
