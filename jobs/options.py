@@ -42,10 +42,8 @@ def _parameter(option: Option) -> inspect.Parameter:
     kind, default = _cli_type(option)
     help_text = option.field.description or ""
     panel = f"Job spec: {option.path[0]}" if len(option.path) > 1 else "Job spec"
-    info = typer.Option(option.flag, help=help_text, envvar=option.cli.envvar, rich_help_panel=panel)
-    if kind is bool:
-        info = typer.Option(f"{option.flag}/--no-{option.flag[2:]}", help=help_text, envvar=option.cli.envvar,
-                            rich_help_panel=panel)
+    flag = f"{option.flag}/--no-{option.flag[2:]}" if kind is bool else option.flag
+    info = typer.Option(flag, help=help_text, envvar=option.cli.envvar, rich_help_panel=panel)
     return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[kind, info])
 
