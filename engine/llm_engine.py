@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,8 @@ from engine.tokenizer import Tokenizer
 # A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
 # ({"role": ..., "content": ...}), or a list of token ids (sent as they are).
 Prompt = str | list[dict[str, Any]] | list[int]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,12 +91,21 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """torch dtype for an explicit name, or for "auto": bf16 on CUDA and on CPUs with native bf16
-    (`cpu_has_native_bf16`), fp32 on other CPUs."""
+    (`cpu_has_native_bf16`), fp32 on other CPUs. An explicit bfloat16/float16 on a CPU without native bf16 runs
+    (emulated, weights left unpacked where oneDNN cannot pack them) and logs a warning that float32 is faster here."""
     if dtype == "auto":
         if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
             return torch.bfloat16
         return torch.float32
+    if device.type == "cpu" and dtype != "float32" and not cpu_has_native_bf16():
+        _warn_once(f"--dtype {dtype} on a CPU without native bf16 (no AVX512-BF16/AMX): it runs emulated, slower "
+                   "than float32; --dtype auto picks float32 here")
     return _DTYPES[dtype]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 class LLMEngine:

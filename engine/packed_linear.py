@@ -13,6 +13,8 @@ bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ fr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -26,13 +28,34 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def bf16_packing_available() -> bool:
+    """True when oneDNN can pack bf16 weights on this CPU: its bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT
+    (AVX2-only CPUs have neither; there bf16 linears stay plain nn.Linear). Found by packing a tiny weight once."""
+    if not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """True when a CPU weight of `dtype` can be packed: fp32 wherever oneDNN is, bf16 per bf16_packing_available."""
+    if dtype == torch.bfloat16:
+        return bf16_packing_available()
+    return dtype in PACKED_DTYPES and packing_available()
+
+
 class PackedLinear(nn.Module):
     """y = x W^T (no bias) with W held in oneDNN's blocked layout.
 
     Args:
         weight: fp32 or bf16 [N, K] on the CPU (N = out_features, K = in_features); packed here, not kept.
     forward: x [..., K] of the weight's dtype -> [..., N].
-    Raises ValueError for another device or dtype, a bias, or a torch without oneDNN (packing_available()).
+    Raises ValueError for another device or dtype, a bias, a torch without oneDNN (packing_available()), or bf16 on a
+    CPU whose oneDNN cannot pack it (bf16_packing_available()).
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -42,6 +65,9 @@ class PackedLinear(nn.Module):
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
             raise ValueError(f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {tuple(weight.shape)} "
                              f"{weight.dtype} on {weight.device}")
+        if not can_pack(weight.dtype):
+            raise ValueError("oneDNN cannot pack bf16 weights on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT); "
+                             "keep the nn.Linear, or run in float32")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -58,13 +84,13 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace, in place, every plain bias-free nn.Linear of a CPU model whose weight is fp32 or bf16 by a
     PackedLinear (a tied LM head gets its own packed copy; the embedding is untouched). Other modules (INT4, INT8)
-    stay. Fuse projections first (they are packed as they stand). Returns the number replaced (0 when oneDNN is
-    missing)."""
+    stay, and so do bf16 ones where oneDNN cannot pack bf16 (`can_pack`). Fuse projections first (they are packed as
+    they stand). Returns the number replaced (0 when oneDNN is missing)."""
     if not packing_available():
         return 0
     names = [name for name, m in model.named_modules()
              if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
-             and m.weight.dtype in PACKED_DTYPES]
+             and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
     for name in names:
         set_module(model, name, PackedLinear(model.get_submodule(name).weight))
     return len(names)

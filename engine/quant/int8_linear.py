@@ -15,11 +15,19 @@ row's result never depends on the other rows in the batch (fbgemm's `quantized::
 for the whole batch). Activations go in as uint8 with zero point 128 (q_x + 128), the u8 x s8 form that AVX2 and
 AVX512-VNNI int8 instructions take.
 
+NOTE: without VNNI (AVX2-only and AVX512F-only CPUs), oneDNN multiplies u8 x s8 with `vpmaddubsw`, which adds each
+pair of products into a saturating int16: 2 x 255 x 127 = 64770 overflows 32767 and the sum is silently wrong (the
+same limit is why fbgemm and PyTorch's x86 quantization use `reduce_range`). There the weights are quantized to 7 bits
+(|q_w| <= 63: 2 x 255 x 63 = 32130 fits), which costs about twice the weight rounding error and never saturates.
+`int8_weight_qmax()` finds which case this CPU is by running the op once on a saturating input.
+
 Measured on a 2-core AMD EPYC (AVX2, torch 2.13, one thread; /tmp microbenchmark kept in bench/int8.py): 1.3-2x
 the fp32 GEMM at M = 64-256 rows for SmolLM2's shapes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -27,6 +35,7 @@ from torch import nn
 from engine.model import fused_cpu_ops
 
 _QMAX = 127.0
+_QMAX_NO_VNNI = 63.0  # 7-bit weights where u8 x s8 pair sums saturate at int16 (module docstring)
 _ZERO_POINT = 128  # uint8 activations: q_x + 128
 
 
@@ -35,11 +44,30 @@ def int8_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel INT8: weight float [N, K] -> (int8 [N, K], fp32 scales [N]); w ~ q * scale."""
+@functools.cache
+def int8_weight_qmax() -> float:
+    """Largest |q_w| the int8 GEMM of this CPU sums exactly: 127, or 63 where oneDNN's u8 x s8 pair products
+    saturate at int16 (CPUs without VNNI; module docstring). Found by running the op once on the worst case
+    (all activations 255, all weights 127) and comparing with the exact int32 sum. Raises ValueError as Int8Linear
+    when the op is missing."""
+    if not int8_available():
+        raise ValueError("torch has no oneDNN int8 ops (int8_available() is False)")
+    k, n = 64, 8
+    packed = torch.ops.onednn.qlinear_prepack(torch.full((n, k), 127, dtype=torch.int8), None)
+    qx = torch.full((1, k), 255, dtype=torch.uint8)
+    y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, _ZERO_POINT, packed, torch.ones(n),
+                                           torch.zeros(n, dtype=torch.int64), None, 1.0, 0, torch.float32, "none",
+                                           [], "")
+    exact = float((255 - _ZERO_POINT) * 127 * k)
+    return _QMAX if bool((y == exact).all()) else _QMAX_NO_VNNI
+
+
+def quantize_weight_int8(weight: torch.Tensor, qmax: float = _QMAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: weight float [N, K] -> (int8 [N, K], fp32 scales [N]); w ~ q * scale,
+    |q| <= qmax (127, or 63 for CPUs whose int8 GEMM saturates: `int8_weight_qmax`)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / _QMAX
-    q = torch.round(w / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / qmax
+    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
     return q, scale
 
 
@@ -70,7 +98,7 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear takes a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.dtype = dtype
-        qweight, self.weight_scale = quantize_weight_int8(weight)
+        qweight, self.weight_scale = quantize_weight_int8(weight, int8_weight_qmax())
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
         self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
 

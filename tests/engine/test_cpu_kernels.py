@@ -12,7 +12,7 @@ from torch import nn
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import paged_attention_cpu, paged_attention_ref
 from engine.cpu_kernels import cpu_ops
-from engine.packed_linear import PackedLinear, pack_linears, packing_available
+from engine.packed_linear import PackedLinear, can_pack, pack_linears, packing_available
 
 # Max abs error vs the reference: fp32 differs by summation order; bf16 outputs round to 8 bits of mantissa.
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -141,6 +141,12 @@ def test_argmax_rows_is_torch_argmax(ops: object, dtype: torch.dtype) -> None:
 def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(96, 80, generator=gen) * 0.1).to(dtype)
+    if not can_pack(dtype):  # bf16 on a CPU without AVX512BW/VL/DQ or AVX-NE-CONVERT: refused, and left unpacked
+        with pytest.raises(ValueError, match="cannot pack bf16"):
+            PackedLinear(weight)
+        model = nn.Sequential(nn.Linear(80, 96, bias=False)).to(dtype)
+        assert pack_linears(model) == 0 and type(model[0]) is nn.Linear
+        return
     packed = PackedLinear(weight)
     for rows in (1, 7, 64, 300):
         x = torch.randn(2, rows, 80, generator=gen).to(dtype)

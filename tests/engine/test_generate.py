@@ -186,3 +186,22 @@ def test_text_never_ends_in_a_cut_character_and_stop_strings_can_be_any_text(
     (stopped,) = engine.generate([prompts[i]], SamplingParams(max_tokens=6, stop=[char]))
     assert stopped.finish_reason == "stop" and stopped.text == outs[i].text[:outs[i].text.index(char)]
     assert char in decode(stopped.output_token_ids) and char not in decode(stopped.output_token_ids[:-1])
+
+
+def test_bfloat16_runs_on_every_cpu_kind(tiny_model: str, gsm8k_questions: list[str],
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    # An explicit --dtype bfloat16 runs on CPUs without native bf16 too (AVX2-only: oneDNN cannot pack bf16 there,
+    # so those linears stay plain), with a warning that float32 is faster there; where bf16 is native, no warning.
+    from torch import nn
+
+    from engine.llm_engine import cpu_has_native_bf16
+    from engine.packed_linear import PackedLinear, can_pack
+
+    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+        bf16 = LLMEngine.from_model(tiny_model, EngineConfig(device="cpu", dtype="bfloat16", num_kv_blocks=64))
+    assert ("runs emulated" in caplog.text) == (not cpu_has_native_bf16())
+    lm_head = bf16.runner.model.lm_head
+    assert isinstance(lm_head, PackedLinear) if can_pack(bf16.dtype) else type(lm_head) is nn.Linear
+    outs = bf16.generate(gsm8k_questions[:4], SamplingParams(max_tokens=8))
+    assert [o.finish_reason for o in outs] == ["length"] * 4 and all(o.num_output_tokens == 8 for o in outs)
+    assert all(o.text for o in outs)
