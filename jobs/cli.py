@@ -335,6 +335,30 @@ def job_schema() -> None:
 
 
 @app.command()
+def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False
+           ) -> None:
+    """What this machine is (CPU model and features, cores, memory, GPUs, versions, which kernels build and run) and
+    what the engine's defaults pick on it (device, dtype, attention) and why. Paste it into a bug report. The first
+    run on a machine builds the C++ kernels (about 15 s)."""
+    from jobs.doctor import machine_report
+
+    report = machine_report()
+    if as_json:
+        print(json.dumps(report))
+        return
+    table = Table(show_header=False, box=None)
+    for section, values in report.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                shown = ", ".join(value) if isinstance(value, list) else value
+                table.add_row(f"[bold]{section}[/bold]" if key == next(iter(values)) else "", key, escape(str(shown)))
+        else:
+            table.add_row(f"[bold]{section}[/bold]", "", escape(", ".join(f"{g['name']} ({g['memory_gib']} GiB)"
+                                                                          for g in values) or "none"))
+    Console().print(table)
+
+
+@app.command()
 def version() -> None:
     """Print tokenmill's version."""
     from importlib.metadata import version as dist_version

@@ -1,0 +1,45 @@
+"""`tokenmill doctor`: the machine and the defaults it picks, probed on this very machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from jobs.doctor import CPU_FEATURES
+
+
+def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
+    done = subprocess.run([sys.executable, "-m", "jobs.cli", "doctor", "--json"], capture_output=True, text=True,
+                          timeout=600, check=False, env={**os.environ, "COLUMNS": "160"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    report = json.loads(done.stdout)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+        assert report["cpu"]["features"] == [f for f in CPU_FEATURES if f in flags]
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert report["defaults"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert report["defaults"]["dtype"] == ("bfloat16" if torch.cuda.is_available() or native_bf16 else "float32")
+    assert report["versions"]["torch"] == torch.__version__
+    # oneDNN packs bf16 only with AVX512BW/VL/DQ (or AVX-NE-CONVERT); its int8 GEMM sums exactly at 8 bits with VNNI.
+    features = set(report["cpu"]["features"])
+    if report["kernels"]["onednn"]:
+        assert report["kernels"]["bf16_packing"] == ({"avx512bw", "avx512vl", "avx512dq"} <= features
+                                                     or "avx_ne_convert" in features)
+    if report["kernels"]["int8_gemm"] and not features & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        assert report["kernels"]["int8_weight_bits"] == 7
+
+
+def test_doctor_prints_a_table_a_person_reads() -> None:
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+
+    result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert "dtype_reason" in result.output and "features" in result.output and "{" not in result.output
