@@ -228,17 +228,23 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def _prompt_token_ids(self, prompt: Prompt, use_chat_template: bool) -> list[int]:
+    def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
+                         allow_special_tokens: bool = False) -> list[int]:
+        """The token ids a prompt runs as (see `generate` for the flags): text through the chat template or raw,
+        messages through the chat template, token ids as they are. User text is encoded as text (engine.tokenizer):
+        a control token's spelling in it is never the control token unless `allow_special_tokens`.
+        Raises ValueError for a prompt that cannot run (empty, malformed, ids outside the vocabulary)."""
         if self.tokenizer is None and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise ValueError("this engine has no tokenizer (random-weights preset): give prompts as token ids")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError("the prompt is empty; give it some text")
             if use_chat_template:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          allow_special_tokens=allow_special_tokens)
+            return self.tokenizer.encode(prompt, allow_special_tokens=allow_special_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.apply_chat_template(prompt)
+            return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
             if bad:
@@ -248,8 +254,8 @@ class LLMEngine:
                          f"ids; got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
     def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                      use_chat_template: bool) -> Request:
-        token_ids = self._prompt_token_ids(prompt, use_chat_template)
+                      use_chat_template: bool, allow_special_tokens: bool) -> Request:
+        token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                              f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
@@ -288,6 +294,7 @@ class LLMEngine:
         *,
         request_ids: Sequence[str] | None = None,
         use_chat_template: bool = True,
+        allow_special_tokens: bool = False,
         on_output: Callable[[RequestOutput], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[RequestOutput]:
@@ -295,6 +302,9 @@ class LLMEngine:
 
         Offline we know every request up front: they are admitted longest first (prompt + max_tokens; the LPT
         rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
+        Text prompts go through the model's chat template unless `use_chat_template` is False; user text (prompts,
+        message contents) is encoded as text, so a control token spelt in it (`<|im_end|>`) stays plain characters,
+        unless `allow_special_tokens` (raw control: then it is the control token; engine.tokenizer).
         A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
         finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
         soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
@@ -320,7 +330,7 @@ class LLMEngine:
         requests: list[Request] = []
         for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
             try:
-                requests.append(self._make_request(rid, prompt, sp, use_chat_template))
+                requests.append(self._make_request(rid, prompt, sp, use_chat_template, allow_special_tokens))
                 index_of[rid] = i
             except ValueError as e:
                 outputs[i] = RequestOutput(rid, [], [], "", "error", error=str(e))

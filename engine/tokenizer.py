@@ -7,17 +7,30 @@ Building the tokenizer from a GGUF file parses its vocabulary and merges in Pyth
 worker paid it at start-up), so the result is cached as an HF tokenizer folder (tokenizer.json and its config) under
 $TOKENMILL_CACHE_DIR (default $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), keyed by the file's path, size,
 modification time and the transformers version; a later load reads that folder in a fraction of a second.
+
+User text is text. A prompt, a chat message's content (or any string in a message) is encoded so that the spelling
+of a control token in it (`<|im_end|>`, `<|im_start|>system`) becomes the ordinary tokens of those characters, never
+the control token: only the chat template's own markers are control tokens, so a row cannot end its turn or open a
+forged system turn. Chat messages go through transformers' `apply_chat_template(..., sanitize_control_tokens=True)`
+(control tokens = the tokenizer's special tokens plus the added tokens written in the template; see
+Tokenizer.apply_chat_template for why the token ids of ordinary text are exactly those of encoding the rendered text
+whole); raw prompts through `encode(..., split_special_tokens=True)`. `allow_special_tokens=True` (the job option
+--allow-special-tokens) parses them as control tokens, for users who need raw control.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
+
+from jinja2 import TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +58,18 @@ class Tokenizer:
     """
 
     def __init__(self, hf_tokenizer: Any) -> None:
+        """Wrap a transformers tokenizer. Raises RuntimeError when the installed transformers cannot encode message
+        contents as plain text (apply_chat_template without `sanitize_control_tokens`): an older release would pass
+        the flag on to the template and silently parse control tokens in user text."""
+        if "sanitize_control_tokens" not in inspect.signature(hf_tokenizer.apply_chat_template).parameters:
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__} cannot keep control tokens in user text as "
+                               "text (no apply_chat_template(sanitize_control_tokens=...)); pip install "
+                               "'transformers>=5.24'")
         self._tok = hf_tokenizer
+        # split_special_tokens is a switch on the shared Rust tokenizer that each encode call sets: one call at a time
+        self._lock = threading.Lock()
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
@@ -98,25 +122,50 @@ class Tokenizer:
             log.debug("tokenizer cache not written (%s)", e)
         return cls(tok)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` as the model's tokenizer splits it (with BOS only if the model file asks for it)."""
-        return list(self._tok.encode(text))
+    def encode(self, text: str, *, allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` as the model's tokenizer splits it (with BOS only if the model file asks for it).
+
+        `text` is text: the spelling of a special token in it (`<|im_end|>`) is encoded as the characters it is made
+        of, never as the special token (split_special_tokens=True); for text without such spellings the ids are the
+        tokenizer's default encoding exactly. allow_special_tokens=True parses them as special tokens.
+        """
+        with self._lock:
+            return list(self._tok.encode(text, split_special_tokens=not allow_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens (EOS, chat markers) left out by default."""
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, allow_special_tokens: bool = False) -> list[int]:
         """Token ids of `messages` ([{"role": ..., "content": ...}, ...]) in the model's chat format, ending with
         the assistant generation prompt.
 
-        Raises ValueError when the model file has no chat template (send raw text with use_chat_template=False)
-        or a message lacks role/content.
+        The messages are user text (module docstring): transformers' sanitize_control_tokens wraps each control
+        token spelt in a message's strings in two private-use markers before the template renders them, then encodes
+        the rendered text split at the markers: the marked spellings as plain text, the rest, with the template's own
+        control tokens, as usual. It needs no trust in the template: a template that trims, re-cases or repeats a
+        content carries the markers along, and a marker it separates from its token is dropped but still splits the
+        text, so no control token can form across it. Token ids of ordinary text are unchanged: a message without a
+        control token's spelling gets no marker, so the rendered text is encoded whole, exactly as without
+        sanitizing, and no merge is cut at a content's boundary (tested on every GSM8K and AlpacaEval prompt).
+        allow_special_tokens=True encodes the rendered text whole with control tokens parsed (raw control).
+
+        Raises ValueError when the model file has no chat template (send raw text with use_chat_template=False), a
+        message lacks role/content, the template fails on the messages, or a control token's spelling cannot be
+        kept as text (the tokenizer makes the control token from plain text).
         """
         if not self.has_chat_template:
             raise ValueError("this model file has no chat template; send raw prompts (--no-chat-template)")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content' keys, got {m!r}")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self._tok.encode(text, add_special_tokens=False))
+        try:
+            with self._lock:
+                if allow_special_tokens:
+                    text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    return list(self._tok.encode(text, add_special_tokens=False, split_special_tokens=False))
+                return list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False, sanitize_control_tokens=True))
+        except (TemplateError, TypeError) as e:  # content the template cannot render (a null, a number)
+            raise ValueError(f"the model's chat template cannot render these messages ({type(e).__name__}: {e}); "
+                             "give each message a text content") from e

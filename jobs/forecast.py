@@ -96,15 +96,14 @@ class Forecast:
                 "tokens_per_dollar": self.tokens_per_dollar}
 
 
-def _prompt_tokens(engine: LLMEngine, prompt: Any, use_chat_template: bool) -> int:
+def _prompt_tokens(engine: LLMEngine, prompt: Any, cfg: RunConfig) -> int:
     """Prompt length in tokens as the engine will see it (0 for a row that will be an error row)."""
-    if isinstance(prompt, str) and prompt.strip():
-        tok = engine.tokenizer
-        return len(tok.apply_chat_template([{"role": "user", "content": prompt}]) if use_chat_template
-                   else tok.encode(prompt))
-    if isinstance(prompt, list) and prompt:
-        return len(engine.tokenizer.apply_chat_template(prompt))
-    return 0
+    if not (isinstance(prompt, str | list) and prompt):
+        return 0
+    try:
+        return len(engine.prompt_token_ids(prompt, cfg.use_chat_template, cfg.allow_special_tokens))
+    except ValueError:
+        return 0
 
 
 def _timed(engine: LLMEngine, prompts: Sequence[Any], params: SamplingParams | list[SamplingParams],
@@ -166,7 +165,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     warmup_s, _ = _timed(engine, [first.prompts[k] for k in range(len(first.prompts))
                                   if isinstance(first.prompts[k], str | list) and first.prompts[k]][:1],
                          SamplingParams(max_tokens=1), chat)
-    lengths = [0 if (first.errors and first.errors[k]) else _prompt_tokens(engine, p, chat)
+    lengths = [0 if (first.errors and first.errors[k]) else _prompt_tokens(engine, p, cfg)
                for k, p in enumerate(first.prompts)]
     runnable = [k for k, n in enumerate(lengths) if 0 < n < engine.max_model_len]
     if not runnable:

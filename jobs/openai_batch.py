@@ -221,8 +221,9 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
 
 def batch_spec(spec: JobSpec, staged_url: str, endpoint: str) -> JobSpec:
     """The spec that runs the staged requests: ids from custom_id, chat requests' messages through the chat
-    template, completions' prompts raw."""
-    return spec.model_copy(update={"input": staged_url, "columns": Columns(chat_template=endpoint == CHAT_URL)})
+    template, completions' prompts raw; the job's allow_special_tokens kept."""
+    columns = Columns(chat_template=endpoint == CHAT_URL, allow_special_tokens=spec.columns.allow_special_tokens)
+    return spec.model_copy(update={"input": staged_url, "columns": columns})
 
 
 def prepare_spec(spec: JobSpec) -> JobSpec:

@@ -23,7 +23,8 @@ def run_config(spec: JobSpec) -> RunConfig:
     c = spec.columns
     try:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
-                         use_chat_template=c.chat_template, **spec.sampling.model_dump(),
+                         use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
+                         **spec.sampling.model_dump(),
                          **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour)
     except (InputError, ValueError) as e:
         raise JobError(str(e)) from e

@@ -27,6 +27,8 @@ class RunConfig:
         messages_column: column of chat messages (list of {role, content}); used when the prompt column is absent.
         id_column: column of row ids; when the input lacks it, ids are row positions in the file.
         use_chat_template: wrap text prompts in the model's chat template.
+        allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
+            control); by default user text is encoded as text (engine.tokenizer).
         max_tokens, temperature, top_p, top_k, seed, stop: sampling, as engine.SamplingParams. With a seed, each row
             samples with the seed mixed with a hash of its id, so rows differ but reruns repeat them exactly.
         rows_per_shard: rows per shard (the unit of scheduling, retry and accounting).
@@ -47,6 +49,7 @@ class RunConfig:
     messages_column: str = _COLUMNS.messages
     id_column: str = _COLUMNS.id
     use_chat_template: bool = _COLUMNS.chat_template
+    allow_special_tokens: bool = _COLUMNS.allow_special_tokens
     max_tokens: int = _SAMPLING.max_tokens
     temperature: float = _SAMPLING.temperature
     top_p: float = _SAMPLING.top_p
@@ -66,7 +69,8 @@ class RunConfig:
             JobSpec.model_validate({
                 "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd,
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
-                            "chat_template": self.use_chat_template},
+                            "chat_template": self.use_chat_template,
+                            "allow_special_tokens": self.allow_special_tokens},
                 "sampling": {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                              "top_k": self.top_k, "seed": self.seed, "stop": self.stop},
                 "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,

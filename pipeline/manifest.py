@@ -28,8 +28,8 @@ from pipeline.storage import commit_json, list_folder, output_fs, read_json
 
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
-RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "max_tokens", "temperature",
-                  "top_p", "top_k", "seed", "stop")
+RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "allow_special_tokens",
+                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,11 @@ class InputManifest:
         if doc.get("format") != MANIFEST_FORMAT:
             raise InputError(f"input manifest format {doc.get('format')!r} is not {MANIFEST_FORMAT}; this OUTPUT "
                              "was written by another tokenmill version: use a new OUTPUT")
+        # A job pinned before allow_special_tokens existed parsed control-token text in prompts: it resumes with
+        # --allow-special-tokens (what it ran with), never silently under the other encoding.
+        options = {"allow_special_tokens": True, **doc["options"]}
         return cls(doc["input"], tuple(InputFile(**f) for f in doc["files"]), doc["rows_per_shard"], doc["limit"],
-                   doc["prompt_column"], doc["options"], doc["created_at"], doc.get("revision", 0))
+                   doc["prompt_column"], options, doc["created_at"], doc.get("revision", 0))
 
 
 def result_options(cfg: RunConfig) -> dict[str, Any]:

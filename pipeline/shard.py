@@ -208,6 +208,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
         params,
         request_ids=[str(k) for k in runnable],
         use_chat_template=cfg.use_chat_template,
+        allow_special_tokens=cfg.allow_special_tokens,
         on_output=on_output,
         should_stop=should_stop,
     )

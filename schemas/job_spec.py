@@ -55,6 +55,11 @@ class Columns(_Section):
                   Cli("id_column")] = "id"
     chat_template: Annotated[bool, Field(description="Wrap text prompts in the model's chat template "
                                                      "(--no-chat-template sends them raw).")] = True
+    allow_special_tokens: Annotated[bool, Field(description="Parse control-token text in prompts and message "
+                                                            "contents (<|im_end|>, <|im_start|>system) as the "
+                                                            "model's control tokens, for raw control. Off: user "
+                                                            "text is encoded as text, so only the chat template's "
+                                                            "own markers are control tokens.")] = False
 
 
 class Sampling(_Section):

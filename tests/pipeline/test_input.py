@@ -108,6 +108,7 @@ def test_first_start_pins_the_manifest_and_later_runs_plan_from_it(gsm8k_parts: 
     ({"rows_per_shard": 4}, "rows_per_shard: the job has 8, this run asks for 4"),
     ({"limit": None}, "limit: the job has 40, this run asks for None"),
     ({"max_tokens": 32}, "max_tokens: the job has 16, this run asks for 32"),
+    ({"allow_special_tokens": True}, "allow_special_tokens: the job has False, this run asks for True"),
 ])
 def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_parts: Path, tmp_path: Path,
                                                                           change: dict, expected: str) -> None:
@@ -121,6 +122,22 @@ def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_p
     pq.write_table(pq.read_table(gsm8k_parts / "part-1.parquet"), other)
     with pytest.raises(InputError, match="input: the job has"):
         pin_manifest(out, str(other), RunConfig(**base))
+
+
+def test_a_job_pinned_before_allow_special_tokens_resumes_only_as_it_ran(gsm8k_parts: Path, tmp_path: Path) -> None:
+    """A manifest without allow_special_tokens comes from a version that parsed control-token text in prompts: it
+    resumes with --allow-special-tokens, and the default (text) run is refused, not mixed into its results."""
+    out = tmp_path / "out"
+    manifest, _ = pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8))
+    assert manifest.options["allow_special_tokens"] is False
+    path = out / "_manifest" / "input.json"
+    doc = json.loads(path.read_text())
+    del doc["options"]["allow_special_tokens"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="allow_special_tokens: the job has True, this run asks for False"):
+        pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8))
+    again, created = pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8, allow_special_tokens=True))
+    assert not created and again.shards() == manifest.shards()
 
 
 def test_changed_or_vanished_input_files_are_reported(gsm8k_parts: Path, tmp_path: Path) -> None:

@@ -63,12 +63,15 @@ def test_minimal_spec_takes_the_run_defaults() -> None:
 
 def test_every_field_is_one_flat_option_with_the_run_defaults() -> None:
     """One option per leaf field; the pipeline's RunConfig takes its defaults from the model."""
-    assert len(OPTIONS) == 27 and OPTIONS["prompt_column"].path == ("columns", "prompt")
-    assert {o.flag for o in OPTIONS.values()} >= {"--max-tokens", "--kv-cache-gib", "--chat-template"}
+    assert len(OPTIONS) == 28 and OPTIONS["prompt_column"].path == ("columns", "prompt")
+    assert {o.flag for o in OPTIONS.values()} >= {"--max-tokens", "--kv-cache-gib", "--chat-template",
+                                                  "--allow-special-tokens"}
     cfg = RunConfig()
     spec = JobSpec(input="a", output="b")
-    assert (cfg.max_tokens, cfg.rows_per_shard, cfg.prompt_column, cfg.price_per_hour_usd) == (
-        spec.sampling.max_tokens, spec.sharding.rows_per_shard, spec.columns.prompt, spec.price_per_hour)
+    assert (cfg.max_tokens, cfg.rows_per_shard, cfg.prompt_column, cfg.price_per_hour_usd,
+            cfg.allow_special_tokens) == (spec.sampling.max_tokens, spec.sharding.rows_per_shard, spec.columns.prompt,
+                                          spec.price_per_hour, spec.columns.allow_special_tokens) == (
+        256, 1000, "prompt", 2.0, False)
     with pytest.raises(InputError, match=r"sampling.top_p \(--top-p\): Input should be greater than 0"):
         RunConfig(top_p=0.0)
 
