@@ -4,45 +4,27 @@ resumed after a SIGKILL mid-copy and never half-used; a hub id resolves through 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import fsspec
 import pytest
-from s3_faults import FlakyS3, flaky_s3
+from hub_cache import write_hub_cache
+from s3_faults import FlakyS3, GetCounter, flaky_s3, upload_folder
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import resolve_model_path
 from engine.model_files import MODELS_DIR, fetch_model, is_hub_id, list_model_objects, model_cache_key
+from engine.tokenizer import _gguf_tokenizer_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = EngineConfig(device="cpu", dtype="float32")
-
-
-class GetCounter:
-    """Counts the S3 GET requests of object keys (by key) and holds the GETs of `hold` keys until `release`."""
-
-    def __init__(self) -> None:
-        self.gets: Counter[str] = Counter()
-        self.hold: set[str] = set()
-        self.release = threading.Event()
-
-    def __call__(self, environ: dict[str, Any]) -> float:
-        if environ.get("REQUEST_METHOD") == "GET" and not environ.get("QUERY_STRING"):
-            key = environ.get("PATH_INFO", "").lstrip("/")
-            self.gets[key] += 1
-            if key in self.hold:
-                self.release.wait(60)
-        return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +41,6 @@ def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def _upload_folder(s3: FlakyS3, local: str, prefix: str) -> str:
-    fs = fsspec.filesystem("s3")
-    for name in sorted(os.listdir(local)):
-        fs.put_file(os.path.join(local, name), f"{s3.bucket}/{prefix}/{name}")
-    return f"s3://{s3.bucket}/{prefix}/"
-
-
 def _copies(cache: Path) -> list[str]:
     """The entries of the model cache, lock files left out."""
     models = cache / MODELS_DIR
@@ -79,7 +54,7 @@ def _greedy(engine: LLMEngine, prompts: list[str], n: int = 12) -> list[list[int
 
 def test_model_folder_at_s3_url_loads_once_and_generates_as_local(
         s3: FlakyS3, tiny_model: str, tiny_engine: LLMEngine, gsm8k_questions: list[str], _cache_dir: Path) -> None:
-    url = _upload_folder(s3, tiny_model, "models/tiny")
+    url = upload_folder(s3.bucket, tiny_model, "models/tiny")
     counter: GetCounter = s3.faults.delay  # type: ignore[assignment]
     engine = LLMEngine.from_model(url, CPU)
     prompts = gsm8k_questions[:4]
@@ -92,19 +67,24 @@ def test_model_folder_at_s3_url_loads_once_and_generates_as_local(
     assert sorted(os.listdir(path)) == sorted(os.listdir(tiny_model))
 
 
+@pytest.mark.slow
 def test_gguf_at_s3_url_generates_as_local(s3: FlakyS3, gguf_path: str, real_engine: LLMEngine,
-                                           gsm8k_questions: list[str]) -> None:
+                                           gsm8k_questions: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_WEIGHTS_CACHE", "0")  # no 0.5 GB fp32 cache entry for a copy made for one test
     url = f"s3://{s3.bucket}/gguf/{os.path.basename(gguf_path)}"
     fsspec.filesystem("s3").put_file(gguf_path, url)
     path = resolve_model_path(url)
     assert os.path.basename(path) == os.path.basename(gguf_path) and os.path.getsize(path) == os.path.getsize(gguf_path)
+    # Building a tokenizer from a GGUF file takes a minute on 2 busy cores (once per file and machine; its cache is
+    # tests/engine/test_tokenizer_cache.py's): give the copy the real engine's, so this test times the weights' copy.
+    real_engine.tokenizer.hf_tokenizer.save_pretrained(str(_gguf_tokenizer_cache(path)))
     engine = LLMEngine.from_model(url, CPU)
     prompts = gsm8k_questions[4:6]
     assert _greedy(engine, prompts, 8) == _greedy(real_engine, prompts, 8)
 
 
 def test_a_changed_object_gives_a_new_copy(s3: FlakyS3, tiny_model: str, _cache_dir: Path) -> None:
-    url = _upload_folder(s3, tiny_model, "models/changing")
+    url = upload_folder(s3.bucket, tiny_model, "models/changing")
     first = fetch_model(url)
     fs, _, _, objects = list_model_objects(url)
     assert model_cache_key(url, objects) == Path(first).parent.name
@@ -119,7 +99,7 @@ def test_a_changed_object_gives_a_new_copy(s3: FlakyS3, tiny_model: str, _cache_
 
 def test_a_copy_killed_midway_is_never_used_and_the_next_load_resumes(s3: FlakyS3, tiny_model: str,
                                                                       _cache_dir: Path) -> None:
-    url = _upload_folder(s3, tiny_model, "models/killed")
+    url = upload_folder(s3.bucket, tiny_model, "models/killed")
     counter: GetCounter = s3.faults.delay  # type: ignore[assignment]
     weights, held = (f"{s3.bucket}/models/killed/{n}" for n in ("model.safetensors", "tokenizer.json"))
     counter.hold, counter.release = {held}, threading.Event()  # objects are copied in name order: weights first
@@ -153,31 +133,13 @@ def test_a_missing_url_is_a_one_line_error(s3: FlakyS3) -> None:
     assert "\n" not in str(e.value)
 
 
-def _hf_cache(home: Path, repo_id: str, folder: str) -> str:
-    """A Hugging Face hub cache under `home` (HF_HOME) holding `folder` as repo_id's main snapshot, in the layout
-    huggingface_hub writes: blobs named by content hash, snapshot files as relative links to them, refs/main."""
-    repo = home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for name in os.listdir(folder):
-        data = Path(folder, name).read_bytes()
-        blob = hashlib.sha256(data).hexdigest()
-        (repo / "blobs" / blob).write_bytes(data)
-        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return str(snapshot)
-
-
 def test_a_hub_id_resolves_through_the_local_hf_cache_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             tiny_model: str, tiny_engine: LLMEngine,
                                                             gsm8k_questions: list[str]) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    snapshot = _hf_cache(tmp_path / "hf", "tokenmill/tiny-smollm2", tiny_model)
+    snapshot = write_hub_cache(tmp_path / "hf", "tokenmill/tiny-smollm2", tiny_model)
     monkeypatch.chdir(tmp_path)
     assert is_hub_id("tokenmill/tiny-smollm2") and not is_hub_id("hf") and not is_hub_id("s3://a/b")
     assert resolve_model_path("tokenmill/tiny-smollm2") == snapshot
