@@ -53,12 +53,13 @@ class RemoteObject:
     """One object of a model at a URL.
 
     path: its path below the model's URL, "/"-separated ("model.safetensors", "sub/x.json"); for a URL of one file,
-        that file's name. size: bytes. version: the store's ETag, else "mtime=<seconds since the epoch>" (stores
+        that file's name. size: bytes, None where the store does not say (an HTTP server without Content-Length:
+        the copy's size is then not checked). version: the store's ETag, else "mtime=<seconds since the epoch>" (stores
         without ETags), else "" (a store that says neither: only the size tells a change).
     """
 
     path: str
-    size: int
+    size: int | None
     version: str
 
 
@@ -261,19 +262,20 @@ def _remote_object(path: str, info: dict[str, Any]) -> RemoteObject:
     else:
         mtime = modified_at(info)
         version = f"mtime={mtime!r}" if mtime is not None else ""
-    return RemoteObject(path, int(info.get("size") or 0), version)
+    size = info.get("size")
+    return RemoteObject(path, None if size is None else int(size), version)
 
 
-def _copy_object(fs: AbstractFileSystem, remote: str, dest: Path, size: int, url: str) -> None:
-    """Copy one object to `dest` through `dest`.part, renamed once whole; an existing `dest` of the right size is a
-    whole copy from an interrupted run (the key pins its version) and is kept."""
-    if dest.is_file() and dest.stat().st_size == size:
+def _copy_object(fs: AbstractFileSystem, remote: str, dest: Path, size: int | None, url: str) -> None:
+    """Copy one object to `dest` through `dest`.part, renamed once whole; an existing `dest` is a whole copy from an
+    interrupted run (only whole copies get that name; the key pins the object's version) and is kept."""
+    if dest.is_file() and (size is None or dest.stat().st_size == size):
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     _get_file(fs, remote, str(part))
     got = part.stat().st_size
-    if got != size:
+    if size is not None and got != size:
         part.unlink(missing_ok=True)
         raise OSError(f"copying {remote} from the model at {url} gave {got} bytes, not the {size} listed; the "
                       "object changed during the copy or the store cut it short: run again")

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
-import pyarrow.parquet as pq
 import pytest
+import test_cli
 from hub_cache import write_hub_cache
 from s3_faults import FlakyS3, GetCounter, flaky_s3, upload_folder
 from typer.testing import CliRunner
@@ -20,6 +20,7 @@ from jobs.cli import app
 from jobs.preflight import check_model
 
 runner = CliRunner()
+gsm8k_folder = test_cli.gsm8k_folder  # the fixture: two Parquet files of real GSM8K rows (14 + 6)
 
 
 @pytest.fixture(scope="module")
@@ -30,28 +31,17 @@ def s3() -> Iterator[FlakyS3]:
         yield s3
 
 
-@pytest.fixture()
-def gsm8k_in(tmp_path: Path, data_dir: Path) -> Path:
-    """Two Parquet files of 6 real GSM8K rows each: two shards, one per worker."""
-    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(40, 12)
-    folder = tmp_path / "in"
-    folder.mkdir()
-    pq.write_table(t.slice(0, 6), folder / "a.parquet")
-    pq.write_table(t.slice(6, 6), folder / "b.parquet")
-    return folder
-
-
-def test_a_model_at_an_s3_url_runs_on_two_workers_copied_once(s3: FlakyS3, tiny_model: str, gsm8k_in: Path,
+def test_a_model_at_an_s3_url_runs_on_two_workers_copied_once(s3: FlakyS3, tiny_model: str, gsm8k_folder: Path,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache))  # the worker processes inherit it: one machine, one cache
     url = upload_folder(s3.bucket, tiny_model, "models/tiny")
     counter: GetCounter = s3.faults.delay  # type: ignore[assignment]
-    res = runner.invoke(app, ["run", str(gsm8k_in), str(tmp_path / "out"), "--prompt-column", "question",
+    res = runner.invoke(app, ["run", str(gsm8k_folder), str(tmp_path / "out"), "--prompt-column", "question",
                               "--max-tokens", "4", "--workers", "2", "--model", url, "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["rows_ok"] == 12 and summary["shards"] == 2
+    assert summary["rows_ok"] == 20 and summary["shards"] == 2
     # Both workers loaded the engine (the plugin loads it on every worker); one copy was made, by one download.
     assert counter.gets[f"{s3.bucket}/models/tiny/model.safetensors"] == 1
     (copy,) = [p for p in (cache / MODELS_DIR).iterdir() if not p.name.endswith(".lock")]
@@ -66,15 +56,15 @@ def _one_line_exit_2(args: list[str], out: Path) -> str:
     return res.stderr
 
 
-def test_a_missing_url_or_hub_id_is_refused_before_the_job(s3: FlakyS3, gsm8k_in: Path, tmp_path: Path,
+def test_a_missing_url_or_hub_id_is_refused_before_the_job(s3: FlakyS3, gsm8k_folder: Path, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
-    args = ["run", str(gsm8k_in), str(out), "--prompt-column", "question", "--model"]
+    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--model"]
     counter: GetCounter = s3.faults.delay  # type: ignore[assignment]
     gets = sum(counter.gets.values())
     message = _one_line_exit_2([*args, f"s3://{s3.bucket}/models/nope/"], out)
     assert f"s3://{s3.bucket}/models/nope/ does not exist" in message
-    fsspec.filesystem("s3").put_file(str(gsm8k_in / "a.parquet"), f"{s3.bucket}/models/a.parquet")
+    fsspec.filesystem("s3").put_file(str(gsm8k_folder / "a.parquet"), f"{s3.bucket}/models/a.parquet")
     message = _one_line_exit_2([*args, f"s3://{s3.bucket}/models/a.parquet"], out)
     assert "is not a GGUF file" in message and "PAR1" in message
     assert sum(counter.gets.values()) == gets + 1  # the 4 bytes of the magic number, not the object
