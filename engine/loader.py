@@ -69,20 +69,16 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """Local path of a GGUF file given None (the default model), a local path, or an fsspec URL.
+    """Local path of a model (GGUF file or model folder) given None (the default model), a local path, an fsspec URL
+    (copied once per machine into the cache) or a Hugging Face hub id (from the local HF cache): engine.model_files.
 
-    A remote URL (s3://, https://, ...) is fetched once into fsspec's local cache. Raises FileNotFoundError.
+    Raises FileNotFoundError (one line naming the model and the fix), PermissionError, OSError.
     """
     if model is None:
         return default_model_path()
-    if "://" in model and not model.startswith("file://"):
-        import fsspec
+    from engine.model_files import local_model_path
 
-        return fsspec.open_local(f"simplecache::{model}")
-    path = model.removeprefix("file://")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model file {path!r} does not exist; pass a GGUF path or URL, or omit --model")
-    return path
+    return local_model_path(model)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

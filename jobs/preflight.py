@@ -12,6 +12,7 @@ import os
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.model_files import check_model_url, hub_model_path, is_hub_id, is_url
 from engine.quant.folder import CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
 from pipeline.input import absolute_url
@@ -52,10 +53,21 @@ def _user() -> str:
 
 
 def check_model(model: str | None) -> str | None:
-    """The model as workers must read it (a local path made absolute; None and remote URLs as given), after
+    """The model as workers must read it (a local path made absolute; None, URLs and hub ids as given), after
     checking a local one exists, is readable and is a GGUF file (its first 4 bytes are b"GGUF") or a model folder
-    written by `tokenmill quantize`. Remote URLs are checked when a worker fetches them. Raises JobError (exit 2)."""
-    if model is None or ("://" in model and not model.startswith("file://")):
+    written by `tokenmill quantize`; that an fsspec URL holds a readable GGUF file or model folder (listed and its
+    first bytes read, not downloaded: engine.model_files.check_model_url); that a Hugging Face hub id is in this
+    machine's HF cache. Raises JobError (exit 2)."""
+    if model is None:
+        return model
+    if is_url(model) or is_hub_id(model):
+        try:
+            if is_url(model):
+                check_model_url(model)
+            else:
+                hub_model_path(model)
+        except (OSError, ValueError) as e:
+            raise JobError(f"--model: {e}") from e
         return model
     path = os.path.abspath(model.removeprefix("file://"))
     if os.path.isdir(path):

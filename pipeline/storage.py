@@ -10,7 +10,6 @@ a short file. That is why checkpoint parts get a commit marker and readers trust
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -21,27 +20,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
-from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-# errnos that s3fs and the OS give for a server or network having a bad moment (s3fs: SlowDown and
-# ServiceUnavailable -> EBUSY, InternalError -> EREMOTEIO).
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
-                     errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying (throttling, 5xx, timeouts, connection resets); False for answers that
-    a retry cannot change (exists, not found, access denied, a corrupt file)."""
-    if isinstance(exc, FileExistsError | FileNotFoundError | PermissionError | IsADirectoryError):
-        return False
-    if isinstance(exc, TimeoutError | ConnectionError):
-        return True
-    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
-
-
-# NOTE: s3fs/botocore retry inside each call too; the layers multiply, so keep this one short (<= ~1 min in all).
-retry_transient = retry(retry=retry_if_exception(is_transient), wait=wait_random_exponential(multiplier=0.5, max=15),
-                        stop=stop_after_attempt(5), reraise=True)
+# The retry policy and object versions live in the engine (its model copies use them too); re-exported here.
+from engine.object_store import is_transient as is_transient
+from engine.object_store import modified_at as modified_at
+from engine.object_store import retry_transient
 
 
 def output_fs(url: str) -> tuple[AbstractFileSystem, str]:
@@ -107,18 +90,6 @@ def exists_now(fs: AbstractFileSystem, path: str) -> bool:
     """Whether `path` exists, asked of the store itself rather than a cached listing."""
     fs.invalidate_cache(path)
     return fs.exists(path)
-
-
-def modified_at(info: dict[str, Any]) -> float | None:
-    """Last-modified time of a listed entry, seconds since the epoch (local mtime, S3 LastModified); None if the
-    store does not say."""
-    for key in ("mtime", "LastModified", "last_modified", "created"):
-        value = info.get(key)
-        if isinstance(value, int | float):
-            return float(value)
-        if hasattr(value, "timestamp"):
-            return float(value.timestamp())
-    return None
 
 
 @retry_transient

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -126,6 +128,34 @@ class FlakyS3:
     endpoint_url: str
     bucket: str
     faults: FaultInjector
+
+
+class GetCounter:
+    """A FaultInjector `delay` that counts the GET requests of object keys (`gets`, by "bucket/key") and holds the
+    GETs of the keys in `hold` until `release` is set (at most 60 s): a slow download to kill a process in."""
+
+    def __init__(self) -> None:
+        self.gets: Counter[str] = Counter()
+        self.hold: set[str] = set()
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any]) -> float:
+        if environ.get("REQUEST_METHOD") == "GET" and not environ.get("QUERY_STRING"):
+            key = environ.get("PATH_INFO", "").lstrip("/")
+            with self._lock:
+                self.gets[key] += 1
+            if key in self.hold:
+                self.release.wait(60)
+        return 0.0
+
+
+def upload_folder(bucket: str, local: str, prefix: str) -> str:
+    """Upload the files of the local folder `local` under s3://bucket/prefix/; returns that URL (with its "/")."""
+    fs = fsspec.filesystem("s3")
+    for name in sorted(os.listdir(local)):
+        fs.put_file(os.path.join(local, name), f"{bucket}/{prefix}/{name}")
+    return f"s3://{bucket}/{prefix}/"
 
 
 @contextmanager

@@ -1,0 +1,44 @@
+"""fsspec object-store helpers shared by the engine's model copies (engine.model_files) and pipeline/ (its commits):
+the retry policy for transient storage errors, and an object's version (ETag, else last-modified time).
+
+Lives in the engine because pipeline/ imports the engine and the engine imports no pipeline.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+# errnos that s3fs and the OS give for a server or network having a bad moment (s3fs: SlowDown and
+# ServiceUnavailable -> EBUSY, InternalError -> EREMOTEIO).
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
+                     errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying (throttling, 5xx, timeouts, connection resets); False for answers that
+    a retry cannot change (exists, not found, access denied, a corrupt file)."""
+    if isinstance(exc, FileExistsError | FileNotFoundError | PermissionError | IsADirectoryError):
+        return False
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+# NOTE: s3fs/botocore retry inside each call too; the layers multiply, so keep this one short (<= ~1 min in all).
+retry_transient = retry(retry=retry_if_exception(is_transient), wait=wait_random_exponential(multiplier=0.5, max=15),
+                        stop=stop_after_attempt(5), reraise=True)
+
+
+def modified_at(info: dict[str, Any]) -> float | None:
+    """Last-modified time of a listed entry, seconds since the epoch (local mtime, S3 LastModified); None if the
+    store does not say."""
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if isinstance(value, int | float):
+            return float(value)
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+    return None
