@@ -57,10 +57,10 @@ def test_cpu_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None
     qkv = torch.randn(sum(query_lens), 6 + 2 * 2, 64)
     q = qkv[:, :6]
     scale = 0.125
-    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0)
     assert (out - paged_attention_ref(q.contiguous(), kc, vc, meta, scale)).abs().max().item() < ATOL[torch.float32]
     with pytest.raises(RuntimeError, match="seq_len >= its rows"):
-        ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens - 20, meta.query_start_loc, scale)
+        ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens - 20, meta.query_start_loc, scale, 0)
 
 
 def test_cpu_attention_sends_long_prefill_chunks_to_sdpa(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
