@@ -222,15 +222,17 @@ def paged_prefill_kernel(
     # first key tile every row's running max is finite (no -inf - -inf in exp2). With one, a row may see no key of
     # a tile (its window starts later), so its max is taken as 0 while it is -inf: alpha and p are then 0, not NaN.
     kv_end = ctx_len + tl.minimum(q_len, (local_tile + 1) * BLOCK_Q)
+    kv_lo = 0
     kv_start = 0
-    if USE_WINDOW:  # from the tile holding the first key the tile's first query sees
-        kv_start = tl.maximum(ctx_len + local_tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    if USE_WINDOW:  # from the tile holding the first key the tile's first query sees; keys before it are not loaded
+        kv_lo = tl.maximum(ctx_len + local_tile * BLOCK_Q - window + 1, 0)
+        kv_start = kv_lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + offs_n
-        n_mask = n < kv_end
+        n_mask = (n < kv_end) & (n >= kv_lo)
         k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
                           stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e

@@ -75,3 +75,20 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         start += q_len
     return out
+
+
+def poison_outside_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           sliding_window: int) -> int:
+    """Fill with NaN, in place, every KV block that lies wholly before the window of its request's first query of
+    the step (no query of the step may see any of its keys): a kernel that reads such a block, even to mask it,
+    returns NaN. Returns how many blocks were poisoned."""
+    block_size = k_cache.shape[1]
+    poisoned = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
+        first_visible = max(0, seq_len - q_len - sliding_window + 1)
+        for i in range(first_visible // block_size):
+            block = meta.block_tables[b, i].item()
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+            poisoned += 1
+    return poisoned

@@ -72,12 +72,28 @@ def mismatches(outs: list, hf_model, num_generate: int) -> list[tuple]:
         assert out.finish_reason in ("length", "stop"), out.error
         assert out.num_prompt_tokens > 2 * SLIDING_WINDOW
         ids, ours = out.prompt_token_ids, out.output_token_ids
-        with torch.inference_mode():
-            logits = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
-        if logits.argmax(-1).tolist() != ours:
-            bad.append(("forward", i, logits.argmax(-1).tolist(), ours))
+        forced = _hf_call(hf_model, "forward", ids, ours)
+        if forced != ours:
+            bad.append(("forward", i, forced, ours))
         if i < num_generate:
-            ref = hf_greedy(hf_model, ids, len(ours), hf_model.config.eos_token_id)
+            ref = _hf_call(hf_model, "generate", ids, ours)
             if ref != ours:
                 bad.append(("generate", i, ref, ours))
     return bad
+
+
+_HF_ANSWERS: dict[tuple, list[int]] = {}
+
+
+def _hf_call(hf_model, kind: str, ids: list[int], ours: list[int]) -> list[int]:
+    """HF's teacher-forced argmaxes ("forward") or `generate` output for (prompt, our tokens), memoized per model
+    object so backends that agree pay for HF once."""
+    key = (hf_model, kind, tuple(ids), tuple(ours))  # holds the model: its id is never reused
+    if key not in _HF_ANSWERS:
+        if kind == "forward":
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
+            _HF_ANSWERS[key] = logits.argmax(-1).tolist()
+        else:
+            _HF_ANSWERS[key] = hf_greedy(hf_model, ids, len(ours), hf_model.config.eos_token_id)
+    return _HF_ANSWERS[key]
