@@ -128,3 +128,16 @@ def test_greedy_without_the_window_differs_from_hf_mistral(hf_mistral, tokenizer
     outs = engine.generate(prompts[:4], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert not mismatches(outs, full, 1)  # our full causal attention is HF's full causal attention...
     assert len(mismatches(outs, hf_mistral, 0)) >= 3  # ...and not HF Mistral's sliding window
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_the_window_match_hf_mistral(hf_mistral, tokenizer: Tokenizer, prompts: list[str]) -> None:
+    # On a GPU: the Triton kernels, decode replayed from CUDA graphs captured with the window baked in, fp32.
+    from tiny_mistral import mismatches, our_engine
+
+    engine = our_engine(hf_mistral, tokenizer, EngineConfig(device="cuda", dtype="float32", max_num_seqs=NUM_PROMPTS,
+                                                            max_num_batched_tokens=64))
+    assert engine.runner.attn_fn.__name__ == "paged_attention_triton" and engine.runner.graphs is not None
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert engine.runner.graphs.graphs, "decode steps never replayed a CUDA graph"
+    assert not mismatches(outs, hf_mistral, NUM_GENERATE)

@@ -42,13 +42,14 @@ def our_model_config(hf_config) -> ModelConfig:
 
 
 def our_engine(hf_model, tokenizer: Tokenizer, config: EngineConfig) -> LLMEngine:
-    """An LLMEngine over `hf_model`'s weights, copied into our LlamaModel (HF names minus "model.")."""
+    """An fp32 LLMEngine on config.device ("cpu" or "cuda") over `hf_model`'s weights, copied into our LlamaModel
+    (HF names minus "model.")."""
     cfg = our_model_config(hf_model.config)
-    model = random_model(cfg, torch.float32, torch.device("cpu"))
+    device = torch.device(config.device)
+    model = random_model(cfg, torch.float32, device)
     state = {name.removeprefix("model."): w for name, w in hf_model.state_dict().items()}
     model.load_state_dict(state, strict=True)
-    return LLMEngine(model, cfg, tokenizer, config, "tiny-mistral (random weights)", torch.device("cpu"),
-                     torch.float32)
+    return LLMEngine(model, cfg, tokenizer, config, "tiny-mistral (random weights)", device, torch.float32)
 
 
 def hf_greedy(hf_model, prompt_token_ids: list[int], max_tokens: int, eos_token_id: int) -> list[int]:
