@@ -153,8 +153,8 @@ def bench_prefill(lengths: list[int], reps: int) -> None:
                                      seq_lens_host=list(lens), decode_only=False)
             sdpa_s = median_s(lambda q=q, kc=kc, vc=vc, meta=meta: paged_attention_ref(q, kc, vc, meta, 0.125), reps)
             ours_s = median_s(lambda q=q, kc=kc, vc=vc, meta=meta: ops.paged_attention(
-                q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125), reps)
-            diff = (ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
+                q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 0), reps)
+            diff = (ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 0)
                     .float() - paged_attention_ref(q, kc, vc, meta, 0.125).float()).abs().max().item()
             label = f"1 x {lens[0]}" if len(lens) == 1 else f"{len(lens)} x {min(lens)}-{max(lens)}"
             print(f"| {label} | {str(dtype).removeprefix('torch.')} | {sdpa_s * 1e3:.2f} | {ours_s * 1e3:.2f} "

@@ -4,6 +4,10 @@ KV cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_siz
 Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`; its flat slot is
 `block_id * block_size + offset` (the slot mapping). Source: Kwon et al., "Efficient Memory Management for Large
 Language Model Serving with PagedAttention" (SOSP 2023).
+
+Sliding-window attention (Mistral; Jiang et al., "Mistral 7B", 2023): every paged attention function takes
+`sliding_window=W`; when set, the query at position i sees only keys j with i - W < j <= i (its last W keys, itself
+included: HF transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`). None: full causal attention.
 """
 
 from __future__ import annotations
@@ -63,10 +67,12 @@ class AttentionMetadata:
             self._leading_decodes = n if 1 not in self.query_lens[n:] else -1
         return self._leading_decodes
 
-    def batch_plan(self, block_size: int, dtype: torch.dtype) -> BatchPlan:
-        """This step's BatchPlan for KV blocks of `block_size` tokens and attention in `dtype`, built once."""
-        if self.plan is None:
-            self.plan = BatchPlan.build(self, block_size, dtype)
+    def batch_plan(self, block_size: int, dtype: torch.dtype, sliding_window: int | None = None) -> BatchPlan:
+        """This step's BatchPlan for KV blocks of `block_size` tokens, attention in `dtype` and `sliding_window`
+        (None: full causal), built once (every layer of a model shares the window) and rebuilt if the window
+        changes."""
+        if self.plan is None or self.plan.sliding_window != sliding_window:
+            self.plan = BatchPlan.build(self, block_size, dtype, sliding_window)
         return self.plan
 
     @classmethod
@@ -79,6 +85,13 @@ class AttentionMetadata:
                    seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
                    block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
                    query_lens=[n], seq_lens_host=[n], decode_only=False)
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raise ValueError unless `sliding_window` is None or an int >= 1 (tokens)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1 (tokens), got {sliding_window!r}")
 
 
 def private_kv_cache(n: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -114,13 +127,16 @@ class BatchPlan:
         decode_rows: rows of q (and requests) of the decode group: a slice when they lead the step (the model
             runner orders decodes first), else an int64 index tensor; None when the step has no decode row.
         decode_block_ids: int64 [Bd * nb_d], the decode requests' block tables flattened.
-        decode_mask: [Bd, 1, 1, nb_d * block_size] additive mask (keys past each request's seq_len are -inf).
+        decode_mask: [Bd, 1, 1, nb_d * block_size] additive mask (keys past each request's seq_len are -inf, and
+            with a sliding window W the keys before seq_len - W too).
         prefill_rows: int64 [Tp], the rows of q fed by prefill chunks, request by request; None without prefill.
         prefill_block_ids: int64 [P * nb_p].
         prefill_pad_index: int64 [Tp], where each prefill row sits in the padded [P * max_q_len] query batch.
-        prefill_mask: [P, 1, max_q_len, nb_p * block_size] additive causal mask; a padded query row sees key 0
-            (its output is discarded) so no row of the softmax is empty.
+        prefill_mask: [P, 1, max_q_len, nb_p * block_size] additive causal mask (sliding-window causal when
+            `sliding_window` is set); a padded query row sees key 0 (its output is discarded) so no row of the
+            softmax is empty.
         max_q_len: the longest prefill chunk (tokens).
+        sliding_window: the window W the masks were built for (None: full causal).
     """
 
     decode_rows: slice | torch.Tensor | None
@@ -131,10 +147,13 @@ class BatchPlan:
     prefill_pad_index: torch.Tensor | None
     prefill_mask: torch.Tensor | None
     max_q_len: int
+    sliding_window: int | None = None
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> BatchPlan:
-        """The plan of `meta`'s step for KV blocks of `block_size` tokens and attention in `dtype`."""
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
+              sliding_window: int | None = None) -> BatchPlan:
+        """The plan of `meta`'s step for KV blocks of `block_size` tokens, attention in `dtype` and a sliding
+        window of `sliding_window` keys (None: full causal)."""
         device = meta.block_tables.device
         decode = [b for b, n in enumerate(meta.query_lens) if n == 1]
         prefill = [b for b, n in enumerate(meta.query_lens) if n > 1]
@@ -154,6 +173,8 @@ class BatchPlan:
             decode_ids, nb, seq = blocks(decode)
             keys = torch.arange(nb * block_size, device=device)
             visible = keys[None, :] < seq[:, None]
+            if sliding_window is not None:  # the decode query sits at seq_len - 1 and sees keys > seq_len - 1 - W
+                visible &= keys[None, :] >= (seq - sliding_window)[:, None]
             decode_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             decode_mask = decode_mask[:, None, None, :]
             contiguous = decode == list(range(len(decode))) and starts[len(decode)] == len(decode)
@@ -173,10 +194,13 @@ class BatchPlan:
             # Query j of request i sits at position seq_len - q_len + j and sees keys up to it.
             pos = (seq - q_len)[:, None] + j[None, :]  # [P, max_q]
             visible = keys[None, None, :] <= pos[:, :, None]
+            if sliding_window is not None:
+                visible &= keys[None, None, :] > (pos - sliding_window)[:, :, None]
             visible |= (j[None, :] >= q_len[:, None])[:, :, None] & (keys == 0)[None, None, :]
             prefill_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             prefill_mask = prefill_mask[:, None]
-        return cls(decode_rows, decode_ids, decode_mask, prefill_rows, prefill_ids, pad_index, prefill_mask, max_q)
+        return cls(decode_rows, decode_ids, decode_mask, prefill_rows, prefill_ids, pad_index, prefill_mask, max_q,
+                   sliding_window)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
@@ -218,7 +242,7 @@ def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over each request's cached keys and values (the torch path: tests,
     and the oracle of the CPU and GPU kernels).
 
@@ -226,8 +250,11 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     returns [T, num_heads, head_dim] in q's dtype. Grouped-query attention: query head h reads KV head
     h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
     scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
+    sliding_window: W >= 1 limits each query to its last W keys (see the module docstring), by the masks; None:
+    full causal. Raises ValueError on an invalid window.
     """
-    plan = meta.batch_plan(k_cache.shape[1], q.dtype)
+    check_sliding_window(sliding_window)
+    plan = meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window)
     if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == q.shape[0]:
         return _attend_decodes(q, k_cache, v_cache, plan, scale)  # decode only: the decode output is the whole
     out = torch.empty_like(q)
@@ -250,24 +277,28 @@ CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s contract on the CPU, in a C++ kernel (engine/csrc/cpu_kernels.cpp) that reads each
     context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
     Decodes and short prefill chunks (CPU_KERNEL_MAX_PREFILL_PAIRS) run in one kernel call; a step with a longer
     chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
-    `paged_attention_ref` when the kernels are not built (engine.cpu_kernels).
+    `paged_attention_ref` when the kernels are not built (engine.cpu_kernels). With `sliding_window` the kernel
+    skips the whole KV blocks before a row's window and masks the rest of the boundary block. Raises ValueError on
+    an invalid window.
     """
+    check_sliding_window(sliding_window)
     ops = cpu_ops()
     if ops is None:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+    window = sliding_window or 0  # the kernel's "no window"
     if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   scale)
+                                   scale, window)
     nd = meta.num_leading_decodes()
     if nd <= 0:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
     out = torch.empty_like(q)
     out[:nd] = ops.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   meta.query_start_loc[:nd + 1], scale)
-    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype), scale, out)
+                                   meta.query_start_loc[:nd + 1], scale, window)
+    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window), scale, out)
     return out

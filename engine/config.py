@@ -22,6 +22,9 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
+        sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
+            i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
+            boundary as HF transformers' `sliding_window_overlay`). None: full causal attention.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -40,6 +43,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -50,6 +54,11 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1 (tokens), got "
+                             f"{self.sliding_window!r}")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCaus
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,13 @@ from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
 from engine.cpu_kernels import cpu_ops
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+class AttentionFn(Protocol):
+    """A paged attention function (engine.attention.paged_attention_ref's contract): (q, k_cache, v_cache, meta,
+    scale, *, sliding_window) -> [T, num_heads, head_dim]."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, *, sliding_window: int | None = None) -> torch.Tensor: ...
 
 
 def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
@@ -123,6 +129,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window  # None: full causal attention
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -151,7 +158,8 @@ class Attention(nn.Module):
             ops = fused_cpu_ops(qkv)
             if ops is not None and qkv.dim() == 2 and cos.dtype == qkv.dtype == k_cache.dtype:
                 q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass, in C++
-                return attn_fn(q, k_cache, v_cache, meta, self.scale).reshape(t, h * d)
+                return attn_fn(q, k_cache, v_cache, meta, self.scale,
+                               sliding_window=self.sliding_window).reshape(t, h * d)
             qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # one RoPE for Q and K
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
@@ -160,7 +168,8 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
             v = self.v_proj(x).view(t, hkv, d)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return attn_fn(q, k_cache, v_cache, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
+        return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window).reshape(
+            t, self.num_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:

@@ -9,6 +9,10 @@ Faster Attention with Better Parallelism and Work Partitioning", 2023) in fp32, 
 folded into the scale). Grouped-query attention (Ainslie et al., "GQA", 2023) is packed into the rows of one tile:
 a program owns one KV head and all of its query heads, so each K/V tile is loaded once for the whole group.
 
+Sliding window (Mistral; Jiang et al., "Mistral 7B", 2023): with USE_WINDOW the query at position i sees keys
+i - window < j <= i only (HF transformers' `sliding_window_overlay`); the key loops start at the tile holding the
+earliest key a program's queries can see, so whole tiles before the window are never read.
+
 Cache layout (see engine/attention.py): k_cache, v_cache [num_blocks, PAGE_SIZE, num_kv_heads, head_dim]; key t of
 request b sits in page block_tables[b, t // PAGE_SIZE] at offset t % PAGE_SIZE.
 """
@@ -44,7 +48,7 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr):
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2e,
+    scale_log2e, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -53,7 +57,7 @@ def paged_decode_kernel(
     num_heads,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     """One query token per request. Grid (B, num_kv_heads, NUM_SPLITS).
 
@@ -61,7 +65,8 @@ def paged_decode_kernel(
     its share of the context: the request's ceil(seq_len / BLOCK_N) key tiles are cut into NUM_SPLITS contiguous
     runs (split-K, "flash decoding"), sized from the device seq_len so the grid depends on shapes only (CUDA-graph
     safe). With NUM_SPLITS == 1 it writes the normalized output; otherwise it writes the unnormalized fp32
-    accumulator and the running max / sum (base 2) of its run, combined by `paged_decode_reduce_kernel`.
+    accumulator and the running max / sum (base 2) of its run, combined by `paged_decode_reduce_kernel`. With
+    USE_WINDOW only the tiles from the one holding key seq_len - window on are split and read.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -78,18 +83,24 @@ def paged_decode_kernel(
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)
 
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
+    key_lo = 0
+    first_tile = 0
+    if USE_WINDOW:
+        key_lo = tl.maximum(seq_len - window, 0)
+        first_tile = key_lo // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
-    # NOTE: every tile we visit holds at least one real key (tile < num_tiles), so m_i is finite after the first
-    # tile and exp2(m_i - m_new) never sees -inf - -inf. Padded head rows score 0 against real keys: finite too.
+    # NOTE: every tile we visit holds at least one visible key (first_tile <= tile < num_tiles, and the window's
+    # keys are contiguous up to seq_len - 1), so m_i is finite after the first tile and exp2(m_i - m_new) never
+    # sees -inf - -inf. Padded head rows score 0 against real keys: finite too.
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for tile in range(tile_lo, tile_hi):
         n = tile * BLOCK_N + offs_n
-        n_mask = n < seq_len
+        n_mask = (n < seq_len) & (n >= key_lo)
         k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
                           stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
@@ -165,7 +176,7 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2e, num_requests,
+    scale_log2e, num_requests, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -173,7 +184,7 @@ def paged_prefill_kernel(
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     """Varlen causal attention, queries at the end of each context. Grid (T // BLOCK_Q + B, num_kv_heads).
 
@@ -181,7 +192,8 @@ def paged_prefill_kernel(
     query_start_loc[b] // BLOCK_Q + b on (a bound that needs no host data, so the grid depends on T and B only;
     programs past a request's last tile exit at once). A tile's BLOCK_M = BLOCK_Q * GROUP (padded) rows are
     (token, query head) pairs of one KV head. Query j of the request sits at position seq_len - q_len + j and sees
-    keys 0..that position, all read from the paged cache (this step's K/V already written there).
+    keys 0..that position (with USE_WINDOW: keys position - window + 1..position), all read from the paged cache
+    (this step's K/V already written there).
     """
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -206,21 +218,31 @@ def paged_prefill_kernel(
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = ctx_len + tok
 
-    # Keys up to the tile's last query position. NOTE: key 0 is visible to every row, so after the first key tile
-    # every row's running max is finite (no -inf - -inf in exp2).
+    # Keys up to the tile's last query position. NOTE: without a window key 0 is visible to every row, so after the
+    # first key tile every row's running max is finite (no -inf - -inf in exp2). With one, a row may see no key of
+    # a tile (its window starts later), so its max is taken as 0 while it is -inf: alpha and p are then 0, not NaN.
     kv_end = ctx_len + tl.minimum(q_len, (local_tile + 1) * BLOCK_Q)
+    kv_lo = 0
+    kv_start = 0
+    if USE_WINDOW:  # from the tile holding the first key the tile's first query sees; keys before it are not loaded
+        kv_lo = tl.maximum(ctx_len + local_tile * BLOCK_Q - window + 1, 0)
+        kv_start = kv_lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + offs_n
-        n_mask = n < kv_end
+        n_mask = (n < kv_end) & (n >= kv_lo)
         k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
                           stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if USE_WINDOW:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -230,6 +252,8 @@ def paged_prefill_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, BF16_WORKAROUND)
         m_i = m_new
 
+    if USE_WINDOW:  # padded rows (not stored) may have seen no key at all
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

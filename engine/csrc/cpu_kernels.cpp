@@ -111,15 +111,16 @@ inline v16 load16_as_f32(const T* p) {
   }
 }
 
-// out_i[0:16*CH] = sum over t < n of p_i[t] * V[t], i < P, for P query heads that read the same KV head (its slice
-// at `off` in each cache row) of one request, whose values are read in place block by block through its block table.
+// out_i[0:16*CH] = sum over start <= t < n of p_i[t - start] * V[t], i < P, for P query heads that read the same KV
+// head (its slice at `off` in each cache row) of one request, whose values are read in place block by block through
+// its block table. `start` is a multiple of block_size (0, or the first block of a sliding window).
 // The P*CH accumulators stay in registers for the whole sum and each value vector is widened once for all P heads,
 // so a value element costs one load and P FMAs (head_dim 64: CH = 4, P <= 4; 128: CH = 8, P <= 2).
 template <typename T, int CH, int P>
 inline void weighted_values(const T* v_cache, const int32_t* table, int64_t block_size, int64_t row, int64_t off,
-                            const float* const* p, int64_t n, float* const* out) {
+                            const float* const* p, int64_t start, int64_t n, float* const* out) {
   v16 a[P][CH] = {};
-  for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+  for (int64_t t0 = start; t0 < n; t0 += block_size) {
     const T* base = v_cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + off;
     if (t0 + block_size < n) {  // the next block's rows of this head, while this block's FMAs run
       const T* next = v_cache + static_cast<int64_t>(table[t0 / block_size + 1]) * block_size * row + off;
@@ -131,7 +132,7 @@ inline void weighted_values(const T* v_cache, const int32_t* table, int64_t bloc
       v16 v[CH];
       for (int c = 0; c < CH; ++c) v[c] = load16_as_f32(vr + 16 * c);
       for (int i = 0; i < P; ++i) {
-        const v16 pt = p[i][t0 + tt] - v16{};
+        const v16 pt = p[i][t0 - start + tt] - v16{};
         for (int c = 0; c < CH; ++c) a[i][c] += pt * v[c];
       }
     }
@@ -140,15 +141,18 @@ inline void weighted_values(const T* v_cache, const int32_t* table, int64_t bloc
     for (int c = 0; c < CH; ++c) __builtin_memcpy(out[i] + 16 * c, &a[i][c], sizeof(v16));
 }
 
-// weighted_values for `count` heads (1..4 with CH = 4, 1..2 with CH = 8) sharing one KV head and one key count n.
+// weighted_values for `count` heads (1..4 with CH = 4, 1..2 with CH = 8) sharing one KV head and one key range.
 template <typename T, int CH>
 inline void weighted_values_n(int count, const T* v_cache, const int32_t* table, int64_t block_size, int64_t row,
-                              int64_t off, const float* const* p, int64_t n, float* const* out) {
+                              int64_t off, const float* const* p, int64_t start, int64_t n, float* const* out) {
   switch (count) {
-    case 1: weighted_values<T, CH, 1>(v_cache, table, block_size, row, off, p, n, out); break;
-    case 2: weighted_values<T, CH, 2>(v_cache, table, block_size, row, off, p, n, out); break;
-    case 3: if constexpr (CH == 4) weighted_values<T, CH, 3>(v_cache, table, block_size, row, off, p, n, out); break;
-    default: if constexpr (CH == 4) weighted_values<T, CH, 4>(v_cache, table, block_size, row, off, p, n, out);
+    case 1: weighted_values<T, CH, 1>(v_cache, table, block_size, row, off, p, start, n, out); break;
+    case 2: weighted_values<T, CH, 2>(v_cache, table, block_size, row, off, p, start, n, out); break;
+    case 3:
+      if constexpr (CH == 4) weighted_values<T, CH, 3>(v_cache, table, block_size, row, off, p, start, n, out);
+      break;
+    default:
+      if constexpr (CH == 4) weighted_values<T, CH, 4>(v_cache, table, block_size, row, off, p, start, n, out);
   }
 }
 
@@ -203,12 +207,15 @@ constexpr int64_t kRowsPerItem = 8;
 // already written). Row j of request b (query_start_loc[b] <= j < query_start_loc[b + 1]) sits at position
 // seq_lens[b] - q_len_b + (j - query_start_loc[b]) and sees keys 0..that position. A decode is a request with one
 // row. The rows of an item share each key/value block read: the block streams in once per item, in address order,
-// as whole cache rows (all KV heads).
+// as whole cache rows (all KV heads). With a sliding window (window > 0; 0 = none) the row at position i sees keys
+// i - window < t <= i only (Mistral; HF transformers' sliding_window_overlay): the item starts at the KV block that
+// holds its first row's first key, so whole blocks before every row's window are never read, and the keys of that
+// block before a row's window are masked (probability exactly 0).
 template <typename T>
 void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
                       int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
-                      int64_t num_seqs, int64_t group, float scale, T* out) {
+                      int64_t num_seqs, int64_t group, float scale, int64_t window, T* out) {
   const int64_t num_heads = num_kv_heads * group;
   const int64_t row = num_kv_heads * head_dim;  // elements per token slot in the cache: every KV head's columns
   const bool vectorized = head_dim % 16 == 0;
@@ -220,13 +227,18 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(kRowsPerItem * num_heads * head_dim), acc(kRowsPerItem * num_heads * head_dim),
         kf(16 * row), scores;
-    int64_t lim[kRowsPerItem];
+    int64_t lim[kRowsPerItem], lo[kRowsPerItem];
     for (int64_t it = begin; it < end; ++it) {
       const AttnItem item = items[it];
       const int64_t b = item.seq, nr = item.row_end - item.row_begin;
       const int64_t first_pos = seq_lens[b] - (query_start_loc[b + 1] - query_start_loc[b]);
-      for (int64_t j = 0; j < nr; ++j) lim[j] = first_pos + (item.row_begin - query_start_loc[b]) + j + 1;
+      for (int64_t j = 0; j < nr; ++j) {
+        lim[j] = first_pos + (item.row_begin - query_start_loc[b]) + j + 1;
+        lo[j] = window > 0 ? std::max<int64_t>(0, lim[j] - window) : 0;
+      }
       const int64_t len = lim[nr - 1];  // the last row sees the most keys
+      // The first key read: the start of the KV block of the first row's first key. Scores are indexed from k0.
+      const int64_t k0 = lo[0] / block_size * block_size;
       const int32_t* table = block_tables + b * table_stride;
       auto slot = [&](const T* cache, int64_t t) {
         return cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
@@ -237,23 +249,23 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
           load_row(q + (item.row_begin + j) * q_stride_t + h * q_stride_h, dst, head_dim);
           for (int64_t i = 0; i < head_dim; ++i) dst[i] *= scale;
         }
-      const int64_t padded = (len + 15) / 16 * 16;
+      const int64_t padded = (len - k0 + 15) / 16 * 16;
       scores.resize(nr * num_heads * padded);
-      for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) prefetch_row(slot(k_cache, t), row);
+      for (int64_t t = k0; t < std::min<int64_t>(k0 + 16, len); ++t) prefetch_row(slot(k_cache, t), row);
       // Scores, 16 keys at a time: the keys widened to fp32 once, then each (row, head)'s 16 dot products reduced
       // together (transpose_reduce16). Keys past a row's limit are computed and then masked by the softmax.
-      for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      for (int64_t t0 = k0; t0 < len; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - t0);
         for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, len); ++t) prefetch_row(slot(k_cache, t), row);
         if (t0 + 16 >= len)
-          for (int64_t t = 0; t < std::min<int64_t>(16, len); ++t) prefetch_row(slot(v_cache, t), row);
+          for (int64_t t = k0; t < std::min<int64_t>(k0 + 16, len); ++t) prefetch_row(slot(v_cache, t), row);
         for (int64_t t = 0; t < n; ++t) load_row(slot(k_cache, t0 + t), kf.data() + t * row, row);
         for (int64_t j = 0; j < nr; ++j) {
-          if (lim[j] <= t0) continue;
+          if (lim[j] <= t0 || lo[j] >= t0 + n) continue;  // no key of this run is in row j's window
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* qh = qf.data() + (j * num_heads + h) * head_dim;
             const float* kh = kf.data() + (h / group) * head_dim;  // query head h reads KV head h / group
-            float* sh = scores.data() + (j * num_heads + h) * padded + t0;
+            float* sh = scores.data() + (j * num_heads + h) * padded + (t0 - k0);
             if (vectorized) {
               v16 a[16];
               for (int t = 0; t < 16; ++t) {
@@ -279,12 +291,14 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
         }
       }
       // Softmax per (row, head), 16 scores at a time; everything past the row's limit holds -inf (exp -> ~0 in
-      // the sum, and never read below).
+      // the sum, and never read below), and so does everything before its window (set to exactly 0 after the exp:
+      // the value sums below do read those keys of the first block).
       for (int64_t j = 0; j < nr; ++j) {
-        const int64_t pj = (lim[j] + 15) / 16 * 16;
+        const int64_t pj = (lim[j] - k0 + 15) / 16 * 16, lj = lim[j] - k0, wj = lo[j] - k0;
         for (int64_t h = 0; h < num_heads; ++h) {
           float* sh = scores.data() + (j * num_heads + h) * padded;
-          for (int64_t t = lim[j]; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < wj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+          for (int64_t t = lj; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
           v16 mv = load16(sh);
           for (int64_t t = 16; t < pj; t += 16) {
             const v16 x = load16(sh + t);
@@ -298,7 +312,8 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
             sum += e;
           }
           const float inv = 1.f / hsum16(sum);
-          for (int64_t t = 0; t < lim[j]; ++t) sh[t] *= inv;
+          for (int64_t t = 0; t < wj; ++t) sh[t] = 0.f;
+          for (int64_t t = wj; t < lj; ++t) sh[t] *= inv;
         }
       }
       if (vectorized && (chunks == 4 || chunks == 8)) {
@@ -315,9 +330,9 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
                 ah[i] = acc.data() + (j * num_heads + h) * head_dim;
               }
               if (chunks == 4)
-                weighted_values_n<T, 4>(count, v_cache, table, block_size, row, g * head_dim, ph, lim[j], ah);
+                weighted_values_n<T, 4>(count, v_cache, table, block_size, row, g * head_dim, ph, k0, lim[j], ah);
               else
-                weighted_values_n<T, 8>(count, v_cache, table, block_size, row, g * head_dim, ph, lim[j], ah);
+                weighted_values_n<T, 8>(count, v_cache, table, block_size, row, g * head_dim, ph, k0, lim[j], ah);
             }
         for (int64_t j = 0; j < nr; ++j)
           store_row(acc.data() + j * num_heads * head_dim, out + (item.row_begin + j) * num_heads * head_dim,
@@ -325,13 +340,13 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
         continue;
       }
       std::fill(acc.begin(), acc.begin() + nr * num_heads * head_dim, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = k0; t < len; ++t) {
         if (t + 8 < len) prefetch_row(slot(v_cache, t + 8), row);
         load_row(slot(v_cache, t), kf.data(), row);
         for (int64_t j = 0; j < nr; ++j) {
-          if (lim[j] <= t) continue;
+          if (lim[j] <= t || t < lo[j]) continue;
           for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[(j * num_heads + h) * padded + t];
+            const float p = scores[(j * num_heads + h) * padded + (t - k0)];
             const float* vh = kf.data() + (h / group) * head_dim;
             float* ah = acc.data() + (j * num_heads + h) * head_dim;
 #pragma omp simd
@@ -704,10 +719,11 @@ std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x) {
 
 // q [T, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
 // seq_lens int32 [B] (>= the request's query rows), query_start_loc int32 [B + 1] (prefix sums of the query rows,
-// starting at 0 and ending at T). Returns [T, H, D] in q's dtype.
+// starting at 0 and ending at T), window: the sliding window in keys (0 = none). Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale) {
+                              const at::Tensor& query_start_loc, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 keys (0 = no sliding window)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -733,7 +749,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
                                block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, qsl, num_seqs,
-                               num_heads / num_kv_heads, static_cast<float>(scale), out.data_ptr<scalar_t>());
+                               num_heads / num_kv_heads, static_cast<float>(scale), window,
+                               out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -48,3 +48,47 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv
         decode_only=all(n == 1 for n in query_lens),
     )
     return q.to(device), k_cache.to(device), v_cache.to(device), meta
+
+
+def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """The oracle of every paged attention path: request by request, its keys and values read out of the paged
+    cache into one dense [seq_len, Hkv, D] tensor, scores in float64, and an explicit boolean mask: the query at
+    position i sees key j when j <= i and (no window, or i - W < j, HF transformers' `sliding_window_overlay`).
+    Returns [T, H, D] in q's dtype."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
+        pos = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.reshape(-1, num_kv_heads, k_cache.shape[3])[slots].double().repeat_interleave(group, dim=1)
+        v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[3])[slots].double().repeat_interleave(group, dim=1)
+        qb = q[start:start + q_len].double()
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [H, q_len, seq_len]
+        i = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        visible = pos[None, :] <= i
+        if sliding_window is not None:
+            visible &= pos[None, :] > i - sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        start += q_len
+    return out
+
+
+def poison_outside_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           sliding_window: int) -> int:
+    """Fill with NaN, in place, every KV block that lies wholly before the window of its request's first query of
+    the step (no query of the step may see any of its keys): a kernel that reads such a block, even to mask it,
+    returns NaN. Returns how many blocks were poisoned."""
+    block_size = k_cache.shape[1]
+    poisoned = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_host, strict=True)):
+        first_visible = max(0, seq_len - q_len - sliding_window + 1)
+        for i in range(first_visible // block_size):
+            block = meta.block_tables[b, i].item()
+            k_cache[block] = float("nan")
+            v_cache[block] = float("nan")
+            poisoned += 1
+    return poisoned

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_steps import make_step
+from attention_steps import dense_attention, make_step, poison_outside_windows
 from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -57,10 +57,34 @@ def test_cpu_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None
     qkv = torch.randn(sum(query_lens), 6 + 2 * 2, 64)
     q = qkv[:, :6]
     scale = 0.125
-    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0)
     assert (out - paged_attention_ref(q.contiguous(), kc, vc, meta, scale)).abs().max().item() < ATOL[torch.float32]
     with pytest.raises(RuntimeError, match="seq_len >= its rows"):
-        ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens - 20, meta.query_start_loc, scale)
+        ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens - 20, meta.query_start_loc, scale, 0)
+
+
+WINDOW_STEPS = STEPS + [([1, 19, 1, 3], [700, 40, 1, 333])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (6, 2, 40), (10, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 1000])
+@pytest.mark.parametrize("step", WINDOW_STEPS)
+def test_cpu_kernel_sliding_window_skips_blocks_before_it(ops: object, dtype: torch.dtype, num_heads: int,
+                                                          num_kv_heads: int, head_dim: int, block_size: int,
+                                                          window: int, step: tuple[list[int], list[int]]) -> None:
+    # Against the dense masked oracle; then the blocks wholly before every query's window are set to NaN: the
+    # kernel must not read them (it starts at the window's first block), so its output is unchanged.
+    q, kc, vc, meta = make_step(*step, num_heads, num_kv_heads, block_size, dtype, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    oracle = dense_attention(q, kc, vc, meta, scale, window)
+    out = paged_attention_cpu(q, kc, vc, meta, scale, sliding_window=window)
+    assert out.dtype == dtype and (out.float() - oracle.float()).abs().max().item() < ATOL[dtype]
+    if poison_outside_windows(kc, vc, meta, window):
+        assert torch.equal(paged_attention_cpu(q, kc, vc, meta, scale, sliding_window=window), out)
+    elif window == 1000:  # no block to poison: the window covers every sequence, which is full causal attention
+        assert torch.equal(out, paged_attention_cpu(q, kc, vc, meta, scale))
 
 
 def test_cpu_attention_sends_long_prefill_chunks_to_sdpa(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -146,6 +146,48 @@ def test_chunked_prefill_matches_full_prefill() -> None:
     torch.testing.assert_close(torch.cat([first, second]), full, atol=1e-5, rtol=1e-5)
 
 
+WINDOWS = [1, 5, 16, 37, 1000]  # one key; under, at and over a 16-key page/tile; longer than every context
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sliding_window(window: int, group: int, block_size: int, num_splits: int) -> None:
+    # Against the dense masked oracle; then blocks wholly before each window are NaN and must not be read.
+    q, kc, vc, meta = make_step([1] * 4, DECODE_SEQ_LENS, 2 * group, 2, block_size, torch.float32)
+    oracle = attention_steps.dense_attention(q, kc, vc, meta, 0.125, window)
+    attention_steps.poison_outside_windows(kc, vc, meta, window)
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, num_splits=num_splits,
+                                 block_n=16, sliding_window=window)
+    assert (out - oracle).abs().max().item() < ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_sliding_window(window: int, group: int, block_size: int) -> None:
+    # block_m 16 with group 3: 5 tokens per query tile, so a tile's rows start their windows in different key tiles
+    # and some rows see no key of the first tile the program reads.
+    q, kc, vc, meta = make_step(PREFILL_QUERY_LENS, PREFILL_SEQ_LENS, 2 * group, 2, block_size, torch.float32)
+    oracle = attention_steps.dense_attention(q, kc, vc, meta, 0.125, window)
+    attention_steps.poison_outside_windows(kc, vc, meta, window)
+    out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125,
+                                  block_m=16, block_n=16, sliding_window=window)
+    assert (out - oracle).abs().max().item() < ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sliding_window_half_precision_default_tiles(dtype: torch.dtype) -> None:
+    for query_lens, seq_lens in (([1] * 4, DECODE_SEQ_LENS), ([1, 130, 7], [200, 130, 90])):
+        q, kc, vc, meta = make_step(query_lens, seq_lens, 6, 2, 16, dtype, extra_table_cols=2)
+        out = paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=21)
+        oracle = attention_steps.dense_attention(q, kc, vc, meta, 0.125, 21)
+        assert (out.float() - oracle.float()).abs().max().item() < ATOL[dtype]
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=0)
+
+
 def test_decode_num_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.triton_attention as ta
 
@@ -212,13 +254,16 @@ for dt in ("bf16", "fp32"):
     ptrs.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", part_acc_ptr="*fp32",
                 part_m_ptr="*fp32", part_l_ptr="*fp32", scale_log2e="fp32")
     common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                  BF16_WORKAROUND=False)
+                  BF16_WORKAROUND=False, USE_WINDOW=False)
     for splits in (1, 4):
         compile_kernel(K.paged_decode_kernel, ptrs, dict(common, GROUP=4, BLOCK_H=16, NUM_SPLITS=splits))
     compile_kernel(K.paged_decode_reduce_kernel, ptrs, dict(HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128))
     # num_requests == 1 is specialized to a constexpr at launch: the binary search must still compile.
     for extra in ({}, {"num_requests": 1}):
         compile_kernel(K.paged_prefill_kernel, ptrs, dict(common, GROUP=3, BLOCK_M=64, BLOCK_Q=21, **extra))
+    if dt == "bf16":  # the sliding-window variants (Mistral): split-K decode and the prefill kernel
+        compile_kernel(K.paged_decode_kernel, ptrs, dict(common, GROUP=4, BLOCK_H=16, NUM_SPLITS=4, USE_WINDOW=True))
+        compile_kernel(K.paged_prefill_kernel, ptrs, dict(common, GROUP=3, BLOCK_M=64, BLOCK_Q=21, USE_WINDOW=True))
 print("compiled")
 """
 
@@ -256,3 +301,23 @@ def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_qu
         outs[backend] = tiny.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert all(o.num_prompt_tokens > 48 for o in outs["torch"])  # every prompt was prefilled in chunks
     assert [o.output_token_ids for o in outs["triton"]] == [o.output_token_ids for o in outs["torch"]]
+
+
+def test_tiny_mistral_on_the_triton_backend_matches_hf(gguf_path: str, gsm8k_questions: list[str]) -> None:
+    # The sliding window through the whole engine on the Triton kernels (chunked prefill: chunks of 40 tokens,
+    # longer than the 24-token window; decode), greedy tokens against HF transformers' MistralForCausalLM. Fewer
+    # prompts and tokens than test_sliding_window.py's parity test: the interpreter runs every program in Python.
+    pytest.importorskip("transformers")
+    from tiny_mistral import build_hf_mistral, mismatches, our_engine
+
+    from engine import EngineConfig, SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(gguf_path)
+    hf = build_hf_mistral(49152, 1, tokenizer.eos_token_id)
+    cfg = EngineConfig(device=DEVICE, dtype="float32", block_size=8, max_num_batched_tokens=40,
+                       attention_backend="triton", enforce_eager=True)
+    engine = our_engine(hf, tokenizer, cfg)
+    assert engine.runner.attn_fn is paged_attention_triton
+    outs = engine.generate(gsm8k_questions[:4], SamplingParams(max_tokens=12, temperature=0.0))
+    assert not mismatches(outs, hf, 1)
