@@ -15,8 +15,8 @@ from rich.table import Table
 
 from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
-from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.interrupt import ClientInterrupt
+from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError, storage_error
+from jobs.interrupt import ClientInterrupt, run_or_exit_on_signal
 from jobs.options import job_options
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
@@ -140,10 +140,17 @@ def _print_forecast(spec: JobSpec, as_json: bool) -> None:
     """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
     from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
 
+    def interrupted(name: str) -> None:
+        err.print(f"interrupted by {name}: the dry run stopped; it wrote nothing")
+
     try:
-        fc = forecast_job(spec)
+        fc = run_or_exit_on_signal(lambda: forecast_job(spec), interrupted)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := storage_error(e, spec.output)) is None:
+            raise
+        raise _fail(failure, failure.exit_code) from e
     if as_json:
         print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict()}))
         return
@@ -186,6 +193,11 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
         err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
                   f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
         raise typer.Exit(interrupt.exit_code) from e
+    except Exception as e:
+        if (failure := storage_error(e, spec.output)) is None:
+            raise
+        reporter.stop()
+        raise _fail(failure, failure.exit_code) from e
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")

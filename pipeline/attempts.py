@@ -137,10 +137,14 @@ class Heartbeat:
 
 
 def read_record(fs: AbstractFileSystem, path: str) -> dict[str, Any]:
-    """An attempt record or checkpoint marker; {} when it is missing or cut short (a local write cut by a crash:
-    create-only local writes claim the name atomically but do not write the content atomically)."""
+    """An attempt record or checkpoint marker; {} when it is missing, or (with a warning) cut short: local writes
+    are atomic now (pipeline.storage), but a record of an older version may have been cut by a crash or a full disk.
+    An unreadable record is skipped, never a lock."""
     try:
         record = read_json(fs, path)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        log.warning("skipping the unreadable record %s: %s", path, e)
         return {}
     return record if isinstance(record, dict) else {}
