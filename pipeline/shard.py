@@ -35,7 +35,7 @@ from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
 from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
-from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
+from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table, retry_transient
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -269,9 +269,9 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
             try:
                 end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
                             gpu_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-            except Exception as record_error:  # the shard's own error is the one to raise
-                log.warning("shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt,
-                            record_error)
+            except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
+                (log.debug if is_no_space(record_error) else log.warning)(
+                    "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
             raise
 
 
@@ -355,5 +355,6 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
                     gpu_s=time.monotonic() - t0, reason=reason)
     except Exception as e:  # without it the next attempt estimates this one's time instead
-        log.warning("shard %s: could not record interrupted attempt %d: %s", shard_id, attempt, e)
+        (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
+                                                        shard_id, attempt, e)
     raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

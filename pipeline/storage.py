@@ -178,7 +178,7 @@ def no_space_left(path: str, needed: int) -> NoSpaceLeft:
         free, block = 0, 4096
     # A file takes whole blocks; ask for this write plus a block per record a shard still writes (marker, results,
     # accounting, attempt records), so a rerun gets past the next commits too.
-    need = max(needed + 8 * block - free, block)
+    need = max(-(-(needed + 8 * block - free) // block) * block, block)
     return NoSpaceLeft(errno.ENOSPC, f"no space left on the device of OUTPUT ({folder}: {free:,} bytes free, a "
                                      f"{needed:,}-byte write failed): free {need:,} bytes or more and rerun the same "
                                      "command (what is committed stays)")
