@@ -24,8 +24,8 @@ from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, job_spec_json_schem
 
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
-               "unfinished and no run holds it, 130 / 143 interrupted by SIGINT / SIGTERM (committed rows kept; run "
-               "again to resume).")
+               "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
+               "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
 
 app = typer.Typer(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
