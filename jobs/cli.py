@@ -18,6 +18,7 @@ from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError, storage_error
 from jobs.interrupt import ClientInterrupt, run_or_exit_on_signal
 from jobs.options import job_options
+from jobs.preflight import check_store
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, job_spec_json_schema, load_job_spec
@@ -136,6 +137,12 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _storage_fail(e: Exception, output: str) -> typer.Exit | None:
+    """One line and its exit code for a storage failure (jobs.errors.storage_error); None for other errors."""
+    failure = storage_error(e, output)
+    return None if failure is None else _fail(failure, failure.exit_code)
+
+
 def _print_forecast(spec: JobSpec, as_json: bool) -> None:
     """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
     from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
@@ -148,9 +155,9 @@ def _print_forecast(spec: JobSpec, as_json: bool) -> None:
     except JobError as e:
         raise _fail(e, e.exit_code) from e
     except Exception as e:
-        if (failure := storage_error(e, spec.output)) is None:
+        if (failure := _storage_fail(e, spec.output)) is None:
             raise
-        raise _fail(failure, failure.exit_code) from e
+        raise failure from e
     if as_json:
         print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict()}))
         return
@@ -194,10 +201,10 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
                   f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
         raise typer.Exit(interrupt.exit_code) from e
     except Exception as e:
-        if (failure := storage_error(e, spec.output)) is None:
-            raise
         reporter.stop()
-        raise _fail(failure, failure.exit_code) from e
+        if (failure := _storage_fail(e, spec.output)) is None:
+            raise
+        raise failure from e
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
@@ -313,9 +320,14 @@ def status(
     4 cancelled, 5 unfinished and no run holds it (submit it again to resume).
     """
     try:
+        check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         st = job_status(output)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := _storage_fail(e, output)) is None:
+            raise
+        raise failure from e
     if as_json:
         print(json.dumps(st.as_dict()))
     else:
@@ -333,9 +345,14 @@ def cancel(
     run or submit refuses the job (exit 4) unless --resume. Exit 0, or 2 when no job ever started at OUTPUT.
     """
     try:
+        check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         message = cancel_job(output, reason)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := _storage_fail(e, output)) is None:
+            raise
+        raise failure from e
     err.print(message)
 
 
