@@ -115,9 +115,9 @@ def create_file(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write `data` to `path` unless it exists, in one create-only call (no retries; see commit_table). Returns
     True if this call created it, False if it was already there. Creates missing parent folders where folders exist.
     Locally the write is atomic (the module docstring). Raises NoSpaceLeft when the device is full."""
-    if not is_object_store(fs):
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     try:
+        if not is_object_store(fs):
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         if isinstance(fs, LocalFileSystem):
             _create_local(path, data)
         else:
