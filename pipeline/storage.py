@@ -115,9 +115,14 @@ def create_file(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write `data` to `path` unless it exists, in one create-only call (no retries; see commit_table). Returns
     True if this call created it, False if it was already there. Creates missing parent folders where folders exist.
     Locally the write is atomic (the module docstring). Raises NoSpaceLeft when the device is full."""
-    try:
-        if not is_object_store(fs):
+    if not is_object_store(fs):
+        try:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        except OSError as e:  # NOTE: not in the try below: a file in the folder's place is no "already committed"
+            if is_no_space(e):
+                raise no_space_left(path, len(data)) from e
+            raise
+    try:
         if isinstance(fs, LocalFileSystem):
             _create_local(path, data)
         else:
