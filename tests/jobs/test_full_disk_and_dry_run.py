@@ -103,3 +103,16 @@ def test_ctrl_c_during_a_dry_run_exits_130_at_once(rows: Path, tmp_path: Path, t
     assert proc.returncode == 130, stderr
     assert stderr.strip() == "interrupted by SIGINT: the dry run stopped; it wrote nothing"
     assert stdout == "" and not out.exists()
+
+
+def test_a_local_write_that_does_not_fit_leaves_nothing_and_says_how_much_to_free(small_disk: Path) -> None:
+    from pipeline.storage import NoSpaceLeft, commit_json, create_file, output_fs
+
+    fs, root = output_fs(str(small_disk / "out"))
+    assert commit_json(fs, f"{root}/_lease/000000000000.json", {"holder": "a"})
+    free = os.statvfs(small_disk).f_bavail * PAGE
+    with pytest.raises(NoSpaceLeft, match=r"no space left on the device of OUTPUT .*: free [\d,]+ bytes or more"):
+        create_file(fs, f"{root}/results/x.parquet", b"\1" * (free + PAGE))
+    assert sorted(p.name for p in (small_disk / "out").rglob("*") if p.is_file()) == ["000000000000.json"]
+    assert not create_file(fs, f"{root}/_lease/000000000000.json", b"{}")  # create-only still: never overwritten
+    assert (small_disk / "out" / "_lease" / "000000000000.json").read_text() == '{\n "holder": "a"\n}'
