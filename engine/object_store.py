@@ -17,10 +17,18 @@ _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.EAGAIN, errno.ETIMEDOUT
                      errno.ECONNABORTED, errno.ECONNREFUSED, errno.EPIPE}
 
 
+def is_no_space(exc: BaseException) -> bool:
+    """True when `exc` is a full device (ENOSPC, EDQUOT: a quota is a full disk for this user)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors worth retrying (throttling, 5xx, timeouts, connection resets); False for answers that
-    a retry cannot change (exists, not found, access denied, a corrupt file)."""
+    a retry cannot change (exists, not found, access denied, a corrupt file, a full disk, an object replaced since it
+    was opened)."""
     if isinstance(exc, FileExistsError | FileNotFoundError | PermissionError | IsADirectoryError):
+        return False
+    if is_no_space(exc) or type(exc).__name__ == "FileExpired":  # s3fs's FileExpired says EBUSY, but it is final
         return False
     if isinstance(exc, TimeoutError | ConnectionError):
         return True

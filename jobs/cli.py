@@ -15,17 +15,18 @@ from rich.table import Table
 
 from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
-from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.interrupt import ClientInterrupt
+from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError, storage_error
+from jobs.interrupt import ClientInterrupt, run_or_exit_on_signal
 from jobs.options import job_options
+from jobs.preflight import check_store
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, job_spec_json_schema, load_job_spec
 
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
-               "unfinished and no run holds it, 130 / 143 interrupted by SIGINT / SIGTERM (committed rows kept; run "
-               "again to resume).")
+               "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
+               "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
 
 app = typer.Typer(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
@@ -136,14 +137,27 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _storage_fail(e: Exception, output: str) -> typer.Exit | None:
+    """One line and its exit code for a storage failure (jobs.errors.storage_error); None for other errors."""
+    failure = storage_error(e, output)
+    return None if failure is None else _fail(failure, failure.exit_code)
+
+
 def _print_forecast(spec: JobSpec, as_json: bool) -> None:
     """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
     from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
 
+    def interrupted(name: str) -> None:
+        err.print(f"interrupted by {name}: the dry run stopped; it wrote nothing")
+
     try:
-        fc = forecast_job(spec)
+        fc = run_or_exit_on_signal(lambda: forecast_job(spec), interrupted)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := _storage_fail(e, spec.output)) is None:
+            raise
+        raise failure from e
     if as_json:
         print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict()}))
         return
@@ -186,6 +200,11 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
         err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
                   f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
         raise typer.Exit(interrupt.exit_code) from e
+    except Exception as e:
+        reporter.stop()
+        if (failure := _storage_fail(e, spec.output)) is None:
+            raise
+        raise failure from e
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
@@ -301,9 +320,14 @@ def status(
     4 cancelled, 5 unfinished and no run holds it (submit it again to resume).
     """
     try:
+        check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         st = job_status(output)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := _storage_fail(e, output)) is None:
+            raise
+        raise failure from e
     if as_json:
         print(json.dumps(st.as_dict()))
     else:
@@ -321,9 +345,14 @@ def cancel(
     run or submit refuses the job (exit 4) unless --resume. Exit 0, or 2 when no job ever started at OUTPUT.
     """
     try:
+        check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         message = cancel_job(output, reason)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    except Exception as e:
+        if (failure := _storage_fail(e, output)) is None:
+            raise
+        raise failure from e
     err.print(message)
 
 

@@ -19,7 +19,7 @@ from distributed import Client, Future, LocalCluster, as_completed
 
 from engine import EngineConfig
 from jobs.control import cancel_record
-from jobs.errors import JobError
+from jobs.errors import EXIT_NO_SPACE, JobError
 from jobs.lease import Lease
 from jobs.plugin import (
     NANNY_CLOSING,
@@ -225,6 +225,11 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 continue
             except Exception as e:  # one failed shard never fails the others
                 row = ShardFailed(f"{type(e).__name__}: {e}")
+            if isinstance(row, ShardFailed) and row.no_space:
+                # Not the shard's fault and not a preemption: every other shard would fail the same way. Stop here;
+                # the rerun after freeing space resumes from what is committed.
+                client.cancel(list(futures))
+                raise JobError(row.error, exit_code=EXIT_NO_SPACE)
             if isinstance(row, ShardFailed):
                 summary.fail(shard.shard_id, row.error, attempts_claimed(output_url, shard.shard_id))
                 progress.finish(shard.shard_id, shard.num_rows, 0)

@@ -1,4 +1,5 @@
-"""Ctrl-C (SIGINT) and SIGTERM to `tokenmill run` / `submit`: stop the job cleanly instead of dying mid-commit.
+"""Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal, a dying ssh session) to `tokenmill run` / `submit`: stop
+the job cleanly instead of dying mid-commit. SIGHUP is left alone where it is ignored (`nohup tokenmill run ...`).
 
 The first signal takes the path of `tokenmill cancel`: it commits OUTPUT/_CANCEL, so running shards commit their
 finished rows and stop, and queued ones do not start; the run then returns as a cancelled one, releasing its lease.
@@ -10,23 +11,27 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from jobs.control import cancel_job, cancel_record, resume_cancelled
 from jobs.errors import JobError
 from pipeline.manifest import read_manifest
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class ClientInterrupt:
-    """Context manager that turns SIGINT/SIGTERM into a cancel of the job at `output_url` (see the module docstring).
+    """Context manager that turns SIGINT/SIGTERM/SIGHUP into a cancel of the job at `output_url` (see the module
+    docstring).
 
     Attributes:
         signum: the first signal received, or None.
-        exit_code: 128 + signum (130 SIGINT, 143 SIGTERM), the shell's convention; 0 when no signal came.
+        exit_code: 128 + signum (130 SIGINT, 143 SIGTERM, 129 SIGHUP), the shell's convention; 0 when no signal
+            came.
     """
 
     def __init__(self, output_url: str) -> None:
@@ -73,9 +78,48 @@ class ClientInterrupt:
     def __enter__(self) -> ClientInterrupt:
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
-                self._previous[s] = signal.signal(s, self._handle)
+                if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                    self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for s, previous in self._previous.items():
             signal.signal(s, previous)
+
+
+T = TypeVar("T")
+
+
+def run_or_exit_on_signal(fn: Callable[[], T], on_signal: Callable[[str], None]) -> T:
+    """Run `fn` (work that writes nothing, e.g. a --dry-run forecast) in a thread and return what it returns (or raise
+    what it raises); SIGINT, SIGTERM or SIGHUP exits the process at once with 128 + the signal's number, after
+    `on_signal(signal name)` (one line for the user). The main thread only waits, so a signal is acted on within
+    0.2 s however long a torch or store call in `fn` blocks: Python runs handlers on the main thread only."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the main thread
+            result["error"] = e
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        on_signal(signal.Signals(signum).name)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)  # NOTE: nothing to commit or release; the worker thread may be inside torch
+
+    thread = threading.Thread(target=work, name="tokenmill-dry-run", daemon=True)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, handle) for s in HANDLED if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

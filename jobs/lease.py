@@ -20,13 +20,15 @@ Race windows, honestly:
 - So the lease is an efficiency guard, not what makes results correct: every object under OUTPUT is created once
   at a deterministic key, so two runs that overlap for a while commit the same shards once each and waste time,
   never data.
-- A short local record (a crash mid-write; local create-only claims a name atomically but writes it after) counts
-  as held until its file's modification time + TTL.
+- Local records are written atomically (pipeline.storage), so no run leaves a short one; one that does not parse
+  anyway (a record of an older version cut by a crash or a full disk) is skipped with a warning: it holds nothing,
+  and the next claim goes above it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -42,7 +44,9 @@ from fsspec import AbstractFileSystem
 from jobs.errors import EXIT_LEASE_HELD, JobError
 from pipeline.layout import lease_dir, lease_path, parse_lease_seq
 from pipeline.preemption import env_seconds
-from pipeline.storage import commit_json, list_folder, modified_at, output_fs, read_json
+from pipeline.storage import commit_json, list_folder, output_fs, read_json
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
 TTL_ENV = "TOKENMILL_LEASE_TTL_S"
@@ -107,37 +111,43 @@ def _listing(fs: AbstractFileSystem, root: str) -> dict[int, dict[str, Any]]:
     return {s: e for e in list_folder(fs, lease_dir(root)) if (s := parse_lease_seq(e["name"])) is not None}
 
 
-def _read_record(fs: AbstractFileSystem, root: str, seq: int, info: dict[str, Any] | None,
-                 ttl_s: float) -> LeaseRecord | None:
-    """Record `seq`, or None if it was deleted since the listing. A record that does not parse (a local write cut
-    by a crash) counts as held by an unknown run until its modification time + ttl_s."""
+def _read_record(fs: AbstractFileSystem, root: str, seq: int) -> LeaseRecord | None:
+    """Record `seq`, or None (with a warning) when it does not parse: a record cut short by a full disk or a crash
+    under an older version (writes are atomic now) holds nothing. Raises FileNotFoundError when it was deleted since
+    the listing."""
+    path = lease_path(root, seq)
     try:
-        doc = read_json(fs, lease_path(root, seq))
+        doc = read_json(fs, path)
         return LeaseRecord(str(doc["holder"]), int(doc["seq"]), float(doc["acquired_at"]), float(doc["expires_at"]),
                            bool(doc.get("released", False)))
-    except FileNotFoundError:
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("skipping the unreadable lease record %s (%s: %s); it holds nothing", path, type(e).__name__, e)
         return None
-    except (ValueError, KeyError, TypeError):
-        mtime = modified_at(info or {}) or time.time()
-        return LeaseRecord("<unreadable lease record>", seq, mtime, mtime + ttl_s)
 
 
-def newest_record(output_url: str, ttl_s: float | None = None) -> LeaseRecord | None:
-    """The newest lease record under OUTPUT (active or not), or None when no run ever took the lease."""
+def newest_record(output_url: str) -> LeaseRecord | None:
+    """The newest readable lease record under OUTPUT (active or not), or None when no run ever took the lease."""
     fs, root = fsspec.core.url_to_fs(output_url)
-    return _newest(fs, root, ttl_s or default_ttl_s())
+    return _newest(fs, root)[0]
 
 
-def _newest(fs: AbstractFileSystem, root: str, ttl_s: float) -> LeaseRecord | None:
+def _newest(fs: AbstractFileSystem, root: str) -> tuple[LeaseRecord | None, int]:
+    """(the newest readable record or None, the highest seq listed or -1): unreadable records are skipped (with a
+    warning), and the next record claimed must be above every listed one."""
+    top = -1
     for _ in range(3):  # a record deleted between the listing and the read: list again
         listing = _listing(fs, root)
         if not listing:
-            return None
-        seq = max(listing)
-        record = _read_record(fs, root, seq, listing[seq], ttl_s)
-        if record is not None:
-            return record
-    return None
+            return None, -1
+        top = max(listing)
+        try:
+            for seq in sorted(listing, reverse=True):
+                if (record := _read_record(fs, root, seq)) is not None:
+                    return record, top
+        except FileNotFoundError:
+            continue
+        return None, top
+    return None, top
 
 
 class Lease:
@@ -171,14 +181,18 @@ class Lease:
         if commit_json(self.fs, lease_path(self.root, seq), asdict(mine)):
             return mine
         # Taken, by another run or by an earlier try of this very commit whose response was lost.
-        return _read_record(self.fs, self.root, seq, None, self.ttl_s) or mine
+        try:
+            taken = _read_record(self.fs, self.root, seq)
+        except FileNotFoundError:
+            return mine
+        return taken or LeaseRecord("<unreadable lease record>", seq, now, now + self.ttl_s)
 
     def acquire(self) -> LeaseRecord:
         """Take the lease. Raises LeaseHeld when another run holds it (or wins the race for it)."""
-        newest = _newest(self.fs, self.root, self.ttl_s)
+        newest, top = _newest(self.fs, self.root)
         if newest is not None and newest.active() and newest.holder != self.holder and not holder_gone(newest.holder):
             raise LeaseHeld(self.output_url, newest)
-        record = self._claim(0 if newest is None else newest.seq + 1)
+        record = self._claim(top + 1)
         if record.holder != self.holder:
             raise LeaseHeld(self.output_url, record)
         self.seq, self.expires_at = record.seq, record.expires_at

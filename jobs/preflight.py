@@ -16,17 +16,27 @@ from engine.model_files import check_model_url, hub_model_path, is_hub_id, is_ur
 from engine.quant.folder import CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
 from pipeline.input import absolute_url
+from pipeline.storage import StoreUnreachable, check_bucket, probe_endpoint, unreachable_store
 
 GGUF_MAGIC = b"GGUF"
 
 
 def check_output(output_url: str) -> str:
     """OUTPUT as an absolute fsspec URL, after checking a local OUTPUT can be a folder this process writes: not an
-    existing file, and inside a folder it may create entries in. Object stores are checked by their first write.
-    Raises JobError (exit 2)."""
+    existing file, and inside a folder it may create entries in. On S3, its bucket must exist (tokenmill never
+    creates buckets: a typo must not become one) and the store must answer; other object stores are checked by
+    their first write. Raises JobError (exit 2)."""
     url = absolute_url(output_url)
     fs, path = fsspec.core.url_to_fs(url)
     if not isinstance(fs, LocalFileSystem):
+        try:
+            check_bucket(url)
+        except FileNotFoundError as e:
+            raise JobError(f"OUTPUT {url}: {e}") from None
+        except Exception as e:
+            if (line := unreachable_store(e)) is None:
+                raise
+            raise JobError(f"OUTPUT {url}: {line}") from None
         return url
     if os.path.exists(path) and not os.path.isdir(path):
         raise JobError(f"OUTPUT {path} is an existing file, not a folder; give a folder path (it is created when "
@@ -41,6 +51,17 @@ def check_output(output_url: str) -> str:
         raise JobError(f"OUTPUT {path} is not writable: {what} does not let this user ({_user()}) write in it; "
                        "fix its permissions or give another OUTPUT")
     return url
+
+
+def check_store(url: str | None, what: str) -> None:
+    """Check the object store of `url` (INPUT, --model) answers before any work (pipeline.storage.probe_endpoint);
+    nothing for local paths. Raises JobError (exit 2) naming `what`, the endpoint and the variable that set it."""
+    if url is None or "://" not in url:
+        return
+    try:
+        probe_endpoint(url)
+    except StoreUnreachable as e:
+        raise JobError(f"{what} {url}: {e}") from None
 
 
 def _user() -> str:

@@ -14,10 +14,10 @@ from distributed import get_worker
 from jobs.plugin import WorkerPreempted, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
-from pipeline.input import Shard
+from pipeline.input import InputChanged, Shard
 from pipeline.manifest import InputFile
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
-from pipeline.storage import output_fs
+from pipeline.storage import NoSpaceLeft, output_fs
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5
@@ -26,11 +26,13 @@ RETIRE_WAIT_S = 120.0  # how long a task that lands on a stopping worker waits f
 
 @dataclass(frozen=True)
 class ShardFailed:
-    """What shard_task returns for a shard whose input is the problem (unreadable, or changed since it was pinned):
-    `error` names the file and the fix. Returned, not raised, so the worker does not log a "Compute Failed" traceback
-    for a failure the client reports in words (jobs.cluster)."""
+    """What shard_task returns for a shard whose input is the problem (unreadable, or changed since it was pinned),
+    or whose OUTPUT device is full (`no_space`: the job stops, pipeline.storage.NoSpaceLeft): `error` names the
+    file and the fix. Returned, not raised, so the worker does not log a "Compute Failed" traceback for a failure
+    the client reports in words (jobs.cluster)."""
 
     error: str
+    no_space: bool = False
 
 
 def record_failure(output_url: str, shard_id: str, error: str) -> int:
@@ -47,20 +49,26 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
     Returns the shard's accounting row, or ShardFailed when its input is the problem: the file is no longer the
-    pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError).
+    pinned version (`pinned`, checked first and again as the rows are read: exactly the pinned version is read; a
+    failed attempt is recorded) or cannot be read (run_shard's ShardError); or when OUTPUT's device is full.
     Raises what _run_shard_task raises otherwise.
     """
-    if pinned is not None and (error := pinned.changed()) is not None:
-        record_failure(output_url, shard.shard_id, error)
-        return ShardFailed(f"InputChanged: {error}")
     try:
-        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id)
+        if pinned is not None and (error := pinned.changed()) is not None:
+            record_failure(output_url, shard.shard_id, error)
+            return ShardFailed(f"InputChanged: {error}")
+        version = None if pinned is None or pinned.removed else (pinned.size, pinned.version)
+        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, version)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
+    except InputChanged as e:
+        return ShardFailed(f"InputChanged: {e}")
+    except NoSpaceLeft as e:
+        return ShardFailed(str(e), no_space=True)
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-                    run_id: str) -> dict[str, Any]:
+                    run_id: str, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
     """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
     jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
     worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row.
@@ -85,7 +93,8 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
 
     preemption = get_preemption()
     if preemption is None:
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
+                         pinned=pinned)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -97,7 +106,7 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     try:
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
         return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False)
+                         should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from fsspec import AbstractFileSystem
 
 from pipeline.layout import alive_path, attempts_dir, end_path, parse_attempt_record, start_path
-from pipeline.storage import commit_json, list_folder, modified_at, read_json
+from pipeline.storage import commit_json, is_no_space, list_folder, modified_at, read_json
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +132,21 @@ class Heartbeat:
                 commit_json(self.fs, alive_path(self.root, self.shard_id, self.attempt, now - self.started),
                             {"attempt": self.attempt, "elapsed_s": now - self.started, "at": time.time()})
             except Exception as e:  # a missed heartbeat only shortens the bill of a killed attempt
-                log.warning("shard %s attempt %d: could not record a heartbeat: %s", self.shard_id, self.attempt, e)
+                # (a full disk is said once, by the commit that fails next)
+                (log.debug if is_no_space(e) else log.warning)(
+                    "shard %s attempt %d: could not record a heartbeat: %s", self.shard_id, self.attempt, e)
             last = now
 
 
 def read_record(fs: AbstractFileSystem, path: str) -> dict[str, Any]:
-    """An attempt record or checkpoint marker; {} when it is missing or cut short (a local write cut by a crash:
-    create-only local writes claim the name atomically but do not write the content atomically)."""
+    """An attempt record or checkpoint marker; {} when it is missing, or (with a warning) cut short: local writes
+    are atomic now (pipeline.storage), but a record of an older version may have been cut by a crash or a full disk.
+    An unreadable record is skipped, never a lock."""
     try:
         record = read_json(fs, path)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        log.warning("skipping the unreadable record %s: %s", path, e)
         return {}
     return record if isinstance(record, dict) else {}

@@ -10,7 +10,10 @@ version, rows) under OUTPUT and cuts its shards with `cut_shards`; `plan_shards`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
 import fsspec
 import pyarrow as pa
@@ -20,6 +23,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
 from pipeline.storage import is_transient, retry_transient
+
+
+class InputChanged(RuntimeError):
+    """An input file is no longer the version the job pinned (another size or version, or replaced while it was
+    read). str(): one line naming the file, the two versions and the two ways out."""
 
 
 @dataclass(frozen=True)
@@ -199,3 +207,78 @@ def absolute_url(url: str) -> str:
     directory of the process that reads it (a Dask worker's is not the client's)."""
     fs, path = fsspec.core.url_to_fs(url)
     return fs.unstrip_protocol(path).rstrip("/")
+
+
+def _changed(url: str, pinned: tuple[int, str], now: tuple[int, str] | None,
+             when: str = "since the job pinned it") -> str:
+    was = f"was {pinned[0]} bytes, version {pinned[1]}"
+    is_now = "is gone" if now is None else f"now {now[0]} bytes, version {now[1]}"
+    return f"input changed {when}: {url} {was}; {is_now}. Restore it, or run the new input into a new OUTPUT"
+
+
+@contextmanager
+def open_pinned(url: str, pinned: tuple[int, str] | None) -> Iterator[IO[bytes]]:
+    """Open the input file at `url` for reading exactly the version pinned as `pinned` = (size in bytes, version as
+    file_version gives it), or as it is now when `pinned` is None.
+
+    - Local files: the open file's own fstat must match (size, mtime_ns) and match again after the read (a rename
+      over the path cannot reach an open file; an in-place write changes its mtime).
+    - S3: a HEAD must show the pinned size and ETag; the object is then read by its VersionId when the bucket keeps
+      versions (an overwrite after the check cannot reach the read), else with every ranged GET conditional on the
+      ETag (If-Match; s3fs raises FileExpired on a mismatch).
+    - Other stores: the version is compared before and after the read.
+    Raises InputChanged (a mismatch, before or during the read), FileNotFoundError when it is gone, and what the store
+    raises.
+    """
+    fs, path = fsspec.core.url_to_fs(url)
+    if pinned is None:
+        with fs.open(path, "rb") as f:
+            yield f
+        return
+    pinned = (int(pinned[0]), str(pinned[1]))
+    if isinstance(fs, LocalFileSystem):
+        try:
+            local = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+        except FileNotFoundError:
+            raise InputChanged(_changed(url, pinned, None)) from None
+        with local as f:
+            before = _local_version(f)
+            if before != pinned:
+                raise InputChanged(_changed(url, pinned, before))
+            yield f
+            if (after := _local_version(f)) != before:
+                raise InputChanged(_changed(url, pinned, after, "while it was read"))
+        return
+    if hasattr(fs, "call_s3"):  # s3fs
+        fs.invalidate_cache(path)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise InputChanged(_changed(url, pinned, None)) from None
+        now = (int(info["size"]), str(info.get("ETag")))
+        if now != pinned:
+            raise InputChanged(_changed(url, pinned, now))
+        version_id = info.get("VersionId")
+        if version_id and version_id != "null":
+            versioned = type(fs)(**{**fs.storage_options, "version_aware": True, "skip_instance_cache": True})
+            with versioned.open(path, "rb", version_id=version_id) as f:
+                yield f
+            return
+        with fs.open(path, "rb") as f:
+            etag = getattr(f, "details", {}).get("ETag")
+            if etag is not None and str(etag) != pinned[1]:  # replaced between the HEAD and the open
+                raise InputChanged(_changed(url, pinned, (int(f.size), str(etag))))
+            yield f
+        return
+    before = file_version(fs, path)
+    if before != pinned:
+        raise InputChanged(_changed(url, pinned, before))
+    with fs.open(path, "rb") as f:
+        yield f
+    if (after := file_version(fs, path)) != before:
+        raise InputChanged(_changed(url, pinned, after, "while it was read"))
+
+
+def _local_version(f: IO[bytes]) -> tuple[int, str]:
+    st = os.fstat(f.fileno())
+    return st.st_size, f"mtime_ns:{st.st_mtime_ns}"

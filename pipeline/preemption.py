@@ -1,7 +1,8 @@
 """Stop signals: a spot notice, SIGTERM or `tokenmill cancel` tells a running shard to commit what it has and stop.
 
 Sources, any of which sets a StopSignal:
-- SIGTERM (Kubernetes, systemd, a spot fleet's drain): `install_sigterm_handler(signal_obj)`, from the main thread.
+- SIGTERM (Kubernetes, systemd, a spot fleet's drain) and SIGHUP (a closed terminal):
+  `install_sigterm_handler(signal_obj)`, from the main thread.
 - A notice file: env TOKENMILL_SPOT_NOTICE_FILE names a local path whose existence means stop (a preStop hook or
   a metadata watcher can touch it). Checked at most every 0.5 s.
 - A notice URL: env TOKENMILL_SPOT_NOTICE_URL, e.g. AWS `http://169.254.169.254/latest/meta-data/spot/instance-action`
@@ -194,7 +195,9 @@ class StopSignal:
 
 
 def install_sigterm_handler(stop: StopSignal) -> Any:
-    """Make SIGTERM set `stop` (reason "SIGTERM"); returns the previous handler.
+    """Make SIGTERM set `stop` (reason "SIGTERM"), and SIGHUP too (a closed terminal or a dying ssh session hangs up
+    the whole process group: the shard commits its finished rows as on SIGTERM) unless SIGHUP is ignored (`nohup`);
+    returns the previous SIGTERM handler.
 
     The handler only sets the flag: it neither exits nor chains to the previous handler, so the process lives on
     until run_shard has committed the finished rows and raised ShardInterrupted; the caller then exits (or restores
@@ -202,6 +205,9 @@ def install_sigterm_handler(stop: StopSignal) -> Any:
     handlers): raises ValueError otherwise.
     """
     def handler(signum: int, frame: Any) -> None:
-        stop.set("SIGTERM")
+        stop.set(signal.Signals(signum).name)
 
-    return signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
+    return previous

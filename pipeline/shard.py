@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -32,11 +31,11 @@ from pipeline.accounting import accounting_row, bill_earlier_attempts, read_comm
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
-from pipeline.input import Shard, is_text_type
+from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
 from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
-from pipeline.storage import commit_table, exists_now, output_fs, read_table, retry_transient
+from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table, retry_transient
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -91,9 +90,11 @@ class ShardRows:
 
 
 @retry_transient
-def _read_row_groups(shard: Shard, prompt_column: str, id_column: str) -> tuple[pa.Table, int]:
-    """The row groups of the shard's file that overlap its rows, and the file row of the first one."""
-    with fsspec.open(shard.url, "rb") as f, pq.ParquetFile(f) as pf:
+def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
+                     pinned: tuple[int, str] | None = None) -> tuple[pa.Table, int]:
+    """The row groups of the shard's file that overlap its rows, and the file row of the first one; exactly the
+    `pinned` (size, version) of the file when given (pipeline.input.open_pinned)."""
+    with open_pinned(shard.url, pinned) as f, pq.ParquetFile(f) as pf:
         names = pf.schema_arrow.names
         columns = [prompt_column] + ([id_column] if id_column in names else []) + row_option_columns(names)
         groups, first_row, offset = [], None, 0
@@ -107,19 +108,26 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str) -> tuple[
     return table, first_row or 0
 
 
-def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False) -> ShardRows:
+def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False,
+               pinned: tuple[int, str] | None = None) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
     Ids are the id column's values as text (a null id stays null: results carry input_file and input_row, which
     name every row), or row positions in the file when the file has no id column. `messages`: the prompt column
     is a chat messages column; stored as text, each row is parsed as JSON (a row that is not JSON keeps its text
     and becomes an error row in generate_rows). Transient storage errors are retried
-    (pipeline.storage.retry_transient). Raises ShardError (with the file and the reader's message) when the file
-    cannot be read.
+    (pipeline.storage.retry_transient). `pinned`: the (size, version) the job pinned: exactly that version is read.
+    Raises InputChanged when the file is not (or stops being, mid-read) the pinned version, and ShardError (with the
+    file and the reader's message) when the file cannot be read.
     """
     try:
-        table, first_row = _read_row_groups(shard, prompt_column, id_column)
+        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned)
+    except InputChanged:
+        raise
     except Exception as e:  # any reader failure fails this shard with a clear message
+        if type(e).__name__ == "FileExpired":  # s3fs: the object's ETag no longer matches (If-Match failed)
+            raise InputChanged(f"input changed while it was read: {shard.url} was replaced (its ETag no longer "
+                               "matches the pinned one). Restore it, or run the new input into a new OUTPUT") from e
         raise ShardError(f"cannot read {shard.url}: {str(e).rstrip('.')}. Fix or remove the file and run the job "
                          "again") from e
     start = shard.row_start - first_row
@@ -220,7 +228,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
 
 def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
               progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
-              watch_notices: bool = True) -> dict[str, Any]:
+              watch_notices: bool = True, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
 
@@ -238,8 +246,11 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     finished rows are committed at once, retries bounded by TOKENMILL_STOP_DEADLINE_S seconds (default 20), an end
     record is written, and ShardInterrupted is raised.
 
-    Raises ShardError when the input cannot be read (after writing a failed-attempt record with the error),
-    ShardInterrupted when stopped, and what the store raises when a commit fails after retries.
+    `pinned`: the input file's (size, version) as the job pinned it; the rows are read from exactly that version.
+
+    Raises ShardError when the input cannot be read and InputChanged when it is no longer the pinned version (both
+    after writing a failed-attempt record with the error), ShardInterrupted when stopped, and what the store raises
+    when a commit fails after retries (NoSpaceLeft for a full local disk).
     """
     fs, root = output_fs(output_url)
     committed = read_committed_accounting(fs, root, shard.shard_id)
@@ -252,16 +263,16 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
         attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
         try:
             return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, progress, notice,
-                                should_stop)
+                                should_stop, pinned)
         except ShardInterrupted:
             raise
         except Exception as e:
             try:
                 end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
                             gpu_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
-            except Exception as record_error:  # the shard's own error is the one to raise
-                log.warning("shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt,
-                            record_error)
+            except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
+                (log.debug if is_no_space(record_error) else log.warning)(
+                    "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
             raise
 
 
@@ -275,7 +286,7 @@ def _results(merged: pa.Table, shard: Shard) -> pa.Table:
 
 def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
                  cfg: RunConfig, attempt: int, t0: float, progress: ProgressFn | None, notice: StopSignal,
-                 should_stop: Callable[[], bool] | None) -> dict[str, Any]:
+                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
     done_path = results_path(root, shard.shard_id)
     wall_s, generated_tokens = 0.0, 0
     if exists_now(fs, done_path):
@@ -286,7 +297,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         rows_resumed = results.num_rows
     else:
         rows = read_shard(shard, prompt_column, cfg.id_column,
-                          messages=prompt_column == cfg.messages_column != cfg.prompt_column)
+                          messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
         done = committed_rows(fs, committed_parts(fs, root, shard.shard_id))
         todo = [k for k in range(len(rows.ids)) if k not in done]
         rows_resumed = len(rows.ids) - len(todo)
@@ -345,5 +356,6 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
                     gpu_s=time.monotonic() - t0, reason=reason)
     except Exception as e:  # without it the next attempt estimates this one's time instead
-        log.warning("shard %s: could not record interrupted attempt %d: %s", shard_id, attempt, e)
+        (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
+                                                        shard_id, attempt, e)
     raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

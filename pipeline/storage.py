@@ -4,15 +4,24 @@ S3 has no rename, so every object is written once, to its final deterministic ke
 (`open(path, O_CREAT | O_EXCL)` locally, fsspec `pipe_file(..., mode="create")`, i.e. If-None-Match: *, on S3).
 A FileExistsError means an earlier attempt already committed it: nothing committed is ever overwritten.
 
-NOTE: the local create is atomic as a claim (one writer wins the name) but not as a write: a crash mid-write leaves
-a short file. That is why checkpoint parts get a commit marker and readers trust only parts with one.
+Local writes are atomic too: the bytes go to a hidden temporary name beside the target, are fsync'ed, and are then
+hard-linked to the final name (`os.link` fails when the name exists: create-only, one writer wins), so a crash or a
+full disk never leaves a short record under its final name. A full disk is one error, NoSpaceLeft (errno ENOSPC),
+that says how much to free.
+
+Object stores have no folders: nothing here creates one there, and never a bucket (a typo in OUTPUT must not become
+a new bucket; `check_bucket` says it is missing). `unreachable_store` turns a store that cannot be reached into one
+line naming the endpoint and where it was configured.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import io
 import json
 import os
+import uuid
 from typing import Any
 
 import fsspec
@@ -21,35 +30,232 @@ import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
-# The retry policy and object versions live in the engine (its model copies use them too); re-exported here.
+# The retry policy, full-disk test and object versions live in the engine (its model copies use them too);
+# re-exported here.
+from engine.object_store import is_no_space as is_no_space
 from engine.object_store import is_transient as is_transient
 from engine.object_store import modified_at as modified_at
 from engine.object_store import retry_transient
 
+# Protocols of object stores: flat key spaces in buckets, no folders to create (fsspec's makedirs would create the
+# bucket itself).
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "r2"})
+# Where boto and s3fs take an S3 endpoint from, in the order they are honoured.
+S3_ENDPOINT_ENVS = ("FSSPEC_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+class NoSpaceLeft(OSError):
+    """OUTPUT's device is full (errno ENOSPC). str(): one line saying how many bytes to free. Picklable (it crosses
+    from Dask workers to the client as any OSError does)."""
+
+    def __init__(self, errno_: int, message: str) -> None:
+        super().__init__(errno_, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def is_object_store(fs: AbstractFileSystem) -> bool:
+    """True for object stores (S3, GCS, Azure, ...): no folders, and buckets that only their owner creates."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in OBJECT_STORE_PROTOCOLS for p in protocols)
+
 
 def output_fs(url: str) -> tuple[AbstractFileSystem, str]:
-    """Filesystem and protocol-less root path of an OUTPUT URL; creates the folder where folders exist."""
+    """Filesystem and protocol-less root path of an OUTPUT URL; creates the folder where folders exist (never a
+    bucket: on object stores nothing is created here)."""
     fs, root = fsspec.core.url_to_fs(url)
-    fs.makedirs(root, exist_ok=True)
+    if not is_object_store(fs):
+        fs.makedirs(root, exist_ok=True)
     return fs, root.rstrip("/")
+
+
+def check_bucket(url: str) -> None:
+    """Raise FileNotFoundError (one line naming the bucket and the fix) when `url` is on an S3 bucket that does not
+    exist; nothing for other stores and for buckets this user may not look at (403: its first write says more).
+    What the store raises when it cannot be reached propagates (see unreachable_store)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not is_object_store(fs) or not hasattr(fs, "call_s3"):
+        return
+    probe_endpoint(url)
+    bucket = path.split("/", 1)[0]
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the bucket {bucket!r} of {url} does not exist (tokenmill never creates buckets); "
+                                "check its name, or create it first (e.g. `aws s3 mb s3://" + bucket + "`)") from None
+    except PermissionError:
+        return
 
 
 def create_file(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write `data` to `path` unless it exists, in one create-only call (no retries; see commit_table). Returns
-    True if this call created it, False if it was already there. Creates missing parent folders."""
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    True if this call created it, False if it was already there. Creates missing parent folders where folders exist.
+    Locally the write is atomic (the module docstring). Raises NoSpaceLeft when the device is full."""
+    if not is_object_store(fs):
+        try:
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        except OSError as e:  # NOTE: not in the try below: a file in the folder's place is no "already committed"
+            if is_no_space(e):
+                raise no_space_left(path, len(data)) from e
+            raise
     try:
         if isinstance(fs, LocalFileSystem):
-            # fsspec's local "create" mode checks, then writes: two writers could both win. O_EXCL cannot.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            _create_local(path, data)
         else:
             fs.pipe_file(path, data, mode="create")
     except FileExistsError:
         # Also the answer when an earlier try of the same commit landed but its response was lost.
         return False
+    except OSError as e:
+        if is_no_space(e):
+            raise no_space_left(path, len(data)) from e
+        raise
     return True
+
+
+def _create_local(path: str, data: bytes) -> None:
+    """Atomic create-only write: temporary name, fsync, hard link to `path` (FileExistsError when taken), so `path`
+    either does not exist or holds all of `data`. The temporary file is removed whatever happens."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # NOTE: link, not rename: rename would replace a committed object
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # A filesystem without hard links (some FUSE and SMB mounts): claim the name with O_EXCL and write it;
+            # atomic as a claim only, as readers of checkpoint parts allow (they trust commit markers).
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(out, "wb") as f:
+                f.write(data)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    try:  # the new name itself survives a power cut only once its folder is on disk
+        dfd = os.open(folder or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse a folder fsync; the data itself is synced
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def no_space_left(path: str, needed: int) -> NoSpaceLeft:
+    """The one-line error for a write of `needed` bytes to `path` that found its device full."""
+    folder = os.path.dirname(path) or "."
+    try:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+        block = st.f_frsize or 4096
+    except OSError:
+        free, block = 0, 4096
+    # A file takes whole blocks; ask for this write plus a block per record a shard still writes (marker, results,
+    # accounting, attempt records), so a rerun gets past the next commits too.
+    need = max(-(-(needed + 8 * block - free) // block) * block, block)
+    return NoSpaceLeft(errno.ENOSPC, f"no space left on the device of OUTPUT ({folder}: {free:,} bytes free, a "
+                                     f"{needed:,}-byte write failed): free {need:,} bytes or more and rerun the same "
+                                     "command (what is committed stays)")
+
+
+class StoreUnreachable(ConnectionError):
+    """An object store's endpoint did not answer (probe_endpoint). str(): one line naming the endpoint, the setting it
+    came from and the fix."""
+
+
+# probe_endpoint: tries, seconds each connect may take, seconds between tries (worst case ~8 s in all).
+PROBE_TRIES, PROBE_TIMEOUT_S, PROBE_WAIT_S = 3, 2.0, 0.5
+
+
+def probe_endpoint(url: str) -> None:
+    """Before any work on an S3 URL whose endpoint is configured (FSSPEC_S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3,
+    AWS_ENDPOINT_URL, or the filesystem's endpoint_url), check that something listens there: a TCP connect,
+    PROBE_TRIES tries. Without it, botocore's own retries take 10-30 s to fail, with a long traceback. Nothing for
+    other URLs or AWS's default endpoints (reached through DNS, their errors are botocore's). Raises
+    StoreUnreachable."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    fs, _ = fsspec.core.url_to_fs(url)
+    if not hasattr(fs, "call_s3"):
+        return
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+    env = next((name for name in S3_ENDPOINT_ENVS if os.environ.get(name) and (
+        not endpoint or os.environ[name] == endpoint)), None)
+    if env is not None:
+        endpoint, source = os.environ[env], f"set by {env}={os.environ[env]}"
+    elif endpoint:
+        source = "the endpoint_url of the fsspec configuration"
+    else:
+        return
+    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    error: OSError | None = None
+    for attempt in range(PROBE_TRIES):
+        try:
+            socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT_S).close()
+            return
+        except OSError as e:
+            error = e
+            if attempt + 1 < PROBE_TRIES:
+                time.sleep(PROBE_WAIT_S * (attempt + 1))
+    reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+    raise StoreUnreachable(f"cannot reach the object store at {parts.scheme}://{parts.netloc} ({source}): {reason} "
+                           f"({PROBE_TRIES} tries). Check that the endpoint is right and up, or unset the variable to "
+                           "use the store's default endpoint")
+
+
+def unreachable_store(exc: BaseException) -> str | None:
+    """One line for an object store that cannot be reached (connection refused, DNS, connect timeout): the endpoint
+    and the setting it came from; None for any other error. Looks through the exception's causes."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, StoreUnreachable):
+            return str(e)
+        name = type(e).__name__
+        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                    "ClientConnectorError", "ServerTimeoutError"):
+            endpoint = getattr(e, "kwargs", {}).get("endpoint_url") or str(e)
+            return (f"cannot reach the object store at {_endpoint_of(endpoint)} ({_endpoint_source()}): "
+                    f"{_short(e)}. Check that the endpoint is right and up, or unset the variable to use the "
+                    "store's default endpoint")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _endpoint_of(text: str) -> str:
+    """scheme://host:port of the first URL in `text` (a request URL, or an error message quoting one)."""
+    from urllib.parse import urlsplit
+
+    for token in text.replace('"', " ").replace("'", " ").split():
+        if "://" in token:
+            parts = urlsplit(token)
+            return f"{parts.scheme}://{parts.netloc}"
+    return text
+
+
+def _endpoint_source() -> str:
+    for name in S3_ENDPOINT_ENVS:
+        if os.environ.get(name):
+            return f"set by {name}={os.environ[name]}"
+    return "the default endpoint of the AWS region, or endpoint_url in ~/.aws/config"
+
+
+def _short(e: BaseException) -> str:
+    reason = getattr(e, "kwargs", {}).get("error")
+    text = str(reason if reason is not None else e)
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def table_bytes(table: pa.Table) -> bytes:

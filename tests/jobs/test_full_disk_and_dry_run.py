@@ -1,0 +1,118 @@
+"""A local OUTPUT on a device that fills up mid-job (a real tmpfs, mounted here) and Ctrl-C to `tokenmill run
+--dry-run`, on real `tokenmill run` processes and real GSM8K rows.
+
+Full disk: one line that says how much to free (exit 6), not a traceback or a preemption; no record cut short (local
+writes are atomic: temporary name, fsync, link); the same command after freeing space finishes the job, every row
+once, without waiting for a lease to expire."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = 6
+PAGE = 4096
+
+
+@pytest.fixture()
+def rows(tmp_path: Path, data_dir: Path) -> Path:
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(500, ROWS), path)
+    return path
+
+
+@pytest.fixture()
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs mounted for this test (root only; skipped where mounting is not allowed), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {res.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def _run(rows: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column", "question",
+                           "--max-tokens", "4", "--checkpoint-rows", "2", "--device", "cpu", "--json", *extra],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=out.parent, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_a_full_local_disk_is_one_line_and_the_rerun_after_freeing_space_completes(rows: Path,
+                                                                                    small_disk: Path) -> None:
+    free = os.statvfs(small_disk).f_bavail * PAGE
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (free - 5 * PAGE))  # room for the manifest, the lease and a few records, no more
+    out = small_disk / "out"
+
+    full = _run(rows, out)
+    assert full.returncode == 6, full.stderr
+    lines = [line for line in full.stderr.splitlines() if not line.startswith('{"event"')]
+    assert len(lines) == 1 and lines[0].startswith("error: no space left on the device of OUTPUT"), full.stderr
+    assert "free " in lines[0] and " bytes or more and rerun" in lines[0]
+    left = [p for p in out.rglob("*") if p.is_file()]
+    assert left and not [p for p in left if p.stat().st_size == 0 or ".tmp-" in p.name]  # nothing cut short
+    assert not (out / "_SUCCESS").exists()
+
+    filler.unlink()
+    again = _run(rows, out)
+    assert again.returncode == 0, again.stderr
+    results = pq.read_table(out / "results")
+    assert sorted(results.column("input_row").to_pylist()) == list(range(ROWS))
+    assert (out / "_SUCCESS").exists()
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def test_ctrl_c_during_a_dry_run_exits_130_at_once(rows: Path, tmp_path: Path, tiny_model: str) -> None:
+    """SIGINT while the forecast calibrates (the model loaded, 4096-token rows to generate: minutes of work): exit
+    130 without finishing it, one line, no traceback, nothing written."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column",
+                             "question", "--max-tokens", "4096", "--device", "cpu", "--dry-run", "--model",
+                             tiny_model], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    weights = str(Path(tiny_model) / "model.safetensors")
+    deadline = time.monotonic() + 300
+    while weights not in _maps(proc.pid):  # the forecast has loaded the engine: it is calibrating
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)  # the forecast alone would take minutes here
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == "interrupted by SIGINT: the dry run stopped; it wrote nothing"
+    assert stdout == "" and not out.exists()
+
+
+def test_a_local_write_that_does_not_fit_leaves_nothing_and_says_how_much_to_free(small_disk: Path) -> None:
+    from pipeline.storage import NoSpaceLeft, commit_json, create_file, output_fs
+
+    fs, root = output_fs(str(small_disk / "out"))
+    assert commit_json(fs, f"{root}/_lease/000000000000.json", {"holder": "a"})
+    free = os.statvfs(small_disk).f_bavail * PAGE
+    with pytest.raises(NoSpaceLeft, match=r"no space left on the device of OUTPUT .*: free [\d,]+ bytes or more"):
+        create_file(fs, f"{root}/results/x.parquet", b"\1" * (free + PAGE))
+    assert sorted(p.name for p in (small_disk / "out").rglob("*") if p.is_file()) == ["000000000000.json"]
+    assert not create_file(fs, f"{root}/_lease/000000000000.json", b"{}")  # create-only still: never overwritten
+    assert (small_disk / "out" / "_lease" / "000000000000.json").read_text() == '{\n "holder": "a"\n}'
