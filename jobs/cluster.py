@@ -8,11 +8,12 @@ jobs.runner decides what runs (the pinned input, the lease, the shards still to 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import dask
 from distributed import Client, Future, LocalCluster, as_completed
@@ -30,8 +31,8 @@ from jobs.plugin import (
     default_torch_threads,
     register_engine,
 )
-from jobs.summary import JobProgress, JobSummary
-from jobs.task import PROGRESS_TOPIC, ShardFailed, shard_task
+from jobs.summary import JobProgress, JobSummary, generated_tokens
+from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
 from pipeline.attempts import list_attempts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -123,8 +124,10 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
         cluster = None if opts.scheduler_address else LocalCluster(
-            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=DASHBOARD_ADDRESS,
             silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
+        if cluster is not None:
+            say_dashboard(cluster.dashboard_link)
         try:
             with Client(opts.scheduler_address or cluster) as client:
                 if resources and not wait_for_gpu_worker(client, worker_wait_s()):
@@ -144,6 +147,17 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
         finally:
             if cluster is not None:
                 cluster.close()
+
+
+# The LocalCluster's dashboard: a free port on this machine, so two jobs on one machine never clash over Dask's
+# default 8787 ("Port 8787 is already in use"); say_dashboard tells the user where it is.
+DASHBOARD_ADDRESS = "127.0.0.1:0"
+
+
+def say_dashboard(link: str) -> None:
+    """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing)."""
+    need = "" if importlib.util.find_spec("bokeh") else " (pip install bokeh to see it)"
+    print(f"Dask dashboard of this run: {link}{need}", file=sys.stderr, flush=True)
 
 
 WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
@@ -205,7 +219,9 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 continue
             try:
                 row = fut.result()
-            except (ShardInterrupted, WorkerPreempted) as e:
+                if isinstance(row, ShardStopped):
+                    raise row.error
+            except (ShardInterrupted, WorkerPreempted) as e:  # returned as ShardStopped; raised by older workers
                 summary.interruptions += 1
                 if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
                     _take_out(client, e.worker, own_cluster)
@@ -245,12 +261,6 @@ def attempts_claimed(output_url: str, shard_id: str) -> int:
     except Exception as e:  # a summary count is not worth a second failure
         log.info("could not list the attempts of shard %s: %s", shard_id, e)
         return 0
-
-
-def generated_tokens(row: dict[str, Any]) -> int:
-    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
-    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count."""
-    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
 
 
 def _take_out(client: Client, worker: str, restart: bool) -> None:

@@ -33,6 +33,16 @@ class ShardFailed:
     error: str
 
 
+@dataclass(frozen=True)
+class ShardStopped:
+    """What shard_task returns for a shard that was told to stop and committed its finished rows first: `error` is
+    the ShardInterrupted (a cancel) or WorkerPreempted (its worker's SIGTERM or spot notice) that says how far it
+    got. A stop is an outcome the client handles (jobs.cluster: resubmit, or record the cancel), not a task error:
+    returned rather than raised, the worker logs no "Compute Failed" for every plain cancel."""
+
+    error: ShardInterrupted | WorkerPreempted
+
+
 def record_failure(output_url: str, shard_id: str, error: str) -> int:
     """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`);
     returns its attempt number."""
@@ -43,12 +53,13 @@ def record_failure(output_url: str, shard_id: str, error: str) -> int:
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed:
+               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed | ShardStopped:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
-    Returns the shard's accounting row, or ShardFailed when its input is the problem: the file is no longer the
-    pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError).
-    Raises what _run_shard_task raises otherwise.
+    Returns the shard's accounting row; ShardFailed when its input is the problem: the file is no longer the
+    pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError); ShardStopped
+    when a cancel or its worker's stop signal stopped it (its finished rows committed). Raises what _run_shard_task
+    raises otherwise.
     """
     if pinned is not None and (error := pinned.changed()) is not None:
         record_failure(output_url, shard.shard_id, error)
@@ -57,6 +68,8 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
+    except (ShardInterrupted, WorkerPreempted) as e:
+        return ShardStopped(e)
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
