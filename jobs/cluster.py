@@ -221,7 +221,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 row = fut.result()
                 if isinstance(row, ShardStopped):
                     raise row.error
-            except (ShardInterrupted, WorkerPreempted) as e:  # returned as ShardStopped; raised by older workers
+            except (ShardInterrupted, WorkerPreempted) as e:  # a cancel comes as ShardStopped, a preemption raised
                 summary.interruptions += 1
                 if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
                     _take_out(client, e.worker, own_cluster)

@@ -35,12 +35,14 @@ class ShardFailed:
 
 @dataclass(frozen=True)
 class ShardStopped:
-    """What shard_task returns for a shard that was told to stop and committed its finished rows first: `error` is
-    the ShardInterrupted (a cancel) or WorkerPreempted (its worker's SIGTERM or spot notice) that says how far it
-    got. A stop is an outcome the client handles (jobs.cluster: resubmit, or record the cancel), not a task error:
-    returned rather than raised, the worker logs no "Compute Failed" for every plain cancel."""
+    """What shard_task returns for a shard a cancel (OUTPUT/_CANCEL) stopped after committing its finished rows:
+    `error` is the ShardInterrupted that says how far it got. A cancel is an outcome the client records
+    (jobs.cluster), not a task error: returned rather than raised, the worker logs no "Compute Failed" traceback for
+    every plain cancel. WorkerPreempted (the worker itself is going away) is still raised: an error reaches the
+    scheduler with the task's end, a returned value would be lost with the worker; PreemptionPlugin filters its
+    "Compute Failed" record instead."""
 
-    error: ShardInterrupted | WorkerPreempted
+    error: ShardInterrupted
 
 
 def record_failure(output_url: str, shard_id: str, error: str) -> int:
@@ -58,8 +60,8 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
 
     Returns the shard's accounting row; ShardFailed when its input is the problem: the file is no longer the
     pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError); ShardStopped
-    when a cancel or its worker's stop signal stopped it (its finished rows committed). Raises what _run_shard_task
-    raises otherwise.
+    when a cancel stopped it (its finished rows committed). Raises what _run_shard_task raises otherwise
+    (WorkerPreempted when its worker's stop signal stopped it).
     """
     if pinned is not None and (error := pinned.changed()) is not None:
         record_failure(output_url, shard.shard_id, error)
@@ -68,7 +70,7 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
-    except (ShardInterrupted, WorkerPreempted) as e:
+    except ShardInterrupted as e:
         return ShardStopped(e)
 
 

@@ -6,6 +6,7 @@ not fight over the dashboard port; a rerun's summary keeps its own work apart fr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -153,3 +154,35 @@ def test_a_rerun_reports_its_own_work_apart_from_the_job_totals(tmp_path: Path, 
     assert _this_run(shown) == "4 rows, 20 output tokens generated in 2.0 s wall time (10.0 output tokens/s)"
     assert _this_run(JobSummary(already_done=True)) == "nothing to do: the job had finished"
 
+
+
+def test_a_preempted_shard_logs_no_compute_failed_but_a_real_error_does() -> None:
+    """On a real (in-process) Dask worker with the PreemptionPlugin: a task that raises WorkerPreempted reaches the
+    client as that error, with no "Compute Failed" record in the worker's log; a task that fails for real is still
+    logged."""
+    from distributed import Client, LocalCluster
+
+    from jobs.plugin import WORKER_LOGGER, PreemptionPlugin, WorkerPreempted
+
+    def preempted() -> None:
+        raise WorkerPreempted(2, 3, "tcp://worker", "SIGTERM")
+
+    def broken() -> None:
+        raise ValueError("a real bug")
+
+    records: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(WORKER_LOGGER).addHandler(handler)  # Dask's loggers do not propagate to pytest's
+    try:
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            client.register_plugin(PreemptionPlugin(), name=PreemptionPlugin.name)
+            with pytest.raises(WorkerPreempted):
+                client.submit(preempted, pure=False).result()
+            with pytest.raises(ValueError):
+                client.submit(broken, pure=False).result()
+    finally:
+        logging.getLogger(WORKER_LOGGER).removeHandler(handler)
+    failed = [r for r in records if r.startswith("Compute Failed")]
+    assert len(failed) == 1 and "a real bug" in failed[0]
