@@ -111,9 +111,10 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                    opts: ClusterOptions) -> None:
     """Run the shards `todo` as Dask tasks, with the engine `model` (`engine_config`) resident per worker, on the
     cluster at opts.scheduler_address, or on a LocalCluster of opts.workers processes started (under
-    CLUSTER_CONFIG) and closed here. Each shard's outcome goes into run.summary and run.progress: a failed shard
-    never stops the others; an interrupted one is submitted again, up to MAX_INTERRUPTIONS times; a cancel drops
-    the queued ones; a lost lease stops the waiting. Returns when every shard has an outcome.
+    CLUSTER_CONFIG, its dashboard on a free local port, printed once: say_dashboard) and closed here. Each shard's
+    outcome goes into run.summary and run.progress: a failed shard never stops the others; an interrupted one is
+    submitted again, up to MAX_INTERRUPTIONS times; a cancel drops the queued ones; a lost lease stops the waiting.
+    Returns when every shard has an outcome.
 
     With opts.gpus_per_worker > 0 each shard asks for resources {"GPU": 1}, and the run first waits up to
     worker_wait_s() seconds (0: no wait) for a worker of the cluster that offers one. Raises JobError (exit 2) when

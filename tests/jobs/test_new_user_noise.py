@@ -175,8 +175,8 @@ def test_a_preempted_shard_logs_no_compute_failed_but_a_real_error_does() -> Non
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger(WORKER_LOGGER).addHandler(handler)  # Dask's loggers do not propagate to pytest's
     try:
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
-                Client(cluster) as client:
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
             client.register_plugin(PreemptionPlugin(), name=PreemptionPlugin.name)
             with pytest.raises(WorkerPreempted):
                 client.submit(preempted, pure=False).result()
