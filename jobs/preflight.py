@@ -94,8 +94,9 @@ def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
     The header's key/value pairs are scanned in order and the scan stops once every key is found: models written
     by llama.cpp put the `{arch}.*` hyperparameters before the tokenizer's vocabulary arrays, so this reads a few
     KiB where gguf.GGUFReader parses every field (seconds for a 49k-token vocabulary). Format: the GGUF spec
-    (little-endian, version 2 and 3: uint64 counts and string lengths). Raises ValueError for a file that is not
-    GGUF v2/v3 or whose header is cut short.
+    (little-endian, version 2 and 3: uint64 counts and string lengths). A header this scan does not follow (an
+    array of arrays, a value type newer than the spec) is read with gguf.GGUFReader instead. Raises ValueError for a
+    file that is not GGUF v2/v3 or whose header is cut short.
     """
     found: dict[str, Any] = {}
     with open(path, "rb") as f:
@@ -104,22 +105,41 @@ def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
             raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
         _unpack(f, "<Q")  # tensor count
         for _ in range(_unpack(f, "<Q")):
-            key = f.read(_unpack(f, "<Q")).decode("utf-8", "replace")
+            key = _read_str(f)
             kind = _unpack(f, "<I")
+            if kind not in _GGUF_SCALARS and kind not in (_GGUF_STRING, _GGUF_ARRAY):
+                return _gguf_reader_metadata(path, keys)
             if kind == _GGUF_ARRAY:
                 elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
+                if elem not in _GGUF_SCALARS and elem != _GGUF_STRING:
+                    return _gguf_reader_metadata(path, keys)
                 for _ in range(count) if elem == _GGUF_STRING else ():
                     f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
                 if elem != _GGUF_STRING:
                     f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
                 continue
-            value = f.read(_unpack(f, "<Q")).decode("utf-8", "replace") if kind == _GGUF_STRING else _unpack(
-                f, "<" + _GGUF_SCALARS[kind])
+            value = _read_str(f) if kind == _GGUF_STRING else _unpack(f, "<" + _GGUF_SCALARS[kind])
             if key in keys:
                 found[key] = value
                 if len(found) == len(keys):
                     break
     return found
+
+
+def _gguf_reader_metadata(path: str, keys: set[str]) -> dict[str, Any]:
+    """gguf_metadata's values read by gguf.GGUFReader (every field: slower, for headers the scan does not follow)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    return {k: fields[k].contents() for k in keys if k in fields}
+
+
+def _read_str(f: IO[bytes]) -> str:
+    """A GGUF string: uint64 length, then UTF-8 bytes. Raises ValueError for a length past the end of the file."""
+    length = _unpack(f, "<Q")
+    if length > os.fstat(f.fileno()).st_size - f.tell():
+        raise ValueError("the GGUF header holds a string longer than the file: the file is damaged")
+    return f.read(length).decode("utf-8", "replace")
 
 
 def _unpack(f: IO[bytes], fmt: str) -> Any:

@@ -47,14 +47,19 @@ def _tokenmill(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Co
                           text=True, timeout=WAIT_S)
 
 
-def test_the_gguf_header_scan_reads_what_gguf_reader_reads(gguf_path: str) -> None:
-    """jobs.preflight reads the model's context from the GGUF header alone; the values are GGUFReader's."""
+def test_the_gguf_header_scan_reads_what_gguf_reader_reads(gguf_path: str, tmp_path: Path) -> None:
+    """jobs.preflight reads the model's context from the GGUF header alone; the values are GGUFReader's. A file cut
+    short is a ValueError, not a wrong default."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
     keys = ["llama.context_length", "llama.block_count", "llama.attention.head_count_kv", "general.architecture"]
     assert gguf_metadata(gguf_path, set(keys)) == {k: reader.fields[k].contents() for k in keys}
     assert model_context(gguf_path)["context"] == reader.fields["llama.context_length"].contents() == 8192
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(gguf_path).read_bytes()[:300])
+    with pytest.raises(ValueError, match="cut short"):
+        gguf_metadata(str(cut), set(keys))
 
 
 def test_a_max_model_len_the_model_cannot_honour_is_refused_before_any_work(questions: Path, tmp_path: Path) -> None:
