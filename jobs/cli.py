@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from typing import Annotated, Any
@@ -17,7 +18,7 @@ from jobs import model_commands, output_commands
 from jobs.control import JobStatus, cancel_job, job_status
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError, storage_error
 from jobs.interrupt import ClientInterrupt, run_or_exit_on_signal
-from jobs.options import job_options
+from jobs.options import job_options, options_set_by_env
 from jobs.preflight import check_store
 from jobs.spec import checked_spec, run_spec
 from jobs.summary import JobSummary
@@ -99,11 +100,10 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     tpd = summary.tokens_per_dollar
     for k, v in [
         ("shards ok / failed / stopped", f"{summary.shards_ok} / {len(summary.failed)} / {len(summary.stopped)}"),
-        ("rows ok / error", f"{summary.rows_ok} / {summary.rows_error}"),
-        ("input / output tokens", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
-        ("wall time", f"{summary.wall_s:.1f} s"),
-        ("output tokens/s", f"{summary.output_tokens_per_s:,.1f}"),
-        ("cost", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
+        ("rows ok / error (job)", f"{summary.rows_ok} / {summary.rows_error}"),
+        ("input / output tokens (job)", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
+        ("this run", _this_run(summary)),
+        ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
                                    f"({summary.gpu_s_lost:.1f} device-seconds lost)"),
@@ -115,6 +115,14 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
     _warn_ids(summary)
     _note_repinned(summary)
+
+
+def _this_run(summary: JobSummary) -> str:
+    """What this run did itself, apart from the job's totals (rows earlier runs committed are not its work)."""
+    if summary.already_done:
+        return "nothing to do: the job had finished"
+    return (f"{summary.run_rows:,} rows, {summary.run_output_tokens:,} output tokens generated in "
+            f"{summary.wall_s:.1f} s wall time ({summary.output_tokens_per_s:,.1f} output tokens/s)")
 
 
 def _note_repinned(summary: JobSummary) -> None:
@@ -132,8 +140,8 @@ def _warn_ids(summary: JobSummary) -> None:
                   "the input a unique id column (--id-column)")
 
 
-def _fail(e: Exception, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {escape(str(e))}")
+def _fail(e: Exception, code: int = 2, set_by: dict[str, str] | None = None) -> typer.Exit:
+    err.print(f"[red]error:[/red] {escape(_name_env_vars(str(e), set_by or {}))}")
     return typer.Exit(code)
 
 
@@ -143,7 +151,17 @@ def _storage_fail(e: Exception, output: str) -> typer.Exit | None:
     return None if failure is None else _fail(failure, failure.exit_code)
 
 
-def _print_forecast(spec: JobSpec, as_json: bool) -> None:
+def _name_env_vars(message: str, set_by: dict[str, str]) -> str:
+    """`message` with a note for each option it names (--device) whose value came from an environment variable
+    (`set_by`: option name -> variable) that the message does not name yet: the user must find what to fix."""
+    for name, envvar in set_by.items():
+        flag = "--" + name.replace("_", "-")
+        if envvar not in message and re.search(rf"{re.escape(flag)}(?![\w-])", message):
+            message += f" ({flag} was set by the environment variable {envvar}: fix or unset it)"
+    return message
+
+
+def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None) -> None:
     """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
     from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
 
@@ -153,7 +171,7 @@ def _print_forecast(spec: JobSpec, as_json: bool) -> None:
     try:
         fc = run_or_exit_on_signal(lambda: forecast_job(spec), interrupted)
     except JobError as e:
-        raise _fail(e, e.exit_code) from e
+        raise _fail(e, e.exit_code, set_by) from e
     except Exception as e:
         if (failure := _storage_fail(e, spec.output)) is None:
             raise
@@ -177,15 +195,16 @@ def _print_forecast(spec: JobSpec, as_json: bool) -> None:
 
 
 def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | None = None,
-             dry_run: bool = False) -> None:
+             dry_run: bool = False, set_by: dict[str, str] | None = None) -> None:
     """Run a spec with progress on stderr and the summary on stdout; exit with the job's code. `dry_run`: print
-    the job's forecast instead and write nothing."""
+    the job's forecast instead and write nothing. `set_by`: the options whose values came from environment
+    variables (jobs.options.options_set_by_env), named in errors."""
     try:
         spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
     except JobError as e:
-        raise _fail(e, e.exit_code) from e
+        raise _fail(e, e.exit_code, set_by) from e
     if dry_run:
-        return _print_forecast(spec, as_json)
+        return _print_forecast(spec, as_json, set_by)
     reporter = _Reporter()
     interrupt = ClientInterrupt(spec.output)
     try:
@@ -195,7 +214,7 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     except (JobError, KeyboardInterrupt) as e:
         reporter.stop()
         if interrupt.signum is None:
-            raise _fail(e, getattr(e, "exit_code", 2)) from e
+            raise _fail(e, getattr(e, "exit_code", 2), set_by) from e
         interrupt.lift()
         err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
                   f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
@@ -234,6 +253,7 @@ _RESUME_HELP = "Go on with a job that was cancelled (`tokenmill cancel`); withou
 @app.command()
 @job_options()
 def run(
+    ctx: typer.Context,
     input: Annotated[str, typer.Argument(help=OPTIONS["input"].field.description)],
     output: Annotated[str, typer.Argument(help=OPTIONS["output"].field.description)],
     resume: Annotated[bool, typer.Option("--resume", help=_RESUME_HELP)] = False,
@@ -247,15 +267,17 @@ def run(
 
     Example: tokenmill run ../shared/data/gsm8k_test.parquet out/ --prompt-column question --limit 64
     """
+    set_by = options_set_by_env(ctx)
     try:
-        spec = JobSpec.from_options("tokenmill run's options", input=input, output=output, **options)
+        spec = JobSpec.from_options("tokenmill run options", set_by, input=input, output=output, **options)
     except JobSpecError as e:
         raise _fail(e) from e
-    _execute(spec, resume, json_summary, metrics_file, dry_run)
+    _execute(spec, resume, json_summary, metrics_file, dry_run, set_by)
 
 
 @app.command()
 def submit(
+    ctx: typer.Context,
     job: Annotated[str, typer.Argument(help="Job spec YAML (see infra/job.example.yaml), a path or fsspec URL.")],
     scheduler: Annotated[str | None, typer.Option(help="Dask scheduler address (tcp://host:8786); overrides the "
                                                        "spec's cluster.scheduler. Default: the spec's, else an "
@@ -278,12 +300,14 @@ def submit(
     except JobSpecError as e:
         raise _fail(e) from e
     overrides = {k: v for k, v in (("scheduler", scheduler), ("output", output)) if v}
+    set_by = options_set_by_env(ctx)
     if overrides:
         try:
-            spec = spec.replace(f"job spec {job!r} with {', '.join(f'--{k}' for k in overrides)}", **overrides)
+            spec = spec.replace(f"job spec {job!r} with {', '.join(f'--{k}' for k in overrides)}", set_by,
+                                **overrides)
         except JobSpecError as e:
             raise _fail(e) from e
-    _execute(spec, resume, json_summary, metrics_file, dry_run)
+    _execute(spec, resume, json_summary, metrics_file, dry_run, set_by)
 
 
 def _print_status(st: JobStatus) -> None:

@@ -8,11 +8,12 @@ jobs.runner decides what runs (the pinned input, the lease, the shards still to 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import dask
 from distributed import Client, Future, LocalCluster, as_completed
@@ -30,8 +31,8 @@ from jobs.plugin import (
     default_torch_threads,
     register_engine,
 )
-from jobs.summary import JobProgress, JobSummary
-from jobs.task import PROGRESS_TOPIC, ShardFailed, shard_task
+from jobs.summary import JobProgress, JobSummary, generated_tokens
+from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
 from pipeline.attempts import list_attempts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -110,9 +111,10 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                    opts: ClusterOptions) -> None:
     """Run the shards `todo` as Dask tasks, with the engine `model` (`engine_config`) resident per worker, on the
     cluster at opts.scheduler_address, or on a LocalCluster of opts.workers processes started (under
-    CLUSTER_CONFIG) and closed here. Each shard's outcome goes into run.summary and run.progress: a failed shard
-    never stops the others; an interrupted one is submitted again, up to MAX_INTERRUPTIONS times; a cancel drops
-    the queued ones; a lost lease stops the waiting. Returns when every shard has an outcome.
+    CLUSTER_CONFIG, its dashboard on a free local port, printed once: say_dashboard) and closed here. Each shard's
+    outcome goes into run.summary and run.progress: a failed shard never stops the others; an interrupted one is
+    submitted again, up to MAX_INTERRUPTIONS times; a cancel drops the queued ones; a lost lease stops the waiting.
+    Returns when every shard has an outcome.
 
     With opts.gpus_per_worker > 0 each shard asks for resources {"GPU": 1}, and the run first waits up to
     worker_wait_s() seconds (0: no wait) for a worker of the cluster that offers one. Raises JobError (exit 2) when
@@ -123,8 +125,10 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
         cluster = None if opts.scheduler_address else LocalCluster(
-            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=DASHBOARD_ADDRESS,
             silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
+        if cluster is not None:
+            say_dashboard(cluster.dashboard_link)
         try:
             with Client(opts.scheduler_address or cluster) as client:
                 if resources and not wait_for_gpu_worker(client, worker_wait_s()):
@@ -144,6 +148,17 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
         finally:
             if cluster is not None:
                 cluster.close()
+
+
+# The LocalCluster's dashboard: a free port on this machine, so two jobs on one machine never clash over Dask's
+# default 8787 ("Port 8787 is already in use"); say_dashboard tells the user where it is.
+DASHBOARD_ADDRESS = "127.0.0.1:0"
+
+
+def say_dashboard(link: str) -> None:
+    """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing)."""
+    need = "" if importlib.util.find_spec("bokeh") else " (pip install bokeh to see it)"
+    print(f"Dask dashboard of this run: {link}{need}", file=sys.stderr, flush=True)
 
 
 WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
@@ -205,7 +220,9 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 continue
             try:
                 row = fut.result()
-            except (ShardInterrupted, WorkerPreempted) as e:
+                if isinstance(row, ShardStopped):
+                    raise row.error
+            except (ShardInterrupted, WorkerPreempted) as e:  # a cancel comes as ShardStopped, a preemption raised
                 summary.interruptions += 1
                 if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
                     _take_out(client, e.worker, own_cluster)
@@ -250,12 +267,6 @@ def attempts_claimed(output_url: str, shard_id: str) -> int:
     except Exception as e:  # a summary count is not worth a second failure
         log.info("could not list the attempts of shard %s: %s", shard_id, e)
         return 0
-
-
-def generated_tokens(row: dict[str, Any]) -> int:
-    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
-    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count."""
-    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
 
 
 def _take_out(client: Client, worker: str, restart: bool) -> None:

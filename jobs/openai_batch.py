@@ -20,6 +20,7 @@ the whole file on one malformed line, and a malformed line must become an error 
 
 from __future__ import annotations
 
+import codecs
 import json
 import uuid
 from collections.abc import Iterable, Iterator
@@ -138,13 +139,15 @@ def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
     return url, {**prompt, **_sampling(body)}
 
 
-def parse_batch_lines(lines: Iterable[str]) -> tuple[pa.Table, str]:
+def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
     """Convert OpenAI batch input lines into the job's input table and the file's endpoint.
 
-    Returns a table with columns id (custom_id; "line-<n>" when a line has none), messages (chat) or prompt
-    (completions), the per-row sampling columns (null where the request does not set them) and request_error (null,
-    or why the line cannot run, naming its line number and the fix). Blank lines are skipped. A repeated custom_id
-    makes the later line an error row. The endpoint is that of the first well-formed line (chat when there is none).
+    `lines` are text, or raw bytes (decoded here as UTF-8, one line at a time: see batch_file_lines). Returns a table
+    with columns id (custom_id; "line-<n>" when a line has none), messages (chat) or prompt (completions), the
+    per-row sampling columns (null where the request does not set them) and request_error (null, or why the line
+    cannot run, naming its line number and the fix). Blank lines are skipped. A line that is not UTF-8 or not JSON
+    is an error row; a repeated custom_id makes the later line an error row. The endpoint is that of the first
+    well-formed line (chat when there is none).
     """
     rows: list[dict[str, Any]] = []
     endpoint: str | None = None
@@ -155,7 +158,12 @@ def parse_batch_lines(lines: Iterable[str]) -> tuple[pa.Table, str]:
         custom_id = f"line-{line_no}"
         try:
             try:
+                if isinstance(line, bytes):
+                    line = line.decode("utf-8")
                 doc = json.loads(line)
+            except UnicodeDecodeError as e:
+                raise _BadRequest(f"not valid UTF-8 (byte {e.start + 1} of the line, {e.object[e.start:e.end]!r}: "
+                                  f"{e.reason}); save the file as UTF-8") from e
             except json.JSONDecodeError as e:
                 raise _BadRequest(f"not valid JSON ({e})") from e
             if isinstance(doc, dict) and isinstance(doc.get("custom_id"), str) and doc["custom_id"]:
@@ -177,15 +185,39 @@ def parse_batch_lines(lines: Iterable[str]) -> tuple[pa.Table, str]:
     return pa.Table.from_pylist(rows, schema=schema), endpoint
 
 
+# Byte order marks of the encodings a JSONL file is not in (UTF-8's own is skipped). UTF-32 first: its LE mark
+# starts with UTF-16's.
+_OTHER_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+               (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def batch_file_lines(f: IO[bytes], url: str) -> Iterator[bytes]:
+    """The lines of a batch file opened in binary, as bytes, for parse_batch_lines to decode one by one: one line of
+    invalid UTF-8 is that line's error row, not the whole file's. A leading UTF-8 byte order mark (what Windows
+    editors write) is skipped. Line ends are \\n, \\r\\n or \\r, as in Python's text mode, so line numbers match
+    an editor's. Raises JobError (exit 2) when the file starts with a UTF-16 or UTF-32 byte order mark: every line
+    would be garbage."""
+    first = True
+    for raw in f:
+        if first:
+            first = False
+            for bom, name in _OTHER_BOMS:
+                if raw.startswith(bom):
+                    raise JobError(f"the OpenAI batch file {url!r} is {name} encoded (it starts with a {name} byte "
+                                   f"order mark); save it as UTF-8 (e.g. `iconv -f {name} -t UTF-8`)")
+            raw = raw.removeprefix(codecs.BOM_UTF8)
+        yield from raw.splitlines() or [raw]
+
+
 def read_batch_file(url: str) -> tuple[pa.Table, str, dict[str, str]]:
     """Parse the OpenAI batch file at `url` (local or fsspec URL): (table, endpoint, source metadata: its URL, size
     and version). Raises JobError (exit 2) when it cannot be read."""
     fs, path = fsspec.core.url_to_fs(url)
     try:
         size, version = file_version(fs, path)
-        with fs.open(path, "rt", encoding="utf-8") as f:
-            table, endpoint = parse_batch_lines(f)
-    except (FileNotFoundError, UnicodeDecodeError) as e:
+        with fs.open(path, "rb") as f:
+            table, endpoint = parse_batch_lines(batch_file_lines(f, url))
+    except FileNotFoundError as e:
         raise JobError(f"cannot read the OpenAI batch file {url!r}: {e}; give a UTF-8 .jsonl file") from e
     if table.num_rows == 0:
         raise JobError(f"the OpenAI batch file {url!r} holds no requests")

@@ -74,3 +74,17 @@ def job_options(*, skip: tuple[str, ...] = ("input", "output")) -> Callable[[Cal
         return wrapper
 
     return decorate
+
+
+def options_set_by_env(ctx: typer.Context) -> dict[str, str]:
+    """Option name -> environment variable, for each option of the command of `ctx` whose value came from its
+    environment variable (TOKENMILL_DEVICE, ...) rather than the command line: errors about such a value name the
+    variable as well as the option."""
+    found = {}
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if getattr(source, "name", None) == "ENVIRONMENT":  # click's ParameterSource (Typer vendors click)
+            envvar = param.envvar if isinstance(param.envvar, str) else next(iter(param.envvar or ()), None)
+            if envvar:
+                found[param.name] = envvar
+    return found

@@ -137,6 +137,20 @@ class WorkerPreempted(RuntimeError):
                 f"{self.rows_in_flight} left for the next attempt")
 
 
+class QuietPreemption(logging.Filter):
+    """Drops the Dask worker's "Compute Failed" record of a task that raised WorkerPreempted: a shard that stopped
+    because its worker is going away is an outcome the client handles (it runs the shard again elsewhere), not an
+    error a user should read a traceback for. Every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("Compute Failed") and len(args) > 3
+                    and str(args[3]).startswith(f"{WorkerPreempted.__name__}("))
+
+
+WORKER_LOGGER = "distributed.worker"  # the logger of Dask's "Compute Failed" records
+
+
 class PreemptionPlugin(WorkerPlugin):
     """Turns a worker's stop notices into a StopSignal that its shards poll, and takes the worker out afterwards.
 
@@ -173,6 +187,8 @@ class PreemptionPlugin(WorkerPlugin):
         if self.sigterm_installed:
             self._previous = install_sigterm_handler(self.stop)
         self.closed = threading.Event()
+        self.quiet = QuietPreemption()
+        logging.getLogger(WORKER_LOGGER).addFilter(self.quiet)
         threading.Thread(target=self._watch, args=(worker,), name="tokenmill-preemption", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
@@ -180,6 +196,7 @@ class PreemptionPlugin(WorkerPlugin):
         # in the time the close leaves instead of being lost with the process.
         self.stop.set("worker closing")
         self.closed.set()
+        logging.getLogger(WORKER_LOGGER).removeFilter(self.quiet)
         if self.sigterm_installed and threading.current_thread() is threading.main_thread():
             import signal
 

@@ -1,5 +1,6 @@
-"""Checks on the client before a job writes anything: OUTPUT and the model, each failing with JobError (exit 2) that
-names the path, the problem and the fix. The input's checks are pipeline.input's (files, columns, column types).
+"""Checks on the client before a job writes anything: OUTPUT, the model, and the engine's limits against the model,
+each failing with JobError (exit 2) that names the path (or option), the problem and the fix. The input's checks
+are pipeline.input's (files, columns, column types).
 
 Paths are made absolute here too: a Dask worker resolves a relative path against its own working directory, not the
 client's, so a relative OUTPUT would put results in one place and _SUCCESS in another.
@@ -7,7 +8,10 @@ client's, so a relative OUTPUT would put results in one place and _SUCCESS in an
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -110,3 +114,152 @@ def check_model(model: str | None) -> str | None:
                        ".gguf model file (e.g. from Hugging Face, or llama.cpp's convert_hf_to_gguf.py), or a folder "
                        "written by `tokenmill quantize`")
     return path
+
+
+# GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): fixed sizes by struct code.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
+    """The scalar metadata values of `keys` in the GGUF file at `path` (those it has), read from its header only.
+
+    The header's key/value pairs are scanned in order and the scan stops once every key is found: models written
+    by llama.cpp put the `{arch}.*` hyperparameters before the tokenizer's vocabulary arrays, so this reads a few
+    KiB where gguf.GGUFReader parses every field (seconds for a 49k-token vocabulary). Format: the GGUF spec
+    (little-endian, version 2 and 3: uint64 counts and string lengths). A header this scan does not follow (an
+    array of arrays, a value type newer than the spec) is read with gguf.GGUFReader instead. Raises ValueError for a
+    file that is not GGUF v2/v3 or whose header is cut short.
+    """
+    found: dict[str, Any] = {}
+    with open(path, "rb") as f:
+        magic, version = f.read(4), _unpack(f, "<I")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+        _unpack(f, "<Q")  # tensor count
+        for _ in range(_unpack(f, "<Q")):
+            key = _read_str(f)
+            kind = _unpack(f, "<I")
+            if kind not in _GGUF_SCALARS and kind not in (_GGUF_STRING, _GGUF_ARRAY):
+                return _gguf_reader_metadata(path, keys)
+            if kind == _GGUF_ARRAY:
+                elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
+                if elem not in _GGUF_SCALARS and elem != _GGUF_STRING:
+                    return _gguf_reader_metadata(path, keys)
+                for _ in range(count) if elem == _GGUF_STRING else ():
+                    f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+                if elem != _GGUF_STRING:
+                    f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
+                continue
+            value = _read_str(f) if kind == _GGUF_STRING else _unpack(f, "<" + _GGUF_SCALARS[kind])
+            if key in keys:
+                found[key] = value
+                if len(found) == len(keys):
+                    break
+    return found
+
+
+def _gguf_reader_metadata(path: str, keys: set[str]) -> dict[str, Any]:
+    """gguf_metadata's values read by gguf.GGUFReader (every field: slower, for headers the scan does not follow)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    return {k: fields[k].contents() for k in keys if k in fields}
+
+
+def _read_str(f: IO[bytes]) -> str:
+    """A GGUF string: uint64 length, then UTF-8 bytes. Raises ValueError for a length past the end of the file."""
+    length = _unpack(f, "<Q")
+    if length > os.fstat(f.fileno()).st_size - f.tell():
+        raise ValueError("the GGUF header holds a string longer than the file: the file is damaged")
+    return f.read(length).decode("utf-8", "replace")
+
+
+def _unpack(f: IO[bytes], fmt: str) -> Any:
+    data = f.read(struct.calcsize(fmt))
+    if len(data) != struct.calcsize(fmt):
+        raise ValueError("the GGUF header ends early: the file is cut short")
+    return struct.unpack(fmt, data)[0]
+
+
+def model_context(model: str | None) -> dict[str, int] | None:
+    """The shape numbers of a local model that bound a request's length: context (tokens), layers, kv_heads,
+    head_dim; None for a remote model (its worker reads it). `model` as check_model returns it (None: the
+    default model). Raises JobError (exit 2) when the file's header cannot be read."""
+    from engine.loader import default_model_path
+
+    if model is not None and "://" in model:
+        return None
+    path = default_model_path() if model is None else model
+    if os.path.isdir(path):
+        with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
+            cfg = json.load(f)["model_config"]
+        return {"context": cfg["max_position_embeddings"], "layers": cfg["num_layers"],
+                "kv_heads": cfg["num_kv_heads"], "head_dim": cfg["head_dim"]}
+    try:
+        arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture", "llama")
+        names = {"context": "context_length", "layers": "block_count", "heads": "attention.head_count",
+                 "kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+                 "hidden": "embedding_length"}
+        meta = gguf_metadata(path, {f"{arch}.{k}" for k in names.values()})
+    except (OSError, ValueError) as e:
+        raise JobError(f"--model {path}: cannot read its GGUF header ({e}); give a complete GGUF file") from e
+    got = {k: meta.get(f"{arch}.{v}") for k, v in names.items()}
+    heads = got["heads"] or 1
+    # The engine's defaults where the file has no value (engine.loader.read_gguf_config).
+    return {"context": int(got["context"] or 2048), "layers": int(got["layers"] or 0),
+            "kv_heads": int(got["kv_heads"] or heads),
+            "head_dim": int(got["head_dim"] or (got["hidden"] or 0) // heads)}
+
+
+def check_device(device: str, scheduler: str | None) -> None:
+    """Refuse a CUDA --device that this machine lacks when the job's workers run here (no --scheduler: an embedded
+    LocalCluster), before any work; without the check every worker fails to load its engine. A cluster's workers
+    are checked where they run. Raises JobError (exit 2) naming the option and the fix."""
+    if scheduler is not None or not device.startswith("cuda"):
+        return
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        have = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
+        raise JobError(f"--device {device}: this machine has {have}, and the job's workers run here (no --scheduler); "
+                       "use --device cpu (or auto), or --scheduler of a Dask cluster with GPU workers")
+
+
+def check_max_model_len(model: str | None, device: str, dtype: str, max_model_len: int | None,
+                        kv_cache_gib: float) -> None:
+    """Refuse a --max-model-len (tokens) the engine could not honour, before any work: more than the model's context
+    (the engine would cut it to the context without a word), or, on the CPU, more tokens than the KV cache of
+    --kv-cache-gib GiB holds (cut to the pool). `model` as check_model returns it; a remote model is checked by its
+    worker. Raises JobError (exit 2) naming the option, the limit and the fix."""
+    if max_model_len is None:
+        return
+    shape = model_context(model)
+    if shape is None:
+        return
+    name = os.path.basename(os.path.normpath(model)) if model else "the default model (SmolLM2-135M-Instruct)"
+    if max_model_len > shape["context"]:
+        raise JobError(f"--max-model-len {max_model_len} is more than the context of {name}, {shape['context']} "
+                       f"tokens; give at most {shape['context']}, or leave it out for "
+                       "the model's context")
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import resolve_device, resolve_dtype
+
+    try:
+        on = resolve_device(device)
+    except ValueError as e:
+        raise JobError(str(e)) from e
+    if on.type != "cpu" or not shape["layers"]:
+        return  # a GPU's pool is sized from its free memory at load
+    block = EngineConfig().block_size
+    size = torch.empty((), dtype=resolve_dtype(dtype, on)).element_size()
+    per_block = 2 * shape["layers"] * block * shape["kv_heads"] * shape["head_dim"] * size
+    pool = int(kv_cache_gib * (1 << 30)) // per_block * block
+    if max_model_len > pool:
+        raise JobError(f"--max-model-len {max_model_len} is more than the KV cache of --kv-cache-gib {kv_cache_gib:g} "
+                       f"holds for {name} ({pool} tokens); raise --kv-cache-gib to at least "
+                       f"{max_model_len * per_block / block / (1 << 30):.3f} or lower --max-model-len")

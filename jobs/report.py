@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jinja2
+import markupsafe
 import matplotlib
 import polars as pl
 
@@ -30,6 +31,11 @@ matplotlib.use("Agg")  # no display: render to SVG in memory
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 MAX_TIME_BINS = 40
+# The per-shard table's columns and types: fixed, so a job with nothing committed (every value null) is still a
+# table of numbers, not of polars' null dtype.
+SHARD_SCHEMA = {"shard_id": pl.String, "state": pl.String, "rows": pl.Int64, "rows_error": pl.Int64,
+                "output_tokens": pl.Int64, "tokens_per_dollar": pl.Float64, "attempts": pl.Int64,
+                "preemptions": pl.Int64, "gpu_s_lost": pl.Float64, "gpu_s_billed": pl.Float64}
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ def read_report_data(output_url: str) -> ReportData:
                pl.DataFrame(schema={"shard_id": pl.String, "error": pl.String}))
     latencies = (pl.concat(latency_frames) if latency_frames else
                  pl.DataFrame(schema={"shard_id": pl.String, "latency_s": pl.Float64}))
-    return ReportData(status, pl.DataFrame(shard_rows, infer_schema_length=None), results, parts, latencies)
+    return ReportData(status, pl.DataFrame(shard_rows, schema=SHARD_SCHEMA), results, parts, latencies)
 
 
 def error_reason(message: str) -> str:
@@ -105,95 +111,124 @@ def _svg(fig: Any) -> str:
     return buf.getvalue()[buf.getvalue().index("<svg"):]  # inline: drop the XML prolog and doctype
 
 
-def _tokens_over_time(parts: pl.DataFrame) -> str:
+def _tokens_over_time(parts: pl.DataFrame) -> str | None:
+    """Committed output tokens/s over time; None when no checkpoint part is committed."""
+    if not parts.height:
+        return None
     fig, ax = plt.subplots(figsize=(8, 3))
-    if parts.height:
-        end = max(float(parts["committed_at"].max()), 1e-3)
-        width = max(end / MAX_TIME_BINS, 1.0)
-        binned = (parts.with_columns((pl.col("committed_at") // width).alias("bin")).group_by("bin")
-                  .agg(pl.col("output_tokens").sum()).sort("bin"))
-        full = pl.DataFrame({"bin": [float(b) for b in range(int(end // width) + 1)]}).join(binned, on="bin",
-                                                                                            how="left").fill_null(0)
-        ax.step(full["bin"] * width + width, full["output_tokens"] / width, where="pre", color="tab:blue")
-        ax.fill_between(full["bin"] * width + width, full["output_tokens"] / width, step="pre", alpha=0.3)
+    end = max(float(parts["committed_at"].max()), 1e-3)
+    width = max(end / MAX_TIME_BINS, 1.0)
+    binned = (parts.with_columns((pl.col("committed_at") // width).alias("bin")).group_by("bin")
+              .agg(pl.col("output_tokens").sum()).sort("bin"))
+    full = pl.DataFrame({"bin": [float(b) for b in range(int(end // width) + 1)]}).join(binned, on="bin",
+                                                                                        how="left").fill_null(0)
+    ax.step(full["bin"] * width + width, full["output_tokens"] / width, where="pre", color="tab:blue")
+    ax.fill_between(full["bin"] * width + width, full["output_tokens"] / width, step="pre", alpha=0.3)
     ax.set(xlabel="seconds since the job's first attempt", ylabel="output tokens/s (committed)",
-           title="Output tokens/s over time")
+           title=TITLES["tokens-over-time"])
     return _svg(fig)
 
 
-def _per_shard_plots(shards: pl.DataFrame) -> tuple[str, str]:
+def _per_shard_bars(shards: pl.DataFrame, title: str, ylabel: str, bars: list[tuple[str, str, str]]) -> str | None:
+    """Bars per shard of the columns `bars` ((column, label, colour), side by side); None when every value is 0 or
+    null: an empty frame says nothing, the page says "none" instead."""
+    if not any(shards[c].fill_null(0).sum() for c, _, _ in bars):
+        return None
     ids = shards["shard_id"].to_list()
-    x = range(len(ids))
     fig, ax = plt.subplots(figsize=(8, 3))
-    ax.bar(x, shards["tokens_per_dollar"].fill_null(0).to_list(), color="tab:green")
-    ax.set(xticks=list(x), ylabel="output tokens per USD", title="Tokens per dollar per shard")
+    width = 0.8 / len(bars)
+    for k, (column, label, colour) in enumerate(bars):
+        ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in range(len(ids))], shards[column].fill_null(0).to_list(),
+               width=width, label=label, color=colour)
+    ax.set(xticks=list(range(len(ids))), ylabel=ylabel, title=title)
     ax.set_xticklabels(ids, rotation=30, ha="right", fontsize=8)
-    tpd = _svg(fig)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3))
-    left.bar([i - 0.2 for i in x], shards["attempts"].to_list(), width=0.4, label="attempts")
-    left.bar([i + 0.2 for i in x], shards["preemptions"].to_list(), width=0.4, label="preemptions", color="tab:red")
-    left.set(xticks=list(x), title="Attempts and preemptions per shard")
-    left.legend()
-    right.bar(x, shards["gpu_s_lost"].to_list(), color="tab:red")
-    right.set(xticks=list(x), ylabel="device-seconds", title="Device-seconds lost to preemption")
-    for a in (left, right):
-        a.set_xticklabels(ids, rotation=30, ha="right", fontsize=8)
-    return tpd, _svg(fig)
+    if len(bars) > 1:
+        ax.legend()
+    return _svg(fig)
 
 
-def _errors_plot(results: pl.DataFrame) -> tuple[str, pl.DataFrame]:
+def _errors_plot(results: pl.DataFrame) -> tuple[str | None, pl.DataFrame]:
+    """Error rows by reason (bars) and the table of them; no plot when no row is an error."""
     errors = (results.filter(pl.col("error").is_not_null())
               .with_columns(pl.col("error").map_elements(error_reason, return_dtype=pl.String).alias("reason"))
               .group_by("reason").len().sort("len", descending=True))
-    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.4 * max(errors.height, 1)))
-    if errors.height:
-        ax.barh(errors["reason"].to_list()[::-1], errors["len"].to_list()[::-1], color="tab:orange")
-    else:
-        ax.text(0.5, 0.5, "no error rows", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlabel="rows", title="Error rows by reason")
+    if not errors.height:
+        return None, errors
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.4 * errors.height))
+    ax.barh(errors["reason"].to_list()[::-1], errors["len"].to_list()[::-1], color="tab:orange")
+    ax.set(xlabel="rows", title=TITLES["errors"])
     return _svg(fig), errors
 
 
-def _latency_plot(latencies: pl.DataFrame) -> str:
-    ok = latencies
+def _latency_plot(latencies: pl.DataFrame) -> str | None:
+    """Latency spread per shard (box plots); None when no latency is recorded."""
+    ids = sorted(latencies["shard_id"].unique().to_list())
+    if not ids:
+        return None
     fig, ax = plt.subplots(figsize=(8, 3))
-    ids = sorted(ok["shard_id"].unique().to_list())
-    if ids:
-        ax.boxplot([ok.filter(pl.col("shard_id") == s)["latency_s"].to_list() for s in ids], tick_labels=ids)
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-    else:
-        ax.text(0.5, 0.5, "no latencies recorded", ha="center", va="center", transform=ax.transAxes)
-    ax.set(ylabel="seconds to the row's last token", title="Latency spread per shard")
+    ax.boxplot([latencies.filter(pl.col("shard_id") == s)["latency_s"].to_list() for s in ids], tick_labels=ids)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.set(ylabel="seconds to the row's last token", title=TITLES["latency"])
     return _svg(fig)
+
+
+# Each plot of the page: its element id and title. A plot with nothing to show is one line "<title>: none".
+TITLES = {"tokens-over-time": "Output tokens/s over time", "tokens-per-dollar": "Tokens per dollar per shard",
+          "attempts": "Attempts and preemptions per shard", "lost": "Device-seconds lost to preemption",
+          "errors": "Error rows by reason", "latency": "Latency spread per shard"}
+
+
+# Column headers of the shards table that differ from the column name with spaces (headers wrap: the table fits).
+_HEADERS = {"shard_id": "shard", "rows_error": "error rows", "tokens_per_dollar": "tokens per USD",
+            "gpu_s_lost": "device-s lost", "gpu_s_billed": "device-s billed"}
+
+
+def _cell(value: Any) -> str:
+    """A table cell: empty for null, thousands separators for numbers (floats to 2 decimals below 100, else 0)."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.2f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 _TEMPLATE = jinja2.Environment(autoescape=True).from_string("""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>tokenmill report: {{ st.output }}</title>
-<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}
-table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 10px;text-align:left}
-th{background:#f3f3f3}figure{margin:1.5em 0}.state-done{color:#080}.state-failed{color:#b00}</style></head>
+<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}
+th{background:#f3f3f3}#shards td,#shards th{text-align:right}#shards td:first-child,#shards th:first-child,
+#shards td:nth-child(2){text-align:left;white-space:nowrap}.scroll{max-width:100%;overflow-x:auto}
+figure{margin:1.5em 0}svg{max-width:100%;height:auto}.none{color:#555}.notice{background:#fff6d5;padding:.6em 1em;
+border:1px solid #e6d48a}.state-done{color:#080}.state-failed{color:#b00}</style></head>
 <body><h1>tokenmill report</h1>
 <p><b>{{ st.output }}</b>: <span class="state-{{ st.state }}" id="state">{{ st.state }}</span>;
 input {{ st.input }} (pinned {{ st.started_at }}); report made {{ made }}.</p>
+{% if not st.rows_committed %}<p class="notice" id="nothing-done">
+Nothing is done yet: no row of the {{ st.rows }} is committed.
+Run or resume the job (<code>tokenmill run</code> / <code>tokenmill submit</code>, the same command) and make the report
+again once shards commit.</p>{% endif %}
 <h2>Totals</h2><table id="totals">{% for k, v in totals %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}
 </table>
-<figure id="tokens-over-time">{{ svgs.time|safe }}</figure>
-<figure id="tokens-per-dollar">{{ svgs.tpd|safe }}</figure>
-<figure id="attempts">{{ svgs.attempts|safe }}</figure>
-<h2>Shards</h2><table id="shards"><tr>{% for c in shards.columns %}<th>{{ c }}</th>{% endfor %}</tr>
-{% for row in shards.iter_rows() %}<tr>{% for v in row %}<td>{{ v if v is not none else "" }}</td>{% endfor %}
-</tr>{% endfor %}</table>
-<figure id="errors">{{ svgs.errors|safe }}</figure>
+{{ plot("tokens-over-time") }}{{ plot("tokens-per-dollar") }}{{ plot("attempts") }}{{ plot("lost") }}
+<h2>Shards</h2><div class="scroll"><table id="shards"><tr>{% for c in shards.columns %}<th>{{ header(c) }}</th>
+{% endfor %}</tr>
+{% for row in shards.iter_rows() %}<tr>{% for v in row %}<td>{{ cell(v) }}</td>{% endfor %}</tr>{% endfor %}
+</table></div>
+{{ plot("errors") }}
 {% if errors.height %}<table id="error-reasons"><tr><th>reason</th><th>rows</th></tr>
 {% for reason, n in errors.iter_rows() %}<tr><td>{{ reason }}</td><td>{{ n }}</td></tr>{% endfor %}</table>{% endif %}
-<figure id="latency">{{ svgs.latency|safe }}</figure>
+{{ plot("latency") }}
 </body></html>
 """)
+_PLOT = jinja2.Environment(autoescape=True).from_string(
+    '{% if svg %}<figure id="{{ id }}">{{ svg|safe }}</figure>{% else %}<p class="none" id="{{ id }}"><b>{{ title }}'
+    '</b>: none</p>{% endif %}\n')
 
 
 def render_report(output_url: str) -> str:
-    """The job's report as one self-contained HTML page (no external files or scripts). Raises JobError (exit 2)
-    when no job started at OUTPUT."""
+    """The job's report as one self-contained HTML page (no external files or scripts). A job with nothing
+    committed yet gets a page that says so; a plot with nothing to show is the line "<title>: none". Raises
+    JobError (exit 2) when no job started at OUTPUT."""
     data = read_report_data(output_url)
     st = data.status
     tpd = st.tokens_per_dollar
@@ -210,12 +245,21 @@ def render_report(output_url: str) -> str:
         ("device-seconds lost", f"{st.gpu_s_lost:,.1f}"),
         ("dtype / quantization", f"{', '.join(st.dtypes) or 'n/a'} / {', '.join(st.quantizations) or 'n/a'}"),
     ]
-    tpd_svg, attempts_svg = _per_shard_plots(data.shards)
+    shards = data.shards
     errors_svg, errors = _errors_plot(data.results)
-    svgs = {"time": _tokens_over_time(data.parts), "tpd": tpd_svg, "attempts": attempts_svg, "errors": errors_svg,
-            "latency": _latency_plot(data.latencies)}
-    shown = data.shards.with_columns(pl.col("tokens_per_dollar").round(0), pl.col("gpu_s_lost").round(3),
-                                     pl.col("gpu_s_billed").round(2))
-    return _TEMPLATE.render(st=st, totals=totals, shards=shown, errors=errors, svgs=svgs,
-                            made=datetime.now(UTC).isoformat(timespec="seconds"))
+    svgs = {"tokens-over-time": _tokens_over_time(data.parts),
+            "tokens-per-dollar": _per_shard_bars(shards, TITLES["tokens-per-dollar"], "output tokens per USD",
+                                                 [("tokens_per_dollar", "tokens per USD", "tab:green")]),
+            "attempts": _per_shard_bars(shards, TITLES["attempts"], "count",
+                                        [("attempts", "attempts", "tab:blue"),
+                                         ("preemptions", "preemptions", "tab:red")]),
+            "lost": _per_shard_bars(shards, TITLES["lost"], "device-seconds",
+                                    [("gpu_s_lost", "device-seconds lost", "tab:red")]),
+            "errors": errors_svg, "latency": _latency_plot(data.latencies)}
 
+    def plot(name: str) -> str:
+        return markupsafe.Markup(_PLOT.render(id=name, title=TITLES[name], svg=svgs[name]))
+
+    return _TEMPLATE.render(st=st, totals=totals, shards=shards, errors=errors, plot=plot, cell=_cell,
+                            header=lambda c: _HEADERS.get(c, c.replace("_", " ")),
+                            made=datetime.now(UTC).isoformat(timespec="seconds"))

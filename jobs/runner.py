@@ -76,7 +76,8 @@ def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobS
     done = read_success(output_url)["summary"]
     summary = JobSummary(already_done=True)
     for k, v in done.items():
-        if k in JobSummary.__dataclass_fields__ and k not in ("wall_s", "already_done", "cancelled"):
+        if k in JobSummary.__dataclass_fields__ and k not in ("wall_s", "already_done", "cancelled", "run_rows",
+                                                              "run_output_tokens"):
             setattr(summary, k, type(getattr(summary, k))(v) if v is not None else v)
     return summary
 
@@ -146,7 +147,7 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
     todo = []
     for shard, state in zip(shards, shard_states(output_url, shards), strict=True):
         if state.state == "done" and state.accounting is not None:
-            summary.add(state.accounting)
+            summary.add(state.accounting, this_run=False)
             # Rows committed by an earlier run: counted as done, but their tokens are not this run's throughput.
             progress.finish(shard.shard_id, int(state.accounting["rows"]), 0)
         else:

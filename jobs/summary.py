@@ -25,6 +25,11 @@ class JobSummary:
     `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
     when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run
     re-pinned (changed files none of whose shards had committed anything; jobs.runner).
+
+    Rows, tokens, device-seconds and cost are the job's totals: every committed shard, whichever run committed it.
+    `wall_s` is this run's wall time, and `run_rows` / `run_output_tokens` what this run generated itself (the
+    shards it finished, less the rows they resumed from earlier runs' checkpoints): a rerun of a partly finished job
+    reports its own speed from these, not the job's tokens over its own seconds.
     """
 
     shards: int = 0
@@ -50,19 +55,25 @@ class JobSummary:
     ids_null: int = 0
     ids_repeated: int = 0
     repinned: list[str] = field(default_factory=list)
+    run_rows: int = 0
+    run_output_tokens: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
-        """Output tokens per second of job wall time."""
-        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        """Output tokens this run generated per second of its wall time."""
+        return self.run_output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def tokens_per_dollar(self) -> float | None:
         """Output tokens per USD of device time; None when nothing was billed."""
         return tokens_per_dollar(self.output_tokens, self.cost_usd)
 
-    def add(self, row: dict[str, Any]) -> None:
-        """Fold one shard's accounting row in."""
+    def add(self, row: dict[str, Any], *, this_run: bool = True) -> None:
+        """Fold one shard's accounting row in; `this_run`: this run finished the shard (its generated rows and
+        tokens count as this run's), else an earlier run committed it."""
+        if this_run:
+            self.run_rows += int(row["rows"]) - int(row.get("rows_resumed") or 0)
+            self.run_output_tokens += generated_tokens(row)
         self.shards_ok += 1
         for k in ("rows", "rows_ok", "rows_error", "input_tokens", "output_tokens"):
             setattr(self, k, getattr(self, k) + int(row[k]))
@@ -91,7 +102,17 @@ class JobSummary:
                 "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
-                "ids_repeated": self.ids_repeated, "repinned": self.repinned}
+                "ids_repeated": self.ids_repeated, "repinned": self.repinned, "run_rows": self.run_rows,
+                "run_output_tokens": self.run_output_tokens}
+
+
+def generated_tokens(row: dict[str, Any]) -> int:
+    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
+    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count. A row without
+    output_tokens_per_s counts all its output tokens."""
+    if row.get("output_tokens_per_s") is None:
+        return int(row["output_tokens"])
+    return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
 
 
 def add_distinct(values: list[str], value: str | None) -> None:

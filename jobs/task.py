@@ -35,6 +35,18 @@ class ShardFailed:
     no_space: bool = False
 
 
+@dataclass(frozen=True)
+class ShardStopped:
+    """What shard_task returns for a shard a cancel (OUTPUT/_CANCEL) stopped after committing its finished rows:
+    `error` is the ShardInterrupted that says how far it got. A cancel is an outcome the client records
+    (jobs.cluster), not a task error: returned rather than raised, the worker logs no "Compute Failed" traceback for
+    every plain cancel. WorkerPreempted (the worker itself is going away) is still raised: an error reaches the
+    scheduler with the task's end, a returned value would be lost with the worker; PreemptionPlugin filters its
+    "Compute Failed" record instead."""
+
+    error: ShardInterrupted
+
+
 def record_failure(output_url: str, shard_id: str, error: str) -> int:
     """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`);
     returns its attempt number."""
@@ -45,13 +57,14 @@ def record_failure(output_url: str, shard_id: str, error: str) -> int:
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed:
+               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed | ShardStopped:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
-    Returns the shard's accounting row, or ShardFailed when its input is the problem: the file is no longer the
+    Returns the shard's accounting row; ShardFailed when its input is the problem: the file is no longer the
     pinned version (`pinned`, checked first and again as the rows are read: exactly the pinned version is read; a
-    failed attempt is recorded) or cannot be read (run_shard's ShardError); or when OUTPUT's device is full.
-    Raises what _run_shard_task raises otherwise.
+    failed attempt is recorded) or cannot be read (run_shard's ShardError), or when OUTPUT's device is full;
+    ShardStopped when a cancel stopped it (its finished rows committed). Raises what _run_shard_task raises otherwise
+    (WorkerPreempted when its worker's stop signal stopped it).
     """
     try:
         if pinned is not None and (error := pinned.changed()) is not None:
@@ -65,6 +78,8 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(f"InputChanged: {e}")
     except NoSpaceLeft as e:
         return ShardFailed(str(e), no_space=True)
+    except ShardInterrupted as e:
+        return ShardStopped(e)
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,

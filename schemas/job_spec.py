@@ -150,10 +150,12 @@ class JobSpec(_Section):
                                                              "spot H100 at a large cloud, late 2026).")] = 2.0
 
     @classmethod
-    def from_options(cls, source: str = "job options", **options: Any) -> JobSpec:
+    def from_options(cls, source: str = "job options", set_by: dict[str, str] | None = None,
+                     **options: Any) -> JobSpec:
         """The spec of flat option names (OPTIONS: `max_tokens=8`, `prompt_column="question"`), validated like a
-        YAML spec. Raises JobSpecError (every problem, with its field path and option) or TypeError for a name
-        that is not an option."""
+        YAML spec. `set_by`: option name -> the environment variable its value came from, named in its problems.
+        Raises JobSpecError (every problem, with its field path and option) or TypeError for a name that is not an
+        option."""
         doc: dict[str, Any] = {}
         for name, value in options.items():
             if name not in OPTIONS:
@@ -163,12 +165,12 @@ class JobSpec(_Section):
             for section in sections:
                 node = node.setdefault(section, {})
             node[key] = value
-        return parse_job_spec(doc, source)
+        return parse_job_spec(doc, source, set_by)
 
-    def replace(self, source: str = "job spec", **options: Any) -> JobSpec:
+    def replace(self, source: str = "job spec", set_by: dict[str, str] | None = None, **options: Any) -> JobSpec:
         """A copy with the given flat options (as from_options) changed, validated again. Raises JobSpecError."""
         flat = {name: self.option(name) for name in OPTIONS}
-        return JobSpec.from_options(source, **(flat | options))
+        return JobSpec.from_options(source, set_by, **(flat | options))
 
     def option(self, name: str) -> Any:
         """The value of one flat option (`spec.option("max_tokens") == spec.sampling.max_tokens`)."""
@@ -228,8 +230,9 @@ def _model_at(path: tuple[str | int, ...]) -> type[BaseModel]:
     return model
 
 
-def _describe(error: dict[str, Any]) -> str:
-    """One line: the field path (and the `tokenmill run` option), what is wrong, and what the field accepts."""
+def _describe(error: dict[str, Any], set_by: dict[str, str] | None = None) -> str:
+    """One line: the field path (and the `tokenmill run` option, and the environment variable that set it when
+    `set_by` names one), what is wrong, and what the field accepts."""
     loc = tuple(str(p) for p in error["loc"])
     path = ".".join(loc)
     if error["type"] == "extra_forbidden":
@@ -245,7 +248,9 @@ def _describe(error: dict[str, Any]) -> str:
     option = next((_BY_PATH[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in _BY_PATH), None)
     if option is not None:
         path = ".".join(option.path)
-    where = f"{path} ({option.flag})" if option is not None else path
+    envvar = (set_by or {}).get(option.name) if option is not None else None
+    where = (path if option is None else f"{path} ({option.flag}, set by the environment variable {envvar})"
+             if envvar else f"{path} ({option.flag})")
     doc = option.field.description if option is not None else _model_at(loc).__doc__ if loc else None
     if error["type"] == "missing":
         return f"missing field {path!r}" + (f": {doc}" if doc else "")
@@ -253,24 +258,26 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{where}: {error['msg']}, got {got!r}" + (f". Expected: {doc}" if doc else "")
 
 
-def format_problems(error: ValidationError) -> list[str]:
-    """Every problem of a pydantic ValidationError as one line each (see _describe), sorted by field path; the
-    branches of a nullable field (int | None) are reported once."""
+def format_problems(error: ValidationError, set_by: dict[str, str] | None = None) -> list[str]:
+    """Every problem of a pydantic ValidationError as one line each (see _describe; `set_by` as there), sorted by
+    field path; the branches of a nullable field (int | None) are reported once."""
     lines: list[str] = []
     for e in sorted(error.errors(), key=lambda e: [str(p) for p in e["loc"]]):
         if e["type"] == "none_required":
             continue  # the null branch of `int | None`: the other branch says what is wrong
-        line = _describe(e)
+        line = _describe(e, set_by)
         if line not in lines:
             lines.append(line)
     return lines
 
 
-def parse_job_spec(doc: Any, source: str = "job spec") -> JobSpec:
-    """Validate a parsed spec (a dict, as from YAML) and build the JobSpec.
+def parse_job_spec(doc: Any, source: str = "job spec", set_by: dict[str, str] | None = None) -> JobSpec:
+    """Validate a parsed spec (a dict, as from YAML) and build the JobSpec. `source` names what it came from
+    ("job spec 'nightly.yaml'", "tokenmill run options"); `set_by` maps an option to the environment variable its
+    value came from (from_options).
 
-    Raises JobSpecError listing every problem, each with its field path, its `tokenmill run` option and what the
-    field accepts.
+    Raises JobSpecError listing every problem, each with its field path, its `tokenmill run` option (and the
+    environment variable that set it) and what the field accepts.
     """
     if not isinstance(doc, dict):
         raise JobSpecError(f"{source} must be a YAML mapping with at least `input:` and `output:`, got "
@@ -278,8 +285,8 @@ def parse_job_spec(doc: Any, source: str = "job spec") -> JobSpec:
     try:
         return JobSpec.model_validate(doc)
     except ValidationError as e:
-        lines = format_problems(e)
-        raise JobSpecError(f"{source} is invalid ({len(lines)} problem{'s' if len(lines) > 1 else ''}):\n"
+        lines = format_problems(e, set_by)
+        raise JobSpecError(f"invalid {source} ({len(lines)} problem{'s' if len(lines) > 1 else ''}):\n"
                            + "\n".join(f"  - {line}" for line in lines)) from None
 
 

@@ -1,0 +1,193 @@
+"""What a new user sees from the real `tokenmill` command (issue 26 items 12, 14, 15), on real GSM8K rows: a
+--max-model-len the model cannot honour is refused before any work; an option set by a bad TOKENMILL_* variable
+names the variable and the option; a cancel is no Dask "Compute Failed" traceback and two jobs on one machine do
+not fight over the dashboard port; a rerun's summary keeps its own work apart from the job's totals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from engine import LLMEngine
+from jobs.cli import _this_run
+from jobs.control import cancel_job
+from jobs.preflight import gguf_metadata, model_context
+from jobs.summary import JobSummary
+from pipeline.config import RunConfig
+from pipeline.manifest import pin_manifest
+from pipeline.shard import run_shard
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 600.0
+
+
+@pytest.fixture()
+def questions(tmp_path: Path, data_dir: Path) -> Path:
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(500, 8), path)
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment (TOKENMILL_MODEL: the tiny model, tests/jobs/conftest.py) with our code first."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def _tokenmill(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=WAIT_S)
+
+
+def test_the_gguf_header_scan_reads_what_gguf_reader_reads(gguf_path: str, tmp_path: Path) -> None:
+    """jobs.preflight reads the model's context from the GGUF header alone; the values are GGUFReader's. A file cut
+    short is a ValueError, not a wrong default."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    keys = ["llama.context_length", "llama.block_count", "llama.attention.head_count_kv", "general.architecture"]
+    assert gguf_metadata(gguf_path, set(keys)) == {k: reader.fields[k].contents() for k in keys}
+    assert model_context(gguf_path)["context"] == reader.fields["llama.context_length"].contents() == 8192
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(gguf_path).read_bytes()[:300])
+    with pytest.raises(ValueError, match="cut short"):
+        gguf_metadata(str(cut), set(keys))
+
+
+def test_a_max_model_len_the_model_cannot_honour_is_refused_before_any_work(questions: Path, tmp_path: Path) -> None:
+    """--max-model-len 10000000 used to be cut to the model's 8192 tokens without a word. Now: exit 2 naming the
+    option, the model's context and the fix, nothing written; the same from TOKENMILL_MAX_MODEL_LEN names the
+    variable too; and on the CPU a value the KV cache of --kv-cache-gib cannot hold names --kv-cache-gib."""
+    out = tmp_path / "out"
+    base = ["run", str(questions), str(out), "--prompt-column", "question", "--device", "cpu"]
+    flag = _tokenmill([*base, "--max-model-len", "10000000"], _env(), tmp_path)
+    assert flag.returncode == 2, flag.stderr
+    assert "--max-model-len 10000000 is more than the context of" in flag.stderr and "8192 tokens" in flag.stderr
+    assert "give at most 8192" in flag.stderr and "Traceback" not in flag.stderr
+    env = _tokenmill(base, _env(TOKENMILL_MAX_MODEL_LEN="10000000"), tmp_path)
+    assert env.returncode == 2 and "--max-model-len" in env.stderr and "TOKENMILL_MAX_MODEL_LEN" in env.stderr
+    pool = _tokenmill([*base, "--max-model-len", "8192", "--kv-cache-gib", "0.0001", "--dtype", "float32"], _env(),
+                      tmp_path)
+    assert pool.returncode == 2 and "more than the KV cache of --kv-cache-gib 0.0001" in pool.stderr, pool.stderr
+    assert not out.exists()
+
+
+def test_a_bad_tokenmill_variable_names_the_variable_and_the_option(questions: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    base = ["run", str(questions), str(out), "--prompt-column", "question"]
+    bad = _tokenmill([*base, "--max-num-seqs", "0"], _env(TOKENMILL_DEVICE="gpu"), tmp_path)
+    assert bad.returncode == 2
+    assert "invalid tokenmill run options (2 problems)" in bad.stderr  # was "options is invalid"
+    assert "engine.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
+    assert "engine.max_num_seqs (--max-num-seqs):" in bad.stderr  # from the command line: no variable named
+    missing = _tokenmill(base, _env(TOKENMILL_MODEL=str(tmp_path / "nonexistent.gguf")), tmp_path)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert "--model was set by the environment variable TOKENMILL_MODEL" in missing.stderr
+    if not torch.cuda.is_available():  # a CUDA device this machine lacks: refused here, not a worker traceback
+        cuda = _tokenmill(base, _env(TOKENMILL_DEVICE="cuda"), tmp_path)
+        assert cuda.returncode == 2 and "--device cuda: this machine has no CUDA device" in cuda.stderr, cuda.stderr
+        assert "TOKENMILL_DEVICE" in cuda.stderr and "Compute Failed" not in cuda.stderr
+    assert not out.exists()
+
+
+def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, data_dir: Path) -> None:
+    """Job A (long) runs while job B (short) runs beside it: each LocalCluster takes a free dashboard port and says
+    where once (no "Port 8787 is already in use"). Then A is cancelled: exit 4 and its message, and no Dask
+    "Compute Failed ... ShardInterrupted" traceback on stderr (an interrupted shard is an outcome, not an error)."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"])
+    long_in, short_in = tmp_path / "long.parquet", tmp_path / "short.parquet"
+    pq.write_table(table.slice(0, 400), long_in)
+    pq.write_table(table.slice(400, 2), short_in)
+    env = _env(TOKENMILL_STOP_POLL_S="0.2")
+    common = ["--prompt-column", "question", "--device", "cpu", "--max-num-seqs", "1", "--json"]
+    a = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(long_in), str(tmp_path / "a"), *common,
+                          "--max-tokens", "256", "--checkpoint-rows", "1"], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert a.stderr is not None
+        a_err = []
+        for line in a.stderr:  # the first progress line: A's cluster is up and rows are being generated
+            a_err.append(line)
+            if line.startswith('{"event": "progress"'):
+                break
+        b = _tokenmill(["run", str(short_in), str(tmp_path / "b"), *common, "--max-tokens", "4"], env, tmp_path)
+        assert a.poll() is None, "job A finished before job B: the jobs did not overlap"
+        cancel_job(str(tmp_path / "a"))
+        _, rest = a.communicate(timeout=WAIT_S)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    a_stderr = "".join(a_err) + rest
+    assert b.returncode == 0, b.stderr
+    assert a.returncode == 4, a_stderr
+    assert "the job was cancelled" in a_stderr
+    for stderr in (a_stderr, b.stderr):
+        assert "Compute Failed" not in stderr and "Traceback" not in stderr and "already in use" not in stderr
+        assert len(re.findall(r"Dask dashboard of this run: http://127\.0\.0\.1:\d+/status", stderr)) == 1
+    ports = [re.search(r"127\.0\.0\.1:(\d+)", s).group(1) for s in (a_stderr, b.stderr)]
+    assert ports[0] != ports[1]
+
+
+def test_a_rerun_reports_its_own_work_apart_from_the_job_totals(tmp_path: Path, questions: Path,
+                                                                 engine: LLMEngine) -> None:
+    """Shard 0 of 2 was committed by an earlier run; the rerun generates shard 1 only. Its summary gives the job's
+    rows and tokens (both shards) and, apart, this run's rows, tokens and tokens/s (shard 1 over this run's wall
+    time). It used to divide the job's tokens by the rerun's seconds."""
+    out = tmp_path / "out"
+    cfg = RunConfig(prompt_column="question", max_tokens=5, rows_per_shard=4)
+    manifest, _ = pin_manifest(str(out), str(questions), cfg)
+    first = run_shard(engine, manifest.shards()[0], "question", str(out), cfg)
+    rerun = _tokenmill(["run", str(questions), str(out), "--prompt-column", "question", "--max-tokens", "5",
+                        "--rows-per-shard", "4", "--device", "cpu", "--json"], _env(), tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout.strip().splitlines()[-1])
+    acc = pq.read_table(out / "accounting").to_pylist()
+    assert summary["rows"] == 8 and summary["output_tokens"] == sum(r["output_tokens"] for r in acc) == 40
+    second = next(r for r in acc if r["shard_id"] != first["shard_id"])
+    assert (summary["run_rows"], summary["run_output_tokens"]) == (4, second["output_tokens"]) == (4, 20)
+    assert summary["output_tokens_per_s"] == pytest.approx(20 / summary["wall_s"], rel=0.01)
+
+    shown = JobSummary(rows=8, output_tokens=40, wall_s=2.0, run_rows=4, run_output_tokens=20)
+    assert _this_run(shown) == "4 rows, 20 output tokens generated in 2.0 s wall time (10.0 output tokens/s)"
+    assert _this_run(JobSummary(already_done=True)) == "nothing to do: the job had finished"
+
+
+
+def test_a_preempted_shard_logs_no_compute_failed_but_a_real_error_does() -> None:
+    """On a real (in-process) Dask worker with the PreemptionPlugin: a task that raises WorkerPreempted reaches the
+    client as that error, with no "Compute Failed" record in the worker's log; a task that fails for real is still
+    logged."""
+    from distributed import Client, LocalCluster
+
+    from jobs.plugin import WORKER_LOGGER, PreemptionPlugin, WorkerPreempted
+
+    def preempted() -> None:
+        raise WorkerPreempted(2, 3, "tcp://worker", "SIGTERM")
+
+    def broken() -> None:
+        raise ValueError("a real bug")
+
+    records: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(WORKER_LOGGER).addHandler(handler)  # Dask's loggers do not propagate to pytest's
+    try:
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+            client.register_plugin(PreemptionPlugin(), name=PreemptionPlugin.name)
+            with pytest.raises(WorkerPreempted):
+                client.submit(preempted, pure=False).result()
+            with pytest.raises(ValueError):
+                client.submit(broken, pure=False).result()
+    finally:
+        logging.getLogger(WORKER_LOGGER).removeHandler(handler)
+    failed = [r for r in records if r.startswith("Compute Failed")]
+    assert len(failed) == 1 and "a real bug" in failed[0]
