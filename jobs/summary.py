@@ -24,7 +24,8 @@ class JobSummary:
     each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
     `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
     when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run
-    re-pinned (changed files none of whose shards had committed anything; jobs.runner).
+    re-pinned (changed files none of whose shards had committed anything; jobs.runner). `model_note`: set when this
+    run pinned the model of a job started before models were pinned (what it pinned), else "".
     """
 
     shards: int = 0
@@ -50,6 +51,7 @@ class JobSummary:
     ids_null: int = 0
     ids_repeated: int = 0
     repinned: list[str] = field(default_factory=list)
+    model_note: str = ""
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -91,7 +93,7 @@ class JobSummary:
                 "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
-                "ids_repeated": self.ids_repeated, "repinned": self.repinned}
+                "ids_repeated": self.ids_repeated, "repinned": self.repinned, "model_note": self.model_note}
 
 
 def add_distinct(values: list[str], value: str | None) -> None:

@@ -1,5 +1,6 @@
 """The Dask task of a job: one shard on the worker's resident engine (jobs.plugin), with the worker's stop signal,
-progress events for the client, and the check that the shard's input file is still the pinned version.
+progress events for the client, and the checks that the shard's input file is still the pinned version and that the
+model the worker loaded is the job's pinned model (pipeline.model_pin).
 Runs on the worker; jobs.cluster submits it and gathers what it returns or raises.
 """
 
@@ -11,11 +12,12 @@ from typing import Any
 
 from distributed import get_worker
 
-from jobs.plugin import WorkerPreempted, get_engine, get_preemption
+from jobs.plugin import WorkerPreempted, engine_plugin, get_engine, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
+from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
@@ -43,27 +45,39 @@ def record_failure(output_url: str, shard_id: str, error: str) -> int:
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed:
+               run_id: str, pinned: InputFile | None = None,
+               model_pin: ModelPin | None = None) -> dict[str, Any] | ShardFailed:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
-    Returns the shard's accounting row, or ShardFailed when its input is the problem: the file is no longer the
-    pinned version (`pinned`; a failed attempt is recorded) or cannot be read (run_shard's ShardError).
-    Raises what _run_shard_task raises otherwise.
+    Returns the shard's accounting row, or ShardFailed when its input or model is the problem: the file is no longer
+    the pinned version (`pinned`), the model this worker loaded is not the job's pinned one (`model_pin`; checked
+    against the fingerprint taken when the worker loaded it, before any row runs), in both cases with a failed
+    attempt recorded, or the file cannot be read (run_shard's ShardError). Rows carry the loaded model's
+    fingerprint. Raises what _run_shard_task raises otherwise (an engine that failed to load: RuntimeError).
     """
     if pinned is not None and (error := pinned.changed()) is not None:
         record_failure(output_url, shard.shard_id, error)
         return ShardFailed(f"InputChanged: {error}")
+    loaded = engine_plugin(plugin_name).loaded_model()
+    if model_pin is not None:
+        try:
+            check_model_pin(model_pin, loaded, output_url)
+        except ModelChanged as e:
+            error = f"the engine on worker {get_worker().address} loaded another model: {e}"
+            record_failure(output_url, shard.shard_id, error)
+            return ShardFailed(f"ModelChanged: {error}")
     try:
-        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id)
+        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, loaded.fingerprint)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-                    run_id: str) -> dict[str, Any]:
+                    run_id: str, model_fingerprint: str | None = None) -> dict[str, Any]:
     """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
     jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
-    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row.
+    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Rows and accounting carry
+    `model_fingerprint`. Returns the shard's accounting row.
     Raises WorkerPreempted when this worker's stop signal stopped the shard (its finished rows committed), and what
     run_shard raises: ShardInterrupted (a cancel), ShardError (unreadable input), storage errors after retries.
     """
@@ -85,7 +99,8 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
 
     preemption = get_preemption()
     if preemption is None:
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress)
+        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
+                         model_fingerprint=model_fingerprint)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -97,7 +112,8 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     try:
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
         return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False)
+                         should_stop=preemption.stop.is_set, watch_notices=False,
+                         model_fingerprint=model_fingerprint)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself
