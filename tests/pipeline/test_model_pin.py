@@ -1,15 +1,13 @@
 """The model fingerprint (pipeline.model_pin, issue 26 item 1): a local file's sha256 computed once and cached per
-machine, a model folder file by file, an S3 model by its objects' ETags (a real moto server), and the pin committed
-create-only under OUTPUT."""
+machine, a model folder file by file, an S3 model by its objects' ETags (a real moto server, conftest's s3_bucket),
+and the pin committed create-only under OUTPUT."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -126,36 +124,15 @@ def test_the_pin_is_create_only(tiny_model: str, tmp_path: Path, cache_dir: Path
     assert (tmp_path / "out" / "_manifest" / "model.json").read_bytes() == committed  # never overwritten
 
 
-@pytest.fixture(scope="module")
-def s3() -> Iterator[fsspec.AbstractFileSystem]:
-    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL; yields a filesystem with the bucket
-    `models`."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-            mp.setenv(k, v)
-        fsspec.filesystem("s3").clear_instance_cache()
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("models")
-        yield fs
-        fsspec.filesystem("s3").clear_instance_cache()
-    server.stop()
-
-
-def test_an_s3_model_is_fingerprinted_by_its_etags(s3: fsspec.AbstractFileSystem, tiny_model: str,
-                                                   tmp_path: Path, cache_dir: Path) -> None:
+def test_an_s3_model_is_fingerprinted_by_its_etags(s3_bucket: str, tiny_model: str, tmp_path: Path,
+                                                   cache_dir: Path) -> None:
     """A model folder under an S3 prefix: each model object's size and ETag (S3's MD5 of a single-part upload), read
     from the store (nothing lands in the hash cache: nothing was downloaded); an object overwritten with other bytes
     of the same size is another model. A single object is fingerprinted the same way."""
+    s3 = fsspec.filesystem("s3", skip_instance_cache=True)
     for f in Path(tiny_model).iterdir():
-        s3.put_file(str(f), f"models/tiny/{f.name}")
-    pin = fingerprint_model("s3://models/tiny")
+        s3.put_file(str(f), f"{s3_bucket}/models/tiny/{f.name}")
+    pin = fingerprint_model(f"s3://{s3_bucket}/models/tiny")
     local = fingerprint_model(tiny_model)
     assert {f.name: f.size for f in pin.files} == {f.name: f.size for f in local.files}
     by_name = {f.name: f for f in pin.files}
@@ -166,11 +143,11 @@ def test_an_s3_model_is_fingerprinted_by_its_etags(s3: fsspec.AbstractFileSystem
 
     changed = bytearray(weights)
     changed[-16:] = bytes(b ^ 0xFF for b in changed[-16:])
-    s3.pipe_file("models/tiny/model.safetensors", bytes(changed))
-    after = fingerprint_model("s3://models/tiny/")
+    s3.pipe_file(f"{s3_bucket}/models/tiny/model.safetensors", bytes(changed))
+    after = fingerprint_model(f"s3://{s3_bucket}/models/tiny/")
     what = pin.changes(after)
     assert what is not None and what.startswith("model.safetensors was") and "etag" in what
 
-    s3.pipe_file("models/one.gguf", weights)
-    one = fingerprint_model("s3://models/one.gguf")
+    s3.pipe_file(f"{s3_bucket}/models/one.gguf", weights)
+    one = fingerprint_model(f"s3://{s3_bucket}/models/one.gguf")
     assert one.files[0].name == "" and one.files[0].digest == f"etag:{hashlib.md5(weights).hexdigest()}"
