@@ -3,6 +3,7 @@
 
 Records under OUTPUT that this module reads or writes (all JSON, create-only; paths from pipeline.layout):
     _manifest/input.json            the pinned input (pipeline.manifest): which shards the job has
+    _manifest/model.json            the pinned model (pipeline.model_pin): shown by `status`
     _CANCEL                         the cancel marker: running shards stop at their next poll and commit what finished
     _manifest/cancel-<n>.json       a cancel marker set aside by `run/submit --resume` (the marker itself is deleted)
     _lease/<seq>.json               who runs the job until when (jobs.lease)
