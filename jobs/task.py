@@ -12,7 +12,8 @@ from typing import Any
 
 from distributed import get_worker
 
-from jobs.plugin import WorkerPreempted, engine_plugin, get_engine, get_preemption
+from engine import LLMEngine
+from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -58,26 +59,34 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     if pinned is not None and (error := pinned.changed()) is not None:
         record_failure(output_url, shard.shard_id, error)
         return ShardFailed(f"InputChanged: {error}")
-    loaded = engine_plugin(plugin_name).loaded_model()
-    if model_pin is not None:
-        try:
-            check_model_pin(model_pin, loaded, output_url)
-        except ModelChanged as e:
-            error = f"the engine on worker {get_worker().address} loaded another model: {e}"
-            record_failure(output_url, shard.shard_id, error)
-            return ShardFailed(f"ModelChanged: {error}")
     try:
-        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, loaded.fingerprint)
+        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, model_pin)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
+    except ModelChanged as e:
+        error = f"the engine on worker {get_worker().address} loaded another model: {e}"
+        record_failure(output_url, shard.shard_id, error)
+        return ShardFailed(f"ModelChanged: {error}")
+
+
+def _checked_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> tuple[LLMEngine, str]:
+    """This worker's engine and the fingerprint of the model it loaded (waits for the load), after checking that
+    model against the job's `model_pin` (None: no check). Raises ModelChanged, or RuntimeError when the load
+    failed."""
+    plugin = engine_plugin(plugin_name)
+    loaded = plugin.loaded_model()
+    if model_pin is not None:
+        check_model_pin(model_pin, loaded, output_url)
+    return plugin.get(), loaded.fingerprint
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-                    run_id: str, model_fingerprint: str | None = None) -> dict[str, Any]:
+                    run_id: str, model_pin: ModelPin | None = None) -> dict[str, Any]:
     """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
     jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
-    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Rows and accounting carry
-    `model_fingerprint`. Returns the shard's accounting row.
+    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. The model the worker loaded is
+    checked against `model_pin` before any row runs (ModelChanged); rows and accounting carry its fingerprint.
+    Returns the shard's accounting row.
     Raises WorkerPreempted when this worker's stop signal stopped the shard (its finished rows committed), and what
     run_shard raises: ShardInterrupted (a cancel), ShardError (unreadable input), storage errors after retries.
     """
@@ -99,8 +108,9 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
 
     preemption = get_preemption()
     if preemption is None:
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         model_fingerprint=model_fingerprint)
+        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
+        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress,
+                         model_fingerprint=fingerprint)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -110,10 +120,10 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     preemption.shard_started()
     interrupted = False
     try:
+        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False,
-                         model_fingerprint=model_fingerprint)
+        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress,
+                         should_stop=preemption.stop.is_set, watch_notices=False, model_fingerprint=fingerprint)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself
