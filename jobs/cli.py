@@ -95,6 +95,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
         _warn_ids(summary)
         _note_repinned(summary)
+        _note_model(summary)
         return
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
@@ -115,6 +116,13 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
     _warn_ids(summary)
     _note_repinned(summary)
+    _note_model(summary)
+
+
+def _note_model(summary: JobSummary) -> None:
+    """Say on stderr that this run pinned the model of a job started before models were pinned."""
+    if summary.model_note:
+        err.print(f"note: {escape(summary.model_note)}")
 
 
 def _this_run(summary: JobSummary) -> str:
@@ -315,6 +323,8 @@ def _print_status(st: JobStatus) -> None:
     tpd = st.tokens_per_dollar
     for k, v in [
         ("input", f"{st.input} (pinned {st.started_at})"),
+        ("model", "not pinned (a job started before models were pinned; the next run pins it)" if st.model is None
+         else f"{st.model['resolved']} ({st.model['fingerprint']}, pinned {st.model['pinned_at']})"),
         ("shards", ", ".join(f"{n} {state}" for state, n in st.shards.items())),
         ("rows committed", f"{st.rows_committed:,} / {st.rows:,}"),
         ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}"),

@@ -37,6 +37,7 @@ from pipeline.attempts import list_attempts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
+from pipeline.model_pin import ModelPin
 from pipeline.preemption import env_seconds
 from pipeline.shard import ShardInterrupted
 from pipeline.storage import output_fs
@@ -96,6 +97,8 @@ class RunContext:
         summary: the run's summary: shards committed, failed, stopped, interruptions.
         progress: the run's progress (its run id names the tasks).
         lease: the job's lease, held by this run; a lost lease stops the waiting.
+        model_pin: the job's pinned model (pipeline.model_pin): each worker checks the model it loaded against it
+            before running a shard; None checks nothing.
     """
 
     output_url: str
@@ -105,6 +108,7 @@ class RunContext:
     summary: JobSummary
     progress: JobProgress
     lease: Lease
+    model_pin: ModelPin | None = None
 
 
 def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine_config: EngineConfig,
@@ -139,7 +143,8 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                 if cluster is None:  # `dask worker` nannies: a SIGTERM to the CLI must not kill a shard mid-commit
                     client.register_plugin(DrainNannyPlugin(), name=DrainNannyPlugin.name)
                 plugin_name = register_engine(client, EnginePlugin(
-                    model, engine_config, default_torch_threads(opts.workers) if cluster else None))
+                    model, engine_config, default_torch_threads(opts.workers) if cluster else None,
+                    pinned_fingerprint=run.model_pin.fingerprint if run.model_pin else None))
                 client.subscribe_topic(PROGRESS_TOPIC, run.progress.event)
                 try:
                     _gather(client, todo, run, plugin_name, resources, own_cluster=cluster is not None)
@@ -194,7 +199,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
 
     def submit(shard: Shard, tries: int) -> Future:
         fut = client.submit(shard_task, shard, run.prompt_column, output_url, run.cfg, plugin_name, run_id,
-                            run.pinned.get(shard.url), pure=False, resources=resources,
+                            run.pinned.get(shard.url), run.model_pin, pure=False, resources=resources,
                             key=f"shard-{shard.shard_id}-{run_id}-{tries}")
         futures[fut] = (shard, tries)
         return fut

@@ -3,6 +3,7 @@
 
 Records under OUTPUT that this module reads or writes (all JSON, create-only; paths from pipeline.layout):
     _manifest/input.json            the pinned input (pipeline.manifest): which shards the job has
+    _manifest/model.json            the pinned model (pipeline.model_pin): shown by `status`
     _CANCEL                         the cancel marker: running shards stop at their next poll and commit what finished
     _manifest/cancel-<n>.json       a cancel marker set aside by `run/submit --resume` (the marker itself is deleted)
     _lease/<seq>.json               who runs the job until when (jobs.lease)
@@ -35,6 +36,7 @@ from pipeline.accounting import tokens_per_dollar
 from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
 from pipeline.manifest import InputManifest, read_manifest
+from pipeline.model_pin import read_model_pin
 from pipeline.status import ShardState, shard_state
 from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
 
@@ -121,7 +123,9 @@ class JobStatus:
     `state` is one of done, running (a run holds the lease), failed (failed shards, no run holding the job),
     cancelled, incomplete (pending or partial shards, no run holding the job); `exit_code` maps it (jobs.errors).
     Token counts in tokens, cost in USD, gpu_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
-    torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's).
+    torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
+    model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
+    were pinned.
     """
 
     output: str
@@ -144,6 +148,7 @@ class JobStatus:
     shard_states: dict[str, str] = field(default_factory=dict)
     dtypes: list[str] = field(default_factory=list)
     quantizations: list[str] = field(default_factory=list)
+    model: dict[str, Any] | None = None
 
     @property
     def tokens_per_dollar(self) -> float | None:
@@ -160,11 +165,12 @@ class JobStatus:
                 "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
                 "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3), "lease": self.lease,
                 "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,
-                "dtypes": self.dtypes, "quantizations": self.quantizations}
+                "dtypes": self.dtypes, "quantizations": self.quantizations, "model": self.model}
 
 
 def job_status(output_url: str) -> JobStatus:
-    """The job's status: shards by state, rows, tokens, cost, attempts, who holds it, whether it was cancelled.
+    """The job's status: shards by state, rows, tokens, cost, attempts, who holds it, whether it was cancelled,
+    the pinned model.
 
     Reads the pinned manifest, then each shard's state (pipeline.status.shard_state, STATUS_THREADS at a time).
     Raises JobError (exit 2) when no job ever started at OUTPUT.
@@ -199,6 +205,8 @@ def job_status(output_url: str) -> JobStatus:
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,
                         "expires_in_s": round(lease.expires_at - time.time(), 1)}
     status.cancelled = cancel_record(output_url)
+    pin = read_model_pin(output_url)
+    status.model = None if pin is None else pin.as_json()
     status.state, status.exit_code = _overall(status, job_done(output_url))
     return status
 

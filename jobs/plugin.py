@@ -15,6 +15,7 @@ from distributed import Client, NannyPlugin, WorkerPlugin, get_worker
 from distributed.core import Status
 
 from engine import EngineConfig, LLMEngine
+from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
 
 PLUGIN_PREFIX = "tokenmill-engine"
 
@@ -30,24 +31,34 @@ class EnginePlugin(WorkerPlugin):
     one instead of loading it twice; `register_engine` removes engines of other configs first, so a worker never
     holds two.
 
+    The worker fingerprints the model it loads (pipeline.model_pin.fingerprint_model: sizes and hashes, cached per
+    machine, or ETags) before and after the load; a model that changed in between fails the load. `loaded_model()`
+    returns that fingerprint, which jobs.task checks against the job's pin before each shard.
+
     Args:
         model: GGUF path or URL, or None for the default model.
         engine_config: the engine's limits, device and dtype.
         torch_threads: intra-op threads per worker (None: leave torch's default).
+        pinned_fingerprint: the fingerprint the job pinned (pipeline.model_pin), part of the plugin's name: a
+            long-lived worker holding an engine of the same path but other bytes loads the model again.
     """
 
     idempotent = True
 
-    def __init__(self, model: str | None, engine_config: EngineConfig, torch_threads: int | None = None) -> None:
+    def __init__(self, model: str | None, engine_config: EngineConfig, torch_threads: int | None = None,
+                 pinned_fingerprint: str | None = None) -> None:
         self.model = model
         self.engine_config = engine_config
         self.torch_threads = torch_threads
-        digest = hashlib.sha256(repr((model, engine_config, torch_threads)).encode()).hexdigest()[:12]
+        self.pinned_fingerprint = pinned_fingerprint
+        key = (model, engine_config, torch_threads, pinned_fingerprint)
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:12]
         self.name = f"{PLUGIN_PREFIX}-{digest}"
 
     def setup(self, worker: Any) -> None:
         # Created here, on the worker: the plugin travels pickled and threading objects do not pickle.
         self._engine: LLMEngine | None = None
+        self._model: ModelPin | None = None
         self._error: BaseException | None = None
         self._loaded = threading.Event()
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
@@ -62,7 +73,13 @@ class EnginePlugin(WorkerPlugin):
                 import torch
 
                 torch.set_num_threads(self.torch_threads)
-            self._engine = LLMEngine.from_model(self.model, self.engine_config)
+            before = fingerprint_model(self.model)
+            engine = LLMEngine.from_model(self.model, self.engine_config)
+            after = fingerprint_model(self.model)
+            if (what := before.changes(after)) is not None:
+                raise ModelPinError(f"the model {after.resolved} changed while this worker loaded it ({what}); run "
+                                    "the job again once nothing writes to it")
+            self._engine, self._model = engine, after
         except BaseException as e:  # surfaced to every task that asks for the engine
             self._error = e
         finally:
@@ -81,6 +98,14 @@ class EnginePlugin(WorkerPlugin):
             # NOTE: OpenMP thread counts can be per OS thread; set it on the task's thread too, not only the loader's.
             torch.set_num_threads(self.torch_threads)
         return self._engine
+
+    def loaded_model(self) -> ModelPin:
+        """The fingerprint of the model this worker loaded, taken at its load (waits for the load). Raises
+        RuntimeError as `get` does."""
+        self.get()
+        if self._model is None:
+            raise RuntimeError("the engine was unloaded (its plugin was removed); run the job again")
+        return self._model
 
 
 def register_engine(client: Client, plugin: EnginePlugin) -> str:
@@ -101,12 +126,18 @@ def _worker_plugin_names(dask_scheduler: Any) -> list[str]:
     return list(dask_scheduler.worker_plugins)
 
 
-def get_engine(plugin_name: str) -> LLMEngine:
-    """The engine of the worker this task runs on. Raises RuntimeError when the plugin is not registered."""
+def engine_plugin(plugin_name: str) -> EnginePlugin:
+    """The EnginePlugin `plugin_name` of the worker this task runs on. Raises RuntimeError when it is not
+    registered."""
     plugin = get_worker().plugins.get(plugin_name)
     if not isinstance(plugin, EnginePlugin):
         raise RuntimeError(f"worker plugin {plugin_name!r} is not registered; call register_engine first")
-    return plugin.get()
+    return plugin
+
+
+def get_engine(plugin_name: str) -> LLMEngine:
+    """The engine of the worker this task runs on. Raises RuntimeError when the plugin is not registered."""
+    return engine_plugin(plugin_name).get()
 
 
 def default_torch_threads(workers: int) -> int:

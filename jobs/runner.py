@@ -39,6 +39,7 @@ from pipeline.manifest import (
     read_manifest,
     repinned,
 )
+from pipeline.model_pin import ModelPin, check_model_pin, fingerprint_model, pin_model, read_model_pin
 from pipeline.shard import ProgressFn
 from pipeline.storage import commit_json, exists_now, output_fs, read_table
 
@@ -82,6 +83,37 @@ def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobS
     return summary
 
 
+def _model_now(model: str | None, output_url: str) -> ModelPin:
+    """The model as it is now (pipeline.model_pin.fingerprint_model: sizes and cached hashes, or ETags), checked
+    against the one the job at `output_url` pinned, if any: before the lease is taken, so a changed model is refused
+    with nothing written. Raises JobError (exit 2) naming what changed and the two ways out."""
+    try:
+        now = fingerprint_model(model)
+        pinned = read_model_pin(output_url)
+        if pinned is not None:
+            check_model_pin(pinned, now, output_url)
+    except InputError as e:
+        raise JobError(str(e)) from e
+    return now
+
+
+def _pin_model_or_error(output_url: str, now: ModelPin, input_pinned_now: bool) -> tuple[ModelPin, str]:
+    """Pin `now` as the job's model when it has none, else check it against the pinned one (a racing run may have
+    pinned another). Call it holding the lease. Returns (the pin, a note: "" unless this run pinned the model of a
+    job whose input was pinned earlier, by a tokenmill that did not pin models; the note is logged too).
+    Raises JobError (exit 2) when the models differ."""
+    try:
+        pinned, created = pin_model(output_url, now)
+    except InputError as e:
+        raise JobError(str(e)) from e
+    note = ""
+    if created and not input_pinned_now:
+        note = (f"the job at {output_url} was started by a tokenmill that did not pin its model: pinned "
+                f"{now.describe()} now; rows committed before this run carry no model_fingerprint")
+        log.warning("%s", note)
+    return pinned, note
+
+
 def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | None = None,
             engine_config: EngineConfig | None = None, workers: int = 1, scheduler_address: str | None = None,
             gpus_per_worker: int = 0, resume: bool = False, lease_ttl_s: float | None = None,
@@ -101,8 +133,12 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
     committed, OUTPUT/_SUCCESS is committed last. `on_start` gets the total row count; `on_progress` (rows, output
     tokens) as rows finish.
 
-    Raises JobError: exit 2 (bad input or options, before any work; or no GPU worker joined the cluster in time,
-    jobs.cluster.run_on_cluster), 3 (lease held, or lost mid-run), 4 (cancelled, and not `resume`).
+    The model is pinned as the input is (pipeline.model_pin, OUTPUT/_manifest/model.json, at the first start; a job
+    started before models were pinned gets its pin at this run, said in summary.model_note): a run whose model
+    differs is refused before any work, and each worker checks the model it loaded before each shard.
+
+    Raises JobError: exit 2 (bad input, options or model, before any work; or no GPU worker joined the cluster in
+    time, jobs.cluster.run_on_cluster), 3 (lease held, or lost mid-run), 4 (cancelled, and not `resume`).
     """
     cluster_opts = ClusterOptions(scheduler_address, workers, gpus_per_worker)
     checked = _check_before_start(input_url, output_url, cfg)
@@ -110,9 +146,11 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         if on_start:
             on_start(checked.rows)
         return checked
+    model_now = _model_now(model, output_url)
     t0 = time.perf_counter()
     with Lease(output_url, ttl_s=lease_ttl_s) as lease:
         manifest, pinned_now = _manifest_or_error(input_url, output_url, cfg, checked)
+        model_pin, model_note = _pin_model_or_error(output_url, model_now, pinned_now)
         if (cancelled := cancel_record(output_url)) is not None:
             if not resume:
                 when = cancelled.get("cancelled_at", "?")
@@ -126,7 +164,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         shards = manifest.shards()
         if on_start:
             on_start(sum(s.num_rows for s in shards))
-        summary = JobSummary(shards=len(shards), repinned=repinned)
+        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note)
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)
@@ -134,7 +172,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             todo = _fail_changed_inputs(output_url, changed, todo, summary, progress)
         if todo:
             run = RunContext(output_url, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
-                             progress, lease)
+                             progress, lease, model_pin)
             run_on_cluster(todo, run, model, engine_config or EngineConfig(), cluster_opts)
         if lease.lost.is_set():
             raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",

@@ -30,6 +30,8 @@ class JobSummary:
     `wall_s` is this run's wall time, and `run_rows` / `run_output_tokens` what this run generated itself (the
     shards it finished, less the rows they resumed from earlier runs' checkpoints): a rerun of a partly finished job
     reports its own speed from these, not the job's tokens over its own seconds.
+    `model_note`: set when this run pinned the model of a job started before models were pinned (what it
+    pinned), else "".
     """
 
     shards: int = 0
@@ -57,6 +59,7 @@ class JobSummary:
     repinned: list[str] = field(default_factory=list)
     run_rows: int = 0
     run_output_tokens: int = 0
+    model_note: str = ""
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -103,7 +106,7 @@ class JobSummary:
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
                 "ids_repeated": self.ids_repeated, "repinned": self.repinned, "run_rows": self.run_rows,
-                "run_output_tokens": self.run_output_tokens}
+                "run_output_tokens": self.run_output_tokens, "model_note": self.model_note}
 
 
 def generated_tokens(row: dict[str, Any]) -> int:

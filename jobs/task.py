@@ -1,5 +1,6 @@
 """The Dask task of a job: one shard on the worker's resident engine (jobs.plugin), with the worker's stop signal,
-progress events for the client, and the check that the shard's input file is still the pinned version.
+progress events for the client, and the checks that the shard's input file is still the pinned version and that the
+model the worker loaded is the job's pinned model (pipeline.model_pin).
 Runs on the worker; jobs.cluster submits it and gathers what it returns or raises.
 """
 
@@ -11,11 +12,13 @@ from typing import Any
 
 from distributed import get_worker
 
-from jobs.plugin import WorkerPreempted, get_engine, get_preemption
+from engine import LLMEngine
+from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
 from pipeline.input import InputChanged, Shard
 from pipeline.manifest import InputFile
+from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import NoSpaceLeft, output_fs
 
@@ -57,21 +60,24 @@ def record_failure(output_url: str, shard_id: str, error: str) -> int:
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-               run_id: str, pinned: InputFile | None = None) -> dict[str, Any] | ShardFailed | ShardStopped:
+               run_id: str, pinned: InputFile | None = None,
+               model_pin: ModelPin | None = None) -> dict[str, Any] | ShardFailed | ShardStopped:
     """Dask task: one shard on this worker's resident engine (the plugin `plugin_name`).
 
-    Returns the shard's accounting row; ShardFailed when its input is the problem: the file is no longer the
-    pinned version (`pinned`, checked first and again as the rows are read: exactly the pinned version is read; a
-    failed attempt is recorded) or cannot be read (run_shard's ShardError), or when OUTPUT's device is full;
-    ShardStopped when a cancel stopped it (its finished rows committed). Raises what _run_shard_task raises otherwise
-    (WorkerPreempted when its worker's stop signal stopped it).
+    Returns the shard's accounting row; ShardFailed when its input or model is the problem: the file is no longer
+    the pinned version (`pinned`, checked first and again as the rows are read: exactly the pinned version is read),
+    the model this worker loaded is not the job's pinned one (`model_pin`; checked against the fingerprint taken when
+    the worker loaded it, before any row runs), in both cases with a failed attempt recorded, or the file cannot be
+    read (run_shard's ShardError), or OUTPUT's device is full; ShardStopped when a cancel stopped it (its finished
+    rows committed). Rows carry the loaded model's fingerprint. Raises what _run_shard_task raises otherwise
+    (WorkerPreempted when its worker's stop signal stopped it; an engine that failed to load: RuntimeError).
     """
     try:
         if pinned is not None and (error := pinned.changed()) is not None:
             record_failure(output_url, shard.shard_id, error)
             return ShardFailed(f"InputChanged: {error}")
         version = None if pinned is None or pinned.removed else (pinned.size, pinned.version)
-        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, version)
+        return _run_shard_task(shard, prompt_column, output_url, cfg, plugin_name, run_id, version, model_pin)
     except ShardError as e:
         return ShardFailed(f"ShardError: {e}")
     except InputChanged as e:
@@ -80,13 +86,31 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(str(e), no_space=True)
     except ShardInterrupted as e:
         return ShardStopped(e)
+    except ModelChanged as e:
+        error = f"the engine on worker {get_worker().address} loaded another model: {e}"
+        record_failure(output_url, shard.shard_id, error)
+        return ShardFailed(f"ModelChanged: {error}")
+
+
+def _checked_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> tuple[LLMEngine, str]:
+    """This worker's engine and the fingerprint of the model it loaded (waits for the load), after checking that
+    model against the job's `model_pin` (None: no check). Raises ModelChanged, or RuntimeError when the load
+    failed."""
+    plugin = engine_plugin(plugin_name)
+    loaded = plugin.loaded_model()
+    if model_pin is not None:
+        check_model_pin(model_pin, loaded, output_url)
+    return plugin.get(), loaded.fingerprint
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
-                    run_id: str, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
+                    run_id: str, pinned: tuple[int, str] | None = None,
+                    model_pin: ModelPin | None = None) -> dict[str, Any]:
     """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
     jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
-    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. Returns the shard's accounting row.
+    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. The model the worker loaded is
+    checked against `model_pin` before any row runs (ModelChanged); rows and accounting carry its fingerprint.
+    Returns the shard's accounting row.
     Raises WorkerPreempted when this worker's stop signal stopped the shard (its finished rows committed), and what
     run_shard raises: ShardInterrupted (a cancel), ShardError (unreadable input), storage errors after retries.
     """
@@ -108,8 +132,9 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
 
     preemption = get_preemption()
     if preemption is None:
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         pinned=pinned)
+        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
+        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress, pinned=pinned,
+                         model_fingerprint=fingerprint)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -119,9 +144,11 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     preemption.shard_started()
     interrupted = False
     try:
+        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
-        return run_shard(get_engine(plugin_name), shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned)
+        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress,
+                         should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned,
+                         model_fingerprint=fingerprint)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself

@@ -86,14 +86,15 @@ def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
 def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
                    wall_s: float, generated_tokens: int, gpu_s: float, earlier: EarlierAttempts, rows_resumed: int,
                    kv_preemptions: int, device: str, dtype: str, quantization: str, model: str,
-                   price_per_hour_usd: float) -> dict[str, Any]:
+                   price_per_hour_usd: float, model_fingerprint: str | None = None) -> dict[str, Any]:
     """One schemas.ACCOUNTING_SCHEMA row for the attempt that finished the shard.
 
     `results`: the committed results (what the bill describes); `wall_s`: this attempt's generation time (seconds);
     `generated_tokens`: output tokens this attempt generated; `gpu_s`: this attempt's device-seconds. The cost bills
     every attempt's device-seconds (`gpu_s + earlier.gpu_s`, in `gpu_s_billed`): lost time is real money.
     `device`, `dtype` ("bfloat16", "float32", ...: what ran, "auto" resolved) and `quantization` (none, auto, int4,
-    int8) say what the engine that finished the shard ran on and in.
+    int8) say what the engine that finished the shard ran on and in; `model_fingerprint` which model it had loaded
+    (pipeline.model_pin; None when the job pinned none).
     """
     rows = results.num_rows
     errors = rows - results.column("error").null_count
@@ -109,7 +110,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "cost_usd": cost, "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),
         "attempts": attempt, "preemptions": earlier.preemptions, "gpu_s": gpu_s, "gpu_s_lost": earlier.gpu_s_lost,
         "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
-        "finished_at": datetime.now(UTC),
+        "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC),
     }
 
 

@@ -93,19 +93,22 @@ def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
 
 
 def _as_part(table: pa.Table) -> pa.Table:
-    """A part as CHECKPOINT_PART_SCHEMA; a column added since the part was written (latency_s) is null."""
+    """A part as CHECKPOINT_PART_SCHEMA; a column added since the part was written (latency_s, model_fingerprint) is
+    null."""
     for f in CHECKPOINT_PART_SCHEMA:
         if f.name not in table.column_names:
             table = table.append_column(f, pa.nulls(table.num_rows, f.type))
     return table.select(CHECKPOINT_PART_SCHEMA.names).cast(CHECKPOINT_PART_SCHEMA)
 
 
-def part_table(rows: list[tuple[int, RequestOutput]], model: str) -> pa.Table:
-    """Finished rows (position in the shard, output) as a part (CHECKPOINT_PART_SCHEMA)."""
+def part_table(rows: list[tuple[int, RequestOutput]], model: str, model_fingerprint: str | None = None) -> pa.Table:
+    """Finished rows (position in the shard, output) as a part (CHECKPOINT_PART_SCHEMA), each with the model name
+    and fingerprint (pipeline.model_pin; None: not pinned) of the engine that generated it."""
     return pa.Table.from_pylist([{
         "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
         "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
-        "model": model, "row": k, "kv_preemptions": o.num_preemptions, "latency_s": o.latency_s} for k, o in rows],
+        "model": model, "model_fingerprint": model_fingerprint, "row": k, "kv_preemptions": o.num_preemptions,
+        "latency_s": o.latency_s} for k, o in rows],
         schema=CHECKPOINT_PART_SCHEMA)
 
 
@@ -114,12 +117,14 @@ class Checkpointer:
     (whichever first, checked as rows are added).
 
     `started` is the attempt's start on time.monotonic(), so markers can say how long the attempt had held the device.
+    `model_fingerprint` (pipeline.model_pin; None when the job pinned none) goes into every row.
     Not thread-safe: call from the thread that runs the engine.
     """
 
     def __init__(self, fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, model: str, *,
-                 every_rows: int, every_s: float, started: float) -> None:
+                 every_rows: int, every_s: float, started: float, model_fingerprint: str | None = None) -> None:
         self.fs, self.root, self.shard_id, self.attempt, self.model = fs, root, shard_id, attempt, model
+        self.model_fingerprint = model_fingerprint
         self.every_rows, self.every_s, self.started = every_rows, every_s, started
         self.pending: list[tuple[int, RequestOutput]] = []
         self.parts = 0
@@ -148,7 +153,8 @@ class Checkpointer:
         index, rows = self.parts + 1, len(self.pending)
         stem = part_stem(self.root, self.shard_id, self.attempt, index, rows)
         # NOTE: only this attempt writes names with its number, so "already there" means an earlier try of ours landed.
-        bounded(commit_table)(self.fs, f"{stem}.parquet", part_table(self.pending, self.model))
+        bounded(commit_table)(self.fs, f"{stem}.parquet", part_table(self.pending, self.model,
+                                                                             self.model_fingerprint))
         bounded(commit_json)(self.fs, f"{stem}.commit", {
             "attempt": self.attempt, "part": index, "rows": rows, "elapsed_s": time.monotonic() - self.started,
             "committed_at": time.time()})

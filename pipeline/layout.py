@@ -3,6 +3,7 @@
     OUTPUT/
       _manifest/input.json                          the pinned input (pipeline.manifest)
       _manifest/input-NNN.json                      a revision re-pinning changed files (NNN from 001)
+      _manifest/model.json                          the pinned model: its files' sizes and hashes (pipeline.model_pin)
       _manifest/cancel-NNN.json                     a cancel marker set aside by `--resume` (jobs.control)
       _lease/SSSSSSSSSSSS.json                      who runs the job until when (jobs.lease)
       _input/requests.parquet                       an OpenAI batch file's requests, converted (jobs.openai_batch)
@@ -28,6 +29,7 @@ from typing import Literal
 
 MANIFEST_DIR = "_manifest"
 MANIFEST = f"{MANIFEST_DIR}/input.json"  # relative to OUTPUT: revision 0, pinned when the job starts
+MODEL_PIN = f"{MANIFEST_DIR}/model.json"  # relative to OUTPUT: the model, pinned when the job starts
 LEASE_DIR = "_lease"
 STAGED_REQUESTS = "_input/requests.parquet"
 RESULTS_DIR = "results"
@@ -72,6 +74,11 @@ def parse_manifest_revision(path: str) -> int | None:
     """The revision a listed _manifest/ entry holds (0 for input.json), or None when it is no manifest."""
     m = _REVISION.match(basename(path))
     return None if m is None else int(m.group(1) or 0)
+
+
+def model_pin_path(root: str) -> str:
+    """Where the job's pinned model is committed (pipeline.model_pin)."""
+    return _under(root, MODEL_PIN)
 
 
 def cancel_aside_path(root: str, n: int) -> str:

@@ -228,7 +228,8 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
 
 def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
               progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
-              watch_notices: bool = True, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
+              watch_notices: bool = True, pinned: tuple[int, str] | None = None,
+              model_fingerprint: str | None = None) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
 
@@ -238,7 +239,9 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
     per input row) are committed, then the accounting. A crash between any two commits loses at most one checkpoint
     interval; a rerun of a finished shard returns its committed accounting and writes nothing; when results are
     committed but not the accounting, the rerun only bills them. `progress` gets (rows, output tokens) for rows this
-    run finishes (not rows resumed from checkpoints).
+    run finishes (not rows resumed from checkpoints). `model_fingerprint` (pipeline.model_pin: the model `engine`
+    loaded, which the caller checked against the job's pin; None when the job pinned none) goes into every row this
+    run generates and into the accounting.
 
     Stopping: the engine polls `should_stop` (e.g. a StopSignal with install_sigterm_handler) and a StopSignal from
     the environment (notice file, notice URL, OUTPUT/_CANCEL; pipeline.preemption; watch_notices=False leaves the
@@ -263,7 +266,7 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
         attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
         try:
             return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, progress, notice,
-                                should_stop, pinned)
+                                should_stop, pinned, model_fingerprint)
         except ShardInterrupted:
             raise
         except Exception as e:
@@ -286,7 +289,8 @@ def _results(merged: pa.Table, shard: Shard) -> pa.Table:
 
 def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
                  cfg: RunConfig, attempt: int, t0: float, progress: ProgressFn | None, notice: StopSignal,
-                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None) -> dict[str, Any]:
+                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
+                 model_fingerprint: str | None = None) -> dict[str, Any]:
     done_path = results_path(root, shard.shard_id)
     wall_s, generated_tokens = 0.0, 0
     if exists_now(fs, done_path):
@@ -302,7 +306,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         todo = [k for k in range(len(rows.ids)) if k not in done]
         rows_resumed = len(rows.ids) - len(todo)
         ckpt = Checkpointer(fs, root, shard.shard_id, attempt, engine.model_name, every_rows=cfg.checkpoint_rows,
-                            every_s=cfg.checkpoint_seconds, started=t0)
+                            every_s=cfg.checkpoint_seconds, started=t0, model_fingerprint=model_fingerprint)
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())
@@ -338,7 +342,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         wall_s=wall_s, generated_tokens=generated_tokens, gpu_s=gpu_s, earlier=earlier, rows_resumed=rows_resumed,
         kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
-        model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd)
+        model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
     commit_table(fs, accounting_path(root, shard.shard_id, attempt), pa.Table.from_pylist([row],
                                                                                          schema=ACCOUNTING_SCHEMA))
     return row

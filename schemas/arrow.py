@@ -3,8 +3,8 @@
 Layout: OUTPUT/results/<shard_id>.parquet (one row per input row) and OUTPUT/accounting/<shard_id>.attempt-NNN.parquet
 (one row, by the attempt that finished the shard). While a shard runs, OUTPUT/checkpoints/<shard_id>/ holds its
 checkpoint parts (CHECKPOINT_PART_SCHEMA). All are written once, with create-only semantics, and never overwritten.
-Accounting files written before the dtype and quantization columns existed lack them; readers take them as null
-(pipeline.accounting.read_committed_accounting).
+Accounting files written before the dtype, quantization and model_fingerprint columns existed lack them; readers take
+them as null (pipeline.accounting.read_committed_accounting), as checkpoint parts read without model_fingerprint.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ _ROW_FIELDS = [
     pa.field("completion_tokens", pa.int32(), nullable=False, metadata={"doc": "generated tokens"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
+    pa.field("model_fingerprint", pa.string(), metadata={
+        "doc": "sha256:<hex> of the model's files (sizes and hashes or ETags; pipeline.model_pin) that the engine "
+               "which generated the row had loaded; null for rows of a job started before models were pinned"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
@@ -69,6 +72,8 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("kv_preemptions", pa.int64(), nullable=False,
              metadata={"doc": "times the engine evicted a row's KV blocks and recomputed them, summed over rows"}),
     pa.field("model", pa.string(), nullable=False),
+    pa.field("model_fingerprint", pa.string(), metadata={
+        "doc": "the model's fingerprint (as in results); null in accounting written before models were pinned"}),
     pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
 ])
 

@@ -2,7 +2,8 @@
 resumes, leases, signals, accounting and exit codes, not text. Every way a job reaches a model leads there: the
 `engine` fixture (shards run in this process), TOKENMILL_MODEL (`tokenmill run` in process or in a child process),
 and a job with no model (`run_job`, `tokenmill submit` of a spec without `model`) whose workers would load the
-default. Tests marked `slow` keep the real model on every path (test_cli's end-to-end run)."""
+default (and whose client pins the default: pipeline.model_pin.default_model_path). Tests marked `slow` keep the
+real model on every path (test_cli's end-to-end run)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 import jobs.cluster
+import pipeline.model_pin
 from engine import LLMEngine
 
 
@@ -33,3 +35,5 @@ def _tiny_model_by_default(request: pytest.FixtureRequest, monkeypatch: pytest.M
         return plugin(model if model is not None else tiny, *args, **kwargs)
 
     monkeypatch.setattr(jobs.cluster, "EnginePlugin", tiny_by_default)
+    # The client pins the model a job without one runs: the tiny one here, as its workers load.
+    monkeypatch.setattr(pipeline.model_pin, "default_model_path", lambda: tiny)

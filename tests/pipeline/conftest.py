@@ -7,8 +7,11 @@ child processes the tests start."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -66,3 +69,24 @@ def reference(waves: LLMEngine, shard: Shard, tmp_path_factory: pytest.TempPathF
     out = str(tmp_path_factory.mktemp("reference"))
     run_shard(waves, shard, "question", out, shard_cfg(checkpoint_rows=1000))
     return pq.read_table(results_path(out, shard.shard_id))
+
+
+@pytest.fixture(scope="module")
+def s3_bucket() -> Iterator[str]:
+    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL as any S3 would be; yields a bucket."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
+            mp.setenv(k, v)
+        fsspec.filesystem("s3").clear_instance_cache()
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.makedirs("tokenmill-test", exist_ok=True)  # moto's backend is process-wide: another module made it
+        yield "tokenmill-test"
+        fsspec.filesystem("s3").clear_instance_cache()
+    server.stop()

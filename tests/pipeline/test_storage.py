@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import errno
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -23,27 +21,6 @@ from pipeline.shard import run_shard
 from pipeline.status import shard_state
 from pipeline.storage import commit_table, is_transient, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
-
-
-@pytest.fixture(scope="module")
-def s3_bucket() -> Iterator[str]:
-    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL as any S3 would be; yields a bucket."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-            mp.setenv(k, v)
-        fsspec.filesystem("s3").clear_instance_cache()
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("tokenmill-test")
-        yield "tokenmill-test"
-        fsspec.filesystem("s3").clear_instance_cache()
-    server.stop()
 
 
 def _table(data_dir: Path, n: int) -> pa.Table:

@@ -13,13 +13,14 @@ from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 def test_results_schema_columns_types_and_nullability() -> None:
     assert RESULTS_SCHEMA.names == ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
-                                    "error", "model", "input_file", "input_row"]
+                                    "error", "model", "model_fingerprint", "input_file", "input_row"]
     types = {f.name: f.type for f in RESULTS_SCHEMA}
     assert types["id"] == pa.string() and types["prompt_tokens"] == pa.int32() == types["completion_tokens"]
     assert types["input_row"] == pa.int64()
     nullable = {f.name for f in RESULTS_SCHEMA if f.nullable}
-    # error is null exactly when the row ran; a null id stays null (input_file + input_row name every row)
-    assert nullable == {"id", "completion", "error"}
+    # error is null exactly when the row ran; a null id stays null (input_file + input_row name every row); a row of
+    # a job started before models were pinned has no model_fingerprint
+    assert nullable == {"id", "completion", "error", "model_fingerprint"}
 
 
 def test_accounting_schema_has_the_bill() -> None:
@@ -28,11 +29,12 @@ def test_accounting_schema_has_the_bill() -> None:
               "wall_s": pa.float64(), "output_tokens_per_s": pa.float64(), "device": pa.string(),
               "dtype": pa.string(), "quantization": pa.string(),
               "price_per_hour_usd": pa.float64(), "cost_usd": pa.float64(), "tokens_per_dollar": pa.float64(),
-              "model": pa.string()}
+              "model": pa.string(), "model_fingerprint": pa.string()}
     types = {f.name: f.type for f in ACCOUNTING_SCHEMA}
     assert {k: types.get(k) for k in needed} == needed
-    # tokens_per_dollar is the only nullable number: undefined when the price is 0.
-    assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar"]
+    # tokens_per_dollar is the only nullable number: undefined when the price is 0; model_fingerprint is null in
+    # accounting of jobs started before models were pinned.
+    assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar", "model_fingerprint"]
     assert ACCOUNTING_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
 
 
