@@ -87,7 +87,7 @@ def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} has format version {meta['format_version']}; this tokenmill reads up to "
                          f"{FORMAT_VERSION}: upgrade tokenmill")
-    cfg = ModelConfig(**meta["model_config"])
+    cfg = ModelConfig.from_dict(meta["model_config"])
     tensors = load_file(str(Path(path, WEIGHTS_FILE)))
     quant = meta["quantization"]
     state: QuantizedState = {}
