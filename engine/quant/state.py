@@ -1,6 +1,8 @@
 """Names and helpers every INT4/INT8 layer shares: which parameters are projections, the quantized state dict type
-and module replacement. A leaf: it imports no other tokenmill module but the INT4 weight type (engine.quant.qparams,
-itself a leaf), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on each other.
+and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
+module but the INT4 weight type (engine.quant.qparams, itself a leaf) and, for AddBias.concat, engine.model (which
+imports nothing of engine.quant), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on
+each other.
 
 A quantized state dict maps a *module* name (e.g. "layers.0.self_attn.q_proj") to an Int4Weight and every other
 parameter name (e.g. "norm.weight") to a plain tensor. On disk each Int4Weight X becomes three tensors, X.qweight,
