@@ -1,7 +1,7 @@
 """tokenmill model folders: safetensors weights, a small JSON config and the tokenizer, loadable with --model DIR.
 
 Layout:
-    tokenmill_model.json   {"format": "tokenmill", "format_version": 1, "model_config": {...ModelConfig...},
+    tokenmill_model.json   {"format": "tokenmill", "format_version": 2, "model_config": {...ModelConfig...},
                             "quantization": {"bits": 4, "group_size": G, "scheme": ..., "modules": {...}} | {"bits":
                             16}, "source": "<file it came from>"}
     model.safetensors      plain tensors by HF name (bf16); each INT4 module X as X.qweight (uint8 [N, Kp/2]),
@@ -25,7 +25,7 @@ from engine.quant.state import QuantizedState
 
 CONFIG_FILE = "tokenmill_model.json"
 WEIGHTS_FILE = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model_config gained architecture, qkv_bias, qk_norm, rope_scaling, eos_token_ids, ...
 _PARTS = ("qweight", "scales", "zeros")
 
 
