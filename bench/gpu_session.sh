@@ -14,6 +14,8 @@
 #       carry=[".gpu", ".gpu_a"], timeout_s=120)
 #   run(command="STEPS='gpu_tests throughput' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"])
 #   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu"])
+# PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
+# mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
 # STEPS (default: all) picks the steps. Each step has its own time limit so one slow step cannot eat the others;
 # the table prints last. Seen on an H100 (2026-11-25): gpu_tests ~90 s, throughput ~220 s, int4 ~100 s.
 set -uo pipefail
@@ -48,7 +50,7 @@ step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gp
     tests/engine/test_triton_attention.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
-step throughput 330 python3 bench/throughput.py --device cuda --workload both
+step throughput 330 python3 bench/throughput.py --device cuda --workload both ${PRESET:+--preset "$PRESET"}
 step int4 150 python3 bench/int4.py --device cuda
 
 echo "== steps"; cat "$OUT/steps.txt"

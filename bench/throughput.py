@@ -69,16 +69,20 @@ def run_hf(model: torch.nn.Module, prompt_ids: list[list[int]], max_tokens: list
 
 
 def hf_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """HF LlamaForCausalLM of the same shape with random weights (throughput only: the outputs are not compared)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """HF model of the same family and shape with random weights (throughput only: the outputs are not compared):
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (QKV bias) or Qwen3ForCausalLM (q/k norms), by
+    cfg.architecture."""
+    import transformers
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-                         max_position_embeddings=8192, tie_word_embeddings=cfg.tie_word_embeddings)
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[cfg.architecture]
+    hf_cfg = config_class(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                          intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                          num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                          head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                          max_position_embeddings=8192, tie_word_embeddings=cfg.tie_word_embeddings)
     with torch.device(device):
-        model = LlamaForCausalLM(hf_cfg).to(dtype)
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg).to(dtype)
     return model.eval()
 
 
@@ -123,8 +127,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None, help="GGUF path or URL (default on cpu: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (default on cuda: "
-                                                   "llama-3.1-8b)")
+    ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (engine.presets: "
+                                                   "llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, qwen3-8b, ...; "
+                                                   "default on cuda: llama-3.1-8b)")
     ap.add_argument("--num-prompts", type=int, default=None, help="default 64 on cpu, 512 on cuda")
     ap.add_argument("--workload", choices=["w1", "w2", "both"], default=None, help="default w1 on cpu, both on cuda")
     ap.add_argument("--max-tokens", type=int, default=None,

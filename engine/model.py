@@ -7,6 +7,7 @@ SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCaus
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Protocol
 
@@ -68,16 +69,87 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, [max_positions, head_dim] each, looked up by position (int64 [T])."""
+def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies (fp32) and the attention factor that multiplies cos/sin, exactly as HF transformers'
+    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them for cfg.rope_scaling.
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    Returns inv_freq [head_dim / 2], or with "dynamic" scaling and `positions` (int64 [P]), [P, head_dim / 2]: the
+    frequencies transformers uses for a sequence that ends at each position (its dynamic NTK recomputes them from the
+    current length, max(position + 1, max_position_embeddings)). llama3 with GGUF `rope_freqs` divides the unscaled
+    frequencies by those factors (llama.cpp's form of the same formula).
+    """
+    dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rs is None:
+        return inv_freq, 1.0
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor, 1.0
+    if rs.rope_type == "dynamic":
+        if positions is None:
+            return inv_freq, 1.0
+        max_pos = cfg.max_position_embeddings
+        seq_len = torch.clamp(positions.double() + 1, min=max_pos)
+        bases = base * ((rs.factor * seq_len / max_pos) - (rs.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (bases.float()[:, None] ** exponents[None, :]), 1.0
+    if rs.rope_type == "llama3":
+        if rs.freq_factors is not None:
+            factors = torch.tensor(rs.freq_factors, dtype=torch.float32)
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope_freqs has {factors.numel()} factors, head_dim {dim} needs {inv_freq.numel()}")
+            return inv_freq / factors, 1.0
+        old = rs.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn (Peng et al., "YaRN", 2023), transformers' _compute_yarn_parameters
+    factor = rs.factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.attention_factor
+    if attention_factor is None:
+        attention_factor = (float(mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim))
+                            if rs.mscale and rs.mscale_all_dim else mscale(factor))
+    beta_fast, beta_slow = rs.beta_fast or 32, rs.beta_slow or 1
+    orig = rs.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE, [max_positions, head_dim] each, looked up by position (int64 [T]); the frequencies
+    and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_positions, dtype=torch.int64)
+        inv_freq, attention_factor = rope_inv_freq(cfg, positions)
+        if inv_freq.dim() == 1:
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+        else:
+            freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
@@ -97,22 +169,25 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
     """One module whose output is the concatenation of `modules`' outputs (along out_features), or None when they
     cannot be merged. All take the same input [..., K]; the merged one returns [..., sum(N_i)].
 
-    Plain bias-free nn.Linear layers merge by concatenating their weights (as vLLM's QKVParallelLinear and
-    MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix); other module types merge through a
-    `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear). The originals are not
-    changed.
+    Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
+    vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix); other module
+    types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
+    engine.quant.state.AddBias). The originals are not changed.
     """
     first = modules[0]
     if any(type(m) is not type(first) for m in modules):
         return None
     if type(first) is nn.Linear:
-        if any(m.bias is not None or m.weight.dtype != first.weight.dtype or m.weight.device != first.weight.device
-               or m.in_features != first.in_features for m in modules):
+        biased = first.bias is not None
+        if any((m.bias is not None) != biased or m.weight.dtype != first.weight.dtype
+               or m.weight.device != first.weight.device or m.in_features != first.in_features for m in modules):
             return None
         weight = torch.cat([m.weight.detach() for m in modules])
         with torch.device("meta"):
-            merged = nn.Linear(first.in_features, weight.shape[0], bias=False)
+            merged = nn.Linear(first.in_features, weight.shape[0], bias=biased)
         merged.weight = nn.Parameter(weight, requires_grad=False)
+        if biased:
+            merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
         return merged
     concat = getattr(type(first), "concat", None)
     return concat(modules) if concat is not None else None
@@ -123,6 +198,8 @@ class Attention(nn.Module):
 
     Q, K and V come from q_proj/k_proj/v_proj (the names of the model files and of GPTQ), or, after `fuse()`, from
     one qkv_proj: one GEMM of N = (num_heads + 2 * num_kv_heads) * head_dim instead of three narrower ones.
+    With cfg.qkv_bias the three carry a bias (Qwen2); with cfg.qk_norm queries and keys go through a per-head
+    RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -130,10 +207,12 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.sliding_window  # None: full causal attention
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_proj: nn.Module | None = None
 
     def fuse(self) -> bool:
@@ -156,20 +235,32 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
             ops = fused_cpu_ops(qkv)
-            if ops is not None and qkv.dim() == 2 and cos.dtype == qkv.dtype == k_cache.dtype:
+            if (ops is not None and self.q_norm is None and qkv.dim() == 2
+                    and cos.dtype == qkv.dtype == k_cache.dtype):
                 q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass, in C++
                 return attn_fn(q, k_cache, v_cache, meta, self.scale,
                                sliding_window=self.sliding_window).reshape(t, h * d)
-            qk = apply_rope(qkv[:, :(h + hkv) * d].view(t, h + hkv, d), cos, sin)  # one RoPE for Q and K
+            qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
+            if self.q_norm is not None:
+                qk = torch.cat((self._head_norm(self.q_norm, qk[:, :h]), self._head_norm(self.k_norm, qk[:, h:])), 1)
+            qk = apply_rope(qk, cos, sin)  # one RoPE for Q and K
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         else:
-            q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)
-            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
+            q, k = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, hkv, d)
+            if self.q_norm is not None:
+                q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.v_proj(x).view(t, hkv, d)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window).reshape(
             t, self.num_heads * self.head_dim)
+
+    @staticmethod
+    def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of x [T, heads, head_dim] (as rows [T * heads, head_dim]); same shape back."""
+        t, n, d = x.shape
+        return norm(x.reshape(t * n, d)).view(t, n, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
@@ -243,11 +334,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
 
     def materialize_rotary(self, device: torch.device) -> None:
         """(Re)build the fp32 RoPE tables on `device`: needed after building on the meta device."""
-        self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope_theta, self.max_positions).to(device)
+        self.rotary = RotaryEmbedding(self.config, self.max_positions).to(device)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""

@@ -82,14 +82,15 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace, in place, every plain bias-free nn.Linear of a CPU model whose weight is fp32 or bf16 by a
-    PackedLinear (a tied LM head gets its own packed copy; the embedding is untouched). Other modules (INT4, INT8)
-    stay, and so do bf16 ones where oneDNN cannot pack bf16 (`can_pack`). Fuse projections first (they are packed as
+    """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a
+    tied LM head gets its own packed copy; the embedding is untouched; a bias is kept and added after the GEMM,
+    engine.quant.state.set_module). Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack
+    bf16 (`can_pack`). Fuse projections first (they are packed as
     they stand). Returns the number replaced (0 when oneDNN is missing)."""
     if not packing_available():
         return 0
     names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and m.bias is None and m.weight.device.type == "cpu"
+             if type(m) is nn.Linear and m.weight.device.type == "cpu"
              and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
     for name in names:
         set_module(model, name, PackedLinear(model.get_submodule(name).weight))

@@ -4,15 +4,34 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RopeScaling
 from engine.model import LlamaModel
 
 PRESETS: dict[str, ModelConfig] = {
-    # Meta Llama 3.1 8B (config.json of meta-llama/Llama-3.1-8B); llama3 RoPE scaling is left out: the weights are
-    # random, so only the shape and the cost matter.
+    # Meta Llama 3.1 8B (config.json and generation_config.json of meta-llama/Llama-3.1-8B-Instruct), its llama3
+    # RoPE scaling and three stop tokens included (the weights are random: the shape and the cost are real).
     "llama-3.1-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                                 num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001),
+                                max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+                                architecture="llama", eos_token_ids=(128001, 128008, 128009),
+                                rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=8192,
+                                                         low_freq_factor=1.0, high_freq_factor=4.0)),
+    # Qwen/Qwen2.5-7B-Instruct: QKV bias, untied embeddings, rope_theta 1e6, no sliding window (use_sliding_window
+    # false), EOS <|im_end|> and <|endoftext|>.
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                              max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645,
+                              architecture="qwen2", qkv_bias=True, eos_token_ids=(151645, 151643)),
+    # mistralai/Mistral-7B-Instruct-v0.3: sliding_window null, vocabulary 32768, rope_theta 1e6.
+    "mistral-7b-v0.3": ModelConfig(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                                   num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0,
+                                   rms_norm_eps=1e-5, max_position_embeddings=32768, bos_token_id=1,
+                                   eos_token_id=2, architecture="mistral"),
+    # Qwen/Qwen3-8B: per-head q/k RMSNorm, no bias, untied, head_dim 128, context 40960.
+    "qwen3-8b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                            num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                            max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                            architecture="qwen3", qk_norm=True, eos_token_ids=(151645, 151643)),
     # HuggingFaceTB/SmolLM2-135M-Instruct, the default model's shape.
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
@@ -41,8 +60,8 @@ def preset_config(name: str) -> ModelConfig:
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
                  max_positions: int | None = None) -> LlamaModel:
-    """A LlamaModel of shape `cfg` with N(0, 0.02) weights (norms 1), built on the meta device and materialized
-    once on `device` in `dtype`."""
+    """A LlamaModel of shape `cfg` with N(0, 0.02) weights and biases (norms, q/k norms included, 1), built on the
+    meta device and materialized once on `device` in `dtype`."""
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings).to(dtype)
     model.to_empty(device=device)

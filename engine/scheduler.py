@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from engine.kv_cache_manager import KVCacheManager
@@ -36,16 +36,18 @@ class SchedulerOutput(NamedTuple):
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-def check_stop(request: Request, eos_token_id: int | None, max_model_len: int) -> str | None:
+def check_stop(request: Request, eos_token_id: int | None, max_model_len: int,
+               eos_token_ids: Collection[int] = ()) -> str | None:
     """finish_reason after the token just appended to `request`, or None to go on.
 
-    "stop": EOS (unless ignore_eos), one of stop_token_ids, or a stop string completed in the text (requests with
+    "stop": EOS or any of the model's other end-of-sequence ids `eos_token_ids` (Llama 3's <|eot_id|>; unless
+    ignore_eos), one of stop_token_ids, or a stop string completed in the text (requests with
     stop strings only: their incremental detokenizer searches the new characters); "length": max_tokens output
     tokens, or max_model_len tokens in all.
     """
     sp = request.sampling_params
     token = request.output_token_ids[-1]
-    if not sp.ignore_eos and token == eos_token_id:
+    if not sp.ignore_eos and (token == eos_token_id or token in eos_token_ids):
         return "stop"
     if token in sp.stop_token_ids:
         return "stop"
@@ -75,18 +77,21 @@ class Scheduler:
         max_num_seqs: most running requests.
         max_num_batched_tokens: tokens per step, prefill chunks and decodes together.
         eos_token_id: the model's end-of-sequence token (None: none).
+        eos_token_ids: every other token id that ends a sequence (ModelConfig.eos_token_ids).
         max_model_len: most tokens (prompt + output) of a request; reaching it finishes the request ("length").
     Raises ValueError when a limit is below 1.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 eos_token_id: int | None = None, max_model_len: int = 1 << 62) -> None:
+                 eos_token_id: int | None = None, max_model_len: int = 1 << 62,
+                 eos_token_ids: Collection[int] = ()) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,7 +149,7 @@ class Scheduler:
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = check_stop(req, self.eos_token_id, self.max_model_len)
+            reason = check_stop(req, self.eos_token_id, self.max_model_len, self.eos_token_ids)
             if reason is not None:
                 req.finish_time = now
                 self._finish(req, reason)

@@ -79,10 +79,12 @@ def _user() -> str:
 
 def check_model(model: str | None) -> str | None:
     """The model as workers must read it (a local path made absolute; None, URLs and hub ids as given), after
-    checking a local one exists, is readable and is a GGUF file (its first 4 bytes are b"GGUF") or a model folder
-    written by `tokenmill quantize`; that an fsspec URL holds a readable GGUF file or model folder (listed and its
-    first bytes read, not downloaded: engine.model_files.check_model_url); that a Hugging Face hub id is in this
-    machine's HF cache. Raises JobError (exit 2)."""
+    checking a local one exists, is readable and is a GGUF file (its first 4 bytes are b"GGUF"), a model folder
+    written by `tokenmill quantize`, or a Hugging Face model folder that tokenmill runs exactly (its architecture,
+    config fields and tensor names: engine.loader.check_hf_folder, from config.json and the safetensors headers
+    only); that an fsspec URL holds a readable GGUF file or model folder (listed and its first bytes read, not
+    downloaded: engine.model_files.check_model_url); that a Hugging Face hub id is in this machine's HF cache.
+    Raises JobError (exit 2)."""
     if model is None:
         return model
     if is_url(model) or is_hub_id(model):
@@ -96,9 +98,18 @@ def check_model(model: str | None) -> str | None:
         return model
     path = os.path.abspath(model.removeprefix("file://"))
     if os.path.isdir(path):
+        from engine.loader import HF_CONFIG_FILE, check_hf_folder, is_hf_folder
+
+        if is_hf_folder(path):
+            try:
+                check_hf_folder(path)
+            except (ValueError, OSError, KeyError) as e:
+                raise JobError(f"--model {path}: {e}") from e
+            return path
         if not os.path.isfile(os.path.join(path, MODEL_FOLDER_CONFIG)):
-            raise JobError(f"--model {path} is a folder without {MODEL_FOLDER_CONFIG}: not a tokenmill model folder. "
-                           "Give a GGUF file, or a folder written by `tokenmill quantize --output DIR`")
+            raise JobError(f"--model {path} is a folder without {MODEL_FOLDER_CONFIG} or {HF_CONFIG_FILE}: not a "
+                           "tokenmill model folder nor a Hugging Face one. Give a GGUF file, a Hugging Face folder "
+                           "(config.json + *.safetensors), or a folder written by `tokenmill quantize --output DIR`")
         return path
     if not os.path.exists(path):
         raise JobError(f"--model {path} does not exist; give the path of a GGUF file (or a `tokenmill quantize` "

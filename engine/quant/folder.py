@@ -1,7 +1,7 @@
 """tokenmill model folders: safetensors weights, a small JSON config and the tokenizer, loadable with --model DIR.
 
 Layout:
-    tokenmill_model.json   {"format": "tokenmill", "format_version": 1, "model_config": {...ModelConfig...},
+    tokenmill_model.json   {"format": "tokenmill", "format_version": 2, "model_config": {...ModelConfig...},
                             "quantization": {"bits": 4, "group_size": G, "scheme": ..., "modules": {...}} | {"bits":
                             16}, "source": "<file it came from>"}
     model.safetensors      plain tensors by HF name (bf16); each INT4 module X as X.qweight (uint8 [N, Kp/2]),
@@ -25,7 +25,7 @@ from engine.quant.state import QuantizedState
 
 CONFIG_FILE = "tokenmill_model.json"
 WEIGHTS_FILE = "model.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model_config gained architecture, qkv_bias, qk_norm, rope_scaling, eos_token_ids, ...
 _PARTS = ("qweight", "scales", "zeros")
 
 
@@ -87,7 +87,7 @@ def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]
     if meta.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} has format version {meta['format_version']}; this tokenmill reads up to "
                          f"{FORMAT_VERSION}: upgrade tokenmill")
-    cfg = ModelConfig(**meta["model_config"])
+    cfg = ModelConfig.from_dict(meta["model_config"])
     tensors = load_file(str(Path(path, WEIGHTS_FILE)))
     quant = meta["quantization"]
     state: QuantizedState = {}

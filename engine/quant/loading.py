@@ -1,5 +1,5 @@
-"""Load any model file tokenmill reads (GGUF file or tokenmill folder) with the asked-for quantization, and write
-quantized folders (what `tokenmill quantize` runs).
+"""Load any model file tokenmill reads (GGUF file, Hugging Face folder or tokenmill folder) with the asked-for
+quantization, and write quantized folders (what `tokenmill quantize` runs).
 
 quantization modes (EngineConfig.quantization):
     "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import iter_gguf_state, read_gguf_config, read_gguf_state, resolve_model_path
+from engine.loader import (
+    is_hf_folder,
+    iter_gguf_state,
+    iter_hf_state,
+    read_gguf_config,
+    read_gguf_state,
+    read_hf_config,
+    resolve_model_path,
+)
 from engine.model import LlamaModel
 from engine.quant.folder import is_model_folder, read_folder, save_folder
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
@@ -42,11 +50,25 @@ class LoadedModel:
     num_int4_modules: int
 
 
-def read_state(path: str, quantization: str, group_size: int) -> tuple[ModelConfig, QuantizedState]:
-    """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file or model folder, per the modes
-    in the module docstring. Raises ValueError for an unknown mode or unsupported file."""
+def read_state(path: str, quantization: str, group_size: int,
+               plain_dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, QuantizedState]:
+    """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per
+    the modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none": no fp32 copy of a
+    bf16 checkpoint; INT4 quantized one tensor at a time). Raises ValueError for an unknown mode or unsupported
+    file."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if is_hf_folder(path):
+        cfg = read_hf_config(path)
+        dtype = plain_dtype if quantization == "none" else torch.float32
+        items = iter_hf_state(path, cfg, dtype)
+        if quantization != "int4":
+            return cfg, dict(items)
+        handler = Int4QuantHandler(group_size, include_embedding=False)
+        state: QuantizedState = {}
+        for name, w in items:
+            state.update(handler.quantize_state_dict({name: w}))
+        return cfg, state
     if os.path.isdir(path):
         cfg, state, _ = read_folder(path)
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
@@ -73,10 +95,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     (bad mode, unsupported architecture, broken file).
     """
     path = resolve_model_path(model)
-    if os.path.isdir(path) and not is_model_folder(path):
-        raise ValueError(f"{path} is a folder but not a tokenmill model folder; pass a GGUF file or a folder "
-                         "written by `tokenmill quantize`")
-    cfg, state = read_state(path, quantization, group_size)
+    if os.path.isdir(path) and not is_model_folder(path) and not is_hf_folder(path):
+        raise ValueError(f"{path} is a folder but neither a Hugging Face model folder (config.json + safetensors) "
+                         "nor a tokenmill model folder; pass a GGUF file or one of those folders")
+    cfg, state = read_state(path, quantization, group_size, plain_dtype=dtype)
     n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
     llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
     tokenizer = Tokenizer.from_model_path(path)
@@ -128,9 +150,12 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
                              "gsm8k_test.parquet#question,answer')")
         return _gptq_to_folder(path, out_dir, group_size, include_embedding, calibration, calibration_samples,
                                calibration_seq_len, act_order, damp, tune_epochs, on_layer, on_tune_step)
-    if os.path.isdir(path):
+    if is_hf_folder(path):
+        cfg = read_hf_config(path)
+        items: Iterator[tuple[str, Any]] = iter_hf_state(path, cfg, torch.float32)
+    elif os.path.isdir(path):
         cfg, stored, _ = read_folder(path)
-        items: Iterator[tuple[str, Any]] = iter(dequantize_state_dict(stored, torch.float32).items())
+        items = iter(dequantize_state_dict(stored, torch.float32).items())
     else:
         from gguf import GGUFReader
 
