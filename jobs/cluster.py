@@ -9,6 +9,7 @@ jobs.runner decides what runs (the pinned input, the lease, the shards still to 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 import threading
@@ -161,9 +162,15 @@ DASHBOARD_ADDRESS = "127.0.0.1:0"
 
 
 def say_dashboard(link: str) -> None:
-    """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing)."""
-    need = "" if importlib.util.find_spec("bokeh") else " (pip install bokeh to see it)"
-    print(f"Dask dashboard of this run: {link}{need}", file=sys.stderr, flush=True)
+    """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing): a
+    line of text on a terminal, else a JSON line `{"event": "dashboard", "url": ...}` like the progress events (logs
+    that machines read: Airflow, Kubernetes)."""
+    bokeh = importlib.util.find_spec("bokeh") is not None
+    if sys.stderr.isatty():
+        need = "" if bokeh else " (pip install bokeh to see it)"
+        print(f"Dask dashboard of this run: {link}{need}", file=sys.stderr, flush=True)
+    else:
+        print(json.dumps({"event": "dashboard", "url": link, "needs_bokeh": not bokeh}), file=sys.stderr, flush=True)
 
 
 WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"

@@ -194,15 +194,21 @@ def _unpack(f: IO[bytes], fmt: str) -> Any:
 
 
 def model_context(model: str | None) -> dict[str, int] | None:
-    """The shape numbers of a local model that bound a request's length: context (tokens), layers, kv_heads,
-    head_dim; None for a remote model (its worker reads it). `model` as check_model returns it (None: the
-    default model). Raises JobError (exit 2) when the file's header cannot be read."""
-    from engine.loader import default_model_path
+    """The shape numbers of a local model (a file, a folder, a hub id in the local HF cache) that bound a request's
+    length: context (tokens), layers, kv_heads, head_dim; None for a model at a URL (its worker reads it). `model`
+    as check_model returns it (None: the default model). Raises JobError (exit 2) when the file's header cannot be
+    read."""
+    from engine.loader import default_model_path, is_hf_folder, read_hf_config
+    from engine.model_files import hub_model_path, is_hub_id, is_url
 
-    if model is not None and "://" in model:
+    if model is not None and is_url(model):
         return None
-    path = default_model_path() if model is None else model
+    path = default_model_path() if model is None else hub_model_path(model) if is_hub_id(model) else model
     if os.path.isdir(path):
+        if is_hf_folder(path):  # config.json through the architecture registry (check_model has vetted it)
+            hf = read_hf_config(path)
+            return {"context": hf.max_position_embeddings, "layers": hf.num_layers, "kv_heads": hf.num_kv_heads,
+                    "head_dim": hf.head_dim}
         with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
             cfg = json.load(f)["model_config"]
         return {"context": cfg["max_position_embeddings"], "layers": cfg["num_layers"],

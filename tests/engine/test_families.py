@@ -51,7 +51,8 @@ def _hf_config(family: str, vocab: int):
         return transformers.Qwen3Config(vocab_size=vocab, rope_theta=1e6, head_dim=32, tie_word_embeddings=False,
                                         use_sliding_window=False, **SHAPE)
     if family == "mistral":
-        return transformers.MistralConfig(vocab_size=vocab, rope_theta=1e6, sliding_window=None, head_dim=16,
+        # A window shorter than every chat-templated prompt: the attention paths must apply it (engine.attention).
+        return transformers.MistralConfig(vocab_size=vocab, rope_theta=1e6, sliding_window=24, head_dim=16,
                                           tie_word_embeddings=False, **SHAPE,
                                           rope_scaling={"rope_type": "linear", "factor": 2.0})
     raise AssertionError(family)
@@ -118,6 +119,8 @@ def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     rs = cfg.rope_parameters
     if rs.get("rope_type") in ("linear", "yarn"):
         kind = gguf.RopeScalingType.LINEAR if rs["rope_type"] == "linear" else gguf.RopeScalingType.YARN
@@ -455,3 +458,17 @@ def test_cli_refuses_bad_folder_before_work(families, gsm8k_questions, tmp_path:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "'phi3' is not supported" in proc.stderr + proc.stdout
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_max_model_len_is_checked_against_an_hf_folder_context(families) -> None:
+    """`--max-model-len` is bounded by a Hugging Face folder's own context (config.json), before any work."""
+    from jobs.errors import JobError
+    from jobs.preflight import check_max_model_len, model_context
+
+    model, folder, _ = families["qwen3"]
+    shape = model_context(str(folder))
+    assert shape == {"context": model.config.max_position_embeddings, "layers": model.config.num_hidden_layers,
+                     "kv_heads": model.config.num_key_value_heads, "head_dim": model.config.head_dim}
+    check_max_model_len(str(folder), "cpu", "float32", shape["context"], 1.0)
+    with pytest.raises(JobError, match=f"more than the context of qwen3, {shape['context']} tokens"):
+        check_max_model_len(str(folder), "cpu", "float32", shape["context"] + 1, 1.0)
