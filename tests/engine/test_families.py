@@ -255,7 +255,8 @@ def test_config_fields(families) -> None:
     assert hf["qwen2"].qkv_bias and gg["qwen2"].qkv_bias and hf["qwen2"].tie_word_embeddings
     assert hf["qwen2"].rope_scaling.rope_type == gg["qwen2"].rope_scaling.rope_type == "yarn"
     assert hf["qwen3"].qk_norm and gg["qwen3"].qk_norm and hf["qwen3"].head_dim == gg["qwen3"].head_dim == 32
-    assert hf["mistral"].architecture == "mistral" and hf["mistral"].sliding_window is None
+    assert hf["mistral"].architecture == "mistral"
+    assert hf["mistral"].sliding_window == gg["mistral"].sliding_window == 24
     assert hf["mistral"].rope_scaling.rope_type == gg["mistral"].rope_scaling.rope_type == "linear"
     assert not hf["llama"].qkv_bias and not hf["llama"].qk_norm
 
