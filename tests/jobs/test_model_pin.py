@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from gsm8k_rows import write_gsm8k
 
 from engine import EngineConfig, LLMEngine
 from jobs.cluster import ClusterOptions, RunContext, run_on_cluster
@@ -31,14 +32,6 @@ from pipeline.shard import run_shard
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0  # generous: a loaded CI box; the tests never assert on time
 ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=64 << 20)
-
-
-def _gsm8k(data_dir: Path, folder: Path, start: int, n: int) -> list[str]:
-    """Write n real GSM8K rows to folder/in.parquet; return their ids."""
-    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(start, n)
-    folder.mkdir(parents=True)
-    pq.write_table(table, folder / "in.parquet")
-    return table.column("id").to_pylist()
 
 
 def _files(out: Path) -> dict[str, int]:
@@ -60,7 +53,7 @@ def _pinned_job(tiny_model: str, data_dir: Path, tmp_path: Path,
     """A job as its first start leaves it: 8 real GSM8K rows from `start` in two shards of 4 under tmp_path/in, a
     copy of the tiny model folder at tmp_path/tiny (this test may rewrite it), input and model pinned under
     tmp_path/out. Returns (model folder, input, OUTPUT, options, manifest, model pin)."""
-    _gsm8k(data_dir, tmp_path / "in", start, 8)
+    write_gsm8k(data_dir, tmp_path / "in", start, 8)
     model = tmp_path / "tiny"
     shutil.copytree(tiny_model, model)
     inp, out = str(tmp_path / "in"), str(tmp_path / "out")
@@ -82,7 +75,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     size and hash and the two ways out, and writes nothing. With the model restored, `--resume` finishes, and every
     row (the first run's and the resumed ones) and every accounting row carries the pinned fingerprint.
     Before: exit 0, _SUCCESS, the later rows from the other model."""
-    ids = _gsm8k(data_dir, tmp_path / "in", 500, 8)
+    ids = write_gsm8k(data_dir, tmp_path / "in", 500, 8)
     model = tmp_path / "model.gguf"
     shutil.copyfile(gguf_path, model)  # never the shared model file: this test rewrites it
     out = tmp_path / "out"
@@ -196,7 +189,7 @@ def test_a_job_pinned_before_models_were_pinned_resumes_and_pins_it(
     """An OUTPUT written by a tokenmill that pinned no model (no _manifest/model.json, rows without a fingerprint)
     still resumes: the run pins the model it runs now and says so (summary.model_note); its rows carry the
     fingerprint, the earlier rows stay null."""
-    _gsm8k(data_dir, tmp_path / "in", 560, 8)
+    write_gsm8k(data_dir, tmp_path / "in", 560, 8)
     inp, out = str(tmp_path / "in"), str(tmp_path / "out")
     cfg = RunConfig(prompt_column="question", max_tokens=4, rows_per_shard=4)
     manifest, _ = pin_manifest(out, inp, cfg)

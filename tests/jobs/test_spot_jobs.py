@@ -18,6 +18,7 @@ import dask
 import pyarrow.parquet as pq
 import pytest
 from distributed import Client, LocalCluster
+from gsm8k_rows import write_gsm8k
 from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
@@ -54,14 +55,6 @@ def cluster() -> Iterator[tuple[LocalCluster, Client]]:
     """The module's two_workers cluster, shared by the tests that leave it with two workers."""
     with two_workers() as pair:
         yield pair
-
-
-def _gsm8k(data_dir: Path, folder: Path, start: int, n: int) -> list[str]:
-    """Write n real GSM8K rows to folder/in.parquet; return their ids."""
-    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(start, n)
-    folder.mkdir(parents=True)
-    pq.write_table(table, folder / "in.parquet")
-    return table.column("id").to_pylist()
 
 
 def _results(out: Path) -> dict[str, str]:
@@ -108,7 +101,7 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     Before: the time from its last checkpoint to the next attempt's start (worker restart included), capped at
     --checkpoint-seconds, whatever it ran."""
     _, client = cluster
-    ids = _gsm8k(data_dir, tmp_path / "in", 400, 24)
+    ids = write_gsm8k(data_dir, tmp_path / "in", 400, 24)
     cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2,
                     heartbeat_seconds=0.2)
     addr = client.scheduler.address
@@ -156,7 +149,7 @@ def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tm
     """A spot notice as SIGTERM: the shard commits its finished rows and stops (ShardInterrupted), the worker closes
     gracefully, the client runs the shard again on the other worker, and it resumes. On a cluster of its own: the
     SIGTERMed worker retires with its nanny, and scaling the shared cluster back up was seen to hang."""
-    ids = _gsm8k(data_dir, tmp_path / "in", 500, 24)
+    ids = write_gsm8k(data_dir, tmp_path / "in", 500, 24)
     cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
     out = tmp_path / "out"
     with two_workers() as (_, client):
@@ -180,7 +173,7 @@ def test_restart_after_a_crash_runs_only_what_is_missing(cluster: tuple[LocalClu
     lease unexpired when it died. The rerun waits out nothing it need not, leaves shard 0 alone, resumes shard 1,
     and runs shard 2."""
     _, client = cluster
-    ids = _gsm8k(data_dir, tmp_path / "in", 600, 24)
+    ids = write_gsm8k(data_dir, tmp_path / "in", 600, 24)
     cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=8, checkpoint_rows=2)
     out = tmp_path / "out"
     manifest, _ = pin_manifest(str(out), str(tmp_path / "in"), cfg)
@@ -217,7 +210,7 @@ def test_restart_after_a_crash_runs_only_what_is_missing(cluster: tuple[LocalClu
 def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                                          tmp_path: Path) -> None:
     _, client = cluster
-    ids = _gsm8k(data_dir, tmp_path / "in", 700, 24)
+    ids = write_gsm8k(data_dir, tmp_path / "in", 700, 24)
     out = tmp_path / "out"
     args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", "16",
             "--rows-per-shard", "8", "--checkpoint-rows", "2", "--max-num-seqs", "2", "--kv-cache-gib", "0.25",

@@ -72,21 +72,29 @@ def reference(waves: LLMEngine, shard: Shard, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def s3_bucket() -> Iterator[str]:
-    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL as any S3 would be; yields a bucket."""
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on a free local port, reached through AWS_ENDPOINT_URL as any S3 would be (test credentials
+    in the environment); yields its endpoint URL."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
     with pytest.MonkeyPatch.context() as mp:
         for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
             mp.setenv(k, v)
         fsspec.filesystem("s3").clear_instance_cache()
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.makedirs("tokenmill-test", exist_ok=True)  # moto's backend is process-wide: another module made it
-        yield "tokenmill-test"
+        yield endpoint
         fsspec.filesystem("s3").clear_instance_cache()
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(s3_endpoint: str) -> str:
+    """A bucket on the `s3_endpoint` server; yields its name."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.makedirs("tokenmill-test", exist_ok=True)  # moto's backend is process-wide: another module made it
+    return "tokenmill-test"

@@ -5,12 +5,10 @@ server, real `tokenmill run` processes, real GSM8K rows."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -24,26 +22,6 @@ from pipeline.shard import read_shard
 from pipeline.storage import check_bucket, commit_json, output_fs, unreachable_store
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """A moto S3 server on a free port, reached through AWS_ENDPOINT_URL; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
-            mp.setenv(k, v)
-        fsspec.filesystem("s3").clear_instance_cache()
-        yield endpoint
-        fsspec.filesystem("s3").clear_instance_cache()
-    server.stop()
 
 
 def _client(endpoint: str):  # noqa: ANN202 (boto3's client type is generated)
@@ -69,21 +47,21 @@ def _buckets(endpoint: str) -> set[str]:
     return {b["Name"] for b in _client(endpoint).list_buckets()["Buckets"]}
 
 
-def test_a_missing_output_bucket_is_refused_and_never_created(s3: str, tmp_path: Path, data_dir: Path) -> None:
+def test_a_missing_output_bucket_is_refused_and_never_created(s3_endpoint: str, tmp_path: Path, data_dir: Path) -> None:
     rows = tmp_path / "in.parquet"
     pq.write_table(_rows(data_dir, 0), rows)
     res = _tokenmill("run", str(rows), "s3://nosuchbucket/out/", "--prompt-column", "question", "--limit", "2")
     assert res.returncode == 2, res.stderr
     assert "'nosuchbucket'" in res.stderr and "does not exist" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    assert "nosuchbucket" not in _buckets(s3)
+    assert "nosuchbucket" not in _buckets(s3_endpoint)
     # The class, not the example: no write path creates a bucket either.
     fs, root = output_fs("s3://nosuchbucket-either/job")
     with pytest.raises(FileNotFoundError):
         commit_json(fs, f"{root}/_lease/000000000000.json", {"holder": "x"})
     with pytest.raises(FileNotFoundError, match="nosuchbucket-either"):
         check_bucket("s3://nosuchbucket-either/job")
-    assert not {"nosuchbucket", "nosuchbucket-either"} & _buckets(s3)
+    assert not {"nosuchbucket", "nosuchbucket-either"} & _buckets(s3_endpoint)
 
 
 def _closed_port() -> int:
@@ -129,13 +107,13 @@ def test_botocore_connection_errors_are_recognised_through_their_causes() -> Non
     assert unreachable_store(FileNotFoundError("nope")) is None
 
 
-def test_s3_reads_exactly_the_pinned_version_or_fail_as_input_changed(s3: str, data_dir: Path) -> None:
+def test_s3_reads_exactly_the_pinned_version_or_fail_as_input_changed(s3_endpoint: str, data_dir: Path) -> None:
     """Unversioned bucket: a pinned ETag that no longer matches is InputChanged before the read, and an overwrite
     after the open fails the read (If-Match) instead of mixing two versions, which read_shard reports as
     InputChanged."""
-    _client(s3).create_bucket(Bucket="plain")
+    _client(s3_endpoint).create_bucket(Bucket="plain")
     old, new = _rows(data_dir, 0), _rows(data_dir, 100)
-    _put(s3, "plain", "in.parquet", old)
+    _put(s3_endpoint, "plain", "in.parquet", old)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     pinned = file_version(fs, "plain/in.parquet")
     url = "s3://plain/in.parquet"
@@ -143,7 +121,7 @@ def test_s3_reads_exactly_the_pinned_version_or_fail_as_input_changed(s3: str, d
         assert pq.read_table(f).equals(old)
     # s3fs's FileExpired: the If-Match failed
     with pytest.raises(Exception) as caught, open_pinned(url, pinned) as f:  # noqa: PT011
-        _put(s3, "plain", "in.parquet", new)  # another ETag
+        _put(s3_endpoint, "plain", "in.parquet", new)  # another ETag
         pq.read_table(f)
     assert type(caught.value).__name__ == "FileExpired"
     with pytest.raises(InputChanged, match="input changed since the job pinned it"), open_pinned(url, pinned):
@@ -155,17 +133,17 @@ def test_s3_reads_exactly_the_pinned_version_or_fail_as_input_changed(s3: str, d
     assert read_shard(shard, "question", "id", pinned=now).prompts == new.column("question").to_pylist()
 
 
-def test_a_versioned_bucket_is_read_by_the_checked_version_id(s3: str, data_dir: Path) -> None:
+def test_a_versioned_bucket_is_read_by_the_checked_version_id(s3_endpoint: str, data_dir: Path) -> None:
     """With versioning, the checked version is read by its VersionId: an overwrite after the check changes
     nothing of what the shard reads."""
-    client = _client(s3)
+    client = _client(s3_endpoint)
     client.create_bucket(Bucket="versioned")
     client.put_bucket_versioning(Bucket="versioned", VersioningConfiguration={"Status": "Enabled"})
     old, new = _rows(data_dir, 0), _rows(data_dir, 200)
-    _put(s3, "versioned", "in.parquet", old)
+    _put(s3_endpoint, "versioned", "in.parquet", old)
     pinned = file_version(fsspec.filesystem("s3", skip_instance_cache=True), "versioned/in.parquet")
     with open_pinned("s3://versioned/in.parquet", pinned) as f:
-        _put(s3, "versioned", "in.parquet", new)
+        _put(s3_endpoint, "versioned", "in.parquet", new)
         assert pq.read_table(f).equals(old)
     versions = client.list_object_versions(Bucket="versioned", Prefix="in.parquet")["Versions"]
     assert len(versions) == 2
