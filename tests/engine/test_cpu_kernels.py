@@ -186,12 +186,20 @@ def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
-def test_pack_linears_replaces_plain_linears_only() -> None:
+def test_pack_linears_replaces_plain_linears_and_keeps_their_biases() -> None:
+    from engine.quant.state import AddBias
+
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=True),
                           nn.Sequential(nn.Linear(8, 8, bias=False)))
-    assert pack_linears(model) == 2
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        expected = model[2](x)  # a QKV with a bias (Qwen2): packed, the bias added after the GEMM
+    assert pack_linears(model) == 3
     assert isinstance(model[1], PackedLinear) and isinstance(model[3][0], PackedLinear)
-    assert type(model[2]) is nn.Linear and type(model[0]) is nn.Embedding  # a bias, an embedding: kept
+    assert isinstance(model[2], AddBias) and isinstance(model[2].inner, PackedLinear)
+    with torch.no_grad():
+        torch.testing.assert_close(model[2](x), expected, rtol=1e-5, atol=1e-6)
+    assert type(model[0]) is nn.Embedding
     assert pack_linears(model) == 0  # idempotent
 
 
