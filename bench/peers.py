@@ -14,6 +14,10 @@ off), EOS ignored so every request makes exactly --max-tokens tokens:
     ct2-int8/f32  CTranslate2 `Generator.generate_batch` (one batch, include_prompt_in_result=False, min_length =
                   max_length) on the same weights converted once into --cache-dir (GGUF -> HF folder ->
                   ct2-transformers-converter --quantization int8 / float32).
+    llama.cpp     llama.cpp's `llama-server` on our very GGUF (Q4_1), as a user runs it: one slot per request
+                  (`-np N`, continuous batching), N concurrent `/completion` requests of the same prompt token ids,
+                  `ignore_eos`, `n_predict` = --max-tokens, greedy as `top_k` 1. Built once per CPU kind by
+                  bench/build_llama_cpp.sh (about 16 minutes on 2 cores; "not installed" when cmake/g++ are missing).
 Workloads: w1 = the first 64 AlpacaEval instructions; c256 = the first 256 GSM8K test questions (--num-prompts
 overrides both counts). Only generation is timed (after a 2 prompt x 4 token warm-up); load time is reported
 beside it. Every system uses the same thread count (torch's default here unless --threads). A system whose
@@ -30,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -38,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import DATA, alpaca_rows, run_hf, run_ours  # noqa: E402  (also puts the repo root on sys.path)
 
-SYSTEMS = ["tokenmill", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32"]
+SYSTEMS = ["tokenmill", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32", "llama.cpp"]
 WORKLOADS = {"w1": 64, "c256": 256}  # default number of requests
 CHECK_TOKENS = 8  # the warm-up: 2 requests x 8 greedy tokens, compared with tokenmill's as a sanity check
 DEFAULT_CACHE = Path.home() / ".cache" / "tokenmill" / "peers"
@@ -58,6 +64,19 @@ def build_prompts(tokenizer: object, workload: str, n: int) -> list[list[int]]:
     """Chat-template token ids of the workload's first n prompts."""
     texts = alpaca_rows(n)[0] if workload == "w1" else gsm8k_questions(n)
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def cpu_simd_flags() -> str:
+    """The CPU's vector-extension flags from /proc/cpuinfo (avx2, avx512*, amx*, ...): what decides the kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    keep = ("avx", "amx", "fma", "f16c", "vnni")
+                    return " ".join(sorted(x for x in line.split(":", 1)[1].split() if x.startswith(keep)))
+    except OSError:
+        pass
+    return "unknown"
 
 
 def cpu_model_name() -> str:
@@ -179,15 +198,81 @@ def worker_ct2(spec: dict, quantization: str) -> dict:
             "detail": f"{quantization}, one batch of {len(prompts)}, {spec['threads']} threads"}
 
 
+def llama_cpp_bin() -> Path:
+    """The folder of llama-server, built by bench/build_llama_cpp.sh when missing. Raises NotInstalled when it
+    cannot be built here."""
+    script = Path(__file__).resolve().parent / "build_llama_cpp.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ,
+                                                                                       "PYTHON": sys.executable})
+    if proc.returncode != 0:
+        raise NotInstalled((proc.stderr.strip().splitlines() or [f"build_llama_cpp.sh exit {proc.returncode}"])[-1])
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def worker_llama_cpp(spec: dict) -> dict:
+    import socket
+
+    bin_dir = llama_cpp_bin()
+    prompts, n_tok = spec["prompt_ids"], spec["max_tokens"]
+    slots = len(prompts)
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    per_slot = max(len(p) for p in prompts) + n_tok + 8
+    cmd = [str(bin_dir / "llama-server"), "-m", spec["model"], "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(spec["threads"]), "-tb", str(spec["threads"]), "-np", str(slots), "-c", str(per_slot * slots),
+           "--no-webui"]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:  # /health answers 200 once the model is loaded
+            if server.poll() is not None:
+                raise RuntimeError(f"llama-server exited {server.returncode}: {server.stderr.read()[-300:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        load_s = time.perf_counter() - t0
+
+        def complete(ids: list[int], n: int, sampled: bool) -> list[int]:
+            how = ({"temperature": spec["temperature"], "top_p": spec["top_p"], "top_k": 0}
+                   if sampled and spec["temperature"] > 0 else {"temperature": 0.0, "top_k": 1})
+            out = _post(f"{base}/completion", {"prompt": ids, "n_predict": n, "ignore_eos": True,
+                                               "cache_prompt": False, "return_tokens": True, **how}, 3600)
+            return out["tokens"]
+
+        with ThreadPoolExecutor(max_workers=slots) as pool:
+            check = list(pool.map(lambda p: complete(p, CHECK_TOKENS, False), prompts[:2]))  # warm-up
+            t0 = time.perf_counter()
+            tokens = sum(len(t) for t in pool.map(lambda p: complete(p, n_tok, True), prompts))
+            seconds = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": check,
+            "detail": f"llama-server Q4 GGUF, -np {slots}, {spec['threads']} threads"}
+
+
 def worker(system: str, spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     try:
-        if not system.startswith("ct2-"):  # CTranslate2 takes its threads as an argument and never imports torch
+        if system.startswith(("tokenmill", "hf-")):  # the others take their threads as arguments, without torch
             import torch
 
             torch.set_num_threads(spec["threads"])
         if system == "tokenmill":
             row = worker_tokenmill(spec)
+        elif system == "llama.cpp":
+            row = worker_llama_cpp(spec)
         elif system.startswith("hf-"):
             row = worker_hf(spec, {"hf-fp32": "float32", "hf-bf16": "bfloat16"}[system])
         else:
@@ -284,11 +369,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tokenizer = Tokenizer.from_gguf(model)
     threads = args.threads or torch.get_num_threads()
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
-    setting = {"device": cpu_model_name(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+    setting = {"device": cpu_model_name(), "cpu_flags": cpu_simd_flags(), "cores": os.cpu_count(), "threads": threads,
+               "torch": torch.__version__,
                "model": os.path.basename(model), "max_tokens": args.max_tokens,
                "temperature": args.temperature, "top_p": args.top_p}
     print(f"device: {setting['device']} ({setting['cores']} cpus, {threads} threads), torch {torch.__version__}, "
           f"model {setting['model']}, {args.max_tokens} output tokens per request", flush=True)
+    print(f"cpu flags: {setting['cpu_flags']}", flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in workloads:

@@ -40,6 +40,11 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def cpu_has_avx512() -> bool:
+    """True when this CPU has AVX-512F (the kernels' 16-lane vectors fill one register; on AVX2 they take two)."""
+    return "avx512f" in _cpu_flags().split()
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,

@@ -56,6 +56,15 @@ inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 // 16 fp32 lanes as one value: the compiler maps it to one AVX-512 register or two AVX2 ones.
 typedef float v16 __attribute__((vector_size(64)));
 
+// How many v16 accumulators a register-blocked loop may keep live: AVX-512 has 32 registers of 16 lanes, AVX2 16
+// of 8 (a v16 takes two). Past the register file the accumulators spill to the stack on every FMA (on AVX2 the
+// AVX-512 blocking made the attention kernel 5-10x slower than torch's SDPA; bench/README.md "AVX2").
+#ifdef __AVX512F__
+constexpr int kMaxAccV16 = 16;
+#else
+constexpr int kMaxAccV16 = 4;
+#endif
+
 // Horizontal sums of 16 vectors at once: lane j of the result is the sum of the lanes of a[bitreverse4(j)], so a
 // caller that puts token t in a[bitreverse4(t)] gets the 16 dot products in order. Four levels of shuffle + add
 // (15 of each in all) instead of 16 separate reductions of 4 steps each.
@@ -129,11 +138,12 @@ inline void weighted_values(const T* v_cache, const int32_t* table, int64_t bloc
     const int64_t m = std::min<int64_t>(block_size, n - t0);
     for (int64_t tt = 0; tt < m; ++tt) {
       const T* vr = base + tt * row;
-      v16 v[CH];
-      for (int c = 0; c < CH; ++c) v[c] = load16_as_f32(vr + 16 * c);
-      for (int i = 0; i < P; ++i) {
-        const v16 pt = p[i][t0 - start + tt] - v16{};
-        for (int c = 0; c < CH; ++c) a[i][c] += pt * v[c];
+      v16 pt[P];
+      for (int i = 0; i < P; ++i) pt[i] = p[i][t0 - start + tt] - v16{};
+      // One value vector live at a time: the registers hold the P * CH accumulators, P broadcasts and one value.
+      for (int c = 0; c < CH; ++c) {
+        const v16 v = load16_as_f32(vr + 16 * c);
+        for (int i = 0; i < P; ++i) a[i][c] += pt[i] * v;
       }
     }
   }
@@ -267,12 +277,15 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
             const float* kh = kf.data() + (h / group) * head_dim;  // query head h reads KV head h / group
             float* sh = scores.data() + (j * num_heads + h) * padded + (t0 - k0);
             if (vectorized) {
+              // All 16 keys whatever n (kf's rows past n hold finite stale values, never stored below): a fixed
+              // trip count lets the compiler interleave the 16 independent dot products instead of waiting on one
+              // chain of dependent FMAs at a time.
               v16 a[16];
+#pragma GCC unroll 16
               for (int t = 0; t < 16; ++t) {
                 v16 acc16 = {};
-                if (t < n)
-                  for (int64_t c = 0; c < chunks; ++c)
-                    acc16 += load16(qh + 16 * c) * load16(kh + t * row + 16 * c);
+                for (int64_t c = 0; c < chunks; ++c)
+                  acc16 += load16(qh + 16 * c) * load16(kh + t * row + 16 * c);
                 a[kBitrev4[t]] = acc16;
               }
               float r[16];
@@ -317,22 +330,28 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
         }
       }
       if (vectorized && (chunks == 4 || chunks == 8)) {
-        const int max_heads = chunks == 4 ? 4 : 2;  // 16 accumulator registers at most
+        // Heads per call and channels per call such that the heads x channels accumulators stay in registers
+        // (kMaxAccV16): AVX-512 takes up to 4 heads of 64 or 2 of 128 at once; AVX2 one head, 64 channels a call.
+        const int slice = std::min<int>(static_cast<int>(chunks), kMaxAccV16);
+        const int max_heads = std::min(slice == 4 ? 4 : 2, std::max(1, kMaxAccV16 / slice));
         for (int64_t j = 0; j < nr; ++j)
           for (int64_t g = 0; g < num_kv_heads; ++g)
             for (int64_t h0 = 0; h0 < group; h0 += max_heads) {
               const int count = static_cast<int>(std::min<int64_t>(max_heads, group - h0));
-              const float* ph[4];
-              float* ah[4];
-              for (int i = 0; i < count; ++i) {
-                const int64_t h = g * group + h0 + i;
-                ph[i] = scores.data() + (j * num_heads + h) * padded;
-                ah[i] = acc.data() + (j * num_heads + h) * head_dim;
+              for (int64_t c0 = 0; c0 < chunks; c0 += slice) {
+                const float* ph[4];
+                float* ah[4];
+                for (int i = 0; i < count; ++i) {
+                  const int64_t h = g * group + h0 + i;
+                  ph[i] = scores.data() + (j * num_heads + h) * padded;
+                  ah[i] = acc.data() + (j * num_heads + h) * head_dim + 16 * c0;
+                }
+                const int64_t off = g * head_dim + 16 * c0;
+                if (slice == 4)
+                  weighted_values_n<T, 4>(count, v_cache, table, block_size, row, off, ph, k0, lim[j], ah);
+                else
+                  weighted_values_n<T, 8>(count, v_cache, table, block_size, row, off, ph, k0, lim[j], ah);
               }
-              if (chunks == 4)
-                weighted_values_n<T, 4>(count, v_cache, table, block_size, row, g * head_dim, ph, k0, lim[j], ah);
-              else
-                weighted_values_n<T, 8>(count, v_cache, table, block_size, row, g * head_dim, ph, k0, lim[j], ah);
             }
         for (int64_t j = 0; j < nr; ++j)
           store_row(acc.data() + j * num_heads * head_dim, out + (item.row_begin + j) * num_heads * head_dim,
