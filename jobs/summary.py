@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.accounting import tokens_per_dollar
-from pipeline.shard import ProgressFn
+
+if TYPE_CHECKING:  # pipeline.shard loads the engine (torch): `tokenmill status` must not
+    from pipeline.shard import ProgressFn
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any
 
 import fsspec
 
-from engine.loader import default_model_path
+from engine.model_files import default_model_path
 from engine.tokenizer import cache_root
 from pipeline.config import InputError
 from pipeline.input import file_version

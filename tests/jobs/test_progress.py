@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.cli import _Reporter
+from jobs.run_commands import Reporter
 from jobs.summary import JobProgress, JobSummary
 
 
@@ -23,7 +23,7 @@ def test_progress_tops_finished_shards_up_and_drops_late_events() -> None:
 
 
 def test_reporter_writes_json_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    rep = _Reporter()
+    rep = Reporter()
     assert not rep.tty  # pytest captures stderr
     rep.start(20)
     rep.update(8, 64)  # first line right away
@@ -41,11 +41,11 @@ def test_reporter_draws_a_rich_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch
 
     from rich.console import Console
 
-    import jobs.cli
+    import jobs.run_commands
 
     screen = io.StringIO()
-    monkeypatch.setattr(jobs.cli, "err", Console(file=screen, force_terminal=True, width=100))
-    rep = _Reporter()
+    monkeypatch.setattr(jobs.run_commands, "err", Console(file=screen, force_terminal=True, width=100))
+    rep = Reporter()
     rep.tty = True
     rep.start(10)
     rep.update(10, 80)
