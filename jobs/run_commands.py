@@ -18,7 +18,7 @@ from rich.table import Table
 
 from jobs.cli_output import err, fail, out, ran_in, storage_fail
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.options import job_options, options_set_by_env
+from jobs.options import job_options, options_given, options_set_by_env
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, load_job_spec
 
 if TYPE_CHECKING:
@@ -248,6 +248,12 @@ def run(
     _execute(spec, resume, json_summary, metrics_file, dry_run, set_by)
 
 
+# The job options with an environment variable (TOKENMILL_DEVICE, ...): `submit` takes them as `run` does, over the
+# spec's values (as DASK_SCHEDULER_ADDRESS overrides cluster.scheduler); --scheduler and --output are its own.
+_SUBMIT_OVERRIDES = tuple(name for name, o in OPTIONS.items() if o.cli.envvar and name not in ("scheduler", "output"))
+
+
+@job_options(only=_SUBMIT_OVERRIDES)
 def submit(
     ctx: typer.Context,
     job: Annotated[str, typer.Argument(help="Job spec YAML (see infra/job.example.yaml), a path or fsspec URL.")],
@@ -260,10 +266,12 @@ def submit(
     json_summary: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON line.")] = False,
     metrics_file: Annotated[str | None, typer.Option(help=_METRICS_HELP)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help=_DRY_RUN_HELP)] = False,
+    **options: Any,
 ) -> None:
     """Run the job a YAML spec describes, and wait for it. Idempotent: a finished job is a no-op (exit 0), a
     partial one resumes where it stopped, a running one is left alone (exit 3). This process drives the job: keep
-    it alive until it exits (on Kubernetes, a Job or CronJob pod); a rerun picks up where it stopped.
+    it alive until it exits (on Kubernetes, a Job or CronJob pod); a rerun picks up where it stopped. The engine
+    options below (or their TOKENMILL_* environment variables), when given, override the spec's values.
 
     Example: tokenmill submit infra/job.example.yaml --scheduler tcp://dask-scheduler:8786
     """
@@ -272,11 +280,12 @@ def submit(
     except JobSpecError as e:
         raise fail(e) from e
     overrides = {k: v for k, v in (("scheduler", scheduler), ("output", output)) if v}
+    overrides |= {name: options[name] for name in sorted(options_given(ctx, frozenset(options)))}
     set_by = options_set_by_env(ctx)
     if overrides:
+        given = ", ".join(set_by.get(k) or f"--{k.replace('_', '-')}" for k in overrides)
         try:
-            spec = spec.replace(f"job spec {job!r} with {', '.join(f'--{k}' for k in overrides)}", set_by,
-                                **overrides)
+            spec = spec.replace(f"job spec {job!r} with {given}", set_by, **overrides)
         except JobSpecError as e:
             raise fail(e) from e
     _execute(spec, resume, json_summary, metrics_file, dry_run, set_by)
