@@ -330,7 +330,7 @@ def test_rope_inv_freq_matches_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.architectures import config_from_hf
-    from engine.model import rope_inv_freq
+    from engine.rope import rope_inv_freq
 
     scalings = [{"rope_type": "linear", "factor": 4.0},
                 {"rope_type": "dynamic", "factor": 2.0},
