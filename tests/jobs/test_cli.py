@@ -262,3 +262,19 @@ def test_submit_takes_the_tokenmill_variables_as_run_does(gsm8k_folder: Path, tm
     assert not (tmp_path / "o").exists()
     res = runner.invoke(app, ["submit", str(spec), "--max-num-seqs", "0"], env={"TOKENMILL_MODEL": None})
     assert res.exit_code == 2 and "engine.max_num_seqs (--max-num-seqs)" in res.stderr, res.stderr
+
+
+def test_cluster_options_are_the_spec_cluster_section() -> None:
+    """ClusterOptions (run_job's) used to repeat the spec's defaults and ranges: now it takes both from
+    schemas.job_spec.Cluster, so run_job refuses what a spec refuses."""
+    from jobs.cluster import ClusterOptions
+    from jobs.errors import JobError
+    from schemas.job_spec import Cluster
+
+    opts, spec = ClusterOptions(), Cluster()
+    assert (opts.workers, opts.gpus_per_worker) == (spec.workers, spec.gpus_per_worker)
+    for bad, field in (({"workers": 0}, "cluster.workers"), ({"gpus_per_worker": -1}, "cluster.gpus_per_worker"),
+                       ({"scheduler_address": "dask:8786"}, "cluster.scheduler")):
+        with pytest.raises(JobError, match=field) as e:
+            ClusterOptions(**bad)
+        assert e.value.exit_code == 2
