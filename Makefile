@@ -39,7 +39,7 @@ test-servers:
 test: setup test-servers
 	@$(MAKE) --no-print-directory airflow-venv || \
 	  echo "note: Airflow 3 could not be installed into $(AIRFLOW_VENV); the airflow-marked tests will skip"
-	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 # Full-size quality gates the CI budget leaves out (INT4 g128 GPTQ + tuning on 20k tokens: about 14 minutes).
 quality: setup

@@ -105,7 +105,7 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
     hurts (bench/README.md, INT4: massive activations)."""
     import pyarrow.parquet as pq
 
-    from engine.loader import default_model_path
+    from engine.model_files import default_model_path
     from engine.perplexity import perplexity, text_token_ids
     from engine.quant.loading import load_model
     from engine.quant.qparams import quantize_int4
@@ -144,7 +144,7 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
         tune_epochs: float = 0.0) -> None:
     import pyarrow.parquet as pq
 
-    from engine.loader import default_model_path
+    from engine.model_files import default_model_path
     from engine.perplexity import perplexity, text_token_ids
     from engine.quant.folder import folder_bytes
     from engine.quant.loading import load_model, quantize_to_folder

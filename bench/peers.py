@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     import torch
 
-    from engine.loader import resolve_model_path
+    from engine.model_files import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     model = resolve_model_path(args.model)

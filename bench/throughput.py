@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams  # noqa: E402
-from engine.loader import resolve_model_path  # noqa: E402
+from engine.model_files import resolve_model_path  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -154,7 +154,7 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer_engine = None
     if preset:
-        from engine.loader import default_model_path
+        from engine.model_files import default_model_path
         from engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(default_model_path())  # AlpacaEval prompt lengths, counted as in the data doc

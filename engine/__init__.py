@@ -1,11 +1,34 @@
 """tokenmill's LLM engine: a Llama-family decoder over a paged KV cache with continuous batching.
 
 Imports only torch and its own small deps (gguf, transformers' tokenizer); knows nothing of Parquet, S3 or Dask.
+
+NOTE: the names below load on first use (PEP 562), so `import engine.object_store` (pipeline/, the CLI's `status`)
+does not pay for torch (~2 s); `from engine import LLMEngine` still works as before.
 """
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm_engine import LLMEngine, Prompt
+    from engine.outputs import RequestOutput
+    from engine.sampling_params import SamplingParams
+
+_EXPORTS = {"EngineConfig": "engine.config", "ModelConfig": "engine.config", "LLMEngine": "engine.llm_engine",
+            "Prompt": "engine.llm_engine", "RequestOutput": "engine.outputs",
+            "SamplingParams": "engine.sampling_params"}
 
 __all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import `name`'s module on first use (PEP 562); AttributeError for a name the package does not export."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -11,7 +11,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 @dataclass(frozen=True)
 class RopeScaling:
     """How RoPE's inverse frequencies are changed from theta ** (-2i / head_dim), as HF transformers'
-    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them (engine.model.rope_inv_freq).
+    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them (engine.rope.rope_inv_freq).
 
     Attributes:
         rope_type: "linear" (position interpolation, Chen et al. 2023: inv_freq / factor), "dynamic" (dynamic NTK:

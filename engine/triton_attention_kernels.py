@@ -46,6 +46,33 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask, scale_log2e,
+                 k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                 PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr,
+                 EMPTY_ROWS: tl.constexpr):
+    """One step of the online softmax (FlashAttention-2, base 2) over the key tile at positions n: returns the
+    updated (m_i, l_i, acc) of the q rows. visible: [rows, BLOCK_N] (or broadcastable) keys each row may see.
+    EMPTY_ROWS: a row may see no key of the tile while its max is still -inf (a sliding window); its max is then
+    taken as 0 so alpha and p are 0, not NaN."""
+    k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
+                      stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
+    s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if EMPTY_ROWS:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_kv_tile(v_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
+                      stride_bt, stride_vb, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, BF16_WORKAROUND)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2e, window,
@@ -101,19 +128,11 @@ def paged_decode_kernel(
     for tile in range(tile_lo, tile_hi):
         n = tile * BLOCK_N + offs_n
         n_mask = (n < seq_len) & (n >= key_lo)
-        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
-                          stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
-        s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
-                          stride_bt, stride_vb, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, BF16_WORKAROUND)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n_mask[None, :], b, kvh, n, n_mask, offs_d, d_mask,
+                                     scale_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+                                     stride_kb, stride_ks, stride_kh, stride_kd,
+                                     stride_vb, stride_vs, stride_vh, stride_vd,
+                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, False)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -233,24 +252,14 @@ def paged_prefill_kernel(
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + offs_n
         n_mask = (n < kv_end) & (n >= kv_lo)
-        k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
-                          stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
-        s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
         visible = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if USE_WINDOW:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
-                          stride_bt, stride_vb, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, BF16_WORKAROUND)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask,
+                                     scale_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+                                     stride_kb, stride_ks, stride_kh, stride_kd,
+                                     stride_vb, stride_vs, stride_vh, stride_vd,
+                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, USE_WINDOW)
 
     if USE_WINDOW:  # padded rows (not stored) may have seen no key at all
         l_i = tl.where(l_i > 0.0, l_i, 1.0)

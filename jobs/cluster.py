@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import dask
 from distributed import Client, Future, LocalCluster, as_completed
+from pydantic import ValidationError
 
 from engine import EngineConfig
 from jobs.control import cancel_record
@@ -42,6 +43,7 @@ from pipeline.model_pin import ModelPin
 from pipeline.preemption import env_seconds
 from pipeline.shard import ShardInterrupted
 from pipeline.storage import output_fs
+from schemas.job_spec import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +73,20 @@ class ClusterOptions:
         gpus_per_worker: GPUs per worker; > 0 makes each shard ask for resources {"GPU": 1} (LocalCluster workers
             then offer {"GPU": gpus_per_worker}; on a real cluster start workers with `--resources GPU=N`).
 
-    Raises JobError (exit 2) when workers < 1 or gpus_per_worker < 0.
+    Defaults and checks are the job spec's cluster section (schemas.job_spec.Cluster): raises JobError (exit 2)
+    naming the field, e.g. when workers < 1 or gpus_per_worker < 0.
     """
 
     scheduler_address: str | None = None
-    workers: int = 1
-    gpus_per_worker: int = 0
+    workers: int = Cluster.model_fields["workers"].default
+    gpus_per_worker: int = Cluster.model_fields["gpus_per_worker"].default
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise JobError(f"workers must be >= 1, got {self.workers}")
-        if self.gpus_per_worker < 0:
-            raise JobError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
+        try:
+            Cluster(scheduler=self.scheduler_address, workers=self.workers, gpus_per_worker=self.gpus_per_worker)
+        except ValidationError as e:
+            raise JobError("; ".join(f"cluster.{'.'.join(map(str, p['loc']))}: {p['msg']}, got {p['input']!r}"
+                                     for p in e.errors())) from None
 
 
 @dataclass(frozen=True)

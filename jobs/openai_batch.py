@@ -36,7 +36,7 @@ from pipeline.input import absolute_url, file_version
 from pipeline.layout import MANIFEST, results_path, staged_requests_path
 from pipeline.manifest import InputManifest, read_manifest
 from pipeline.row_options import ROW_ERROR_COLUMN
-from pipeline.storage import commit_table, exists_now, output_fs, read_table
+from pipeline.storage import commit_table, exists_now, output_fs, read_fs, read_table
 from schemas.job_spec import Columns, JobSpec
 
 CHAT_URL = "/v1/chat/completions"
@@ -298,7 +298,7 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
     manifest = read_manifest(output_url)
     if manifest is None:
         raise JobError(f"no job at {output_url}: its input manifest ({MANIFEST}) is missing")
-    fs, root = output_fs(output_url)
+    fs, root = read_fs(output_url)
     chat = _is_chat(manifest)
     for shard in manifest.shards():
         path = results_path(root, shard.shard_id)

@@ -48,11 +48,14 @@ def _parameter(option: Option) -> inspect.Parameter:
                              annotation=Annotated[kind, info])
 
 
-def job_options(*, skip: tuple[str, ...] = ("input", "output")) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def job_options(*, skip: tuple[str, ...] = ("input", "output"), only: tuple[str, ...] | None = None
+                ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator for a Typer command: adds one option per job spec field (except `skip`, which the command declares
-    itself, e.g. as arguments) after the command's own parameters. The command takes them as `**options`: flat option
-    names to values, with an option left unset (None where the field's default is not None) omitted."""
-    generated = [_parameter(o) for name, o in OPTIONS.items() if name not in skip]
+    itself, e.g. as arguments; with `only`, just those) after the command's own parameters. The command takes them
+    as `**options`: flat option names to values, with an option left unset (None where the field's default is not
+    None) omitted. Raises KeyError for a name in `only` that is no option."""
+    chosen = [OPTIONS[n] for n in only] if only is not None else list(OPTIONS.values())
+    generated = [_parameter(o) for o in chosen if o.name not in skip]
     names = {p.name for p in generated}
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,3 +91,14 @@ def options_set_by_env(ctx: typer.Context) -> dict[str, str]:
             if envvar:
                 found[param.name] = envvar
     return found
+
+
+def options_given(ctx: typer.Context, names: set[str] | frozenset[str]) -> set[str]:
+    """The options among `names` of the command of `ctx` whose value came from the command line or from their
+    environment variable, not from their default."""
+    given = set()
+    for name in names:
+        source = ctx.get_parameter_source(name)
+        if getattr(source, "name", None) in ("COMMANDLINE", "ENVIRONMENT"):
+            given.add(name)
+    return given

@@ -6,11 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Annotated
 
-import fsspec
 import typer
 
 from jobs.errors import EXIT_FAILED_SHARDS, JobError
-from jobs.openai_batch import export_openai_batch
 
 FORMATS = ("openai-batch",)
 
@@ -36,10 +34,14 @@ def export(
     """
     if format not in FORMATS:
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
+    from jobs.openai_batch import export_openai_batch  # pyarrow and the pipeline: only when it runs
+
     try:
         if to == "-":
             counts = export_openai_batch(output, sys.stdout)
         else:
+            import fsspec
+
             with fsspec.open(to, "wt", encoding="utf-8") as dest:
                 counts = export_openai_batch(output, dest)
     except JobError as e:
@@ -70,6 +72,8 @@ def report(
         page = render_report(output)
     except JobError as e:
         raise _fail(e, e.exit_code) from e
+    import fsspec
+
     with fsspec.open(html, "wt", encoding="utf-8") as f:
         f.write(page)
     print(f"wrote the report of {output} to {html}", file=sys.stderr)

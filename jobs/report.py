@@ -25,7 +25,7 @@ from pipeline.attempts import list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.layout import results_path, start_path
 from pipeline.manifest import read_manifest
-from pipeline.storage import exists_now, output_fs, read_table
+from pipeline.storage import exists_now, read_fs, read_table
 
 matplotlib.use("Agg")  # no display: render to SVG in memory
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
@@ -59,7 +59,7 @@ def read_report_data(output_url: str) -> ReportData:
     manifest = read_manifest(output_url)
     if manifest is None:  # removed since job_status read it
         raise JobError(f"no tokenmill job at {output_url}")
-    fs, root = output_fs(output_url)
+    fs, root = read_fs(output_url)
     shard_rows, result_frames, latency_frames, part_rows = [], [], [], []
     first_start: float | None = None
     for shard in manifest.shards():

@@ -4,17 +4,19 @@ pipeline's RunConfig and the engine's EngineConfig are built here from the spec'
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine import EngineConfig
 from jobs.errors import JobError
 from jobs.metrics import JobMetrics
 from jobs.openai_batch import prepare_spec
 from jobs.preflight import check_device, check_max_model_len, check_model, check_output, check_store
-from jobs.runner import run_job
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
-from pipeline.shard import ProgressFn
 from schemas.job_spec import JobSpec
+
+if TYPE_CHECKING:
+    from pipeline.shard import ProgressFn
 
 
 def run_config(spec: JobSpec) -> RunConfig:
@@ -61,6 +63,8 @@ def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], N
     the JobError exit codes it raises. An OpenAI batch file (.jsonl) as input is converted first
     (jobs.openai_batch.prepare_spec). Metrics go to TOKENMILL_PUSHGATEWAY_URL and/or `metrics_file` (a
     node_exporter textfile) as the run goes (jobs.metrics)."""
+    from jobs.runner import run_job  # Dask and the engine (torch): not for a spec refused before any work
+
     engine = engine_config(spec)
     run_config(spec)  # bad options stop here, before a batch file is staged under OUTPUT
     spec = checked_spec(spec)

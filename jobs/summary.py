@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.accounting import tokens_per_dollar
-from pipeline.shard import ProgressFn
+
+if TYPE_CHECKING:  # pipeline.shard loads the engine (torch): `tokenmill status` must not
+    from pipeline.shard import ProgressFn
 
 
 @dataclass
@@ -78,15 +80,11 @@ class JobSummary:
             self.run_rows += int(row["rows"]) - int(row.get("rows_resumed") or 0)
             self.run_output_tokens += generated_tokens(row)
         self.shards_ok += 1
-        for k in ("rows", "rows_ok", "rows_error", "input_tokens", "output_tokens"):
+        for k in ("rows", "rows_ok", "rows_error"):
             setattr(self, k, getattr(self, k) + int(row[k]))
         self.device_s += float(row.get("gpu_s_billed") or row["wall_s"])
-        self.cost_usd += float(row["cost_usd"])
         self.attempts += int(row.get("attempts") or 1)
-        self.preemptions += int(row.get("preemptions") or 0)
-        self.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
-        add_distinct(self.dtypes, row.get("dtype"))
-        add_distinct(self.quantizations, row.get("quantization"))
+        add_accounting(self, row)
 
     def fail(self, shard_id: str, error: str, attempts: int) -> None:
         """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all."""
@@ -116,6 +114,19 @@ def generated_tokens(row: dict[str, Any]) -> int:
     if row.get("output_tokens_per_s") is None:
         return int(row["output_tokens"])
     return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))
+
+
+def add_accounting(totals: Any, row: dict[str, Any]) -> None:
+    """Fold the totals a job's summary and its status (jobs.control.JobStatus) both keep from a shard's accounting
+    row into `totals` (an object with those attributes): input / output tokens, cost (USD), preemptions,
+    device-seconds lost, and the distinct dtypes and quantizations. The one fold of those fields."""
+    totals.input_tokens += int(row["input_tokens"])
+    totals.output_tokens += int(row["output_tokens"])
+    totals.cost_usd += float(row["cost_usd"])
+    totals.preemptions += int(row.get("preemptions") or 0)
+    totals.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
+    add_distinct(totals.dtypes, row.get("dtype"))
+    add_distinct(totals.quantizations, row.get("quantization"))
 
 
 def add_distinct(values: list[str], value: str | None) -> None:

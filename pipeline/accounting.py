@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
@@ -26,7 +25,7 @@ from fsspec import AbstractFileSystem
 from pipeline.attempts import AttemptListing, list_attempts, read_record
 from pipeline.checkpoint import Part
 from pipeline.layout import accounting_path, end_path, results_path, start_path
-from pipeline.storage import exists_now, read_table
+from pipeline.storage import exists_now, read_fs, read_table
 from schemas import ACCOUNTING_SCHEMA
 
 
@@ -133,5 +132,5 @@ def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | Non
 
     A shard is done only when both its results and an accounting row exist (results are committed first).
     """
-    fs, root = fsspec.core.url_to_fs(output_url)
-    return read_committed_accounting(fs, root.rstrip("/"), shard_id)
+    fs, root = read_fs(output_url)
+    return read_committed_accounting(fs, root, shard_id)

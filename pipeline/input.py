@@ -9,6 +9,7 @@ version, rows) under OUTPUT and cuts its shards with `cut_shards`; `plan_shards`
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
 from pipeline.storage import is_transient, retry_transient
+
+log = logging.getLogger(__name__)
 
 
 class InputChanged(RuntimeError):
@@ -77,6 +80,11 @@ def resolve_inputs(url: str) -> tuple[AbstractFileSystem, list[str]]:
 
 def _url(fs: AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path)
+
+
+# What an unreadable or corrupt Parquet file raises (pyarrow's errors; ArrowIOError is OSError): such a file fails its
+# own shard. Anything else is a bug and propagates.
+UNREADABLE = (pa.ArrowException, OSError)
 
 
 @retry_transient
@@ -157,9 +165,11 @@ def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -
     for path in files:
         try:
             schema = _read_schema(fs, path)
-        except Exception as e:  # a corrupt file fails its shard, not the job
+        except UNREADABLE as e:  # a corrupt file fails its shard, not the job
             if is_transient(e):
                 raise
+            log.warning("skipping %s while checking columns: its Parquet footer cannot be read (%s: %s); its shard "
+                        "will fail", path, type(e).__name__, e)
             continue
         names = schema.names
         if cfg.prompt_column in names:
@@ -183,9 +193,11 @@ def footer_rows(fs: AbstractFileSystem, path: str) -> int | None:
     """Rows in the file from its footer; None when the footer cannot be read (the file's shard then fails)."""
     try:
         return _read_num_rows(fs, path)
-    except Exception as e:  # planned as one shard that reports the error when it runs
+    except UNREADABLE as e:  # planned as one shard that reports the error when it runs
         if is_transient(e):
             raise
+        log.warning("%s: its Parquet footer cannot be read (%s: %s); planned as one shard, which will fail",
+                    path, type(e).__name__, e)
         return None
 
 

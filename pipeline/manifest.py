@@ -24,7 +24,7 @@ import fsspec
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, absolute_url, cut_shards, file_version, footer_rows, resolve_inputs, validate_columns
 from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
-from pipeline.storage import commit_json, list_folder, output_fs, read_json
+from pipeline.storage import commit_json, list_folder, output_fs, read_fs, read_json
 
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
@@ -143,8 +143,7 @@ def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:
 def read_manifest(output_url: str) -> InputManifest | None:
     """The job's pinned input manifest under OUTPUT (its latest revision: one listing of _manifest/, one read), or
     None when no job has started there."""
-    fs, root = fsspec.core.url_to_fs(output_url)
-    root = root.rstrip("/")
+    fs, root = read_fs(output_url)
     revisions = [r for info in list_folder(fs, manifest_dir(root))
                  if (r := parse_manifest_revision(info["name"])) is not None]
     if not revisions:

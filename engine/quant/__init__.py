@@ -2,9 +2,7 @@
 qparams (engine.quant.qparams), a handler (engine.quant.handler) and thin modules (engine.quant.int4_linear);
 shared names and module replacement (engine.quant.state, a leaf), the driver that runs round-to-nearest or GPTQ
 then tuning (engine.quant.quantize), GGUF Q4 mapping (engine.quant.gguf_int4), model folders (engine.quant.folder)
-and loading (engine.quant.loading)."""
+and loading (engine.quant.loading).
 
-from engine.quant.int4_linear import Int4Embedding, Int4Linear
-from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
-
-__all__ = ["Int4Embedding", "Int4Linear", "Int4Weight", "pack_uint4", "quantize_int4", "unpack_uint4"]
+NOTE: imports nothing itself, so `engine.quant.folder`'s names reach the CLI without torch; import the modules.
+"""

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.model_files import TOKENMILL_CONFIG_FILE
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import QuantizedState
 
-CONFIG_FILE = "tokenmill_model.json"
+CONFIG_FILE = TOKENMILL_CONFIG_FILE
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 2  # 2: model_config gained architecture, qkv_bias, qk_norm, rope_scaling, eos_token_ids, ...
 _PARTS = ("qweight", "scales", "zeros")

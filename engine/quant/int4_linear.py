@@ -131,14 +131,6 @@ class Int4Linear(nn.Module):
             return "dequant"
         return "tinygemm"
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as dtype [N, Kp] (padding columns included) from the portable copy; for tinygemm-only
-        layers, recovered by multiplying the identity through the kernel. For tests and debugging."""
-        if self.dequantizer is not None:
-            return self.dequantizer.rows(None, dtype)
-        eye = torch.eye(self.padded_in_features, dtype=torch.bfloat16, device=self.packed.device)
-        return self._tinygemm(eye).t().to(dtype)
-
     def _tinygemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)

@@ -20,16 +20,11 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import (
-    is_hf_folder,
-    iter_gguf_state,
-    iter_hf_state,
-    read_gguf_config,
-    read_gguf_state,
-    read_hf_config,
-    resolve_model_path,
-)
+from engine.gguf_file import iter_gguf_state, read_gguf_config
+from engine.hf_folder import is_hf_folder, iter_hf_state, read_hf_config
+from engine.loader import read_gguf_state
 from engine.model import LlamaModel
+from engine.model_files import resolve_model_path
 from engine.quant.folder import is_model_folder, read_folder, save_folder
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
 from engine.quant.qparams import Int4Weight

@@ -107,10 +107,6 @@ class Int4Weight:
         w = (q - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
         return w.view(n, -1)[:, :self.in_features].to(dtype)
 
-    def nbytes(self) -> int:
-        """Bytes of the packed weight, scales and zeros."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
-
 
 def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
              importance: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

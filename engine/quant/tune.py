@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import LlamaModel, RMSNorm
+from engine.model import LlamaModel
 from engine.quant.qparams import Int4Weight, unpack_uint4
 from engine.quant.state import set_module
+from engine.rms_norm import RMSNorm
 from engine.sequence_forward import forward_sequence
 
 

@@ -101,7 +101,8 @@ def test_cpu_attention_sends_long_prefill_chunks_to_sdpa(ops: object, monkeypatc
 def test_fused_elementwise_kernels_compute_the_decoder_ops(ops: object, dtype: torch.dtype) -> None:
     # Each fused op against the torch ops it replaces (engine.model with autograd on takes the torch path), on
     # activations of real scale. The kernels round once where torch rounds after every op, and sum in another order.
-    from engine.model import RMSNorm, apply_rope
+    from engine.rms_norm import RMSNorm
+    from engine.rope import apply_rope
 
     gen = torch.Generator().manual_seed(0)
     rows, hidden, inter, heads, kv_heads, head_dim = 37, 96, 160, 6, 2, 16

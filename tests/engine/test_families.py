@@ -246,7 +246,8 @@ def test_config_fields(families) -> None:
     """Each family's special fields reach ModelConfig, from both formats; generation_config's EOS list too."""
     from gguf import GGUFReader
 
-    from engine.loader import read_gguf_config, read_hf_config
+    from engine.gguf_file import read_gguf_config
+    from engine.hf_folder import read_hf_config
 
     hf = {f: read_hf_config(str(families[f][1])) for f in FAMILIES}
     gg = {f: read_gguf_config(GGUFReader(str(families[f][2]))) for f in FAMILIES}
@@ -329,7 +330,7 @@ def test_rope_inv_freq_matches_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.architectures import config_from_hf
-    from engine.model import rope_inv_freq
+    from engine.rope import rope_inv_freq
 
     scalings = [{"rope_type": "linear", "factor": 4.0},
                 {"rope_type": "dynamic", "factor": 2.0},
@@ -371,7 +372,7 @@ def _edit_config(folder: Path, **changes: object) -> None:
 def test_extra_tensor_is_an_error(families, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from engine.loader import check_hf_folder
+    from engine.hf_folder import check_hf_folder
 
     bad = _copy(families["qwen2"][1], tmp_path)
     tensors = load_file(bad / "model.safetensors")
@@ -402,7 +403,7 @@ def test_extra_gguf_tensor_is_an_error(families, gguf_path: str, tmp_path: Path)
     ({"num_experts": 8}, r"num_experts"),
 ])
 def test_unsupported_config_is_an_error(change: dict, match: str, families, tmp_path: Path) -> None:
-    from engine.loader import check_hf_folder
+    from engine.hf_folder import check_hf_folder
 
     bad = _copy(families["llama"][1], tmp_path)
     _edit_config(bad, rope_parameters=None, **change)
@@ -411,7 +412,7 @@ def test_unsupported_config_is_an_error(change: dict, match: str, families, tmp_
 
 
 def test_qwen_per_layer_window_is_an_error(families, tmp_path: Path) -> None:
-    from engine.loader import read_hf_config
+    from engine.hf_folder import read_hf_config
 
     folder = _copy(families["qwen2"][1], tmp_path)
     _edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)

@@ -19,8 +19,14 @@ from hub_cache import write_hub_cache
 from s3_faults import FlakyS3, GetCounter, flaky_s3, upload_folder
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import resolve_model_path
-from engine.model_files import MODELS_DIR, fetch_model, is_hub_id, list_model_objects, model_cache_key
+from engine.model_files import (
+    MODELS_DIR,
+    fetch_model,
+    is_hub_id,
+    list_model_objects,
+    model_cache_key,
+    resolve_model_path,
+)
 from engine.tokenizer import _gguf_tokenizer_cache
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ runs every program in Python.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -64,6 +65,32 @@ def max_err(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def test_triton_available() -> None:
     assert triton_available()
+
+
+def test_a_missing_triton_on_cuda_is_a_loud_warning_and_a_broken_one_an_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import builtins
+
+    import engine.triton_attention as ta
+
+    real_import = builtins.__import__
+    failure: list[BaseException] = [ImportError("No module named 'triton'")]
+
+    def fake_import(name: str, *args: object, **kwargs: object) -> object:
+        if name == "triton":
+            raise failure[0]
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ta._warn_no_triton.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="engine.triton_attention"):
+        assert not ta.triton_available()
+    assert any("triton does not import (ImportError" in r.getMessage() and "torch reference" in r.getMessage()
+               for r in caplog.records)
+    failure[0] = OSError("libcuda.so.1: cannot open shared object file")  # a broken install is no "absent"
+    with pytest.raises(OSError, match="libcuda"):
+        ta.triton_available()
 
 
 # Decode: contexts of 1 token, under one page, and spanning several pages, none a multiple of the page size.

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loader import load_gguf_model, weights_cache_dir
+from engine.loader import load_gguf_model
+from engine.weights_cache import weights_cache_dir
 
 CPU = torch.device("cpu")
 

@@ -245,3 +245,36 @@ def test_spec_defaults_are_the_pipeline_and_engine_defaults() -> None:
     assert run_config(spec) == RunConfig()
     assert engine_config(spec) == EngineConfig()
     assert engine_config(JobSpec.from_options(input="in/", output="out/", quantization="int8")).quantization == "int8"
+
+
+def test_submit_takes_the_tokenmill_variables_as_run_does(gsm8k_folder: Path, tmp_path: Path) -> None:
+    """TOKENMILL_* variables reached `run` but not `submit` (issue 31): now each overrides the spec's value and a bad
+    one is refused before any work, naming the variable, as `run` names it."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"input": str(gsm8k_folder), "output": str(tmp_path / "o"),
+                                    "engine": {"dtype": "float32", "max_num_seqs": 4}}))
+    env = {"TOKENMILL_DTYPE": "float64", "TOKENMILL_MODEL": None}
+    submitted = runner.invoke(app, ["submit", str(spec)], env=env)
+    ran = runner.invoke(app, ["run", str(gsm8k_folder), str(tmp_path / "o")], env=env)
+    assert submitted.exit_code == ran.exit_code == 2, (submitted.output, ran.output)
+    for res in (submitted, ran):
+        assert "engine.dtype (--dtype, set by the environment variable TOKENMILL_DTYPE)" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["submit", str(spec), "--max-num-seqs", "0"], env={"TOKENMILL_MODEL": None})
+    assert res.exit_code == 2 and "engine.max_num_seqs (--max-num-seqs)" in res.stderr, res.stderr
+
+
+def test_cluster_options_are_the_spec_cluster_section() -> None:
+    """ClusterOptions (run_job's) used to repeat the spec's defaults and ranges: now it takes both from
+    schemas.job_spec.Cluster, so run_job refuses what a spec refuses."""
+    from jobs.cluster import ClusterOptions
+    from jobs.errors import JobError
+    from schemas.job_spec import Cluster
+
+    opts, spec = ClusterOptions(), Cluster()
+    assert (opts.workers, opts.gpus_per_worker) == (spec.workers, spec.gpus_per_worker)
+    for bad, field in (({"workers": 0}, "cluster.workers"), ({"gpus_per_worker": -1}, "cluster.gpus_per_worker"),
+                       ({"scheduler_address": "dask:8786"}, "cluster.scheduler")):
+        with pytest.raises(JobError, match=field) as e:
+            ClusterOptions(**bad)
+        assert e.value.exit_code == 2

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from engine.loader import default_model_path
+from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer
 from jobs.cli import app
 from jobs.openai_batch import CHAT_URL

@@ -74,3 +74,21 @@ def test_quantize_embedding_is_an_explicit_choice(tiny_folder: Path, tmp_path: P
     assert "embed_tokens" in _int4_modules(out)
     help_text = CliRunner().invoke(app, ["quantize", "--help"], env={"COLUMNS": "400"}).output
     assert "--quantize-embedding" in help_text and "+3.7" in help_text
+
+
+def test_perplexity_takes_device_dtype_and_quantization_as_a_job_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One definition (issue 31): `tokenmill perplexity` used to declare these again, quantization defaulting to
+    `auto` where a job's is `none`; now its options are the job spec's, with their defaults and variables."""
+    import typer.main
+
+    from schemas.job_spec import OPTIONS
+
+    command = typer.main.get_command(app).commands["perplexity"]  # type: ignore[attr-defined]
+    params = {p.name: p for p in command.params}
+    for name in ("device", "dtype", "quantization"):
+        assert params[name].default == OPTIONS[name].field.default, name
+        assert params[name].envvar == OPTIONS[name].cli.envvar, name
+    assert params["quantization"].default == "none"
+    monkeypatch.setenv("TOKENMILL_QUANTIZATION", "int3")  # the engine's check, named as for a job
+    r = CliRunner().invoke(app, ["perplexity", "--input", "x.parquet", "--column", "text"])
+    assert r.exit_code == 2 and "quantization" in r.output and "int3" in r.output, r.output

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from engine import LLMEngine
-from jobs.cli import _this_run
 from jobs.control import cancel_job
 from jobs.preflight import gguf_metadata, model_context
+from jobs.run_commands import this_run
 from jobs.summary import JobSummary
 from pipeline.config import RunConfig
 from pipeline.manifest import pin_manifest
@@ -157,8 +157,8 @@ def test_a_rerun_reports_its_own_work_apart_from_the_job_totals(tmp_path: Path, 
     assert summary["output_tokens_per_s"] == pytest.approx(20 / summary["wall_s"], rel=0.01)
 
     shown = JobSummary(rows=8, output_tokens=40, wall_s=2.0, run_rows=4, run_output_tokens=20)
-    assert _this_run(shown) == "4 rows, 20 output tokens generated in 2.0 s wall time (10.0 output tokens/s)"
-    assert _this_run(JobSummary(already_done=True)) == "nothing to do: the job had finished"
+    assert this_run(shown) == "4 rows, 20 output tokens generated in 2.0 s wall time (10.0 output tokens/s)"
+    assert this_run(JobSummary(already_done=True)) == "nothing to do: the job had finished"
 
 
 

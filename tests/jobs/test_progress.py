@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.cli import _Reporter
+from jobs.run_commands import Reporter
 from jobs.summary import JobProgress, JobSummary
 
 
@@ -23,7 +23,7 @@ def test_progress_tops_finished_shards_up_and_drops_late_events() -> None:
 
 
 def test_reporter_writes_json_lines_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    rep = _Reporter()
+    rep = Reporter()
     assert not rep.tty  # pytest captures stderr
     rep.start(20)
     rep.update(8, 64)  # first line right away
@@ -41,11 +41,11 @@ def test_reporter_draws_a_rich_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch
 
     from rich.console import Console
 
-    import jobs.cli
+    import jobs.run_commands
 
     screen = io.StringIO()
-    monkeypatch.setattr(jobs.cli, "err", Console(file=screen, force_terminal=True, width=100))
-    rep = _Reporter()
+    monkeypatch.setattr(jobs.run_commands, "err", Console(file=screen, force_terminal=True, width=100))
+    rep = Reporter()
     rep.tty = True
     rep.start(10)
     rep.update(10, 80)
@@ -89,3 +89,27 @@ def test_resumed_rows_count_as_done_but_not_as_this_runs_throughput() -> None:
     p = JobProgress("run1", lambda r, t: got.append((r, t)))
     p.finish("00000-000000000", rows=16, tokens=generated_tokens(row))
     assert got == [(16, 40)]
+
+
+def test_status_and_summary_fold_accounting_rows_alike() -> None:
+    """`tokenmill status` and a run's summary total the same accounting rows with one fold (jobs.summary.
+    add_accounting): the same tokens, cost, preemptions, time lost, dtypes and quantizations."""
+    from jobs.control import JobStatus
+    from jobs.summary import add_accounting
+
+    rows = [{"rows": 4, "rows_ok": 4, "rows_error": 0, "input_tokens": 300, "output_tokens": 40, "wall_s": 2.0,
+             "cost_usd": 0.001, "attempts": 2, "preemptions": 1, "gpu_s_lost": 0.5, "dtype": "float32",
+             "quantization": "none"},
+            {"rows": 3, "rows_ok": 2, "rows_error": 1, "input_tokens": 200, "output_tokens": 30, "wall_s": 1.0,
+             "cost_usd": 0.002, "preemptions": None, "gpu_s_lost": None, "dtype": "bfloat16",
+             "quantization": "none"}]
+    summary = JobSummary(shards=2)
+    status = JobStatus("out", "", 0, "in", "now", {}, 7, 0)
+    for row in rows:
+        summary.add(row)
+        add_accounting(status, row)
+    keys = ("input_tokens", "output_tokens", "cost_usd", "preemptions", "gpu_s_lost", "dtypes", "quantizations")
+    assert {k: getattr(status, k) for k in keys} == {k: getattr(summary, k) for k in keys} == {
+        "input_tokens": 500, "output_tokens": 70, "cost_usd": pytest.approx(0.003), "preemptions": 1,
+        "gpu_s_lost": 0.5, "dtypes": ["bfloat16", "float32"], "quantizations": ["none"]}
+    assert (summary.rows, summary.rows_error, summary.attempts) == (7, 1, 3)

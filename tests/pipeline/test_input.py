@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -77,6 +78,25 @@ def test_corrupt_file_is_planned_as_one_failing_shard(gsm8k_parts: Path) -> None
     shards = plan_shards(fs, files, RunConfig(rows_per_shard=100))
     assert [(s.shard_id, s.row_end) for s in shards] == [("00000-000000000", 25), ("00001-000000000", -1),
                                                           ("00002-000000000", 7)]
+
+
+def test_a_corrupt_file_is_logged_with_its_error_and_a_bug_is_not_taken_for_one(
+        gsm8k_parts: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = gsm8k_parts / "part-1.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    fs, files = resolve_inputs(str(gsm8k_parts))
+    with caplog.at_level(logging.WARNING, logger="pipeline.input"):
+        validate_columns(fs, files, RunConfig())
+        plan_shards(fs, files, RunConfig(rows_per_shard=100))
+    skipped = [r.getMessage() for r in caplog.records if "part-1.parquet" in r.getMessage()]
+    assert len(skipped) == 2 and all("ArrowInvalid" in m for m in skipped), skipped
+
+    def broken(*args: object) -> None:  # a bug in our code, not a corrupt file
+        raise TypeError("unexpected keyword")
+
+    monkeypatch.setattr(pq, "read_schema", broken)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        validate_columns(fs, files, RunConfig())
 
 
 # --- the pinned input manifest ---------------------------------------------------------------------------------------

@@ -141,3 +141,17 @@ def test_checkpointed_shard_resumes_on_s3(waves: LLMEngine, shard: Shard, refere
     assert read_table(fs, results_path(root, shard.shard_id)).to_pylist() == reference.to_pylist()
     state = shard_state(out, shard.shard_id)
     assert (state.state, state.rows_committed, state.attempts) == ("done", ROWS, 2)
+
+
+def test_reading_a_job_creates_no_folder(tmp_path: Path) -> None:
+    """Readers open OUTPUT with read_fs, which creates nothing (output_fs, for writers, makes the folder): `tokenmill
+    status` of a mistyped path must not leave an empty folder behind."""
+    from pipeline.manifest import read_manifest
+    from pipeline.model_pin import read_model_pin
+    from pipeline.storage import read_fs
+
+    out = tmp_path / "no" / "such" / "job"
+    fs, root = read_fs(str(out) + "/")
+    assert root == str(out) and not fs.exists(root)
+    assert read_manifest(str(out)) is None and read_model_pin(str(out)) is None
+    assert not (tmp_path / "no").exists()

@@ -1,0 +1,43 @@
+"""What every `tokenmill` command prints through: the consoles (stdout, stderr) and the one-line error with its exit
+code. Imports nothing heavy (the CLI's `--help` and `status` must not load torch or Dask)."""
+
+from __future__ import annotations
+
+import re
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from jobs.errors import storage_error
+
+err = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs (no wrap at 80 columns)
+out = Console()
+
+
+def fail(e: Exception, code: int = 2, set_by: dict[str, str] | None = None) -> typer.Exit:
+    """Print `e` as one error line on stderr (naming the environment variables in `set_by` that set an option it
+    names) and return the typer.Exit of `code` for the caller to raise."""
+    err.print(f"[red]error:[/red] {escape(name_env_vars(str(e), set_by or {}))}")
+    return typer.Exit(code)
+
+
+def storage_fail(e: Exception, output: str) -> typer.Exit | None:
+    """One line and its exit code for a storage failure (jobs.errors.storage_error); None for other errors."""
+    failure = storage_error(e, output)
+    return None if failure is None else fail(failure, failure.exit_code)
+
+
+def name_env_vars(message: str, set_by: dict[str, str]) -> str:
+    """`message` with a note for each option it names (--device) whose value came from an environment variable
+    (`set_by`: option name -> variable) that the message does not name yet: the user must find what to fix."""
+    for name, envvar in set_by.items():
+        flag = "--" + name.replace("_", "-")
+        if envvar not in message and re.search(rf"{re.escape(flag)}(?![\w-])", message):
+            message += f" ({flag} was set by the environment variable {envvar}: fix or unset it)"
+    return message
+
+
+def ran_in(dtypes: list[str], quantizations: list[str]) -> str:
+    """"bfloat16 / none": what the committed shards ran in; every distinct value when shards differ."""
+    return f"{', '.join(dtypes) or 'n/a'} / {', '.join(quantizations) or 'n/a'}"

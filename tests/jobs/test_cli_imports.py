@@ -1,0 +1,42 @@
+"""The CLI imports lazily what each command needs: every `tokenmill` process (tests, Airflow tasks, a user's
+`--help`) would otherwise pay ~3 s for torch and Dask before doing anything (issue 31)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "distributed", "dask", "transformers", "pyarrow")
+
+
+def _loaded_after(code: str) -> dict[str, bool]:
+    """Which of HEAVY a fresh interpreter has imported after running `code` (a fresh process: this one has them)."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_import_and_help_load_neither_torch_nor_dask_nor_arrow() -> None:
+    code = ("import sys\nimport jobs.cli\nsys.argv = ['tokenmill', '--help']\n"
+            "try:\n    jobs.cli.app()\nexcept SystemExit:\n    pass")
+    assert _loaded_after(code) == dict.fromkeys(HEAVY, False)
+
+
+@pytest.mark.parametrize("command", ["status", "cancel"])
+def test_status_and_cancel_load_no_torch_nor_dask(command: str, tmp_path: Path) -> None:
+    # No job at the folder: the command reads OUTPUT, says so and exits 2, having imported what it needs.
+    code = (f"import sys\nimport jobs.cli\nsys.argv = ['tokenmill', {command!r}, {str(tmp_path)!r}]\n"
+            "try:\n    jobs.cli.app()\nexcept SystemExit as e:\n    assert e.code == 2, e.code")
+    loaded = _loaded_after(code)
+    assert loaded["pyarrow"]  # it did read the job's folder (Arrow tables), so the probe would see a torch import
+    assert {m: loaded[m] for m in ("torch", "distributed", "dask", "transformers")} == dict.fromkeys(
+        ("torch", "distributed", "dask", "transformers"), False)
