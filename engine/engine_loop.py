@@ -42,18 +42,21 @@ class DeviceClock:
     no step at all (reading input, committing, idle: the device was held for this caller). Two callers that share
     the engine for T seconds are billed T in all, not 2T; a caller alone on the engine is billed its wall time.
     Idle time is billed to every caller alive in it (an overestimate only while two callers are both off the
-    engine at once). Thread-safe to read from any thread.
+    engine at once). Thread-safe to read from any thread. `loop` None: the caller holds an engine alone (it calls
+    LLMEngine.generate itself) and is billed its wall time.
     """
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop | None) -> None:
         self._loop = loop
         self._t0 = time.monotonic()
-        self._steps0 = loop.step_seconds
+        self._steps0 = loop.step_seconds if loop is not None else 0.0
         self.share_s = 0.0  # this caller's share of step time (seconds), added by the step thread
 
     def device_s(self) -> float:
         """Device-seconds billed to this caller so far (see the class docstring)."""
         wall = time.monotonic() - self._t0
+        if self._loop is None:
+            return wall
         idle = max(wall - (self._loop.step_seconds - self._steps0), 0.0)
         return self.share_s + idle
 
