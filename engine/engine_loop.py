@@ -160,6 +160,7 @@ class EngineLoop:
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._broken: BaseException | None = None
         self.step_seconds = 0.0
 
     @classmethod
@@ -174,6 +175,9 @@ class EngineLoop:
     def start(self) -> EngineLoop:
         """Start the step thread (idempotent). Raises RuntimeError after `close()`."""
         with self._cv:
+            if self._broken is not None:
+                raise RuntimeError(f"this engine loop stopped on {type(self._broken).__name__}: {self._broken}; "
+                                   "make a new one") from self._broken
             if self._closed:
                 raise RuntimeError("this engine loop is closed; make a new one")
             if self._thread is None:
@@ -230,10 +234,25 @@ class EngineLoop:
 
     def _post(self, message: tuple) -> None:
         with self._cv:
-            self._inbox.append(message)
-            self._cv.notify_all()
+            if self._broken is None:
+                self._inbox.append(message)
+                self._cv.notify_all()
+                return
+        message[1]._queue.put(self._broken)  # the loop is gone: answer at once rather than never
+        message[1]._queue.put(_DONE)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop itself broke: no submitter may wait for it forever
+            log.error("engine loop stopped: %s: %s", type(e).__name__, e)
+            with self._cv:
+                self._closed, self._broken = True, e
+                inbox, self._inbox = self._inbox, []
+            self._fail_all(e, inbox)
+            raise
+
+    def _serve(self) -> None:
         try:
             self._thread_init()
         except Exception as e:  # a thread setting is not worth the loop
@@ -254,7 +273,7 @@ class EngineLoop:
             except BaseException as e:  # a failed step: every submission in the engine gets the error
                 log.warning("engine loop: step failed (%s: %s); aborting every request in the engine",
                             type(e).__name__, e)
-                self._fail_all(e)
+                self._fail_all(e, inbox)
 
     def _handle(self, inbox: list[tuple]) -> None:
         added: list[Request] = []
@@ -314,7 +333,15 @@ class EngineLoop:
             del self._active[sub.key]
             sub._queue.put(_DONE)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException, inbox: list[tuple] = ()) -> None:
+        """Abort every request in the engine and end every submission with `error`, those of `inbox` (messages
+        taken but maybe not handled) included."""
+        for message in inbox:
+            if message[0] == "add" and message[1].key not in self._active:
+                message[1]._queue.put(error)
+                message[1]._queue.put(_DONE)
+                for req, _, _ in message[2]:
+                    self._owner.pop(req.request_id, None)
         aborted = self.engine.scheduler.abort_all()
         for sub in self._active.values():
             sub._queue.put(error)

@@ -159,3 +159,17 @@ def test_scheduler_merges_new_requests_longest_first_behind_preempted_ones() -> 
     sched.abort_all()
     assert sched.kv_cache_manager.num_free_blocks == 64
     sched.kv_cache_manager.check_integrity()
+
+
+def test_a_failure_in_the_loops_own_bookkeeping_answers_the_submitter(loop: EngineLoop, gsm8k_questions: list[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    real_handle = loop._handle
+
+    def broken(inbox: list) -> None:
+        raise SystemError("the loop's own bookkeeping failed")
+
+    monkeypatch.setattr(loop, "_handle", broken)
+    with pytest.raises(SystemError, match="bookkeeping"):  # an error, not a submitter waiting forever
+        loop.submit(gsm8k_questions[:2], PARAMS).results()
+    monkeypatch.setattr(loop, "_handle", real_handle)
+    assert [o.finish_reason for o in loop.submit(gsm8k_questions[:2], PARAMS).results()] == ["length"] * 2
