@@ -123,8 +123,10 @@ def main() -> None:
     questions = table.column("question").to_pylist()
 
     results = [run_engine(questions, args)]
+    print(json.dumps(results[-1]), flush=True)  # each run as it ends: a long bench leaves what it measured
     for rps in (int(x) for x in args.rows_per_shard.split(",")):
         results.append(run_job(str(folder), len(questions), rps, args))
+        print(json.dumps(results[-1]), flush=True)
     base = results[0]["tok_per_s"]
     print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}, "
           f"{args.threads} threads")

@@ -63,11 +63,12 @@ def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_
     assert sent, "the two shards were never both in flight with a commit"
     pids, stopped = sent[0]
     assert len(pids) == 1  # one worker process: both shards shared its engine
-    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions == 2
+    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 2
     rows = pq.read_table(out / "results").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every id exactly once
     for shard_id in stopped:  # both stopped through the drain path, each with its finished rows committed
         end = json.loads(Path(end_path(str(out), shard_id, 1)).read_text())
         assert end["outcome"] == "interrupted" and end["reason"] == "SIGTERM" and end["rows_committed"] >= 1
     acct = {r["shard_id"]: r for r in pq.read_table(out / "accounting").to_pylist()}
-    assert all(acct[s]["attempts"] == 2 and acct[s]["rows_resumed"] >= 1 for s in stopped)
+    for s in stopped:
+        assert acct[s]["attempts"] >= 2 and acct[s]["preemptions"] >= 1 and acct[s]["rows_resumed"] >= 1
