@@ -85,7 +85,7 @@ def run_job(input_url: str, rows: int, rows_per_shard: int, args: argparse.Names
     from pipeline.config import RunConfig
 
     engine_config = EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs)
-    slots = shard_slots(args.max_num_seqs, rows_per_shard)
+    slots = args.shard_slots or shard_slots(args.max_num_seqs, rows_per_shard)
     cfg = RunConfig(prompt_column="question", max_tokens=args.max_tokens, rows_per_shard=rows_per_shard,
                     limit=rows)
     out = tempfile.mkdtemp(prefix=f"drain-{rows_per_shard}-")
@@ -114,6 +114,10 @@ def main() -> None:
     ap.add_argument("--rows-per-shard", default="64,256,1024", help="comma-separated")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     ap.add_argument("--model", default=None, help="default: the default SmolLM2-135M-Instruct GGUF")
+    ap.add_argument("--shard-slots", type=int, default=None,
+                    help="shards per worker at once (default: jobs.plugin.shard_slots); 1 = one shard at a time, "
+                         "each drained before the next starts, as before the engine loop")
+    ap.add_argument("--no-engine", action="store_true", help="skip the LLMEngine.generate run")
     args = ap.parse_args()
 
     data = DATA / "gsm8k_test.parquet"
@@ -122,12 +126,13 @@ def main() -> None:
     pq.write_table(table, folder / "in.parquet")
     questions = table.column("question").to_pylist()
 
-    results = [run_engine(questions, args)]
-    print(json.dumps(results[-1]), flush=True)  # each run as it ends: a long bench leaves what it measured
+    results = [] if args.no_engine else [run_engine(questions, args)]
+    if results:
+        print(json.dumps(results[-1]), flush=True)  # each run as it ends: a long bench leaves what it measured
     for rps in (int(x) for x in args.rows_per_shard.split(",")):
         results.append(run_job(str(folder), len(questions), rps, args))
         print(json.dumps(results[-1]), flush=True)
-    base = results[0]["tok_per_s"]
+    base = results[0]["tok_per_s"]  # the engine's, or the first job's with --no-engine
     print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}, "
           f"{args.threads} threads")
     print("| run | output tokens | (device-)s | output tok/s | vs engine | steps | mean batch | "
