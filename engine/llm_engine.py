@@ -22,7 +22,8 @@ from engine.outputs import RequestOutput
 from engine.packed_linear import pack_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
+from engine.step_stats import StepStats
 from engine.tokenizer import Tokenizer
 
 # A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
@@ -108,6 +109,11 @@ def _warn_once(message: str) -> None:
     log.warning(message)
 
 
+def lpt_key(request: Request) -> int:
+    """Admission order of an offline batch: longest first by prompt + max_tokens (the LPT rule, Graham 1969)."""
+    return -(request.num_prompt_tokens + request.sampling_params.max_tokens)
+
+
 class LLMEngine:
     """Offline batch generation over a paged KV cache with continuous batching.
 
@@ -154,6 +160,9 @@ class LLMEngine:
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         self.num_steps = 0
+        self.step_stats = StepStats(config.max_num_seqs)
+        # The plan of the last step: (request, tokens fed) pairs, for callers that attribute a step's time.
+        self.last_scheduled: list[ScheduledRequest] = []
 
     @classmethod
     def from_model(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -268,6 +277,32 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         return Request(request_id, token_ids, params, detokenizer)
 
+    def make_requests(self, prompts: Sequence[Prompt],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
+                      allow_special_tokens: bool = False) -> list[Request | RequestOutput]:
+        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, a Request ready
+        to queue, or an error RequestOutput (finish_reason "error") for a prompt that cannot run. Pure host work
+        that touches no engine state, so any thread may call it. Raises ValueError when the lengths of prompts,
+        params and ids differ, or ids repeat."""
+        n = len(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
+        if len(params) != n or len(ids) != n:
+            raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(ids)} request ids; "
+                             "give one per prompt (or a single SamplingParams for all)")
+        if len(set(ids)) != n:
+            raise ValueError("request_ids must be unique")
+        prepared: list[Request | RequestOutput] = []
+        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+            try:
+                prepared.append(self._make_request(rid, prompt, sp, use_chat_template, allow_special_tokens))
+            except ValueError as e:
+                prepared.append(RequestOutput(rid, [], [], "", "error", error=str(e)))
+        return prepared
+
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (as vLLM's `LLM.reset_prefix_cache`): the next `generate` computes every prompt
         from scratch. Returns the number of cached KV blocks forgotten. Raises RuntimeError while requests run."""
@@ -283,7 +318,13 @@ class LLMEngine:
         sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
         finished = self.scheduler.update_from_output(plan, sampled)
         self.num_steps += 1
+        self.last_scheduled = plan.scheduled
+        self.step_stats.record(len(plan.scheduled), len(self.scheduler.waiting))
         return finished
+
+    def output_of(self, req: Request, start: float) -> RequestOutput:
+        """The RequestOutput of a finished request; ttft_s and latency_s count from `start` (time.perf_counter())."""
+        return self._output(req, start)
 
     def _output(self, req: Request, start: float) -> RequestOutput:
         text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
@@ -320,30 +361,27 @@ class LLMEngine:
         `on_output` aborts every unfinished request (blocks freed) and propagates. Raises ValueError when the
         lengths of prompts, params and ids differ.
         """
-        n = len(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
-        if len(params) != n or len(ids) != n:
-            raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(ids)} request ids; "
-                             "give one per prompt (or a single SamplingParams for all)")
-        if len(set(ids)) != n:
-            raise ValueError("request_ids must be unique")
+        if self.scheduler.has_unfinished:
+            raise RuntimeError("generate called while this engine runs other requests (an engine.engine_loop."
+                               "EngineLoop owns it): submit to that loop instead")
         start = time.perf_counter()
+        prepared = self.make_requests(prompts, sampling_params, request_ids=request_ids,
+                                      use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
+        n = len(prepared)
         outputs: list[RequestOutput | None] = [None] * n
         index_of: dict[str, int] = {}
         requests: list[Request] = []
-        for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params, strict=True)):
-            try:
-                requests.append(self._make_request(rid, prompt, sp, use_chat_template, allow_special_tokens))
-                index_of[rid] = i
-            except ValueError as e:
-                outputs[i] = RequestOutput(rid, [], [], "", "error", error=str(e))
+        for i, item in enumerate(prepared):
+            if isinstance(item, Request):
+                requests.append(item)
+                index_of[item.request_id] = i
+            else:
+                outputs[i] = item
                 if on_output:
-                    on_output(outputs[i])
-        requests.sort(key=lambda r: -(r.num_prompt_tokens + r.sampling_params.max_tokens))
+                    on_output(item)
+        requests.sort(key=lpt_key)
         self.scheduler.add_requests(requests)
+        self.step_stats.num_added += len(requests)
         try:
             while self.scheduler.has_unfinished:
                 if should_stop is not None and should_stop():

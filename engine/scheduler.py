@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple
 
 from engine.kv_cache_manager import KVCacheManager
@@ -97,11 +97,20 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def add_requests(self, requests: Iterable[Request]) -> None:
-        """Queue requests in the given order (the engine sorts an offline batch before calling this)."""
-        for r in requests:
+    def add_requests(self, requests: Iterable[Request], key: Callable[[Request], int] | None = None) -> None:
+        """Queue requests in the given order (the engine sorts an offline batch before calling this), or, given a
+        sort `key`, merge them into the waiting queue so that the requests never admitted are ordered by `key`
+        (stable; e.g. LPT across several submissions to one running engine) behind the preempted ones, which keep
+        the head of the queue. May be called between any two steps."""
+        new = list(requests)
+        for r in new:
             r.status = RequestStatus.WAITING
-            self.waiting.append(r)
+        if key is None:
+            self.waiting.extend(new)
+            return
+        resumed = [r for r in self.waiting if r.num_preemptions]
+        fresh = sorted([r for r in self.waiting if not r.num_preemptions] + new, key=key)
+        self.waiting = deque(resumed + fresh)
 
     @property
     def has_unfinished(self) -> bool:
@@ -165,6 +174,22 @@ class Scheduler:
             req.status = RequestStatus.FINISHED
             req.finish_reason = "abort"
         self.running, self.waiting = [], deque()
+        return aborted
+
+    def abort_requests(self, request_ids: Collection[str]) -> list[Request]:
+        """Drop the waiting and running requests whose ids are in `request_ids` (one caller of a shared engine
+        stops; the others go on). Frees their blocks, marks them FINISHED with finish_reason "abort", and returns
+        them. Ids not in the scheduler (finished already) are ignored."""
+        ids = request_ids if isinstance(request_ids, (set, frozenset, dict)) else set(request_ids)
+        aborted = [r for r in self.running if r.request_id in ids] + [r for r in self.waiting if r.request_id in ids]
+        if not aborted:
+            return []
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting = deque(r for r in self.waiting if r.request_id not in ids)
+        for req in aborted:
+            self.kv_cache_manager.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
         return aborted
 
     def _admit(self, scheduled: list[ScheduledRequest], pending: set[int], budget: int) -> None:

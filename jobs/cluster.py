@@ -25,6 +25,7 @@ from jobs.control import cancel_record
 from jobs.errors import EXIT_NO_SPACE, JobError
 from jobs.lease import Lease
 from jobs.plugin import (
+    MAX_SHARD_SLOTS,
     NANNY_CLOSING,
     DrainNannyPlugin,
     EnginePlugin,
@@ -32,6 +33,7 @@ from jobs.plugin import (
     WorkerPreempted,
     default_torch_threads,
     register_engine,
+    shard_slots,
 )
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
@@ -69,19 +71,29 @@ class ClusterOptions:
 
     Attributes:
         scheduler_address: a Dask scheduler (tcp://host:8786); None starts a LocalCluster of `workers` processes.
-        workers: worker processes of the LocalCluster (one thread and one engine each).
-        gpus_per_worker: GPUs per worker; > 0 makes each shard ask for resources {"GPU": 1} (LocalCluster workers
-            then offer {"GPU": gpus_per_worker}; on a real cluster start workers with `--resources GPU=N`).
+        workers: worker processes of the LocalCluster (one engine each).
+        gpus_per_worker: GPUs per worker; > 0 makes each shard ask for resources {"GPU": 1 / slots} (LocalCluster
+            workers then offer {"GPU": gpus_per_worker}; on a real cluster start workers with `--resources GPU=N`).
+        shard_slots: shards one worker runs at once on its one engine (its Dask threads; the LocalCluster's
+            threads per worker): their rows share the engine's batch, so it never drains between shards. None:
+            jobs.plugin.shard_slots(max_num_seqs, rows_per_shard). On a real cluster start workers with
+            `--nthreads` = slots.
 
     Defaults and checks are the job spec's cluster section (schemas.job_spec.Cluster): raises JobError (exit 2)
-    naming the field, e.g. when workers < 1 or gpus_per_worker < 0.
+    naming the field, e.g. when workers < 1 or gpus_per_worker < 0; and when shard_slots is not a power of two in
+    [1, jobs.plugin.MAX_SHARD_SLOTS].
     """
 
     scheduler_address: str | None = None
     workers: int = Cluster.model_fields["workers"].default
     gpus_per_worker: int = Cluster.model_fields["gpus_per_worker"].default
+    shard_slots: int | None = None
 
     def __post_init__(self) -> None:
+        if self.shard_slots is not None and (not 1 <= self.shard_slots <= MAX_SHARD_SLOTS
+                                             or self.shard_slots & (self.shard_slots - 1)):
+            raise JobError(f"shard_slots must be a power of two from 1 to {MAX_SHARD_SLOTS} (each shard asks for "
+                           f"1/slots of a GPU), got {self.shard_slots}")
         try:
             Cluster(scheduler=self.scheduler_address, workers=self.workers, gpus_per_worker=self.gpus_per_worker)
         except ValidationError as e:
@@ -123,18 +135,22 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
     CLUSTER_CONFIG, its dashboard on a free local port, printed once: say_dashboard) and closed here. Each shard's
     outcome goes into run.summary and run.progress: a failed shard never stops the others; an interrupted one is
     submitted again, up to MAX_INTERRUPTIONS times; a cancel drops the queued ones; a lost lease stops the waiting.
-    Returns when every shard has an outcome.
+    Returns when every shard has an outcome. Each worker runs opts.shard_slots shards at once (auto: enough to
+    keep max_num_seqs rows in its engine while a shard's tail finishes; jobs.plugin.shard_slots), all on its one
+    resident engine loop.
 
     With opts.gpus_per_worker > 0 each shard asks for resources {"GPU": 1}, and the run first waits up to
     worker_wait_s() seconds (0: no wait) for a worker of the cluster that offers one. Raises JobError (exit 2) when
     none does, or when TOKENMILL_WORKER_WAIT_S is not a number of seconds; what Dask raises when the scheduler
     cannot be reached (OSError) propagates.
     """
-    resources = {"GPU": 1} if opts.gpus_per_worker > 0 else None
+    slots = opts.shard_slots or shard_slots(engine_config.max_num_seqs, run.cfg.rows_per_shard)
+    # A fraction of the GPU per shard: `slots` shards share the worker's one engine (1/slots is exact in binary).
+    resources = {"GPU": 1 / slots} if opts.gpus_per_worker > 0 else None
     # NOTE: the whole cluster's life inside the config: a nanny restarting a killed worker passes the config of now.
     with dask.config.set(CLUSTER_CONFIG):
         cluster = None if opts.scheduler_address else LocalCluster(
-            n_workers=opts.workers, threads_per_worker=1, processes=True, dashboard_address=DASHBOARD_ADDRESS,
+            n_workers=opts.workers, threads_per_worker=slots, processes=True, dashboard_address=DASHBOARD_ADDRESS,
             silence_logs=logging.ERROR, resources={"GPU": opts.gpus_per_worker} if resources else None)
         if cluster is not None:
             say_dashboard(cluster.dashboard_link)
@@ -199,7 +215,7 @@ def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
     return True
 
 
-def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str, resources: dict[str, int] | None, *,
+def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str, resources: dict[str, float] | None, *,
             own_cluster: bool) -> None:
     """Submit the shards and fold their outcomes into run.summary, resubmitting interrupted ones. A worker that
     reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real

@@ -116,8 +116,9 @@ def _pin_model_or_error(output_url: str, now: ModelPin, input_pinned_now: bool) 
 
 def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | None = None,
             engine_config: EngineConfig | None = None, workers: int = 1, scheduler_address: str | None = None,
-            gpus_per_worker: int = 0, resume: bool = False, lease_ttl_s: float | None = None,
-            on_start: Callable[[int], None] | None = None, on_progress: ProgressFn | None = None) -> JobSummary:
+            gpus_per_worker: int = 0, shard_slots: int | None = None, resume: bool = False,
+            lease_ttl_s: float | None = None, on_start: Callable[[int], None] | None = None,
+            on_progress: ProgressFn | None = None) -> JobSummary:
     """Run (or resume) the job that writes `input_url`'s completions under `output_url`.
 
     Steps: a finished job (OUTPUT/_SUCCESS) returns its summary with `already_done` and runs nothing. Otherwise
@@ -125,8 +126,10 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
     manifest at the first start or checks these options against the pinned one (exit 2 when they differ), refuses
     a cancelled job unless `resume` (exit 4), skips committed shards, fails the shards of input files changed since
     the job started, and runs the rest as Dask tasks (jobs.cluster.run_on_cluster): on the LocalCluster of `workers`
-    processes, or on the cluster at `scheduler_address`. Shards of a dead worker run again elsewhere (Dask, up to
-    jobs.cluster.ALLOWED_FAILURES on a LocalCluster; set distributed.scheduler.allowed-failures on your scheduler);
+    processes, or on the cluster at `scheduler_address`; each worker runs `shard_slots` shards at once on its one
+    engine (None: enough to keep its batch full; jobs.cluster.ClusterOptions). Shards of a dead worker run again
+    elsewhere (Dask, up to jobs.cluster.ALLOWED_FAILURES on a LocalCluster; set
+    distributed.scheduler.allowed-failures on your scheduler);
     interrupted shards (ShardInterrupted: SIGTERM or a spot notice on their worker) are submitted again, up to
     jobs.cluster.MAX_INTERRUPTIONS times each; both resume from their last checkpoint. A cancel (OUTPUT/_CANCEL)
     stops running shards and drops queued ones. A failed shard never stops the others. When every shard is
@@ -140,7 +143,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
     Raises JobError: exit 2 (bad input, options or model, before any work; or no GPU worker joined the cluster in
     time, jobs.cluster.run_on_cluster), 3 (lease held, or lost mid-run), 4 (cancelled, and not `resume`).
     """
-    cluster_opts = ClusterOptions(scheduler_address, workers, gpus_per_worker)
+    cluster_opts = ClusterOptions(scheduler_address, workers, gpus_per_worker, shard_slots)
     checked = _check_before_start(input_url, output_url, cfg)
     if isinstance(checked, JobSummary):
         if on_start:

@@ -108,9 +108,11 @@ class JobSummary:
 
 
 def generated_tokens(row: dict[str, Any]) -> int:
-    """Output tokens the finishing attempt of a shard generated itself (its accounting's output_tokens_per_s x
-    wall_s), not those of rows it resumed from checkpoints: what this run's progress and speed count. A row without
-    output_tokens_per_s counts all its output tokens."""
+    """Output tokens the finishing attempt of a shard generated itself (its accounting's `generated_tokens`), not
+    those of rows it resumed from checkpoints: what this run's progress and speed count. Accounting written before
+    that column: output_tokens_per_s x wall_s; without either, all its output tokens."""
+    if row.get("generated_tokens") is not None:
+        return int(row["generated_tokens"])
     if row.get("output_tokens_per_s") is None:
         return int(row["output_tokens"])
     return round(float(row["output_tokens_per_s"]) * float(row["wall_s"]))

@@ -1,4 +1,5 @@
-"""The Dask task of a job: one shard on the worker's resident engine (jobs.plugin), with the worker's stop signal,
+"""The Dask task of a job: one shard on the worker's resident engine loop (jobs.plugin; other shard tasks of the
+worker share its batch), with the worker's stop signal,
 progress events for the client, and the checks that the shard's input file is still the pinned version and that the
 model the worker loaded is the job's pinned model (pipeline.model_pin).
 Runs on the worker; jobs.cluster submits it and gathers what it returns or raises.
@@ -12,7 +13,7 @@ from typing import Any
 
 from distributed import get_worker
 
-from engine import LLMEngine
+from engine.engine_loop import EngineLoop
 from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
@@ -92,15 +93,15 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(f"ModelChanged: {error}")
 
 
-def _checked_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> tuple[LLMEngine, str]:
-    """This worker's engine and the fingerprint of the model it loaded (waits for the load), after checking that
-    model against the job's `model_pin` (None: no check). Raises ModelChanged, or RuntimeError when the load
-    failed."""
+def _checked_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> tuple[EngineLoop, str]:
+    """This worker's resident engine loop (every shard of the worker shares its batch) and the fingerprint of the
+    model it loaded (waits for the load), after checking that model against the job's `model_pin` (None: no
+    check). Raises ModelChanged, or RuntimeError when the load failed."""
     plugin = engine_plugin(plugin_name)
     loaded = plugin.loaded_model()
     if model_pin is not None:
         check_model_pin(model_pin, loaded, output_url)
-    return plugin.get(), loaded.fingerprint
+    return plugin.loop(), loaded.fingerprint
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,

@@ -10,6 +10,13 @@ Earlier attempts are billed from their records (pipeline.attempts, pipeline.chec
   time to the next attempt's start, capped at `checkpoint_seconds`.
 - Its lost device-seconds (`gpu_s_lost`) are those after its last commit: work no commit kept. For an interrupted
   attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
+
+Shards share a worker's engine (engine.engine_loop: several shards' rows in one batch). An attempt's own
+device-seconds (`gpu_s`, and `gpu_s` in its end record) are therefore not its wall time but its fair share
+(engine.engine_loop.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
+(prefill chunks and decodes), plus the wall time in which the engine ran no step at all (reading the shard,
+committing, idle). Shards that overlap for T seconds are billed T in all. A killed attempt, which cannot write its
+share, is still billed from its records' wall times as above (an overestimate when it shared the engine).
 """
 
 from __future__ import annotations
@@ -109,7 +116,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "cost_usd": cost, "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),
         "attempts": attempt, "preemptions": earlier.preemptions, "gpu_s": gpu_s, "gpu_s_lost": earlier.gpu_s_lost,
         "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
-        "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC),
+        "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC), "generated_tokens": generated_tokens,
     }
 
 

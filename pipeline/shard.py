@@ -12,42 +12,35 @@ Layout under OUTPUT (every object create-only, never overwritten; paths from pip
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from engine import LLMEngine, RequestOutput, SamplingParams
-from engine.llm_engine import prompt_problem
+from engine import LLMEngine
+from engine.engine_loop import DeviceClock, EngineLoop
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
 from pipeline.config import RunConfig
-from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
+from pipeline.input import Shard
 from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
-from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides, row_sampling_params
-from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table, retry_transient
+from pipeline.shard_requests import ProgressFn, RowFn, generate_rows
+from pipeline.shard_rows import ShardError, ShardRows, read_shard
+from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
+# The shard's rows (pipeline.shard_rows) and requests (pipeline.shard_requests), named here too for callers of the
+# whole shard.
+__all__ = ["ProgressFn", "RowFn", "ShardError", "ShardInterrupted", "ShardRows", "generate_rows", "read_shard",
+           "run_shard"]
+
 log = logging.getLogger(__name__)
-
-# Called with (rows finished, output tokens of those rows) as rows finish.
-ProgressFn = Callable[[int, int], None]
-# Called with (row index, its output) as each row finishes.
-RowFn = Callable[[int, RequestOutput], None]
-
-
-class ShardError(RuntimeError):
-    """The shard's input could not be read (a corrupt or vanished file). Other shards are unaffected."""
 
 
 class ShardInterrupted(RuntimeError):
@@ -68,170 +61,16 @@ class ShardInterrupted(RuntimeError):
                 "attempt; run it again to resume")
 
 
-@dataclass(frozen=True)
-class ShardRows:
-    """The rows of one shard: ids (text, or None where the id column is null) and prompts (text, message lists, or
-    None for a missing prompt); per row, optionally, its own sampling values and a request error
-    (pipeline.row_options; None: the input has none), and its position in the input file."""
-
-    ids: list[str | None]
-    prompts: list[Any]
-    overrides: list[dict[str, Any]] | None = None
-    errors: list[str | None] | None = None
-    positions: list[int] | None = None  # each row's position in its input file
-
-    def take(self, indices: list[int]) -> ShardRows:
-        """The rows at `indices`, in that order."""
-        def pick(values: list[Any] | None) -> list[Any] | None:
-            return None if values is None else [values[k] for k in indices]
-
-        return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
-                         pick(self.errors), pick(self.positions))
-
-
-@retry_transient
-def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
-                     pinned: tuple[int, str] | None = None) -> tuple[pa.Table, int]:
-    """The row groups of the shard's file that overlap its rows, and the file row of the first one; exactly the
-    `pinned` (size, version) of the file when given (pipeline.input.open_pinned)."""
-    with open_pinned(shard.url, pinned) as f, pq.ParquetFile(f) as pf:
-        names = pf.schema_arrow.names
-        columns = [prompt_column] + ([id_column] if id_column in names else []) + row_option_columns(names)
-        groups, first_row, offset = [], None, 0
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if offset + n > shard.row_start and offset < shard.row_end:
-                groups.append(g)
-                first_row = offset if first_row is None else first_row
-            offset += n
-        table = pf.read_row_groups(groups, columns=columns) if groups else pf.schema_arrow.empty_table()
-    return table, first_row or 0
-
-
-def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False,
-               pinned: tuple[int, str] | None = None) -> ShardRows:
-    """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
-
-    Ids are the id column's values as text (a null id stays null: results carry input_file and input_row, which
-    name every row), or row positions in the file when the file has no id column. `messages`: the prompt column
-    is a chat messages column; stored as text, each row is parsed as JSON (a row that is not JSON keeps its text
-    and becomes an error row in generate_rows). Transient storage errors are retried
-    (pipeline.storage.retry_transient). `pinned`: the (size, version) the job pinned: exactly that version is read.
-    Raises InputChanged when the file is not (or stops being, mid-read) the pinned version, and ShardError (with the
-    file and the reader's message) when the file cannot be read.
-    """
-    try:
-        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned)
-    except InputChanged:
-        raise
-    except Exception as e:  # any reader failure fails this shard with a clear message
-        if type(e).__name__ == "FileExpired":  # s3fs: the object's ETag no longer matches (If-Match failed)
-            raise InputChanged(f"input changed while it was read: {shard.url} was replaced (its ETag no longer "
-                               "matches the pinned one). Restore it, or run the new input into a new OUTPUT") from e
-        raise ShardError(f"cannot read {shard.url}: {str(e).rstrip('.')}. Fix or remove the file and run the job "
-                         "again") from e
-    start = shard.row_start - first_row
-    table = table.slice(start, shard.num_rows)
-    prompts = table.column(prompt_column).to_pylist()
-    errors = None
-    if messages and is_text_type(table.schema.field(prompt_column).type):
-        parsed = [_parse_messages(p) for p in prompts]
-        prompts = [p for p, _ in parsed]
-        errors = [e for _, e in parsed]
-    if id_column in table.column_names:
-        ids: list[str | None] = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
-    else:
-        ids = [str(shard.row_start + i) for i in range(len(prompts))]
-    options = {c: table.column(c).to_pylist() for c in row_option_columns(table.column_names)}
-    options_errors = options.get(ROW_ERROR_COLUMN)
-    if errors is None or options_errors is not None:
-        errors = options_errors if errors is None else [a or b for a, b in zip(options_errors, errors, strict=True)]
-    return ShardRows(ids, prompts, row_overrides(options, len(ids)), errors,
-                     list(range(shard.row_start, shard.row_start + len(ids))))
-
-
-def _parse_messages(text: str | None) -> tuple[Any, str | None]:
-    """A messages value stored as JSON text: (the parsed list, None), or (the text, why it is not one)."""
-    if text is None:
-        return None, None
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        return text, (f"the messages column holds text that is not JSON ({e}); store a JSON list of "
-                      '{"role": ..., "content": ...} objects, or a list of structs')
-    if not isinstance(value, list):
-        return text, (f"the messages column holds JSON {type(value).__name__}, not a list of "
-                      '{"role": ..., "content": ...} objects')
-    return value, None
-
-
-def _row_seed(seed: int | None, row_key: str) -> int | None:
-    return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
-
-
-def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None, *,
-                  on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None) -> list[RequestOutput]:
-    """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
-    out-of-range per-row sampling values) become error outputs; the others run as one continuous batch, each with
-    the job's sampling and its own values put in (pipeline.row_options).
-
-    `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes:
-    the checkpoint hook. `should_stop` is passed to the engine: once it returns True, unfinished rows come back with
-    finish_reason "abort" (and are not passed to `on_row` or `progress`). When `on_row` or `progress` raises (a
-    checkpoint commit that failed after its retries), the engine is stopped the same way, so it is left clean for
-    the next shard, and the error is raised once generate returns.
-    """
-    outputs: dict[int, RequestOutput] = {}
-    runnable: list[int] = []
-    params: list[SamplingParams] = []
-    for k, prompt in enumerate(rows.prompts):
-        problem = (rows.errors[k] if rows.errors else None) or prompt_problem(prompt, token_ids=False)
-        if not problem:
-            try:
-                key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
-                params.append(row_sampling_params(cfg.sampling_params(_row_seed(cfg.seed, key)),
-                                                  rows.overrides[k] if rows.overrides else None))
-            except ValueError as e:
-                problem = f"this row's own sampling values: {e}"
-        if problem:
-            outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
-            if on_row:
-                on_row(k, outputs[k])
-        else:
-            runnable.append(k)
-    if progress and outputs:
-        progress(len(outputs), 0)
-
-    def on_output(out: RequestOutput) -> None:
-        # An exception here (a failed checkpoint commit) stops the engine, which drops the rest of the batch.
-        k = int(out.request_id)
-        out.request_id = rows.ids[k]
-        if on_row:
-            on_row(k, out)
-        if progress:
-            progress(1, out.num_output_tokens)
-
-    generated = engine.generate(
-        [rows.prompts[k] for k in runnable],
-        params,
-        request_ids=[str(k) for k in runnable],
-        use_chat_template=cfg.use_chat_template,
-        allow_special_tokens=cfg.allow_special_tokens,
-        on_output=on_output,
-        should_stop=should_stop,
-    )
-    for k, out in zip(runnable, generated, strict=True):
-        out.request_id = rows.ids[k]
-        outputs[k] = out
-    return [outputs[k] for k in range(len(rows.prompts))]
-
-
-def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
+def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
               progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
               watch_notices: bool = True, pinned: tuple[int, str] | None = None,
               model_fingerprint: str | None = None) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
-    (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD).
+    (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD). `engine`: the worker's resident engine loop
+    (engine.engine_loop.EngineLoop: the shard's rows share its batch with other shards running at the same time,
+    and its device-seconds are its share of the steps plus the time the engine ran no step while it ran;
+    DeviceClock, pipeline.accounting), or an engine this caller holds alone (one `generate` call; billed its wall
+    time).
 
     Each run claims the shard's next attempt number. Rows already in committed parts are not generated again; the
     others are, and every `cfg.checkpoint_rows` finished rows or `cfg.checkpoint_seconds` seconds (whichever first)
@@ -263,16 +102,17 @@ def run_shard(engine: LLMEngine, shard: Shard, prompt_column: str, output_url: s
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
         t0 = time.monotonic()
+        clock = DeviceClock(engine if isinstance(engine, EngineLoop) else None)
         attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
         try:
-            return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, progress, notice,
+            return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, clock, progress, notice,
                                 should_stop, pinned, model_fingerprint)
         except ShardInterrupted:
             raise
         except Exception as e:
             try:
                 end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
-                            gpu_s=time.monotonic() - t0, error=f"{type(e).__name__}: {e}")
+                            gpu_s=clock.device_s(), error=f"{type(e).__name__}: {e}")
             except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
                 (log.debug if is_no_space(record_error) else log.warning)(
                     "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
@@ -287,10 +127,12 @@ def _results(merged: pa.Table, shard: Shard) -> pa.Table:
     return table.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
 
 
-def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
-                 cfg: RunConfig, attempt: int, t0: float, progress: ProgressFn | None, notice: StopSignal,
-                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
+def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
+                 cfg: RunConfig, attempt: int, t0: float, clock: DeviceClock, progress: ProgressFn | None,
+                 notice: StopSignal, should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
                  model_fingerprint: str | None = None) -> dict[str, Any]:
+    loop = engine
+    engine = loop.engine if isinstance(loop, EngineLoop) else loop
     done_path = results_path(root, shard.shard_id)
     wall_s, generated_tokens = 0.0, 0
     if exists_now(fs, done_path):
@@ -314,15 +156,15 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         t_gen = time.perf_counter()
         with Heartbeat(fs, root, shard.shard_id, attempt, every_s=cfg.heartbeat_seconds, started=t0,
                        last_sign=lambda: ckpt.last_commit):
-            outputs = generate_rows(engine, rows.take(todo), cfg, progress,
-                                    on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop)
+            outputs = generate_rows(loop, rows.take(todo), cfg, progress,
+                                    on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop, clock=clock)
         wall_s = time.perf_counter() - t_gen
         generated_tokens = sum(o.num_output_tokens for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)
         if aborted:
             owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped
             reason = notice.reason or (owner.reason if isinstance(owner, StopSignal) else None) or "should_stop"
-            _interrupted(fs, root, shard.shard_id, attempt, ckpt, t0, rows_resumed, aborted, reason)
+            _interrupted(fs, root, shard.shard_id, attempt, ckpt, clock, rows_resumed, aborted, reason)
         ckpt.commit()
         parts = committed_parts(fs, root, shard.shard_id)
         merged = merge_parts(fs, parts)
@@ -334,7 +176,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
         results = _results(merged, shard)
         if not commit_table(fs, done_path, results):
             results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
-    gpu_s = time.monotonic() - t0
+    gpu_s = clock.device_s()
     earlier = bill_earlier_attempts(fs, root, shard.shard_id, attempt, list_attempts(fs, root, shard.shard_id),
                                     parts, cfg.checkpoint_seconds)
     row = accounting_row(
@@ -348,7 +190,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
     return row
 
 
-def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, ckpt: Checkpointer, t0: float,
+def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, ckpt: Checkpointer, clock: DeviceClock,
                  rows_resumed: int, aborted: int, reason: str) -> None:
     """Commit the finished rows within the stop deadline, record the interrupted attempt, raise ShardInterrupted."""
     try:
@@ -358,7 +200,7 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
     left = aborted + len(ckpt.pending)
     try:
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
-                    gpu_s=time.monotonic() - t0, reason=reason)
+                    gpu_s=clock.device_s(), reason=reason)
     except Exception as e:  # without it the next attempt estimates this one's time instead
         (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
                                                         shard_id, attempt, e)

@@ -61,7 +61,9 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("preemptions", pa.int32(), nullable=False,
              metadata={"doc": "earlier attempts that ended without finishing: killed or interrupted"}),
     pa.field("gpu_s", pa.float64(), nullable=False,
-             metadata={"doc": "device-seconds of this attempt, from claiming it to committing the results"}),
+             metadata={"doc": "device-seconds of this attempt, from claiming it to committing the results: its share "
+                              "of the engine's steps (by tokens computed, where shards shared the engine) plus the "
+                              "time the engine ran no step; see pipeline.accounting"}),
     pa.field("gpu_s_lost", pa.float64(), nullable=False,
              metadata={"doc": "device-seconds of earlier attempts after their last commit (work no commit kept); "
                               "an estimate, see pipeline.accounting"}),
@@ -75,6 +77,9 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("model_fingerprint", pa.string(), metadata={
         "doc": "the model's fingerprint (as in results); null in accounting written before models were pinned"}),
     pa.field("finished_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("generated_tokens", pa.int64(), nullable=False, metadata={
+        "doc": "output tokens this attempt generated itself (not rows resumed from checkpoints), tokens; absent "
+               "(read as null) in accounting written before the column existed"}),
 ])
 
 # A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA (less input_file and

@@ -1,0 +1,360 @@
+"""A resident engine loop: one thread owns an LLMEngine and steps it while any request is in it; other threads
+submit batches of prompts and receive their outputs as they finish.
+
+Several submitters (a worker's shards, say) share one continuous batch, so the batch never drains at the end of one
+submitter's rows while another's wait: the next batch's rows join while the current one's tail finishes (as Ray
+Data streams blocks into one vLLM engine). Admission stays length-aware across submitters: every new submission is
+merged into the waiting queue longest first (prompt + max_tokens; the LPT rule, Graham 1969).
+
+The step thread does engine work only. Tokenizing a submission's prompts happens in the submitting thread, and each
+output is handed to its submitter through a queue: the submitter's per-row callbacks (checkpoint commits, progress)
+run in its own thread, and an exception there stops that submitter's rows only.
+
+Device time of shared steps is shared by the tokens each submission computed in them: a step of T seconds that fed
+n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (`DeviceClock`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine, Prompt, lpt_key
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DONE = object()  # a submission's queue: every output delivered
+
+
+class DeviceClock:
+    """Device-seconds of one caller of a shared engine (a shard attempt), from the moment it is made.
+
+    `device_s()` = its share of every step run since (each step's seconds split by the tokens each submission fed
+    to it; shares of submissions made with this clock add up here) + the wall time since in which the engine ran
+    no step at all (reading input, committing, idle: the device was held for this caller). Two callers that share
+    the engine for T seconds are billed T in all, not 2T; a caller alone on the engine is billed its wall time.
+    Idle time is billed to every caller alive in it (an overestimate only while two callers are both off the
+    engine at once). Thread-safe to read from any thread. `loop` None: the caller holds an engine alone (it calls
+    LLMEngine.generate itself) and is billed its wall time.
+    """
+
+    def __init__(self, loop: EngineLoop | None) -> None:
+        self._loop = loop
+        self._t0 = time.monotonic()
+        self._steps0 = loop.step_seconds if loop is not None else 0.0
+        self.share_s = 0.0  # this caller's share of step time (seconds), added by the step thread
+
+    def device_s(self) -> float:
+        """Device-seconds billed to this caller so far (see the class docstring)."""
+        wall = time.monotonic() - self._t0
+        if self._loop is None:
+            return wall
+        idle = max(wall - (self._loop.step_seconds - self._steps0), 0.0)
+        return self.share_s + idle
+
+
+@dataclass(eq=False)
+class Submission:
+    """One submitter's batch in an EngineLoop: iterate it (in the submitter's thread) for (index, output) pairs as
+    requests finish; `results()` for every output in submission order.
+
+    Outputs: one per prompt; error outputs (prompts that cannot run) come first; an aborted request (its
+    `should_stop` said stop, or `abort()`) comes back with finish_reason "abort" and no output tokens. Iterating
+    raises the exception of a failed engine step (every request of the loop is then aborted) or of `should_stop`.
+    """
+
+    loop: EngineLoop
+    key: int
+    size: int
+    start: float
+    should_stop: Callable[[], bool] | None = None
+    clock: DeviceClock | None = None
+    outputs: list[RequestOutput | None] = field(default_factory=list)
+    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _error: BaseException | None = None
+    _done: bool = False
+    remaining: int = 0  # requests still in the engine (step thread only)
+
+    def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
+        while not self._done:
+            item = self._queue.get()
+            if item is _DONE:
+                self._done = True
+                break
+            if isinstance(item, BaseException):
+                self._error = item
+                continue
+            index, out = item
+            self.outputs[index] = out
+            yield index, out
+        if self._error is not None:
+            raise self._error
+
+    def abort(self) -> None:
+        """Stop this submission's unfinished requests (from any thread); they come back with finish_reason "abort".
+        The others' requests go on."""
+        self.loop._post(("abort", self))
+
+    def run(self, on_output: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
+        """Call `on_output(index, output)` in this thread as each request finishes (aborted ones excepted: they
+        never ran to an end); return every output in submission order. When `on_output` raises (a checkpoint
+        commit that failed), this submission's unfinished requests are aborted, the rest of its outputs awaited
+        (so its KV blocks are free), and the error raised; other submissions go on."""
+        try:
+            for index, out in self:
+                if out.finish_reason != "abort":
+                    on_output(index, out)
+        except BaseException:
+            if not self._done:
+                self.abort()
+                for _ in self:
+                    pass
+            raise
+        return [o for o in self.outputs if o is not None]
+
+    def results(self) -> list[RequestOutput]:
+        """Wait for every output; return them in submission order. Raises as iterating does."""
+        for _ in self:
+            pass
+        return [o for o in self.outputs if o is not None]
+
+
+class EngineLoop:
+    """A step thread that owns `engine` and serves submissions from any number of threads at once.
+
+    Start it with `start()` (or the first `submit`); `close()` ends the thread once the engine is empty. While a
+    loop runs, only it may step the engine (`LLMEngine.generate` refuses to run while the loop holds requests).
+    `LLMEngine.generate` users get the same batching with `loop.submit(...).results()`.
+
+    Args:
+        engine: the engine to own.
+        thread_init: called once on the step thread before its first step (e.g. torch.set_num_threads, which
+            OpenMP keeps per OS thread). None: the thread count of the thread that made the loop.
+    Attributes:
+        step_seconds: seconds of every step run so far (time.perf_counter()).
+    """
+
+    def __init__(self, engine: LLMEngine, thread_init: Callable[[], None] | None = None) -> None:
+        if thread_init is None:
+            import torch
+
+            threads = torch.get_num_threads()
+
+            def thread_init() -> None:
+                torch.set_num_threads(threads)
+
+        self.engine = engine
+        self._thread_init = thread_init
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []  # ("add", submission, [(request, index, caller's id)]) | ("abort", submission)
+        self._owner: dict[str, tuple[Submission, int, str]] = {}  # engine request id -> (submission, index, its id)
+        self._active: dict[int, Submission] = {}
+        self._keys = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._broken: BaseException | None = None
+        self.step_seconds = 0.0
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineLoop:
+        """The engine's resident loop, made (and started) at the first call: every caller of one engine shares it."""
+        loop = getattr(engine, "_engine_loop", None)
+        if loop is None or loop._closed:
+            loop = cls(engine)
+            engine._engine_loop = loop  # type: ignore[attr-defined]
+        return loop.start()
+
+    def start(self) -> EngineLoop:
+        """Start the step thread (idempotent). Raises RuntimeError after `close()`."""
+        with self._cv:
+            if self._broken is not None:
+                raise RuntimeError(f"this engine loop stopped on {type(self._broken).__name__}: {self._broken}; "
+                                   "make a new one") from self._broken
+            if self._closed:
+                raise RuntimeError("this engine loop is closed; make a new one")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tokenmill-engine-loop", daemon=True)
+                self._thread.start()
+        return self
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Let the step thread end once no request is left (aborting nothing); wait up to `timeout_s` seconds."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def clock(self) -> DeviceClock:
+        """A DeviceClock started now: pass it to `submit` to bill this caller's share of the steps to it."""
+        return DeviceClock(self)
+
+    def submit(self, prompts: Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
+               allow_special_tokens: bool = False, should_stop: Callable[[], bool] | None = None,
+               clock: DeviceClock | None = None) -> Submission:
+        """Queue prompts (arguments as LLMEngine.generate's) and return their Submission at once.
+
+        The prompts are tokenized here, in the caller's thread; prompts that cannot run are error outputs at
+        once. `should_stop` is polled by the step thread before every step; once it returns True this
+        submission's unfinished requests are aborted (the other submissions go on). `clock`: bill this submission's
+        share of the steps to it (DeviceClock). Ids need only be unique within the submission. Raises ValueError
+        as LLMEngine.make_requests does, RuntimeError when the loop is closed.
+        """
+        prepared = self.engine.make_requests(prompts, sampling_params, request_ids=request_ids,
+                                             use_chat_template=use_chat_template,
+                                             allow_special_tokens=allow_special_tokens)
+        sub = Submission(self, next(self._keys), len(prepared), time.perf_counter(), should_stop, clock,
+                         [None] * len(prepared))
+        requests: list[tuple[Request, int, str]] = []
+        for i, item in enumerate(prepared):
+            if isinstance(item, Request):
+                # Engine-wide ids: two submissions may both have a row "0".
+                requests.append((item, i, item.request_id))
+                item.request_id = f"{sub.key}:{i}"
+            else:
+                sub._queue.put((i, item))
+        if not requests:
+            sub._queue.put(_DONE)
+            return sub
+        self.start()
+        self._post(("add", sub, requests))
+        return sub
+
+    # ---- the step thread -----------------------------------------------------------------------------------
+
+    def _post(self, message: tuple) -> None:
+        with self._cv:
+            if self._broken is None:
+                self._inbox.append(message)
+                self._cv.notify_all()
+                return
+        message[1]._queue.put(self._broken)  # the loop is gone: answer at once rather than never
+        message[1]._queue.put(_DONE)
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop itself broke: no submitter may wait for it forever
+            log.error("engine loop stopped: %s: %s", type(e).__name__, e)
+            with self._cv:
+                self._closed, self._broken = True, e
+                inbox, self._inbox = self._inbox, []
+            self._fail_all(e, inbox)
+            raise
+
+    def _serve(self) -> None:
+        try:
+            self._thread_init()
+        except Exception as e:  # a thread setting is not worth the loop
+            log.warning("engine loop: thread_init failed: %s: %s", type(e).__name__, e)
+        scheduler = self.engine.scheduler
+        while True:
+            with self._cv:
+                while not self._inbox and not scheduler.has_unfinished and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._inbox and not scheduler.has_unfinished:
+                    return
+                inbox, self._inbox = self._inbox, []
+            try:
+                self._handle(inbox)
+                self._poll_stops()
+                if scheduler.has_unfinished:
+                    self._step()
+            except BaseException as e:  # a failed step: every submission in the engine gets the error
+                log.warning("engine loop: step failed (%s: %s); aborting every request in the engine",
+                            type(e).__name__, e)
+                self._fail_all(e, inbox)
+
+    def _handle(self, inbox: list[tuple]) -> None:
+        added: list[Request] = []
+        for message in inbox:
+            if message[0] == "add":
+                _, sub, requests = message
+                self._active[sub.key] = sub
+                sub.remaining = len(requests)
+                for req, index, caller_id in requests:
+                    self._owner[req.request_id] = (sub, index, caller_id)
+                    added.append(req)
+            elif message[1].key in self._active:  # abort
+                self._abort(message[1])
+        if added:
+            self.engine.scheduler.add_requests(added, key=lpt_key)
+            self.engine.step_stats.num_added += len(added)
+
+    def _poll_stops(self) -> None:
+        for sub in list(self._active.values()):
+            if sub.should_stop is None:
+                continue
+            try:
+                stop = sub.should_stop()
+            except Exception as e:  # this submitter's check failed: stop its rows, tell it why
+                sub._queue.put(e)
+                stop = True
+            if stop:
+                self._abort(sub)
+
+    def _abort(self, sub: Submission) -> None:
+        ids = {rid for rid, entry in self._owner.items() if entry[0] is sub}
+        for req in self.engine.scheduler.abort_requests(ids):
+            self._deliver(req, _aborted(req))
+
+    def _step(self) -> None:
+        t = time.perf_counter()
+        finished = self.engine.step()
+        dt = time.perf_counter() - t
+        self.step_seconds += dt
+        scheduled = self.engine.last_scheduled
+        total = sum(n for _, n in scheduled)
+        if total:
+            owner = self._owner
+            for req, n in scheduled:
+                entry = owner.get(req.request_id)
+                if entry is not None and entry[0].clock is not None:
+                    entry[0].clock.share_s += dt * n / total
+        for req in finished:
+            self._deliver(req, self.engine.output_of(req, self._owner[req.request_id][0].start))
+
+    def _deliver(self, req: Request, out: RequestOutput) -> None:
+        sub, index, caller_id = self._owner.pop(req.request_id)
+        out.request_id = caller_id
+        sub._queue.put((index, out))
+        sub.remaining -= 1
+        if sub.remaining == 0:
+            del self._active[sub.key]
+            sub._queue.put(_DONE)
+
+    def _fail_all(self, error: BaseException, inbox: list[tuple] = ()) -> None:
+        """Abort every request in the engine and end every submission with `error`, those of `inbox` (messages
+        taken but maybe not handled) included."""
+        for message in inbox:
+            if message[0] == "add" and message[1].key not in self._active:
+                message[1]._queue.put(error)
+                message[1]._queue.put(_DONE)
+                for req, _, _ in message[2]:
+                    self._owner.pop(req.request_id, None)
+        aborted = self.engine.scheduler.abort_all()
+        for sub in self._active.values():
+            sub._queue.put(error)
+        for req in aborted:
+            if req.request_id in self._owner:
+                self._deliver(req, _aborted(req))
+        for sub in list(self._active.values()):  # requests not yet in the scheduler
+            for rid in [rid for rid, entry in self._owner.items() if entry[0] is sub]:
+                del self._owner[rid]
+            del self._active[sub.key]
+            sub._queue.put(_DONE)
+
+
+def _aborted(req: Request) -> RequestOutput:
+    """The output of a request stopped before it finished: no output tokens, finish_reason "abort"."""
+    return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "abort", num_preemptions=req.num_preemptions)

@@ -1,0 +1,86 @@
+"""Row -> request mapping: a shard's rows as requests on the worker's resident engine loop (engine.engine_loop),
+each with the job's sampling and its own values put in, bad rows as error outputs, and the per-row checkpoint
+callback run in the shard's own thread as rows finish."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.engine_loop import DeviceClock, EngineLoop
+from engine.llm_engine import prompt_problem
+from pipeline.config import RunConfig
+from pipeline.row_options import row_sampling_params
+from pipeline.shard_rows import ShardRows
+
+# Called with (rows finished, output tokens of those rows) as rows finish.
+ProgressFn = Callable[[int, int], None]
+# Called with (row index, its output) as each row finishes.
+RowFn = Callable[[int, RequestOutput], None]
+
+
+def _row_seed(seed: int | None, row_key: str) -> int | None:
+    return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
+
+
+def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None,
+                  *, on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None,
+                  clock: DeviceClock | None = None) -> list[RequestOutput]:
+    """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
+    out-of-range per-row sampling values) become error outputs; the others run each with the job's sampling and its
+    own values put in (pipeline.row_options): submitted to `engine` when it is a resident engine loop
+    (engine.engine_loop: other shards' rows may share its batch), else as one `LLMEngine.generate` call on an
+    engine this caller holds alone.
+
+    `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes,
+    in the calling thread (never on the engine's step thread): the checkpoint hook. `should_stop` is polled by the
+    loop before every step: once it returns True, this shard's unfinished rows come back with finish_reason "abort"
+    (and are not passed to `on_row` or `progress`); other shards' rows go on. When `on_row` or `progress` raises (a
+    checkpoint commit that failed after its retries), this shard's rows are stopped the same way, so the engine is
+    left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
+    it (engine.engine_loop.DeviceClock).
+    """
+    outputs: dict[int, RequestOutput] = {}
+    runnable: list[int] = []
+    params: list[SamplingParams] = []
+    for k, prompt in enumerate(rows.prompts):
+        problem = (rows.errors[k] if rows.errors else None) or prompt_problem(prompt, token_ids=False)
+        if not problem:
+            try:
+                key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
+                params.append(row_sampling_params(cfg.sampling_params(_row_seed(cfg.seed, key)),
+                                                  rows.overrides[k] if rows.overrides else None))
+            except ValueError as e:
+                problem = f"this row's own sampling values: {e}"
+        if problem:
+            outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
+            if on_row:
+                on_row(k, outputs[k])
+        else:
+            runnable.append(k)
+    if progress and outputs:
+        progress(len(outputs), 0)
+
+    def on_output(k: int, out: RequestOutput) -> None:
+        out.request_id = rows.ids[k]
+        if on_row:
+            on_row(k, out)
+        if progress:
+            progress(1, out.num_output_tokens)
+
+    prompts, ids = [rows.prompts[k] for k in runnable], [str(k) for k in runnable]
+    if isinstance(engine, EngineLoop):
+        generated = engine.submit(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
+                                  allow_special_tokens=cfg.allow_special_tokens, should_stop=should_stop,
+                                  clock=clock).run(lambda j, out: on_output(runnable[j], out))
+    else:
+        # An exception in on_output (a failed checkpoint commit) stops the engine, which drops the rest of the batch.
+        generated = engine.generate(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
+                                    allow_special_tokens=cfg.allow_special_tokens,
+                                    on_output=lambda out: on_output(int(out.request_id), out),
+                                    should_stop=should_stop)
+    for k, out in zip(runnable, generated, strict=True):
+        out.request_id = rows.ids[k]
+        outputs[k] = out
+    return [outputs[k] for k in range(len(rows.prompts))]

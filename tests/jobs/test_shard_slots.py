@@ -1,0 +1,74 @@
+"""A worker runs several shards at once on its one resident engine (jobs.plugin.shard_slots): a SIGTERM with two
+shards in flight stops both through the same drain path, each commits its finished rows, and the job finishes with
+every id once. Real GSM8K rows, the tiny model, `run_job` on a LocalCluster of its own (one worker, two slots)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from gsm8k_rows import write_gsm8k
+
+from engine import EngineConfig
+from jobs.cluster import ClusterOptions
+from jobs.errors import JobError
+from jobs.plugin import MAX_SHARD_SLOTS, shard_slots
+from jobs.runner import run_job
+from pipeline.config import RunConfig
+from pipeline.layout import end_path, start_path
+
+ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
+WAIT_S = 600.0  # generous: a loaded CI box; the test never asserts on time
+
+
+def test_slots_keep_the_batch_full_while_a_shard_drains() -> None:
+    assert shard_slots(256, 1024) == 2 and shard_slots(256, 256) == 2
+    assert shard_slots(256, 64) == 8  # ceil(256 / 64) + 1 = 5, rounded up to a power of two
+    assert shard_slots(4096, 8) == MAX_SHARD_SLOTS
+    with pytest.raises(JobError, match="power of two"):
+        ClusterOptions(shard_slots=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        shard_slots(0, 64)
+
+
+def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_path: Path) -> None:
+    ids = write_gsm8k(data_dir, tmp_path / "in", 800, 24)
+    cfg = RunConfig(prompt_column="question", max_tokens=48, rows_per_shard=12, checkpoint_rows=1)
+    out = tmp_path / "out"
+    sent: list[tuple[set[int], list[str]]] = []
+
+    def terminate_when_both_committed() -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not sent:
+            committed = {m.parent.name for m in out.glob("checkpoints/*/a001-*.commit")}
+            running = [s for s in committed if not (out / "results" / f"{s}.parquet").exists()]
+            if len(running) == 2:
+                pids = {json.loads(Path(start_path(str(out), s, 1)).read_text())["pid"] for s in running}
+                sent.append((pids, running))
+                for pid in pids:
+                    os.kill(pid, signal.SIGTERM)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=terminate_when_both_committed, daemon=True)
+    watcher.start()
+    summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, workers=1, shard_slots=2)
+    watcher.join()
+    assert sent, "the two shards were never both in flight with a commit"
+    pids, stopped = sent[0]
+    assert len(pids) == 1  # one worker process: both shards shared its engine
+    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 2
+    rows = pq.read_table(out / "results").to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(ids)  # every id exactly once
+    for shard_id in stopped:  # both stopped through the drain path, each with its finished rows committed
+        end = json.loads(Path(end_path(str(out), shard_id, 1)).read_text())
+        assert end["outcome"] == "interrupted" and end["reason"] == "SIGTERM" and end["rows_committed"] >= 1
+    acct = {r["shard_id"]: r for r in pq.read_table(out / "accounting").to_pylist()}
+    for s in stopped:
+        assert acct[s]["attempts"] >= 2 and acct[s]["preemptions"] >= 1 and acct[s]["rows_resumed"] >= 1
