@@ -6,6 +6,7 @@ Imports only torch and its own small deps (gguf, transformers' tokenizer); knows
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
