@@ -70,8 +70,8 @@ class StructuredOutputManager:
         try:
             if spec.json_schema is not None:
                 return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
-            if spec.json_object:
-                return compiler.compile_builtin_json_grammar()
+            if spec.json_object:  # an object, as OpenAI's json_object (xgrammar's builtin JSON also takes arrays)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             # A choice is a string literal of the grammar; JSON escapes are EBNF string escapes.

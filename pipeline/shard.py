@@ -29,7 +29,7 @@ from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.llm_engine import prompt_problem
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
-from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
+from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
 from pipeline.layout import accounting_path, checkpoints_dir, results_path
@@ -209,7 +209,7 @@ def generate_rows(engine: LLMEngine, rows: ShardRows, cfg: RunConfig, progress: 
         if on_row:
             on_row(k, out)
         if progress:
-            progress(1, out.num_output_tokens)
+            progress(1, completion_tokens(out))
 
     generated = engine.generate(
         [rows.prompts[k] for k in runnable],
@@ -317,7 +317,7 @@ def _run_attempt(engine: LLMEngine, shard: Shard, prompt_column: str, fs: Abstra
             outputs = generate_rows(engine, rows.take(todo), cfg, progress,
                                     on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop)
         wall_s = time.perf_counter() - t_gen
-        generated_tokens = sum(o.num_output_tokens for o in outputs)
+        generated_tokens = sum(completion_tokens(o) for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)
         if aborted:
             owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped

@@ -59,10 +59,13 @@ def test_choices_and_regex_are_respected(engine: LLMEngine, alpaca_instructions:
 def test_a_bad_schema_is_an_error_row_and_the_others_finish(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
     bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
         json_schema='{"type": "object", "properties": {"a": {"type": "integr"}}}'))
-    outs = engine.generate(gsm8k_questions[:3], [_schema_params(8), bad, SamplingParams(max_tokens=4)])
+    obj = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json_object=True))
+    outs = engine.generate(gsm8k_questions[:4], [_schema_params(8), bad, SamplingParams(max_tokens=4), obj])
     assert outs[1].finish_reason == "error" and "integr" in outs[1].error and "json_schema" in outs[1].error
     assert outs[0].finish_reason in ("stop", "length") and outs[0].text.startswith("{")
     assert outs[2].num_output_tokens == 4
+    assert outs[3].text.startswith("{") and (outs[3].finish_reason == "length" or isinstance(json.loads(outs[3].text),
+                                                                                           dict))
     # Compiled once per distinct constraint: the bad one again is refused from the cache.
     compiled = engine.structured_outputs.num_compiled
     assert engine.generate(gsm8k_questions[:1], bad)[0].finish_reason == "error"
