@@ -4,8 +4,9 @@ cost, a 16-schema mix, 12-choice classification, and the greedy default path A/B
 Usage:
     python bench/structured.py                       # 64 GSM8K rows, max_tokens 128; 64 AlpacaEval rows; 1 round
     python bench/structured.py --rows 256 --max-tokens 256 --classify-rows 256    # the issue's full sizes
-    python bench/structured.py --ab-tree /work/main  # + the greedy default path: 64 AlpacaEval prompts, 32 tokens,
-                                                     #   this tree vs that one, alternating, in one run
+    python bench/structured.py --ab-tree ../base  # + the greedy default path: 64 AlpacaEval prompts, 32 tokens,
+                                                  #   this tree vs that one (e.g. `git archive` of the base commit),
+                                                  #   side by side, one thread each, tokens per CPU-second
 
 Extraction: GSM8K questions asked for {"answer": <integer>, "reasoning": <string>}; greedy; the share of rows that
 finish with "stop" whose text parses and validates against the schema (jsonschema), with the constraint and without
@@ -121,31 +122,40 @@ def classification(llm: LLMEngine, rows: int) -> None:
 
 
 _AB = """
-import sys, time, pyarrow.parquet as pq
+import sys, time, torch, pyarrow.parquet as pq
+torch.set_num_threads(1)
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loader import default_model_path
 ins = pq.read_table(sys.argv[1], columns=["instruction"]).column("instruction").to_pylist()[:64]
 llm = LLMEngine.from_model(default_model_path(), EngineConfig(device="cpu", dtype="float32"))
 llm.generate(ins[:4], SamplingParams(max_tokens=4))
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 outs = llm.generate(ins, SamplingParams(max_tokens=32, ignore_eos=True))
-print(sum(o.num_output_tokens for o in outs) / (time.perf_counter() - t))
+n = sum(o.num_output_tokens for o in outs)
+print(n / (time.process_time() - c), n / (time.perf_counter() - t))
 """
 
 
 def ab(tree: str, rounds: int) -> None:
-    """The greedy default path (64 AlpacaEval prompts, 32 tokens each): this tree vs `tree`, alternating, each run
-    in a fresh process (the same code as generate's callers run)."""
-    rates: dict[str, list[float]] = {"this tree": [], tree: []}
+    """The greedy default path (64 AlpacaEval prompts, 32 tokens each): this tree vs `tree`, each in a fresh
+    process with one torch thread, both at once (so they share the machine's load), `rounds` times; output tokens per
+    CPU-second of the process (what a loaded machine disturbs least) and per wall second."""
+    rates: dict[str, list[tuple[float, float]]] = {"this tree": [], tree: []}
     for _ in range(rounds):
-        for name, path in (("this tree", str(ROOT)), (tree, tree)):
-            out = subprocess.run([sys.executable, "-c", _AB, str(DATA / "alpaca_eval.parquet")], check=True,
-                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, cwd=path)
-            rates[name].append(float(out.stdout.strip().splitlines()[-1]))
-            print(f"   greedy A/B: {name}: {rates[name][-1]:.1f} tok/s", flush=True)
-    mine, base = max(rates["this tree"]), max(rates[tree])
-    print(f"greedy default path, best of {rounds}: this tree {mine:.1f} tok/s, {tree} {base:.1f} tok/s, "
-          f"ratio {mine / base:.3f}")
+        procs = {name: subprocess.Popen([sys.executable, "-c", _AB, str(DATA / "alpaca_eval.parquet")],
+                                        stdout=subprocess.PIPE, text=True, cwd=path,
+                                        env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
+                 for name, path in (("this tree", str(ROOT)), (tree, tree))}
+        for name, proc in procs.items():
+            out, _ = proc.communicate()
+            if proc.returncode:
+                raise RuntimeError(f"the A/B run of {name} failed (exit {proc.returncode})")
+            cpu, wall = map(float, out.strip().splitlines()[-1].split())
+            rates[name].append((cpu, wall))
+            print(f"   greedy A/B: {name}: {cpu:.1f} tok per CPU-s, {wall:.1f} tok/s wall", flush=True)
+    mine, base = max(r[0] for r in rates["this tree"]), max(r[0] for r in rates[tree])
+    print(f"greedy default path, best of {rounds}: this tree {mine:.1f}, {tree} {base:.1f} output tokens per "
+          f"CPU-second; ratio {mine / base:.3f}")
 
 
 def main() -> None:
@@ -154,7 +164,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--classify-rows", type=int, default=64)
     ap.add_argument("--ab-tree", default=None, help="another checkout to A/B the greedy default path against")
-    ap.add_argument("--ab-rounds", type=int, default=2)
+    ap.add_argument("--ab-rounds", type=int, default=1)
     ap.add_argument("--skip", nargs="*", default=(), choices=("extraction", "classification"))
     args = ap.parse_args()
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, "

@@ -379,9 +379,11 @@ class LLMEngine:
         soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
         returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
         finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
-        caller can commit what finished and leave the rest for a later attempt. An exception from a step or from
-        `on_output` aborts every unfinished request (blocks freed) and propagates. Raises ValueError when the
-        lengths of prompts, params and ids differ.
+        caller can commit what finished and leave the rest for a later attempt. A request with n > 1 runs as n
+        requests on the same prompt (_make_requests) and comes back, once all n finished, as one output with
+        `samples`; a structured output whose constraint does not compile is an error output like a bad prompt.
+        An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
+        Raises ValueError when the lengths of prompts, params and ids differ.
         """
         n = len(prompts)
         if sampling_params is None:

@@ -93,10 +93,15 @@ class LogitsProcessors:
     def add(self, request: Request) -> None:
         """Register a request whose params need logits processing (SamplingParams.needs_logits_processing; others
         are ignored). Compiles its constraint (cached per distinct constraint). Raises ValueError when the constraint
-        does not compile or the engine has no tokenizer to compile it against."""
+        does not compile, the engine has no tokenizer to compile it against, or a logit_bias id is outside the
+        vocabulary."""
         sp = request.sampling_params
         if not sp.needs_logits_processing:
             return
+        outside = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                             "use this model's token ids")
         matcher = None
         if sp.structured_outputs is not None:
             if self.structured is None:
@@ -153,10 +158,9 @@ class LogitsProcessors:
         mask_t: list[int] = []
         for i, st in zip(rows, states, strict=True):
             for tid, b in st.params.logit_bias:
-                if tid < self.vocab_size:
-                    bias_r.append(i)
-                    bias_t.append(tid)
-                    bias_v.append(b)
+                bias_r.append(i)
+                bias_t.append(tid)
+                bias_v.append(b)
             if requests[i].num_output_tokens < st.params.min_tokens:
                 ids = [t for t in st.stop_ids if t < self.vocab_size]
                 mask_r.extend([i] * len(ids))

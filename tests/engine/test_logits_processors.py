@@ -68,6 +68,8 @@ def test_min_tokens_lifts_once_enough_tokens_are_out_and_nothing_is_active_after
     assert out[0, EOS] == 0.0
     procs.pop("r")
     assert not procs.active
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[64\] are outside the vocabulary \[0, 64\)"):
+        procs.add(_request("x", SamplingParams(logit_bias={64: 1.0}), [1], []))
 
 
 def test_out_of_range_values_name_the_field_and_the_range() -> None:
