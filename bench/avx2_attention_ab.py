@@ -1,17 +1,51 @@
-import sys, time, pyarrow.parquet as pq, torch
-import engine.attention as A
-from engine import EngineConfig, LLMEngine, SamplingParams
-torch.set_num_threads(1)
-qs = pq.read_table("/work/shared/data/gsm8k_test.parquet").column("question").to_pylist()
-al = pq.read_table("/work/shared/data/alpaca_eval.parquet").column("instruction").to_pylist()
-e = LLMEngine.from_model(None, EngineConfig(device="cpu"))
-e.generate(qs[:4], SamplingParams(max_tokens=4)); e.reset_prefix_cache()
-pairs = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [A.CPU_KERNEL_MAX_PREFILL_PAIRS]
-for name, ps in (("alpaca64", al[:64]), ("gsm64", qs[:64])):
-    for p in pairs:
-        A.CPU_KERNEL_MAX_PREFILL_PAIRS = p
-        best = 0
-        for _ in range(2):
-            t = time.process_time(); outs = e.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True)); dt = time.process_time() - t
-            e.reset_prefix_cache(); best = max(best, 64 * 32 / dt)
-        print(sys.argv[1], name, f"pairs={p}", f"{best:.1f} out tok/cpu-s", flush=True)
+"""The whole-engine A/B behind bench/README.md "AVX2-only CPUs": 64 prompts x 32 forced output tokens, greedy, the
+default engine (fp32 on AVX2), one thread, output tokens per CPU second (robust to other processes on the machine).
+
+Usage (run once in each tree to compare; the extra argument sets engine.attention.CPU_KERNEL_MAX_PREFILL_PAIRS,
+i.e. which prefill chunks go to the C++ kernel rather than SDPA, for each pass):
+    python bench/avx2_attention_ab.py LABEL [PAIRS,PAIRS...]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine.attention as attention  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    gsm8k = pq.read_table(DATA / "gsm8k_test.parquet").column("question").to_pylist()
+    alpaca = pq.read_table(DATA / "alpaca_eval.parquet").column("instruction").to_pylist()
+    engine = LLMEngine.from_model(None, EngineConfig(device="cpu"))
+    engine.generate(gsm8k[:4], SamplingParams(max_tokens=4))  # warm-up: kernels built and loaded
+    engine.reset_prefix_cache()
+    label = sys.argv[1] if len(sys.argv) > 1 else "run"
+    settings = ([int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2
+                else [attention.CPU_KERNEL_MAX_PREFILL_PAIRS])
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for name, prompts in (("alpaca64", alpaca[:64]), ("gsm64", gsm8k[:64])):
+        for pairs in settings:
+            attention.CPU_KERNEL_MAX_PREFILL_PAIRS = pairs
+            best = 0.0
+            for _ in range(2):
+                t = time.process_time()
+                outs = engine.generate(prompts, params)
+                cpu_s = time.process_time() - t
+                engine.reset_prefix_cache()
+                best = max(best, sum(o.num_output_tokens for o in outs) / cpu_s)
+            print(label, name, f"pairs={pairs}", f"{best:.1f} output tok per CPU second", flush=True)
+
+
+if __name__ == "__main__":
+    main()

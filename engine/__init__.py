@@ -15,13 +15,14 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
     from engine.llm_engine import LLMEngine, Prompt
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {"EngineConfig": "engine.config", "ModelConfig": "engine.config", "LLMEngine": "engine.llm_engine",
             "Prompt": "engine.llm_engine", "RequestOutput": "engine.outputs",
-            "SamplingParams": "engine.sampling_params"}
+            "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params"}
 
-__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from engine.llm_engine import LLMEngine, Prompt, lpt_key
+from engine.llm_engine import CHILD_SEP, LLMEngine, Prompt, lpt_key
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -82,6 +82,8 @@ class Submission:
     _error: BaseException | None = None
     _done: bool = False
     remaining: int = 0  # requests still in the engine (step thread only)
+    # n > 1: each prompt's finished samples until all n are in (step thread only)
+    samples: dict[int, list[RequestOutput | None]] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
         while not self._done:
@@ -155,7 +157,8 @@ class EngineLoop:
         self._thread_init = thread_init
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []  # ("add", submission, [(request, index, caller's id)]) | ("abort", submission)
-        self._owner: dict[str, tuple[Submission, int, str]] = {}  # engine request id -> (submission, index, its id)
+        # engine request id -> (submission, prompt index, the caller's id, samples of that prompt)
+        self._owner: dict[str, tuple[Submission, int, str, int]] = {}
         self._active: dict[int, Submission] = {}
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
@@ -210,19 +213,24 @@ class EngineLoop:
         share of the steps to it (DeviceClock). Ids need only be unique within the submission. Raises ValueError
         as LLMEngine.make_requests does, RuntimeError when the loop is closed.
         """
-        prepared = self.engine.make_requests(prompts, sampling_params, request_ids=request_ids,
+        ids = [str(i) for i in range(len(prompts))] if request_ids is None else [str(r) for r in request_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request_ids must be unique")
+        key = next(self._keys)
+        # Engine-wide ids from the start (two submissions may both have a row "0"): the engine keys each request's
+        # logits-processor state (constraints, penalties, logprobs) by its id.
+        prepared = self.engine.make_requests(prompts, sampling_params, request_ids=[f"{key}:{i}" for i in
+                                                                                    range(len(ids))],
                                              use_chat_template=use_chat_template,
                                              allow_special_tokens=allow_special_tokens)
-        sub = Submission(self, next(self._keys), len(prepared), time.perf_counter(), should_stop, clock,
-                         [None] * len(prepared))
-        requests: list[tuple[Request, int, str]] = []
+        sub = Submission(self, key, len(prepared), time.perf_counter(), should_stop, clock, [None] * len(prepared))
+        requests: list[tuple[Request, int, str, int]] = []
         for i, item in enumerate(prepared):
-            if isinstance(item, Request):
-                # Engine-wide ids: two submissions may both have a row "0".
-                requests.append((item, i, item.request_id))
-                item.request_id = f"{sub.key}:{i}"
-            else:
+            if isinstance(item, RequestOutput):
+                item.request_id = ids[i]
                 sub._queue.put((i, item))
+            else:
+                requests.extend((req, i, ids[i], len(item)) for req in item)
         if not requests:
             sub._queue.put(_DONE)
             return sub
@@ -282,8 +290,8 @@ class EngineLoop:
                 _, sub, requests = message
                 self._active[sub.key] = sub
                 sub.remaining = len(requests)
-                for req, index, caller_id in requests:
-                    self._owner[req.request_id] = (sub, index, caller_id)
+                for req, index, caller_id, num_samples in requests:
+                    self._owner[req.request_id] = (sub, index, caller_id, num_samples)
                     added.append(req)
             elif message[1].key in self._active:  # abort
                 self._abort(message[1])
@@ -325,10 +333,23 @@ class EngineLoop:
             self._deliver(req, self.engine.output_of(req, self._owner[req.request_id][0].start))
 
     def _deliver(self, req: Request, out: RequestOutput) -> None:
-        sub, index, caller_id = self._owner.pop(req.request_id)
-        out.request_id = caller_id
-        sub._queue.put((index, out))
+        sub, index, caller_id, num_samples = self._owner.pop(req.request_id)
+        self.engine.logits_processors.pop(req.request_id)  # finished: popped already; aborted: dropped here
         sub.remaining -= 1
+        if num_samples > 1:  # one of a prompt's n samples: its output once all n are in (LLMEngine.generate's)
+            group = sub.samples.setdefault(index, [None] * num_samples)
+            group[int(req.request_id.rsplit(CHILD_SEP, 1)[1])] = out
+            if all(s is not None for s in group):
+                del sub.samples[index]
+                if any(s.finish_reason == "abort" for s in group):
+                    out = RequestOutput(caller_id, req.prompt_token_ids, [], "", "abort",
+                                        num_preemptions=sum(s.num_preemptions for s in group))
+                else:
+                    out = self.engine.join_samples(caller_id, group)
+                sub._queue.put((index, out))
+        else:
+            out.request_id = caller_id
+            sub._queue.put((index, out))
         if sub.remaining == 0:
             del self._active[sub.key]
             sub._queue.put(_DONE)
@@ -340,8 +361,9 @@ class EngineLoop:
             if message[0] == "add" and message[1].key not in self._active:
                 message[1]._queue.put(error)
                 message[1]._queue.put(_DONE)
-                for req, _, _ in message[2]:
+                for req, _, _, _ in message[2]:
                     self._owner.pop(req.request_id, None)
+                    self.engine.logits_processors.pop(req.request_id)
         aborted = self.engine.scheduler.abort_all()
         for sub in self._active.values():
             sub._queue.put(error)
@@ -351,6 +373,7 @@ class EngineLoop:
         for sub in list(self._active.values()):  # requests not yet in the scheduler
             for rid in [rid for rid, entry in self._owner.items() if entry[0] is sub]:
                 del self._owner[rid]
+                self.engine.logits_processors.pop(rid)
             del self._active[sub.key]
             sub._queue.put(_DONE)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -16,14 +17,16 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.logits_processors import LogitsProcessors, RowState
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner, kv_block_bytes, select_attention
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from engine.packed_linear import pack_linears
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_stats import StepStats
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
 # A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
+CHILD_SEP = "\x1f"
 
 
 def prompt_problem(prompt: object, *, token_ids: bool = True) -> str | None:
@@ -159,6 +165,12 @@ class LLMEngine:
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))
+        self.structured_outputs = (StructuredOutputManager(tokenizer.hf_tokenizer, model_config.vocab_size, stop_ids)
+                                   if tokenizer is not None else None)
+        self.logits_processors = LogitsProcessors(self.structured_outputs, model_config.vocab_size, stop_ids)
+        self.runner.logits_processors = self.logits_processors
+        self._token_text: dict[int, str] = {}
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
         # The plan of the last step: (request, tokens fed) pairs, for callers that attribute a step's time.
@@ -268,23 +280,45 @@ class LLMEngine:
         raise ValueError("a prompt must be non-empty text, a list of {role, content} messages, or a list of token "
                          f"ids; got {type(prompt).__name__} {str(prompt)[:80]!r}")
 
-    def _make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                      use_chat_template: bool, allow_special_tokens: bool) -> Request:
+    def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       use_chat_template: bool, allow_special_tokens: bool) -> list[Request]:
+        """The request of one prompt, or its n samples (params.n > 1): requests `<id>` + CHILD_SEP + j with n=1 and,
+        when seeded, seed + j (vLLM's rule for parallel sampling). Their prompts are the same token ids, so the
+        prefix cache computes the prompt's full blocks once (siblings queued behind the first one's prefill take
+        them from the cache). Raises ValueError for a prompt that cannot run or a constraint that does not
+        compile."""
         token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                              f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        return Request(request_id, token_ids, params, detokenizer)
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(f"{request_id}{CHILD_SEP}{j}", dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + j) % (1 << 63)))
+                for j in range(params.n)]
+        requests = []
+        try:
+            for rid, sp in children:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop) if self.tokenizer is not None else None
+                req = Request(rid, token_ids, sp, detokenizer)
+                self.logits_processors.add(req)
+                requests.append(req)
+        except ValueError:
+            for req in requests:
+                self.logits_processors.pop(req.request_id)
+            raise
+        return requests
 
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
-                      allow_special_tokens: bool = False) -> list[Request | RequestOutput]:
-        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, a Request ready
-        to queue, or an error RequestOutput (finish_reason "error") for a prompt that cannot run. Pure host work
-        that touches no engine state, so any thread may call it. Raises ValueError when the lengths of prompts,
-        params and ids differ, or ids repeat."""
+                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]:
+        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its requests
+        ready to queue (one, or its n samples: _make_requests), or an error RequestOutput (finish_reason "error") for
+        a prompt that cannot run. Host work: it touches no scheduler or cache state, so any thread may call it (it
+        registers each request's logits-processor state, keyed by request id). Raises ValueError when the lengths
+        of prompts, params and ids differ, or ids repeat."""
         n = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -295,10 +329,10 @@ class LLMEngine:
                              "give one per prompt (or a single SamplingParams for all)")
         if len(set(ids)) != n:
             raise ValueError("request_ids must be unique")
-        prepared: list[Request | RequestOutput] = []
+        prepared: list[list[Request] | RequestOutput] = []
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             try:
-                prepared.append(self._make_request(rid, prompt, sp, use_chat_template, allow_special_tokens))
+                prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens))
             except ValueError as e:
                 prepared.append(RequestOutput(rid, [], [], "", "error", error=str(e)))
         return prepared
@@ -328,11 +362,41 @@ class LLMEngine:
 
     def _output(self, req: Request, start: float) -> RequestOutput:
         text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
+        state = self.logits_processors.pop(req.request_id) if self.logits_processors.active else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,
             ttft_s=None if req.first_token_time is None else req.first_token_time - start,
-            latency_s=None if req.finish_time is None else req.finish_time - start)
+            latency_s=None if req.finish_time is None else req.finish_time - start,
+            logprobs=self._logprobs(state), valid=None if state is None else state.valid)
+
+    def _logprobs(self, state: RowState | None) -> list[TokenLogprob] | None:
+        """A request's raw logprobs with each token's text (decoded alone, cached per token id)."""
+        if state is None or state.logprobs is None:
+            return None
+
+        def text(t: int) -> str:
+            found = self._token_text.get(t)
+            if found is None:
+                found = self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
+                self._token_text[t] = found
+            return found
+
+        return [TokenLogprob(r.token_id, text(r.token_id), r.logprob, [TopLogprob(t, text(t), lp) for t, lp in r.top])
+                for r in state.logprobs]
+
+    @staticmethod
+    def join_samples(parent_id: str, samples: list[RequestOutput]) -> RequestOutput:
+        """The output of a request with n > 1: sample 0's fields at the top, every sample in `samples` (each under
+        the parent's id), preemptions summed, the first token's time the earliest and the latency the latest."""
+        for s in samples:
+            s.request_id = parent_id
+        first = samples[0]
+        ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
+        latencies = [s.latency_s for s in samples if s.latency_s is not None]
+        return dataclasses.replace(first, num_preemptions=sum(s.num_preemptions for s in samples),
+                                   ttft_s=min(ttfts, default=None), latency_s=max(latencies, default=None),
+                                   samples=samples)
 
     def generate(
         self,
@@ -357,9 +421,11 @@ class LLMEngine:
         soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
         returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
         finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
-        caller can commit what finished and leave the rest for a later attempt. An exception from a step or from
-        `on_output` aborts every unfinished request (blocks freed) and propagates. Raises ValueError when the
-        lengths of prompts, params and ids differ.
+        caller can commit what finished and leave the rest for a later attempt. A request with n > 1 runs as n
+        requests on the same prompt (_make_requests) and comes back, once all n finished, as one output with
+        `samples`; a structured output whose constraint does not compile is an error output like a bad prompt.
+        An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
+        Raises ValueError when the lengths of prompts, params and ids differ.
         """
         if self.scheduler.has_unfinished:
             raise RuntimeError("generate called while this engine runs other requests (an engine.engine_loop."
@@ -371,14 +437,21 @@ class LLMEngine:
         outputs: list[RequestOutput | None] = [None] * n
         index_of: dict[str, int] = {}
         requests: list[Request] = []
+        # n > 1: the finished samples of each prompt (by index) until all n are in
+        samples: dict[int, list[RequestOutput | None]] = {}
         for i, item in enumerate(prepared):
-            if isinstance(item, Request):
-                requests.append(item)
-                index_of[item.request_id] = i
-            else:
+            if isinstance(item, RequestOutput):
                 outputs[i] = item
                 if on_output:
                     on_output(item)
+                continue
+            requests.extend(item)
+            for req in item:
+                index_of[req.request_id] = i
+            if len(item) > 1:
+                samples[i] = [None] * len(item)
+        ids = [o.request_id if isinstance(o, RequestOutput) else
+               o[0].request_id if len(o) == 1 else o[0].request_id.rsplit(CHILD_SEP, 1)[0] for o in prepared]
         requests.sort(key=lpt_key)
         self.scheduler.add_requests(requests)
         self.step_stats.num_added += len(requests)
@@ -386,18 +459,27 @@ class LLMEngine:
             while self.scheduler.has_unfinished:
                 if should_stop is not None and should_stop():
                     for req in self.scheduler.abort_all():
-                        outputs[index_of[req.request_id]] = RequestOutput(
-                            req.request_id, req.prompt_token_ids, [], "", "abort",
-                            num_preemptions=req.num_preemptions)
+                        i = index_of[req.request_id]
+                        outputs[i] = RequestOutput(ids[i], req.prompt_token_ids, [], "", "abort",
+                                                   num_preemptions=req.num_preemptions)
+                    self.logits_processors.clear()
                     break
                 for req in self.step():
+                    i = index_of[req.request_id]
                     out = self._output(req, start)
-                    outputs[index_of[req.request_id]] = out
+                    if i in samples:  # one of n samples: the prompt's output once all n are in
+                        group = samples[i]
+                        group[int(req.request_id.rsplit(CHILD_SEP, 1)[1])] = out
+                        if any(s is None for s in group):
+                            continue
+                        out = self.join_samples(ids[i], [s for s in group if s is not None])
+                    outputs[i] = out
                     if on_output:
                         on_output(out)
         except BaseException:
             # A failed step or callback: leave the engine as it was before the call (no request left queued, every
             # block freed), so the next generate on this long-lived engine starts clean.
             self.scheduler.abort_all()
+            self.logits_processors.clear()
             raise
         return [o for o in outputs if o is not None]

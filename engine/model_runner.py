@@ -7,6 +7,7 @@ import torch
 from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
 from engine.request import Request
 from engine.sampler import sample
@@ -78,6 +79,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.graphs: DecodeGraphs | None = None
+        # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
+        # engine); a step with none of them registered skips it after one test.
+        self.logits_processors: LogitsProcessors | None = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, max_num_seqs,
                                        -(-max_model_len // block_size), max_model_len)
@@ -149,6 +153,11 @@ class ModelRunner:
             return []
         rows = torch.tensor(logits_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows), full_precision=False)
+        procs, pending = self.logits_processors, None
+        if procs is not None and procs.active:
+            logits, pending = procs.apply(logits, sampling)
         tokens = sample(logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling],
                         self.generator)
+        if pending is not None:
+            procs.record(pending, tokens)
         return list(zip(sampling, tokens, strict=True))

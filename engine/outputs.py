@@ -3,9 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "error", "abort"]
+
+
+class TopLogprob(NamedTuple):
+    """One of the most likely tokens at a position: its id, its text (the token decoded alone, special tokens
+    spelt out) and its log probability (natural log, from the model's raw logits)."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(NamedTuple):
+    """One output token's log probability (natural log, from the model's raw logits: before temperature, penalties,
+    logit_bias and grammar masks, as vLLM v1's raw_logprobs) and the `logprobs` most likely tokens there, most likely
+    first (OpenAI's top_logprobs)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
 
 
 @dataclass
@@ -25,6 +45,12 @@ class RequestOutput:
         num_preemptions: how often the request lost its KV blocks and was recomputed.
         ttft_s: seconds from the start of `generate` to the first output token (time to first token).
         latency_s: seconds from the start of `generate` to the last output token.
+        logprobs: one TokenLogprob per output token when SamplingParams.logprobs was set, else None.
+        valid: for a structured output (SamplingParams.structured_outputs): True when the output completed the
+            grammar (it parses and matches the constraint), False when it stopped before (max_tokens: finish_reason
+            "length"); None for unconstrained requests.
+        samples: for n > 1, the n samples in order (each a RequestOutput with its own text, tokens, finish_reason,
+            logprobs and valid; the top-level fields are sample 0's); None when n == 1.
     """
 
     request_id: str
@@ -36,6 +62,9 @@ class RequestOutput:
     num_preemptions: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None
+    valid: bool | None = None
+    samples: list[RequestOutput] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

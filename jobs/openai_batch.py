@@ -4,15 +4,21 @@ In: `tokenmill run requests.jsonl OUTPUT` takes the OpenAI batch input format (o
 `custom_id`, `method` POST, `url` /v1/chat/completions or /v1/completions, `body` with `messages` or `prompt` and
 sampling fields). The lines are converted once into a Parquet file under OUTPUT/_input/ (create-only, with the
 JSONL's size and version in its metadata) that the job then runs like any Parquet input: the same manifest,
-exactly-once commits, resume and accounting. `custom_id` becomes the row id; the body's max_tokens
-(max_completion_tokens), temperature, top_p, top_k, seed and stop become per-row sampling columns
-(pipeline.row_options), so a row's own values win over the job's; a line that cannot be mapped (not JSON, another
-endpoint, `n` > 1, a field we do not support) becomes an error row whose `request_error` names the problem.
+exactly-once commits, resume and accounting. `custom_id` becomes the row id; the body's sampling fields become
+per-row sampling columns (pipeline.row_options), so a row's own values win over the job's: max_tokens
+(max_completion_tokens), temperature, top_p, top_k, seed, stop, n, presence_penalty, frequency_penalty, logit_bias,
+vLLM's repetition_penalty and min_tokens, `logprobs` (chat: true, with `top_logprobs` 0-20; completions: the
+number of top logprobs) and `response_format` ({"type": "json_schema", "json_schema": {"schema": ...}} or
+{"type": "json_object"}; vLLM's guided_json, guided_regex and guided_choice too). Ranges are checked when the row runs,
+by the same rules as the job's options (schemas.sampling). A line that cannot be mapped (not JSON, another endpoint,
+a field we do not support such as tools or streaming) becomes an error row whose `request_error` names the problem.
 
 Out: `tokenmill export OUTPUT --format openai-batch` writes the OpenAI batch output format, one line per row in
 input order: `id`, `custom_id`, `response` {`status_code` 200, `request_id`, `body`: a chat.completion or
 text_completion object with `choices` and `usage`} and `error` null; an error row has `response` null and `error`
-{`code`, `message`}.
+{`code`, `message`}. With n > 1 the body has n `choices`; with logprobs each choice has them in OpenAI's shape
+(chat: `logprobs.content` [{token, logprob, bytes, top_logprobs}]; completions: `logprobs` {tokens, token_logprobs,
+top_logprobs, text_offset}).
 
 NOTE: the lines are parsed one by one with json.loads rather than by pyarrow's or polars' JSON readers: those fail
 the whole file on one malformed line, and a malformed line must become an error row.
@@ -38,19 +44,25 @@ from pipeline.manifest import InputManifest, read_manifest
 from pipeline.row_options import ROW_ERROR_COLUMN
 from pipeline.storage import commit_table, exists_now, output_fs, read_fs, read_table
 from schemas.job_spec import Columns, JobSpec
+from schemas.sampling import SAMPLING_RANGES
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 # Body fields we accept when they ask for nothing we do not do: field -> the values that are fine.
-_NEUTRAL = {"n": (1, None), "stream": (False, None), "logprobs": (False, None), "echo": (False, None),
-            "frequency_penalty": (0, None), "presence_penalty": (0, None)}
+_NEUTRAL = {"stream": (False, None), "echo": (False, None), "parallel_tool_calls": (False, None),
+            "tool_choice": ("none", None)}
 _IGNORED = ("model", "user", "metadata", "store")  # the job's model runs every row; the rest is bookkeeping
-_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# Body fields with the sampling field's own name and range (schemas.sampling), but logprobs (see _sampling).
+_NUMERIC = tuple(name for name in SAMPLING_RANGES if name != "logprobs")
+_OTHER = ("max_completion_tokens", "stop", "logprobs", "top_logprobs", "logit_bias", "response_format",
+          "guided_json", "guided_regex", "guided_choice")
 
 _MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-_COLUMNS = {"id": pa.string(), "messages": pa.list_(_MESSAGE), "prompt": pa.string(), "max_tokens": pa.int64(),
-            "temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(), "seed": pa.int64(),
-            "stop": pa.list_(pa.string()), ROW_ERROR_COLUMN: pa.string()}
+_COLUMNS = {"id": pa.string(), "messages": pa.list_(_MESSAGE), "prompt": pa.string(),
+            **{name: pa.int64() if SAMPLING_RANGES[name].integer else pa.float64() for name in SAMPLING_RANGES},
+            "stop": pa.list_(pa.string()), "logit_bias": pa.string(), "json_schema": pa.string(),
+            "json_object": pa.bool_(), "regex": pa.string(), "choices": pa.list_(pa.string()),
+            ROW_ERROR_COLUMN: pa.string()}
 
 
 def is_openai_batch(url: str) -> bool:
@@ -101,19 +113,73 @@ def _prompt(body: dict[str, Any]) -> str:
     return prompt
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """The body's sampling fields under pipeline.row_options' names; types checked (ranges: at run time)."""
-    max_tokens = _check_number(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _check_number(body, "max_tokens", int)
+def _sampling(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The body's sampling fields under pipeline.row_options' names; types checked (ranges: at run time, by
+    engine.SamplingParams, the same rules as the job's options)."""
+    values = {name: _check_number(body, name, int if SAMPLING_RANGES[name].integer else (int, float))
+              for name in _NUMERIC}
+    max_completion = _check_number(body, "max_completion_tokens", int)
+    if max_completion is not None:
+        values["max_tokens"] = max_completion
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise _BadRequest(f"body.stop must be a non-empty string or a list of them, got {stop!r}")
-    return {"max_tokens": max_tokens, "temperature": _check_number(body, "temperature", (int, float)),
-            "top_p": _check_number(body, "top_p", (int, float)), "top_k": _check_number(body, "top_k", int),
-            "seed": _check_number(body, "seed", int), "stop": stop}
+    values["stop"] = stop
+    values["logprobs"] = _logprobs(body, chat)
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise _BadRequest(f"body.logit_bias must be an object {{\"token id\": bias}}, got {bias!r}")
+    values["logit_bias"] = None if bias is None else json.dumps(bias)
+    return {**values, **_response_format(body)}
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The number of top logprobs asked for (None: no logprobs): chat's `logprobs` true with `top_logprobs` (0 when
+    absent), completions' `logprobs` integer."""
+    logprobs, top = body.get("logprobs"), _check_number(body, "top_logprobs", int)
+    if chat:
+        if logprobs not in (None, True, False):
+            raise _BadRequest(f"body.logprobs must be true or false for {CHAT_URL}, got {logprobs!r}")
+        if top is not None and not logprobs:
+            raise _BadRequest("body.top_logprobs needs body.logprobs true")
+        return (top or 0) if logprobs else None
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise _BadRequest(f"body.logprobs must be an integer (top logprobs) for {COMPLETIONS_URL}, got {logprobs!r}")
+    return logprobs
+
+
+def _response_format(body: dict[str, Any]) -> dict[str, Any]:
+    """The structured output columns of OpenAI's response_format (json_schema, json_object; text = none) and of
+    vLLM's guided_json / guided_regex / guided_choice."""
+    out: dict[str, Any] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise _BadRequest("body.response_format.json_schema.schema must be a JSON Schema object")
+            out["json_schema"] = json.dumps(schema)
+        elif kind == "json_object":
+            out["json_object"] = True
+        elif kind != "text":
+            raise _BadRequest(f"body.response_format {fmt!r} is not supported; use type json_schema, json_object or "
+                              "text")
+    guided = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choices"}
+    for field, column in guided.items():
+        value = body.get(field)
+        if value is None:
+            continue
+        if field == "guided_json":
+            value = json.dumps(value) if isinstance(value, dict) else value
+        if (field == "guided_choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value))) \
+                or (field != "guided_choice" and not isinstance(value, str)):
+            raise _BadRequest(f"body.{field} has the wrong type: {value!r}")
+        out[column] = value
+    return out
 
 
 def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
@@ -130,13 +196,12 @@ def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
         raise _BadRequest(f"method {doc.get('method')!r} is not supported; batch requests are POST")
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object with the request")
-    unsupported = sorted(k for k in body if k not in (*_SAMPLING, *_IGNORED, *_NEUTRAL, "messages", "prompt")
+    unsupported = sorted(k for k in body if k not in (*_NUMERIC, *_OTHER, *_IGNORED, *_NEUTRAL, "messages", "prompt")
                          or (k in _NEUTRAL and body[k] not in _NEUTRAL[k]))
     if unsupported:
-        raise _BadRequest(f"body fields {unsupported} are not supported (tokenmill generates one plain completion per "
-                          f"request: n must be 1; no streaming, logprobs, penalties or tools); remove them")
+        raise _BadRequest(f"body fields {unsupported} are not supported (no streaming, echo or tools); remove them")
     prompt = {"messages": _messages(body)} if url == CHAT_URL else {"prompt": _prompt(body)}
-    return url, {**prompt, **_sampling(body)}
+    return url, {**prompt, **_sampling(body, url == CHAT_URL)}
 
 
 def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
@@ -313,15 +378,38 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
             if row["error"] is not None:
                 yield {**line, "response": None, "error": {"code": "invalid_request", "message": row["error"]}}
                 continue
-            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": row["completion"]}}
-                                      if chat else {"index": 0, "text": row["completion"]})
+            samples = row.get("samples") or [row]  # results written before n, logprobs existed have neither
             body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
                     "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": row["model"],
-                    "choices": [{**choice, "logprobs": None, "finish_reason": row["finish_reason"]}],
+                    "model": row["model"], "choices": [_choice(i, s, chat) for i, s in enumerate(samples)],
                     "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
                               "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
             yield {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def _choice(index: int, sample: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """One `choices[]` entry of a response body from a result row or one of its samples, logprobs in OpenAI's
+    shape for the endpoint (None when not asked for)."""
+    text, logprobs = sample["completion"], sample.get("logprobs")
+    if logprobs is None:
+        shaped = None
+    elif chat:
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        shaped = {"content": [{**entry(e["token"], e["logprob"]),
+                               "top_logprobs": [entry(t["token"], t["logprob"]) for t in e["top_logprobs"]]}
+                              for e in logprobs], "refusal": None}
+    else:
+        offsets, at = [], 0
+        for e in logprobs:
+            offsets.append(at)
+            at += len(e["token"])
+        shaped = {"tokens": [e["token"] for e in logprobs], "token_logprobs": [e["logprob"] for e in logprobs],
+                  "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in logprobs],
+                  "text_offset": offsets}
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": index, **content, "logprobs": shaped, "finish_reason": sample["finish_reason"]}
 
 
 def export_openai_batch(output_url: str, dest: IO[str]) -> ExportCounts:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import fsspec
+
 from engine import EngineConfig
 from jobs.errors import JobError
 from jobs.metrics import JobMetrics
@@ -19,14 +21,29 @@ if TYPE_CHECKING:
     from pipeline.shard import ProgressFn
 
 
+def json_schema_text(value: str | None) -> str | None:
+    """The spec's json_schema as JSON text: itself when it is JSON text (it starts with `{`), else the content of
+    the file or fsspec URL it names. Raises JobError (exit 2) when the file cannot be read."""
+    if value is None or value.lstrip().startswith("{"):
+        return value
+    try:
+        with fsspec.open(value, "rt", encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise JobError(f"cannot read the JSON Schema file {value!r} of --json-schema: {e}; give a readable file "
+                       "or the schema as JSON text") from e
+
+
 def run_config(spec: JobSpec) -> RunConfig:
-    """The pipeline's RunConfig of a spec (its columns, sampling and sharding sections and the price). Raises
-    JobError (exit 2) for a value out of range."""
+    """The pipeline's RunConfig of a spec (its columns, sampling and sharding sections and the price; a json_schema
+    file read, json_schema_text). Raises JobError (exit 2) for a value out of range."""
     c = spec.columns
+    sampling = spec.sampling.model_dump()
+    sampling["json_schema"] = json_schema_text(sampling["json_schema"])
     try:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
                          use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
-                         **spec.sampling.model_dump(),
+                         **sampling,
                          **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour)
     except (InputError, ValueError) as e:
         raise JobError(str(e)) from e

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -101,14 +102,30 @@ def _as_part(table: pa.Table) -> pa.Table:
     return table.select(CHECKPOINT_PART_SCHEMA.names).cast(CHECKPOINT_PART_SCHEMA)
 
 
+def _logprobs(out: RequestOutput) -> list[dict[str, Any]] | None:
+    """A row's logprobs as schemas.arrow.LOGPROBS_TYPE values (None when not asked for)."""
+    if out.logprobs is None:
+        return None
+    return [{"token_id": e.token_id, "token": e.token, "logprob": e.logprob,
+             "top_logprobs": [t._asdict() for t in e.top_logprobs]} for e in out.logprobs]
+
+
+def completion_tokens(out: RequestOutput) -> int:
+    """Tokens a row generated: all its samples' when n > 1 (as OpenAI's usage counts them)."""
+    return sum(s.num_output_tokens for s in out.samples) if out.samples else out.num_output_tokens
+
+
 def part_table(rows: list[tuple[int, RequestOutput]], model: str, model_fingerprint: str | None = None) -> pa.Table:
     """Finished rows (position in the shard, output) as a part (CHECKPOINT_PART_SCHEMA), each with the model name
     and fingerprint (pipeline.model_pin; None: not pinned) of the engine that generated it."""
     return pa.Table.from_pylist([{
         "id": o.request_id, "completion": o.text, "finish_reason": o.finish_reason,
-        "prompt_tokens": o.num_prompt_tokens, "completion_tokens": o.num_output_tokens, "error": o.error,
-        "model": model, "model_fingerprint": model_fingerprint, "row": k, "kv_preemptions": o.num_preemptions,
-        "latency_s": o.latency_s} for k, o in rows],
+        "prompt_tokens": o.num_prompt_tokens, "completion_tokens": completion_tokens(o), "error": o.error,
+        "model": model, "model_fingerprint": model_fingerprint, "logprobs": _logprobs(o), "valid": o.valid,
+        "samples": None if o.samples is None else [
+            {"completion": s.text, "finish_reason": s.finish_reason, "completion_tokens": s.num_output_tokens,
+             "valid": s.valid, "logprobs": _logprobs(s)} for s in o.samples],
+        "row": k, "kv_preemptions": o.num_preemptions, "latency_s": o.latency_s} for k, o in rows],
         schema=CHECKPOINT_PART_SCHEMA)
 
 

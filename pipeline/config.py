@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 from schemas.job_spec import Columns, JobSpec, Sampling, Sharding, format_problems
+from schemas.sampling import STRUCTURED_FIELDS
 
 # The defaults are the job spec's (schemas.job_spec, the one definition of a job's options).
 _COLUMNS, _SAMPLING, _SHARDING = Columns(), Sampling(), Sharding()
@@ -29,8 +30,11 @@ class RunConfig:
         use_chat_template: wrap text prompts in the model's chat template.
         allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
             control); by default user text is encoded as text (engine.tokenizer).
-        max_tokens, temperature, top_p, top_k, seed, stop: sampling, as engine.SamplingParams. With a seed, each row
-            samples with the seed mixed with a hash of its id, so rows differ but reruns repeat them exactly.
+        max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs, presence_penalty, frequency_penalty,
+            repetition_penalty, min_tokens: sampling, as engine.SamplingParams. With a seed, each row samples with the
+            seed mixed with a hash of its id, so rows differ but reruns repeat them exactly.
+        json_schema (JSON Schema text, not a path: jobs.spec reads the file), json_object, regex, choices: the
+            job's structured output (engine.StructuredOutputsParams), at most one of them.
         rows_per_shard: rows per shard (the unit of scheduling, retry and accounting).
         price_per_hour_usd: price of one device hour, USD.
         limit: only the first `limit` rows of the input (None = all).
@@ -56,6 +60,16 @@ class RunConfig:
     top_k: int = _SAMPLING.top_k
     seed: int | None = _SAMPLING.seed
     stop: tuple[str, ...] = _SAMPLING.stop
+    n: int = _SAMPLING.n
+    logprobs: int | None = _SAMPLING.logprobs
+    presence_penalty: float = _SAMPLING.presence_penalty
+    frequency_penalty: float = _SAMPLING.frequency_penalty
+    repetition_penalty: float = _SAMPLING.repetition_penalty
+    min_tokens: int = _SAMPLING.min_tokens
+    json_schema: str | None = _SAMPLING.json_schema
+    json_object: bool = _SAMPLING.json_object
+    regex: str | None = _SAMPLING.regex
+    choices: tuple[str, ...] | None = _SAMPLING.choices
     rows_per_shard: int = _SHARDING.rows_per_shard
     price_per_hour_usd: float = DEFAULT_PRICE_PER_HOUR_USD
     limit: int | None = _SHARDING.limit
@@ -71,8 +85,7 @@ class RunConfig:
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
                             "chat_template": self.use_chat_template,
                             "allow_special_tokens": self.allow_special_tokens},
-                "sampling": {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                             "top_k": self.top_k, "seed": self.seed, "stop": self.stop},
+                "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
                 "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,
                              "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds}})
         except ValidationError as e:
@@ -85,6 +98,9 @@ class RunConfig:
             raise InputError(str(e)) from e
 
     def sampling_params(self, row_seed: int | None = None) -> SamplingParams:
-        """engine.SamplingParams for one row (`row_seed` overrides the seed)."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed if row_seed is None else row_seed, stop=self.stop)
+        """engine.SamplingParams for one row (`row_seed` overrides the seed). Raises ValueError for a structured
+        output that is not one constraint (two of them, a json_schema that is not JSON)."""
+        values = {name: getattr(self, name) for name in Sampling.model_fields if name not in STRUCTURED_FIELDS}
+        values["seed"] = self.seed if row_seed is None else row_seed
+        structured = StructuredOutputsParams.from_fields(**{f: getattr(self, f) for f in STRUCTURED_FIELDS})
+        return SamplingParams(**values, structured_outputs=structured)

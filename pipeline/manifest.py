@@ -25,11 +25,15 @@ from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, absolute_url, cut_shards, file_version, footer_rows, resolve_inputs, validate_columns
 from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
 from pipeline.storage import commit_json, list_folder, output_fs, read_fs, read_json
+from schemas.job_spec import Sampling
 
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "allow_special_tokens",
-                  "max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+                  *Sampling.model_fields)
+# Sampling options added since manifests were first written: a manifest without them ran with their defaults.
+_LATER_DEFAULTS = {name: list(v) if isinstance(v, tuple) else v for name, v in Sampling().model_dump().items()
+                   if name not in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")}
 
 
 @dataclass(frozen=True)
@@ -113,16 +117,14 @@ class InputManifest:
                              "was written by another tokenmill version: use a new OUTPUT")
         # A job pinned before allow_special_tokens existed parsed control-token text in prompts: it resumes with
         # --allow-special-tokens (what it ran with), never silently under the other encoding.
-        options = {"allow_special_tokens": True, **doc["options"]}
+        options = {"allow_special_tokens": True, **_LATER_DEFAULTS, **doc["options"]}
         return cls(doc["input"], tuple(InputFile(**f) for f in doc["files"]), doc["rows_per_shard"], doc["limit"],
                    doc["prompt_column"], options, doc["created_at"], doc.get("revision", 0))
 
 
 def result_options(cfg: RunConfig) -> dict[str, Any]:
     """The RunConfig options that shape each row's completion (RESULT_OPTIONS), JSON-ready."""
-    opts = {name: getattr(cfg, name) for name in RESULT_OPTIONS}
-    opts["stop"] = list(opts["stop"])
-    return opts
+    return {name: list(v) if isinstance(v := getattr(cfg, name), tuple) else v for name in RESULT_OPTIONS}
 
 
 def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:

@@ -2,14 +2,17 @@
 
 An input file may hold, beside its prompt and id columns:
 
-- sampling columns named as engine.SamplingParams fields (ROW_SAMPLING_COLUMNS: max_tokens, temperature, top_p,
-  top_k, seed, stop). A row's non-null value wins over the job's default (RunConfig); a row's own seed is used as
-  is (the job's seed is mixed with the row id, see RunConfig);
+- sampling columns named as the sampling fields (ROW_SAMPLING_COLUMNS = schemas.sampling.SAMPLING_FIELDS:
+  max_tokens, temperature, top_p, top_k, seed, n, logprobs, presence_penalty, frequency_penalty, repetition_penalty,
+  min_tokens, stop, logit_bias, and the structured output json_schema, json_object, regex, choices). A row's
+  non-null value wins over the job's default (RunConfig); a row's own seed is used as is (the job's seed is mixed
+  with the row id, see RunConfig). A row that sets any structured output field replaces the job's constraint with
+  its own. logit_bias is a map<int, float> column or JSON text {"token id": bias};
 - a `request_error` column (ROW_ERROR_COLUMN): text that makes the row an error row with that message, without
   running it. Converters fill it for requests they cannot map (jobs.openai_batch: a malformed JSONL line).
 
 A row whose own values are out of range (max_tokens 0, temperature -1) becomes an error row naming the value, not a
-failed shard.
+failed shard: they go through engine.SamplingParams, the same validation (schemas.sampling's ranges) as the job's.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
+from schemas.sampling import SAMPLING_FIELDS, STRUCTURED_FIELDS
 
-ROW_SAMPLING_COLUMNS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+ROW_SAMPLING_COLUMNS = SAMPLING_FIELDS
 ROW_ERROR_COLUMN = "request_error"
 
 
@@ -43,10 +47,13 @@ def row_sampling_params(default: SamplingParams, overrides: dict[str, Any] | Non
     when a row's value is out of range or of the wrong type."""
     if not overrides:
         return default
-    values = dict(overrides)
+    values = {k: v for k, v in overrides.items() if k not in STRUCTURED_FIELDS}
     if "stop" in values:
         values["stop"] = (values["stop"],) if isinstance(values["stop"], str) else tuple(values["stop"])
     try:
+        structured = {k: v for k, v in overrides.items() if k in STRUCTURED_FIELDS}
+        if structured:
+            values["structured_outputs"] = StructuredOutputsParams.from_fields(**structured)
         return dataclasses.replace(default, **values)
     except TypeError as e:  # a list where a number belongs, say
         raise ValueError(f"a per-row sampling value has the wrong type ({overrides}): {e}") from e

@@ -25,7 +25,7 @@ from engine import LLMEngine
 from engine.engine_loop import DeviceClock, EngineLoop
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
-from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, merge_parts
+from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.layout import accounting_path, checkpoints_dir, results_path
@@ -159,7 +159,7 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
             outputs = generate_rows(loop, rows.take(todo), cfg, progress,
                                     on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop, clock=clock)
         wall_s = time.perf_counter() - t_gen
-        generated_tokens = sum(o.num_output_tokens for o in outputs)
+        generated_tokens = sum(completion_tokens(o) for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)
         if aborted:
             owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.engine_loop import DeviceClock, EngineLoop
 from engine.llm_engine import prompt_problem
+from pipeline.checkpoint import completion_tokens
 from pipeline.config import RunConfig
 from pipeline.row_options import row_sampling_params
 from pipeline.shard_rows import ShardRows
@@ -67,7 +68,7 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
         if on_row:
             on_row(k, out)
         if progress:
-            progress(1, out.num_output_tokens)
+            progress(1, completion_tokens(out))
 
     prompts, ids = [rows.prompts[k] for k in runnable], [str(k) for k in runnable]
     if isinstance(engine, EngineLoop):

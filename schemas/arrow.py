@@ -5,11 +5,29 @@ Layout: OUTPUT/results/<shard_id>.parquet (one row per input row) and OUTPUT/acc
 checkpoint parts (CHECKPOINT_PART_SCHEMA). All are written once, with create-only semantics, and never overwritten.
 Accounting files written before the dtype, quantization and model_fingerprint columns existed lack them; readers take
 them as null (pipeline.accounting.read_committed_accounting), as checkpoint parts read without model_fingerprint.
+Results and parts written before the logprobs, valid and samples columns existed read them as null (no logprobs
+asked, unconstrained, n = 1), which is what those rows were.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
+
+# One output token's log probability (natural log, from the model's raw logits: before temperature, penalties,
+# logit_bias and grammar masks, as vLLM v1's raw_logprobs) and the likeliest tokens there (OpenAI's top_logprobs).
+_TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
+                                    ("top_logprobs", pa.list_(_TOP_LOGPROB))]))
+_LOGPROBS_DOC = ("null unless logprobs was asked for; else one entry per output token: token_id, token (its text), "
+                 "logprob (natural log, from the raw logits before temperature, penalties and grammar masks) and "
+                 "top_logprobs (the N likeliest tokens there, most likely first)")
+_VALID_DOC = ("for a structured output (json_schema, json_object, regex, choices): true when the completion "
+              "completed the constraint (parses and validates), false when it was cut first (finish_reason length); "
+              "null for unconstrained rows")
+SAMPLES_TYPE = pa.list_(pa.struct([
+    pa.field("completion", pa.string()), pa.field("finish_reason", pa.string()),
+    pa.field("completion_tokens", pa.int32()), pa.field("valid", pa.bool_(), metadata={"doc": _VALID_DOC}),
+    pa.field("logprobs", LOGPROBS_TYPE)]))
 
 # The fields of a finished row, in results and in checkpoint parts alike.
 _ROW_FIELDS = [
@@ -19,12 +37,18 @@ _ROW_FIELDS = [
     pa.field("completion", pa.string(), metadata={"doc": "generated text; empty on error"}),
     pa.field("finish_reason", pa.string(), nullable=False, metadata={"doc": "stop | length | error"}),
     pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={"doc": "prompt length in tokens"}),
-    pa.field("completion_tokens", pa.int32(), nullable=False, metadata={"doc": "generated tokens"}),
+    pa.field("completion_tokens", pa.int32(), nullable=False,
+             metadata={"doc": "generated tokens (with n > 1: of all n samples, as OpenAI's usage counts them)"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
     pa.field("model_fingerprint", pa.string(), metadata={
         "doc": "sha256:<hex> of the model's files (sizes and hashes or ETags; pipeline.model_pin) that the engine "
                "which generated the row had loaded; null for rows of a job started before models were pinned"}),
+    pa.field("logprobs", LOGPROBS_TYPE, metadata={"doc": _LOGPROBS_DOC}),
+    pa.field("valid", pa.bool_(), metadata={"doc": _VALID_DOC}),
+    pa.field("samples", SAMPLES_TYPE, metadata={
+        "doc": "null unless n > 1; else the n samples in order, each with its completion, finish_reason, "
+               "completion_tokens, valid and logprobs (the row's own completion and finish_reason are sample 0's)"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [

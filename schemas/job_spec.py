@@ -22,6 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from schemas.sampling import SAMPLING_RANGES
+
 
 @dataclass(frozen=True)
 class Cli:
@@ -61,17 +63,58 @@ class Columns(_Section):
                                                             "own markers are control tokens.")] = False
 
 
-class Sampling(_Section):
-    """How to sample, per row (engine.SamplingParams)."""
+def _range(name: str) -> dict[str, float]:
+    return SAMPLING_RANGES[name].field_kwargs()
 
-    max_tokens: Annotated[int, Field(ge=1, description="Most output tokens per row, an integer >= 1.")] = 256
-    temperature: Annotated[float, Field(ge=0, description="0 = greedy; > 0 samples.")] = 0.0
-    top_p: Annotated[float, Field(gt=0, le=1, description="Nucleus sampling mass in (0, 1].")] = 1.0
-    top_k: Annotated[int, Field(ge=0, description="Keep the k likeliest tokens; 0 = off.")] = 0
-    seed: Annotated[int | None, Field(ge=0, description="An integer >= 0 makes sampled rows reproducible (each "
-                                                        "row mixes it with its id); null = unseeded.")] = None
+
+class Sampling(_Section):
+    """How to sample, per row (engine.SamplingParams; the ranges are schemas.sampling's, shared with per-row columns
+    and OpenAI batch bodies). A row's own columns of the same names win over these."""
+
+    max_tokens: Annotated[int, Field(**_range("max_tokens"), description="Most output tokens per row, an integer "
+                                                                         ">= 1.")] = 256
+    temperature: Annotated[float, Field(**_range("temperature"), description="0 = greedy; > 0 samples.")] = 0.0
+    top_p: Annotated[float, Field(**_range("top_p"), description="Nucleus sampling mass in (0, 1].")] = 1.0
+    top_k: Annotated[int, Field(**_range("top_k"), description="Keep the k likeliest tokens; 0 or -1 = off.")] = 0
+    seed: Annotated[int | None, Field(**_range("seed"), description="An integer >= 0 makes sampled rows "
+                                                                    "reproducible (each row mixes it with its id); "
+                                                                    "null = unseeded.")] = None
     stop: Annotated[tuple[_Name, ...], Field(strict=False, description="Stop strings, non-empty; the output ends "
                                                                        "before the first one (repeat --stop).")] = ()
+    n: Annotated[int, Field(**_range("n"), description="Samples per row (1-128), sharing the prompt's KV blocks; "
+                                                       "results hold them in the `samples` column.")] = 1
+    logprobs: Annotated[int | None, Field(**_range("logprobs"), description="Log probability of each output token "
+                                                                            "and of the N likeliest ones (0-20), "
+                                                                            "from the raw logits (before "
+                                                                            "temperature and penalties); null = "
+                                                                            "none.")] = None
+    presence_penalty: Annotated[float, Field(**_range("presence_penalty"), description="Subtracted from the logit "
+                                                                                       "of each token already in "
+                                                                                       "the output, in [-2, 2] "
+                                                                                       "(OpenAI).")] = 0.0
+    frequency_penalty: Annotated[float, Field(**_range("frequency_penalty"), description="Subtracted per "
+                                                                                         "occurrence in the "
+                                                                                         "output, in [-2, 2] "
+                                                                                         "(OpenAI).")] = 0.0
+    repetition_penalty: Annotated[float, Field(**_range("repetition_penalty"), description="Divides positive "
+                                                                                           "(multiplies negative) "
+                                                                                           "logits of prompt and "
+                                                                                           "output tokens; 1 = off "
+                                                                                           "(vLLM, HF).")] = 1.0
+    min_tokens: Annotated[int, Field(**_range("min_tokens"), description="End-of-sequence and stop tokens are "
+                                                                         "masked until this many tokens are "
+                                                                         "out.")] = 0
+    json_schema: Annotated[str | None, Field(min_length=1, description="Constrain every output to JSON valid "
+                                                                       "against this JSON Schema: a file path or "
+                                                                       "URL, or the schema as JSON text. Rows cut "
+                                                                       "by max_tokens are flagged valid=false.")] = None
+    json_object: Annotated[bool, Field(description="Constrain every output to a JSON object (OpenAI's "
+                                                   "json_object).")] = False
+    regex: Annotated[str | None, Field(min_length=1, description="Constrain every output to match this regular "
+                                                                 "expression.")] = None
+    choices: Annotated[tuple[_Name, ...] | None, Field(strict=False, description="Constrain every output to one "
+                                                                                 "of these strings (repeat "
+                                                                                 "--choices).")] = None
 
 
 class Sharding(_Section):

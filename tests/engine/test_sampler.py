@@ -120,7 +120,7 @@ def test_a_seeded_request_draws_the_same_tokens_alone_or_in_any_batch() -> None:
     compositions: alone, with greedy / unseeded / other-seeded / top-k / top-p rows, and in reverse order."""
     row = _logits(1, seed=1)[0]
     mine = [SamplingParams(temperature=1.0, seed=42), SamplingParams(temperature=0.8, top_p=0.9, seed=42),
-            SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=-7)]
+            SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=2**63 - 7)]
     others = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, seed=43),
               SamplingParams(temperature=1.1, top_k=5), SamplingParams(temperature=1.0, top_p=0.5, seed=1)]
     other_logits = _logits(len(others), seed=2)

@@ -20,6 +20,8 @@ from pipeline.shard import ShardRows, generate_rows, read_shard
 from schemas.job_spec import JobSpec
 
 runner = CliRunner()
+LABEL = {"type": "object", "properties": {"label": {"enum": ["yes", "no"]}}, "required": ["label"],
+         "additionalProperties": False}
 
 
 def _chat_line(custom_id: str, question: str, **body: object) -> str:
@@ -34,8 +36,13 @@ def _requests(questions: list[str]) -> tuple[list[str], dict[str, dict]]:
         cid = f"gsm8k-{i:02d}"
         body: dict[str, object] = [{"temperature": 0.8, "seed": i, "max_tokens": 6}, {"max_completion_tokens": 3},
                                    {}, {"temperature": 0.5, "top_p": 0.9, "stop": ["\n\n"], "max_tokens": 5}][i % 4]
-        if i == 9:
-            body = {"n": 2}  # unsupported: one completion per request
+        if i == 9:  # two samples with their logprobs
+            body = {"n": 2, "temperature": 0.9, "seed": 1, "logprobs": True, "top_logprobs": 2, "max_tokens": 4}
+        if i == 13:  # a JSON Schema: the tiny model's random weights are forced into it, and EOS at its end
+            body = {"response_format": {"type": "json_schema", "json_schema": {"name": "label", "schema": LABEL}},
+                    "max_tokens": 16}
+        if i == 21:
+            body = {"stream": True}  # unsupported: a batch has no stream
         lines.append(_chat_line(cid, q, **body))
         bodies[cid] = body
     # A request without messages: the body of a completion sent to the chat endpoint.
@@ -97,9 +104,9 @@ def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_
     results = {r["id"]: r for r in pq.read_table(out / "results").to_pylist()}
 
     errors = {g["custom_id"]: g for g in got if g["error"] is not None}
-    assert sorted(errors) == ["gsm8k-09", "gsm8k-17"]
+    assert sorted(errors) == ["gsm8k-17", "gsm8k-21"]
     assert all(g["response"] is None for g in errors.values())
-    assert "body fields ['n'] are not supported" in errors["gsm8k-09"]["error"]["message"]
+    assert "body fields ['stream'] are not supported" in errors["gsm8k-21"]["error"]["message"]
     assert "body.messages must be a non-empty list" in errors["gsm8k-17"]["error"]["message"]
 
     for g in got:
@@ -108,8 +115,23 @@ def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_
         cid, body = g["custom_id"], g["response"]["body"]
         assert g["response"]["status_code"] == 200 and g["id"].startswith("batch_req_")
         assert body["object"] == "chat.completion" and body["model"] == results[cid]["model"]
-        (choice,) = body["choices"]
+        n = bodies[cid].get("n", 1)
+        assert len(body["choices"]) == n and [c["index"] for c in body["choices"]] == list(range(n))
+        choice = body["choices"][0]
         assert choice["message"] == {"role": "assistant", "content": results[cid]["completion"]}
+        if n > 1:
+            samples = results[cid]["samples"]
+            assert [c["message"]["content"] for c in body["choices"]] == [s["completion"] for s in samples]
+            for c, s in zip(body["choices"], samples, strict=True):
+                content = c["logprobs"]["content"]
+                assert len(content) == s["completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in content)
+                assert all(e["logprob"] <= 0 and bytes(e["bytes"]).decode() == e["token"] for e in content)
+            assert sum(s["completion_tokens"] for s in samples) == body["usage"]["completion_tokens"]
+        else:
+            assert choice["logprobs"] is None and results[cid]["samples"] is None
+        if cid == "gsm8k-13":
+            assert json.loads(choice["message"]["content"]) in ({"label": "yes"}, {"label": "no"})
+            assert choice["finish_reason"] == "stop" and results[cid]["valid"] is True
         assert choice["finish_reason"] == results[cid]["finish_reason"] in ("stop", "length")
         usage = body["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (results[cid]["prompt_tokens"],
@@ -117,13 +139,14 @@ def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
         # The row's own max_tokens (or max_completion_tokens) wins over the job's --max-tokens 8.
         limit = bodies[cid].get("max_tokens") or bodies[cid].get("max_completion_tokens") or 8
-        assert usage["completion_tokens"] <= limit
+        assert usage["completion_tokens"] <= limit * bodies[cid].get("n", 1)
         if "max_completion_tokens" in bodies[cid]:  # greedy answers to math questions run past 3 tokens
             assert (usage["completion_tokens"], choice["finish_reason"]) == (3, "length")
     ok = [g["response"]["body"]["usage"] for g in got if g["error"] is None]
     assert sum(u["prompt_tokens"] for u in ok) == summary["input_tokens"]
     assert sum(u["completion_tokens"] for u in ok) == summary["output_tokens"]
-    assert max(u["completion_tokens"] for u in ok) == 8  # the default rows ran to the job's max_tokens
+    default = [g["response"]["body"]["usage"] for g in got if g["error"] is None and not bodies[g["custom_id"]]]
+    assert max(u["completion_tokens"] for u in default) == 8  # the default rows ran to the job's max_tokens
 
     # A rerun of the same file finds the job done; the export is the same file, byte for byte.
     again = runner.invoke(app, args)

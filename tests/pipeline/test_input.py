@@ -129,6 +129,8 @@ def test_first_start_pins_the_manifest_and_later_runs_plan_from_it(gsm8k_parts: 
     ({"limit": None}, "limit: the job has 40, this run asks for None"),
     ({"max_tokens": 32}, "max_tokens: the job has 16, this run asks for 32"),
     ({"allow_special_tokens": True}, "allow_special_tokens: the job has False, this run asks for True"),
+    ({"choices": ("yes", "no")}, "choices: the job has None, this run asks for ['yes', 'no']"),
+    ({"logprobs": 2}, "logprobs: the job has None, this run asks for 2"),
 ])
 def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_parts: Path, tmp_path: Path,
                                                                           change: dict, expected: str) -> None:
@@ -142,6 +144,22 @@ def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_p
     pq.write_table(pq.read_table(gsm8k_parts / "part-1.parquet"), other)
     with pytest.raises(InputError, match="input: the job has"):
         pin_manifest(out, str(other), RunConfig(**base))
+
+
+def test_a_job_pinned_before_the_structured_output_options_resumes_with_their_defaults(gsm8k_parts: Path,
+                                                                                       tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    manifest, _ = pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8))
+    path = out / "_manifest" / "input.json"
+    doc = json.loads(path.read_text())
+    for name in ("n", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                 "json_schema", "json_object", "regex", "choices"):
+        del doc["options"][name]
+    path.write_text(json.dumps(doc))
+    again, created = pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8))
+    assert not created and again.shards() == manifest.shards()
+    with pytest.raises(InputError, match="regex: the job has None"):
+        pin_manifest(str(out), str(gsm8k_parts), RunConfig(rows_per_shard=8, regex="[0-9]+"))
 
 
 def test_a_job_pinned_before_allow_special_tokens_resumes_only_as_it_ran(gsm8k_parts: Path, tmp_path: Path) -> None:

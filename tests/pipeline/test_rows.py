@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine import LLMEngine
+from pipeline.checkpoint import part_table
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, resolve_inputs
 from pipeline.shard import ShardRows, generate_rows, read_shard
@@ -153,12 +156,50 @@ def test_per_row_sampling_columns_win_over_the_job_and_bad_values_become_error_r
     assert [o.request_id for o in outs] == ["e", "a", "b", "c", "d"]
     assert [o.num_output_tokens for o in outs[:3]] == [4, 2, 6]  # the row's max_tokens, else the job's
     assert "max_tokens must be an integer >= 1, got 0" in outs[3].error
-    assert "temperature must be >= 0" in outs[4].error and outs[4].finish_reason == "error"
+    assert "temperature must be a number >= 0, got -1.0" in outs[4].error and outs[4].finish_reason == "error"
     # A row's own seed makes its sample reproducible; a request error from the input stops the row unrun.
     again = generate_rows(engine, ShardRows(["e", "x"], [qs[4], qs[0]], [rows.overrides[4], {}],
                                             [None, "line 3: not valid JSON"]), RunConfig(max_tokens=6))
     assert again[0].text == outs[0].text
     assert (again[1].finish_reason, again[1].error) == ("error", "line 3: not valid JSON")
+
+
+def test_per_row_structured_outputs_logprobs_n_and_penalties_win_over_the_job(
+        tmp_path: Path, engine: LLMEngine, gsm8k_table: pa.Table) -> None:
+    """The job constrains every row to two choices; rows bring their own JSON Schema, regex, logprobs, n and
+    logit_bias (a map column); a schema that does not compile and a penalty out of range are error rows. The rows
+    go into a checkpoint part as the results columns logprobs, valid and samples."""
+    qs = gsm8k_table.column("question").to_pylist()[50:56]
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({
+        "id": list("abcdef"), "question": qs,
+        "json_schema": [None, schema, None, '{"type": "nope"}', None, None],
+        "regex": [None, None, "[0-9]{3}", None, None, None],
+        "logprobs": pa.array([None, None, 3, None, None, None], pa.int64()),
+        "n": pa.array([None, None, None, None, 3, None], pa.int64()),
+        "presence_penalty": pa.array([None, None, None, None, None, 2.5], pa.float64()),
+        "logit_bias": pa.array([None, None, None, None, [(11, 5.0)], None], pa.map_(pa.int64(), pa.float64()))}),
+        path)
+    rows = read_shard(_shard(path, 0, 6), "question", "id")
+    cfg = RunConfig(max_tokens=12, temperature=0.8, seed=7, choices=("alpha", "beta"))
+    outs = generate_rows(engine, rows, cfg)
+    assert outs[0].text in ("alpha", "beta") and outs[0].valid and outs[0].finish_reason == "stop"
+    assert outs[1].valid is not None and outs[1].text.startswith('{"n":')
+    if outs[1].finish_reason == "stop":
+        assert isinstance(json.loads(outs[1].text)["n"], int)
+    assert re.fullmatch("[0-9]{3}", outs[2].text) and len(outs[2].logprobs) == outs[2].num_output_tokens
+    assert all(len(e.top_logprobs) == 3 for e in outs[2].logprobs)
+    assert outs[3].finish_reason == "error" and "json_schema constraint does not compile" in outs[3].error
+    assert len(outs[4].samples) == 3 and all(s.text in ("alpha", "beta") for s in outs[4].samples)
+    assert "presence_penalty must be a number in [-2, 2], got 2.5" in outs[5].error
+    part = part_table(list(enumerate(outs)), "m")
+    got = part.to_pylist()
+    assert [r["valid"] for r in got] == [True, outs[1].valid, True, None, True, None]
+    assert got[2]["logprobs"][0]["token_id"] == outs[2].output_token_ids[0]
+    assert [s["completion"] for s in got[4]["samples"]] == [s.text for s in outs[4].samples]
+    assert got[4]["completion_tokens"] == sum(s.num_output_tokens for s in outs[4].samples)
+    assert got[0]["samples"] is None and got[0]["logprobs"] is None
 
 
 def test_a_malformed_chat_message_is_an_error_row_and_the_rest_of_the_shard_runs(tmp_path: Path, engine: LLMEngine,

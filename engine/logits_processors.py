@@ -1,0 +1,234 @@
+"""What a step does to the logits of rows that ask for more than plain sampling: raw logprobs, logit_bias,
+min_tokens, presence/frequency/repetition penalties, and the grammar bitmask of structured outputs.
+
+The order is vLLM v1's (vllm/v1/sample/sampler.py, Sampler.forward): logprobs are taken first, from the model's raw
+logits (log_softmax in fp32 before anything else touches them: vLLM's default `logprobs_mode="raw_logprobs"`; OpenAI
+does not document which); then logit_bias and min_tokens (vLLM's LogitBiasLogitsProcessor and
+MinTokensLogitsProcessor), then the penalties (vllm/model_executor/layers/utils.py `apply_penalties`: repetition
+over prompt and output tokens, frequency and presence over output tokens), then the grammar bitmask (applied last, so
+a masked token stays masked whatever the bias), and finally the sampler's temperature, top-k, top-p or argmax.
+
+NOTE: only rows registered with `add` are touched, and a step whose batch holds none of them costs one truthiness
+test (`active`): the greedy path of unconstrained jobs pays nothing per row. The work of a step is one batched op per
+kind (one index_put for every bias, one scatter for every penalized row's counts, one bitmask application for every
+constrained row); the Python per registered row gathers its parameters and fills its bitmask row (xgrammar, C++).
+A request's state (its matcher, its logprobs) follows its output tokens, which survive a KV preemption: recomputing
+the prompt after a preemption neither resets nor replays the matcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager
+
+
+class RawLogprob(NamedTuple):
+    """One output token's log probability and the top alternatives (token id, logprob), most likely first; logprobs
+    are natural-log probabilities from the raw logits (fp32). The engine adds the tokens' text
+    (engine.outputs.TokenLogprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RowState:
+    """Per-request state kept across steps: its grammar matcher (None when unconstrained), its logprobs so far (None
+    when not asked for), and whether the matcher refused a token (never expected: the mask allows only accepted
+    tokens)."""
+
+    params: SamplingParams
+    matcher: Any = None
+    logprobs: list[RawLogprob] | None = None
+    rejected: bool = False
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def valid(self) -> bool | None:
+        """For a constrained request: True when its output completed the grammar (the matcher accepted an end token);
+        None when unconstrained."""
+        if self.matcher is None:
+            return None
+        return not self.rejected and self.matcher.is_terminated()
+
+
+class _Pending(NamedTuple):
+    """What `record` needs after the sampler picked a step's tokens."""
+
+    lp_rows: list[int]  # rows of the step's logits with logprobs
+    lp_states: list[RowState]
+    raw: torch.Tensor | None  # fp32 [L, V] raw logprobs of those rows
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (values fp32 [L, K], ids int64 [L, K]) of the largest K asked
+    matched: list[tuple[int, RowState]]  # (row, state) of constrained rows
+
+
+class LogitsProcessors:
+    """The registered requests' states and the per-step logits work (module docstring).
+
+    Args:
+        structured: compiles constraints (None: no tokenizer, so a constrained request is refused).
+        vocab_size: the logits' width.
+        eos_token_ids: the model's end-of-sequence ids (masked by min_tokens).
+    """
+
+    def __init__(self, structured: StructuredOutputManager | None, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.structured = structured
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.states: dict[str, RowState] = {}
+        self._bitmask: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        """True while any registered request is unfinished."""
+        return bool(self.states)
+
+    def add(self, request: Request) -> None:
+        """Register a request whose params need logits processing (SamplingParams.needs_logits_processing; others
+        are ignored). Compiles its constraint (cached per distinct constraint). Raises ValueError when the constraint
+        does not compile, the engine has no tokenizer to compile it against, or a logit_bias id is outside the
+        vocabulary."""
+        sp = request.sampling_params
+        if not sp.needs_logits_processing:
+            return
+        outside = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                             "use this model's token ids")
+        matcher = None
+        if sp.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+            matcher = self.structured.matcher(sp.structured_outputs)
+        stop_ids = tuple(dict.fromkeys((*(() if sp.ignore_eos else self.eos_token_ids), *sp.stop_token_ids)))
+        self.states[request.request_id] = RowState(sp, matcher, [] if sp.logprobs is not None else None,
+                                                   stop_ids=stop_ids)
+
+    def pop(self, request_id: str) -> RowState | None:
+        """Forget a finished request; its state, or None when it was not registered."""
+        return self.states.pop(request_id, None)
+
+    def clear(self) -> None:
+        """Forget every request (an aborted batch)."""
+        self.states.clear()
+
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, _Pending | None]:
+        """Process the logits [S, V] of a step whose rows sample `requests` (in order). Returns the logits to sample
+        from (fp32 when any row was processed: vLLM's sampler works in fp32 too; else the input unchanged) and what
+        `record` needs, or None when no row of this step is registered."""
+        rows: list[int] = []
+        states: list[RowState] = []
+        for i, r in enumerate(requests):
+            st = self.states.get(r.request_id)
+            if st is not None:
+                rows.append(i)
+                states.append(st)
+        if not rows:
+            return logits, None
+        logits = logits.float()
+        device = logits.device
+        lp = [(i, st) for i, st in zip(rows, states, strict=True) if st.logprobs is not None]
+        raw = top = None
+        if lp:
+            raw = torch.log_softmax(logits[torch.tensor([i for i, _ in lp], device=device)], dim=-1)
+            k = max(st.params.logprobs or 0 for _, st in lp)
+            if k:
+                top = raw.topk(k, dim=-1)
+        self._bias_and_min_tokens(logits, rows, states, requests)
+        self._penalties(logits, rows, states, requests)
+        matched = [(i, st) for i, st in zip(rows, states, strict=True) if st.matcher is not None]
+        if matched:
+            self._apply_bitmask(logits, matched)
+        return logits, _Pending([i for i, _ in lp], [st for _, st in lp], raw, top, matched)
+
+    def _bias_and_min_tokens(self, logits: torch.Tensor, rows: list[int], states: list[RowState],
+                             requests: list[Request]) -> None:
+        """logit_bias (added) and min_tokens (stop ids to -inf) of every row, in one index_put each."""
+        bias_r: list[int] = []
+        bias_t: list[int] = []
+        bias_v: list[float] = []
+        mask_r: list[int] = []
+        mask_t: list[int] = []
+        for i, st in zip(rows, states, strict=True):
+            for tid, b in st.params.logit_bias:
+                bias_r.append(i)
+                bias_t.append(tid)
+                bias_v.append(b)
+            if requests[i].num_output_tokens < st.params.min_tokens:
+                ids = [t for t in st.stop_ids if t < self.vocab_size]
+                mask_r.extend([i] * len(ids))
+                mask_t.extend(ids)
+        dev = logits.device
+        if bias_r:
+            logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+                              torch.tensor(bias_v, dtype=logits.dtype, device=dev), accumulate=True)
+        if mask_r:
+            logits.index_put_((torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)),
+                              torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+
+    def _penalties(self, logits: torch.Tensor, rows: list[int], states: list[RowState],
+                   requests: list[Request]) -> None:
+        """vLLM's apply_penalties on the penalized rows: counts of output tokens by one scatter_add, presence of
+        prompt tokens by one scatter."""
+        pen = [(i, st.params) for i, st in zip(rows, states, strict=True)
+               if st.params.repetition_penalty != 1.0 or st.params.frequency_penalty != 0.0
+               or st.params.presence_penalty != 0.0]
+        if not pen:
+            return
+        dev, v = logits.device, self.vocab_size
+        idx = torch.tensor([i for i, _ in pen], device=dev)
+
+        def padded(seqs: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(s) for s in seqs))
+            return torch.tensor([s + [v] * (width - len(s)) for s in seqs], dtype=torch.int64, device=dev)
+
+        out = padded([requests[i].output_token_ids for i, _ in pen])
+        counts = torch.zeros(len(pen), v + 1, device=dev).scatter_add_(1, out, torch.ones(out.shape, device=dev))
+        counts = counts[:, :v]
+        out_mask = counts > 0
+        prompt_mask = torch.zeros(len(pen), v + 1, dtype=torch.bool, device=dev)
+        prompt_mask.scatter_(1, padded([requests[i].prompt_token_ids for i, _ in pen]), True)
+        params = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for _, p in pen],
+                              dtype=torch.float32, device=dev)
+        sub = logits.index_select(0, idx)
+        rep = torch.where(prompt_mask[:, :v] | out_mask, params[:, 0:1], 1.0)
+        sub = torch.where(sub > 0, sub / rep, sub * rep)
+        sub -= params[:, 1:2] * counts
+        sub -= params[:, 2:3] * out_mask
+        logits.index_copy_(0, idx, sub)
+
+    def _apply_bitmask(self, logits: torch.Tensor, matched: list[tuple[int, RowState]]) -> None:
+        """Fill each constrained row's bitmask row (xgrammar) and mask the logits of all of them in one call."""
+        import xgrammar as xgr
+
+        s = logits.shape[0]
+        if self._bitmask is None or self._bitmask.shape[0] < s:
+            self._bitmask = xgr.allocate_token_bitmask(max(s, 64), self.vocab_size)
+        bitmask = self._bitmask[:s]
+        for i, st in matched:
+            st.matcher.fill_next_token_bitmask(bitmask, i)
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=[i for i, _ in matched])
+
+    def record(self, pending: _Pending, tokens: list[int]) -> None:
+        """After sampling: append each logprobs row's chosen-token logprob and top-k (one device->host copy), and
+        advance each constrained row's matcher by its token."""
+        if pending.raw is not None:
+            chosen = torch.tensor([tokens[i] for i in pending.lp_rows], device=pending.raw.device)
+            values = pending.raw.gather(1, chosen[:, None])[:, 0].tolist()
+            top_v, top_i = (pending.top[0].tolist(), pending.top[1].tolist()) if pending.top is not None else ([], [])
+            for j, st in enumerate(pending.lp_states):
+                k = st.params.logprobs or 0
+                alts = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
+                st.logprobs.append(RawLogprob(tokens[pending.lp_rows[j]], values[j], alts))
+        for i, st in pending.matched:
+            if not st.matcher.accept_token(tokens[i]):
+                st.rejected = True
