@@ -282,6 +282,8 @@ class LLMEngine:
             raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
         sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
         finished = self.scheduler.update_from_output(plan, sampled)
+        if finished:
+            self.runner.remove_requests([r.request_id for r in finished])
         self.num_steps += 1
         return finished
 
