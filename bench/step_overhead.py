@@ -17,6 +17,11 @@ inflates them less than wall time would; compare trees in runs made close togeth
 Usage: python bench/step_overhead.py [--rows 64 256 512] [--vocab 512] [--stop] [--profile]
 (--stop gives every row a stop string that never matches, so each row is detokenized every step; it needs the
 default model's tokenizer, whose ids cover any vocabulary up to 49,152.) Run with PYTHONPATH at the tree to measure.
+
+python bench/step_overhead.py --ab TREE_A TREE_B: the real model (the default SmolLM2-135M GGUF, CPU, dtype auto)
+on 64 AlpacaEval prompts x 64 forced tokens (ignore_eos), greedy, one thread, in a fresh process per tree
+(PYTHONPATH=TREE), alternating A, B, A, B: output tok/s per CPU-second of the process (robust to other load) and
+per wall second, best of the two runs of each, and whether both trees produced the same tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import cProfile
 import pstats
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -143,14 +149,70 @@ def run(rows: int, vocab: int, stop: bool, profile: bool, tokenizer: Any) -> dic
     return us
 
 
+def real_once() -> None:
+    """One w1 generation of the real model in this process; prints a JSON line (cpu_s, wall_s, tokens, digest)."""
+    import hashlib
+    import json
+    import os
+
+    import pyarrow.parquet as pq
+
+    from engine.config import EngineConfig as Config
+
+    data = os.path.join(os.environ.get("TOKENMILL_DATA", "/work/shared/data"), "alpaca_eval.parquet")
+    prompts = pq.read_table(data, columns=["instruction"]).column(0).to_pylist()[:64]
+    torch.set_num_threads(1)  # CPU seconds of one thread: OpenMP workers spin while they wait, on a loaded machine
+    llm = LLMEngine.from_model(None, Config(device="cpu"))
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
+    llm.reset_prefix_cache()
+    c0, w0 = time.process_time(), time.perf_counter()
+    outs = llm.generate(prompts, params)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    tokens = sum(o.num_output_tokens for o in outs)
+    digest = hashlib.sha256(json.dumps([o.output_token_ids for o in outs]).encode()).hexdigest()[:16]
+    print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "digest": digest}))
+
+
+def ab(trees: list[str]) -> None:
+    """Alternate fresh processes of `real_once` over the trees, twice; print the best of each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    best: dict[str, dict[str, float]] = {}
+    digests: dict[str, set[str]] = {t: set() for t in trees}
+    for _ in range(2):
+        for tree in trees:
+            env = {**os.environ, "PYTHONPATH": tree}
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--real-once"], env=env, cwd=tree,
+                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            r = json.loads(out)
+            digests[tree].add(r["digest"])
+            cpu_rate, wall_rate = r["tokens"] / r["cpu_s"], r["tokens"] / r["wall_s"]
+            b = best.setdefault(tree, {"cpu": 0.0, "wall": 0.0})
+            b["cpu"], b["wall"] = max(b["cpu"], cpu_rate), max(b["wall"], wall_rate)
+            print(f"{tree}: {cpu_rate:.1f} tok/CPU-s, {wall_rate:.1f} tok/s wall, tokens {r['digest']}", flush=True)
+    a, b = trees[0], trees[-1]
+    print(f"best: {a} {best[a]['cpu']:.1f} tok/CPU-s ({best[a]['wall']:.1f} wall); {b} {best[b]['cpu']:.1f} "
+          f"({best[b]['wall']:.1f} wall); ratio {best[b]['cpu'] / best[a]['cpu']:.3f} (CPU), "
+          f"{best[b]['wall'] / best[a]['wall']:.3f} (wall); same tokens: {digests[a] == digests[b]}")
+
+
 def main() -> None:
+    if "--real-once" in sys.argv:
+        return real_once()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ab", nargs=2, metavar=("TREE_A", "TREE_B"), help="real-model A/B of two trees (module doc)")
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--stop", action="store_true", help="a never-matching stop string on every row")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest run, top 25 by own time")
     ap.add_argument("--repeat", type=int, default=2, help="runs per setting; the best is reported")
     args = ap.parse_args()
+    if args.ab:
+        return ab(args.ab)
     torch.set_num_threads(1)
     tokenizer = None
     if args.stop:

@@ -17,12 +17,6 @@ from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-
-
 def select_attention(backend: str, device: torch.device) -> AttentionFn:
     """The paged attention function for EngineConfig.attention_backend on `device`.
 
@@ -50,6 +44,10 @@ def select_attention(backend: str, device: torch.device) -> AttentionFn:
 
 class ModelRunner:
     """Runs one scheduled step through the model and samples.
+
+    A step's inputs come from the persistent batch (engine.input_batch: a preallocated block table updated by
+    diffs, positions and slot mappings computed vectorized); the engine tells it which requests left
+    (`remove_requests`), and rows of requests that left unannounced are found stale and reused.
 
     Args:
         model: the filled decoder.
@@ -140,6 +138,6 @@ class ModelRunner:
         if logits_rows is not None:
             hidden = hidden.index_select(0, logits_rows)
         logits = self.model.compute_logits(hidden, full_precision=False)
-        tokens = sample(logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling],
+        tokens = sample(logits, [r.sampling_params for r in sampling], [len(r.output_token_ids) for r in sampling],
                         self.generator)
         return list(zip(sampling, tokens, strict=True))

