@@ -161,9 +161,15 @@ class IncrementalDetokenizer:
         else:
             released, self._pending = text, ""
         if self.stop:
-            self._find_stop(released)
-        if self.stop_string is None and released:
-            self._release(released)
+            window = self._tail + released + self._pending
+            for s in self.stop:
+                if s in window:
+                    self._find_stop(released)
+                    break
+        if self.stop_string is None and released:  # _release, inline: this runs for every row every step
+            self._pieces.append(released)
+            if self._tail_len:
+                self._tail = (self._tail + released)[-self._tail_len:]
         return self.stop_string
 
     def _release(self, text: str) -> None:
