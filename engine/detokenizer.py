@@ -6,14 +6,60 @@ vLLM's `detokenize_incrementally` do: `prefix_offset..read_offset` are tokens wh
 again only as context, so that a tokenizer that strips a word's leading space or merges bytes across tokens gives
 the same text as a full decode), and `read_offset..` are the tokens not yet turned into text. New text is released
 once it does not end in U+FFFD, the mark of a multi-byte UTF-8 character cut between tokens.
+
+Byte-level BPE tokenizers (GPT-2's ByteLevel decoder: Llama 3, Qwen, SmolLM2, ...) decode by concatenating each
+token's bytes and decoding them as UTF-8 with U+FFFD for invalid bytes. For them each token's bytes are looked up
+in a table built once per tokenizer and fed to Python's incremental UTF-8 decoder, which keeps a character cut
+between tokens until its last byte arrives: one table lookup per new token instead of two decodes per step.
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
+import json
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's map of the 256 byte values to printable characters (Radford et al., 2019, `bytes_to_unicode`),
+    inverted: character -> byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+@functools.lru_cache(maxsize=8)
+def byte_level_table(tokenizer: Any) -> tuple[bytes, ...] | None:
+    """For a tokenizer whose Hugging Face backend decodes with the ByteLevel decoder alone: the bytes each token id
+    contributes to a decode with special tokens skipped (b"" for special tokens), as the `tokenizers` ByteLevel
+    decoder maps them (a character of the byte alphabet is its byte, any other character its UTF-8 bytes). None for
+    other tokenizers (SentencePiece, WordPiece, ...) and for objects without a `hf_tokenizer.backend_tokenizer`."""
+    backend = getattr(getattr(tokenizer, "hf_tokenizer", None), "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    alphabet = _byte_level_alphabet()
+    table = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(i)
+        if token is None or i in special:
+            table.append(b"")
+            continue
+        table.append(b"".join(bytes((alphabet[c],)) if c in alphabet else c.encode() for c in token))
+    return tuple(table)
 
 
 class Decoder(Protocol):
@@ -50,6 +96,8 @@ class IncrementalDetokenizer:
         self._tail = ""  # the last _tail_len released characters
         self._pending = ""  # complete characters decoded but held back behind a cut one
         self._final: str | None = None  # the text once finish() ran
+        self._bytes = byte_level_table(tokenizer)
+        self._cut = b""  # the bytes of a character cut between tokens, waiting for the rest (byte-level path)
 
     @property
     def text(self) -> str:
@@ -70,6 +118,8 @@ class IncrementalDetokenizer:
         """
         if self.stop_string is not None or self._final is not None or len(token_ids) <= self.read_offset:
             return self.stop_string
+        if self._bytes is not None:
+            return self._update_bytes(token_ids)
         prefix_text = (self._decode(token_ids, self.prefix_offset, self.read_offset)
                        if self.read_offset > self.prefix_offset else "")
         new_text = self._decode(token_ids, self.prefix_offset)
@@ -86,6 +136,42 @@ class IncrementalDetokenizer:
             self._release(released)
         return self.stop_string
 
+    def _update_bytes(self, token_ids: Sequence[int]) -> str | None:
+        """`update` for byte-level tokenizers: the new tokens' bytes through the incremental UTF-8 decoder. Text
+        ending in U+FFFD (an invalid byte, which a full decode also shows as U+FFFD) is held back, as the decode
+        path holds back a cut character, and released with the text that follows it."""
+        table = self._bytes
+        n = len(token_ids)
+        if n == self.read_offset + 1:  # the engine's case: one new token per step
+            data = table[token_ids[-1]]
+        else:
+            data = b"".join([table[t] for t in token_ids[self.read_offset:]])
+        self.read_offset = self.prefix_offset = n
+        if self._cut:
+            data = self._cut + data
+        # What codecs' incremental UTF-8 decoder does, without its Python frame: decode the complete characters
+        # (U+FFFD for invalid bytes), keep the bytes of a trailing cut one for the next token.
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._cut = data[used:]
+        if self._pending:
+            text = self._pending + text
+        if text.endswith(REPLACEMENT_CHAR):
+            keep = len(text.rstrip(REPLACEMENT_CHAR))
+            released, self._pending = text[:keep], text[keep:]
+        else:
+            released, self._pending = text, ""
+        if self.stop:
+            window = self._tail + released + self._pending
+            for s in self.stop:
+                if s in window:
+                    self._find_stop(released)
+                    break
+        if self.stop_string is None and released:  # _release, inline: this runs for every row every step
+            self._pieces.append(released)
+            if self._tail_len:
+                self._tail = (self._tail + released)[-self._tail_len:]
+        return self.stop_string
+
     def _release(self, text: str) -> None:
         if not text:
             return
@@ -94,9 +180,12 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, released: str) -> None:
         window = self._tail + released + self._pending
-        hits = [(i, s) for s in self.stop if (i := window.find(s)) >= 0]
-        if not hits:
+        for s in self.stop:
+            if s in window:
+                break
+        else:  # the common case: no stop string in the window
             return
+        hits = [(i, s) for s in self.stop if (i := window.find(s)) >= 0]
         start, self.stop_string = min(hits)
         cut = start - len(self._tail)  # where the stop string starts, from the end of the text released before
         if cut >= 0:
@@ -115,7 +204,7 @@ class IncrementalDetokenizer:
         if self._final is None:
             self.update(token_ids)
             if self.stop_string is None:
-                self._release(self._pending)
+                self._release(self._pending.rstrip(REPLACEMENT_CHAR))
             self._pending = ""
             self._final = self.text
         return self._final

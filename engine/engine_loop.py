@@ -313,7 +313,9 @@ class EngineLoop:
 
     def _abort(self, sub: Submission) -> None:
         ids = {rid for rid, entry in self._owner.items() if entry[0] is sub}
-        for req in self.engine.scheduler.abort_requests(ids):
+        aborted = self.engine.scheduler.abort_requests(ids)
+        self.engine.runner.remove_requests([r.request_id for r in aborted])
+        for req in aborted:
             self._deliver(req, _aborted(req))
 
     def _step(self) -> None:
@@ -365,6 +367,7 @@ class EngineLoop:
                     self._owner.pop(req.request_id, None)
                     self.engine.logits_processors.pop(req.request_id)
         aborted = self.engine.scheduler.abort_all()
+        self.engine.runner.remove_requests([r.request_id for r in aborted])
         for sub in self._active.values():
             sub._queue.put(error)
         for req in aborted:

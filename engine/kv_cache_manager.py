@@ -128,6 +128,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading full blocks of each request registered in the cache
+        # NOTE: the chain hashes of each request's full blocks live here, not on the request: the scheduler owns
+        # request state. Dropped when the request's blocks are freed (finished, preempted or aborted); a preempted
+        # request hashes its blocks again when it is looked up next (a few hashes, once per preemption).
+        self._hashes: dict[str, list[int]] = {}
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens."""
@@ -138,15 +142,16 @@ class KVCacheManager:
 
     def block_hashes(self, request: Request, num_blocks: int | None = None) -> list[int]:
         """Chain hashes of `request`'s first `num_blocks` full blocks (default: every full block but one holding
-        the last token, whose logits are always computed: the blocks a prefix-cache lookup may match). Kept on the
-        request (`request.block_hashes`, as vLLM v1 does) and extended as its tokens grow, so each block is hashed
-        once. Raises ValueError when fewer than `num_blocks` blocks are full."""
+        the last token, whose logits are always computed: the blocks a prefix-cache lookup may match). Kept per
+        request id in the manager (as vLLM v1 keeps `block_hashes` per request) and extended as its tokens grow, so
+        each block is hashed once while the request holds blocks. Raises ValueError when fewer than `num_blocks`
+        blocks are full."""
         if num_blocks is None:
             num_blocks = (request.num_tokens - 1) // self.block_size
         if num_blocks * self.block_size > request.num_tokens:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, fewer than "
                              f"{num_blocks} full blocks of {self.block_size}")
-        hashes = request.block_hashes
+        hashes = self._hashes.setdefault(request.request_id, [])
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
             parent = chain_hash(parent, self._block_tokens(request, i))
@@ -171,15 +176,22 @@ class KVCacheManager:
         """Reserve KV slots for `num_new_tokens` more tokens of `request` (beyond its num_computed_tokens plus the
         tokens of `computed_blocks`, prefix-cache hits from `get_computed_blocks` for a request with no blocks yet).
 
-        Returns the request's block table (block ids, in order) or None when the pool cannot fit them; the caller
-        then preempts. Reads the request, never writes it: on success with hits the scheduler advances
+        Returns the request's block table (block ids, in order: the manager's own list, which later allocations
+        extend in place; copy it to keep a snapshot) or None when the pool cannot fit them; the caller then
+        preempts. Reads the request, never writes it: on success with hits the scheduler advances
         num_computed_tokens past them.
         Raises ValueError if num_new_tokens < 1. Source: PagedAttention (SOSP 2023), §4.2.
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not computed_blocks:
+            # The decode path: most steps the request's last block still has room.
+            if request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+                return table
+        else:
+            table = table or []
         computed_blocks = computed_blocks or []
-        table = self.block_tables.get(request.request_id, [])
         if computed_blocks and table:
             raise ValueError("computed_blocks are only for a request that holds no blocks yet")
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
@@ -191,8 +203,13 @@ class KVCacheManager:
         for b in computed_blocks:
             self.pool.touch(b)
         self.pool.num_cache_hits += len(computed_blocks)
-        table = table + computed_blocks + (self.pool.allocate(need) if need > 0 else [])
-        self.block_tables[request.request_id] = table
+        if computed_blocks or not table:
+            table = table + computed_blocks
+            self.block_tables[request.request_id] = table
+        if need > 0:
+            # NOTE: grown in place: the model runner's persistent block table copies only the blocks past the ones
+            # it holds (engine.input_batch), so a table is only ever appended to while the request holds it.
+            table.extend(self.pool.allocate(need))
         if computed_blocks:
             self._num_cached[request.request_id] = len(computed_blocks)
         return table
@@ -214,6 +231,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of `request` (finished or preempted); cached blocks stay reusable until evicted."""
         self._num_cached.pop(request.request_id, None)
+        self._hashes.pop(request.request_id, None)
         table = self.block_tables.pop(request.request_id, None)
         if table:
             self.pool.free(table)

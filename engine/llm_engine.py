@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.logits_processors import LogitsProcessors, RowState
 from engine.model import LlamaModel
-from engine.model_runner import ModelRunner, kv_block_bytes, select_attention
+from engine.model_runner import ModelRunner, select_attention
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from engine.packed_linear import pack_linears
+from engine.prompts import Prompt, prompt_problem
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
@@ -29,90 +28,13 @@ from engine.step_stats import StepStats
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
-# A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
-# ({"role": ..., "content": ...}), or a list of token ids (sent as they are).
-Prompt = str | list[dict[str, Any]] | list[int]
-
-log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard); their homes are
+# engine.device and engine.prompts.
+__all__ = ["CHILD_SEP", "LLMEngine", "Prompt", "cpu_has_native_bf16", "lpt_key", "prompt_problem", "resolve_device",
+           "resolve_dtype"]
 
 # Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
 CHILD_SEP = "\x1f"
-
-
-def prompt_problem(prompt: object, *, token_ids: bool = True) -> str | None:
-    """What makes `prompt` unusable, found without a tokenizer, as a sentence that says the fix; None when it looks
-    fine. Refused: null, blank text, an empty messages list, a message that is not {role, content} with a role in
-    CHAT_ROLES and text content, and any other type. A list of ints is token ids (checked against the vocabulary
-    when tokenized) when `token_ids`, else a messages list like any other (a text or messages column's rows)."""
-    if prompt is None:
-        return "the prompt is null; fill in the prompt column for this row"
-    if isinstance(prompt, str):
-        return None if prompt.strip() else "the prompt is empty; give it some text"
-    if isinstance(prompt, list):
-        if token_ids and prompt and all(isinstance(t, int) for t in prompt):
-            return None
-        return _messages_problem(prompt)
-    return (f"the prompt is {type(prompt).__name__} {prompt!r}, not text or a list of chat messages; a messages "
-            "column stored as text must hold a JSON list of {role, content} objects")
-
-
-def _messages_problem(messages: list[Any]) -> str | None:
-    """What is wrong with a chat messages list (a message that is not {role, content}, a role outside CHAT_ROLES,
-    content that is not text), or None."""
-    if not messages:
-        return "the messages list is empty; give at least one {role, content} message"
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return (f"message {i} is {type(m).__name__} {m!r}, not a {{role, content}} object; give each message "
-                    "as {\"role\": ..., \"content\": ...}")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            return f"message {i} has role {role!r}; use one of {', '.join(CHAT_ROLES)}"
-        if not isinstance(content, str):
-            return (f"message {i} ({role}) has content {content!r} of type {type(content).__name__}; content must "
-                    "be text")
-    return None
-
-
-def resolve_device(device: str) -> torch.device:
-    """torch.device for "auto" (cuda when available, else cpu) or an explicit name. Raises ValueError when cuda
-    is asked for and not available."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
-    return d
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16: Intel Sapphire Rapids and later, AMD
-    Zen 4 and later), so oneDNN's bf16 GEMMs run at 2-4x the fp32 rate; elsewhere bf16 is emulated and slower."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private probes, present since torch 2.3
-    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """torch dtype for an explicit name, or for "auto": bf16 on CUDA and on CPUs with native bf16
-    (`cpu_has_native_bf16`), fp32 on other CPUs. An explicit bfloat16/float16 on a CPU without native bf16 runs
-    (emulated, weights left unpacked where oneDNN cannot pack them) and logs a warning that float32 is faster here."""
-    if dtype == "auto":
-        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
-            return torch.bfloat16
-        return torch.float32
-    if device.type == "cpu" and dtype != "float32" and not cpu_has_native_bf16():
-        _warn_once(f"--dtype {dtype} on a CPU without native bf16 (no AVX512-BF16/AMX): it runs emulated, slower "
-                   "than float32; --dtype auto picks float32 here")
-    return _DTYPES[dtype]
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    log.warning(message)
 
 
 def lpt_key(request: Request) -> int:
@@ -150,7 +72,7 @@ class LLMEngine:
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
         self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype)
         limit = model_config.max_position_embeddings
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
@@ -232,27 +154,6 @@ class LLMEngine:
                              "load the model again for another device or dtype")
         return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype)
 
-    def _auto_num_blocks(self) -> int:
-        per_block = kv_block_bytes(self.model_config, self.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_elsewhere = total - free
-            budget = int(total * self.config.gpu_memory_utilization) - used_elsewhere
-            # Keep room for activations and logits of the largest step.
-            budget -= self.config.max_num_batched_tokens * self.model_config.vocab_size * 4
-            budget -= per_block  # the scratch block of CUDA graphs' padded rows
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        if budget < per_block:
-            raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
-                             "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")
-        # No more than max_num_seqs requests of max_model_len tokens could ever hold: a small model on a big GPU
-        # would otherwise take (and zero) most of the card's memory for blocks no schedule can use.
-        max_len = min(self.config.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
-        usable = self.config.max_num_seqs * -(-max_len // self.block_size)
-        return min(budget // per_block, usable)
-
     # ---- requests -------------------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
@@ -260,25 +161,25 @@ class LLMEngine:
         """The token ids a prompt runs as (see `generate` for the flags): text through the chat template or raw,
         messages through the chat template, token ids as they are. User text is encoded as text (engine.tokenizer):
         a control token's spelling in it is never the control token unless `allow_special_tokens`.
-        Raises ValueError for a prompt that cannot run (empty, malformed, ids outside the vocabulary)."""
-        if self.tokenizer is None and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+        Raises ValueError for a prompt that cannot run: what engine.prompts.prompt_problem finds (the validator the
+        pipeline runs too), token ids outside the vocabulary, or text without a tokenizer."""
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise ValueError(problem)
+        is_token_ids = all(isinstance(t, int) for t in prompt)  # a non-empty list: prompt_problem passed it
+        if self.tokenizer is None and not is_token_ids:
             raise ValueError("this engine has no tokenizer (random-weights preset): give prompts as token ids")
         if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("the prompt is empty; give it some text")
             if use_chat_template:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                           allow_special_tokens=allow_special_tokens)
             return self.tokenizer.encode(prompt, allow_special_tokens=allow_special_tokens)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if is_token_ids:
             bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
             return list(prompt)
-        raise ValueError("a prompt must be non-empty text, a list of {role, content} messages, or a list of token "
-                         f"ids; got {type(prompt).__name__} {str(prompt)[:80]!r}")
+        return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
 
     def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        use_chat_template: bool, allow_special_tokens: bool) -> list[Request]:
@@ -351,6 +252,8 @@ class LLMEngine:
             raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
         sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
         finished = self.scheduler.update_from_output(plan, sampled)
+        if finished:
+            self.runner.remove_requests([r.request_id for r in finished])
         self.num_steps += 1
         self.last_scheduled = plan.scheduled
         self.step_stats.record(len(plan.scheduled), len(self.scheduler.waiting))
@@ -458,7 +361,9 @@ class LLMEngine:
         try:
             while self.scheduler.has_unfinished:
                 if should_stop is not None and should_stop():
-                    for req in self.scheduler.abort_all():
+                    aborted = self.scheduler.abort_all()
+                    self.runner.remove_requests([r.request_id for r in aborted])
+                    for req in aborted:
                         i = index_of[req.request_id]
                         outputs[i] = RequestOutput(ids[i], req.prompt_token_ids, [], "", "abort",
                                                    num_preemptions=req.num_preemptions)
@@ -479,7 +384,7 @@ class LLMEngine:
         except BaseException:
             # A failed step or callback: leave the engine as it was before the call (no request left queued, every
             # block freed), so the next generate on this long-lived engine starts clean.
-            self.scheduler.abort_all()
+            self.runner.remove_requests([r.request_id for r in self.scheduler.abort_all()])
             self.logits_processors.clear()
             raise
         return [o for o in outputs if o is not None]

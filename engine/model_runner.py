@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.input_batch import InputBatch
 from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
-
-
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
 def select_attention(backend: str, device: torch.device) -> AttentionFn:
@@ -47,6 +45,10 @@ def select_attention(backend: str, device: torch.device) -> AttentionFn:
 
 class ModelRunner:
     """Runs one scheduled step through the model and samples.
+
+    A step's inputs come from the persistent batch (engine.input_batch: a preallocated block table updated by
+    diffs, positions and slot mappings computed vectorized); the engine tells it which requests left
+    (`remove_requests`), and rows of requests that left unannounced are found stale and reused.
 
     Args:
         model: the filled decoder.
@@ -78,6 +80,7 @@ class ModelRunner:
                           for _ in range(cfg.num_layers)]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
         self.graphs: DecodeGraphs | None = None
         # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
         # engine); a step with none of them registered skips it after one test.
@@ -87,54 +90,39 @@ class ModelRunner:
                                        -(-max_model_len // block_size), max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
-        """Inputs of one step: input_ids and positions (int64 [T]), the attention metadata, and the rows of the
-        hidden states to sample from with their requests (those whose step reaches their last token)."""
-        bs = self.block_size
-        # Decodes first: the torch attention path then reads the decode rows as one slice of the step.
-        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sampling: list[Request] = []
-        for req, n in scheduled:
-            start = req.num_computed_tokens
-            table = block_tables[req.request_id]
-            input_ids.extend(req.all_token_ids[start:start + n])
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(table)
-            if start + n == req.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
-                sampling.append(req)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-
-        def dev(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            # Pinned host memory lets the copy overlap with compute on CUDA.
-            t = torch.tensor(x, dtype=dtype, pin_memory=self.device.type == "cuda")
-            return t.to(self.device, non_blocking=True)
-
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, list[Request]]:
+        """Inputs of one step on the device: input_ids and positions (int64 [T]), the attention metadata, and the
+        rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
+        step) with their requests (those whose step reaches their last token). Built from the persistent batch
+        (engine.input_batch) with a few vectorized ops."""
+        x = self.input_batch.prepare(scheduled, block_tables)
+        dev = self._to_device
         meta = AttentionMetadata(
-            slot_mapping=dev(slots, torch.int64),
-            query_start_loc=dev(qsl, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            block_tables=dev(padded, torch.int32),
-            query_lens=query_lens,
-            seq_lens_host=seq_lens,
-            decode_only=all(n == 1 for n in query_lens),
+            slot_mapping=dev(x.slot_mapping),
+            query_start_loc=dev(x.query_start_loc),
+            seq_lens=dev(x.seq_lens),
+            block_tables=dev(x.block_tables),
+            query_lens=x.query_lens,
+            seq_lens_host=x.seq_lens.tolist(),
+            decode_only=x.decode_only,
         )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), meta, logits_rows, sampling
+        all_rows = len(x.sampling) == len(x.input_ids)  # every token is sampled: rows 0..T-1 in order
+        logits_rows = None if all_rows else dev(x.logits_rows)
+        return dev(x.input_ids), dev(x.positions), meta, logits_rows, x.sampling
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on the runner's device: shared with numpy on the CPU; on CUDA copied from
+        pinned memory, non-blocking (a pageable copy would wait for the running step: a hidden sync). The caching
+        host allocator does not hand the pinned block out again before its copy has run, so the next step may be
+        prepared while this one runs."""
+        t = torch.from_numpy(a)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Free the persistent batch rows of requests that left (finished, aborted); see engine.input_batch."""
+        self.input_batch.remove(request_ids)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
@@ -151,12 +139,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
         if not sampling:
             return []
-        rows = torch.tensor(logits_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows), full_precision=False)
+        if logits_rows is not None:
+            hidden = hidden.index_select(0, logits_rows)
+        logits = self.model.compute_logits(hidden, full_precision=False)
         procs, pending = self.logits_processors, None
         if procs is not None and procs.active:
             logits, pending = procs.apply(logits, sampling)
-        tokens = sample(logits, [r.sampling_params for r in sampling], [r.num_output_tokens for r in sampling],
+        tokens = sample(logits, [r.sampling_params for r in sampling], [len(r.output_token_ids) for r in sampling],
                         self.generator)
         if pending is not None:
             procs.record(pending, tokens)

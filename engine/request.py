@@ -33,8 +33,6 @@ class Request:
         num_preemptions: times the request lost its blocks and went back to waiting.
         finish_reason: "stop" | "length" once finished, else None.
         detokenizer: the output's text and stop strings (engine.detokenizer), or None when there is no tokenizer.
-        block_hashes: chain hashes of the leading full KV blocks, filled by the KV cache manager for prefix-cache
-            lookups (engine.kv_cache_manager.KVCacheManager.block_hashes).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -51,7 +49,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
-        self.block_hashes: list[int] = []
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
 
@@ -69,11 +66,6 @@ class Request:
     def num_output_tokens(self) -> int:
         """Output tokens generated so far."""
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        """True once a stop condition was met."""
-        return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (its K/V is computed by the next step)."""

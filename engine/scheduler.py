@@ -30,11 +30,6 @@ class SchedulerOutput(NamedTuple):
 
     scheduled: list[ScheduledRequest]
 
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens fed to the model this step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
 
 def check_stop(request: Request, eos_token_id: int | None, max_model_len: int,
                eos_token_ids: Collection[int] = ()) -> str | None:
@@ -46,16 +41,17 @@ def check_stop(request: Request, eos_token_id: int | None, max_model_len: int,
     tokens, or max_model_len tokens in all.
     """
     sp = request.sampling_params
-    token = request.output_token_ids[-1]
+    output = request.output_token_ids
+    token = output[-1]
     if not sp.ignore_eos and (token == eos_token_id or token in eos_token_ids):
         return "stop"
-    if token in sp.stop_token_ids:
+    if sp.stop_token_ids and token in sp.stop_token_ids:
         return "stop"
-    # Only requests with stop strings need their text every step: a few new tokens decoded, a few characters
+    # Only requests with stop strings need their text every step: the new token decoded, a few characters
     # searched. The others are decoded once, when their output is built.
-    if sp.stop and request.detokenizer is not None and request.detokenizer.update(request.output_token_ids) is not None:
+    if sp.stop and request.detokenizer is not None and request.detokenizer.update(output) is not None:
         return "stop"
-    if request.num_output_tokens >= sp.max_tokens or request.num_tokens >= max_model_len:
+    if len(output) >= sp.max_tokens or len(request.all_token_ids) >= max_model_len:
         return "length"
     return None
 
@@ -123,19 +119,28 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
         pending: set[int] = set()  # hashes of the full blocks this step computes
+        kv = self.kv_cache_manager
+        allocate, bs, caching = kv.allocate_slots, kv.block_size, kv.enable_prefix_caching
+        # NOTE: tuple.__new__ builds the NamedTuple without its Python-level __new__ (0.5 -> 0.3 us a row).
+        new, scheduled_request = tuple.__new__, ScheduledRequest
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv_cache_manager.allocate_slots(req, n) is None:
-                victim = self.running.pop()
+        while i < len(running) and budget > 0:
+            req = running[i]
+            done = req.num_computed_tokens
+            n = len(req.all_token_ids) - done
+            if n > budget:
+                n = budget
+            while allocate(req, n) is None:
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n))
-                self._add_pending(pending, req, n)
+                scheduled.append(new(scheduled_request, (req, n)))
+                if caching and (done + n) // bs != done // bs:  # the step completes a full block
+                    self._add_pending(pending, req, n)
                 budget -= n
                 i += 1
         if not preempted:
@@ -150,19 +155,29 @@ class Scheduler:
         `check_stop` says so. `now`: time.perf_counter() seconds of the step's end (default: now).
         Returns the requests that finished in this step."""
         now = time.perf_counter() if now is None else now
+        kv = self.kv_cache_manager
+        bs = kv.block_size
+        caching = kv.enable_prefix_caching
         for req, n in output.scheduled:
-            req.num_computed_tokens += n
-            self.kv_cache_manager.cache_full_blocks(req)
+            done = req.num_computed_tokens
+            req.num_computed_tokens = done + n
+            # Only a step that fills a block has a block to register.
+            if caching and (done + n) // bs != done // bs:
+                kv.cache_full_blocks(req)
         finished = []
+        eos, eos_ids, max_len = self.eos_token_id, self.eos_token_ids, self.max_model_len
         for req, token in sampled:
             req.append_output_token(token)
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = check_stop(req, self.eos_token_id, self.max_model_len, self.eos_token_ids)
+            reason = check_stop(req, eos, max_len, eos_ids)
             if reason is not None:
                 req.finish_time = now
                 self._finish(req, reason)
                 finished.append(req)
+        if finished:
+            # NOTE: one pass per step, not a list.remove per finished request (O(batch) each).
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return finished
 
     def abort_all(self) -> list[Request]:
@@ -245,7 +260,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: str) -> None:
+        """Mark `request` finished and free its blocks; the caller drops it from `running` (update_from_output
+        does so once per step for all the requests that finished in it)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache_manager.free(request)
-        self.running.remove(request)

@@ -141,3 +141,30 @@ def test_a_stop_string_that_started_in_earlier_text_cuts_it_back(tokenizer: Toke
 def test_text_without_any_stop_match_is_the_whole_output(tokenizer: Tokenizer, sequences: list[list[int]]) -> None:
     for ids in sequences[:40]:
         assert _incremental(tokenizer, ids, ("\x00never",)) == (len(ids), tokenizer.decode(ids))
+
+
+def test_byte_level_path_equals_the_full_decode_on_random_token_ids(tokenizer: Tokenizer) -> None:
+    """Random ids make invalid UTF-8 (stray continuation bytes, cut characters) and special tokens mid-text: the
+    byte table path (one lookup per token) gives the full decode's text at every step, and its stops."""
+    import random
+
+    from engine.detokenizer import byte_level_table
+
+    assert byte_level_table(tokenizer) is not None  # SmolLM2's tokenizer is byte-level BPE: the fast path runs
+    rng = random.Random(0)
+    invalid = 0
+    for _ in range(40):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(60)]
+        ids[rng.randrange(60)] = tokenizer.eos_token_id  # a special token inside the output, skipped in the text
+        detok = IncrementalDetokenizer(tokenizer)
+        for n in range(1, len(ids) + 1):
+            detok.update(ids[:n])
+            full = tokenizer.decode(ids[:n])
+            invalid += REPLACEMENT_CHAR in full
+            assert full.startswith(detok.text) and not detok.text.endswith(REPLACEMENT_CHAR)
+        assert detok.finish(ids) == tokenizer.decode(ids).rstrip(REPLACEMENT_CHAR)
+        text = tokenizer.decode(ids)
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        if stop and REPLACEMENT_CHAR not in stop:
+            assert _incremental(tokenizer, ids, (stop,)) == _full_decode_each_step(tokenizer, ids, (stop,))
+    assert invalid > 100, "random ids should make many invalid byte sequences"

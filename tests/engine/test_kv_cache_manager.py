@@ -43,6 +43,7 @@ def test_allocate_slots_grows_table_block_by_block() -> None:
     r = _req("a", 6)
     table = kv.allocate_slots(r, 6)
     assert table is not None and len(table) == 2  # 6 tokens -> 2 blocks of 4
+    table = list(table)  # a snapshot: the manager grows its own list in place
     r.num_computed_tokens = 6
     assert kv.allocate_slots(r, 1) == table  # token 7 fits in block 2
     r.num_computed_tokens = 7
@@ -50,6 +51,7 @@ def test_allocate_slots_grows_table_block_by_block() -> None:
     r.num_computed_tokens = 8
     grown = kv.allocate_slots(r, 1)
     assert grown is not None and len(grown) == 3 and grown[:2] == table
+    assert grown is kv.block_tables["a"]  # the same list, one block longer (engine.input_batch relies on it)
     kv.check_integrity()
     kv.free(r)
     assert kv.num_free_blocks == 10

@@ -37,7 +37,7 @@ def test_admission_respects_max_num_seqs_and_token_budget() -> None:
     sched.add_requests(reqs)
     plan = sched.schedule()
     assert [s.request.request_id for s in plan.scheduled] == ["r0", "r1"]  # max_num_seqs = 2
-    assert plan.num_batched_tokens == 16 and len(sched.waiting) == 1
+    assert sum(s.num_new_tokens for s in plan.scheduled) == 16 and len(sched.waiting) == 1
 
     sched2 = Scheduler(KVCacheManager(100, 4), max_num_seqs=8, max_num_batched_tokens=12)
     sched2.add_requests(_requests([8, 8]))

@@ -1,0 +1,89 @@
+"""Where and in which precision the engine runs: device and dtype probing, and the KV pool's size in blocks.
+
+The engine's step loop (engine.llm_engine) takes these decisions as given; they live here so that the commands
+that only probe (`tokenmill doctor`, preflight checks) need not build an engine, and so that sizing the KV pool is
+one function of the model's shape, the config and the device's free memory (nano-vllm sizes its pool in the same
+place it allocates it; vLLM's `determine_available_memory`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """torch.device for "auto" (cuda when available, else cpu) or an explicit name. Raises ValueError when cuda
+    is asked for and not available."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
+    return d
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16: Intel Sapphire Rapids and later, AMD
+    Zen 4 and later), so oneDNN's bf16 GEMMs run at 2-4x the fp32 rate; elsewhere bf16 is emulated and slower."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private probes, present since torch 2.3
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """torch dtype for an explicit name, or for "auto": bf16 on CUDA and on CPUs with native bf16
+    (`cpu_has_native_bf16`), fp32 on other CPUs. An explicit bfloat16/float16 on a CPU without native bf16 runs
+    (emulated, weights left unpacked where oneDNN cannot pack them) and logs a warning that float32 is faster here."""
+    if dtype == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
+    if device.type == "cpu" and dtype != "float32" and not cpu_has_native_bf16():
+        _warn_once(f"--dtype {dtype} on a CPU without native bf16 (no AVX512-BF16/AMX): it runs emulated, slower "
+                   "than float32; --dtype auto picks float32 here")
+    return _DTYPES[dtype]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """KV blocks for the pool when config.num_kv_blocks is None: on CUDA, gpu_memory_utilization x the card's memory
+    less what is in use (weights included), the logits of the largest step and CUDA graphs' scratch block; on the
+    CPU, kv_cache_memory_bytes. Either way no more than max_num_seqs requests of max_model_len tokens could hold.
+    Raises ValueError when not even one block fits."""
+    per_block = kv_block_bytes(model_config, config.block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_elsewhere = total - free
+        budget = int(total * config.gpu_memory_utilization) - used_elsewhere
+        # Keep room for activations and logits of the largest step.
+        budget -= config.max_num_batched_tokens * model_config.vocab_size * 4
+        budget -= per_block  # the scratch block of CUDA graphs' padded rows
+    else:
+        budget = config.kv_cache_memory_bytes
+    if budget < per_block:
+        raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
+                         "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")
+    # No more than max_num_seqs requests of max_model_len tokens could ever hold: a small model on a big GPU
+    # would otherwise take (and zero) most of the card's memory for blocks no schedule can use.
+    max_len = min(config.max_model_len or model_config.max_position_embeddings,
+                  model_config.max_position_embeddings)
+    usable = config.max_num_seqs * -(-max_len // config.block_size)
+    return min(budget // per_block, usable)

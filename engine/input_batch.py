@@ -1,0 +1,199 @@
+"""The persistent batch: each running request's row of a preallocated block table, and a step's inputs built from it
+with a few vectorized numpy ops.
+
+Rebuilding every step's block tables from Python lists (pad each, convert the nested list) and computing the slot
+of every token in Python cost ~10 us per row per step at 512 rows; a decode step changes almost nothing of that
+state: one in 16 rows (block size 16) gains a block. So the table is kept in a numpy array [rows, max_blocks] that
+is updated by diffs when a request joins (its row written once), grows (only its new block ids copied) or leaves
+(its row freed for the next request), as vLLM v1's InputBatch and BlockTable keep theirs; positions, sequence
+lengths and slot mappings of a step are computed from it vectorized. Plain numpy; the model runner turns the arrays
+into tensors (engine.model_runner).
+
+NOTE: a row is tied to the block-table list the KV cache manager holds for the request (engine.kv_cache_manager:
+the manager grows a request's list in place and makes a new one only when the request gets blocks again after
+losing them). A row whose list is not the manager's current one is stale (the request was preempted, finished or
+aborted) and is rebuilt or freed, so the batch is never wrong even if nobody tells it a request left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+
+
+class StepInputs(NamedTuple):
+    """One step's model inputs on the host (numpy), rows ordered as the step runs them (decodes first).
+
+    input_ids, positions, slot_mapping: int64 [T] (T = tokens in the step); query_start_loc: int32 [B + 1];
+    seq_lens: int32 [B] (tokens in the KV cache per request after the step); block_tables: int32 [B, W] (W = the
+    most blocks any of the B requests holds, padded with 0); query_lens: B host ints; logits_rows: int64 [S], the
+    rows of the step's hidden states to sample from (a request's last token when the step reaches it); sampling: the
+    S requests sampled, in that order; decode_only: every request feeds exactly one token.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    query_lens: list[int]
+    logits_rows: np.ndarray
+    sampling: list[Request]
+    decode_only: bool
+
+
+class InputBatch:
+    """Rows of a persistent block table for the running requests, and the step inputs built from it.
+
+    Args:
+        max_num_rows: rows to preallocate (the scheduler's max_num_seqs); more are added if ever needed.
+        max_blocks_per_seq: columns of the block table (max_model_len / block_size, rounded up).
+        block_size: tokens per KV block.
+    Raises ValueError when a size is below 1.
+    """
+
+    def __init__(self, max_num_rows: int, max_blocks_per_seq: int, block_size: int) -> None:
+        if max_num_rows < 1 or max_blocks_per_seq < 1 or block_size < 1:
+            raise ValueError(f"max_num_rows, max_blocks_per_seq and block_size must be >= 1, got {max_num_rows}, "
+                             f"{max_blocks_per_seq}, {block_size}")
+        self.block_size = block_size
+        self.block_table = np.zeros((max_num_rows, max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_rows, dtype=np.int32)  # valid columns of each row
+        self._num_blocks: list[int] = [0] * max_num_rows  # the same as Python ints, for the per-request check
+        self.row_of: dict[str, int] = {}  # request id -> row
+        self._tables: list[list[int] | None] = [None] * max_num_rows  # the manager's list each row mirrors
+        self._ids: list[str | None] = [None] * max_num_rows
+        self._free_rows = list(range(max_num_rows - 1, -1, -1))  # popped from the end: low rows first
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held by requests."""
+        return len(self.row_of)
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        """Free the rows of requests that left the batch (finished, aborted); unknown ids are ignored."""
+        for rid in request_ids:
+            row = self.row_of.pop(rid, None)
+            if row is not None:
+                self._tables[row] = self._ids[row] = None
+                self._free_rows.append(row)
+
+    def clear(self) -> None:
+        """Free every row."""
+        self.remove(list(self.row_of))
+
+    def _sweep(self, block_tables: Mapping[str, list[int]]) -> None:
+        """Free the rows whose request no longer holds the blocks they mirror (left without `remove`)."""
+        self.remove([rid for rid, row in self.row_of.items() if block_tables.get(rid) is not self._tables[row]])
+
+    def _new_row(self, block_tables: Mapping[str, list[int]]) -> int:
+        if not self._free_rows:
+            self._sweep(block_tables)
+        if not self._free_rows:  # more requests hold blocks than rows were preallocated: double the rows
+            n = len(self._tables)
+            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._num_blocks += [0] * n
+            self._tables += [None] * n
+            self._ids += [None] * n
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_row(self, row: int, table: list[int], start: int) -> None:
+        """Copy table[start:] into the row (the blocks it does not hold yet)."""
+        n = len(table)
+        if n > self.block_table.shape[1]:
+            raise ValueError(f"a request holds {n} KV blocks, more than the {self.block_table.shape[1]} a row has "
+                             "(max_model_len / block_size); the scheduler let it outgrow max_model_len")
+        self.block_table[row, start:n] = table[start:]
+        if self._num_blocks[row] > n:  # a previous occupant's blocks past the end: padding is 0, as ever
+            self.block_table[row, n:self._num_blocks[row]] = 0
+        self.num_blocks[row] = self._num_blocks[row] = n
+
+    def sync_row(self, request_id: str, block_tables: Mapping[str, list[int]]) -> int:
+        """The row of `request_id` with its block table equal to the manager's `block_tables[request_id]`: a new
+        row for a request that joins, the new blocks copied for one that grew, the row rewritten for one whose
+        blocks changed (recomputed after a preemption). Raises KeyError when the request holds no blocks."""
+        table = block_tables[request_id]
+        row = self.row_of.get(request_id)
+        if row is None:
+            row = self._new_row(block_tables)
+            self.row_of[request_id] = row
+            self._ids[row] = request_id
+        elif self._tables[row] is table:
+            if len(table) != self._num_blocks[row]:
+                self._write_row(row, table, self._num_blocks[row])
+            return row
+        self._tables[row] = table
+        self._write_row(row, table, 0)
+        return row
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]) -> StepInputs:
+        """The inputs of one step: each scheduled request feeds tokens [num_computed_tokens, + num_new_tokens).
+
+        scheduled: the step's plan (engine.scheduler); block_tables: the KV cache manager's tables, which already
+        hold every scheduled token's slot. Decodes run first (the torch attention path reads them as one slice).
+        Cost: one short Python pass over the requests (row lookup, counters, the token fed), the rest in numpy.
+        Raises ValueError for an empty step.
+        """
+        if not scheduled:
+            raise ValueError("a step needs at least one scheduled request")
+        if any(n != 1 for _, n in scheduled):
+            # Decodes first, prefill chunks after (a stable sort keeps each group's order).
+            scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        sync, row_of, tables, num_blocks = self.sync_row, self.row_of, self._tables, self._num_blocks
+        rows: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        input_ids: list[int] = []
+        sampling: list[Request] = []
+        sample_at: list[int] = []
+        for i, (req, n) in enumerate(scheduled):
+            rid = req.request_id
+            row = row_of.get(rid)
+            # The common case inline (a request whose row is current): sync_row for the rest.
+            if row is None or tables[row] is not (table := block_tables[rid]) or len(table) != num_blocks[row]:
+                row = sync(rid, block_tables)
+            rows.append(row)
+            start = req.num_computed_tokens
+            starts.append(start)
+            query_lens.append(n)
+            tokens = req.all_token_ids
+            if n == 1:
+                input_ids.append(tokens[start])
+            else:
+                input_ids.extend(tokens[start:start + n])
+            if start + n == len(tokens):
+                sampling.append(req)
+                sample_at.append(i)
+        bs = self.block_size
+        r = np.array(rows, dtype=np.intp)
+        start = np.array(starts, dtype=np.int64)
+        b = len(rows)
+        decode_only = len(input_ids) == b
+        if decode_only:
+            positions = start
+            token_rows = r
+            qsl = np.arange(b + 1, dtype=np.int32)
+            logits_rows = np.array(sample_at, dtype=np.int64)
+        else:
+            q = np.array(query_lens, dtype=np.int64)
+            ends = np.cumsum(q)
+            qsl = np.zeros(b + 1, dtype=np.int32)
+            qsl[1:] = ends
+            token_rows = np.repeat(r, q)
+            positions = np.repeat(start - (ends - q), q) + np.arange(int(ends[-1]), dtype=np.int64)
+            logits_rows = ends[sample_at] - 1
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(self.num_blocks[r].max())
+        return StepInputs(
+            input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
+            query_start_loc=qsl, seq_lens=(start + np.array(query_lens, dtype=np.int64)).astype(np.int32),
+            block_tables=self.block_table[:, :width][r], query_lens=query_lens, logits_rows=logits_rows,
+            sampling=sampling, decode_only=decode_only)
