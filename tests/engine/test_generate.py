@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from squeezed_pool import roomy_and_squeezed
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -30,11 +31,7 @@ def test_seeded_sampling_survives_preemption(engine: LLMEngine, gsm8k_questions:
     prompts = gsm8k_questions[40:44]
     params = [SamplingParams(max_tokens=8, temperature=1.0, top_k=0 if i % 2 else 40, top_p=0.9, seed=i)
               for i in range(len(prompts))]
-    roomy = engine.generate(prompts, params)
-    tight = engine.with_config(EngineConfig(device="cpu", dtype="float32", block_size=4, num_kv_blocks=114,
-                                            max_num_seqs=4, enable_prefix_caching=False))
-    squeezed = tight.generate(prompts, params)
-    assert tight.scheduler.num_preemptions >= 1 and any(o.num_preemptions for o in squeezed)
+    roomy, squeezed = roomy_and_squeezed(engine, prompts, params)
     assert [o.output_token_ids for o in squeezed] == [o.output_token_ids for o in roomy]
 
 
