@@ -20,8 +20,10 @@ off), EOS ignored so every request makes exactly --max-tokens tokens:
                   bench/build_llama_cpp.sh (about 16 minutes on 2 cores; "not installed" when cmake/g++ are missing).
 Workloads: w1 = the first 64 AlpacaEval instructions; c256 = the first 256 GSM8K test questions (--num-prompts
 overrides both counts). Only generation is timed (after a 2 prompt x 4 token warm-up); load time is reported
-beside it. Every system uses the same thread count (torch's default here unless --threads). A system whose
-package is missing gets a "not installed" row.
+beside it. Every system uses the same thread count (torch's default here unless --threads). Besides wall time,
+each row has the CPU seconds its process(es) spent generating (process_time, or /proc for llama-server): with
+--threads 1, output tokens per CPU second compare the systems per core even when other work shares the machine.
+A system whose package is missing gets a "not installed" row.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ def worker_tokenmill(spec: dict) -> dict:
     prompts, n_tok = spec["prompt_ids"], spec["max_tokens"]
     outs = engine.generate(prompts[:2], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))  # warm-up
     engine.reset_prefix_cache()
+    cpu0 = time.process_time()
     seconds, tokens = run_ours(engine, prompts, [n_tok] * len(prompts), spec["temperature"], spec["top_p"])
-    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens,
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "cpu_s": time.process_time() - cpu0,
             "check_ids": [list(o.output_token_ids) for o in outs],
             "detail": f"dtype {str(engine.dtype).removeprefix('torch.')}, max_num_seqs {engine.config.max_num_seqs}"}
 
@@ -128,9 +131,11 @@ def worker_hf(spec: dict, dtype_name: str) -> dict:
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=CHECK_TOKENS,
                              min_new_tokens=CHECK_TOKENS, do_sample=False, pad_token_id=pad)
+    cpu0 = time.process_time()
     seconds, tokens = run_hf(model, prompts, [n_tok] * len(prompts), len(prompts), pad, torch.device("cpu"),
                              spec["temperature"], spec["top_p"])
-    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": out[:, width:].tolist(),
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "cpu_s": time.process_time() - cpu0,
+            "check_ids": out[:, width:].tolist(),
             "detail": f"{dtype_name}, one static batch of {len(prompts)}"}
 
 
@@ -190,10 +195,11 @@ def worker_ct2(spec: dict, quantization: str) -> dict:
         return [r.sequences_ids[0] for r in res]
 
     check = run(prompts[:2], CHECK_TOKENS)  # warm-up
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     tokens = sum(len(ids) for ids in run(prompts, n_tok, sampled=True))
     seconds = time.perf_counter() - t0
     return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "convert_s": convert_s,
+            "cpu_s": time.process_time() - cpu0,
             "check_ids": check,
             "detail": f"{quantization}, one batch of {len(prompts)}, {spec['threads']} threads"}
 
@@ -213,6 +219,12 @@ def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process so far (/proc/PID/stat fields 14 and 15, proc(5))."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker_llama_cpp(spec: dict) -> dict:
@@ -252,13 +264,14 @@ def worker_llama_cpp(spec: dict) -> dict:
 
         with ThreadPoolExecutor(max_workers=slots) as pool:
             check = list(pool.map(lambda p: complete(p, CHECK_TOKENS, False), prompts[:2]))  # warm-up
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), process_cpu_s(server.pid)
             tokens = sum(len(t) for t in pool.map(lambda p: complete(p, n_tok, True), prompts))
             seconds = time.perf_counter() - t0
+            cpu_s = process_cpu_s(server.pid) - cpu0
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": check,
+    return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "check_ids": check, "cpu_s": cpu_s,
             "detail": f"llama-server Q4 GGUF, -np {slots}, {spec['threads']} threads"}
 
 
@@ -315,23 +328,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def table(rows: list[dict]) -> str:
     """Markdown table: system | workload | requests | output tokens | seconds | output tok/s | ratio to tokenmill."""
-    lines = ["| system | workload | requests | output tokens | seconds | output tok/s | ratio to tokenmill | load s "
-             "| greedy prefix = tokenmill's |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | workload | requests | output tokens | seconds | output tok/s | ratio to tokenmill "
+             "| output tok per CPU s | ratio (CPU s) | load s | greedy prefix = tokenmill's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ok = {(r["system"], r["workload"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['system']} | {r['workload']} | {r['requests']} | {r['status']}: {r['detail']} "
-                         "| | | | | |")
+                         "| | | | | | | |")
             continue
         base = ok.get(("tokenmill", r["workload"]))
         ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base else "-"
+        per_cpu = r["output_tokens"] / r["cpu_s"] if r.get("cpu_s") else None
+        base_cpu = base["output_tokens"] / base["cpu_s"] if base and base.get("cpu_s") else None
+        cpu_ratio = f"{per_cpu / base_cpu:.2f}x" if per_cpu and base_cpu else "-"
         load = f"{r['load_s']:.1f}" + (f" (+{r['convert_s']:.0f} converting)" if r.get("convert_s") else "")
         agree = "-"
         if base:
             same = sum(common_prefix(a, b) for a, b in zip(r["check_ids"], base["check_ids"], strict=True))
             agree = f"{same}/{sum(len(b) for b in base['check_ids'])}"
         lines.append(f"| {r['system']} ({r['detail']}) | {r['workload']} | {r['requests']} | {r['output_tokens']:,} "
-                     f"| {r['seconds']:.2f} | {r['tok_s']:.1f} | {ratio} | {load} | {agree} |")
+                     f"| {r['seconds']:.2f} | {r['tok_s']:.1f} | {ratio} | {f'{per_cpu:.1f}' if per_cpu else '-'} "
+                     f"| {cpu_ratio} | {load} | {agree} |")
     return "\n".join(lines)
 
 
@@ -396,7 +414,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if row["status"] == "ok":
                     row["tok_s"] = row["output_tokens"] / row["seconds"]
                     print(f"{w} {system}: {row['output_tokens']} tokens in {row['seconds']:.2f} s = "
-                          f"{row['tok_s']:.1f} tok/s (load {row['load_s']:.1f} s; load average {row['loadavg']})",
+                          f"{row['tok_s']:.1f} tok/s, {row['cpu_s']:.1f} CPU s (load {row['load_s']:.1f} s; load "
+                          f"average {row['loadavg']})",
                           flush=True)
                 else:
                     print(f"{w} {system}: {row['status']}: {row['detail']}", flush=True)

@@ -27,6 +27,8 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
+
 namespace {
 
 // Widen a row to fp32. bf16 is the high half of an fp32: a 16-bit shift, which vectorizes (c10::BFloat16's
@@ -207,6 +209,155 @@ inline float hsum16(v16 v) {
   return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2 (8 fp32 lanes, 16 registers): attention one query row at a time, written for the register file it runs on.
+// The 16-lane path above keeps 16 dot products (32 ymm) or 16 value accumulators live, which AVX2 cannot hold; here
+// a score run is 8 dot products (8 accumulators + the query chunk) and a value pass P <= 4 heads x 16 channels (8
+// accumulators, P broadcasts, one value vector). Every key and value cache line of the row's context is read once
+// per KV head group pass; fp32 keys and values are read in place (bf16/fp16 ones widened 8 rows at a time).
+constexpr bool kAvx2Rows = true;
+
+template <typename T>
+inline __m256 load8_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// Lane i of the result: the sum of the 8 lanes of a[i] (8 dot products finished at once: 6 hadds, 2 permutes).
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// acc_i[0:16] += sum over keys lo <= t < lim of p_i[t - lo] * V[t] for P heads of one KV head (its 16 channels at
+// `off` of each cache row), values read in place block by block through the block table.
+template <typename T, int P>
+inline void pv_slice_avx2(const T* v_cache, const int32_t* table, int64_t block_size, int64_t row, int64_t off,
+                          const float* const* p, int64_t lo, int64_t lim, float* const* acc) {
+  __m256 a[P][2];
+  for (int i = 0; i < P; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  for (int64_t t0 = lo; t0 < lim;) {
+    const int64_t in_block = t0 % block_size, m = std::min<int64_t>(block_size - in_block, lim - t0);
+    const T* vr = v_cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size + in_block) * row + off;
+    const int64_t base = t0 - lo;
+    for (int64_t t = 0; t < m; ++t, vr += row) {
+      const __m256 v0 = load8_f32(vr), v1 = load8_f32(vr + 8);
+#pragma GCC unroll 4
+      for (int i = 0; i < P; ++i) {
+        const __m256 pt = _mm256_broadcast_ss(p[i] + base + t);
+        a[i][0] = _mm256_fmadd_ps(pt, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(pt, v1, a[i][1]);
+      }
+    }
+    t0 += m;
+  }
+  for (int i = 0; i < P; ++i) {
+    _mm256_storeu_ps(acc[i], a[i][0]);
+    _mm256_storeu_ps(acc[i] + 8, a[i][1]);
+  }
+}
+
+// One query row (num_heads x head_dim at q, head stride q_stride_h) against keys lo <= t < lim of its request:
+// scores in fp32, softmax with the row maximum subtracted, the weighted sum of values, out rounded to T once.
+// Scratch: qf [num_heads * head_dim], scores [num_heads * padded] (padded = n rounded up to 16), kbuf
+// [8 * head_dim] (non-fp32 caches), acc [num_heads * head_dim]. head_dim % 16 == 0.
+template <typename T>
+void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* v_cache, const int32_t* table,
+                     int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group, float scale,
+                     int64_t lo, int64_t lim, float* qf, std::vector<float>& scores, float* kbuf, float* acc, T* out) {
+  const int64_t num_heads = num_kv_heads * group, row = num_kv_heads * head_dim;
+  const int64_t n = lim - lo, padded = (n + 15) / 16 * 16;
+  if (static_cast<int64_t>(scores.size()) < num_heads * padded) scores.resize(num_heads * padded);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    load_row(q + h * q_stride_h, qf + h * head_dim, head_dim);
+    for (int64_t i = 0; i < head_dim; ++i) qf[h * head_dim + i] *= scale;
+  }
+  auto key = [&](int64_t t) {
+    return k_cache + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
+  };
+  for (int64_t t0 = lo; t0 < lim; t0 += 8) {
+    const int64_t m = std::min<int64_t>(8, lim - t0);
+    const T* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = key(t0 + std::min<int64_t>(i, m - 1));  // a short run repeats its last key
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const float* kf[8];
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (std::is_same_v<T, float>) {
+          kf[i] = kr[i] + g * head_dim;
+        } else {
+          load_row(kr[i] + g * head_dim, kbuf + i * head_dim, head_dim);
+          kf[i] = kbuf + i * head_dim;
+        }
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* qh = qf + h * head_dim;
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < head_dim; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + c);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf[i] + c), a[i]);
+        }
+        _mm256_storeu_ps(scores.data() + h * padded + (t0 - lo), hsum8x8(a));
+      }
+    }
+  }
+  float inv[256];  // 1 / softmax denominator per head (num_heads <= 256, checked by the caller)
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* sh = scores.data() + h * padded;
+    for (int64_t t = n; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
+    v16 mv = load16(sh);
+    for (int64_t t = 16; t < padded; t += 16) {
+      const v16 x = load16(sh + t);
+      mv = x > mv ? x : mv;
+    }
+    const float mx = hmax16(mv);
+    v16 sum = {};
+    for (int64_t t = 0; t < padded; t += 16) {
+      const v16 e = exp16(load16(sh + t) - mx);
+      __builtin_memcpy(sh + t, &e, sizeof(e));
+      sum += e;
+    }
+    inv[h] = 1.f / hsum16(sum);
+  }
+  for (int64_t g = 0; g < num_kv_heads; ++g)
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
+      const int count = static_cast<int>(std::min<int64_t>(4, (g + 1) * group - h0));
+      for (int64_t c0 = 0; c0 < head_dim; c0 += 16) {
+        const float* ph[4];
+        float* ah[4];
+        for (int i = 0; i < count; ++i) {
+          ph[i] = scores.data() + (h0 + i) * padded;
+          ah[i] = acc + (h0 + i) * head_dim + c0;
+        }
+        const int64_t off = g * head_dim + c0;
+        switch (count) {
+          case 1: pv_slice_avx2<T, 1>(v_cache, table, block_size, row, off, ph, lo, lim, ah); break;
+          case 2: pv_slice_avx2<T, 2>(v_cache, table, block_size, row, off, ph, lo, lim, ah); break;
+          case 3: pv_slice_avx2<T, 3>(v_cache, table, block_size, row, off, ph, lo, lim, ah); break;
+          default: pv_slice_avx2<T, 4>(v_cache, table, block_size, row, off, ph, lo, lim, ah);
+        }
+      }
+    }
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (int64_t i = 0; i < head_dim; ++i) acc[h * head_dim + i] *= inv[h];
+  store_row(acc, out, num_heads * head_dim);
+}
+#else
+constexpr bool kAvx2Rows = false;
+template <typename T>
+void attend_row_avx2(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
+                     int64_t, int64_t, float*, std::vector<float>&, float*, float*, T*) {}
+#endif
+
 // One work item: query rows [row_begin, row_end) of request `seq`, at most kRowsPerItem of them.
 struct AttnItem {
   int64_t seq, row_begin, row_end;
@@ -245,6 +396,16 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
       for (int64_t j = 0; j < nr; ++j) {
         lim[j] = first_pos + (item.row_begin - query_start_loc[b]) + j + 1;
         lo[j] = window > 0 ? std::max<int64_t>(0, lim[j] - window) : 0;
+      }
+      if constexpr (kAvx2Rows && !std::is_same_v<T, double>) {
+        if (head_dim % 16 == 0 && num_heads <= 256) {
+          for (int64_t j = 0; j < nr; ++j)
+            attend_row_avx2(q + (item.row_begin + j) * q_stride_t, q_stride_h, k_cache, v_cache,
+                            block_tables + b * table_stride, block_size, num_kv_heads, head_dim, group, scale, lo[j],
+                            lim[j], qf.data(), scores, kf.data(), acc.data(),
+                            out + (item.row_begin + j) * num_heads * head_dim);
+          continue;
+        }
       }
       const int64_t len = lim[nr - 1];  // the last row sees the most keys
       // The first key read: the start of the KV block of the first row's first key. Scores are indexed from k0.
