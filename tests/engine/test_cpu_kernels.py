@@ -49,6 +49,20 @@ def test_cpu_attention_matches_the_reference(ops: object, dtype: torch.dtype, nu
     assert (out.float() - ref.float()).abs().max().item() < ATOL[dtype]
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128)])
+@pytest.mark.parametrize("step", STEPS)
+def test_cpu_kernel_reads_fp16_caches(ops: object, num_heads: int, num_kv_heads: int, head_dim: int,
+                                      step: tuple[list[int], list[int]]) -> None:
+    # fp16 caches are widened with F16C on AVX2 (8 lanes at a time) and elementwise elsewhere; every row, prefill
+    # chunks included, goes to the kernel here. fp16 outputs keep 11 bits of mantissa: 2e-3 at these magnitudes.
+    q, kc, vc, meta = make_step(*step, num_heads, num_kv_heads, 16, torch.float16, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0)
+    ref = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, scale)
+    assert out.dtype == torch.float16
+    assert (out.float() - ref).abs().max().item() < 2e-3
+
+
 def test_cpu_kernel_reads_strided_queries_and_long_contexts(ops: object) -> None:
     # q as the model passes it: a view of the fused QKV output (row stride > num_heads * head_dim); decodes after
     # and before prefill chunks, one chunk longer than a work item's 8 rows.
