@@ -90,7 +90,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
-                                   f"({summary.gpu_s_lost:.1f} device-seconds lost)"),
+                                   f"({summary.device_s_lost:.1f} device-seconds lost)"),
         ("dtype / quantization", ran_in(summary.dtypes, summary.quantizations)),
     ]:
         t.add_row(k, v)
