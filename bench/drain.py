@@ -10,7 +10,7 @@ job's settings (jobs.cluster.CLUSTER_CONFIG, shard slots from jobs.plugin.shard_
 that the worker's engine step statistics (engine.step_stats) can be read back before the cluster closes.
 
 Prints, per run: output tokens, seconds (the engine's generate call; the job's billed device-seconds, every shard's
-`gpu_s_billed`), output tok/s per (device-)second, the batch-size histogram over steps (deciles of max_num_seqs),
+`device_s_billed`), output tok/s per (device-)second, the batch-size histogram over steps (deciles of max_num_seqs),
 and the structural target of issue 28: among the steps during which some rows were not yet admitted, the share
 that ran fewer than max_num_seqs / 2 requests (target < 2%). The last line is a JSON object with every figure.
 """

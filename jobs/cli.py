@@ -47,7 +47,7 @@ def _print_status(st: JobStatus) -> None:
         ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}"),
         ("cost", f"${st.cost_usd:.6f}"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
-        ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.gpu_s_lost:.1f} device-seconds lost)"),
+        ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.device_s_lost:.1f} device-seconds lost)"),
         ("dtype / quantization", ran_in(st.dtypes, st.quantizations)),
         ("run", "none" if st.lease is None else f"{st.lease['holder']} (lease for {st.lease['expires_in_s']} s)"),
     ]:

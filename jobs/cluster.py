@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 import dask
-from distributed import Client, Future, LocalCluster, as_completed
+from distributed import Client, Future, KilledWorker, LocalCluster, as_completed
 from pydantic import ValidationError
 
 from engine import EngineConfig
@@ -38,7 +38,7 @@ from jobs.plugin import (
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
 from pipeline.attempts import list_attempts
-from pipeline.config import RunConfig
+from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
@@ -180,6 +180,14 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
 # default 8787 ("Port 8787 is already in use"); say_dashboard tells the user where it is.
 DASHBOARD_ADDRESS = "127.0.0.1:0"
 
+# What a shard task raises when the shard (or the worker it ran on) failed, not tokenmill: the engine failed to load or
+# was unloaded (RuntimeError, which ShardError and InputChanged are too), OUTPUT's store failed after its retries or the
+# worker's connection closed (OSError: ConnectionError, StoreUnreachable, distributed's CommClosedError), the worker
+# died more than ALLOWED_FAILURES times (KilledWorker), the model or input is the problem (InputError: ModelPinError).
+# Each fails its shard and the job goes on. Anything else (TypeError, KeyError, ...) is a bug: it fails the run, with
+# its traceback, instead of reading as a failed shard.
+SHARD_FAILURES: tuple[type[BaseException], ...] = (RuntimeError, OSError, KilledWorker, InputError)
+
 
 def say_dashboard(link: str) -> None:
     """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing): a
@@ -272,7 +280,8 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                     summary.fail(shard.shard_id, f"ShardInterrupted {tries + 1} times; last: {e}",
                                  attempts_claimed(output_url, shard.shard_id))
                 continue
-            except Exception as e:  # one failed shard never fails the others
+            except SHARD_FAILURES as e:  # one failed shard never fails the others
+                log.warning("shard %s failed: %s: %s", shard.shard_id, type(e).__name__, e)
                 row = ShardFailed(f"{type(e).__name__}: {e}")
             if isinstance(row, ShardFailed) and row.no_space:
                 # Not the shard's fault and not a preemption: every other shard would fail the same way. Stop here;
@@ -296,8 +305,8 @@ def attempts_claimed(output_url: str, shard_id: str) -> int:
     try:
         fs, root = output_fs(output_url)
         return list_attempts(fs, root, shard_id).latest
-    except Exception as e:  # a summary count is not worth a second failure
-        log.info("could not list the attempts of shard %s: %s", shard_id, e)
+    except (OSError, ValueError) as e:  # the store, or an attempt record it cannot parse: not worth a second failure
+        log.info("could not list the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
         return 0
 
 
@@ -308,5 +317,5 @@ def _take_out(client: Client, worker: str, restart: bool) -> None:
             client.restart_workers([worker], raise_for_error=False)
         else:
             client.retire_workers([worker], close_workers=True)
-    except Exception as e:  # the worker may be gone already
-        log.info("could not take preempted worker %s out: %s", worker, e)
+    except Exception as e:  # noqa: BLE001 best effort: the worker may be gone already, and takes itself out anyway
+        log.info("could not take preempted worker %s out: %s: %s", worker, type(e).__name__, e)

@@ -122,7 +122,7 @@ class JobStatus:
 
     `state` is one of done, running (a run holds the lease), failed (failed shards, no run holding the job),
     cancelled, incomplete (pending or partial shards, no run holding the job); `exit_code` maps it (jobs.errors).
-    Token counts in tokens, cost in USD, gpu_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
+    Token counts in tokens, cost in USD, device_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
     torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
     model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
     were pinned.
@@ -141,7 +141,7 @@ class JobStatus:
     cost_usd: float = 0.0
     attempts: int = 0
     preemptions: int = 0
-    gpu_s_lost: float = 0.0
+    device_s_lost: float = 0.0
     lease: dict[str, Any] | None = None
     cancelled: dict[str, Any] | None = None
     failed: dict[str, str] = field(default_factory=dict)
@@ -163,7 +163,7 @@ class JobStatus:
                 "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
                 "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
-                "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3), "lease": self.lease,
+                "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3), "lease": self.lease,
                 "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "model": self.model}
 

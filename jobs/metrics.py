@@ -143,7 +143,7 @@ class JobMetrics:
             self.rows_error.inc(summary.rows_error)
             for name, value in [("input_tokens", summary.input_tokens), ("output_tokens", summary.output_tokens),
                                 ("device_seconds_billed", summary.device_s), ("device_seconds_lost",
-                                                                              summary.gpu_s_lost),
+                                                                              summary.device_s_lost),
                                 ("cost_usd", summary.cost_usd), ("attempts", summary.attempts),
                                 ("preemptions", summary.preemptions)]:
                 self.totals[name].inc(value)

@@ -9,14 +9,16 @@ import json
 import sys
 import time
 from types import TracebackType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from engine.config import EngineConfig
 from jobs.options import job_options
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 # The engine's own default (engine.config.EngineConfig), not a second one.
 _INT4_GROUP_SIZE: int = EngineConfig.__dataclass_fields__["int4_group_size"].default
@@ -102,6 +104,8 @@ class _QuantizeProgress:
     def __enter__(self) -> _QuantizeProgress:
         self.t0 = time.perf_counter()
         if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), console=Console(stderr=True))
             self.bar.start()

@@ -34,7 +34,7 @@ def export(
     """
     if format not in FORMATS:
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
-    from jobs.openai_batch import export_openai_batch  # pyarrow and the pipeline: only when it runs
+    from jobs.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
 
     try:
         if to == "-":

@@ -35,13 +35,13 @@ MAX_TIME_BINS = 40
 # table of numbers, not of polars' null dtype.
 SHARD_SCHEMA = {"shard_id": pl.String, "state": pl.String, "rows": pl.Int64, "rows_error": pl.Int64,
                 "output_tokens": pl.Int64, "tokens_per_dollar": pl.Float64, "attempts": pl.Int64,
-                "preemptions": pl.Int64, "gpu_s_lost": pl.Float64, "gpu_s_billed": pl.Float64}
+                "preemptions": pl.Int64, "device_s_lost": pl.Float64, "device_s_billed": pl.Float64}
 
 
 @dataclass(frozen=True)
 class ReportData:
     """What the page shows, read from OUTPUT: the status (totals), one row per shard (`shards`: shard_id, state,
-    rows, rows_error, output_tokens, tokens_per_dollar, attempts, preemptions, gpu_s_lost, gpu_s_billed), the rows
+    rows, rows_error, output_tokens, tokens_per_dollar, attempts, preemptions, device_s_lost, device_s_billed), the rows
     of the committed results (`results`: shard_id, error), the committed checkpoint parts (`parts`: committed_at in
     seconds since the job's first attempt started, output_tokens) and the latencies of the rows in them
     (`latencies`: shard_id, latency_s; every attempt's rows)."""
@@ -74,8 +74,8 @@ def read_report_data(output_url: str) -> ReportData:
                            "rows": shard.num_rows, "rows_error": acc.get("rows_error"),
                            "output_tokens": acc.get("output_tokens"), "tokens_per_dollar": acc.get("tokens_per_dollar"),
                            "attempts": acc.get("attempts") or len(listing.started),
-                           "preemptions": acc.get("preemptions") or 0, "gpu_s_lost": acc.get("gpu_s_lost") or 0.0,
-                           "gpu_s_billed": acc.get("gpu_s_billed")})
+                           "preemptions": acc.get("preemptions") or 0, "device_s_lost": acc.get("device_s_lost") or 0.0,
+                           "device_s_billed": acc.get("device_s_billed")})
         if exists_now(fs, results_path(root, sid)):
             errors = read_table(fs, results_path(root, sid), columns=["error"]).column("error").to_pylist()
             result_frames.append(pl.DataFrame({"shard_id": [sid] * len(errors), "error": errors},
@@ -180,7 +180,7 @@ TITLES = {"tokens-over-time": "Output tokens/s over time", "tokens-per-dollar": 
 
 # Column headers of the shards table that differ from the column name with spaces (headers wrap: the table fits).
 _HEADERS = {"shard_id": "shard", "rows_error": "error rows", "tokens_per_dollar": "tokens per USD",
-            "gpu_s_lost": "device-s lost", "gpu_s_billed": "device-s billed"}
+            "device_s_lost": "device-s lost", "device_s_billed": "device-s billed"}
 
 
 def _cell(value: Any) -> str:
@@ -232,7 +232,7 @@ def render_report(output_url: str) -> str:
     data = read_report_data(output_url)
     st = data.status
     tpd = st.tokens_per_dollar
-    billed = data.shards["gpu_s_billed"].fill_null(0).sum()
+    billed = data.shards["device_s_billed"].fill_null(0).sum()
     totals = [
         ("shards", ", ".join(f"{n} {state}" for state, n in st.shards.items() if n)),
         ("rows committed / rows", f"{st.rows_committed:,} / {st.rows:,}"),
@@ -242,7 +242,7 @@ def render_report(output_url: str) -> str:
         ("cost", f"${st.cost_usd:.6f}"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions}"),
-        ("device-seconds lost", f"{st.gpu_s_lost:,.1f}"),
+        ("device-seconds lost", f"{st.device_s_lost:,.1f}"),
         ("dtype / quantization", f"{', '.join(st.dtypes) or 'n/a'} / {', '.join(st.quantizations) or 'n/a'}"),
     ]
     shards = data.shards
@@ -254,7 +254,7 @@ def render_report(output_url: str) -> str:
                                         [("attempts", "attempts", "tab:blue"),
                                          ("preemptions", "preemptions", "tab:red")]),
             "lost": _per_shard_bars(shards, TITLES["lost"], "device-seconds",
-                                    [("gpu_s_lost", "device-seconds lost", "tab:red")]),
+                                    [("device_s_lost", "device-seconds lost", "tab:red")]),
             "errors": errors_svg, "latency": _latency_plot(data.latencies)}
 
     def plot(name: str) -> str:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from jobs.cli_output import err, fail, out, ran_in, storage_fail
@@ -22,6 +21,8 @@ from jobs.options import job_options, options_given, options_set_by_env
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, load_job_spec
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
     from jobs.summary import JobSummary
 
 
@@ -41,6 +42,8 @@ class Reporter:
     def start(self, total_rows: int) -> None:
         self.total, self.t0 = total_rows, time.perf_counter()
         if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
             self.bar = Progress(TextColumn("rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                 TextColumn("{task.fields[rate]}"), console=err, transient=False)
             self.bar.start()
@@ -90,7 +93,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
-                                   f"({summary.gpu_s_lost:.1f} device-seconds lost)"),
+                                   f"({summary.device_s_lost:.1f} device-seconds lost)"),
         ("dtype / quantization", ran_in(summary.dtypes, summary.quantizations)),
     ]:
         t.add_row(k, v)

@@ -18,7 +18,7 @@ class JobSummary:
     """What a job did, rolled up over its shards (tokens; seconds; USD).
 
     `device_s` is the device time billed for the committed shards (every attempt, lost time included);
-    `attempts`, `preemptions` and `gpu_s_lost` (device-seconds of work no commit kept) come from their accounting;
+    `attempts`, `preemptions` and `device_s_lost` (device-seconds of work no commit kept) come from their accounting;
     `interruptions` counts shard runs this job saw stop (preemption or cancel). `stopped` maps shards left
     unfinished by a cancel to why; `cancelled` says the job was cancelled; `already_done` that it had finished
     before this run started (nothing ran). `dtypes` and `quantizations` are the distinct torch dtypes ("bfloat16",
@@ -50,7 +50,7 @@ class JobSummary:
     wall_s: float = 0.0
     attempts: int = 0
     preemptions: int = 0
-    gpu_s_lost: float = 0.0
+    device_s_lost: float = 0.0
     interruptions: int = 0
     cancelled: bool = False
     already_done: bool = False
@@ -82,7 +82,7 @@ class JobSummary:
         self.shards_ok += 1
         for k in ("rows", "rows_ok", "rows_error"):
             setattr(self, k, getattr(self, k) + int(row[k]))
-        self.device_s += float(row.get("gpu_s_billed") or row["wall_s"])
+        self.device_s += float(row.get("device_s_billed") or row["wall_s"])
         self.attempts += int(row.get("attempts") or 1)
         add_accounting(self, row)
 
@@ -100,7 +100,8 @@ class JobSummary:
                 "wall_s": round(self.wall_s, 3), "device_s": round(self.device_s, 3),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
                 "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
-                "attempts": self.attempts, "preemptions": self.preemptions, "gpu_s_lost": round(self.gpu_s_lost, 3),
+                "attempts": self.attempts, "preemptions": self.preemptions,
+                "device_s_lost": round(self.device_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
                 "ids_repeated": self.ids_repeated, "repinned": self.repinned, "run_rows": self.run_rows,
@@ -126,7 +127,7 @@ def add_accounting(totals: Any, row: dict[str, Any]) -> None:
     totals.output_tokens += int(row["output_tokens"])
     totals.cost_usd += float(row["cost_usd"])
     totals.preemptions += int(row.get("preemptions") or 0)
-    totals.gpu_s_lost += float(row.get("gpu_s_lost") or 0.0)
+    totals.device_s_lost += float(row.get("device_s_lost") or 0.0)
     add_distinct(totals.dtypes, row.get("dtype"))
     add_distinct(totals.quantizations, row.get("quantization"))
 

@@ -56,7 +56,7 @@ def record_failure(output_url: str, shard_id: str, error: str) -> int:
     returns its attempt number."""
     fs, root = output_fs(output_url)
     attempt, _ = claim_attempt(fs, root, shard_id)
-    end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, gpu_s=0.0, error=error)
+    end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, device_s=0.0, error=error)
     return attempt
 
 

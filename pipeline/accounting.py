@@ -8,11 +8,11 @@ Earlier attempts are billed from their records (pipeline.attempts, pipeline.chec
   one heartbeat interval (RunConfig.heartbeat_seconds), never over-bills. An attempt whose start record has no
   `heartbeat_s` (written before heartbeats existed) is estimated as before: its last part's elapsed time plus the
   time to the next attempt's start, capped at `checkpoint_seconds`.
-- Its lost device-seconds (`gpu_s_lost`) are those after its last commit: work no commit kept. For an interrupted
+- Its lost device-seconds (`device_s_lost`) are those after its last commit: work no commit kept. For an interrupted
   attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
 
 Shards share a worker's engine (engine.engine_loop: several shards' rows in one batch). An attempt's own
-device-seconds (`gpu_s`, and `gpu_s` in its end record) are therefore not its wall time but its fair share
+device-seconds (`device_s`, and `device_s` in its end record) are therefore not its wall time but its fair share
 (engine.engine_loop.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
 (prefill chunks and decodes), plus the wall time in which the engine ran no step at all (reading the shard,
 committing, idle). Shards that overlap for T seconds are billed T in all. A killed attempt, which cannot write its
@@ -42,13 +42,13 @@ class EarlierAttempts:
 
     Attributes:
         preemptions: attempts that ended without finishing and without failing (interrupted or killed).
-        gpu_s: their device-seconds, estimated for killed ones (seconds).
-        gpu_s_lost: their device-seconds after their last commit (seconds).
+        device_s: their device-seconds, estimated for killed ones (seconds).
+        device_s_lost: their device-seconds after their last commit (seconds).
     """
 
     preemptions: int = 0
-    gpu_s: float = 0.0
-    gpu_s_lost: float = 0.0
+    device_s: float = 0.0
+    device_s_lost: float = 0.0
 
 
 def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
@@ -61,13 +61,13 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
         return EarlierAttempts()
     last_part = {p.attempt: p for p in parts}  # parts come sorted: the last one per attempt wins
     starts = {a: read_record(fs, start_path(root, shard_id, a)) for a in listing.started if a <= attempt}
-    preemptions, gpu_s, lost = 0, 0.0, 0.0
+    preemptions, device_s, lost = 0, 0.0, 0.0
     for a in earlier:
         marker = read_record(fs, last_part[a].marker) if a in last_part else {}
         kept = float(marker.get("elapsed_s", 0.0))
         end = read_record(fs, end_path(root, shard_id, a)) if a in listing.ended else {}
         if end:
-            used = float(end.get("gpu_s", kept))
+            used = float(end.get("device_s", end.get("gpu_s", kept)))  # gpu_s: records written before the rename
             preemptions += end.get("outcome") == "interrupted"
         elif starts[a].get("heartbeat_s") is not None:
             preemptions += 1
@@ -79,9 +79,9 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
                                and starts[b].get("started_at") is not None), None)
             gap = 0.0 if last_at is None or next_start is None else float(next_start) - float(last_at)
             used = kept + min(max(gap, 0.0), checkpoint_seconds)
-        gpu_s += used
+        device_s += used
         lost += max(used - kept, 0.0)
-    return EarlierAttempts(preemptions, gpu_s, lost)
+    return EarlierAttempts(preemptions, device_s, lost)
 
 
 def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
@@ -90,14 +90,14 @@ def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
 
 
 def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
-                   wall_s: float, generated_tokens: int, gpu_s: float, earlier: EarlierAttempts, rows_resumed: int,
+                   wall_s: float, generated_tokens: int, device_s: float, earlier: EarlierAttempts, rows_resumed: int,
                    kv_preemptions: int, device: str, dtype: str, quantization: str, model: str,
                    price_per_hour_usd: float, model_fingerprint: str | None = None) -> dict[str, Any]:
     """One schemas.ACCOUNTING_SCHEMA row for the attempt that finished the shard.
 
     `results`: the committed results (what the bill describes); `wall_s`: this attempt's generation time (seconds);
-    `generated_tokens`: output tokens this attempt generated; `gpu_s`: this attempt's device-seconds. The cost bills
-    every attempt's device-seconds (`gpu_s + earlier.gpu_s`, in `gpu_s_billed`): lost time is real money.
+    `generated_tokens`: output tokens this attempt generated; `device_s`: this attempt's device-seconds. The cost bills
+    every attempt's device-seconds (`device_s + earlier.device_s`, in `device_s_billed`): lost time is real money.
     `device`, `dtype` ("bfloat16", "float32", ...: what ran, "auto" resolved) and `quantization` (none, auto, int4,
     int8) say what the engine that finished the shard ran on and in; `model_fingerprint` which model it had loaded
     (pipeline.model_pin; None when the job pinned none).
@@ -105,7 +105,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
     rows = results.num_rows
     errors = rows - results.column("error").null_count
     out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
-    billed = gpu_s + earlier.gpu_s
+    billed = device_s + earlier.device_s
     cost = billed / 3600.0 * price_per_hour_usd
     return {
         "shard_id": shard_id, "attempt": attempt, "input_path": input_path, "row_start": row_start,
@@ -114,21 +114,28 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "wall_s": wall_s, "output_tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
         "device": device, "dtype": dtype, "quantization": quantization, "price_per_hour_usd": price_per_hour_usd,
         "cost_usd": cost, "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),
-        "attempts": attempt, "preemptions": earlier.preemptions, "gpu_s": gpu_s, "gpu_s_lost": earlier.gpu_s_lost,
-        "gpu_s_billed": billed, "rows_resumed": rows_resumed, "kv_preemptions": kv_preemptions, "model": model,
+        "attempts": attempt, "preemptions": earlier.preemptions, "device_s": device_s,
+        "device_s_lost": earlier.device_s_lost, "device_s_billed": billed, "rows_resumed": rows_resumed,
+        "kv_preemptions": kv_preemptions, "model": model,
         "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC), "generated_tokens": generated_tokens,
     }
 
 
+# Accounting columns renamed since (issue 31: they hold device-seconds, CPU included): an OUTPUT written before reads
+# under the new names.
+OLD_NAMES = {"gpu_s": "device_s", "gpu_s_lost": "device_s_lost", "gpu_s_billed": "device_s_billed"}
+
+
 def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
-    """committed_accounting on an open filesystem and protocol-less OUTPUT root."""
+    """committed_accounting on an open filesystem and protocol-less OUTPUT root. Columns written under their old names
+    (OLD_NAMES) read under the new ones."""
     if not exists_now(fs, results_path(root, shard_id)):
         return None
     # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
     for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
         path = accounting_path(root, shard_id, attempt)
         if exists_now(fs, path):
-            row = read_table(fs, path).to_pylist()[-1]
+            row = {OLD_NAMES.get(k, k): v for k, v in read_table(fs, path).to_pylist()[-1].items()}
             # A file written before a column was added (dtype, quantization) lacks it: read as null.
             return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
     return None

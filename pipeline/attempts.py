@@ -8,7 +8,7 @@ Layout under OUTPUT (JSON, create-only, never overwritten; paths from pipeline.l
                                               a sign of life: the attempt was running MMMMMMMMMM ms after its start
                                               (Heartbeat; written only when no checkpoint part showed it meanwhile)
     attempts/<shard_id>/attempt-NNN.end.json  end:   attempt, outcome ("interrupted" | "failed"), rows_committed,
-                                              gpu_s, ended_at, reason, error
+                                              device_s, ended_at, reason, error
 
 A run claims the lowest free number with a create-only write, so two runs of one shard at once (a zombie worker and
 its replacement) never share a number, and the numbers name their checkpoint parts. An attempt that finishes commits
@@ -89,11 +89,11 @@ def claim_attempt(fs: AbstractFileSystem, root: str, shard_id: str,
 
 
 def end_attempt(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, outcome: Outcome, *,
-                rows_committed: int, gpu_s: float, reason: str | None = None, error: str | None = None) -> None:
+                rows_committed: int, device_s: float, reason: str | None = None, error: str | None = None) -> None:
     """Record how attempt `attempt` ended: rows it committed (rows), device-seconds it held (seconds), why it stopped
     (`reason`) or what failed (`error`). Create-only; raises what the store raises."""
     commit_json(fs, end_path(root, shard_id, attempt), {
-        "attempt": attempt, "outcome": outcome, "rows_committed": rows_committed, "gpu_s": gpu_s,
+        "attempt": attempt, "outcome": outcome, "rows_committed": rows_committed, "device_s": device_s,
         "ended_at": time.time(), "reason": reason, "error": error})
 
 

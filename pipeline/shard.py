@@ -112,7 +112,7 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         except Exception as e:
             try:
                 end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
-                            gpu_s=clock.device_s(), error=f"{type(e).__name__}: {e}")
+                            device_s=clock.device_s(), error=f"{type(e).__name__}: {e}")
             except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
                 (log.debug if is_no_space(record_error) else log.warning)(
                     "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
@@ -176,12 +176,12 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         results = _results(merged, shard)
         if not commit_table(fs, done_path, results):
             results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
-    gpu_s = clock.device_s()
+    device_s = clock.device_s()
     earlier = bill_earlier_attempts(fs, root, shard.shard_id, attempt, list_attempts(fs, root, shard.shard_id),
                                     parts, cfg.checkpoint_seconds)
     row = accounting_row(
         shard_id=shard.shard_id, attempt=attempt, input_path=shard.url, row_start=shard.row_start, results=results,
-        wall_s=wall_s, generated_tokens=generated_tokens, gpu_s=gpu_s, earlier=earlier, rows_resumed=rows_resumed,
+        wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s, earlier=earlier, rows_resumed=rows_resumed,
         kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
         model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
@@ -200,7 +200,7 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
     left = aborted + len(ckpt.pending)
     try:
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
-                    gpu_s=clock.device_s(), reason=reason)
+                    device_s=clock.device_s(), reason=reason)
     except Exception as e:  # without it the next attempt estimates this one's time instead
         (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
                                                         shard_id, attempt, e)

@@ -127,7 +127,8 @@ def test_a_job_pushes_its_totals_and_writes_a_textfile(pushgateway: str, tmp_pat
         r["input_tokens"] for r in acc)
     assert pushed[("tokenmill_output_tokens_total", lab)] == summary["output_tokens"] == 30
     assert pushed[("tokenmill_cost_usd_total", lab)] == pytest.approx(sum(r["cost_usd"] for r in acc))
-    assert pushed[("tokenmill_device_seconds_billed_total", lab)] == pytest.approx(sum(r["gpu_s_billed"] for r in acc))
+    billed = sum(r["device_s_billed"] for r in acc)
+    assert pushed[("tokenmill_device_seconds_billed_total", lab)] == pytest.approx(billed)
     assert pushed[("tokenmill_tokens_per_dollar", lab)] == pytest.approx(summary["tokens_per_dollar"], rel=1e-3)
     assert pushed[("tokenmill_attempts_total", lab)] == 2 and pushed[("tokenmill_preemptions_total", lab)] == 0
     assert pushed[("tokenmill_shards", (*lab, ("state", "ok")))] == 2

@@ -98,18 +98,18 @@ def test_status_and_summary_fold_accounting_rows_alike() -> None:
     from jobs.summary import add_accounting
 
     rows = [{"rows": 4, "rows_ok": 4, "rows_error": 0, "input_tokens": 300, "output_tokens": 40, "wall_s": 2.0,
-             "cost_usd": 0.001, "attempts": 2, "preemptions": 1, "gpu_s_lost": 0.5, "dtype": "float32",
+             "cost_usd": 0.001, "attempts": 2, "preemptions": 1, "device_s_lost": 0.5, "dtype": "float32",
              "quantization": "none"},
             {"rows": 3, "rows_ok": 2, "rows_error": 1, "input_tokens": 200, "output_tokens": 30, "wall_s": 1.0,
-             "cost_usd": 0.002, "preemptions": None, "gpu_s_lost": None, "dtype": "bfloat16",
+             "cost_usd": 0.002, "preemptions": None, "device_s_lost": None, "dtype": "bfloat16",
              "quantization": "none"}]
     summary = JobSummary(shards=2)
     status = JobStatus("out", "", 0, "in", "now", {}, 7, 0)
     for row in rows:
         summary.add(row)
         add_accounting(status, row)
-    keys = ("input_tokens", "output_tokens", "cost_usd", "preemptions", "gpu_s_lost", "dtypes", "quantizations")
+    keys = ("input_tokens", "output_tokens", "cost_usd", "preemptions", "device_s_lost", "dtypes", "quantizations")
     assert {k: getattr(status, k) for k in keys} == {k: getattr(summary, k) for k in keys} == {
         "input_tokens": 500, "output_tokens": 70, "cost_usd": pytest.approx(0.003), "preemptions": 1,
-        "gpu_s_lost": 0.5, "dtypes": ["bfloat16", "float32"], "quantizations": ["none"]}
+        "device_s_lost": 0.5, "dtypes": ["bfloat16", "float32"], "quantizations": ["none"]}
     assert (summary.rows, summary.rows_error, summary.attempts) == (7, 1, 3)

@@ -140,8 +140,8 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     kept = read_record(fs, [p for p in committed_parts(fs, root, killed) if p.attempt == dead][-1].marker)["elapsed_s"]
     assert dead in listing.alive  # it left signs of life after its last checkpoint
     last_sign = max(kept, listing.alive[dead])
-    assert acct["gpu_s_billed"] - acct["gpu_s"] == pytest.approx(last_sign, abs=1e-6)
-    assert acct["gpu_s_lost"] == pytest.approx(last_sign - kept, abs=1e-6)
+    assert acct["device_s_billed"] - acct["device_s"] == pytest.approx(last_sign, abs=1e-6)
+    assert acct["device_s_lost"] == pytest.approx(last_sign - kept, abs=1e-6)
     assert last_sign <= killed_at[0] - started_at + 0.5  # nothing billed after the kill
 
 

@@ -45,9 +45,9 @@ def test_parts_with_markers_give_the_results_of_an_undisturbed_run(waves: LLMEng
     results = _results(out, shard)
     assert results.to_pylist() == reference.to_pylist()  # greedy: the same text, token counts, errors
     assert results.column("id").to_pylist() == pq.read_table(shard.path).column("id").to_pylist()
-    assert (acct["attempts"], acct["preemptions"], acct["rows_resumed"], acct["gpu_s_lost"]) == (1, 0, 0, 0.0)
+    assert (acct["attempts"], acct["preemptions"], acct["rows_resumed"], acct["device_s_lost"]) == (1, 0, 0, 0.0)
     assert acct["output_tokens"] == (ROWS - 1) * MAX_TOKENS
-    assert acct["cost_usd"] == pytest.approx(acct["gpu_s_billed"] / 3600 * acct["price_per_hour_usd"])
+    assert acct["cost_usd"] == pytest.approx(acct["device_s_billed"] / 3600 * acct["price_per_hour_usd"])
 
 
 def test_a_part_without_its_marker_is_ignored_on_resume(waves: LLMEngine, shard: Shard, reference: pa.Table,
@@ -109,7 +109,7 @@ def test_rows_committed_by_two_racing_attempts_appear_once(waves: LLMEngine, sha
     assert results.to_pylist() == reference.to_pylist()
     # The zombie never ended: billed as a killed attempt (a preemption), from its marker's elapsed time on.
     assert (acct["attempts"], acct["preemptions"], acct["rows_resumed"]) == (2, 1, 0)
-    assert acct["gpu_s_billed"] >= acct["gpu_s"] + 1.0
+    assert acct["device_s_billed"] >= acct["device_s"] + 1.0
 
 
 def test_a_failed_part_commit_fails_the_attempt_and_leaves_the_engine_clean(

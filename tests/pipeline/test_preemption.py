@@ -62,9 +62,9 @@ def test_stopped_shard_commits_finished_rows_and_resumes_with_only_the_rest(
     assert (end["outcome"], end["rows_committed"], end["reason"]) == ("interrupted", committed, "should_stop")
     acct = _resume_and_check(waves, shard, out, reference, committed)
     # Attempt 1 wrote its device time in its end record: billed exactly, lost time after its stop commit only.
-    assert acct["gpu_s_billed"] == pytest.approx(acct["gpu_s"] + end["gpu_s"])
-    assert 0.0 <= acct["gpu_s_lost"] < end["gpu_s"]
-    assert acct["cost_usd"] == pytest.approx(acct["gpu_s_billed"] / 3600 * acct["price_per_hour_usd"])
+    assert acct["device_s_billed"] == pytest.approx(acct["device_s"] + end["device_s"])
+    assert 0.0 <= acct["device_s_lost"] < end["device_s"]
+    assert acct["cost_usd"] == pytest.approx(acct["device_s_billed"] / 3600 * acct["price_per_hour_usd"])
 
 
 _CHILD = """

@@ -12,14 +12,14 @@ import pytest
 from shard_helpers import shard_cfg
 
 from engine import LLMEngine, RequestOutput
-from pipeline.accounting import EarlierAttempts, accounting_row
-from pipeline.attempts import claim_attempt, end_attempt
+from pipeline.accounting import OLD_NAMES, EarlierAttempts, accounting_row, bill_earlier_attempts
+from pipeline.attempts import claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer
 from pipeline.input import Shard
-from pipeline.layout import accounting_path, results_path
+from pipeline.layout import accounting_path, end_path, results_path
 from pipeline.shard import ShardError, run_shard
 from pipeline.status import shard_state
-from pipeline.storage import commit_table, output_fs
+from pipeline.storage import commit_json, commit_table, output_fs
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 
@@ -66,7 +66,7 @@ def test_running_partial_stale_and_pending_follow_the_records(rows_file: str, tm
     assert shard_state(out, shard_id, now=later).state == "partial"
     assert shard_state(out, shard_id, stale_after_s=3600, now=later).state == "running"
 
-    end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=4, gpu_s=3.0, reason="SIGTERM")
+    end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=4, device_s=3.0, reason="SIGTERM")
     assert shard_state(out, shard_id).state == "partial"  # ended: not running, whatever the clock says
     claim_attempt(fs, root, "00001-000000000")
     assert shard_state(out, "00001-000000000", now=later).state == "pending"  # killed before any checkpoint
@@ -85,7 +85,7 @@ def test_accounting_written_before_the_dtype_columns_still_reads(tmp_path: Path)
                                    schema=RESULTS_SCHEMA)
     commit_table(fs, results_path(root, shard_id), results)
     row = accounting_row(shard_id=shard_id, attempt=attempt, input_path="file:///in.parquet", row_start=0,
-                         results=results, wall_s=1.0, generated_tokens=5, gpu_s=1.5, earlier=EarlierAttempts(),
+                         results=results, wall_s=1.0, generated_tokens=5, device_s=1.5, earlier=EarlierAttempts(),
                          rows_resumed=0, kv_preemptions=0, device="cpu", dtype="float32", quantization="none",
                          model="m", price_per_hour_usd=2.0)
     old_schema = pa.schema([f for f in ACCOUNTING_SCHEMA if f.name not in ("dtype", "quantization")])
@@ -96,3 +96,41 @@ def test_accounting_written_before_the_dtype_columns_still_reads(tmp_path: Path)
     assert list(done.accounting) == ACCOUNTING_SCHEMA.names
     assert (done.accounting["dtype"], done.accounting["quantization"]) == (None, None)
     assert done.accounting["output_tokens"] == 5 and done.accounting["cost_usd"] == pytest.approx(1.5 / 3600 * 2.0)
+
+
+def test_accounting_and_attempt_records_written_under_the_gpu_s_names_still_read(tmp_path: Path) -> None:
+    """An OUTPUT written before gpu_s, gpu_s_lost and gpu_s_billed were renamed device_s, device_s_lost and
+    device_s_billed (issue 31): its accounting reads under the new names with the values as written, and an
+    earlier attempt's end record that says gpu_s is billed those device-seconds."""
+    out = str(tmp_path / "out")
+    fs, root = output_fs(out)
+    shard_id = "00000-000000000"
+    first, _ = claim_attempt(fs, root, shard_id)
+    commit_json(fs, end_path(root, shard_id, first), {"attempt": first, "outcome": "interrupted",
+                                                      "rows_committed": 0, "gpu_s": 2.5, "ended_at": time.time(),
+                                                      "reason": "SIGTERM", "error": None})
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    earlier = bill_earlier_attempts(fs, root, shard_id, attempt, list_attempts(fs, root, shard_id), [], 60.0)
+    assert (earlier.preemptions, earlier.device_s, earlier.device_s_lost) == (1, 2.5, 2.5)
+
+    results = pa.Table.from_pylist([{"id": "0", "completion": "Natalia sold 48 clips", "finish_reason": "length",
+                                     "prompt_tokens": 12, "completion_tokens": 5, "error": None, "model": "m",
+                                     "input_file": "file:///in.parquet", "input_row": 0}],
+                                   schema=RESULTS_SCHEMA)
+    commit_table(fs, results_path(root, shard_id), results)
+    row = accounting_row(shard_id=shard_id, attempt=attempt, input_path="file:///in.parquet", row_start=0,
+                         results=results, wall_s=1.0, generated_tokens=5, device_s=1.5, earlier=earlier,
+                         rows_resumed=0, kv_preemptions=0, device="cpu", dtype="float32", quantization="none",
+                         model="m", price_per_hour_usd=2.0)
+    old = {new: name for name, new in OLD_NAMES.items()}
+    old_schema = pa.schema([f.with_name(old.get(f.name, f.name)) for f in ACCOUNTING_SCHEMA])
+    old_row = {old.get(k, k): v for k, v in row.items()}
+    commit_table(fs, accounting_path(root, shard_id, attempt), pa.Table.from_pylist([old_row], schema=old_schema))
+    assert "gpu_s_billed" in pq.read_schema(accounting_path(root, shard_id, attempt)).names
+
+    done = shard_state(out, shard_id)
+    assert done.state == "done" and done.accounting is not None
+    assert list(done.accounting) == ACCOUNTING_SCHEMA.names  # no gpu_s* keys beside the new ones
+    acc = done.accounting
+    assert (acc["device_s"], acc["device_s_lost"], acc["device_s_billed"]) == (1.5, 2.5, 4.0)
+    assert acc["cost_usd"] == pytest.approx(4.0 / 3600 * 2.0)

@@ -124,7 +124,7 @@ def test_results_committed_without_accounting_are_billed_as_committed(engine: LL
     assert (again["attempt"], again["attempts"], again["rows"], again["rows_resumed"]) == (2, 2, 3, 3)
     assert again["output_tokens"] == first["output_tokens"] == 9  # what is committed, not what attempt 2 made
     # Attempt 1 died after its results (no end record): billed up to its last commit, as a preemption.
-    assert again["preemptions"] == 1 and again["gpu_s_billed"] >= again["gpu_s"] + first["wall_s"]
+    assert again["preemptions"] == 1 and again["device_s_billed"] >= again["device_s"] + first["wall_s"]
 
 
 def test_checkpointed_shard_resumes_on_s3(waves: LLMEngine, shard: Shard, reference: pa.Table,

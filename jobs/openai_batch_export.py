@@ -1,0 +1,118 @@
+"""OpenAI Batch API files out: the rows of a job whose input was an OpenAI batch file (jobs.openai_batch) in the
+OpenAI batch output format.
+
+`tokenmill export OUTPUT --format openai-batch` writes the OpenAI batch output format, one line per row in
+input order: `id`, `custom_id`, `response` {`status_code` 200, `request_id`, `body`: a chat.completion or
+text_completion object with `choices` and `usage`} and `error` null; an error row has `response` null and `error`
+{`code`, `message`}. With n > 1 the body has n `choices`; with logprobs each choice has them in OpenAI's shape
+(chat: `logprobs.content` [{token, logprob, bytes, top_logprobs}]; completions: `logprobs` {tokens, token_logprobs,
+top_logprobs, text_offset}).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from jobs.errors import JobError
+from pipeline.accounting import read_committed_accounting
+from pipeline.layout import MANIFEST, results_path
+from pipeline.manifest import InputManifest, read_manifest
+from pipeline.storage import read_fs, read_table
+
+
+@dataclass(frozen=True)
+class ExportCounts:
+    """What export_openai_batch wrote: response lines, error lines, and the shards that have no committed results
+    yet (their rows are missing from the file)."""
+
+    responses: int
+    errors: int
+    missing_shards: tuple[str, ...]
+
+
+def _stable_id(*parts: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, "/".join(parts)).hex
+
+
+def _is_chat(manifest: InputManifest) -> bool:
+    """Chat-shaped responses when rows went through the chat template (messages, or text with the template)."""
+    return manifest.prompt_column == manifest.options.get("messages_column") or bool(
+        manifest.options.get("use_chat_template"))
+
+
+def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
+    """The OpenAI batch output objects of the job at OUTPUT, one per committed result row in input order (shards in
+    manifest order, rows in shard order); then, for each shard without committed results, its id (a str).
+    Ids (`id`, `request_id`, the body's `id`) are stable: the same job exports the same file. Raises JobError
+    (exit 2) when no job started at OUTPUT."""
+    manifest = read_manifest(output_url)
+    if manifest is None:
+        raise JobError(f"no job at {output_url}: its input manifest ({MANIFEST}) is missing")
+    fs, root = read_fs(output_url)
+    chat = _is_chat(manifest)
+    for shard in manifest.shards():
+        path = results_path(root, shard.shard_id)
+        accounting = read_committed_accounting(fs, root, shard.shard_id)
+        if accounting is None:
+            yield shard.shard_id
+            continue
+        created = int(accounting["finished_at"].timestamp())
+        for row in read_table(fs, path).to_pylist():
+            key = _stable_id(manifest.input, manifest.created_at, row["id"])
+            line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": row["id"]}
+            if row["error"] is not None:
+                yield {**line, "response": None, "error": {"code": "invalid_request", "message": row["error"]}}
+                continue
+            samples = row.get("samples") or [row]  # results written before n, logprobs existed have neither
+            body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
+                    "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": row["model"], "choices": [_choice(i, s, chat) for i, s in enumerate(samples)],
+                    "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
+                              "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
+            yield {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def _choice(index: int, sample: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """One `choices[]` entry of a response body from a result row or one of its samples, logprobs in OpenAI's
+    shape for the endpoint (None when not asked for)."""
+    text, logprobs = sample["completion"], sample.get("logprobs")
+    if logprobs is None:
+        shaped = None
+    elif chat:
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        shaped = {"content": [{**entry(e["token"], e["logprob"]),
+                               "top_logprobs": [entry(t["token"], t["logprob"]) for t in e["top_logprobs"]]}
+                              for e in logprobs], "refusal": None}
+    else:
+        offsets, at = [], 0
+        for e in logprobs:
+            offsets.append(at)
+            at += len(e["token"])
+        shaped = {"tokens": [e["token"] for e in logprobs], "token_logprobs": [e["logprob"] for e in logprobs],
+                  "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in logprobs],
+                  "text_offset": offsets}
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": index, **content, "logprobs": shaped, "finish_reason": sample["finish_reason"]}
+
+
+def export_openai_batch(output_url: str, dest: IO[str]) -> ExportCounts:
+    """Write the job's rows to `dest` in the OpenAI batch output format (batch_output_lines), one JSON object per
+    line. Returns the counts; rows of shards not committed yet are missing (their shard ids are listed)."""
+    responses = errors = 0
+    missing: list[str] = []
+    for item in batch_output_lines(output_url):
+        if isinstance(item, str):
+            missing.append(item)
+            continue
+        dest.write(json.dumps(item, ensure_ascii=False) + "\n")
+        if item["error"] is None:
+            responses += 1
+        else:
+            errors += 1
+    return ExportCounts(responses, errors, tuple(missing))
