@@ -28,6 +28,30 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager
 
 
+def bitmask_backend(device: torch.device) -> str:
+    """xgrammar's apply_token_bitmask_inplace backend for logits on `device`: "cpu" (its C++ loop) on the CPU;
+    on CUDA "triton" (xgrammar's default device kernel) when Triton imports, else "torch_native" (torch ops, still on
+    the device). Raises ValueError for another device type (name it: the engine runs on cpu and cuda)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"structured outputs run on cpu or cuda logits, not {device.type}; use device cpu or cuda")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch_native"
+    return "triton"
+
+
+def allocate_bitmask(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The host token bitmask (xgrammar's layout: int32 [rows, ceil(vocab_size / 32)], bit j of word w = token
+    32 w + j allowed), pinned when the logits live on CUDA so the per-step copy to the device is asynchronous."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+    return bitmask.pin_memory() if device.type == "cuda" else bitmask
+
+
 class RawLogprob(NamedTuple):
     """One output token's log probability and the top alternatives (token id, logprob), most likely first; logprobs
     are natural-log probabilities from the raw logits (fp32). The engine adds the tokens' text
@@ -83,7 +107,18 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.states: dict[str, RowState] = {}
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None  # int32 [rows, ceil(V / 32)] on the host (pinned on CUDA)
+        self._device_bitmask: torch.Tensor | None = None  # its copy on the logits' device (None on CPU)
+        self._batch_matcher: Any = None
+
+    @property
+    def _batch(self) -> Any:
+        """xgrammar's BatchGrammarMatcher (one thread: the step's other work already uses the cores)."""
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        return self._batch_matcher
 
     @property
     def active(self) -> bool:
@@ -205,18 +240,25 @@ class LogitsProcessors:
         logits.index_copy_(0, idx, sub)
 
     def _apply_bitmask(self, logits: torch.Tensor, matched: list[tuple[int, RowState]]) -> None:
-        """Fill each constrained row's bitmask row (xgrammar) and mask the logits of all of them in one call."""
+        """Fill the bitmask rows of every constrained row in one batched xgrammar call (C++, no Python per row) and
+        mask their logits in one call. On CUDA the bitmask is built on the host (pinned), copied to the device once
+        per step and applied there (xgrammar's Triton kernel): the logits never leave the device."""
         import xgrammar as xgr
 
         s = logits.shape[0]
         if self._bitmask is None or self._bitmask.shape[0] < s:
-            self._bitmask = xgr.allocate_token_bitmask(max(s, 64), self.vocab_size)
+            self._bitmask = allocate_bitmask(max(s, 64), self.vocab_size, logits.device)
+            self._device_bitmask = (None if logits.device.type == "cpu" else
+                                    torch.empty_like(self._bitmask, device=logits.device))
+        rows = [i for i, _ in matched]
+        indices = None if len(rows) == s else rows  # every row constrained (rows are distinct and in order)
+        self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in matched], self._bitmask, rows)
         bitmask = self._bitmask[:s]
-        for i, st in matched:
-            st.matcher.fill_next_token_bitmask(bitmask, i)
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=[i for i, _ in matched])
+        if self._device_bitmask is not None:
+            # Safe to reuse the pinned host buffer next step: sampling copies the tokens to the host (a sync) first.
+            bitmask = self._device_bitmask[:s].copy_(bitmask, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices,
+                                        backend=bitmask_backend(logits.device))
 
     def record(self, pending: _Pending, tokens: list[int]) -> None:
         """After sampling: append each logprobs row's chosen-token logprob and top-k (one device->host copy), and
@@ -229,6 +271,11 @@ class LogitsProcessors:
                 k = st.params.logprobs or 0
                 alts = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
                 st.logprobs.append(RawLogprob(tokens[pending.lp_rows[j]], values[j], alts))
-        for i, st in pending.matched:
-            if not st.matcher.accept_token(tokens[i]):
-                st.rejected = True
+        if pending.matched:
+            import xgrammar as xgr
+
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token([st.matcher for _, st in pending.matched],
+                                                                   [tokens[i] for i, _ in pending.matched])
+            for (_, st), ok in zip(pending.matched, accepted, strict=True):
+                if not ok:
+                    st.rejected = True
