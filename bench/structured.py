@@ -186,7 +186,71 @@ def ab(tree: str, rounds: int) -> None:
           f"CPU-second; ratio {mine / base:.3f}")
 
 
-MODES = ("unconstrained", "constrained", "mix", "classify")
+def logprobs_vs_hf(llm: LLMEngine, rows: int, max_tokens: int = 16, k: int = 5) -> dict:
+    """Greedy logprobs (top-k too) of `rows` GSM8K prompts against HF transformers' `generate(output_scores=True)`
+    on the same GGUF in fp32 (greedy: the scores are the raw logits), log_softmax of each step's scores."""
+    import torch
+    import transformers
+
+    qs = pq.read_table(DATA / "gsm8k_test.parquet", columns=["question"]).column("question").to_pylist()[:rows]
+    outs = llm.generate(qs, SamplingParams(max_tokens=max_tokens, logprobs=k, ignore_eos=True))
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                              dtype=torch.float32).eval()
+    chosen = top = 0.0
+    same = compared = 0
+    for o in outs:
+        with torch.inference_mode():
+            hf = model.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True, min_new_tokens=max_tokens,
+                                pad_token_id=0, repetition_penalty=None, temperature=None, top_p=None, top_k=None)
+        hf_tokens = hf.sequences[0, len(o.prompt_token_ids):].tolist()
+        same += hf_tokens == o.output_token_ids
+        for pos, entry in enumerate(o.logprobs):
+            if hf_tokens[:pos + 1] != o.output_token_ids[:pos + 1]:
+                break  # compare while both decoded the same tokens
+            ref = hf.scores[pos][0].float().log_softmax(-1)
+            chosen = max(chosen, abs(entry.logprob - ref[entry.token_id].item()))
+            values, ids = ref.topk(k)
+            if [t.token_id for t in entry.top_logprobs] != ids.tolist():
+                top = float("inf")
+            else:
+                top = max(top, max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, values.tolist(),
+                                                                       strict=True)))
+            compared += 1
+    print(f"     logprobs: {rows} GSM8K prompts x {max_tokens} greedy tokens vs HF output_scores (fp32): "
+          f"{same}/{rows} identical token sequences, {compared} positions compared; max |logprob diff| chosen "
+          f"{chosen:.2e}, top-{k} {top:.2e}", flush=True)
+    return {"mode": "logprobs", "rows": rows, "max_tokens": max_tokens, "identical": same, "positions": compared,
+            "max_abs_chosen": chosen, "max_abs_top": top}
+
+
+def samples(llm: LLMEngine, rows: int, max_tokens: int = 32) -> dict:
+    """n = 4 at temperature 0.8 on `rows` AlpacaEval prompts (seeded): prefix-cache hits against the siblings'
+    full prompt blocks, distinct samples per prompt, and a second run's samples equal to the first's."""
+    ins = pq.read_table(DATA / "alpaca_eval.parquet", columns=["instruction"]).column("instruction").to_pylist()
+    prompts = ins[100:100 + rows]
+    fresh = llm.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4 * rows))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, n=4, seed=1000 + i) for i in range(rows)]
+    pool = fresh.kv_cache_manager.pool
+    hits = pool.num_cache_hits
+    first = fresh.generate(prompts, params)
+    hits = pool.num_cache_hits - hits
+    bs = fresh.kv_cache_manager.block_size
+    sibling_blocks = sum(3 * ((o.num_prompt_tokens - 1) // bs) for o in first)
+    distinct = sum(len({tuple(x.output_token_ids) for x in o.samples}) == 4 for o in first)
+    fresh.reset_prefix_cache()
+    again = fresh.generate(prompts, params)
+    same = sum([x.output_token_ids for x in a.samples] == [x.output_token_ids for x in b.samples]
+               for a, b in zip(first, again, strict=True))
+    print(f"      samples: {rows} AlpacaEval prompts, n=4, temperature 0.8, seeded: {hits} prefix-cache block hits "
+          f"(the 3 siblings' full prompt blocks: {sibling_blocks}); {distinct}/{rows} prompts with 4 distinct "
+          f"samples; {same}/{rows} identical on a second run", flush=True)
+    return {"mode": "samples", "rows": rows, "cache_hits": hits, "sibling_full_blocks": sibling_blocks,
+            "distinct": distinct, "reproduced": same}
+
+
+MODES = ("unconstrained", "constrained", "mix", "classify", "logprobs", "samples")
 
 
 def run_modes(args: argparse.Namespace) -> list[dict]:
@@ -200,7 +264,8 @@ def run_modes(args: argparse.Namespace) -> list[dict]:
     llm.generate(["Hello"], SamplingParams(max_tokens=2))  # warm-up outside the timing
     results = []
     for mode in args.modes:
-        res = (classification(llm, args.classify_rows) if mode == "classify"
+        res = (classification(llm, args.classify_rows) if mode == "classify" else logprobs_vs_hf(llm, 16)
+               if mode == "logprobs" else samples(llm, 16) if mode == "samples"
                else extraction(llm, mode, args.rows, args.max_tokens))
         results.append(res)
         if args.out:
