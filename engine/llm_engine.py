@@ -92,6 +92,7 @@ class LLMEngine:
                                    if tokenizer is not None else None)
         self.logits_processors = LogitsProcessors(self.structured_outputs, model_config.vocab_size, stop_ids)
         self.runner.logits_processors = self.logits_processors
+        self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
         self._token_text: dict[int, str] = {}
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
@@ -249,6 +250,9 @@ class LLMEngine:
         """Schedule and run one step; return the requests that finished in it."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self.logits_processors.wait_for_compiles(0.05):  # every waiting row waits for its grammar
+                self.last_scheduled = []
+                return []
             raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
         sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
         finished = self.scheduler.update_from_output(plan, sampled)
@@ -266,6 +270,9 @@ class LLMEngine:
     def _output(self, req: Request, start: float) -> RequestOutput:
         text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
         state = self.logits_processors.pop(req.request_id) if self.logits_processors.active else None
+        if state is not None and state.error is not None:  # its constraint failed to compile after it was queued
+            return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "error", error=state.error,
+                                 num_preemptions=req.num_preemptions)
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,

@@ -10,14 +10,19 @@ a masked token stays masked whatever the bias), and finally the sampler's temper
 
 NOTE: only rows registered with `add` are touched, and a step whose batch holds none of them costs one truthiness
 test (`active`): the greedy path of unconstrained jobs pays nothing per row. The work of a step is one batched op per
-kind (one index_put for every bias, one scatter for every penalized row's counts, one bitmask application for every
-constrained row); the Python per registered row gathers its parameters and fills its bitmask row (xgrammar, C++).
+kind (one index_put for every bias, one scatter for every penalized row's counts; for the constrained rows one
+batched xgrammar bitmask fill, one bitmask application and one batched accept, all C++); the Python per registered
+row gathers its parameters. Measured (bench/README.md, "Structured outputs"): the constrained rows' share of a step's
+CPU time is about 1-2% on this model, the bitmask application (a pass over [S, V] fp32 logits) the largest part.
 A request's state (its matcher, its logprobs) follows its output tokens, which survive a KV preemption: recomputing
 the prompt after a preemption neither resets nor replays the matcher.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -25,7 +30,35 @@ import torch
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured_output import StructuredOutputManager
+from engine.structured_output import StructuredOutputManager, grammar_of
+
+# How long `add` waits for a constraint's compile before it lets the row wait in the queue instead (seconds): most
+# compiles (and every constraint that does not parse) finish within it, so their errors are error rows before any work.
+COMPILE_WAIT_S = 0.05
+
+
+def bitmask_backend(device: torch.device) -> str:
+    """xgrammar's apply_token_bitmask_inplace backend for logits on `device`: "cpu" (its C++ loop) on the CPU;
+    on CUDA "triton" (xgrammar's default device kernel) when Triton imports, else "torch_native" (torch ops, still on
+    the device). Raises ValueError for another device type (name it: the engine runs on cpu and cuda)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"structured outputs run on cpu or cuda logits, not {device.type}; use device cpu or cuda")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch_native"
+    return "triton"
+
+
+def allocate_bitmask(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The host token bitmask (xgrammar's layout: int32 [rows, ceil(vocab_size / 32)], bit j of word w = token
+    32 w + j allowed), pinned when the logits live on CUDA so the per-step copy to the device is asynchronous."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+    return bitmask.pin_memory() if device.type == "cuda" else bitmask
 
 
 class RawLogprob(NamedTuple):
@@ -40,20 +73,25 @@ class RawLogprob(NamedTuple):
 
 @dataclass
 class RowState:
-    """Per-request state kept across steps: its grammar matcher (None when unconstrained), its logprobs so far (None
-    when not asked for), and whether the matcher refused a token (never expected: the mask allows only accepted
-    tokens)."""
+    """Per-request state kept across steps: its grammar matcher (None when unconstrained or while its grammar
+    compiles), its logprobs so far (None when not asked for), whether the matcher refused a token (never expected: the
+    mask allows only accepted tokens), the compile it waits for (`compiling`), and the compile's error when its
+    constraint turned out not to compile after the row was queued (`error`: the row ends at once as an error row)."""
 
     params: SamplingParams
     matcher: Any = None
     logprobs: list[RawLogprob] | None = None
     rejected: bool = False
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    compiling: Future | None = None
+    error: str | None = None
 
     @property
     def valid(self) -> bool | None:
         """For a constrained request: True when its output completed the grammar (the matcher accepted an end token);
         None when unconstrained."""
+        if self.error is not None:
+            return False
         if self.matcher is None:
             return None
         return not self.rejected and self.matcher.is_terminated()
@@ -78,12 +116,27 @@ class LogitsProcessors:
         eos_token_ids: the model's end-of-sequence ids (masked by min_tokens).
     """
 
-    def __init__(self, structured: StructuredOutputManager | None, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, structured: StructuredOutputManager | None, vocab_size: int, eos_token_ids: list[int],
+                 compile_wait_s: float = COMPILE_WAIT_S) -> None:
         self.structured = structured
+        self.compile_wait_s = compile_wait_s
+        self._num_compiling = 0  # registered requests whose grammar still compiles
+        self._count_lock = threading.Lock()  # submitters `add` while the step thread resolves
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.states: dict[str, RowState] = {}
-        self._bitmask: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None  # int32 [rows, ceil(V / 32)] on the host (pinned on CUDA)
+        self._device_bitmask: torch.Tensor | None = None  # its copy on the logits' device (None on CPU)
+        self._batch_matcher: Any = None
+
+    @property
+    def _batch(self) -> Any:
+        """xgrammar's BatchGrammarMatcher (one thread: the step's other work already uses the cores)."""
+        if self._batch_matcher is None:
+            import xgrammar as xgr
+
+            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        return self._batch_matcher
 
     @property
     def active(self) -> bool:
@@ -94,7 +147,8 @@ class LogitsProcessors:
         """Register a request whose params need logits processing (SamplingParams.needs_logits_processing; others
         are ignored). Compiles its constraint (cached per distinct constraint). Raises ValueError when the constraint
         does not compile, the engine has no tokenizer to compile it against, or a logit_bias id is outside the
-        vocabulary."""
+        vocabulary. A compile that takes longer than `compile_wait_s` goes on in the background: the request is
+        registered as compiling, and `ready` holds it back from the batch until its grammar is done."""
         sp = request.sampling_params
         if not sp.needs_logits_processing:
             return
@@ -102,22 +156,80 @@ class LogitsProcessors:
         if outside:
             raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size}); "
                              "use this model's token ids")
-        matcher = None
+        matcher = compiling = None
         if sp.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured outputs need the model's tokenizer; this engine has none")
-            matcher = self.structured.matcher(sp.structured_outputs)
+            compiling = self.structured.compile_async(sp.structured_outputs)
+            try:
+                compiling.result(timeout=self.compile_wait_s)
+            except concurrent.futures.TimeoutError:
+                pass
+            else:
+                matcher, compiling = self._matcher(compiling), None  # a compile error raises here: an error row
         stop_ids = tuple(dict.fromkeys((*(() if sp.ignore_eos else self.eos_token_ids), *sp.stop_token_ids)))
+        if request.request_id in self.states:
+            self.pop(request.request_id)
         self.states[request.request_id] = RowState(sp, matcher, [] if sp.logprobs is not None else None,
-                                                   stop_ids=stop_ids)
+                                                   stop_ids=stop_ids, compiling=compiling)
+        if compiling is not None:
+            self._count(1)
+
+    def _count(self, delta: int) -> None:
+        with self._count_lock:
+            self._num_compiling += delta
+
+    @staticmethod
+    def _matcher(compiled: Future) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(grammar_of(compiled))
+
+    def ready(self, request: Request) -> bool:
+        """Whether `request` may join the batch: False while its grammar compiles (engine.scheduler holds it back and
+        admits the rows behind it). Once the compile is done it makes the request's matcher, or, when the constraint
+        did not compile, records the error (the row then ends at its first step as an error row). O(1) while no
+        grammar compiles."""
+        if not self._num_compiling:
+            return True
+        st = self.states.get(request.request_id)
+        if st is None or st.compiling is None:
+            return True
+        if not st.compiling.done():
+            return False
+        self._resolve(st)
+        return True
+
+    def _resolve(self, st: RowState) -> None:
+        """The compile `st` waited for is done (or is waited for now): its matcher, or its error."""
+        try:
+            st.matcher = self._matcher(st.compiling)
+        except ValueError as e:
+            st.error = str(e)
+        st.compiling = None
+        self._count(-1)
+
+    def wait_for_compiles(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` seconds for any registered request's grammar compile to finish (the scheduler had
+        nothing else to run). Returns False when no compile is pending."""
+        pending = [st.compiling for st in list(self.states.values()) if st.compiling is not None]
+        if not pending:
+            return False
+        concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        return True
 
     def pop(self, request_id: str) -> RowState | None:
         """Forget a finished request; its state, or None when it was not registered."""
-        return self.states.pop(request_id, None)
+        st = self.states.pop(request_id, None)
+        if st is not None and st.compiling is not None:
+            self._count(-1)
+        return st
 
     def clear(self) -> None:
         """Forget every request (an aborted batch)."""
         self.states.clear()
+        with self._count_lock:
+            self._num_compiling = 0
 
     def apply(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, _Pending | None]:
         """Process the logits [S, V] of a step whose rows sample `requests` (in order). Returns the logits to sample
@@ -132,6 +244,9 @@ class LogitsProcessors:
                 states.append(st)
         if not rows:
             return logits, None
+        for st in states:
+            if st.compiling is not None:  # scheduled without `ready` (a scheduler that does not ask): wait here
+                self._resolve(st)
         logits = logits.float()
         device = logits.device
         lp = [(i, st) for i, st in zip(rows, states, strict=True) if st.logprobs is not None]
@@ -143,6 +258,10 @@ class LogitsProcessors:
                 top = raw.topk(k, dim=-1)
         self._bias_and_min_tokens(logits, rows, states, requests)
         self._penalties(logits, rows, states, requests)
+        failed = [(i, st) for i, st in zip(rows, states, strict=True) if st.error is not None]
+        for i, st in failed:  # its constraint did not compile: end it now (only a stop id left), reported as an error
+            logits[i] = float("-inf")
+            logits[i, (st.stop_ids or self.eos_token_ids or (0,))[0]] = 0.0
         matched = [(i, st) for i, st in zip(rows, states, strict=True) if st.matcher is not None]
         if matched:
             self._apply_bitmask(logits, matched)
@@ -205,18 +324,25 @@ class LogitsProcessors:
         logits.index_copy_(0, idx, sub)
 
     def _apply_bitmask(self, logits: torch.Tensor, matched: list[tuple[int, RowState]]) -> None:
-        """Fill each constrained row's bitmask row (xgrammar) and mask the logits of all of them in one call."""
+        """Fill the bitmask rows of every constrained row in one batched xgrammar call (C++, no Python per row) and
+        mask their logits in one call. On CUDA the bitmask is built on the host (pinned), copied to the device once
+        per step and applied there (xgrammar's Triton kernel): the logits never leave the device."""
         import xgrammar as xgr
 
         s = logits.shape[0]
         if self._bitmask is None or self._bitmask.shape[0] < s:
-            self._bitmask = xgr.allocate_token_bitmask(max(s, 64), self.vocab_size)
+            self._bitmask = allocate_bitmask(max(s, 64), self.vocab_size, logits.device)
+            self._device_bitmask = (None if logits.device.type == "cpu" else
+                                    torch.empty_like(self._bitmask, device=logits.device))
+        rows = [i for i, _ in matched]
+        indices = None if len(rows) == s else rows  # every row constrained (rows are distinct and in order)
+        self._batch.batch_fill_next_token_bitmask([st.matcher for _, st in matched], self._bitmask, rows)
         bitmask = self._bitmask[:s]
-        for i, st in matched:
-            st.matcher.fill_next_token_bitmask(bitmask, i)
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=[i for i, _ in matched])
+        if self._device_bitmask is not None:
+            # Safe to reuse the pinned host buffer next step: sampling copies the tokens to the host (a sync) first.
+            bitmask = self._device_bitmask[:s].copy_(bitmask, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices,
+                                        backend=bitmask_backend(logits.device))
 
     def record(self, pending: _Pending, tokens: list[int]) -> None:
         """After sampling: append each logprobs row's chosen-token logprob and top-k (one device->host copy), and
@@ -229,6 +355,11 @@ class LogitsProcessors:
                 k = st.params.logprobs or 0
                 alts = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
                 st.logprobs.append(RawLogprob(tokens[pending.lp_rows[j]], values[j], alts))
-        for i, st in pending.matched:
-            if not st.matcher.accept_token(tokens[i]):
-                st.rejected = True
+        if pending.matched:
+            import xgrammar as xgr
+
+            accepted = xgr.BatchGrammarMatcher.batch_accept_token([st.matcher for _, st in pending.matched],
+                                                                   [tokens[i] for i, _ in pending.matched])
+            for (_, st), ok in zip(pending.matched, accepted, strict=True):
+                if not ok:
+                    st.rejected = True

@@ -92,6 +92,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Whether a waiting request may join the batch (engine.logits_processors.LogitsProcessors.ready: False while
+        # its grammar compiles); a held request keeps its place and the requests behind it are admitted.
+        self.admission_check: Callable[[Request], bool] | None = None
 
     def add_requests(self, requests: Iterable[Request], key: Callable[[Request], int] | None = None) -> None:
         """Queue requests in the given order (the engine sorts an offline batch before calling this), or, given a
@@ -217,9 +220,15 @@ class Scheduler:
         per request. At most max_num_seqs requests are passed over per step; their order in the queue is kept."""
         kv = self.kv_cache_manager
         deferred: list[Request] = []
+        held = 0  # of them, waiting for their grammar (not counted against max_num_seqs passes)
+        check = self.admission_check
         while (self.waiting and len(self.running) < self.max_num_seqs and budget > 0
-               and len(deferred) < self.max_num_seqs):
+               and len(deferred) - held < self.max_num_seqs):
             req = self.waiting[0]
+            if check is not None and not check(req):
+                deferred.append(self.waiting.popleft())
+                held += 1
+                continue
             hits = kv.get_computed_blocks(req)
             if pending and kv.enable_prefix_caching:
                 hashes = kv.block_hashes(req)

@@ -8,8 +8,11 @@ to the logits in one call (`xgrammar.apply_token_bitmask_inplace`, on CPU and CU
 
 Grammars are compiled once per distinct constraint (a million rows usually share a handful of schemas): this
 manager keeps a dict from the constraint to its compiled grammar, or to the compile error, so a bad schema costs one
-compile however many rows carry it. The xgrammar tokenizer info (about 0.5 s for a 49k vocabulary) is built on the
-first constrained request, so engines that never see one pay nothing.
+compile however many rows carry it. Compiles run on one background thread (`compile_async`; xgrammar releases the
+GIL while it compiles): a schema that takes seconds to compile (a long `maxLength` string is a large automaton)
+holds back only the rows that carry it, which the scheduler admits once their grammar is ready
+(engine.logits_processors.LogitsProcessors.ready); other rows keep stepping meanwhile. The xgrammar tokenizer info
+(about 0.5 s for a 49k vocabulary) is built on the first constrained request, so engines that never see one pay nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
@@ -41,8 +45,10 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
-        self._grammars: dict[StructuredOutputsParams, Any] = {}  # constraint -> CompiledGrammar or ValueError
+        # constraint -> Future of its CompiledGrammar, or of the ValueError naming why it does not compile
+        self._grammars: dict[StructuredOutputsParams, Future] = {}
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -53,19 +59,25 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
-    def grammar(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec` (compiled on first use, then cached). Raises ValueError naming the
-        constraint's problem (an unsupported JSON Schema feature, a regex that does not parse) and the fix."""
+    def compile_async(self, spec: StructuredOutputsParams) -> Future:
+        """The compile of `spec` on the background thread, started on first use and cached: a Future whose result is
+        the CompiledGrammar or the ValueError (returned, not raised) naming the constraint's problem and the fix."""
         with self._lock:
             found = self._grammars.get(spec)
             if found is None:
-                found = self._compile(spec)
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-grammar")
+                found = self._pool.submit(self._compile, spec)
                 self._grammars[spec] = found
-        if isinstance(found, ValueError):
-            raise ValueError(str(found))
         return found
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def grammar(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec` (compiled on first use, then cached), waiting for its compile. Raises
+        ValueError naming the constraint's problem (an unsupported JSON Schema feature, a regex that does not parse)
+        and the fix."""
+        return grammar_of(self.compile_async(spec))
+
+    def _compile_now(self, spec: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
         try:
             if spec.json_schema is not None:
@@ -83,6 +95,12 @@ class StructuredOutputManager:
             message = _CPP_PREFIX.sub("", str(e).strip()).strip()
             return ValueError(f"the {kind} constraint does not compile: {message}; fix the {kind}")
 
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        try:
+            return self._compile_now(spec)
+        except Exception as e:  # noqa: BLE001 - a compile must fail its rows, never the background thread's future
+            return ValueError(f"the constraint does not compile ({type(e).__name__}: {e}); fix the constraint")
+
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A fresh xgrammar GrammarMatcher for one request under `spec`. Raises ValueError as `grammar` does."""
         import xgrammar as xgr
@@ -93,3 +111,11 @@ class StructuredOutputManager:
     def num_compiled(self) -> int:
         """Distinct constraints compiled so far (failed ones included)."""
         return len(self._grammars)
+
+
+def grammar_of(compiled: Future) -> Any:
+    """The CompiledGrammar of a finished (or awaited) `compile_async` future; raises its ValueError."""
+    found = compiled.result()
+    if isinstance(found, ValueError):
+        raise ValueError(str(found))
+    return found

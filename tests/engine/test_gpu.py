@@ -92,3 +92,32 @@ def test_memory_stays_within_gpu_memory_utilization(gguf_path: str, gsm8k_questi
     eng.generate(gsm8k_questions[:64], SamplingParams(max_tokens=32))
     free, _ = torch.cuda.mem_get_info()
     assert total - free <= util * total * 1.01
+
+
+def test_grammar_bitmask_is_applied_on_the_device(engine: LLMEngine, gpu_fp32: LLMEngine, gsm8k_questions: list[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constrained rows on CUDA: the bitmask is built on the host (pinned), copied once per step and applied to the
+    logits on the device by xgrammar's Triton kernel; the outputs equal the CPU reference's (greedy, fp32)."""
+    import json
+
+    import xgrammar as xgr
+
+    from engine import StructuredOutputsParams
+
+    calls: list[tuple[str, str, str]] = []
+    apply = xgr.apply_token_bitmask_inplace
+
+    def spy(logits: torch.Tensor, bitmask: torch.Tensor, **kw: object) -> None:
+        calls.append((logits.device.type, bitmask.device.type, str(kw.get("backend"))))
+        apply(logits, bitmask, **kw)
+
+    monkeypatch.setattr(xgr, "apply_token_bitmask_inplace", spy)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    params = [SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json_schema=json.dumps(schema)))
+              if i % 2 else SamplingParams(max_tokens=24) for i in range(8)]
+    gpu = gpu_fp32.generate(gsm8k_questions[:8], params)
+    assert calls and set(calls) == {("cuda", "cuda", "triton")}
+    assert gpu_fp32.logits_processors._bitmask.is_pinned()
+    cpu = engine.generate(gsm8k_questions[:8], params)
+    assert [o.output_token_ids for o in gpu] == [o.output_token_ids for o in cpu]
+    assert all(json.loads(o.text)["answer"] is not None for o in gpu[1::2] if o.finish_reason == "stop")

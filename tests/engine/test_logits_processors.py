@@ -11,7 +11,7 @@ import torch
 
 from engine.logits_processors import LogitsProcessors
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 VOCAB = 64
 EOS = 2
@@ -84,3 +84,64 @@ def test_out_of_range_values_name_the_field_and_the_range() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
     assert SamplingParams(top_k=-1).top_k == -1  # vLLM's "off"
+
+
+def _allowed(bitmask_row: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [vocab]: bit j of word w (token 32 w + j) of one xgrammar bitmask row."""
+    bits = (bitmask_row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1)[:vocab].bool()
+
+
+def test_the_bitmask_masks_exactly_the_constrained_rows_in_one_batch(gguf_path: str) -> None:
+    import xgrammar as xgr
+
+    from engine.structured_output import StructuredOutputManager
+    from engine.tokenizer import Tokenizer
+
+    vocab = 49152
+    tokenizer = Tokenizer.from_gguf(gguf_path)
+    manager = StructuredOutputManager(tokenizer.hf_tokenizer, vocab, [EOS])
+    procs = LogitsProcessors(manager, vocab, [EOS])
+    choice = StructuredOutputsParams(choices=("positive", "negative", "neutral"))
+    regex = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]+")
+    reqs = [_request("plain0", SamplingParams(), [1], []), _request("choice", SamplingParams(structured_outputs=choice),
+            [1], []), _request("plain2", SamplingParams(), [1], []),
+            _request("regex", SamplingParams(structured_outputs=regex), [1], [])]
+    for r in reqs:
+        procs.add(r)
+    torch.manual_seed(0)
+    logits = torch.randn(4, vocab)
+    out, pending = procs.apply(logits.clone(), reqs)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])  # unconstrained rows untouched
+    ref = xgr.allocate_token_bitmask(1, vocab)
+    for row, spec in ((1, choice), (3, regex)):
+        xgr.GrammarMatcher(manager.grammar(spec)).fill_next_token_bitmask(ref, 0)
+        allowed = _allowed(ref[0], vocab)
+        assert 0 < int(allowed.sum()) < vocab // 10  # the grammar's first tokens: few of the vocabulary
+        assert torch.equal(out[row][allowed], logits[row][allowed])
+        assert bool(torch.isneginf(out[row][~allowed]).all())
+    tokens = out.argmax(-1).tolist()
+    procs.record(pending, tokens)
+    assert not procs.states["choice"].rejected and not procs.states["regex"].rejected
+    assert tokenizer.decode([tokens[3]])[0].isdigit()  # the regex row's first token starts with a digit
+    # Every row constrained (one bitmask application for the whole batch, no row list): the same masks.
+    both = [reqs[1], reqs[3]]
+    fresh = LogitsProcessors(manager, vocab, [EOS])
+    for r in both:
+        fresh.add(r)
+    out2, _ = fresh.apply(logits[[1, 3]].clone(), both)
+    assert torch.equal(out2, out[[1, 3]])
+
+
+def test_the_bitmask_backend_is_the_device_kernel_on_cuda() -> None:
+    from engine.logits_processors import bitmask_backend
+
+    assert bitmask_backend(torch.device("cpu")) == "cpu"
+    try:
+        import triton  # noqa: F401
+        expected = "triton"
+    except ImportError:
+        expected = "torch_native"
+    assert bitmask_backend(torch.device("cuda")) == expected
+    with pytest.raises(ValueError, match="structured outputs run on cpu or cuda logits, not mps"):
+        bitmask_backend(torch.device("mps"))

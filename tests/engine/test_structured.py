@@ -74,6 +74,41 @@ def test_a_bad_schema_is_an_error_row_and_the_others_finish(engine: LLMEngine, g
     assert not engine.logits_processors.active  # nothing left registered
 
 
+def test_a_compiling_grammar_holds_back_only_its_rows(engine: LLMEngine, gsm8k_questions: list[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiles run in the background: while two constraints compile (held until an unconstrained row has
+    finished), the unconstrained rows run and finish; then the good constraint's row runs valid, and the one whose
+    compile fails late ends as an error row naming the problem."""
+    import threading
+
+    eng = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+    manager = eng.structured_outputs
+    released = threading.Event()
+    compile_now = manager._compile_now
+
+    def slow_compile(spec: StructuredOutputsParams) -> object:
+        released.wait(120)  # bounded: a compile that blocked the plain rows fails the ordering asserts below
+        return compile_now(spec)
+
+    monkeypatch.setattr(manager, "_compile_now", slow_compile)
+    plain = SamplingParams(max_tokens=3)
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9"))
+    params = [plain, _schema_params(24), plain, bad]
+    finished: list[str] = []
+
+    def on_output(out: object) -> None:
+        finished.append(out.request_id)
+        released.set()
+
+    outs = eng.generate(gsm8k_questions[60:64], params, on_output=on_output)
+    assert set(finished[:2]) == {"0", "2"}, finished  # both plain rows finished before any constrained row
+    assert outs[1].ttft_s > max(outs[0].latency_s, outs[2].latency_s)
+    assert outs[1].finish_reason in ("stop", "length") and outs[1].text.startswith('{"answer"')
+    assert outs[1].valid is (outs[1].finish_reason == "stop")
+    assert outs[3].finish_reason == "error" and "regex" in outs[3].error and outs[3].output_token_ids == []
+    assert not eng.logits_processors.active and eng.logits_processors._num_compiling == 0
+
+
 def test_a_seeded_constrained_row_survives_preemption(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
     prompts = gsm8k_questions[40:44]
     params = [_schema_params(10, temperature=1.0, top_p=0.95, seed=i) for i in range(4)]
