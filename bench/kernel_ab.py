@@ -1,0 +1,141 @@
+"""A/B of two builds of the C++ CPU kernels (engine/csrc/cpu_kernels.cpp) in one process: this tree's and the one
+at git revision --rev, per layer (decode attention) and in the whole engine (both builds loaded, swapped between
+runs through `engine.attention.cpu_ops`). One thread, CPU seconds (`time.process_time`): robust to other work on
+the machine. The figures of bench/README.md "AVX2-only CPUs, second session".
+
+Usage:
+    python bench/kernel_ab.py --rev f95af2a                 # per-layer table, then 64 AlpacaEval + 64 GSM8K rows
+    python bench/kernel_ab.py --rev f95af2a --no-engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import engine.attention as attention  # noqa: E402
+from engine.cpu_kernels import CFLAGS, SOURCES  # noqa: E402
+
+# (rows, shortest context, longest context + 1, heads, KV heads, head_dim)
+CASES = [(16, 64, 161, 9, 3, 64), (64, 64, 161, 9, 3, 64), (64, 300, 601, 9, 3, 64), (256, 64, 161, 9, 3, 64),
+         (32, 200, 401, 32, 8, 128)]
+
+
+def build(tag: str, source: Path) -> ModuleType:
+    """Compile one kernels source as its own extension module (named by its hash)."""
+    from torch.utils.cpp_extension import load
+
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    return load(f"tokenmill_ab_{tag}_{digest}", [str(source)], extra_cflags=CFLAGS, verbose=False)
+
+
+def best_cpu_s(fn: Callable[[], object], reps: int = 5) -> float:
+    """Least CPU seconds of reps calls (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def attend_layers(mod: ModuleType, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                  tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tensor) -> None:
+    """One decode step's attention over every layer's caches (q [B, H, D] fp32, caches [blocks, 16, KV, D])."""
+    for kc, vc in caches:
+        mod.paged_attention(q, kc, vc, tables, lens, qsl, q.shape[-1] ** -0.5, 0)
+
+
+def per_layer(mods: dict[str, ModuleType], layers: int = 8) -> None:
+    """Decode attention per layer: random fp32 caches through random block tables, `layers` layers' worth (so
+    the caches do not all sit in L2, as in a real step)."""
+    print("| rows | context | heads/KV/head_dim | base ms | this ms | speed-up | max abs diff |")
+    print("|---|---|---|---|---|---|---|")
+    for b, lo, hi, heads, kv, hd in CASES:
+        gen = torch.Generator().manual_seed(0)
+        seq = torch.randint(lo, hi, (b,), generator=gen)
+        nb = [-(-int(s) // 16) for s in seq]
+        perm = torch.randperm(sum(nb), generator=gen).tolist()
+        tables = []
+        for n in nb:
+            tables.append(perm[:n] + [0] * (max(nb) - n))
+            perm = perm[n:]
+        bt = torch.tensor(tables, dtype=torch.int32)
+        caches = [(torch.randn(sum(nb), 16, kv, hd, generator=gen), torch.randn(sum(nb), 16, kv, hd, generator=gen))
+                  for _ in range(layers)]
+        q = torch.randn(b, heads, hd, generator=gen)
+        qsl, lens = torch.arange(b + 1, dtype=torch.int32), seq.to(torch.int32)
+        ms = {tag: best_cpu_s(functools.partial(attend_layers, m, q, caches, bt, lens, qsl)) / layers * 1e3
+              for tag, m in mods.items()}
+        kc, vc = caches[0]
+        diff = (mods["this"].paged_attention(q, kc, vc, bt, lens, qsl, hd ** -0.5, 0)
+                - mods["base"].paged_attention(q, kc, vc, bt, lens, qsl, hd ** -0.5, 0)).abs().max().item()
+        print(f"| {b} | {lo}-{hi - 1} | {heads}/{kv}/{hd} | {ms['base']:.2f} | {ms['this']:.2f} "
+              f"| {ms['base'] / ms['this']:.2f}x | {diff:.1e} |", flush=True)
+
+
+def whole_engine(mods: dict[str, ModuleType], max_tokens: int) -> None:
+    """64 AlpacaEval and 64 GSM8K prompts, chat template, greedy, max_tokens forced tokens, each build twice."""
+    import pyarrow.parquet as pq
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    data = ROOT.parent / "shared" / "data"
+    alpaca = pq.read_table(data / "alpaca_eval.parquet").column("instruction").to_pylist()[:64]
+    gsm8k = pq.read_table(data / "gsm8k_test.parquet").column("question").to_pylist()[:64]
+    eng = LLMEngine.from_model(None, EngineConfig(device="cpu"))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    best: dict[tuple[str, str], float] = {}
+    for _ in range(2):
+        for name, prompts in (("64 AlpacaEval", alpaca), ("64 GSM8K", gsm8k)):
+            for tag, mod in mods.items():
+                attention.cpu_ops = lambda mod=mod: mod
+                t = time.process_time()
+                outs = eng.generate([[{"role": "user", "content": p}] for p in prompts], params)
+                rate = sum(o.num_output_tokens for o in outs) / (time.process_time() - t)
+                eng.reset_prefix_cache()
+                best[(name, tag)] = max(best.get((name, tag), 0.0), rate)
+    print("| prompts | base tok per CPU s | this tok per CPU s | this / base |")
+    print("|---|---|---|---|")
+    for name in ("64 AlpacaEval", "64 GSM8K"):
+        b, t = best[(name, "base")], best[(name, "this")]
+        print(f"| {name} | {b:.1f} | {t:.1f} | {t / b:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", required=True, help="git revision of the base build")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-engine", action="store_true", help="the per-layer table only")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rel = SOURCES[0].relative_to(ROOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        base_src = Path(tmp) / "cpu_kernels.cpp"
+        base_src.write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.rev}:{rel}"],
+                                            capture_output=True, check=True).stdout)
+        mods = {"base": build("base", base_src), "this": build("this", SOURCES[0])}
+    print(f"kernels at {args.rev} (base) vs this tree (this); one thread; CPU seconds", flush=True)
+    per_layer(mods)
+    if not args.no_engine:
+        whole_engine(mods, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
