@@ -6,7 +6,7 @@ step's parts are timed by wrapping the engine's methods with perf_counter:
 
 - scheduler: `Scheduler.schedule` (plan the step, allocate KV slots)
 - inputs: `ModelRunner._prepare` (input ids, positions, slot mapping, block tables, attention metadata)
-- sampling: `engine.model_runner.sample` (the sampler: argmax, parameters gathered per row, the host sync)
+- sampling: `engine.sampler.sample_rows` as the runner calls it (argmax, the sampled rows' parameters, the host sync)
 - output: `Scheduler.update_from_output` (counters, appended tokens, stop checks, incremental detokenization)
 - model: the forward pass and the LM head (`LlamaModel.forward`, `compute_logits`), excluded from "host"
 - host: the whole `LLMEngine.step` minus the model; per row per step = host / (sum over steps of rows in the step).
@@ -103,7 +103,7 @@ def run(rows: int, vocab: int, stop: bool, profile: bool, tokenizer: Any) -> dic
 
     patch(Scheduler, "schedule", "scheduler")
     patch(ModelRunner, "_prepare", "inputs")
-    patch(model_runner_module, "sample", "sampling")
+    patch(model_runner_module, "sample_rows", "sampling")
     patch(Scheduler, "update_from_output", "output")
     patch(LlamaModel, "forward", "model")
     patch(LlamaModel, "compute_logits", "model")

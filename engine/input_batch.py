@@ -6,7 +6,10 @@ of every token in Python cost ~10 us per row per step at 512 rows; a decode step
 state: one in 16 rows (block size 16) gains a block. So the table is kept in a numpy array [rows, max_blocks] that
 is updated by diffs when a request joins (its row written once), grows (only its new block ids copied) or leaves
 (its row freed for the next request), as vLLM v1's InputBatch and BlockTable keep theirs; positions, sequence
-lengths and slot mappings of a step are computed from it vectorized. Plain numpy; the model runner turns the arrays
+lengths and slot mappings of a step are computed from it vectorized. Each row also holds its request's sampling
+parameters (greedy or not, temperature, top_p, top_k, seed) and prompt length, written when the request joins, so
+the sampler slices arrays (an all-greedy step tests one counter) instead of reading every row's SamplingParams every
+step (vLLM v1's InputBatch keeps its sampling tensors the same way). Plain numpy; the model runner turns the arrays
 into tensors (engine.model_runner).
 
 NOTE: a row is tied to the block-table list the KV cache manager holds for the request (engine.kv_cache_manager:
@@ -18,12 +21,16 @@ aborted) and is rebuilt or freed, so the batch is never wrong even if nobody tel
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
 from engine.request import Request
+from engine.sampler import SampledRows, seed_bits
 from engine.scheduler import ScheduledRequest
+
+_num_new_tokens = itemgetter(1)
 
 
 class StepInputs(NamedTuple):
@@ -33,7 +40,9 @@ class StepInputs(NamedTuple):
     seq_lens: int32 [B] (tokens in the KV cache per request after the step); block_tables: int32 [B, W] (W = the
     most blocks any of the B requests holds, padded with 0); query_lens: B host ints; logits_rows: int64 [S], the
     rows of the step's hidden states to sample from (a request's last token when the step reaches it); sampling: the
-    S requests sampled, in that order; decode_only: every request feeds exactly one token.
+    S requests sampled, in that order; sample_rows: intp [S], their rows of the persistent batch; sample_seq_lens:
+    int64 [S], their tokens after the step (prompt + output so far); decode_only: every request feeds exactly one
+    token.
     """
 
     input_ids: np.ndarray
@@ -45,6 +54,8 @@ class StepInputs(NamedTuple):
     query_lens: list[int]
     logits_rows: np.ndarray
     sampling: list[Request]
+    sample_rows: np.ndarray
+    sample_seq_lens: np.ndarray
     decode_only: bool
 
 
@@ -70,6 +81,15 @@ class InputBatch:
         self._tables: list[list[int] | None] = [None] * max_num_rows  # the manager's list each row mirrors
         self._ids: list[str | None] = [None] * max_num_rows
         self._free_rows = list(range(max_num_rows - 1, -1, -1))  # popped from the end: low rows first
+        # Sampling parameters per row (engine.sampler.SampledRows' fields), written when a request joins.
+        self.greedy = np.ones(max_num_rows, dtype=bool)
+        self.temperature = np.zeros(max_num_rows, dtype=np.float32)
+        self.top_p = np.ones(max_num_rows, dtype=np.float32)
+        self.top_k = np.zeros(max_num_rows, dtype=np.int64)
+        self.seed = np.zeros(max_num_rows, dtype=np.int64)
+        self.seeded = np.zeros(max_num_rows, dtype=bool)
+        self.prompt_len = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_sampled_rows = 0  # rows held by non-greedy requests
 
     @property
     def num_rows(self) -> int:
@@ -83,6 +103,9 @@ class InputBatch:
             if row is not None:
                 self._tables[row] = self._ids[row] = None
                 self._free_rows.append(row)
+                if not self.greedy[row]:
+                    self.greedy[row] = True
+                    self.num_sampled_rows -= 1
 
     def clear(self) -> None:
         """Free every row."""
@@ -99,6 +122,9 @@ class InputBatch:
             n = len(self._tables)
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            for name in ("greedy", "temperature", "top_p", "top_k", "seed", "seeded", "prompt_len"):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.full_like(a, name == "greedy")]))
             self._num_blocks += [0] * n
             self._tables += [None] * n
             self._ids += [None] * n
@@ -116,16 +142,32 @@ class InputBatch:
             self.block_table[row, n:self._num_blocks[row]] = 0
         self.num_blocks[row] = self._num_blocks[row] = n
 
-    def sync_row(self, request_id: str, block_tables: Mapping[str, list[int]]) -> int:
+    def _write_params(self, row: int, request: Request) -> None:
+        """Write the sampling parameters and prompt length of the request that joins at `row`."""
+        sp = request.sampling_params
+        self.prompt_len[row] = request.num_prompt_tokens
+        if sp.greedy:
+            return
+        self.greedy[row] = False
+        self.num_sampled_rows += 1
+        self.temperature[row], self.top_p[row], self.top_k[row] = sp.temperature, sp.top_p, sp.top_k
+        self.seeded[row] = sp.seed is not None
+        self.seed[row] = 0 if sp.seed is None else seed_bits(sp.seed)
+
+    def sync_row(self, request_id: str, block_tables: Mapping[str, list[int]], request: Request | None = None
+                 ) -> int:
         """The row of `request_id` with its block table equal to the manager's `block_tables[request_id]`: a new
-        row for a request that joins, the new blocks copied for one that grew, the row rewritten for one whose
-        blocks changed (recomputed after a preemption). Raises KeyError when the request holds no blocks."""
+        row for a request that joins (its sampling parameters written from `request`, greedy when None), the new
+        blocks copied for one that grew, the row rewritten for one whose blocks changed (recomputed after a
+        preemption). Raises KeyError when the request holds no blocks."""
         table = block_tables[request_id]
         row = self.row_of.get(request_id)
         if row is None:
             row = self._new_row(block_tables)
             self.row_of[request_id] = row
             self._ids[row] = request_id
+            if request is not None:
+                self._write_params(row, request)
         elif self._tables[row] is table:
             if len(table) != self._num_blocks[row]:
                 self._write_row(row, table, self._num_blocks[row])
@@ -144,7 +186,7 @@ class InputBatch:
         """
         if not scheduled:
             raise ValueError("a step needs at least one scheduled request")
-        if any(n != 1 for _, n in scheduled):
+        if sum(map(_num_new_tokens, scheduled)) != len(scheduled):
             # Decodes first, prefill chunks after (a stable sort keeps each group's order).
             scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         sync, row_of, tables, num_blocks = self.sync_row, self.row_of, self._tables, self._num_blocks
@@ -159,7 +201,7 @@ class InputBatch:
             row = row_of.get(rid)
             # The common case inline (a request whose row is current): sync_row for the rest.
             if row is None or tables[row] is not (table := block_tables[rid]) or len(table) != num_blocks[row]:
-                row = sync(rid, block_tables)
+                row = sync(rid, block_tables, req)
             rows.append(row)
             start = req.num_computed_tokens
             starts.append(start)
@@ -192,8 +234,24 @@ class InputBatch:
             logits_rows = ends[sample_at] - 1
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.num_blocks[r].max())
+        ends = positions + 1 if decode_only else start + q
+        at = np.array(sample_at, dtype=np.intp)
         return StepInputs(
             input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
-            query_start_loc=qsl, seq_lens=(start + np.array(query_lens, dtype=np.int64)).astype(np.int32),
-            block_tables=self.block_table[:, :width][r], query_lens=query_lens, logits_rows=logits_rows,
-            sampling=sampling, decode_only=decode_only)
+            query_start_loc=qsl, seq_lens=ends.astype(np.int32), block_tables=self.block_table[:, :width][r],
+            query_lens=query_lens, logits_rows=logits_rows, sampling=sampling, sample_rows=r[at],
+            sample_seq_lens=ends[at], decode_only=decode_only)
+
+    def sampled_rows(self, x: StepInputs) -> SampledRows | None:
+        """The non-greedy rows of step `x` with their parameters (rows = positions in the step's logits, in the
+        order of `x.sampling`), or None when every row the step samples is greedy: O(1) while the batch holds no
+        sampled request, else a few numpy ops over the step's rows."""
+        if not self.num_sampled_rows:
+            return None
+        rows = x.sample_rows
+        at = np.flatnonzero(~self.greedy[rows])
+        if not at.size:
+            return None
+        b = rows[at]
+        return SampledRows(at.astype(np.int64), self.temperature[b], self.top_p[b], self.top_k[b], self.seed[b],
+                           self.seeded[b], x.sample_seq_lens[at] - self.prompt_len[b])
