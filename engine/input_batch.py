@@ -21,7 +21,7 @@ aborted) and is rebuilt or freed, so the batch is never wrong even if nobody tel
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from operator import itemgetter
+from operator import attrgetter, getitem, is_, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +30,9 @@ from engine.request import Request
 from engine.sampler import SampledRows, seed_bits
 from engine.scheduler import ScheduledRequest
 
-_num_new_tokens = itemgetter(1)
+_request, _num_new_tokens = itemgetter(0), itemgetter(1)
+_request_id, _num_computed, _all_token_ids = (attrgetter("request_id"), attrgetter("num_computed_tokens"),
+                                              attrgetter("all_token_ids"))
 
 
 class StepInputs(NamedTuple):
@@ -181,14 +183,79 @@ class InputBatch:
 
         scheduled: the step's plan (engine.scheduler); block_tables: the KV cache manager's tables, which already
         hold every scheduled token's slot. Decodes run first (the torch attention path reads them as one slice).
-        Cost: one short Python pass over the requests (row lookup, counters, the token fed), the rest in numpy.
-        Raises ValueError for an empty step.
+        Cost: a decode step reads each request's counters through C-level `map`s (_decode_lists); a step with
+        prefill chunks one short Python pass (_mixed_lists); the rest in numpy. Raises ValueError for an empty step.
         """
         if not scheduled:
             raise ValueError("a step needs at least one scheduled request")
-        if sum(map(_num_new_tokens, scheduled)) != len(scheduled):
+        decode_only = sum(map(_num_new_tokens, scheduled)) == len(scheduled)
+        if decode_only:
+            rows, starts, input_ids, sampling, sample_at = self._decode_lists(scheduled, block_tables)
+            query_lens = [1] * len(rows)
+        else:
             # Decodes first, prefill chunks after (a stable sort keeps each group's order).
             scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+            rows, starts, query_lens, input_ids, sampling, sample_at = self._mixed_lists(scheduled, block_tables)
+        bs = self.block_size
+        r = np.array(rows, dtype=np.intp)
+        start = np.array(starts, dtype=np.int64)
+        b = len(rows)
+        at = np.asarray(sample_at, dtype=np.intp)
+        if decode_only:
+            positions = start
+            token_rows = r
+            qsl = np.arange(b + 1, dtype=np.int32)
+            logits_rows = at.astype(np.int64)
+            ends = positions + 1
+        else:
+            q = np.array(query_lens, dtype=np.int64)
+            cum = np.cumsum(q)
+            qsl = np.zeros(b + 1, dtype=np.int32)
+            qsl[1:] = cum
+            token_rows = np.repeat(r, q)
+            positions = np.repeat(start - (cum - q), q) + np.arange(int(cum[-1]), dtype=np.int64)
+            logits_rows = cum[at] - 1
+            ends = start + q
+        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(self.num_blocks[r].max())
+        return StepInputs(
+            input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
+            query_start_loc=qsl, seq_lens=ends.astype(np.int32), block_tables=self.block_table[:, :width][r],
+            query_lens=query_lens, logits_rows=logits_rows, sampling=sampling, sample_rows=r[at],
+            sample_seq_lens=ends[at], decode_only=decode_only)
+
+    def _decode_lists(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]
+                      ) -> tuple[list[int], list[int], list[int], list[Request], np.ndarray]:
+        """Rows, start positions, tokens fed, sampled requests and their indices of a step in which every request
+        feeds one token, read through C-level maps (no Python statement per request); only the rows that joined,
+        grew a block or changed their blocks are synced one by one (sync_row)."""
+        reqs = list(map(_request, scheduled))
+        ids = list(map(_request_id, reqs))
+        row_of = self.row_of
+        rows = list(map(row_of.get, ids))
+        while None in rows:  # requests that join; a sync may sweep the stale row of another request of the step
+            for rid, row, req in zip(ids, rows, reqs, strict=True):
+                if row is None:
+                    self.sync_row(rid, block_tables, req)
+            rows = list(map(row_of.get, ids))
+        current = list(map(block_tables.__getitem__, ids))
+        b = len(rows)
+        same = np.fromiter(map(is_, map(self._tables.__getitem__, rows), current), dtype=bool, count=b)
+        lens = np.fromiter(map(len, current), dtype=np.int32, count=b)
+        for i in np.flatnonzero(~same | (lens != self.num_blocks[rows])).tolist():  # grew a block, or rebuilt
+            self.sync_row(ids[i], block_tables, reqs[i])
+        starts = list(map(_num_computed, reqs))
+        tokens = list(map(_all_token_ids, reqs))
+        input_ids = list(map(getitem, tokens, starts))
+        # A request samples when its step reaches its last token (a one-token prefill chunk may not).
+        at = np.flatnonzero(np.fromiter(map(len, tokens), dtype=np.int64, count=b) == np.array(starts) + 1)
+        sampling = reqs if len(at) == b else [reqs[i] for i in at.tolist()]
+        return rows, starts, input_ids, sampling, at
+
+    def _mixed_lists(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]
+                     ) -> tuple[list[int], list[int], list[int], list[int], list[Request], list[int]]:
+        """`_decode_lists` for a step with prefill chunks: rows, starts, query lengths, tokens fed, sampled requests
+        and their indices, in one Python pass over the requests."""
         sync, row_of, tables, num_blocks = self.sync_row, self.row_of, self._tables, self._num_blocks
         rows: list[int] = []
         starts: list[int] = []
@@ -214,33 +281,7 @@ class InputBatch:
             if start + n == len(tokens):
                 sampling.append(req)
                 sample_at.append(i)
-        bs = self.block_size
-        r = np.array(rows, dtype=np.intp)
-        start = np.array(starts, dtype=np.int64)
-        b = len(rows)
-        decode_only = len(input_ids) == b
-        if decode_only:
-            positions = start
-            token_rows = r
-            qsl = np.arange(b + 1, dtype=np.int32)
-            logits_rows = np.array(sample_at, dtype=np.int64)
-        else:
-            q = np.array(query_lens, dtype=np.int64)
-            ends = np.cumsum(q)
-            qsl = np.zeros(b + 1, dtype=np.int32)
-            qsl[1:] = ends
-            token_rows = np.repeat(r, q)
-            positions = np.repeat(start - (ends - q), q) + np.arange(int(ends[-1]), dtype=np.int64)
-            logits_rows = ends[sample_at] - 1
-        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        width = int(self.num_blocks[r].max())
-        ends = positions + 1 if decode_only else start + q
-        at = np.array(sample_at, dtype=np.intp)
-        return StepInputs(
-            input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
-            query_start_loc=qsl, seq_lens=ends.astype(np.int32), block_tables=self.block_table[:, :width][r],
-            query_lens=query_lens, logits_rows=logits_rows, sampling=sampling, sample_rows=r[at],
-            sample_seq_lens=ends[at], decode_only=decode_only)
+        return rows, starts, query_lens, input_ids, sampling, sample_at
 
     def sampled_rows(self, x: StepInputs) -> SampledRows | None:
         """The non-greedy rows of step `x` with their parameters (rows = positions in the step's logits, in the
