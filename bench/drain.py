@@ -10,7 +10,11 @@ job's settings (jobs.cluster.CLUSTER_CONFIG, shard slots from jobs.plugin.shard_
 that the worker's engine step statistics (engine.step_stats) can be read back before the cluster closes.
 
 Prints, per run: output tokens, seconds (the engine's generate call; the job's billed device-seconds, every shard's
-`device_s_billed`), output tok/s per (device-)second, the batch-size histogram over steps (deciles of max_num_seqs),
+`device_s_billed`), output tok/s per (device-)second, CPU-seconds per output token (the engine's: this process's CPU
+time over the generate call; the job's: the worker process's CPU time from the end of its model load to the job's
+end: every shard's reading, engine steps, merging, commits and Dask's own threads; on a loaded machine the fair
+comparison, with --threads 1 so that no OpenMP thread waits for a descheduled sibling), the batch-size histogram
+over steps (deciles of max_num_seqs),
 and the structural target of issue 28: among the steps during which some rows were not yet admitted, the share
 that ran fewer than max_num_seqs / 2 requests (target < 2%). The last line is a JSON object with every figure.
 """
@@ -46,13 +50,14 @@ def step_figures(batch: list[int], admitted: list[int], rows: int, max_num_seqs:
             "mean_batch": sum(batch) / len(batch) if batch else 0.0}
 
 
-def _worker_trace(dask_worker: Any) -> tuple[list[int], list[int]]:
+def _worker_trace(dask_worker: Any) -> tuple[list[int], list[int], float]:
+    """The worker engine's step trace, and the worker process's CPU seconds since its model load ended."""
     from jobs.plugin import PLUGIN_PREFIX
 
     for name, plugin in dask_worker.plugins.items():
         if name.startswith(PLUGIN_PREFIX):
             stats = plugin.get().step_stats
-            return list(stats.trace_batch), list(stats.trace_admitted)
+            return list(stats.trace_batch), list(stats.trace_admitted), time.process_time() - plugin.loaded_cpu_s
     raise RuntimeError("no engine plugin on this worker")
 
 
@@ -66,12 +71,13 @@ def run_engine(questions: list[str], args: argparse.Namespace) -> dict[str, Any]
     engine.generate(questions[:2], SamplingParams(max_tokens=4))  # warm-up (kernel build, first-call costs)
     engine.reset_prefix_cache()
     engine.step_stats.reset()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.generate(questions, SamplingParams(max_tokens=args.max_tokens))
-    seconds = time.perf_counter() - t0
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(o.num_output_tokens for o in outs)
     stats = engine.step_stats
     return {"run": "engine.generate", "output_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "cpu_s": cpu_s, "cpu_ms_per_token": 1e3 * cpu_s / tokens,
             **step_figures(list(stats.trace_batch), list(stats.trace_admitted), len(questions), args.max_num_seqs)}
 
 
@@ -97,13 +103,14 @@ def run_job(input_url: str, rows: int, rows_per_shard: int, args: argparse.Names
             Client(cluster) as client:
         summary = job(input_url, out, cfg, model=args.model, engine_config=engine_config,
                       scheduler_address=cluster.scheduler_address, shard_slots=slots)
-        (batch, admitted), = client.run(_worker_trace).values()
+        (batch, admitted, cpu_s), = client.run(_worker_trace).values()
     if summary.failed or summary.shards_ok != summary.shards:
         raise SystemExit(f"the job at --rows-per-shard {rows_per_shard} failed: {summary.failed}")
     tokens = summary.output_tokens
     return {"run": f"tokenmill run, --rows-per-shard {rows_per_shard} ({slots} shard slots)",
             "output_tokens": tokens, "seconds": summary.device_s, "tok_per_s": tokens / summary.device_s,
-            "wall_s": summary.wall_s, **step_figures(batch, admitted, rows, args.max_num_seqs)}
+            "wall_s": summary.wall_s, "cpu_s": cpu_s, "cpu_ms_per_token": 1e3 * cpu_s / tokens,
+            **step_figures(batch, admitted, rows, args.max_num_seqs)}
 
 
 def main() -> None:
@@ -133,14 +140,16 @@ def main() -> None:
         results.append(run_job(str(folder), len(questions), rps, args))
         print(json.dumps(results[-1]), flush=True)
     base = results[0]["tok_per_s"]  # the engine's, or the first job's with --no-engine
+    base_cpu = results[0]["cpu_ms_per_token"]
     print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}, "
           f"{args.threads} threads")
-    print("| run | output tokens | (device-)s | output tok/s | vs engine | steps | mean batch | "
-          "steps < max_num_seqs/2 while rows wait | batch deciles of max_num_seqs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | output tokens | (device-)s | output tok/s | vs engine | CPU-ms per token | engine/run by CPU | "
+          "steps | mean batch | steps < max_num_seqs/2 while rows wait | batch deciles of max_num_seqs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_per_s']:.1f} | "
-              f"{r['tok_per_s'] / base:.2f}x | {r['steps']} | {r['mean_batch']:.1f} | "
+              f"{r['tok_per_s'] / base:.2f}x | {r['cpu_ms_per_token']:.1f} | {base_cpu / r['cpu_ms_per_token']:.3f} | "
+              f"{r['steps']} | {r['mean_batch']:.1f} | "
               f"{r['low_steps_rows_pending']}/{r['steps_rows_pending']} ({100 * r['low_share_rows_pending']:.1f}%) | "
               f"{r['histogram_deciles']} |")
     print(json.dumps({"args": vars(args), "results": results}))

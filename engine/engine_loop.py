@@ -18,116 +18,19 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from engine.llm_engine import CHILD_SEP, LLMEngine, Prompt, lpt_key
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.submission import DONE, DeviceClock, Submission
+
+__all__ = ["DeviceClock", "EngineLoop", "Submission"]  # DeviceClock and Submission live in engine.submission
 
 log = logging.getLogger(__name__)
-
-_DONE = object()  # a submission's queue: every output delivered
-
-
-class DeviceClock:
-    """Device-seconds of one caller of a shared engine (a shard attempt), from the moment it is made.
-
-    `device_s()` = its share of every step run since (each step's seconds split by the tokens each submission fed
-    to it; shares of submissions made with this clock add up here) + the wall time since in which the engine ran
-    no step at all (reading input, committing, idle: the device was held for this caller). Two callers that share
-    the engine for T seconds are billed T in all, not 2T; a caller alone on the engine is billed its wall time.
-    Idle time is billed to every caller alive in it (an overestimate only while two callers are both off the
-    engine at once). Thread-safe to read from any thread. `loop` None: the caller holds an engine alone (it calls
-    LLMEngine.generate itself) and is billed its wall time.
-    """
-
-    def __init__(self, loop: EngineLoop | None) -> None:
-        self._loop = loop
-        self._t0 = time.monotonic()
-        self._steps0 = loop.step_seconds if loop is not None else 0.0
-        self.share_s = 0.0  # this caller's share of step time (seconds), added by the step thread
-
-    def device_s(self) -> float:
-        """Device-seconds billed to this caller so far (see the class docstring)."""
-        wall = time.monotonic() - self._t0
-        if self._loop is None:
-            return wall
-        idle = max(wall - (self._loop.step_seconds - self._steps0), 0.0)
-        return self.share_s + idle
-
-
-@dataclass(eq=False)
-class Submission:
-    """One submitter's batch in an EngineLoop: iterate it (in the submitter's thread) for (index, output) pairs as
-    requests finish; `results()` for every output in submission order.
-
-    Outputs: one per prompt; error outputs (prompts that cannot run) come first; an aborted request (its
-    `should_stop` said stop, or `abort()`) comes back with finish_reason "abort" and no output tokens. Iterating
-    raises the exception of a failed engine step (every request of the loop is then aborted) or of `should_stop`.
-    """
-
-    loop: EngineLoop
-    key: int
-    size: int
-    start: float
-    should_stop: Callable[[], bool] | None = None
-    clock: DeviceClock | None = None
-    outputs: list[RequestOutput | None] = field(default_factory=list)
-    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _error: BaseException | None = None
-    _done: bool = False
-    remaining: int = 0  # requests still in the engine (step thread only)
-    # n > 1: each prompt's finished samples until all n are in (step thread only)
-    samples: dict[int, list[RequestOutput | None]] = field(default_factory=dict)
-
-    def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
-        while not self._done:
-            item = self._queue.get()
-            if item is _DONE:
-                self._done = True
-                break
-            if isinstance(item, BaseException):
-                self._error = item
-                continue
-            index, out = item
-            self.outputs[index] = out
-            yield index, out
-        if self._error is not None:
-            raise self._error
-
-    def abort(self) -> None:
-        """Stop this submission's unfinished requests (from any thread); they come back with finish_reason "abort".
-        The others' requests go on."""
-        self.loop._post(("abort", self))
-
-    def run(self, on_output: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
-        """Call `on_output(index, output)` in this thread as each request finishes (aborted ones excepted: they
-        never ran to an end); return every output in submission order. When `on_output` raises (a checkpoint
-        commit that failed), this submission's unfinished requests are aborted, the rest of its outputs awaited
-        (so its KV blocks are free), and the error raised; other submissions go on."""
-        try:
-            for index, out in self:
-                if out.finish_reason != "abort":
-                    on_output(index, out)
-        except BaseException:
-            if not self._done:
-                self.abort()
-                for _ in self:
-                    pass
-            raise
-        return [o for o in self.outputs if o is not None]
-
-    def results(self) -> list[RequestOutput]:
-        """Wait for every output; return them in submission order. Raises as iterating does."""
-        for _ in self:
-            pass
-        return [o for o in self.outputs if o is not None]
-
 
 class EngineLoop:
     """A step thread that owns `engine` and serves submissions from any number of threads at once.
@@ -232,7 +135,7 @@ class EngineLoop:
             else:
                 requests.extend((req, i, ids[i], len(item)) for req in item)
         if not requests:
-            sub._queue.put(_DONE)
+            sub._queue.put(DONE)
             return sub
         self.start()
         self._post(("add", sub, requests))
@@ -247,7 +150,7 @@ class EngineLoop:
                 self._cv.notify_all()
                 return
         message[1]._queue.put(self._broken)  # the loop is gone: answer at once rather than never
-        message[1]._queue.put(_DONE)
+        message[1]._queue.put(DONE)
 
     def _run(self) -> None:
         try:
@@ -354,7 +257,7 @@ class EngineLoop:
             sub._queue.put((index, out))
         if sub.remaining == 0:
             del self._active[sub.key]
-            sub._queue.put(_DONE)
+            sub._queue.put(DONE)
 
     def _fail_all(self, error: BaseException, inbox: list[tuple] = ()) -> None:
         """Abort every request in the engine and end every submission with `error`, those of `inbox` (messages
@@ -362,7 +265,7 @@ class EngineLoop:
         for message in inbox:
             if message[0] == "add" and message[1].key not in self._active:
                 message[1]._queue.put(error)
-                message[1]._queue.put(_DONE)
+                message[1]._queue.put(DONE)
                 for req, _, _, _ in message[2]:
                     self._owner.pop(req.request_id, None)
                     self.engine.logits_processors.pop(req.request_id)
@@ -378,7 +281,7 @@ class EngineLoop:
                 del self._owner[rid]
                 self.engine.logits_processors.pop(rid)
             del self._active[sub.key]
-            sub._queue.put(_DONE)
+            sub._queue.put(DONE)
 
 
 def _aborted(req: Request) -> RequestOutput:

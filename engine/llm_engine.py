@@ -11,7 +11,6 @@ import torch
 
 from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
@@ -22,24 +21,17 @@ from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from engine.packed_linear import pack_linears
 from engine.prompts import Prompt, prompt_problem
 from engine.request import Request
+from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 from engine.step_stats import StepStats
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard); their homes are
-# engine.device and engine.prompts.
+# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard, engine.engine_loop);
+# their homes are engine.device, engine.prompts and engine.request_builder.
 __all__ = ["CHILD_SEP", "LLMEngine", "Prompt", "cpu_has_native_bf16", "lpt_key", "prompt_problem", "resolve_device",
            "resolve_dtype"]
-
-# Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
-CHILD_SEP = "\x1f"
-
-
-def lpt_key(request: Request) -> int:
-    """Admission order of an offline batch: longest first by prompt + max_tokens (the LPT rule, Graham 1969)."""
-    return -(request.num_prompt_tokens + request.sampling_params.max_tokens)
 
 
 class LLMEngine:
@@ -93,6 +85,8 @@ class LLMEngine:
         self.logits_processors = LogitsProcessors(self.structured_outputs, model_config.vocab_size, stop_ids)
         self.runner.logits_processors = self.logits_processors
         self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
+        self.request_builder = RequestBuilder(tokenizer, model_config.vocab_size, self.max_model_len,
+                                              self.logits_processors)
         self._token_text: dict[int, str] = {}
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
@@ -159,85 +153,20 @@ class LLMEngine:
 
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
                          allow_special_tokens: bool = False) -> list[int]:
-        """The token ids a prompt runs as (see `generate` for the flags): text through the chat template or raw,
-        messages through the chat template, token ids as they are. User text is encoded as text (engine.tokenizer):
-        a control token's spelling in it is never the control token unless `allow_special_tokens`.
-        Raises ValueError for a prompt that cannot run: what engine.prompts.prompt_problem finds (the validator the
-        pipeline runs too), token ids outside the vocabulary, or text without a tokenizer."""
-        problem = prompt_problem(prompt)
-        if problem is not None:
-            raise ValueError(problem)
-        is_token_ids = all(isinstance(t, int) for t in prompt)  # a non-empty list: prompt_problem passed it
-        if self.tokenizer is None and not is_token_ids:
-            raise ValueError("this engine has no tokenizer (random-weights preset): give prompts as token ids")
-        if isinstance(prompt, str):
-            if use_chat_template:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          allow_special_tokens=allow_special_tokens)
-            return self.tokenizer.encode(prompt, allow_special_tokens=allow_special_tokens)
-        if is_token_ids:
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-            return list(prompt)
-        return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
-
-    def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                       use_chat_template: bool, allow_special_tokens: bool) -> list[Request]:
-        """The request of one prompt, or its n samples (params.n > 1): requests `<id>` + CHILD_SEP + j with n=1 and,
-        when seeded, seed + j (vLLM's rule for parallel sampling). Their prompts are the same token ids, so the
-        prefix cache computes the prompt's full blocks once (siblings queued behind the first one's prefill take
-        them from the cache). Raises ValueError for a prompt that cannot run or a constraint that does not
-        compile."""
-        token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
-                             f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
-        if params.n == 1:
-            children = [(request_id, params)]
-        else:
-            children = [(f"{request_id}{CHILD_SEP}{j}", dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else (params.seed + j) % (1 << 63)))
-                for j in range(params.n)]
-        requests = []
-        try:
-            for rid, sp in children:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop) if self.tokenizer is not None else None
-                req = Request(rid, token_ids, sp, detokenizer)
-                self.logits_processors.add(req)
-                requests.append(req)
-        except ValueError:
-            for req in requests:
-                self.logits_processors.pop(req.request_id)
-            raise
-        return requests
+        """The token ids a prompt runs as: engine.request_builder.RequestBuilder.prompt_token_ids (it documents the
+        flags and the ValueError raised for a prompt that cannot run)."""
+        return self.request_builder.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
 
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
                       allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]:
-        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its requests
-        ready to queue (one, or its n samples: _make_requests), or an error RequestOutput (finish_reason "error") for
-        a prompt that cannot run. Host work: it touches no scheduler or cache state, so any thread may call it (it
-        registers each request's logits-processor state, keyed by request id). Raises ValueError when the lengths
-        of prompts, params and ids differ, or ids repeat."""
-        n = len(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
-        if len(params) != n or len(ids) != n:
-            raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(ids)} request ids; "
-                             "give one per prompt (or a single SamplingParams for all)")
-        if len(set(ids)) != n:
-            raise ValueError("request_ids must be unique")
-        prepared: list[list[Request] | RequestOutput] = []
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            try:
-                prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens))
-            except ValueError as e:
-                prepared.append(RequestOutput(rid, [], [], "", "error", error=str(e)))
-        return prepared
+        """Per prompt, in order, its requests ready to queue or an error RequestOutput: engine.request_builder.
+        RequestBuilder.make_requests (host work, any thread; raises ValueError when the lengths of prompts, params
+        and ids differ, or ids repeat)."""
+        return self.request_builder.make_requests(prompts, sampling_params, request_ids=request_ids,
+                                                  use_chat_template=use_chat_template,
+                                                  allow_special_tokens=allow_special_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (as vLLM's `LLM.reset_prefix_cache`): the next `generate` computes every prompt

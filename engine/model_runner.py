@@ -10,11 +10,11 @@ import torch
 from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.input_batch import InputBatch
+from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
 from engine.request import Request
-from engine.sampler import sample
+from engine.sampler import sample_rows
 from engine.scheduler import ScheduledRequest
 
 
@@ -90,11 +90,11 @@ class ModelRunner:
                                        -(-max_model_len // block_size), max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, list[Request]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
         """Inputs of one step on the device: input_ids and positions (int64 [T]), the attention metadata, and the
         rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
-        step) with their requests (those whose step reaches their last token). Built from the persistent batch
-        (engine.input_batch) with a few vectorized ops."""
+        step), with the host inputs (their `sampling`: the requests whose step reaches their last token). Built
+        from the persistent batch (engine.input_batch) with a few vectorized ops."""
         x = self.input_batch.prepare(scheduled, block_tables)
         dev = self._to_device
         meta = AttentionMetadata(
@@ -108,7 +108,7 @@ class ModelRunner:
         )
         all_rows = len(x.sampling) == len(x.input_ids)  # every token is sampled: rows 0..T-1 in order
         logits_rows = None if all_rows else dev(x.logits_rows)
-        return dev(x.input_ids), dev(x.positions), meta, logits_rows, x.sampling
+        return dev(x.input_ids), dev(x.positions), meta, logits_rows, x
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the runner's device: shared with numpy on the CPU; on CUDA copied from
@@ -129,7 +129,8 @@ class ModelRunner:
                 ) -> list[tuple[Request, int]]:
         """Run one step; return (request, sampled token) for each request whose step reached its last token
         (decodes and final prefill chunks). Requests mid-prefill sample nothing."""
-        input_ids, positions, meta, logits_rows, sampling = self._prepare(scheduled, block_tables)
+        input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables)
+        sampling = x.sampling
         graphs = self.graphs
         if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
             if not graphs.graphs:
@@ -145,8 +146,8 @@ class ModelRunner:
         procs, pending = self.logits_processors, None
         if procs is not None and procs.active:
             logits, pending = procs.apply(logits, sampling)
-        tokens = sample(logits, [r.sampling_params for r in sampling], [len(r.output_token_ids) for r in sampling],
-                        self.generator)
+        # The rows' sampling parameters come from the persistent batch: nothing per row when all are greedy.
+        tokens = sample_rows(logits, self.input_batch.sampled_rows(x), self.generator)
         if pending is not None:
             procs.record(pending, tokens)
         return list(zip(sampling, tokens, strict=True))

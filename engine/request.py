@@ -51,6 +51,10 @@ class Request:
         self.detokenizer = detokenizer
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        # For the scheduler's per-step stop test: the total length at max_tokens, and whether the request has stop
+        # ids or stop strings (then every new token is checked in full, engine.scheduler.check_stop).
+        self.max_num_tokens = len(self.prompt_token_ids) + sampling_params.max_tokens
+        self.has_stop_checks = bool(sampling_params.stop or sampling_params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.cpu_kernels import cpu_ops
@@ -33,6 +34,11 @@ def _i64(c: int) -> int:
     """The int64 (two's complement) with the bits of `c` mod 2^64 (Python ints of any size and sign)."""
     c &= _MASK64
     return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def seed_bits(seed: int) -> int:
+    """A request's seed as the int64 the sampler hashes (its bits mod 2^64)."""
+    return _i64(seed)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -62,6 +68,35 @@ def counter_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch
     return _shr(h, 11).to(torch.float64).mul_(2.0**-53)
 
 
+class SampledRows(NamedTuple):
+    """The rows of a step that sample (not greedy) and their parameters, host numpy arrays [R].
+
+    The persistent batch (engine.input_batch.InputBatch.sampled_rows) slices them from arrays written once when a
+    request joins; `from_params` builds them from SamplingParams (tests, benchmarks)."""
+
+    rows: np.ndarray  # int64: row of each in the step's logits
+    temperature: np.ndarray  # fp32 (> 0)
+    top_p: np.ndarray  # fp32
+    top_k: np.ndarray  # int64: k as given (0 or -1 off; a k >= the vocabulary is off too)
+    seed: np.ndarray  # int64: the seed's bits mod 2^64, 0 where unseeded
+    seeded: np.ndarray  # bool
+    output_index: np.ndarray  # int64: output tokens the request already has (the seeded uniform's counter)
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], output_indices: list[int]) -> SampledRows | None:
+        """The non-greedy rows of `params` (S SamplingParams, with S output indices), or None when all are greedy.
+        """
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return None
+        sp = [params[i] for i in rows]
+        return cls(np.array(rows, dtype=np.int64), np.array([p.temperature for p in sp], dtype=np.float32),
+                   np.array([p.top_p for p in sp], dtype=np.float32), np.array([p.top_k for p in sp], dtype=np.int64),
+                   np.array([0 if p.seed is None else seed_bits(p.seed) for p in sp], dtype=np.int64),
+                   np.array([p.seed is not None for p in sp], dtype=bool),
+                   np.array([output_indices[i] for i in rows], dtype=np.int64))
+
+
 class _Rows(NamedTuple):
     """The sampled rows of a step and their parameters, on the device (all [R])."""
 
@@ -74,34 +109,29 @@ class _Rows(NamedTuple):
     max_k: int  # host: the largest k, 0 when some cut row has no top_k (then the whole row is ranked)
 
 
-def _to_device(values: list[list[int]] | list[list[float]], dtype: torch.dtype, device: torch.device
-               ) -> torch.Tensor:
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     # Pinned and non-blocking: a pageable copy to CUDA would first wait for the forward pass (a hidden sync).
-    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
+    t = torch.from_numpy(values)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def _gather_rows(rows: list[int], params: list[SamplingParams], output_indices: list[int], vocab: int,
-                 device: torch.device, generator: torch.Generator) -> _Rows:
+def _gather_rows(g: SampledRows, vocab: int, device: torch.device, generator: torch.Generator) -> _Rows:
     """The rows' parameters on the device, and their uniforms: counter_uniforms for seeded rows, one draw of the
     engine's generator for the others."""
-    sp = [params[i] for i in rows]
-    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in sp]
-    seeded = [p.seed is not None for p in sp]
+    ks = np.where((g.top_k > 0) & (g.top_k < vocab), g.top_k, 0)
     # One int64 [4, R] and one fp32 [2, R] copy carry every per-row parameter.
-    ints = _to_device([rows, ks, [0 if p.seed is None else _i64(p.seed) for p in sp],
-                       [output_indices[i] for i in rows]], torch.int64, device)
-    floats = _to_device([[p.temperature for p in sp], [p.top_p for p in sp]], torch.float32, device)
+    ints = _to_device(np.stack([g.rows, ks, g.seed, g.output_index]), device)
+    floats = _to_device(np.stack([g.temperature, g.top_p]), device)
     row_ids, top_k, seeds, counters = ints.unbind(0)
-    if all(seeded):
+    if g.seeded.all():
         u = counter_uniforms(seeds, counters)
     else:
-        u = torch.empty(len(rows), dtype=torch.float64, device=device).uniform_(generator=generator)
-        if any(seeded):
-            u = torch.where(_to_device([seeded], torch.bool, device)[0], counter_uniforms(seeds, counters), u)
-    cut = [k > 0 or p.top_p < 1.0 for k, p in zip(ks, sp, strict=True)]
-    max_k = 0 if any(c and k == 0 for c, k in zip(cut, ks, strict=True)) else max(ks)
-    return _Rows(row_ids, top_k, *floats.unbind(0), u, any_cut=any(cut), max_k=max_k)
+        u = torch.empty(len(g.rows), dtype=torch.float64, device=device).uniform_(generator=generator)
+        if g.seeded.any():
+            u = torch.where(_to_device(g.seeded, device), counter_uniforms(seeds, counters), u)
+    cut = (ks > 0) | (g.top_p < 1.0)
+    max_k = 0 if bool((cut & (ks == 0)).any()) else int(ks.max())
+    return _Rows(row_ids, top_k, *floats.unbind(0), u, any_cut=bool(cut.any()), max_k=max_k)
 
 
 def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -160,11 +190,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     seeded row's uniform); generator: the engine's generator, drawn once per step for the unseeded sampled rows.
     Returns S token ids (host ints; the one device->host sync of a step).
     """
+    return sample_rows(logits, SampledRows.from_params(params, output_indices), generator)
+
+
+def sample_rows(logits: torch.Tensor, sampled: SampledRows | None, generator: torch.Generator) -> list[int]:
+    """`sample` with the non-greedy rows given as arrays (None: every row greedy), as the model runner passes them
+    from the persistent batch: a greedy step is the argmax and one `tolist`, no per-row Python."""
     tokens = argmax_rows(logits)
-    vocab = logits.shape[-1]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        g = _gather_rows(sampled, params, output_indices, vocab, logits.device, generator)
+    if sampled is not None:
+        g = _gather_rows(sampled, logits.shape[-1], logits.device, generator)
         ops = cpu_ops() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
         if ops is not None:
             picked = ops.sample_rows(logits, g.rows, g.temperature, g.top_k, g.top_p, g.u)

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from distributed import Client, WorkerPlugin, get_worker
@@ -63,6 +64,7 @@ class EnginePlugin(WorkerPlugin):
         self._model: ModelPin | None = None
         self._error: BaseException | None = None
         self._loaded = threading.Event()
+        self.loaded_cpu_s: float | None = None
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
@@ -85,6 +87,7 @@ class EnginePlugin(WorkerPlugin):
                 raise ModelPinError(f"the model {after.resolved} changed while this worker loaded it ({what}); run "
                                     "the job again once nothing writes to it")
             self._engine, self._model = engine, after
+            self.loaded_cpu_s = time.process_time()  # for benchmarks: the worker's CPU seconds spent after the load
         except BaseException as e:  # surfaced to every task that asks for the engine
             self._error = e
         finally:

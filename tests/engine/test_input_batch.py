@@ -12,6 +12,7 @@ import numpy as np
 from engine.input_batch import InputBatch, StepInputs
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
+from engine.sampler import SampledRows
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
 
@@ -53,8 +54,13 @@ def _run(num_blocks: int, bs: int, max_num_seqs: int, budget: int, remove_finish
     kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True)
     sched = Scheduler(kv, max_num_seqs, budget)
     head = [rng.randrange(100) for _ in range(20)]
+    # Every third request greedy, the others sampled with their own temperature, top_p, top_k and seed (or none).
     reqs = [Request(f"r{i}", (head + [rng.randrange(100) for _ in range(70)])[:rng.randint(1, 70)],
-                    SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True)) for i in range(40)]
+                    SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True,
+                                   temperature=0.0 if i % 3 == 0 else rng.uniform(0.1, 2.0),
+                                   top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, -1, 5, 200]),
+                                   seed=rng.choice([None, rng.randrange(1 << 63)])))
+            for i in range(40)]
     sched.add_requests(reqs)
     batch = InputBatch(max_num_seqs, -(-200 // bs), bs)
     steps = 0
@@ -64,6 +70,14 @@ def _run(num_blocks: int, bs: int, max_num_seqs: int, budget: int, remove_finish
         x = batch.prepare(plan.scheduled, kv.block_tables)
         assert _as_lists(x) == expected, f"step {steps}"
         assert x.decode_only == all(n == 1 for _, n in plan.scheduled)
+        # The sampling parameters kept in the batch's rows are the sampled requests' own, with their output counts.
+        got = batch.sampled_rows(x)
+        want = SampledRows.from_params([r.sampling_params for r in x.sampling],
+                                       [len(r.output_token_ids) for r in x.sampling])
+        assert (got is None) == (want is None), f"step {steps}"
+        if want is not None:
+            for name, a, b in zip(SampledRows._fields, got, want, strict=True):
+                assert a.tolist() == b.tolist(), f"step {steps}: {name}"
         for req, _ in plan.scheduled:  # each row mirrors the manager's list exactly, past its end untouched
             row = batch.row_of[req.request_id]
             assert batch.block_table[row, :batch.num_blocks[row]].tolist() == kv.block_tables[req.request_id]
@@ -72,6 +86,8 @@ def _run(num_blocks: int, bs: int, max_num_seqs: int, budget: int, remove_finish
             batch.remove(r.request_id for r in finished)
         kv.check_integrity()
         steps += 1
+    if remove_finished:  # every row freed: no sampled row counted
+        assert batch.num_rows == 0 and batch.num_sampled_rows == 0 and batch.greedy.all()
     return steps, sched.num_preemptions
 
 

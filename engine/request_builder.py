@@ -1,0 +1,125 @@
+"""Prompts into requests: the token ids a prompt runs as (chat template, raw text, messages or token ids, user text
+never read as control tokens), its request or its n samples, and their logits-processor state; host work that
+touches no scheduler or cache state (engine.llm_engine.LLMEngine.make_requests and the engine loop's submitters
+call it from any thread)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.logits_processors import LogitsProcessors
+from engine.outputs import RequestOutput
+from engine.prompts import Prompt, prompt_problem
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+# Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
+CHILD_SEP = "\x1f"
+
+
+def lpt_key(request: Request) -> int:
+    """Admission order of an offline batch: longest first by prompt + max_tokens (the LPT rule, Graham 1969)."""
+    return -(request.num_prompt_tokens + request.sampling_params.max_tokens)
+
+
+class RequestBuilder:
+    """Makes the requests of an engine's prompts.
+
+    Args:
+        tokenizer: the engine's tokenizer, or None (random weights: prompts must be token ids).
+        vocab_size: the model's vocabulary (token ids must be below it).
+        max_model_len: most tokens per request (a prompt needs at least one fewer).
+        logits_processors: the engine's logits-processor state, where each request that needs one is registered.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 logits_processors: LogitsProcessors) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.logits_processors = logits_processors
+
+    def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
+                         allow_special_tokens: bool = False) -> list[int]:
+        """The token ids a prompt runs as (see `generate` for the flags): text through the chat template or raw,
+        messages through the chat template, token ids as they are. User text is encoded as text (engine.tokenizer):
+        a control token's spelling in it is never the control token unless `allow_special_tokens`.
+        Raises ValueError for a prompt that cannot run: what engine.prompts.prompt_problem finds (the validator the
+        pipeline runs too), token ids outside the vocabulary, or text without a tokenizer."""
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise ValueError(problem)
+        is_token_ids = all(isinstance(t, int) for t in prompt)  # a non-empty list: prompt_problem passed it
+        if self.tokenizer is None and not is_token_ids:
+            raise ValueError("this engine has no tokenizer (random-weights preset): give prompts as token ids")
+        if isinstance(prompt, str):
+            if use_chat_template:
+                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                          allow_special_tokens=allow_special_tokens)
+            return self.tokenizer.encode(prompt, allow_special_tokens=allow_special_tokens)
+        if is_token_ids:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            return list(prompt)
+        return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
+
+    def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       use_chat_template: bool, allow_special_tokens: bool) -> list[Request]:
+        """The request of one prompt, or its n samples (params.n > 1): requests `<id>` + CHILD_SEP + j with n=1 and,
+        when seeded, seed + j (vLLM's rule for parallel sampling). Their prompts are the same token ids, so the
+        prefix cache computes the prompt's full blocks once (siblings queued behind the first one's prefill take
+        them from the cache). Raises ValueError for a prompt that cannot run or a constraint that does not
+        compile."""
+        token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
+                             f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
+        if params.n == 1:
+            children = [(request_id, params)]
+        else:
+            children = [(f"{request_id}{CHILD_SEP}{j}", dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + j) % (1 << 63)))
+                for j in range(params.n)]
+        requests = []
+        try:
+            for rid, sp in children:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop) if self.tokenizer is not None else None
+                req = Request(rid, token_ids, sp, detokenizer)
+                self.logits_processors.add(req)
+                requests.append(req)
+        except ValueError:
+            for req in requests:
+                self.logits_processors.pop(req.request_id)
+            raise
+        return requests
+
+    def make_requests(self, prompts: Sequence[Prompt],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
+                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]:
+        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its requests
+        ready to queue (one, or its n samples: _make_requests), or an error RequestOutput (finish_reason "error") for
+        a prompt that cannot run. Host work: it touches no scheduler or cache state, so any thread may call it (it
+        registers each request's logits-processor state, keyed by request id). Raises ValueError when the lengths
+        of prompts, params and ids differ, or ids repeat."""
+        n = len(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * n if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        ids = [str(i) for i in range(n)] if request_ids is None else [str(r) for r in request_ids]
+        if len(params) != n or len(ids) != n:
+            raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(ids)} request ids; "
+                             "give one per prompt (or a single SamplingParams for all)")
+        if len(set(ids)) != n:
+            raise ValueError("request_ids must be unique")
+        prepared: list[list[Request] | RequestOutput] = []
+        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+            try:
+                prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens))
+            except ValueError as e:
+                prepared.append(RequestOutput(rid, [], [], "", "error", error=str(e)))
+        return prepared
