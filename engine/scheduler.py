@@ -88,7 +88,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._any_eos = self.eos_token_ids | ({eos_token_id} if eos_token_id is not None else set())
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -174,7 +173,7 @@ class Scheduler:
                 kv.cache_full_blocks(req)
         finished = []
         eos, eos_ids, max_len = self.eos_token_id, self.eos_token_ids, self.max_model_len
-        any_eos = self._any_eos
+        any_eos = eos_ids if eos is None else eos_ids | {eos}  # per step: the ids may be reassigned
         for req, token in sampled:
             # Request.append_output_token inline (one call less per row per step).
             req.output_token_ids.append(token)
