@@ -209,6 +209,24 @@ inline float hsum16(v16 v) {
   return s;
 }
 
+// Softmax numerators in place: sh[t] = exp(sh[t] - max) over padded (a multiple of 16) scores whose masked entries
+// hold -inf; returns their sum (the denominator). The row maximum is subtracted first (Milakov & Gimelshein, 2018).
+inline float exp_scores16(float* sh, int64_t padded) {
+  v16 mv = load16(sh);
+  for (int64_t t = 16; t < padded; t += 16) {
+    const v16 x = load16(sh + t);
+    mv = x > mv ? x : mv;
+  }
+  const float mx = hmax16(mv);
+  v16 sum = {};
+  for (int64_t t = 0; t < padded; t += 16) {
+    const v16 e = exp16(load16(sh + t) - mx);
+    __builtin_memcpy(sh + t, &e, sizeof(e));
+    sum += e;
+  }
+  return hsum16(sum);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 (8 fp32 lanes, 16 registers): attention one query row at a time, written for the register file it runs on.
 // The 16-lane path above keeps 16 dot products (32 ymm) or 16 value accumulators live, which AVX2 cannot hold; here
@@ -314,19 +332,7 @@ void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* 
   for (int64_t h = 0; h < num_heads; ++h) {
     float* sh = scores.data() + h * padded;
     for (int64_t t = n; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-    v16 mv = load16(sh);
-    for (int64_t t = 16; t < padded; t += 16) {
-      const v16 x = load16(sh + t);
-      mv = x > mv ? x : mv;
-    }
-    const float mx = hmax16(mv);
-    v16 sum = {};
-    for (int64_t t = 0; t < padded; t += 16) {
-      const v16 e = exp16(load16(sh + t) - mx);
-      __builtin_memcpy(sh + t, &e, sizeof(e));
-      sum += e;
-    }
-    inv[h] = 1.f / hsum16(sum);
+    inv[h] = 1.f / exp_scores16(sh, padded);
   }
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
@@ -473,19 +479,7 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
           float* sh = scores.data() + (j * num_heads + h) * padded;
           for (int64_t t = 0; t < wj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
           for (int64_t t = lj; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-          v16 mv = load16(sh);
-          for (int64_t t = 16; t < pj; t += 16) {
-            const v16 x = load16(sh + t);
-            mv = x > mv ? x : mv;
-          }
-          const float m = hmax16(mv);
-          v16 sum = {};
-          for (int64_t t = 0; t < pj; t += 16) {
-            const v16 e = exp16(load16(sh + t) - m);
-            __builtin_memcpy(sh + t, &e, sizeof(e));
-            sum += e;
-          }
-          const float inv = 1.f / hsum16(sum);
+          const float inv = 1.f / exp_scores16(sh, pj);
           for (int64_t t = 0; t < wj; ++t) sh[t] = 0.f;
           for (int64_t t = wj; t < lj; ++t) sh[t] *= inv;
         }
