@@ -9,6 +9,7 @@ one after another (so none shares the cores or the allocator with another), on t
 here once, in the chat template), greedy (or sampled with --temperature / --top-p, the same for every system, top_k
 off), EOS ignored so every request makes exactly --max-tokens tokens:
     tokenmill     `LLMEngine.from_model(path)` with the default EngineConfig (dtype auto), one `generate` over all.
+    tokenmill-int8  the same with `EngineConfig(quantization="int8")` (`--quantization int8`, opt-in): W8A8.
     hf-fp32/bf16  `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized), `generate` in one static
                   batch of all requests, left padded, min_new_tokens = max_new_tokens.
     ct2-int8/f32  CTranslate2 `Generator.generate_batch` (one batch, include_prompt_in_result=False, min_length =
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import DATA, alpaca_rows, run_hf, run_ours  # noqa: E402  (also puts the repo root on sys.path)
 
-SYSTEMS = ["tokenmill", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32", "llama.cpp"]
+SYSTEMS = ["tokenmill", "tokenmill-int8", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32", "llama.cpp"]
 WORKLOADS = {"w1": 64, "c256": 256}  # default number of requests
 CHECK_TOKENS = 8  # the warm-up: 2 requests x 8 greedy tokens, compared with tokenmill's as a sanity check
 DEFAULT_CACHE = Path.home() / ".cache" / "tokenmill" / "peers"
@@ -96,11 +97,12 @@ def cpu_model_name() -> str:
 # ---------------------------------------------------------------- workers (each in its own process)
 
 
-def worker_tokenmill(spec: dict) -> dict:
-    from engine import LLMEngine, SamplingParams
+def worker_tokenmill(spec: dict, quantization: str = "none") -> dict:
+    from engine import EngineConfig, LLMEngine, SamplingParams
 
     t0 = time.perf_counter()
-    engine = LLMEngine.from_model(spec["model"])  # the default EngineConfig: device auto, dtype auto
+    # The default EngineConfig (device auto, dtype auto), or only its quantization changed.
+    engine = LLMEngine.from_model(spec["model"], EngineConfig(quantization=quantization))
     load_s = time.perf_counter() - t0
     prompts, n_tok = spec["prompt_ids"], spec["max_tokens"]
     outs = engine.generate(prompts[:2], SamplingParams(max_tokens=CHECK_TOKENS, ignore_eos=True))  # warm-up
@@ -109,7 +111,8 @@ def worker_tokenmill(spec: dict) -> dict:
     seconds, tokens = run_ours(engine, prompts, [n_tok] * len(prompts), spec["temperature"], spec["top_p"])
     return {"load_s": load_s, "seconds": seconds, "output_tokens": tokens, "cpu_s": time.process_time() - cpu0,
             "check_ids": [list(o.output_token_ids) for o in outs],
-            "detail": f"dtype {str(engine.dtype).removeprefix('torch.')}, max_num_seqs {engine.config.max_num_seqs}"}
+            "detail": f"dtype {str(engine.dtype).removeprefix('torch.')}, quantization {quantization}, "
+                      f"max_num_seqs {engine.config.max_num_seqs}"}
 
 
 def worker_hf(spec: dict, dtype_name: str) -> dict:
@@ -284,6 +287,8 @@ def worker(system: str, spec_path: str, result_path: str) -> None:
             torch.set_num_threads(spec["threads"])
         if system == "tokenmill":
             row = worker_tokenmill(spec)
+        elif system == "tokenmill-int8":
+            row = worker_tokenmill(spec, "int8")
         elif system == "llama.cpp":
             row = worker_llama_cpp(spec)
         elif system.startswith("hf-"):

@@ -102,6 +102,55 @@ inline void prefetch_row(const T* p, int64_t head_dim) {
 
 typedef int32_t vi16 __attribute__((vector_size(64)));
 
+// Lane-wise selections on v16 with the meaning of the ternaries they stand for. GCC lowers `a > b ? a : b` on a
+// 16-lane vector lane by lane where the machine's registers hold 8 lanes (AVX2): 16 scalar compares and blends per
+// vector, which made silu_and_mul 2x slower than torch's and argmax_rows slower than torch.argmax there
+// (bench/cpu_kernels.py --elementwise). On AVX2 each half is one instruction; AVX-512 keeps the ternaries (native).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline __m256 half8(const v16& v, int h) {
+  __m256 r;
+  __builtin_memcpy(&r, reinterpret_cast<const char*>(&v) + 32 * h, sizeof(r));
+  return r;
+}
+inline v16 join8(__m256 lo, __m256 hi) {
+  v16 r;
+  __builtin_memcpy(&r, &lo, sizeof(lo));
+  __builtin_memcpy(reinterpret_cast<char*>(&r) + 32, &hi, sizeof(hi));
+  return r;
+}
+// a > b ? a : b (b where either is NaN: vmaxps' rule).
+inline v16 vmax16(v16 a, v16 b) {
+  return join8(_mm256_max_ps(half8(a, 0), half8(b, 0)), _mm256_max_ps(half8(a, 1), half8(b, 1)));
+}
+// a < b ? a : b (b where either is NaN: vminps' rule).
+inline v16 vmin16(v16 a, v16 b) {
+  return join8(_mm256_min_ps(half8(a, 0), half8(b, 0)), _mm256_min_ps(half8(a, 1), half8(b, 1)));
+}
+// True (all ones) in the lanes that hold a NaN.
+inline vi16 vnan16(v16 v) {
+  const __m256 lo = half8(v, 0), hi = half8(v, 1);
+  const v16 m = join8(_mm256_cmp_ps(lo, lo, _CMP_UNORD_Q), _mm256_cmp_ps(hi, hi, _CMP_UNORD_Q));
+  vi16 r;
+  __builtin_memcpy(&r, &m, sizeof(r));
+  return r;
+}
+// Round to the nearest integer, ties to even (std::nearbyint in the default rounding mode).
+inline v16 vrint16(v16 v) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return join8(_mm256_round_ps(half8(v, 0), kMode), _mm256_round_ps(half8(v, 1), kMode));
+}
+#else
+inline v16 vmax16(v16 a, v16 b) { return a > b ? a : b; }
+inline v16 vmin16(v16 a, v16 b) { return a < b ? a : b; }
+inline vi16 vnan16(v16 v) { return v != v; }
+inline v16 vrint16(v16 v) {
+  float r[16];
+  __builtin_memcpy(r, &v, sizeof(r));
+  for (int i = 0; i < 16; ++i) r[i] = std::nearbyint(r[i]);
+  return load16(r);
+}
+#endif
+
 // 16 elements of T widened to fp32 lanes (bf16: the 16-bit shift of load_row, in registers).
 template <typename T>
 inline v16 load16_as_f32(const T* p) {
@@ -172,11 +221,16 @@ inline void weighted_values_n(int count, const T* v_cache, const int32_t* table,
 // for expf (Moshier, "Cephes Math Library", expf.c; relative error about 1e-7), scaled by 2^n through the exponent
 // bits. Inputs are clamped to [-87.3, 88.7]: exp(-87.3) ~ 1e-38 stands in for exp(-inf) = 0.
 inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.3f, hi = v16{} + 88.7f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
+  x = vmax16(v16{} - 87.3f, x);  // x < lo ? lo : x
+  x = vmin16(v16{} + 88.7f, x);  // x > hi ? hi : x
   const v16 y = x * 1.44269504088896341f;
-  const vi16 n = __builtin_convertvector(y + (y >= 0 ? v16{} + 0.5f : v16{} - 0.5f), vi16);
+  // n = round half away from zero: y + copysign(0.5, y), truncated.
+  vi16 half_bits;
+  __builtin_memcpy(&half_bits, &y, sizeof(half_bits));
+  half_bits = (half_bits & static_cast<int32_t>(0x80000000u)) | 0x3f000000;  // +-0.5f
+  v16 half;
+  __builtin_memcpy(&half, &half_bits, sizeof(half));
+  const vi16 n = __builtin_convertvector(y + half, vi16);
   const v16 fn = __builtin_convertvector(n, v16);
   v16 r = x - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
@@ -211,11 +265,139 @@ inline float hsum16(v16 v) {
 
 // Softmax numerators in place: sh[t] = exp(sh[t] - max) over padded (a multiple of 16) scores whose masked entries
 // hold -inf; returns their sum (the denominator). The row maximum is subtracted first (Milakov & Gimelshein, 2018).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define TM_AVX2_ELEMENTWISE 1
+// AVX2 forms of the elementwise kernels below. A v16 is not a register type there: GCC keeps it on the stack and
+// moves it through general registers on every operation (`objdump -d`: silu_and_mul ran 2x slower than torch's and
+// argmax_rows no faster than torch.argmax), so these work on 8-lane __m256 values. Same arithmetic as exp16 and
+// the v16 loops (Cephes expf, round half away from zero), so results agree to the last bit with the AVX-512 path
+// except where FMA contraction orders a sum differently.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 half = _mm256_or_ps(_mm256_and_ps(y, _mm256_set1_ps(-0.f)), _mm256_set1_ps(0.5f));
+  const __m256i n = _mm256_cvttps_epi32(_mm256_add_ps(y, half));
+  const __m256 fn = _mm256_cvtepi32_ps(n);
+  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp_scores16 below, 8 lanes at a time.
+inline float exp_scores16(float* sh, int64_t padded) {
+  __m256 mv = _mm256_loadu_ps(sh);
+  for (int64_t t = 8; t < padded; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + t), mv);
+  const __m256 mx = _mm256_set1_ps(hmax8(mv));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mx));
+    _mm256_storeu_ps(sh + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum8(sum);
+}
+
+// silu(g) * u over n fp32 lanes (the tail, n % 8, in scalar code).
+inline void silu_mul_row_avx2(const float* g, const float* u, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// Largest value of an fp32 row and whether it holds a NaN (max as `v > m ? v : m`, vmaxps' rule).
+inline float row_max_avx2(const float* row, int64_t cols, bool* nan) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = ninf, m1 = ninf, n0 = _mm256_setzero_ps(), n1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= cols; i += 16) {  // two chains, so consecutive maxes do not wait on each other
+    const __m256 a = _mm256_loadu_ps(row + i), b = _mm256_loadu_ps(row + i + 8);
+    n0 = _mm256_or_ps(n0, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    n1 = _mm256_or_ps(n1, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+    m0 = _mm256_max_ps(a, m0);
+    m1 = _mm256_max_ps(b, m1);
+  }
+  float best = hmax8(_mm256_max_ps(m0, m1));
+  bool has_nan = _mm256_movemask_ps(_mm256_or_ps(n0, n1)) != 0;
+  for (; i < cols; ++i) {
+    has_nan |= row[i] != row[i];
+    best = row[i] > best ? row[i] : best;
+  }
+  *nan = has_nan;
+  return best;
+}
+
+// Index of the first lane of an fp32 row equal to `value` (the first NaN when `nan`); cols when there is none.
+inline int64_t row_find_avx2(const float* row, int64_t cols, float value, bool nan) {
+  const __m256 v = _mm256_set1_ps(value);
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8) {
+    const __m256 x = _mm256_loadu_ps(row + i);
+    const int mask = _mm256_movemask_ps(nan ? _mm256_cmp_ps(x, x, _CMP_UNORD_Q) : _mm256_cmp_ps(x, v, _CMP_EQ_OQ));
+    if (mask) return i + __builtin_ctz(mask);
+  }
+  for (; i < cols; ++i)
+    if (nan ? row[i] != row[i] : row[i] == value) return i;
+  return cols;
+}
+
+// Per-row symmetric int8 of an fp32 row as uint8 + 128 (quantize_rows_kernel's arithmetic: x / scale, round half to
+// even). Returns the scale.
+inline float quantize_row_avx2(const float* x, uint8_t* q, int64_t cols) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mv = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8) mv = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), mv);
+  float m = hmax8(mv);
+  for (; i < cols; ++i) m = std::max(m, std::fabs(x[i]));
+  const float scale = std::max(m, 1e-12f) / 127.f;
+  const __m256 sv = _mm256_set1_ps(scale), zp = _mm256_set1_ps(128.f);
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  i = 0;
+  for (; i + 16 <= cols; i += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_add_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), kMode), zp));
+    const __m256i b = _mm256_cvtps_epi32(
+        _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i + 8), sv), kMode), zp));
+    // int32 -> uint16 -> uint8 (values are in [1, 255]): packs work within 128-bit lanes, so fix the order after.
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), bytes);
+  }
+  for (; i < cols; ++i) q[i] = static_cast<uint8_t>(std::nearbyint(x[i] / scale) + 128.f);
+  return scale;
+}
+#else
 inline float exp_scores16(float* sh, int64_t padded) {
   v16 mv = load16(sh);
   for (int64_t t = 16; t < padded; t += 16) {
-    const v16 x = load16(sh + t);
-    mv = x > mv ? x : mv;
+    mv = vmax16(load16(sh + t), mv);
   }
   const float mx = hmax16(mv);
   v16 sum = {};
@@ -226,6 +408,7 @@ inline float exp_scores16(float* sh, int64_t padded) {
   }
   return hsum16(sum);
 }
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 (8 fp32 lanes, 16 registers): attention one query row at a time, written for the register file it runs on.
@@ -599,6 +782,17 @@ void silu_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> g(inter), u(inter);
     for (int64_t r = begin; r < end; ++r) {
+#ifdef TM_AVX2_ELEMENTWISE
+      if constexpr (std::is_same_v<T, float>) {
+        silu_mul_row_avx2(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, inter);
+      } else {
+        load_row(gate_up + r * 2 * inter, g.data(), inter);
+        load_row(gate_up + r * 2 * inter + inter, u.data(), inter);
+        silu_mul_row_avx2(g.data(), u.data(), g.data(), inter);
+        store_row(g.data(), out + r * inter, inter);
+      }
+      continue;
+#endif
       load_row(gate_up + r * 2 * inter, g.data(), inter);
       load_row(gate_up + r * 2 * inter + inter, u.data(), inter);
       for (int64_t i = 0; i < inter; i += 16) {
@@ -624,13 +818,39 @@ void quantize_rows_kernel(const T* x, int64_t x_stride, uint8_t* q, float* scale
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(cols);
     for (int64_t r = begin; r < end; ++r) {
+#ifdef TM_AVX2_ELEMENTWISE
+      const float* xr = xf.data();
+      if constexpr (std::is_same_v<T, float>) {
+        xr = x + r * x_stride;
+      } else {
+        load_row(x + r * x_stride, xf.data(), cols);
+      }
+      scales[r] = quantize_row_avx2(xr, q + r * cols, cols);
+      continue;
+#endif
       load_row(x + r * x_stride, xf.data(), cols);
-      float m = 0.f;
-      for (int64_t i = 0; i < cols; ++i) m = std::max(m, std::fabs(xf[i]));
+      const int64_t vec_end = cols - cols % 16;
+      v16 mv = {};
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        vi16 bits;  // |x|: the sign bit cleared
+        __builtin_memcpy(&bits, xf.data() + i, sizeof(bits));
+        bits &= 0x7fffffff;
+        v16 a;
+        __builtin_memcpy(&a, &bits, sizeof(a));
+        mv = vmax16(a, mv);  // std::max(m, |x|): m where |x| is NaN
+      }
+      float m = hmax16(mv);
+      for (int64_t i = vec_end; i < cols; ++i) m = std::max(m, std::fabs(xf[i]));
       const float scale = std::max(m, 1e-12f) / 127.f;
       scales[r] = scale;
       uint8_t* qr = q + r * cols;
-      for (int64_t i = 0; i < cols; ++i) qr[i] = static_cast<uint8_t>(std::nearbyint(xf[i] / scale) + 128.f);
+      for (int64_t i = 0; i < vec_end; i += 16) {
+        float y[16];
+        const v16 v = vrint16(load16(xf.data() + i) / scale) + 128.f;
+        __builtin_memcpy(y, &v, sizeof(y));
+        for (int j = 0; j < 16; ++j) qr[i + j] = static_cast<uint8_t>(y[j]);
+      }
+      for (int64_t i = vec_end; i < cols; ++i) qr[i] = static_cast<uint8_t>(std::nearbyint(xf[i] / scale) + 128.f);
     }
   });
 }
@@ -643,14 +863,23 @@ void argmax_rows_kernel(const T* x, int64_t x_stride, int64_t rows, int64_t cols
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * x_stride;
+#ifdef TM_AVX2_ELEMENTWISE
+      if constexpr (std::is_same_v<T, float>) {
+        bool nan = false;
+        const float best = row_max_avx2(row, cols, &nan);
+        const int64_t idx = row_find_avx2(row, cols, best, nan);
+        out[r] = idx < cols ? idx : 0;
+        continue;
+      }
+#endif
       const int64_t vec_end = cols - cols % 16;
       v16 m;
       for (int j = 0; j < 16; ++j) m[j] = -std::numeric_limits<float>::infinity();
       vi16 nan_lanes = {};
       for (int64_t i = 0; i < vec_end; i += 16) {
         const v16 v = load16_as_f32(row + i);
-        nan_lanes |= (v != v);
-        m = v > m ? v : m;
+        nan_lanes |= vnan16(v);
+        m = vmax16(v, m);
       }
       bool nan = false;
       for (int j = 0; j < 16; ++j) nan |= nan_lanes[j] != 0;
