@@ -46,10 +46,11 @@ def _version(dist: str) -> str | None:
 def machine_report() -> dict[str, Any]:
     """The machine and the engine's default choices on it, as a JSON-ready dict.
 
-    Keys: cpu {model, features (of CPU_FEATURES, present ones), cores, threads_for_torch}, memory_gib {total,
-    available}, gpus [{name, memory_gib}], versions {python, torch, transformers, tokenizers, gguf, triton,
-    tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm, int8_weight_bits}, defaults {device, dtype,
-    dtype_reason, attention_backend, default_model}. Never raises for a missing piece: it is reported as such.
+    Keys: cpu {model, features (of CPU_FEATURES, present ones), cores, threads_for_torch, omp_wait_policy},
+    memory_gib {total, available}, gpus [{name, memory_gib}], versions {python, torch, transformers, tokenizers,
+    gguf, triton, tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm, int8_weight_bits}, defaults
+    {device, dtype, dtype_reason, attention_backend, default_model}.
+    Never raises for a missing piece: it is reported as such.
     """
     import psutil
     import torch
@@ -87,6 +88,7 @@ def machine_report() -> dict[str, Any]:
     return {
         "cpu": {"model": model, "features": [f for f in CPU_FEATURES if f in flags], "cores": cores,
                 "threads_for_torch": torch.get_num_threads(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins at barriers)"),
                 "torch_capability": torch.backends.cpu.get_cpu_capability()},
         "memory_gib": {"total": round(mem.total / 2**30, 1), "available": round(mem.available / 2**30, 1)},
         "gpus": gpus,

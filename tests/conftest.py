@@ -12,11 +12,16 @@ greedy, so rows run to max_tokens as the real model's long answers do.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pyarrow.parquet as pq
-import pytest
-import torch
+# Before torch loads libgomp (engine/__init__.py says why): the suite runs two pytest workers on two cores, and
+# spinning OpenMP threads made engine tests 3-4x slower there.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from pathlib import Path  # noqa: E402
+
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

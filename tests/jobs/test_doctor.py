@@ -14,8 +14,9 @@ from jobs.doctor import CPU_FEATURES
 
 
 def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # as a user's shell has it
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "doctor", "--json"], capture_output=True, text=True,
-                          timeout=600, check=False, env={**os.environ, "COLUMNS": "160"})
+                          timeout=600, check=False, env={**env, "COLUMNS": "160"})
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     report = json.loads(done.stdout)
     cpuinfo = Path("/proc/cpuinfo")
@@ -26,6 +27,8 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     assert report["defaults"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert report["defaults"]["dtype"] == ("bfloat16" if torch.cuda.is_available() or native_bf16 else "float32")
     assert report["versions"]["torch"] == torch.__version__
+    # The CLI imports the engine before torch, so OpenMP threads sleep at barriers (engine/__init__.py).
+    assert report["cpu"]["omp_wait_policy"] == "PASSIVE"
     # oneDNN packs bf16 only with AVX512BW/VL/DQ (or AVX-NE-CONVERT); its int8 GEMM sums exactly at 8 bits with VNNI.
     features = set(report["cpu"]["features"])
     if report["kernels"]["onednn"]:
@@ -43,3 +46,10 @@ def test_doctor_prints_a_table_a_person_reads() -> None:
     result = CliRunner().invoke(app, ["doctor"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     assert "dtype_reason" in result.output and "features" in result.output and "{" not in result.output
+
+
+def test_a_wait_policy_the_user_set_is_kept() -> None:
+    code = "import engine, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                          env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert done.stdout.strip() == "ACTIVE"
