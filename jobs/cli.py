@@ -9,7 +9,8 @@ when it runs, so `tokenmill --help` loads neither torch nor Dask, and `status` /
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -17,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobs import model_commands, output_commands, run_commands
-from jobs.cli_output import err, fail, out, ran_in, storage_fail
+from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
 from jobs.errors import JobError
 
 if TYPE_CHECKING:
@@ -26,9 +27,23 @@ if TYPE_CHECKING:
 _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed, 2 bad input, options or spec "
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
                "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
+               "70 internal error (a bug: one line names the file its traceback was written to), "
                "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
 
-app = typer.Typer(
+
+class _Cli(typer.Typer):
+    """The Typer app whose unexpected exceptions (a bug, not a JobError the command maps to an exit code) end as one
+    line and exit code 70, the traceback kept in a file (jobs.cli_output.internal_error): never Typer's or Python's
+    traceback on a user's terminal. KeyboardInterrupt and SystemExit pass through."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:
+            sys.exit(internal_error(e))
+
+
+app = _Cli(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
          + _EXIT_CODES,
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
