@@ -3,11 +3,17 @@
 Commands live in jobs.run_commands (run, submit), jobs.model_commands (quantize, perplexity), jobs.output_commands
 (export, report) and here (status, cancel, job-schema, doctor, version). NOTE: each command imports what it needs
 when it runs, so `tokenmill --help` loads neither torch nor Dask, and `status` / `cancel` no torch
-(tests/jobs/test_cli_imports.py).
+(tests/jobs/test_cli_imports.py). The commands whose options are generated from the job spec (run, submit,
+perplexity; jobs.options) and quantize are built only when they run or show their own help (_LazyGroup): the spec
+model (pydantic) is about a third of `tokenmill --help`'s time, and `--help`, `status` and `cancel` do not need it.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+import inspect
 import json
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
@@ -16,8 +22,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-from jobs import model_commands, output_commands, run_commands
+from jobs import output_commands
 from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
 from jobs.errors import JobError
 
@@ -29,6 +36,57 @@ _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed
                "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
                "70 internal error (a bug: one line names the file its traceback was written to), "
                "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
+
+
+# Commands built on first use (_LazyGroup): name -> the module whose `register(app)` adds it.
+_LAZY_COMMANDS = {"run": "jobs.run_commands", "submit": "jobs.run_commands", "quantize": "jobs.model_commands",
+                  "perplexity": "jobs.model_commands"}
+# `--help` lists the commands in this order.
+_ORDER = ("run", "submit", "status", "cancel", "job-schema", "doctor", "version", "quantize", "perplexity", "export",
+          "report")
+
+
+def _docstring(module: str, function: str) -> str:
+    """The docstring of `module`.`function`, read from its source without importing the module (ast)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"tokenmill's module {module} is missing; reinstall tokenmill")
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), spec.origin)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return inspect.cleandoc(ast.get_docstring(node) or "")
+
+
+class _LazyGroup(TyperGroup):
+    """The top-level group: the commands of _LAZY_COMMANDS are built (their module imported, their options generated)
+    only when one is resolved to run or show its own help; `tokenmill --help` lists them from their docstrings."""
+
+    _resolving = False
+
+    def list_commands(self, ctx: typer.Context) -> list[str]:
+        names = [*self.commands, *_LAZY_COMMANDS]
+        return sorted(names, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER))
+
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+        if cmd_name in self.commands or cmd_name not in _LAZY_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        if not self._resolving:  # listed by `--help`: its name and help text are all that is shown
+            import click
+
+            return click.Command(cmd_name, help=_docstring(_LAZY_COMMANDS[cmd_name], cmd_name.replace("-", "_")))
+        module = importlib.import_module(_LAZY_COMMANDS[cmd_name])
+        sub = typer.Typer(add_completion=False)
+        module.register(sub)
+        built = typer.main.get_group(sub).commands
+        self.commands.update(built)
+        return built[cmd_name]
+
+    def resolve_command(self, ctx: typer.Context, args: list[str]) -> Any:
+        self._resolving = True
+        try:
+            return super().resolve_command(ctx, args)
+        finally:
+            self._resolving = False
 
 
 class _Cli(typer.Typer):
@@ -46,8 +104,7 @@ class _Cli(typer.Typer):
 app = _Cli(
     help="tokenmill: offline batch LLM inference. Parquet prompts in, completions and a tokens-per-dollar bill out. "
          + _EXIT_CODES,
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-run_commands.register(app)  # first: `--help` lists commands in the order they are added
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=_LazyGroup)
 
 
 def _print_status(st: JobStatus) -> None:
@@ -169,7 +226,6 @@ def version() -> None:
     print(dist_version("tokenmill"))
 
 
-model_commands.register(app)
 output_commands.register(app)
 
 if __name__ == "__main__":
