@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from jobs import output_commands
 from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
@@ -59,21 +59,20 @@ def _docstring(module: str, function: str) -> str:
 
 class _LazyGroup(TyperGroup):
     """The top-level group: the commands of _LAZY_COMMANDS are built (their module imported, their options generated)
-    only when one is resolved to run or show its own help; `tokenmill --help` lists them from their docstrings."""
+    on first `get_command`, as click resolves one to run or show its help; while the group formats its own help
+    (`tokenmill --help`) it lists them from their docstrings instead, building none."""
 
-    _resolving = False
+    _listing = False
 
     def list_commands(self, ctx: typer.Context) -> list[str]:
-        names = [*self.commands, *_LAZY_COMMANDS]
+        names = [*self.commands, *(n for n in _LAZY_COMMANDS if n not in self.commands)]
         return sorted(names, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER))
 
     def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
         if cmd_name in self.commands or cmd_name not in _LAZY_COMMANDS:
             return super().get_command(ctx, cmd_name)
-        if not self._resolving:  # listed by `--help`: its name and help text are all that is shown
-            import click
-
-            return click.Command(cmd_name, help=_docstring(_LAZY_COMMANDS[cmd_name], cmd_name.replace("-", "_")))
+        if self._listing:  # `tokenmill --help` shows its name and help text, nothing else
+            return TyperCommand(cmd_name, help=_docstring(_LAZY_COMMANDS[cmd_name], cmd_name.replace("-", "_")))
         module = importlib.import_module(_LAZY_COMMANDS[cmd_name])
         sub = typer.Typer(add_completion=False)
         module.register(sub)
@@ -81,12 +80,12 @@ class _LazyGroup(TyperGroup):
         self.commands.update(built)
         return built[cmd_name]
 
-    def resolve_command(self, ctx: typer.Context, args: list[str]) -> Any:
-        self._resolving = True
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
+        self._listing = True
         try:
-            return super().resolve_command(ctx, args)
+            super().format_help(ctx, formatter)
         finally:
-            self._resolving = False
+            self._listing = False
 
 
 class _Cli(typer.Typer):
