@@ -2,9 +2,9 @@
 
 `cpu_ops()` builds engine/csrc/cpu_kernels.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
 -march=native, so the build is for the CPU it runs on) into torch's extension cache (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions), under a name that hashes the source, the flags, torch's version and this CPU's flags:
-later processes on the same machine load it in well under a second (a build takes about 15 s on 2 cores: the
-source includes only the ATen headers it uses, not <torch/extension.h>), and concurrent first builds wait on
+~/.cache/torch_extensions), under a name that hashes the source (its path and text), the flags, torch's version and
+this CPU's flags: later processes on the same machine load it in well under a second (a build takes about 15 s on 2
+cores: the source includes only the ATen headers it uses, not <torch/extension.h>), and concurrent first builds wait on
 torch's file lock. When the build cannot run (no compiler, no ninja, a build
 error) or TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers
 use the plain torch path, which computes the same function.
@@ -53,7 +53,9 @@ def cpu_ops() -> ModuleType | None:
         return None
     digest = hashlib.sha256()
     for src in SOURCES:
-        digest.update(src.read_bytes())
+        # The path too: torch's build.ninja names the source by path, so two checkouts of one source sharing a name
+        # would rebuild each other's module (about 30 s) every time a process of the other one loads it.
+        digest.update(str(src.resolve()).encode() + b"\0" + src.read_bytes())
     digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
     if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH

@@ -31,9 +31,9 @@ def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
     cached = read_weights_cache(folder) if folder is not None else None
     if cached is not None:
         return cached
-    from gguf import GGUFReader
+    from engine.gguf_file import open_gguf
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     cfg = read_gguf_config(reader)
     state = {name: w.to(dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
     if cfg.tie_word_embeddings:

@@ -8,6 +8,9 @@ MinTokensLogitsProcessor), then the penalties (vllm/model_executor/layers/utils.
 over prompt and output tokens, frequency and presence over output tokens), then the grammar bitmask (applied last, so
 a masked token stays masked whatever the bias), and finally the sampler's temperature, top-k, top-p or argmax.
 
+The dense ops (logit_bias, min_tokens, penalties) are engine.logit_penalties'; this module keeps the per-request
+state and the grammar bitmask.
+
 NOTE: only rows registered with `add` are touched, and a step whose batch holds none of them costs one truthiness
 test (`active`): the greedy path of unconstrained jobs pays nothing per row. The work of a step is one batched op per
 kind (one index_put for every bias, one scatter for every penalized row's counts; for the constrained rows one
@@ -28,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.logit_penalties import apply_bias_and_min_tokens, apply_penalties
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager, grammar_of
@@ -256,8 +260,10 @@ class LogitsProcessors:
             k = max(st.params.logprobs or 0 for _, st in lp)
             if k:
                 top = raw.topk(k, dim=-1)
-        self._bias_and_min_tokens(logits, rows, states, requests)
-        self._penalties(logits, rows, states, requests)
+        apply_bias_and_min_tokens(logits, [(i, st.params, st.stop_ids) for i, st in zip(rows, states, strict=True)],
+                                  requests, self.vocab_size)
+        apply_penalties(logits, [(i, st.params) for i, st in zip(rows, states, strict=True)], requests,
+                        self.vocab_size)
         failed = [(i, st) for i, st in zip(rows, states, strict=True) if st.error is not None]
         for i, st in failed:  # its constraint did not compile: end it now (only a stop id left), reported as an error
             logits[i] = float("-inf")
@@ -266,62 +272,6 @@ class LogitsProcessors:
         if matched:
             self._apply_bitmask(logits, matched)
         return logits, _Pending([i for i, _ in lp], [st for _, st in lp], raw, top, matched)
-
-    def _bias_and_min_tokens(self, logits: torch.Tensor, rows: list[int], states: list[RowState],
-                             requests: list[Request]) -> None:
-        """logit_bias (added) and min_tokens (stop ids to -inf) of every row, in one index_put each."""
-        bias_r: list[int] = []
-        bias_t: list[int] = []
-        bias_v: list[float] = []
-        mask_r: list[int] = []
-        mask_t: list[int] = []
-        for i, st in zip(rows, states, strict=True):
-            for tid, b in st.params.logit_bias:
-                bias_r.append(i)
-                bias_t.append(tid)
-                bias_v.append(b)
-            if requests[i].num_output_tokens < st.params.min_tokens:
-                ids = [t for t in st.stop_ids if t < self.vocab_size]
-                mask_r.extend([i] * len(ids))
-                mask_t.extend(ids)
-        dev = logits.device
-        if bias_r:
-            logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
-                              torch.tensor(bias_v, dtype=logits.dtype, device=dev), accumulate=True)
-        if mask_r:
-            logits.index_put_((torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)),
-                              torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
-
-    def _penalties(self, logits: torch.Tensor, rows: list[int], states: list[RowState],
-                   requests: list[Request]) -> None:
-        """vLLM's apply_penalties on the penalized rows: counts of output tokens by one scatter_add, presence of
-        prompt tokens by one scatter."""
-        pen = [(i, st.params) for i, st in zip(rows, states, strict=True)
-               if st.params.repetition_penalty != 1.0 or st.params.frequency_penalty != 0.0
-               or st.params.presence_penalty != 0.0]
-        if not pen:
-            return
-        dev, v = logits.device, self.vocab_size
-        idx = torch.tensor([i for i, _ in pen], device=dev)
-
-        def padded(seqs: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(s) for s in seqs))
-            return torch.tensor([s + [v] * (width - len(s)) for s in seqs], dtype=torch.int64, device=dev)
-
-        out = padded([requests[i].output_token_ids for i, _ in pen])
-        counts = torch.zeros(len(pen), v + 1, device=dev).scatter_add_(1, out, torch.ones(out.shape, device=dev))
-        counts = counts[:, :v]
-        out_mask = counts > 0
-        prompt_mask = torch.zeros(len(pen), v + 1, dtype=torch.bool, device=dev)
-        prompt_mask.scatter_(1, padded([requests[i].prompt_token_ids for i, _ in pen]), True)
-        params = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for _, p in pen],
-                              dtype=torch.float32, device=dev)
-        sub = logits.index_select(0, idx)
-        rep = torch.where(prompt_mask[:, :v] | out_mask, params[:, 0:1], 1.0)
-        sub = torch.where(sub > 0, sub / rep, sub * rep)
-        sub -= params[:, 1:2] * counts
-        sub -= params[:, 2:3] * out_mask
-        logits.index_copy_(0, idx, sub)
 
     def _apply_bitmask(self, logits: torch.Tensor, matched: list[tuple[int, RowState]]) -> None:
         """Fill the bitmask rows of every constrained row in one batched xgrammar call (C++, no Python per row) and

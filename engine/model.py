@@ -192,12 +192,22 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: on the meta device (the loaders build there, then fill and materialize_rotary) nn.Embedding's normal_
+        # init and RoPE's arithmetic run torch's Python meta kernels, whose first call imports torch._dynamo: ~2 CPU-s
+        # per process (every Dask worker paid it) for tensors replaced anyway. An empty embedding weight skips the
+        # init, and the placeholder RoPE table is one position on the CPU.
+        on_meta = torch.empty(0).device.type == "meta"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
-        self.rotary = RotaryEmbedding(cfg, max_positions)
+        if on_meta:
+            with torch.device("cpu"):
+                self.rotary = RotaryEmbedding(cfg, 1)
+        else:
+            self.rotary = RotaryEmbedding(cfg, max_positions)
 
     def materialize_rotary(self, device: torch.device) -> None:
         """(Re)build the fp32 RoPE tables on `device`: needed after building on the meta device."""

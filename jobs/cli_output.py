@@ -3,13 +3,17 @@ code. Imports nothing heavy (the CLI's `--help` and `status` must not load torch
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
+import traceback
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.errors import storage_error
+from jobs.errors import EXIT_INTERNAL, storage_error
 
 err = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs (no wrap at 80 columns)
 out = Console()
@@ -41,3 +45,28 @@ def name_env_vars(message: str, set_by: dict[str, str]) -> str:
 def ran_in(dtypes: list[str], quantizations: list[str]) -> str:
     """"bfloat16 / none": what the committed shards ran in; every distinct value when shards differ."""
     return f"{', '.join(dtypes) or 'n/a'} / {', '.join(quantizations) or 'n/a'}"
+
+
+def internal_error(e: BaseException) -> int:
+    """An exception no command expected (a bug): write its full traceback to a file of its own (TOKENMILL_LOG_DIR,
+    default the system temp folder), print one line on stderr naming the error, the file and how to report it, and
+    return EXIT_INTERNAL for the caller to exit with. A user never sees a raw traceback; the maintainers still get it.
+    When the file cannot be written the traceback goes to stderr after the line (it is not lost)."""
+    text = "".join(traceback.format_exception(e))
+    message = " ".join(str(e).split())[:300] or "(no message)"
+    try:
+        folder = os.environ.get("TOKENMILL_LOG_DIR") or tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="tokenmill-error-", suffix=".log", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"tokenmill {' '.join(sys.argv[1:])}\n{text}")
+    except OSError as write_error:
+        where = f"the traceback below (it could not be written to a file: {write_error})"
+        path = None
+    else:
+        where = f"the full traceback is in {path}"
+    err.print(f"[red]internal error:[/red] {escape(type(e).__name__)}: {escape(message)}. This is a bug in "
+              f"tokenmill; {escape(where)}: please report it with that traceback and the output of "
+              "`tokenmill doctor`.")
+    if path is None:
+        sys.stderr.write(text)
+    return EXIT_INTERNAL

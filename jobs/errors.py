@@ -12,6 +12,8 @@ Exit codes of `tokenmill run` / `submit` (and `status`, which reports a job's st
     129, 130, 143  `run`/`submit` interrupted by SIGHUP (a closed terminal) / SIGINT (Ctrl-C) / SIGTERM: running
        shards committed their finished rows and stopped, the lease was released; the same command run again resumes
        (jobs.interrupt). `--dry-run` writes nothing and exits with these codes at once
+    70  an internal error (a bug in tokenmill, sysexits' EX_SOFTWARE): one line names it and the file its traceback
+       was written to (jobs.cli_output.internal_error)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ EXIT_LEASE_HELD = 3
 EXIT_CANCELLED = 4
 EXIT_INCOMPLETE = 5
 EXIT_NO_SPACE = 6
+EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE
 EXIT_SIGHUP = 129
 EXIT_SIGINT = 130  # 128 + the signal's number, the shell's convention
 EXIT_SIGTERM = 143

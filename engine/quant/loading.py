@@ -69,9 +69,9 @@ def read_state(path: str, quantization: str, group_size: int,
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
         return read_gguf_state(path, torch.float32)
     else:
-        from gguf import GGUFReader
+        from engine.gguf_file import open_gguf
 
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
         cfg = read_gguf_config(reader)
         state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
@@ -152,9 +152,9 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         cfg, stored, _ = read_folder(path)
         items = iter(dequantize_state_dict(stored, torch.float32).items())
     else:
-        from gguf import GGUFReader
+        from engine.gguf_file import open_gguf
 
-        reader = GGUFReader(path)
+        reader = open_gguf(path)
         cfg = read_gguf_config(reader)
         items = iter_gguf_state(reader, cfg, native_int4=False)
     state: QuantizedState = {}

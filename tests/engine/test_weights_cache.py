@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams, gguf_file
 from engine.loader import load_gguf_model
 from engine.weights_cache import weights_cache_dir
 
@@ -30,6 +30,7 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
         raise AssertionError("a cached load must not read the GGUF file")
 
     monkeypatch.setattr(gguf, "GGUFReader", no_gguf)
+    monkeypatch.setattr(gguf_file, "open_gguf", no_gguf)  # the engine's one way to open a GGUF file
     cached_cfg, cached = load_gguf_model(gguf_path, torch.float32, CPU)
     assert cached_cfg == cfg
     a, b = built.state_dict(), cached.state_dict()
@@ -68,3 +69,22 @@ def test_a_broken_entry_is_rebuilt_and_the_cache_can_be_turned_off(gguf_path: st
     assert (folder / "model.safetensors").stat().st_size > 1 << 20  # rebuilt on the next load
     _, model3 = load_gguf_model(gguf_path, torch.bfloat16, CPU)
     assert torch.equal(model3.layers[3].mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
+
+
+def test_open_gguf_reads_what_gguf_reader_reads(gguf_path: str) -> None:
+    """engine.gguf_file.open_gguf (the faster metadata parse every uncached GGUF load takes) holds the same fields,
+    values and tensors as gguf.GGUFReader on the real model file."""
+    import gguf
+    import numpy as np
+
+    slow, fast = gguf.GGUFReader(gguf_path), gguf_file.open_gguf(gguf_path)
+    assert isinstance(fast, gguf.GGUFReader) and fast.fields.keys() == slow.fields.keys()
+    assert len(slow.fields["tokenizer.ggml.tokens"].data) > 40_000  # the vocabulary: most of the parse
+    for key, a in slow.fields.items():
+        b = fast.fields[key]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+        assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert a.contents() == b.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(slow.tensors, fast.tensors, strict=True))

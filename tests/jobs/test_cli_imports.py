@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "distributed", "dask", "transformers", "pyarrow")
+HEAVY = ("torch", "distributed", "dask", "transformers", "pyarrow", "pydantic")
 
 
 def _loaded_after(code: str) -> dict[str, bool]:
@@ -25,7 +25,7 @@ def _loaded_after(code: str) -> dict[str, bool]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_import_and_help_load_neither_torch_nor_dask_nor_arrow() -> None:
+def test_import_and_help_load_neither_torch_nor_dask_nor_arrow_nor_the_spec_model() -> None:
     code = ("import sys\nimport jobs.cli\nsys.argv = ['tokenmill', '--help']\n"
             "try:\n    jobs.cli.app()\nexcept SystemExit:\n    pass")
     assert _loaded_after(code) == dict.fromkeys(HEAVY, False)
@@ -40,3 +40,22 @@ def test_status_and_cancel_load_no_torch_nor_dask(command: str, tmp_path: Path) 
     assert loaded["pyarrow"]  # it did read the job's folder (Arrow tables), so the probe would see a torch import
     assert {m: loaded[m] for m in ("torch", "distributed", "dask", "transformers")} == dict.fromkeys(
         ("torch", "distributed", "dask", "transformers"), False)
+
+
+def test_help_lists_every_command_with_the_help_it_has_when_built() -> None:
+    """`--help` lists the lazily built commands (jobs.cli._LazyGroup) from their docstrings: the same text, in the
+    same order, as the commands themselves once built."""
+    import typer
+
+    from jobs.cli import _LAZY_COMMANDS, _ORDER, app
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("tokenmill", ["--help"], resilient_parsing=True)
+    assert group.list_commands(ctx) == list(_ORDER)
+    group._listing = True  # what `tokenmill --help` sees (jobs.cli._LazyGroup.format_help)
+    listed = {name: group.get_command(ctx, name) for name in _LAZY_COMMANDS}
+    group._listing = False
+    for name in _LAZY_COMMANDS:
+        built = group.get_command(ctx, name)
+        assert built.name == name and built.params and not listed[name].params  # built: its options generated
+        assert listed[name].help == built.help, name

@@ -83,7 +83,8 @@ def test_perplexity_takes_device_dtype_and_quantization_as_a_job_does(monkeypatc
 
     from schemas.job_spec import OPTIONS
 
-    command = typer.main.get_command(app).commands["perplexity"]  # type: ignore[attr-defined]
+    group = typer.main.get_command(app)
+    command = group.get_command(group.make_context("tokenmill", [], resilient_parsing=True), "perplexity")
     params = {p.name: p for p in command.params}
     for name in ("device", "dtype", "quantization"):
         assert params[name].default == OPTIONS[name].field.default, name
