@@ -93,6 +93,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._aborting = False
+        self._ended = False  # the step thread returned after close(): nothing reads the inbox any more
         self._broken: BaseException | None = None
         self.step_seconds = 0.0
 
@@ -184,11 +185,12 @@ class EngineLoop:
 
     def _post(self, message: tuple) -> None:
         with self._cv:
-            if self._broken is None:
+            if self._broken is None and not self._ended:
                 self._inbox.append(message)
                 self._cv.notify_all()
                 return
-        message[1]._queue.put(self._broken)  # the loop is gone: answer at once rather than never
+            error = self._broken or RuntimeError("this engine loop is closed; make a new one")
+        message[1]._queue.put(error)  # the loop is gone (broken, or closed while this was posted): answer at once
         message[1]._queue.put(DONE)
 
     def _run(self) -> None:
@@ -213,6 +215,7 @@ class EngineLoop:
                 while not self._inbox and not scheduler.has_unfinished and not self._closed:
                     self._cv.wait()
                 if self._closed and not self._inbox and not scheduler.has_unfinished:
+                    self._ended = True  # under the lock: a later _post answers its submitter itself
                     return
                 inbox, self._inbox = self._inbox, []
             try:

@@ -201,6 +201,11 @@ def test_close_with_abort_ends_the_step_thread_mid_batch(loop: EngineLoop, gsm8k
     assert [o.finish_reason for o in sub.results()] == ["abort"] * 4
     with pytest.raises(RuntimeError, match="closed"):
         loop.submit(gsm8k_questions[:1], PARAMS)
+    # A submit that passed its start() check just before the close: answered at once, never left waiting.
+    loop.start = lambda: loop  # type: ignore[method-assign]
+    late = loop.submit(gsm8k_questions[:1], PARAMS)
+    with pytest.raises(RuntimeError, match="closed"):
+        late.results()
 
 
 EXIT_SCRIPT = """
