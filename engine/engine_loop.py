@@ -12,14 +12,23 @@ run in its own thread, and an exception there stops that submitter's rows only.
 
 Device time of shared steps is shared by the tokens each submission computed in them: a step of T seconds that fed
 n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (`DeviceClock`).
+
+The step thread is a daemon (a process never waits on its rows to exit), so it must be done before the interpreter
+finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
+tensors, THPVariable_clear) is ended by pthread_exit when it takes the GIL back, and that forced unwind through a
+noexcept C++ frame is std::terminate: "terminate called without an active exception", an aborted process. An
+atexit hook (`close_all_at_exit`) therefore aborts the requests of every live loop and joins its thread, and
+jobs.plugin's teardown does the same when a Dask worker closes.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from engine.llm_engine import CHILD_SEP, LLMEngine, Prompt, lpt_key
@@ -31,6 +40,23 @@ from engine.submission import DONE, DeviceClock, Submission
 __all__ = ["DeviceClock", "EngineLoop", "Submission"]  # DeviceClock and Submission live in engine.submission
 
 log = logging.getLogger(__name__)
+
+# Seconds an exiting process waits for a loop's step in progress to end (close_all_at_exit).
+EXIT_JOIN_S = 60.0
+# Every loop whose step thread was started: the atexit hook closes them.
+_LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
+    """Abort the requests of every live EngineLoop and wait up to `timeout_s` seconds each for its step thread to
+    end (registered with atexit: it runs after the interpreter joined its non-daemon threads and before it
+    finalizes, while a daemon thread can still take the GIL; see the module docstring)."""
+    for loop in list(_LIVE):
+        loop.close(timeout_s=timeout_s, abort=True)
+
+
+atexit.register(close_all_at_exit)
+
 
 class EngineLoop:
     """A step thread that owns `engine` and serves submissions from any number of threads at once.
@@ -66,6 +92,8 @@ class EngineLoop:
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._aborting = False
+        self._ended = False  # the step thread returned after close(): nothing reads the inbox any more
         self._broken: BaseException | None = None
         self.step_seconds = 0.0
 
@@ -89,15 +117,27 @@ class EngineLoop:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tokenmill-engine-loop", daemon=True)
                 self._thread.start()
+                _LIVE.add(self)
         return self
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Let the step thread end once no request is left (aborting nothing); wait up to `timeout_s` seconds."""
+    def close(self, timeout_s: float | None = None, *, abort: bool = False) -> bool:
+        """Let the step thread end once no request is left; wait up to `timeout_s` seconds (None: until it ends).
+        `abort`: abort every request in the loop after the step in progress (each submission gets its rows as
+        finish_reason "abort" outputs, as with `should_stop`) instead of finishing them. Returns whether the step
+        thread has ended (True too when it never started)."""
         with self._cv:
             self._closed = True
+            self._aborting = self._aborting or abort
             self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("engine loop: the step thread did not end within %s s of close()", timeout_s)
+            return False
+        _LIVE.discard(self)
+        return True
 
     def clock(self) -> DeviceClock:
         """A DeviceClock started now: pass it to `submit` to bill this caller's share of the steps to it."""
@@ -145,11 +185,12 @@ class EngineLoop:
 
     def _post(self, message: tuple) -> None:
         with self._cv:
-            if self._broken is None:
+            if self._broken is None and not self._ended:
                 self._inbox.append(message)
                 self._cv.notify_all()
                 return
-        message[1]._queue.put(self._broken)  # the loop is gone: answer at once rather than never
+            error = self._broken or RuntimeError("this engine loop is closed; make a new one")
+        message[1]._queue.put(error)  # the loop is gone (broken, or closed while this was posted): answer at once
         message[1]._queue.put(DONE)
 
     def _run(self) -> None:
@@ -174,10 +215,14 @@ class EngineLoop:
                 while not self._inbox and not scheduler.has_unfinished and not self._closed:
                     self._cv.wait()
                 if self._closed and not self._inbox and not scheduler.has_unfinished:
+                    self._ended = True  # under the lock: a later _post answers its submitter itself
                     return
                 inbox, self._inbox = self._inbox, []
             try:
                 self._handle(inbox)
+                if self._aborting:
+                    for sub in list(self._active.values()):
+                        self._abort(sub)
                 self._poll_stops()
                 if scheduler.has_unfinished:
                     self._step()

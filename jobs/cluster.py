@@ -60,9 +60,17 @@ ALLOWED_FAILURES = 10
 # NOTE: Dask's nanny starts workers with MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's dynamic mmap threshold:
 # every activation tensor over 128 KiB is then mmap'd and unmapped again, page faults and all. Measured on the CPU
 # path (64 GSM8K rows, 128 tokens): 82 vs 136 output tok/s, 59 vs 3.5 s of system time. None unsets it.
+# NOTE: a Dask worker's own periodic work (the event loop's 20 ms tick, the 500 ms system monitor, the 100 ms memory
+# monitor) costs an idle worker 23.5 CPU-ms per second on the 2-core AVX2 EPYC, 2.4% of the core its engine steps
+# on; at 1 s / 5 s / 1 s it costs 3.9 (bench/README.md, issue 28's drain section). They only time warnings,
+# dashboard series and the memory limit's reaction, which an engine whose memory is fixed at load does not need
+# at 10 Hz.
 CLUSTER_CONFIG = {"distributed.scheduler.allowed-failures": ALLOWED_FAILURES,
                   "distributed.worker.profile.enabled": False,
-                  "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+                  "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                  "distributed.admin.tick.interval": "1s",
+                  "distributed.admin.system-monitor.interval": "5s",
+                  "distributed.worker.memory.monitor-interval": "1s"}
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,15 @@ import time
 from typing import Any
 
 from distributed import Client, WorkerPlugin, get_worker
+from distributed.core import Status
 
 from engine import EngineConfig, LLMEngine
 from engine.engine_loop import EngineLoop
 from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
 
 PLUGIN_PREFIX = "tokenmill-engine"
+# Seconds a closing worker's teardown waits for the engine loop's step in progress to end.
+TEARDOWN_JOIN_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,15 @@ class EnginePlugin(WorkerPlugin):
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
-        # Drop the reference so the weights and the KV pool are freed once running tasks let go of them; the loop's
-        # step thread ends once its requests are done.
+        # A closing worker (its process is about to exit): abort what is left in the engine and wait for the step
+        # thread to end, so that the thread neither steps nor frees the engine while the interpreter finalizes
+        # (std::terminate, "terminate called without an active exception": engine.engine_loop's docstring).
+        # The plugin removed from a running worker (another job's engine registered): the loop finishes its rows.
+        # The references are dropped here, after the join: the weights and the KV pool are freed on this thread
+        # once running tasks let go of them, never on the step thread.
         if self._loop is not None:
-            self._loop.close(timeout_s=0)
+            closing = getattr(worker, "status", None) in (Status.closing, Status.closed, Status.failed)
+            self._loop.close(timeout_s=TEARDOWN_JOIN_S if closing else 0, abort=closing)
         self._engine, self._loop = None, None
 
     def _load(self) -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +20,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 
 PARAMS = SamplingParams(max_tokens=12)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()
@@ -173,3 +180,66 @@ def test_a_failure_in_the_loops_own_bookkeeping_answers_the_submitter(loop: Engi
         loop.submit(gsm8k_questions[:2], PARAMS).results()
     monkeypatch.setattr(loop, "_handle", real_handle)
     assert [o.finish_reason for o in loop.submit(gsm8k_questions[:2], PARAMS).results()] == ["length"] * 2
+
+
+def _wait_for_steps(loop: EngineLoop, steps: int) -> None:
+    deadline = time.monotonic() + 60
+    while loop.engine.step_stats.num_steps < steps:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the loop ran {loop.engine.step_stats.num_steps} steps in 60 s")
+        time.sleep(0.01)
+
+
+def test_close_with_abort_ends_the_step_thread_mid_batch(loop: EngineLoop, gsm8k_questions: list[str]) -> None:
+    """close(abort=True) (a closing worker's teardown, the atexit hook) aborts the rows in the engine after the step
+    in progress and returns once the step thread has ended: nothing steps on while a process exits."""
+    loop.engine.step_stats.reset()
+    sub = loop.submit(gsm8k_questions[:4], SamplingParams(max_tokens=4000))
+    _wait_for_steps(loop, 3)
+    assert loop.close(timeout_s=30, abort=True)
+    assert loop._thread is not None and not loop._thread.is_alive()
+    assert [o.finish_reason for o in sub.results()] == ["abort"] * 4
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.submit(gsm8k_questions[:1], PARAMS)
+    # A submit that passed its start() check just before the close: answered at once, never left waiting.
+    loop.start = lambda: loop  # type: ignore[method-assign]
+    late = loop.submit(gsm8k_questions[:1], PARAMS)
+    with pytest.raises(RuntimeError, match="closed"):
+        late.results()
+
+
+EXIT_SCRIPT = """
+import atexit, json, sys, threading, time
+
+def check():  # registered before engine.engine_loop's hook, so it runs after it (atexit is last in, first out)
+    alive = [t.name for t in threading.enumerate() if t.name == "tokenmill-engine-loop" and t.is_alive()]
+    print("loop threads alive at exit:", alive, flush=True)
+
+atexit.register(check)
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.engine_loop import EngineLoop
+
+engine = LLMEngine.from_model(sys.argv[1], EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+loop = EngineLoop(engine)
+loop.submit(json.loads(open(sys.argv[2]).read()), SamplingParams(max_tokens=4000))
+while engine.step_stats.num_steps < 3:
+    time.sleep(0.01)
+print("exiting mid-batch", flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_process_exiting_mid_batch_aborts_and_joins_its_loop(tiny_model: str, gsm8k_questions: list[str],
+                                                                tmp_path: Path) -> None:
+    """A process that exits while its loop steps (sys.exit on the main thread, as a Dask worker process ends):
+    the atexit hook aborts the rows and joins the step thread before the interpreter finalizes, so no daemon thread
+    is in torch then (that thread used to be ended inside C++ by pthread_exit: std::terminate, "terminate called
+    without an active exception", exit 134)."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(gsm8k_questions[:8]))
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, tiny_model, str(prompts)], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "exiting mid-batch" in proc.stdout and "loop threads alive at exit: []" in proc.stdout, proc.stdout
+    assert "terminate called" not in proc.stderr

@@ -219,3 +219,23 @@ def test_temperature_sharpens_or_flattens_the_distribution() -> None:
         _assert_matches(tokens, (logits / t).softmax(-1))
         share_of_best.append(tokens.count(0) / n)
     assert share_of_best[0] > share_of_best[1] > share_of_best[2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype: torch.dtype) -> None:
+    """engine.sampler.argmax_rows (fp32: numpy's argmax on the tensor's memory; bf16: the C++ kernel) equals
+    torch.argmax: ties to the first index, an all -inf row to 0, the first NaN of a row wins; strided rows."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols in [(64, 49152), (512, 512), (7, 37), (1, 1)]:
+        x = torch.randn(rows, cols, generator=gen).to(dtype)
+        x[0, cols // 2] = x[0].max()
+        if rows > 2:
+            x[1] = float("-inf")
+            x[2, -1] = x[2, cols // 3] = float("nan")
+        got = engine.sampler.argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1)), (dtype, rows, cols)
+    wide = torch.randn(4, 100, generator=gen).to(dtype)
+    assert torch.equal(engine.sampler.argmax_rows(wide[:, 10:90]), wide[:, 10:90].argmax(dim=-1))
+    with torch.inference_mode():  # as the model runner calls it
+        logits = torch.randn(8, 300, generator=gen).to(dtype)
+        assert engine.sampler.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()

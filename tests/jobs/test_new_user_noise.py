@@ -131,6 +131,7 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
     assert "the job was cancelled" in a_stderr
     for stderr in (a_stderr, b.stderr):
         assert "Compute Failed" not in stderr and "Traceback" not in stderr and "already in use" not in stderr
+        assert "terminate called" not in stderr  # no worker aborted at exit (engine.engine_loop's atexit hook)
         # Not a terminal: the dashboard is said once, as a JSON event line like the progress events.
         assert len(re.findall(r'\{"event": "dashboard", "url": "http://127\.0\.0\.1:\d+/status"', stderr)) == 1
     ports = [re.search(r"127\.0\.0\.1:(\d+)", s).group(1) for s in (a_stderr, b.stderr)]

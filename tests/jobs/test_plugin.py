@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from distributed.core import Status
 
-from engine import EngineConfig
+from engine import EngineConfig, SamplingParams
 from jobs.cluster import CLUSTER_CONFIG
 from jobs.plugin import PLUGIN_PREFIX, EnginePlugin, get_engine, register_engine
 
@@ -70,3 +72,30 @@ def test_a_failed_load_reaches_the_task_with_its_cause(client: Client, tmp_path:
     message = client.submit(_load_error, name, pure=False).result()
     assert "failed to load" in message and "missing.gguf" in message
     assert "not registered" in client.submit(_load_error, "tokenmill-engine-nope", pure=False).result()
+
+
+class _Worker:
+    def __init__(self, status: Status) -> None:
+        self.status = status
+
+
+def test_a_closing_workers_teardown_aborts_and_joins_the_engine_loop(tiny_model: str,
+                                                                     gsm8k_questions: list[str]) -> None:
+    """A closing worker's teardown (its process is about to exit) aborts the rows in the engine and returns once
+    the loop's step thread has ended: a daemon thread still in torch while the interpreter finalizes is ended
+    inside C++ ("terminate called without an active exception"). A plugin removed from a running worker (another
+    job's engine registered) lets its rows finish."""
+    for status, reason, max_tokens in ((Status.closing, "abort", 4000), (Status.running, "length", 6)):
+        plugin = EnginePlugin(tiny_model, EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+        plugin.setup(worker=None)
+        loop = plugin.loop()
+        sub = loop.submit(gsm8k_questions[:4], SamplingParams(max_tokens=max_tokens))
+        deadline = time.monotonic() + 60
+        while loop.engine.step_stats.num_steps < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        plugin.teardown(_Worker(status))
+        if status == Status.closing:
+            assert loop._thread is not None and not loop._thread.is_alive()
+        assert [o.finish_reason for o in sub.results()] == [reason] * 4
+        with pytest.raises(RuntimeError, match="unloaded"):
+            plugin.get()
