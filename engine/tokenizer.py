@@ -32,6 +32,7 @@ import inspect
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -76,7 +77,7 @@ def _build_gguf_tokenizer(path: str) -> Any:
     (load_gguf_checkpoint calls those "mistral"), a Mistral-format class, or a tokenizer_config.json beside the file
     (AutoTokenizer reads the class from it).
 
-    Raises ValueError (one line naming the file and the fix) when the file is not GGUF, has no tokenizer
+    Raises ValueError (one line naming the file and the fix) when the file is not (complete) GGUF, has no tokenizer
     (`tokenizer.ggml.model` / `tokenizer.ggml.tokens`), or one of a kind transformers cannot build; OSError when
     it cannot be read.
     """
@@ -86,7 +87,10 @@ def _build_gguf_tokenizer(path: str) -> Any:
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     folder, name = os.path.split(os.path.abspath(path))
-    metadata, _ = read_gguf_metadata(path)  # counts only for the string arrays: the vocabulary is read once, below
+    try:  # counts only for the string arrays: the vocabulary is read once, below
+        metadata, _ = read_gguf_metadata(path)
+    except struct.error as e:  # the metadata runs past the end of the file
+        raise ValueError(f"{path} is not a complete GGUF file ({e}); download or convert the model again") from e
     kind = metadata.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in metadata:
         raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); convert the model with "

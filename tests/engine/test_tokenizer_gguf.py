@@ -134,9 +134,25 @@ def test_a_missing_or_unsupported_tokenizer_is_a_one_line_error(tokenizer: str |
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("tokenizer.json"))
 
 
-def test_a_file_that_is_not_gguf_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / "model.gguf"
     path.write_bytes(b"not a model file at all" * 4)
     with pytest.raises(ValueError, match="not a GGUF file"):
         Tokenizer.from_gguf(str(path))
+    whole = Path(_write_gguf(tmp_path / "whole.gguf", tokens=["a", "b"])).read_bytes()
+    path.write_bytes(whole[:60])  # the header and part of the metadata
+    with pytest.raises(ValueError, match=f"{path} is not a complete GGUF file .*; download or convert"):
+        Tokenizer.from_gguf(str(path))
+
+
+def test_every_architecture_tokenmill_runs_takes_the_direct_path() -> None:
+    """The architectures of engine.architectures get the direct build, under a name transformers knows as a
+    model_type (a new architecture must be checked against transformers' GGUF config reader and added)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from engine.architectures import ARCHITECTURES
+    from engine.tokenizer import _GGUF_MODEL_TYPES
+
+    assert {a.gguf_arch for a in ARCHITECTURES} <= set(_GGUF_MODEL_TYPES)
+    assert set(_GGUF_MODEL_TYPES) <= set(CONFIG_MAPPING_NAMES)
