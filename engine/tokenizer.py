@@ -3,10 +3,17 @@
 Chat templates are rendered by transformers in jinja2's ImmutableSandboxedEnvironment, so a template shipped inside
 a model file cannot reach Python objects.
 
-Building the tokenizer from a GGUF file parses its vocabulary and merges in Python (seconds per process: every Dask
-worker paid it at start-up), so the result is cached as an HF tokenizer folder (tokenizer.json and its config) under
-$TOKENMILL_CACHE_DIR (default $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), keyed by the file's path, size,
-modification time and the transformers version; a later load reads that folder in a fraction of a second.
+Building the tokenizer from a GGUF file parses its vocabulary and merges in Python (about a CPU-second per process:
+every Dask worker paid it at start-up), so the result is cached as an HF tokenizer folder (tokenizer.json and its
+config) under $TOKENMILL_CACHE_DIR (default $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), keyed by the file's path,
+size, modification time and the transformers version; a later load reads that folder in a fraction of a second.
+
+The build itself (`_build_gguf_tokenizer`) is transformers' own: the tokenizer class AutoTokenizer would pick, loaded
+with `from_pretrained(folder, gguf_file=name)`. AutoTokenizer finds that class by building the model's whole config
+from the file first (transformers' legacy GGUF config reader: ~8 of the ~9 CPU-s an uncached load cost on SmolLM2),
+although for the architectures tokenmill runs the class follows from `general.architecture` alone; so those pick the
+class from transformers' table directly and skip the config, and any other file takes AutoTokenizer's full path. The
+saved tokenizer folders of both paths are byte-identical (tests/engine/test_tokenizer_gguf.py).
 
 User text is text. A prompt, a chat message's content (or any string in a message) is encoded so that the spelling
 of a control token in it (`<|im_end|>`, `<|im_start|>system`) becomes the ordinary tokens of those characters, never
@@ -25,6 +32,7 @@ import inspect
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -49,6 +57,61 @@ def _gguf_tokenizer_cache(path: str) -> Path:
     st = os.stat(path)
     key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+# GGUF `general.architecture` values whose transformers model_type is the same name (transformers'
+# load_gguf_checkpoint renames none of them): the architectures tokenmill runs (engine.architectures).
+_GGUF_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _build_gguf_tokenizer(path: str) -> Any:
+    """The transformers tokenizer of the GGUF file at `path`, the one `AutoTokenizer.from_pretrained(folder,
+    gguf_file=name)` builds, in about a tenth of its CPU time for the architectures of `_GGUF_MODEL_TYPES`.
+
+    AutoTokenizer reads the file's whole config (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint,
+    gguf's GGUFReader over every metadata value) only to learn the model_type, whose entry in its tokenizer table
+    (TOKENIZER_MAPPING_NAMES; TokenizersBackend when absent) is the class it then loads with the same
+    `from_pretrained(folder, gguf_file=name)`. For a file of an architecture in `_GGUF_MODEL_TYPES` the model_type is
+    `general.architecture` itself, so the class is looked up directly. The full AutoTokenizer path runs instead
+    wherever AutoTokenizer would decide otherwise: another architecture, a llama file named like a Mistral model
+    (load_gguf_checkpoint calls those "mistral"), a Mistral-format class, or a tokenizer_config.json beside the file
+    (AutoTokenizer reads the class from it).
+
+    Raises ValueError (one line naming the file and the fix) when the file is not (complete) GGUF, has no tokenizer
+    (`tokenizer.ggml.model` / `tokenizer.ggml.tokens`), or one of a kind transformers cannot build; OSError when
+    it cannot be read.
+    """
+    from transformers import AutoTokenizer, TokenizersBackend
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_TYPES
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    folder, name = os.path.split(os.path.abspath(path))
+    try:  # counts only for the string arrays: the vocabulary is read once, below
+        metadata, _ = read_gguf_metadata(path)
+    except struct.error as e:  # the metadata runs past the end of the file
+        raise ValueError(f"{path} is not a complete GGUF file ({e}); download or convert the model again") from e
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in metadata:
+        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.model/tokens metadata); convert the model with "
+                         "its tokenizer (llama.cpp convert_hf_to_gguf.py) or pass the model folder with its tokenizer "
+                         "files")
+    if kind not in GGUF_TOKENIZER_TYPES:
+        raise ValueError(f"{path} holds a {kind!r} tokenizer, which transformers cannot build from a GGUF file (it "
+                         f"builds {sorted(GGUF_TOKENIZER_TYPES)}); pass the model folder with its tokenizer files")
+    arch = metadata["general.architecture"]
+    model_name = str(metadata.get("general.name", ""))
+    cls = None
+    if arch in _GGUF_MODEL_TYPES and "mistral" not in model_name.lower() \
+            and not os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+        class_name = TOKENIZER_MAPPING_NAMES.get(arch)
+        cls = TokenizersBackend if class_name is None else tokenizer_class_from_name(class_name)
+        if cls is not None and cls.__name__ == "MistralCommonBackend":
+            cls = None
+    if cls is None:
+        log.debug("building the tokenizer of %s through AutoTokenizer's full GGUF path", path)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return cls.from_pretrained(folder, gguf_file=name, _from_auto=True)
 
 
 class Tokenizer:
@@ -96,7 +159,8 @@ class Tokenizer:
     def from_gguf(cls, path: str) -> Tokenizer:
         """Load the tokenizer (vocab, merges, special tokens, chat template) stored in a GGUF file.
 
-        Cached after the first build (module docstring); raises OSError when `path` cannot be read."""
+        Cached after the first build (module docstring). Raises OSError when `path` cannot be read, ValueError when it
+        is not a GGUF file or holds no tokenizer, or one transformers cannot build."""
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -108,8 +172,7 @@ class Tokenizer:
                 log.warning("ignoring the cached tokenizer at %s (%s); rebuilding it from %s", cached, e, path)
                 shutil.rmtree(cached, ignore_errors=True)
         hf_logging.disable_progress_bar()
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        tok = _build_gguf_tokenizer(path)
         try:  # written beside, then renamed into place: concurrent workers never read half a folder
             cached.parent.mkdir(parents=True, exist_ok=True)
             tmp = tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-")
