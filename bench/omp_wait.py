@@ -1,9 +1,10 @@
 """OpenMP's wait policy and a shared machine: the engine at the default thread count, beside `--noise` busy
 processes, under each OMP_WAIT_POLICY (the figures of bench/README.md "OpenMP wait policy").
 
-libgomp reads OMP_WAIT_POLICY (and GOMP_SPINCOUNT) once, when torch loads it; `import engine` sets PASSIVE before
-that unless the variable is set (engine/__init__.py). Here each setting runs in a fresh process whose environment
-names it explicitly ("default" = libgomp's own: threads spin up to 300,000 rounds at each barrier). A busy process
+libgomp reads OMP_WAIT_POLICY (and GOMP_SPINCOUNT) once, when torch loads it; a job's processes get PASSIVE unless
+the variable is set (jobs/__init__.py), a library user of LLMEngine gets libgomp's default. Here each setting runs
+LLMEngine.generate in a fresh process whose environment names it ("default" = libgomp's own: threads spin up to
+300,000 rounds at each barrier). A busy process
 is `python -c 'while True: pass'`, started before and stopped after each run, so the machine is shared the same way
 for every setting.
 
@@ -31,9 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = r"""
 import json, os, sys, time
 sys.path.insert(0, {root!r})
-if {torch_first}:
-    import torch  # libgomp loads with the environment as given: `import engine` then sets nothing
-import engine  # first otherwise, as in a user's script
 import pyarrow.parquet as pq
 import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -52,27 +50,25 @@ print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_t
 """
 
 
-def environment(setting: str) -> tuple[dict[str, str], int, bool]:
-    """The process environment, torch thread count (0 = torch's default) and whether torch loads before the
-    engine (so libgomp keeps its own default) for one setting."""
+def environment(setting: str) -> tuple[dict[str, str], int]:
+    """The process environment and torch thread count (0 = torch's default) of one setting."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if setting == "default":
-        return env, 0, True
+        return env, 0
     if setting == "1-thread":
-        return env, 1, False
+        return env, 1
     if setting.startswith("spin="):
         env["GOMP_SPINCOUNT"] = setting.removeprefix("spin=")
-        return env, 0, True
+        return env, 0
     env["OMP_WAIT_POLICY"] = setting
-    return env, 0, False
+    return env, 0
 
 
 def run(setting: str, args: argparse.Namespace) -> dict:
     """One generate in a fresh process beside args.noise busy processes."""
-    env, threads, torch_first = environment(setting)
+    env, threads = environment(setting)
     data = ROOT.parent / "shared" / "data" / "alpaca_eval.parquet"
-    code = RUN.format(root=str(ROOT), threads=threads, data=str(data), n=args.prompts, max_tokens=args.max_tokens,
-                      torch_first=torch_first)
+    code = RUN.format(root=str(ROOT), threads=threads, data=str(data), n=args.prompts, max_tokens=args.max_tokens)
     noise = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.noise)]
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -281,8 +281,6 @@ def worker_llama_cpp(spec: dict) -> dict:
 def worker(system: str, spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     try:
-        if system.startswith("tokenmill"):
-            import engine  # noqa: F401  (first, as in a user's script: it sets OpenMP's wait policy before torch loads)
         if system.startswith(("tokenmill", "hf-")):  # the others take their threads as arguments, without torch
             import torch
 

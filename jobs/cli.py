@@ -24,7 +24,6 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
-import engine  # noqa: F401  (light: it sets OpenMP's wait policy before any command or worker loads torch)
 from jobs import output_commands
 from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
 from jobs.errors import JobError

@@ -27,7 +27,7 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     assert report["defaults"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert report["defaults"]["dtype"] == ("bfloat16" if torch.cuda.is_available() or native_bf16 else "float32")
     assert report["versions"]["torch"] == torch.__version__
-    # The CLI imports the engine before torch, so OpenMP threads sleep at barriers (engine/__init__.py).
+    # The CLI (package jobs) sets it before torch loads: OpenMP threads sleep at barriers (jobs/__init__.py).
     assert report["cpu"]["omp_wait_policy"] == "PASSIVE"
     # oneDNN packs bf16 only with AVX512BW/VL/DQ (or AVX-NE-CONVERT); its int8 GEMM sums exactly at 8 bits with VNNI.
     features = set(report["cpu"]["features"])
@@ -49,7 +49,7 @@ def test_doctor_prints_a_table_a_person_reads() -> None:
 
 
 def test_a_wait_policy_the_user_set_is_kept() -> None:
-    code = "import engine, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    code = "import jobs, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
                           env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
     assert done.stdout.strip() == "ACTIVE"
