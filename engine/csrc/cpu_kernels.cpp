@@ -382,7 +382,8 @@ inline float quantize_row_avx2(const float* x, uint8_t* q, int64_t cols) {
   constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   i = 0;
   for (; i + 16 <= cols; i += 16) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_add_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), kMode), zp));
+    const __m256i a = _mm256_cvtps_epi32(
+        _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv), kMode), zp));
     const __m256i b = _mm256_cvtps_epi32(
         _mm256_add_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i + 8), sv), kMode), zp));
     // int32 -> uint16 -> uint8 (values are in [1, 255]): packs work within 128-bit lanes, so fix the order after.
