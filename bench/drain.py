@@ -67,7 +67,8 @@ def run_engine(questions: list[str], args: argparse.Namespace) -> dict[str, Any]
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine.from_model(args.model, EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs))
+    engine = LLMEngine.from_model(args.model, EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs,
+                                                             quantization=args.quantization))
     engine.generate(questions[:2], SamplingParams(max_tokens=4))  # warm-up (kernel build, first-call costs)
     engine.reset_prefix_cache()
     engine.step_stats.reset()
@@ -90,7 +91,7 @@ def run_job(input_url: str, rows: int, rows_per_shard: int, args: argparse.Names
     from jobs.runner import run_job as job
     from pipeline.config import RunConfig
 
-    engine_config = EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs)
+    engine_config = EngineConfig(device="cpu", max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     slots = args.shard_slots or shard_slots(args.max_num_seqs, rows_per_shard)
     cfg = RunConfig(prompt_column="question", max_tokens=args.max_tokens, rows_per_shard=rows_per_shard,
                     limit=rows)
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--shard-slots", type=int, default=None,
                     help="shards per worker at once (default: jobs.plugin.shard_slots); 1 = one shard at a time, "
                          "each drained before the next starts, as before the engine loop")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="the engine's weights in both the engine run and the job (int8: shorter runs on a CPU)")
     ap.add_argument("--no-engine", action="store_true", help="skip the LLMEngine.generate run")
     args = ap.parse_args()
 
@@ -142,7 +145,7 @@ def main() -> None:
     base = results[0]["tok_per_s"]  # the engine's, or the first job's with --no-engine
     base_cpu = results[0]["cpu_ms_per_token"]
     print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, max_num_seqs {args.max_num_seqs}, "
-          f"{args.threads} threads")
+          f"{args.threads} threads, quantization {args.quantization}")
     print("| run | output tokens | (device-)s | output tok/s | vs engine | CPU-ms per token | engine/run by CPU | "
           "steps | mean batch | steps < max_num_seqs/2 while rows wait | batch deciles of max_num_seqs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
