@@ -43,6 +43,9 @@ from engine.quant.qparams import Int4Weight, unpack_uint4
 #: Oldest gemlite whose API and layout this module maps (pack(fma_mode=True), W_group_mode 4, DType.BF16).
 GEMLITE_MIN_VERSION = "0.6.0"
 
+#: gemlite 0.6's own requirement (its setup.py: triton>=3.6.0); installed with --no-deps it is not enforced.
+TRITON_MIN_VERSION = "3.6.0"
+
 #: The activation dtypes GemLite serves here.
 GEMLITE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -57,6 +60,12 @@ def gemlite_unavailable_reason() -> str | None:
         return "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
     if Version(version) < Version(GEMLITE_MIN_VERSION):
         return f"gemlite {version} is older than {GEMLITE_MIN_VERSION} (pip install -U 'gemlite>=0.6')"
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return f"gemlite {version} needs triton, which is not installed (pip install 'triton>={TRITON_MIN_VERSION}')"
+    if Version(triton) < Version(TRITON_MIN_VERSION):
+        return f"gemlite {version} needs triton >= {TRITON_MIN_VERSION}, found {triton} (upgrade torch or triton)"
     return None
 
 

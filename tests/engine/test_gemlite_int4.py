@@ -209,6 +209,8 @@ def test_missing_or_old_gemlite_is_one_line_with_the_fix() -> None:
             gemlite_int4.import_gemlite()
     with mock.patch("importlib.metadata.version", return_value="0.4.8"):
         assert "older than 0.6.0" in gemlite_int4.gemlite_unavailable_reason()
+    with mock.patch("importlib.metadata.version", side_effect=lambda name: {"gemlite": "0.6.0"}.get(name, "3.3.1")):
+        assert "needs triton >= 3.6.0, found 3.3.1" in gemlite_int4.gemlite_unavailable_reason()
 
 
 def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
