@@ -5,7 +5,8 @@ w1 as in bench/throughput.py: AlpacaEval prompts (chat template), every request 
 attention); the first --skip-steps decode steps run unprofiled, then --profile-steps decode steps are profiled
 (CUDA kernels through CUPTI, graph replays included) and the rest run unprofiled to the end (for the tok/s line).
 
-The table (per profiled decode step, mean):
+The table (per step of the profiled window, mean; the window is decode steps only in w1, a prefill step in it is
+counted and named):
 - kernel time by kind: GEMM (cuBLAS/CUTLASS/nvjet, tinygemm, GemLite, the LM head), attention (our Triton paged
   kernels), sampling (argmax / sort / softmax / multinomial kernels), other (norms, RoPE, elementwise, copies);
 - GPU idle: the step's wall time minus the union of its kernel intervals (host work between and inside steps:
@@ -170,26 +171,28 @@ def main() -> None:
         return all(s.num_new_tokens == 1 for s in engine.last_scheduled)
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    decode_steps, window_wall, rows, padded = 0, 0.0, 0, 0
-    profiled = 0
+    decode_steps, profiled, window_steps, mixed, window_wall, rows, padded = 0, 0, 0, 0, 0.0, 0, 0
     t_start = time.perf_counter()
     prof: torch.profiler.profile | None = None
     with labelled_ranges(engine) if not cuda else contextlib.nullcontext():
         while engine.scheduler.has_unfinished:
-            in_window = decode_steps >= args.skip_steps and profiled < args.profile_steps
-            if in_window and prof is None:
+            if prof is None and decode_steps == args.skip_steps:
                 prof = torch.profiler.profile(activities=activities)
                 prof.__enter__()
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
-            n = len(engine.last_scheduled)
-            if not decode_only():
+            recording = prof is not None and profiled < args.profile_steps
+            if recording:
+                window_steps += 1
+                window_wall += dt
+            if not decode_only():  # prefill chunks (before the window in w1, where every request starts at once)
+                mixed += recording
                 continue
             decode_steps += 1
-            if in_window:
+            if recording:
+                n = len(engine.last_scheduled)
                 profiled += 1
-                window_wall += dt
                 graphs = engine.runner.graphs
                 bucket = graphs.bucket(n) if graphs is not None else None
                 rows += bucket or n
@@ -209,14 +212,16 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"\ndevice={device_name} torch={torch.__version__} model={engine.model_name} quantization="
           f"{args.quantization} requests={args.num_prompts} max_tokens={args.max_tokens} "
-          f"decode steps profiled={profiled} (after {args.skip_steps})")
-    print(f"{'per decode step':<34} {'ms':>9} {'% of wall':>10}")
+          f"decode steps profiled={profiled} (after {args.skip_steps})"
+          + (f", with {mixed} prefill steps among them (counted in the rows below)" if mixed else ""))
+    print(f"{'per step of the window':<34} {'ms':>9} {'% of wall':>10}")
     for kind in KINDS:
-        print(f"{'kernels: ' + kind:<34} {by_kind[kind] / profiled / 1e3:>9.3f} {by_kind[kind] / wall_us:>10.1%}")
+        print(f"{'kernels: ' + kind:<34} {by_kind[kind] / window_steps / 1e3:>9.3f} "
+              f"{by_kind[kind] / wall_us:>10.1%}")
     idle = max(0.0, wall_us - busy)
     label = "GPU idle (host gap)" if cuda else "outside profiled ops (Python, host)"
-    print(f"{label:<34} {idle / profiled / 1e3:>9.3f} {idle / wall_us:>10.1%}")
-    print(f"{'wall':<34} {wall_us / profiled / 1e3:>9.3f} {1:>10.1%}")
+    print(f"{label:<34} {idle / window_steps / 1e3:>9.3f} {idle / wall_us:>10.1%}")
+    print(f"{'wall':<34} {wall_us / window_steps / 1e3:>9.3f} {1:>10.1%}")
     print(f"{'graph bucket padding (rows)':<34} {padded / profiled:>9.1f} {padded / max(rows, 1):>10.1%}")
     print(f"batch (mean rows per decode step): {(rows - padded) / profiled:.1f}; whole run: {out_tokens} output "
           f"tokens in {total_s:.2f} s ({out_tokens / total_s:.1f} tok/s, profiled steps included)")

@@ -325,9 +325,11 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
     torch.cuda.empty_cache()
     if sweep_only:
         return
+    tok_s: dict[tuple[str, int], float] = {}
     for variant in ("bf16", "int4-g128"):
         # A tiny KV pool first, so quantizing has room; then the real pool, sized from what the weights left.
-        small = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, num_kv_blocks=16)
+        small = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, num_kv_blocks=16,
+                             max_num_seqs=max(batches))
         engine = LLMEngine.from_config("llama-3.1-8b", small)
         if variant != "bf16":
             quantize_model(engine.runner.model, 128)
@@ -349,9 +351,15 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
             n = sum(len(o.output_token_ids) for o in outs)
+            tok_s[variant, b] = n / dt
             _emit(variant=variant, batch=b, output_tokens=n, seconds=round(dt, 3), output_tok_s=round(n / dt, 1))
         del engine
         torch.cuda.empty_cache()
+    print(f"\ndecode output tok/s ({prompt_len}-token prompts, {max_tokens} tokens each; {_device_name(dev)}):")
+    print(f"{'batch':>6} {'bf16':>10} {'int4-g128':>10} {'int4/bf16':>10}")
+    for b in batches:
+        bf, i4 = tok_s["bf16", b], tok_s["int4-g128", b]
+        print(f"{b:>6} {bf:>10.1f} {i4:>10.1f} {i4 / bf:>9.2f}x")
 
 
 def main() -> None:
