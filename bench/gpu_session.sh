@@ -14,8 +14,10 @@
 #       carry=[".gpu", ".gpu_a"], timeout_s=120)
 #   run(command="STEPS='gpu_tests throughput' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"])
 #   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu"])
-# Issue 32 (INT4 at every M, where a w1 step's time goes) in the second call instead, about 6 minutes:
-#   run(command="STEPS='int4_tests int4 profile profile_int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"])
+# Issue 32 (INT4 at every M; where a w1 step's time goes): the first call as above, then at once (estimated 4 and
+# 3 minutes; each under the 600 s a call may run):
+#   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=420)
+#   run(command="STEPS='profile profile_int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=300)
 # gemlite (GemLite's INT4 kernels; PyPI has only its sdist) travels as a wheel in .gpu/whl beside gguf (pure Python,
 # 0.2 MB; triton is on the machine): python3 -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .gpu/whl
 # Without it INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
