@@ -14,10 +14,18 @@
 #       carry=[".gpu", ".gpu_a"], timeout_s=120)
 #   run(command="STEPS='gpu_tests throughput' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"])
 #   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu"])
+# Issue 32 (INT4 at every M; where a w1 step's time goes): the first call as above, then at once (estimated 4 and
+# 3 minutes; each under the 600 s a call may run):
+#   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=420)
+#   run(command="STEPS='profile profile_int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=300)
+# gemlite (GemLite's INT4 kernels; PyPI has only its sdist) travels as a wheel in .gpu/whl beside gguf (pure Python,
+# 0.2 MB; triton is on the machine): python3 -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .gpu/whl
+# Without it INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
 # PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
 # mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
 # STEPS (default: all) picks the steps. Each step has its own time limit so one slow step cannot eat the others;
-# the table prints last. Seen on an H100 (2026-11-25): gpu_tests ~90 s, throughput ~220 s, int4 ~100 s.
+# the table prints last. Seen on an H100 (2026-11-25): gpu_tests ~90 s, throughput ~220 s, int4 ~100 s (before the
+# GemLite sweep and batches 128/512; not yet timed: int4 and the profile steps, estimated 150 s and 60-90 s each).
 set -uo pipefail
 OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
@@ -34,7 +42,7 @@ then  # put the default model back together (sha256 b179c952...db53)
     cat /tmp/tm_parts/gguf.part-* .gpu_b/gguf.part-* > $GGUF && sha256sum $GGUF
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-STEPS=${STEPS:-gpu_tests kernels throughput int4_tests int4}
+STEPS=${STEPS:-gpu_tests kernels throughput int4_tests int4 profile profile_int4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -48,13 +56,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
     tests/engine/test_triton_attention.py --durations=10
-step int4_tests 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_int4.py --durations=10
+step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_int4.py \
+    tests/engine/test_gemlite_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
 step throughput 330 python3 bench/throughput.py --device cuda --workload both ${PRESET:+--preset "$PRESET"}
-step int4 150 python3 bench/int4.py --device cuda
+step int4 240 python3 bench/int4.py --device cuda
+step profile 120 python3 bench/gpu_profile.py
+step profile_int4 150 python3 bench/gpu_profile.py --quantization int4
 
 echo "== steps"; cat "$OUT/steps.txt"
 for f in $STEPS; do
     echo "== $f (tail)"
-    tail -n 25 "$OUT/$f.log"
+    tail -n 40 "$OUT/$f.log"
 done

@@ -11,16 +11,20 @@ GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant
 Where a group size hurts, one layer at a time (round-to-nearest):
     python bench/int4.py --sensitivity --tokens 1024
 CUDA (first run on an H100 2026-11-25: bench/README.md "GPU"): Llama-3.1-8B shape, random weights, bf16 vs INT4
-g128 in the same run: per-layer kernel sweep (tinygemm vs dequantize-then-GEMM by M), decode output tok/s at batch
-1/8/32, KV room.
-    python bench/int4.py --device cuda
+g128 in the same run: kernel sweep of one layer's GEMMs (fused QKV, O, fused gate/up, down) by M: bf16, tinygemm,
+GemLite, dequantize-then-GEMM, with the crossovers (CUDA_TINYGEMM_MAX_ROWS); then decode output tok/s at batch
+1/8/32/128/512 (INT4 on its default kernels), KV room.
+    python bench/int4.py --device cuda [--sweep-only]
+    python bench/int4.py --device cpu --sweep-only     # smoke run of the sweep on small shapes (no GemLite on CPU)
 Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -190,44 +195,141 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
                       ratio=folder_bytes(out) / bf16)
 
 
-def _time_us(fn: object, reps: int = 20) -> float:
+def _time_us(fn: object, device: torch.device, reps: int = 20) -> tuple[float, str]:
+    """Mean microseconds per call of `fn` and how they were taken: on CUDA, `reps` calls captured in one CUDA graph
+    and replayed (the decode steps run as graphs, so launch and Python overhead are left out, as there), or eager
+    when capture fails; on the CPU, eager. Three eager calls first (Triton autotuning and lazy init)."""
     for _ in range(3):
         fn()  # type: ignore[operator]
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    fn()  # type: ignore[operator]
+            graph.replay()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+            return round((time.perf_counter() - t) / (5 * reps) * 1e6, 1), "graph"
+        except RuntimeError:
+            torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(reps):
         fn()  # type: ignore[operator]
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - t) / reps * 1e6, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / reps * 1e6, 1), "eager"
 
 
-def _kernel_sweep(dev: torch.device) -> None:
-    """One Llama-3.1-8B MLP shape (N=14336, K=4096, g128): bf16 GEMM vs tinygemm vs dequantize-then-GEMM by M,
-    to set engine.quant.int4_linear.CUDA_DEQUANT_MIN_ROWS."""
+def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of one decoder layer's GEMMs as the engine serves them (fused QKV and gate/up): engine.presets."""
+    from engine.presets import preset_config
+
+    c = preset_config(preset)
+    head_dim = c.head_dim or c.hidden_size // c.num_heads
+    return {"qkv": ((c.num_heads + 2 * c.num_kv_heads) * head_dim, c.hidden_size),
+            "o": (c.hidden_size, c.num_heads * head_dim), "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size)}
+
+
+def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: list[int], group_size: int = 128,
+                 dtype: torch.dtype = torch.bfloat16) -> int | None:
+    """INT4 kernels against the dense GEMM on `shapes` (N, K) by rows M: dense (F.linear in `dtype`), tinygemm,
+    GemLite (engine.quant.gemlite_int4; CUDA only) and dequantize-then-GEMM, each an Int4Linear pinned to that
+    kernel (a kernel Int4Linear would not run at that M on this device, e.g. dequant for bf16 on the CPU, is left
+    out: 0 in the table).
+    One JSON line per (shape, M), then a table of the layer totals (the sum over the shapes) and the crossovers:
+    the largest M at which tinygemm beats GemLite (engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS) and where the
+    best INT4 kernel is at or below dense. Returns that tinygemm crossover (None when GemLite did not run)."""
+    from engine.quant.gemlite_int4 import gemlite_unavailable_reason
     from engine.quant.int4_linear import Int4Linear
     from engine.quant.qparams import quantize_int4
 
-    w = torch.randn(14336, 4096, device=dev, dtype=torch.bfloat16) * 0.02
-    q = quantize_int4(w, 128)
-    lin_t = Int4Linear(q, torch.bfloat16, dev, dequant_min_rows=None)
-    lin_d = Int4Linear(q, torch.bfloat16, dev, dequant_min_rows=0)
-    for m in (1, 8, 16, 32, 64, 128, 256, 512, 2048):
-        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
-        _emit(kernel_sweep_M=m, bf16_us=_time_us(lambda x=x: x @ w.t()), tinygemm_us=_time_us(lambda x=x: lin_t(x)),
-              dequant_us=_time_us(lambda x=x: lin_d(x)))
+    gemlite_ok = dev.type == "cuda" and gemlite_unavailable_reason() is None
+    if dev.type == "cuda" and not gemlite_ok:
+        _emit(gemlite="skipped", reason=gemlite_unavailable_reason())
+    kernels = ["dense", "tinygemm", "dequant"] + (["gemlite"] if gemlite_ok else [])
+    totals = {m: dict.fromkeys(kernels, 0.0) for m in rows}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
+        q = quantize_int4(w, group_size, method="minmax")
+        mods = {"tinygemm": Int4Linear(q, dtype, dev, dequant_min_rows=None, gemlite=False),
+                "dequant": Int4Linear(q, dtype, dev, dequant_min_rows=0, gemlite=False)}
+        if gemlite_ok:
+            mods["gemlite"] = Int4Linear(q, dtype, dev, gemlite=True, tinygemm_max_rows=0)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            row: dict[str, object] = {"shape": name, "N": n, "K": k, "M": m}
+            for kernel in kernels:
+                if kernel != "dense" and mods[kernel].kernel_for(m) != kernel:
+                    continue  # e.g. on the CPU, Int4Linear runs tinygemm for bf16 whatever dequant_min_rows says
+                fn = (lambda x=x, w=w: F.linear(x, w)) if kernel == "dense" else (lambda x=x, mod=mods[kernel]: mod(x))
+                us, how = _time_us(fn, dev)
+                row[f"{kernel}_us"], row["timing"] = us, how
+                totals[m][kernel] += us
+            _emit(**row)
+        del w, mods
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\nlayer totals (us, sum over {', '.join(shapes)}; g{group_size}, {dtype}, {_device_name(dev)}):")
+    print(f"{'M':>6} " + " ".join(f"{k:>10}" for k in kernels) + f" {'best int4':>10} {'vs dense':>8}")
+    for m in rows:
+        t = totals[m]
+        best = min((k for k in kernels if k != "dense" and t[k] > 0), key=t.__getitem__)
+        print(f"{m:>6} " + " ".join(f"{t[k]:>10.1f}" for k in kernels) + f" {best:>10} {t['dense'] / t[best]:>7.2f}x")
+    at_or_below = [m for m in rows if min(t for k, t in totals[m].items() if k != "dense" and t > 0)
+                   <= totals[m]["dense"]]
+    print(f"crossover: best INT4 at or below dense {dtype} at M in {at_or_below}")
+    if "gemlite" not in kernels:
+        return None
+    tiny = [m for m in rows if totals[m]["tinygemm"] < totals[m]["gemlite"]]
+    crossover = max((m for m in tiny if all(n in tiny for n in rows if n <= m)), default=0)
+    print(f"crossover: tinygemm beats GemLite at M in {tiny}; set engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS = "
+          f"{crossover} (now {_tinygemm_max_rows()})")
+    return crossover
 
 
-def cuda(batches: list[int], prompt_len: int, max_tokens: int) -> None:
+def _tinygemm_max_rows() -> int:
+    from engine.quant.int4_linear import CUDA_TINYGEMM_MAX_ROWS
+
+    return CUDA_TINYGEMM_MAX_ROWS
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], sweep_only: bool = False) -> None:
+    """The kernel sweep on the Llama-3.1-8B layer, then (unless sweep_only) decode output tok/s of bf16 vs INT4 g128
+    (the default kernels: tinygemm up to CUDA_TINYGEMM_MAX_ROWS, GemLite above) at `batches`, and KV room."""
+    import triton
+
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.quant.quantize import quantize_model
 
     dev = torch.device("cuda")
-    _emit(device=torch.cuda.get_device_name(dev), torch=torch.__version__)
-    _kernel_sweep(dev)
+    gemlite_version = None
+    with contextlib.suppress(Exception):
+        gemlite_version = importlib.metadata.version("gemlite")
+    _emit(device=torch.cuda.get_device_name(dev), torch=torch.__version__, triton=triton.__version__,
+          gemlite=gemlite_version, date=time.strftime("%Y-%m-%d"))
+    kernel_sweep(dev, projection_shapes("llama-3.1-8b"), rows)
     torch.cuda.empty_cache()
+    if sweep_only:
+        return
+    tok_s: dict[tuple[str, int], float] = {}
     for variant in ("bf16", "int4-g128"):
         # A tiny KV pool first, so quantizing has room; then the real pool, sized from what the weights left.
-        small = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, num_kv_blocks=16)
+        small = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, num_kv_blocks=16,
+                             max_num_seqs=max(batches))
         engine = LLMEngine.from_config("llama-3.1-8b", small)
         if variant != "bf16":
             quantize_model(engine.runner.model, 128)
@@ -249,9 +351,15 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int) -> None:
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
             n = sum(len(o.output_token_ids) for o in outs)
+            tok_s[variant, b] = n / dt
             _emit(variant=variant, batch=b, output_tokens=n, seconds=round(dt, 3), output_tok_s=round(n / dt, 1))
         del engine
         torch.cuda.empty_cache()
+    print(f"\ndecode output tok/s ({prompt_len}-token prompts, {max_tokens} tokens each; {_device_name(dev)}):")
+    print(f"{'batch':>6} {'bf16':>10} {'int4-g128':>10} {'int4/bf16':>10}")
+    for b in batches:
+        bf, i4 = tok_s["bf16", b], tok_s["int4-g128", b]
+        print(f"{b:>6} {bf:>10.1f} {i4:>10.1f} {i4 / bf:>9.2f}x")
 
 
 def main() -> None:
@@ -271,11 +379,18 @@ def main() -> None:
     p.add_argument("--no-refit", action="store_true", help="cpu: GPTQ without the Hessian refit of scales/zeros")
     p.add_argument("--tune-epochs", type=float, default=0.0,
                    help="cpu: also tune the GPTQ scales/zeros end to end for this many epochs (a second, paired row)")
-    p.add_argument("--batches", default="1,8,32", help="cuda: decode batch sizes")
+    p.add_argument("--batches", default="1,8,32,128,512", help="cuda: decode batch sizes")
+    p.add_argument("--rows", default="1,8,16,32,64,128,512,2048",
+                   help="kernel sweep: rows M (2048 = a prefill chunk, EngineConfig.max_num_batched_tokens)")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="only the kernel sweep (with --device cpu: a smoke run on small shapes, no GemLite)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     a = p.parse_args()
-    if a.device == "cpu" and a.sensitivity:
+    rows = [int(r) for r in a.rows.split(",")]
+    if a.device == "cpu" and a.sweep_only:
+        kernel_sweep(torch.device("cpu"), {"small_qkv": (384, 256), "small_down": (256, 512)}, rows[:4])
+    elif a.device == "cpu" and a.sensitivity:
         layer_sensitivity(a.tokens, a.context, a.group_size)
     elif a.device == "cpu":
         cpu(a.tokens, a.context, not a.no_rtn, tuple(int(g) for g in a.gptq_groups.split(",") if g.strip()),
@@ -284,7 +399,7 @@ def main() -> None:
     else:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")
-        cuda([int(b) for b in a.batches.split(",")], a.prompt_len, a.max_tokens)
+        cuda([int(b) for b in a.batches.split(",")], a.prompt_len, a.max_tokens, rows, a.sweep_only)
 
 
 if __name__ == "__main__":

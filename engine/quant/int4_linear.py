@@ -3,13 +3,21 @@ layout once, at construction, and each forward picks a kernel by the number of r
 
 Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self, int innerKTiles)` and
 `_weight_int4pack_mm[_for_cpu](Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros)`):
-- CUDA, M < dequant_min_rows: tinygemm `_weight_int4pack_mm`. Takes bf16 activations only (others are cast in and
-  back out), the weight from `_convert_weight_to_int4pack(uint8 [N, Kp/2], innerKTiles)` (int32
-  [N/8, Kp/(16*innerKTiles), 32, innerKTiles/2]) and scales_and_zeros bf16 [Kp/G, N, 2] ([..., 0] = scale,
-  [..., 1] = zero), group size 32/64/128/256.
-- CUDA, M >= dequant_min_rows: dequantize the portable copy to bf16 and call the dense GEMM; tinygemm is built for
-  small M and falls far behind tensor-core GEMMs at large M (torchao's hqq README: 4.6x slower than a fused
-  dequant GEMM at M=512 on an A6000). Costs a second copy (0.5 byte per weight); dequant_min_rows=None drops it.
+- CUDA, bf16/fp16 activations, gemlite installed (the default): tinygemm for M <= tinygemm_max_rows
+  (CUDA_TINYGEMM_MAX_ROWS), GemLite's A16W4 Triton kernels above (engine.quant.gemlite_int4: the layout mapping,
+  and why GemLite): tinygemm's time grows with M past 8, where it falls behind bf16 (0.74x at batch 32 on an
+  H100). Two packed copies (0.5 byte per weight each) while tinygemm is kept; tinygemm_max_rows=0 drops it.
+  Without gemlite (or too old) a warning is logged once and the scheme below serves; gemlite=True makes that an
+  ImportError instead.
+- CUDA without gemlite (or fp32 activations, or gemlite=False), M < dequant_min_rows: tinygemm
+  `_weight_int4pack_mm`. Takes bf16 activations only (others are cast in and back out), the weight from
+  `_convert_weight_to_int4pack(uint8 [N, Kp/2], innerKTiles)` (int32 [N/8, Kp/(16*innerKTiles), 32,
+  innerKTiles/2]) and scales_and_zeros bf16 [Kp/G, N, 2] ([..., 0] = scale, [..., 1] = zero), group size
+  32/64/128/256.
+- CUDA without gemlite, M >= dequant_min_rows: dequantize the portable copy to bf16 and call the dense GEMM;
+  tinygemm is built for small M and falls far behind tensor-core GEMMs at large M (torchao's hqq README: 4.6x
+  slower than a fused dequant GEMM at M=512 on an A6000). Costs a second copy (0.5 byte per weight);
+  dequant_min_rows=None drops it.
 - CPU, bf16 activations: `_weight_int4pack_mm_for_cpu`, whose pack op takes int32 [N, Kp] (not uint8) and whose
   scales_and_zeros must have the activations' dtype. Measured here (torch 2.13, 2 cores): N=1536, K=576, M=8:
   0.05 ms vs 0.18 ms for an fp32 GEMM.
@@ -20,15 +28,56 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, gemlite_unavailable_reason
 from engine.quant.qparams import Int4Weight, unpack_uint4
 
-# Provisional crossover for CUDA (rows M at and above which dequantize-then-GEMM beats tinygemm); measure it with
-# `python bench/int4.py --device cuda --kernels` and update.
+log = logging.getLogger(__name__)
+
+# Provisional crossover for CUDA without gemlite (rows M at and above which dequantize-then-GEMM beats tinygemm).
 CUDA_DEQUANT_MIN_ROWS = 64
+# Provisional crossover for CUDA with gemlite (rows M up to which tinygemm stays: it beat bf16 at M = 1 and 8 on an
+# H100). Both are measured by `python bench/int4.py --device cuda --sweep-only` (its "crossover" lines); update.
+CUDA_TINYGEMM_MAX_ROWS = 8
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: int | None | str,
+                     dequant_min_rows: int | None | str, gemlite: bool | None,
+                     gemlite_reason: str | None) -> tuple[bool, int | None, int | None]:
+    """Which kernels an Int4Linear on CUDA builds: (use GemLite, tinygemm_max_rows, dequant_min_rows).
+
+    With GemLite: tinygemm for M <= tinygemm_max_rows ("auto" = CUDA_TINYGEMM_MAX_ROWS; 0 or None = never, and
+    never when N is not a multiple of 8, tinygemm's N tile), GemLite above; dequant_min_rows is None. Without:
+    (False, None, dequant_min_rows) as before ("auto" = CUDA_DEQUANT_MIN_ROWS; 0 when N % 8). gemlite: None = use
+    it when `gemlite_reason` (engine.quant.gemlite_int4.gemlite_unavailable_reason()) is None, else log the reason
+    once and fall back; True = required (ImportError with the reason; ValueError for fp32 activations, which
+    GemLite does not serve here); False = never.
+    """
+    use = False
+    if dtype not in GEMLITE_DTYPES:
+        if gemlite is True:
+            raise ValueError(f"gemlite serves bf16 or fp16 activations, not {dtype}; pass gemlite=None for fp32")
+    elif gemlite is not False:
+        if gemlite_reason is None:
+            use = True
+        elif gemlite is True:
+            raise ImportError(gemlite_reason)
+        elif gemlite_reason not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(gemlite_reason)
+            log.warning("INT4 on CUDA without GemLite: %s; using tinygemm below %s rows and dequantize + bf16 GEMM "
+                        "above (slower than bf16 at large batch)", gemlite_reason, CUDA_DEQUANT_MIN_ROWS)
+    if use:
+        rows = CUDA_TINYGEMM_MAX_ROWS if tinygemm_max_rows == "auto" else (tinygemm_max_rows or 0)
+        return True, 0 if out_features % 8 else rows, None
+    rows = CUDA_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
+    return False, None, 0 if out_features % 8 else rows
 
 
 def _inner_k_tiles(kp: int) -> int:
@@ -69,22 +118,32 @@ class Int4Linear(nn.Module):
         weight: the portable INT4 weight (engine.quant.qparams.Int4Weight), N = out_features, K = in_features.
         dtype: the activations' dtype (fp32, bf16 or fp16); output has the input's dtype.
         device: where the packed weight lives.
-        dequant_min_rows: on CUDA, rows M at and above which to dequantize and use the dense GEMM; None = always
-            tinygemm (and no second copy). Ignored on CPU (see the module docstring). "auto" = CUDA_DEQUANT_MIN_ROWS.
-    forward: x [..., K] -> [..., N]. Raises ValueError on construction for a device other than cpu/cuda.
+        dequant_min_rows: on CUDA without GemLite, rows M at and above which to dequantize and use the dense GEMM;
+            None = always tinygemm (and no second copy). Ignored on CPU (see the module docstring). "auto" =
+            CUDA_DEQUANT_MIN_ROWS.
+        gemlite: on CUDA, None = GemLite above tinygemm_max_rows when installed (else a logged fallback), True =
+            required, False = never (see cuda_kernel_plan). Ignored on CPU.
+        tinygemm_max_rows: on CUDA with GemLite, rows M up to which tinygemm serves; "auto" =
+            CUDA_TINYGEMM_MAX_ROWS, 0 = GemLite at every M (one packed copy).
+    forward: x [..., K] -> [..., N]. Raises ValueError on construction for a device other than cpu/cuda, and as
+    cuda_kernel_plan.
     """
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str,
-                 dequant_min_rows: int | None | str = "auto") -> None:
+                 dequant_min_rows: int | None | str = "auto", *, gemlite: bool | None = None,
+                 tinygemm_max_rows: int | None | str = "auto") -> None:
         super().__init__()
         device = torch.device(device)
         self.source, self.dtype, self.device, self.dequant_min_rows_arg = weight, dtype, device, dequant_min_rows
+        self.gemlite_arg, self.tinygemm_max_rows_arg = gemlite, tinygemm_max_rows
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.padded_in_features, self.group_size = weight.padded_in_features, weight.group_size
         self.packed: torch.Tensor | None = None
         self.scales_and_zeros: torch.Tensor | None = None
         self.dequantizer: _Dequantizer | None = None
+        self.gemlite: GemLiteInt4 | None = None
         self.dequant_min_rows: int | None = 0
+        self.tinygemm_max_rows = 0
         if device.type == "cpu":
             if dtype == torch.bfloat16:
                 q = unpack_uint4(weight.qweight).to(torch.int32)
@@ -94,16 +153,20 @@ class Int4Linear(nn.Module):
             else:
                 self.dequantizer = _Dequantizer(weight, dtype, device)
         elif device.type == "cuda":
-            rows = CUDA_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
-            if weight.out_features % 8:  # tinygemm tiles N by 8
-                rows = 0
-            if rows != 0:
+            use_gemlite, tiny_rows, rows = cuda_kernel_plan(
+                dtype, weight.out_features, tinygemm_max_rows, dequant_min_rows, gemlite,
+                None if gemlite is False or dtype not in GEMLITE_DTYPES else gemlite_unavailable_reason())
+            if use_gemlite:
+                self.gemlite = GemLiteInt4(weight, dtype, device)
+                self.tinygemm_max_rows, self.dequant_min_rows = tiny_rows, None
+            if (tiny_rows if use_gemlite else rows != 0):
                 qw = weight.qweight.to(device).contiguous()
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(qw, _inner_k_tiles(self.padded_in_features))
                 self.scales_and_zeros = scales_and_zeros(weight.to(device), torch.bfloat16)
-            if rows is not None:
-                self.dequantizer = _Dequantizer(weight, dtype, device)
-            self.dequant_min_rows = rows
+            if not use_gemlite:
+                if rows is not None:
+                    self.dequantizer = _Dequantizer(weight, dtype, device)
+                self.dequant_min_rows = rows
         else:
             raise ValueError(f"Int4Linear runs on cpu or cuda, not {device.type}; load the model with device=cpu")
 
@@ -122,10 +185,13 @@ class Int4Linear(nn.Module):
                             torch.cat([s.scales.to(first.device) for s in srcs]),
                             torch.cat([s.zeros.to(first.device) for s in srcs]), first.in_features,
                             first.group_size)
-        return cls(weight, first.dtype, first.device, first.dequant_min_rows_arg)
+        return cls(weight, first.dtype, first.device, first.dequant_min_rows_arg, gemlite=first.gemlite_arg,
+                   tinygemm_max_rows=first.tinygemm_max_rows_arg)
 
     def kernel_for(self, m: int) -> str:
-        """"tinygemm" or "dequant": the kernel a forward with `m` rows will use."""
+        """"tinygemm", "gemlite" or "dequant": the kernel a forward with `m` rows will use."""
+        if self.gemlite is not None:
+            return "tinygemm" if self.packed is not None and m <= self.tinygemm_max_rows else "gemlite"
         if self.dequantizer is not None and (self.packed is None or (self.dequant_min_rows is not None
                                                                      and m >= self.dequant_min_rows)):
             return "dequant"
@@ -141,16 +207,20 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
-        if self.kernel_for(x2.shape[0]) == "dequant":
+        kernel = self.kernel_for(x2.shape[0])
+        if kernel == "gemlite":
+            y = self.gemlite(x2.to(self.dtype).contiguous()).to(x.dtype)
+        elif kernel == "dequant":
             y = F.linear(x2, self.dequantizer.rows(None, x.dtype))
         else:
             y = self._tinygemm(x2.to(torch.bfloat16)).to(x.dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        k = "tinygemm" if self.packed is not None else "dequant"
+        kept = (("tinygemm", self.packed), ("gemlite", self.gemlite), ("dequant", self.dequantizer))
+        k = "+".join(name for name, obj in kept if obj is not None)
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"kernel={k}, dequant_min_rows={self.dequant_min_rows}")
+                f"kernel={k}, dequant_min_rows={self.dequant_min_rows}, tinygemm_max_rows={self.tinygemm_max_rows}")
 
 
 class Int4Embedding(nn.Module):

@@ -1,0 +1,263 @@
+"""GemLite INT4 (engine.quant.gemlite_int4) against our torch reference, and Int4Linear's CUDA kernel choice.
+
+Without a CUDA device GemLite's kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before
+triton is imported, as tests/engine/test_triton_attention.py does). gemlite 0.6 cannot be imported on a machine
+without CUDA as it ships: at import it reads the device (torch.cuda.get_device_capability / get_device_properties
+in gemlite/triton_kernels/utils.py, core.py, quant_utils.py) and asks Triton's driver for its target
+(triton.runtime.driver.active, "0 active drivers" on a CPU-only machine). `_gemlite_on_cpu` imports it with those
+answered as an H100 would (sm_90, 132 SMs, 227 KiB of shared memory), and answers the autotuner's benchmark with
+the first pruned config, so each shape runs one config. The interpreter's atomic add has no bf16 ("ValueError:
+Unsupported data type" from interpreter.create_atomic_rmw), so there the split-K kernels accumulate bf16 output
+through GemLite's fp32 buffer (`set_native_atomic_bfp16(False)`, its path on GPUs before sm_90), and Triton 3.9's
+interpreter casts int32 to bfloat16 by reinterpreting the bits (1 -> 9.2e-41: `_interpreter_bf16_cast_ok` probes
+it), which garbles GemLite's `q.to(meta_dtype)` dequantization: the bf16 kernel tests skip here while that holds
+(the layout test covers bf16's packing; the GPU runs the kernels). Of GemLite's three INT4 kernels,
+GEMV_REVSPLITK (M <= 4) and GEMM_SPLITK (4 < M < 64) run in the interpreter; GEMM (M >= 64) does not:
+`k_m = (k * stride_mul).to(tl.int32)` (gemm_kernels.py) fails with "AttributeError: 'float' object has no
+attribute 'to'" because the interpreter's `tl.range` yields Python ints where compiled Triton yields tensors, so
+that test skips here, with that reason, and runs on a GPU (this file is a step of bench/gpu_session.sh). GEMM
+reads the same packed weight, scales and zeros as the other two, which the layout test checks on any machine.
+
+Tolerance, from the arithmetic: the kernel dequantizes w = fma(q, s, m) in the activation dtype (unit roundoff
+u = 2^-8 for bf16, 2^-11 for fp16), the reference rounds the same w once (Int4Linear's `_Dequantizer`), so each
+weight differs by at most one rounding (2u |w|) where the kernel's fma rounds differently; products accumulate in
+fp32 (K * 2^-24 relative to sum |x||w|); the output is rounded to the dtype (u |y|). Bound per output element:
+u |y| + (2u + K 2^-24) (|x| @ |w|^T). A wrong zero (z instead of z - 8s) breaks it by orders of magnitude (checked).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+tl = pytest.importorskip("triton.language")
+
+from engine.quant import gemlite_int4, int4_linear  # noqa: E402
+from engine.quant.int4_linear import _Dequantizer, cuda_kernel_plan  # noqa: E402
+from engine.quant.qparams import Int4Weight, quantize_int4  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+GEMM_UNDER_INTERPRETER = ("gemlite's GEMM kernel (M >= 64) cannot run in Triton's interpreter: gemm_kernels.py "
+                          "`k_m = (k * stride_mul).to(tl.int32)` raises AttributeError: 'float' object has no "
+                          "attribute 'to' (the interpreter's tl.range yields Python ints); it runs on a GPU")
+
+
+@triton.jit
+def _cast_to_bf16(q_ptr, out_ptr):  # noqa: ANN001
+    i = tl.arange(0, 4)
+    tl.store(out_ptr + i, tl.load(q_ptr + i).to(tl.bfloat16))
+
+
+def _interpreter_bf16_cast_ok() -> bool:
+    """Whether this Triton's interpreter converts int32 0..3 to bfloat16 0..3 (3.9 reinterprets the bits)."""
+    out = torch.empty(4, dtype=torch.bfloat16)
+    _cast_to_bf16[(1,)](torch.arange(4, dtype=torch.int32), out)
+    return out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+class _FakeCudaDriver:
+    """What gemlite asks Triton's driver, answered as an H100 would, for imports and autotuning on a CPU."""
+
+    def __init__(self) -> None:
+        self.utils = types.SimpleNamespace(
+            get_device_properties=lambda device: {"max_shared_mem": 232448, "multiprocessor_count": 132})
+        self.calls = 0
+
+    def get_current_target(self) -> object:
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_benchmarker(self) -> object:
+        def bench(kernel_call: object, quantiles: object = None) -> list[float]:
+            self.calls += 1  # never runs the kernel: the first config benchmarked is the fastest
+            return [float(self.calls)] * 3
+        return bench
+
+
+@pytest.fixture(scope="module")
+def _gemlite_on_cpu() -> Iterator[None]:
+    """gemlite importable and its autotuner usable here: on a GPU, as installed; on a CPU, see the module docstring.
+    Triton's active driver is put back afterwards."""
+    if gemlite_int4.gemlite_unavailable_reason() is not None:
+        pytest.skip(gemlite_int4.gemlite_unavailable_reason())
+    if not INTERPRET:
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+        yield
+        return
+    from triton.runtime import driver
+
+    saved = driver._active
+    driver.set_active(_FakeCudaDriver())
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132, major=9, minor=0)
+    try:
+        if "gemlite" not in sys.modules:
+            with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+                    mock.patch("torch.cuda.get_device_properties", return_value=props), \
+                    mock.patch("torch.cuda.device_count", return_value=0):
+                import gemlite  # noqa: F401
+        import gemlite
+
+        gemlite.set_native_atomic_bfp16(False)
+        yield
+    finally:
+        driver._active = saved
+        if "gemlite" in sys.modules:
+            sys.modules["gemlite"].set_native_atomic_bfp16(True)
+
+
+def _weight(n: int, k: int, group_size: int, seed: int) -> Int4Weight:
+    """Gaussian weights on the asymmetric INT4 grid, with one all-zero group (s = z = 0, as a GGUF Q4_0 block of
+    zeros loads), so the mapping never divides by a scale."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
+    q = quantize_int4(w, group_size)
+    q.scales[0, 0], q.zeros[0, 0] = 0.0, 0.0
+    return q
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype,
+           weight_roundings: float = 2.0) -> torch.Tensor:
+    """Per-element error bound of the module docstring: x [M, K], w [N, K] (the magnitude each weight's rounding is
+    relative to: |w| for one rounding of w), ref [M, N]; `weight_roundings` units u of it per weight."""
+    u = UNIT_ROUNDOFF[dtype]
+    return u * ref.abs() + (weight_roundings * u + x.shape[1] * 2.0 ** -24) * (x.abs() @ w.abs().t())
+
+
+def test_gemlite_layout_is_our_weight(_gemlite_on_cpu: None) -> None:
+    """GemLite's packed weight, scales and zeros, read back with GemLite's own unpack helper, are our weight: the
+    same q, s and m = z - 8 s, so fma(q, s, m) is _Dequantizer's w (exactly, in fp32 arithmetic here)."""
+    from gemlite.bitpack import unpack_over_cols_torch
+
+    from engine.quant.qparams import unpack_uint4
+
+    for group_size, dtype in ((32, torch.float16), (128, torch.bfloat16)):
+        q = _weight(48, 256, group_size, seed=group_size)
+        g = gemlite_int4.GemLiteInt4(q, dtype, DEVICE)
+        lin = g.linear
+        codes = unpack_over_cols_torch(lin.W_q.t().contiguous().cpu(), 4, q.padded_in_features)
+        assert torch.equal(codes, unpack_uint4(q.qweight))
+        deq = _Dequantizer(q, dtype, torch.device("cpu"))
+        assert torch.equal(lin.scales.t().cpu(), deq.scales) and torch.equal(lin.zeros.t().cpu(), deq.mins)
+        theirs = codes.view(48, -1, group_size).float() * lin.scales.t().cpu().float()[..., None] + \
+            lin.zeros.t().cpu().float()[..., None]
+        ours = deq.rows(None, torch.float32).view(48, -1, group_size)
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
+        assert theirs[0, 0].abs().max() == 0  # the all-zero group stays zero (no division by its scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, matmul_type", [(1, "GEMV_REVSPLITK"), (24, "GEMM_SPLITK"), (64, "GEMM")])
+def test_gemlite_kernels_match_the_reference(_gemlite_on_cpu: None, m: int, matmul_type: str,
+                                             dtype: torch.dtype) -> None:
+    """Each of GemLite's INT4 kernels (the one get_matmul_type picks for M) against x @ w^T in fp32 with w the
+    dtype-rounded dequantized weight, within the derived bound; the same kernel fed a wrong zero point fails it."""
+    if INTERPRET and matmul_type == "GEMM":
+        pytest.skip(GEMM_UNDER_INTERPRETER)
+    if INTERPRET and dtype == torch.bfloat16 and not _interpreter_bf16_cast_ok():
+        pytest.skip(f"triton {triton.__version__}'s interpreter casts int32 to bfloat16 by reinterpreting the bits "
+                    "(1 -> 9.2e-41), which garbles any kernel's int -> bf16 dequantization; bf16 runs on a GPU")
+    n, k, group_size = 64, 256, 64
+    q = _weight(n, k, group_size, seed=m)
+    g = gemlite_int4.GemLiteInt4(q, dtype, DEVICE)
+    assert g.matmul_type(m) == matmul_type
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
+    w = _Dequantizer(q, dtype, torch.device("cpu")).rows(None, dtype).float()
+    ref = x.float() @ w.t()
+    y = g(x.to(DEVICE)).float().cpu()
+    assert y.shape == (m, n)
+    assert ((y - ref).abs() <= _bound(x.float(), w, ref, dtype)).all(), (y - ref).abs().max()
+    # Negative control: GemLite's zeros set to our z (the tinygemm zero) instead of m = z - 8 s.
+    with torch.no_grad():
+        g.linear.zeros.copy_(q.zeros.t().to(g.linear.zeros))
+    bad = g(x.to(DEVICE)).float().cpu()
+    assert not ((bad - ref).abs() <= _bound(x.float(), w, ref, dtype)).all()
+
+
+def test_gemlite_rejects_fp32_and_names_the_fix(_gemlite_on_cpu: None) -> None:
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        gemlite_int4.GemLiteInt4(_weight(16, 64, 32, seed=0), torch.float32, DEVICE)
+
+
+def test_missing_or_old_gemlite_is_one_line_with_the_fix() -> None:
+    import importlib.metadata
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    with mock.patch("importlib.metadata.version", side_effect=missing):
+        reason = gemlite_int4.gemlite_unavailable_reason()
+        assert reason is not None and "not installed" in reason and "pip install" in reason and "\n" not in reason
+        with pytest.raises(ImportError, match="not installed"):
+            gemlite_int4.import_gemlite()
+    with mock.patch("importlib.metadata.version", return_value="0.4.8"):
+        assert "older than 0.6.0" in gemlite_int4.gemlite_unavailable_reason()
+    with mock.patch("importlib.metadata.version", side_effect=lambda name: {"gemlite": "0.6.0"}.get(name, "3.3.1")):
+        assert "needs triton >= 3.6.0, found 3.3.1" in gemlite_int4.gemlite_unavailable_reason()
+
+
+def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """Int4Linear's CUDA kernels by dtype and gemlite's presence: gemlite above the tinygemm crossover; without
+    gemlite the tinygemm + dequantize scheme, logged once; gemlite=True without it raises; fp32 never uses it."""
+    ok, missing = None, "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
+    plan = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok)
+    assert plan == (True, int4_linear.CUDA_TINYGEMM_MAX_ROWS, None)
+    assert cuda_kernel_plan(torch.float16, 4096, 0, "auto", None, ok) == (True, 0, None)
+    assert cuda_kernel_plan(torch.bfloat16, 4100, "auto", "auto", None, ok) == (True, 0, None)  # tinygemm tiles N by 8
+    int4_linear._FALLBACK_LOGGED.clear()
+    with caplog.at_level("WARNING", logger="engine.quant.int4_linear"):
+        for _ in range(2):
+            plan = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, missing)
+            assert plan == (False, None, int4_linear.CUDA_DEQUANT_MIN_ROWS)
+    assert len([r for r in caplog.records if "not installed" in r.getMessage()]) == 1
+    with pytest.raises(ImportError, match="not installed"):
+        cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", True, missing)
+    assert cuda_kernel_plan(torch.bfloat16, 4096, "auto", 32, False, ok) == (False, None, 32)
+    assert cuda_kernel_plan(torch.float32, 4096, "auto", "auto", None, ok) == (False, None, 64)
+    with pytest.raises(ValueError, match="fp32"):
+        cuda_kernel_plan(torch.float32, 4096, "auto", "auto", True, ok)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 32, 128, 512])
+def test_int4_linear_on_cuda_uses_gemlite_above_the_crossover(_gemlite_on_cpu: None, m: int) -> None:
+    """On a GPU: Int4Linear (bf16) picks tinygemm up to CUDA_TINYGEMM_MAX_ROWS and GemLite above, both within the
+    derived bound of the dequantized reference. GemLite rounds w = q s + m once (as the reference); tinygemm computes
+    (q - 8) s + z its own way in bf16, up to two roundings of terms as large as |q s| + |m| each."""
+    from engine.quant.int4_linear import Int4Linear
+    from engine.quant.qparams import unpack_uint4
+
+    q = _weight(512, 1024, 128, seed=m)
+    lin = Int4Linear(q, torch.bfloat16, "cuda")
+    kernel = "tinygemm" if m <= int4_linear.CUDA_TINYGEMM_MAX_ROWS else "gemlite"
+    assert lin.kernel_for(m) == kernel
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    deq = _Dequantizer(q, torch.bfloat16, torch.device("cpu"))
+    w = deq.rows(None, torch.bfloat16).float()
+    ref = x.float() @ w.t()
+    y = lin(x.cuda()).float().cpu()
+    if kernel == "gemlite":
+        assert ((y - ref).abs() <= _bound(x.float(), w, ref, torch.bfloat16)).all()
+    else:
+        codes = unpack_uint4(q.qweight).view(512, -1, 128).float()
+        terms = (codes * deq.scales.float()[..., None]).abs() + deq.mins.float()[..., None].abs()
+        assert ((y - ref).abs() <= _bound(x.float(), terms.view(512, -1), ref, torch.bfloat16, 4.0)).all()
