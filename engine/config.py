@@ -154,7 +154,12 @@ class EngineConfig:
             `gpu_memory_utilization` x the GPU's total memory minus what is already in use (weights included) and
             the logits of the largest step; either way capped at what max_num_seqs requests of max_model_len tokens
             could ever hold.
-        kv_cache_memory_bytes: KV pool size in bytes on cpu when num_kv_blocks is None.
+        kv_cache_memory_bytes: KV pool size in bytes on cpu when num_kv_blocks is None; None ("auto") = half the
+            memory available to the process when the pool is sized, after the weights (engine.device.
+            CPU_KV_MEMORY_SHARE; a container's cgroup limit counts), its pages taken as blocks are first used.
+        memory_limit_bytes: the most memory the process may hold (a Dask worker's memory limit; set by
+            jobs.plugin), or None; an auto-sized CPU pool then takes at most half of what the process does not
+            hold yet of it as well.
         gpu_memory_utilization: share (0, 1] of the GPU's total memory the engine may hold, weights included.
         max_num_seqs: most requests decoding at once.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes); a longer prompt is prefilled in
@@ -182,7 +187,8 @@ class EngineConfig:
     dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
+    memory_limit_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -201,8 +207,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1 token, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1 or None (auto), got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1 or None (auto), got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:

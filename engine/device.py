@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+from pathlib import Path
 
+import numpy as np
+import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -18,6 +22,12 @@ from engine.config import EngineConfig, ModelConfig
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Share of the memory available to the process (memory_available_bytes) that the KV pool takes on the CPU when
+# kv_cache_memory_bytes is None ("auto"). The pool's pages are mapped as blocks are first used (cpu_zeros), so the
+# share is a ceiling, not what a small batch holds; half leaves the rest for activations, logits and the page cache.
+CPU_KV_MEMORY_SHARE = 0.5
+_CGROUP = Path("/sys/fs/cgroup")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,6 +67,49 @@ def _warn_once(message: str) -> None:
     log.warning(message)
 
 
+def _cgroup_headroom_bytes() -> int | None:
+    """Bytes this process's cgroup may still take (a container's memory limit: cgroup v2 memory.max - memory.current,
+    or v1 memory.limit_in_bytes - memory.usage_in_bytes); None without a limit or cgroup files."""
+    for limit, usage in ((_CGROUP / "memory.max", _CGROUP / "memory.current"),
+                         (_CGROUP / "memory" / "memory.limit_in_bytes", _CGROUP / "memory" / "memory.usage_in_bytes")):
+        try:
+            cap, used = limit.read_text().strip(), usage.read_text().strip()
+        except OSError:
+            continue
+        if cap == "max" or not cap.isdigit() or not used.isdigit() or int(cap) >= 1 << 60:  # v1's "no limit"
+            return None
+        return max(int(cap) - int(used), 0)
+    return None
+
+
+def memory_available_bytes() -> int:
+    """Bytes of RAM this process can still take: the OS's available memory (psutil: MemAvailable on Linux), or less
+    where a container's cgroup limit leaves less (Kubernetes' resources.limits.memory)."""
+    available = psutil.virtual_memory().available
+    headroom = _cgroup_headroom_bytes()
+    return available if headroom is None else min(available, headroom)
+
+
+def cpu_kv_budget_bytes(config: EngineConfig) -> int:
+    """Bytes of the KV pool on the CPU: config.kv_cache_memory_bytes, or for None ("auto") CPU_KV_MEMORY_SHARE of
+    memory_available_bytes(), and of what the process does not hold yet of config.memory_limit_bytes when set (a
+    Dask worker's memory limit: jobs.plugin)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    room = memory_available_bytes()
+    if config.memory_limit_bytes is not None:
+        room = min(room, max(config.memory_limit_bytes - psutil.Process().memory_info().rss, 0))
+    return int(CPU_KV_MEMORY_SHARE * room)
+
+
+def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor `shape` of `dtype` whose pages the OS maps when first written (numpy.zeros is
+    calloc, which takes fresh zero pages from the OS for large sizes), so that an auto-sized KV pool holds memory as
+    its blocks are used, not all at load as torch.zeros (which writes every byte) would."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(math.prod(shape) * size, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -66,8 +119,8 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
     """KV blocks for the pool when config.num_kv_blocks is None: on CUDA, gpu_memory_utilization x the card's memory
     less what is in use (weights included), the logits of the largest step and CUDA graphs' scratch block; on the
-    CPU, kv_cache_memory_bytes. Either way no more than max_num_seqs requests of max_model_len tokens could hold.
-    Raises ValueError when not even one block fits."""
+    CPU, cpu_kv_budget_bytes (kv_cache_memory_bytes, or for "auto" half the memory available). Either way no more
+    than max_num_seqs requests of max_model_len tokens could hold. Raises ValueError when not even one block fits."""
     per_block = kv_block_bytes(model_config, config.block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -77,7 +130,7 @@ def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch
         budget -= config.max_num_batched_tokens * model_config.vocab_size * 4
         budget -= per_block  # the scratch block of CUDA graphs' padded rows
     else:
-        budget = config.kv_cache_memory_bytes
+        budget = cpu_kv_budget_bytes(config)
     if budget < per_block:
         raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
                          "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")

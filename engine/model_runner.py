@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.device import cpu_zeros
 from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
@@ -75,9 +77,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype,
-                                                                                        device=device))
-                          for _ in range(cfg.num_layers)]
+        # On the CPU the pool's pages are mapped as blocks are first written (cpu_zeros): an auto-sized pool
+        # (half the free memory) holds what the batch uses, not its whole size from load on.
+        zeros = cpu_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
+        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)

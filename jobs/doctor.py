@@ -47,15 +47,18 @@ def machine_report() -> dict[str, Any]:
     """The machine and the engine's default choices on it, as a JSON-ready dict.
 
     Keys: cpu {model, features (of CPU_FEATURES, present ones), cores, threads_for_torch, omp_wait_policy},
-    memory_gib {total, available}, gpus [{name, memory_gib}], versions {python, torch, transformers, tokenizers,
-    gguf, triton, tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm, int8_weight_bits}, defaults
-    {device, dtype, dtype_reason, attention_backend, default_model}.
+    memory_gib {total, available, available_to_process}, gpus [{name, memory_gib}], versions {python, torch,
+    transformers, tokenizers, gguf, triton, tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm,
+    int8_weight_bits}, defaults {device, dtype, dtype_reason, attention_backend, cpu_kv_cache_gib,
+    cpu_kv_cache_reason, default_model}.
     Never raises for a missing piece: it is reported as such.
     """
     import psutil
     import torch
 
+    from engine.config import EngineConfig
     from engine.cpu_kernels import cpu_ops
+    from engine.device import cpu_kv_budget_bytes, memory_available_bytes
     from engine.llm_engine import cpu_has_native_bf16, resolve_device, resolve_dtype
     from engine.model_files import default_model_path
     from engine.model_runner import select_attention
@@ -90,7 +93,8 @@ def machine_report() -> dict[str, Any]:
                 "threads_for_torch": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins at barriers)"),
                 "torch_capability": torch.backends.cpu.get_cpu_capability()},
-        "memory_gib": {"total": round(mem.total / 2**30, 1), "available": round(mem.available / 2**30, 1)},
+        "memory_gib": {"total": round(mem.total / 2**30, 1), "available": round(mem.available / 2**30, 1),
+                       "available_to_process": round(memory_available_bytes() / 2**30, 1)},
         "gpus": gpus,
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      **{d: _version(d) for d in ("transformers", "tokenizers", "gguf", "triton", "tokenmill")}},
@@ -99,5 +103,8 @@ def machine_report() -> dict[str, Any]:
                     "int8_weight_bits": (8 if int8_weight_qmax() == 127.0 else 7) if int8 else None},
         "defaults": {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "dtype_reason": reason,
                      "attention_backend": select_attention("auto", device).__name__,
+                     "cpu_kv_cache_gib": round(cpu_kv_budget_bytes(EngineConfig()) / 2**30, 2),
+                     "cpu_kv_cache_reason": "half the memory available to this process now (cgroup limit included); "
+                                            "a worker sizes it after its model loads; --kv-cache-gib fixes it",
                      "default_model": default_model},
     }

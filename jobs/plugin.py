@@ -5,6 +5,7 @@ finishes, so the batch never drains between shards. The stop plugins live in job
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -68,6 +69,11 @@ class EnginePlugin(WorkerPlugin):
         self._error: BaseException | None = None
         self._loaded = threading.Event()
         self.loaded_cpu_s: float | None = None
+        # An auto-sized CPU KV pool stays within the worker's memory limit too (Dask pauses a worker at 80% of it):
+        # several workers on one machine each see the machine's free memory.
+        limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+        if limit and self.engine_config.memory_limit_bytes is None:
+            self.engine_config = dataclasses.replace(self.engine_config, memory_limit_bytes=int(limit))
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:

@@ -246,11 +246,12 @@ def check_device(device: str, scheduler: str | None) -> None:
 
 
 def check_max_model_len(model: str | None, device: str, dtype: str, max_model_len: int | None,
-                        kv_cache_gib: float) -> None:
+                        kv_cache_gib: float | None) -> None:
     """Refuse a --max-model-len (tokens) the engine could not honour, before any work: more than the model's context
     (the engine would cut it to the context without a word), or, on the CPU, more tokens than the KV cache of
-    --kv-cache-gib GiB holds (cut to the pool). `model` as check_model returns it; a remote model is checked by its
-    worker. Raises JobError (exit 2) naming the option, the limit and the fix."""
+    --kv-cache-gib GiB holds (cut to the pool; None: the auto size on this machine, engine.device.cpu_kv_budget_bytes).
+    `model` as check_model returns it; a remote model is checked by its worker. Raises JobError (exit 2) naming the
+    option, the limit and the fix."""
     if max_model_len is None:
         return
     shape = model_context(model)
@@ -275,8 +276,16 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
     block = EngineConfig().block_size
     size = torch.empty((), dtype=resolve_dtype(dtype, on)).element_size()
     per_block = 2 * shape["layers"] * block * shape["kv_heads"] * shape["head_dim"] * size
-    pool = int(kv_cache_gib * (1 << 30)) // per_block * block
+    if kv_cache_gib is None:
+        from engine.device import cpu_kv_budget_bytes
+
+        budget = cpu_kv_budget_bytes(EngineConfig())
+        size_of = f"the auto-sized KV cache ({budget / (1 << 30):.2f} GiB: half the memory free here)"
+    else:
+        budget = int(kv_cache_gib * (1 << 30))
+        size_of = f"the KV cache of --kv-cache-gib {kv_cache_gib:g}"
+    pool = budget // per_block * block
     if max_model_len > pool:
-        raise JobError(f"--max-model-len {max_model_len} is more than the KV cache of --kv-cache-gib {kv_cache_gib:g} "
+        raise JobError(f"--max-model-len {max_model_len} is more than {size_of} "
                        f"holds for {name} ({pool} tokens); raise --kv-cache-gib to at least "
                        f"{max_model_len * per_block / block / (1 << 30):.3f} or lower --max-model-len")

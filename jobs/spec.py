@@ -55,7 +55,8 @@ def engine_config(spec: JobSpec) -> EngineConfig:
     e = spec.engine
     try:
         return EngineConfig(device=e.device, dtype=e.dtype, quantization=e.quantization,
-                            max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=int(e.kv_cache_gib * (1 << 30)),
+                            max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=None if e.kv_cache_gib is None
+                            else int(e.kv_cache_gib * (1 << 30)),
                             max_model_len=e.max_model_len)
     except ValueError as err:
         raise JobError(str(err)) from err

@@ -146,9 +146,10 @@ class Engine(_Section):
                                               "per token)."), Cli(envvar="TOKENMILL_QUANTIZATION")] = "none"
     max_num_seqs: Annotated[int, Field(ge=1, description="Most rows decoding at once per engine."),
                             Cli(envvar="TOKENMILL_MAX_NUM_SEQS")] = 256
-    kv_cache_gib: Annotated[float, Field(gt=0, description="KV cache size on cpu, GiB per worker, > 0 (on cuda the "
-                                                           "pool is sized from free memory)."),
-                            Cli(envvar="TOKENMILL_KV_CACHE_GIB")] = 1.0
+    kv_cache_gib: Annotated[float | None, Field(gt=0, description="KV cache size on cpu, GiB per worker, > 0; null "
+                                                                  "= half the memory free at load (on cuda the pool "
+                                                                  "is sized from free memory)."),
+                            Cli(envvar="TOKENMILL_KV_CACHE_GIB")] = None
     max_model_len: Annotated[int | None, Field(ge=2, description="Most tokens (prompt + output) per row; longer "
                                                                  "prompts become error rows. null = the model's "
                                                                  "context."),
