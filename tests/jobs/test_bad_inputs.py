@@ -38,21 +38,25 @@ def _tokenmill(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Co
                           timeout=WAIT_S)
 
 
-def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Path, tmp_path: Path) -> None:
+def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`--scheduler` with a relative OUTPUT: the workers of a real `dask scheduler` / `dask worker` started in
     another working directory write where the client means, _SUCCESS is committed beside the results, and `status`
     agrees. Results keep the null id null and tell the two rows with id '1' apart by input_row; the summary counts
-    them. Before: results under the workers' folder, _SUCCESS under the client's, `status` said done with 0 rows."""
+    them. Before: results under the workers' folder, _SUCCESS under the client's, `status` said done with 0 rows.
+
+    The client is this process, in its own working directory (monkeypatch.chdir): the workers are the processes
+    whose directory differs, and a client process would add only its start-up (about 5 CPU-s)."""
     client_dir, worker_dir = tmp_path / "client", tmp_path / "workers"
     client_dir.mkdir()
     worker_dir.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                DASK_CONFIG=str(DASK_CONFIG))
+    monkeypatch.chdir(client_dir)
     with dask_cli_cluster(env, tmp_path / "dask.log", workers=1, cwd=worker_dir) as (address, _):
-        run = _tokenmill(["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens", "8",
-                          "--rows-per-shard", "3", "--device", "cpu", "--scheduler", address, "--json"],
-                         client_dir, env)
-    assert run.returncode == 0, run.stderr
+        run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens", "8",
+                                  "--rows-per-shard", "3", "--device", "cpu", "--scheduler", address, "--json"])
+    assert run.exit_code == 0, run.output
     assert not (worker_dir / "out").exists()
     out = client_dir / "out"
     assert (out / "_SUCCESS").is_file()
@@ -63,8 +67,8 @@ def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Pa
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert (summary["rows_ok"], summary["ids_null"], summary["ids_repeated"]) == (6, 1, 2)
     assert "2 result rows share their id" in run.stderr and "input_file + input_row" in run.stderr
-    status = _tokenmill(["status", "out", "--json"], client_dir, env)
-    assert status.returncode == 0 and json.loads(status.stdout)["rows_committed"] == 6
+    status = runner.invoke(app, ["status", "out", "--json"])
+    assert status.exit_code == 0 and json.loads(status.stdout)["rows_committed"] == 6
 
 
 def test_a_prompt_column_of_the_wrong_type_stops_the_job_before_any_work(tmp_path: Path, data_dir: Path) -> None:

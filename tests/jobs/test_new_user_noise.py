@@ -1,7 +1,12 @@
 """What a new user sees from the real `tokenmill` command (issue 26 items 12, 14, 15), on real GSM8K rows: a
 --max-model-len the model cannot honour is refused before any work; an option set by a bad TOKENMILL_* variable
 names the variable and the option; a cancel is no Dask "Compute Failed" traceback and two jobs on one machine do
-not fight over the dashboard port; a rerun's summary keeps its own work apart from the job's totals."""
+not fight over the dashboard port; a rerun's summary keeps its own work apart from the job's totals.
+
+The refusals run the CLI in this process (typer's CliRunner, the TOKENMILL_* variables set for the call): they end
+in the command's own checks before any cluster or worker starts, so a child process would add only its start-up
+(about 4 CPU-s each: Python, the CLI, torch) and prove nothing more. The runs that start clusters (the cancel, the
+two jobs side by side, the rerun) stay real processes."""
 
 from __future__ import annotations
 
@@ -16,8 +21,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from typer.testing import CliRunner, Result
 
 from engine import LLMEngine
+from jobs.cli import app
 from jobs.control import cancel_job
 from jobs.preflight import gguf_metadata, model_context
 from jobs.run_commands import this_run
@@ -40,6 +47,11 @@ def questions(tmp_path: Path, data_dir: Path) -> Path:
 def _env(**extra: str) -> dict[str, str]:
     """This environment (TOKENMILL_MODEL: the tiny model, tests/jobs/conftest.py) with our code first."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def _refused(args: list[str], **env: str) -> Result:
+    """`tokenmill ARGS` in this process with the TOKENMILL_* variables `env` set for the call (module docstring)."""
+    return CliRunner().invoke(app, args, env=env)
 
 
 def _tokenmill(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
@@ -68,32 +80,31 @@ def test_a_max_model_len_the_model_cannot_honour_is_refused_before_any_work(ques
     variable too; and on the CPU a value the KV cache of --kv-cache-gib cannot hold names --kv-cache-gib."""
     out = tmp_path / "out"
     base = ["run", str(questions), str(out), "--prompt-column", "question", "--device", "cpu"]
-    flag = _tokenmill([*base, "--max-model-len", "10000000"], _env(), tmp_path)
-    assert flag.returncode == 2, flag.stderr
+    flag = _refused([*base, "--max-model-len", "10000000"])
+    assert flag.exit_code == 2, flag.output
     assert "--max-model-len 10000000 is more than the context of" in flag.stderr and "8192 tokens" in flag.stderr
     assert "give at most 8192" in flag.stderr and "Traceback" not in flag.stderr
-    env = _tokenmill(base, _env(TOKENMILL_MAX_MODEL_LEN="10000000"), tmp_path)
-    assert env.returncode == 2 and "--max-model-len" in env.stderr and "TOKENMILL_MAX_MODEL_LEN" in env.stderr
-    pool = _tokenmill([*base, "--max-model-len", "8192", "--kv-cache-gib", "0.0001", "--dtype", "float32"], _env(),
-                      tmp_path)
-    assert pool.returncode == 2 and "more than the KV cache of --kv-cache-gib 0.0001" in pool.stderr, pool.stderr
+    env = _refused(base, TOKENMILL_MAX_MODEL_LEN="10000000")
+    assert env.exit_code == 2 and "--max-model-len" in env.stderr and "TOKENMILL_MAX_MODEL_LEN" in env.stderr
+    pool = _refused([*base, "--max-model-len", "8192", "--kv-cache-gib", "0.0001", "--dtype", "float32"])
+    assert pool.exit_code == 2 and "more than the KV cache of --kv-cache-gib 0.0001" in pool.stderr, pool.stderr
     assert not out.exists()
 
 
 def test_a_bad_tokenmill_variable_names_the_variable_and_the_option(questions: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     base = ["run", str(questions), str(out), "--prompt-column", "question"]
-    bad = _tokenmill([*base, "--max-num-seqs", "0"], _env(TOKENMILL_DEVICE="gpu"), tmp_path)
-    assert bad.returncode == 2
+    bad = _refused([*base, "--max-num-seqs", "0"], TOKENMILL_DEVICE="gpu")
+    assert bad.exit_code == 2
     assert "invalid tokenmill run options (2 problems)" in bad.stderr  # was "options is invalid"
     assert "engine.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
     assert "engine.max_num_seqs (--max-num-seqs):" in bad.stderr  # from the command line: no variable named
-    missing = _tokenmill(base, _env(TOKENMILL_MODEL=str(tmp_path / "nonexistent.gguf")), tmp_path)
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    missing = _refused(base, TOKENMILL_MODEL=str(tmp_path / "nonexistent.gguf"))
+    assert missing.exit_code == 2 and "does not exist" in missing.stderr
     assert "--model was set by the environment variable TOKENMILL_MODEL" in missing.stderr
     if not torch.cuda.is_available():  # a CUDA device this machine lacks: refused here, not a worker traceback
-        cuda = _tokenmill(base, _env(TOKENMILL_DEVICE="cuda"), tmp_path)
-        assert cuda.returncode == 2 and "--device cuda: this machine has no CUDA device" in cuda.stderr, cuda.stderr
+        cuda = _refused(base, TOKENMILL_DEVICE="cuda")
+        assert cuda.exit_code == 2 and "--device cuda: this machine has no CUDA device" in cuda.stderr, cuda.stderr
         assert "TOKENMILL_DEVICE" in cuda.stderr and "Compute Failed" not in cuda.stderr
     assert not out.exists()
 

@@ -1,6 +1,11 @@
 """Jobs that survive their machines: a SIGKILLed worker, a SIGTERMed (spot-preempted) worker, a crashed run, a
-cancel. Real GSM8K rows, the real model, one LocalCluster of two worker processes for the module, reached by its
-scheduler address as a real cluster would be (engines stay resident across the jobs)."""
+cancel. Real GSM8K rows, the tiny random-weight model (tests/jobs/conftest.py), one LocalCluster of two worker
+processes for the module, reached by its scheduler address as a real cluster would be (engines stay resident across
+the jobs).
+
+The kill and the cancel must land while a shard still has rows to run: they run LONG_ROW_TOKENS tokens a row, about
+as long a row as the real model's 16 tokens (a second of one core on the 2-core AVX2 EPYC), so they land as they
+did with the real model, and the module's workers load one small model instead of the real one three times."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from pipeline.storage import output_fs
 
 ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
 WAIT_S = 600.0  # generous: a loaded CI box; the tests never assert on time
+LONG_ROW_TOKENS = 256  # the tiny model never ends a row early (never_eos): each row is this many decode steps
 
 
 @contextlib.contextmanager
@@ -92,7 +98,6 @@ def _when_a_shard_checkpoints(out: Path, client: Client, act: Callable[[str, int
     return thread
 
 
-@pytest.mark.slow  # the real model (tests/jobs/conftest.py): a tiny model's shard can finish before the kill lands
 def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                        tmp_path: Path) -> None:
     """The worker running a shard is SIGKILLed a second after the shard's first checkpoint: the shard runs again on a
@@ -102,7 +107,7 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     --checkpoint-seconds, whatever it ran."""
     _, client = cluster
     ids = write_gsm8k(data_dir, tmp_path / "in", 400, 24)
-    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2,
+    cfg = RunConfig(prompt_column="question", max_tokens=LONG_ROW_TOKENS, rows_per_shard=12, checkpoint_rows=2,
                     heartbeat_seconds=0.2)
     addr = client.scheduler.address
     ref = run_job(str(tmp_path / "in"), str(tmp_path / "ref"), cfg, engine_config=ENGINE, scheduler_address=addr)
@@ -206,13 +211,12 @@ def test_restart_after_a_crash_runs_only_what_is_missing(cluster: tuple[LocalClu
     assert st.state == "done" and st.exit_code == 0 and st.attempts == 5 and st.rows_committed == 24
 
 
-@pytest.mark.slow  # the real model (tests/jobs/conftest.py): a tiny model's shard can finish before the cancel lands
 def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                                          tmp_path: Path) -> None:
     _, client = cluster
     ids = write_gsm8k(data_dir, tmp_path / "in", 700, 24)
     out = tmp_path / "out"
-    args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", "16",
+    args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", str(LONG_ROW_TOKENS),
             "--rows-per-shard", "8", "--checkpoint-rows", "2", "--max-num-seqs", "2", "--kv-cache-gib", "0.25",
             "--device", "cpu", "--scheduler", client.scheduler.address, "--json"]
     runner = CliRunner()
