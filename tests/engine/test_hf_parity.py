@@ -27,9 +27,25 @@ NUM_GENERATE = 4  # prompts that also go through HF's generate()
 def hf_model_and_tokenizer(gguf_path: str):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    import gguf
+
+    # transformers parses the GGUF's metadata with gguf.GGUFReader three times (tokenizer, config, weights; pure
+    # Python over SmolLM2's 49k-token vocabulary, most of this fixture's CPU time); its readers only read, so one
+    # parse serves the three. What HF builds from it is unchanged.
+    parse, parsed = gguf.GGUFReader, {}
+
+    def reader(path: str, *args: object) -> gguf.GGUFReader:
+        key = (os.path.realpath(path), args)
+        if key not in parsed:
+            parsed[key] = parse(path, *args)
+        return parsed[key]
+
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    assert len(parsed) == 1, parsed  # the three reads shared one parse
     model.eval()
     return model, tok
 
