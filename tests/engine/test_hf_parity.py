@@ -1,4 +1,6 @@
-"""Greedy output of our engine is token-identical to HF transformers loading the same GGUF (fp32, CPU).
+"""Greedy output of our engine is token-identical to HF transformers loading the same GGUF (fp32, CPU), and its
+logprobs equal HF's log_softmax. One HF load (tens of CPU-seconds: HF dequantizes the GGUF in numpy) serves both
+tests of this file.
 
 HF is the reference for every one of the 32 prompts in one forward pass each (teacher forcing): HF's greedy output
 equals ours exactly when, at every output position, HF's argmax after the prompt and our earlier tokens is our
@@ -25,9 +27,25 @@ NUM_GENERATE = 4  # prompts that also go through HF's generate()
 def hf_model_and_tokenizer(gguf_path: str):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    import gguf
+
+    # transformers parses the GGUF's metadata with gguf.GGUFReader three times (tokenizer, config, weights; pure
+    # Python over SmolLM2's 49k-token vocabulary, most of this fixture's CPU time); its readers only read, so one
+    # parse serves the three. What HF builds from it is unchanged.
+    parse, parsed = gguf.GGUFReader, {}
+
+    def reader(path: str, *args: object) -> gguf.GGUFReader:
+        key = (os.path.realpath(path), args)
+        if key not in parsed:
+            parsed[key] = parse(path, *args)
+        return parsed[key]
+
     folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    assert len(parsed) == 1, parsed  # the three reads shared one parse
     model.eval()
     return model, tok
 
@@ -70,3 +88,25 @@ def test_greedy_matches_hf_with_preemption(engine: LLMEngine, gsm8k_questions: l
             if ref[0, n:].tolist() != ours:
                 mismatches.append(("generate", prompt[:40], ref[0, n:].tolist(), ours))
     assert not mismatches, mismatches
+
+
+def test_logprobs_equal_hf_transformers(engine: LLMEngine, gsm8k_questions: list[str],
+                                        hf_model_and_tokenizer) -> None:
+    """Raw logprobs (before temperature and penalties) of sampled rows against HF's log_softmax of the same
+    GGUF's logits (fp32), teacher-forced on our output tokens: within 1e-4."""
+    prompts = gsm8k_questions[60:63]
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=5, presence_penalty=0.5)
+    outs = engine.generate(prompts, params)
+    model, _ = hf_model_and_tokenizer
+    for o in outs:
+        assert o.logprobs is not None and len(o.logprobs) == o.num_output_tokens
+        n = o.num_prompt_tokens
+        with torch.inference_mode():
+            ref = model(torch.tensor([o.prompt_token_ids + o.output_token_ids])).logits[0, n - 1:-1].log_softmax(-1)
+        for pos, entry in enumerate(o.logprobs):
+            assert entry.token_id == o.output_token_ids[pos]
+            assert abs(entry.logprob - ref[pos, entry.token_id].item()) < 1e-4
+            values, ids = ref[pos].topk(5)
+            assert [t.token_id for t in entry.top_logprobs] == ids.tolist()
+            assert max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, values.tolist(), strict=True)) < 1e-4
+            assert entry.token == engine.tokenizer.decode([entry.token_id], skip_special_tokens=False)

@@ -1,17 +1,15 @@
 """Structured outputs, logprobs, n samples and penalties on the real model and real prompts (engine/
 structured_output.py, engine/logits_processors.py): JSON Schema outputs validate, choices and regexes are respected,
-a bad schema is an error row while the others finish, a seeded constrained row survives preemption, logprobs equal
-HF transformers' log_softmax, n samples share the prompt's KV blocks."""
+a bad schema is an error row while the others finish, a seeded constrained row survives preemption, n samples share
+the prompt's KV blocks. (Logprobs against HF transformers' log_softmax: test_hf_parity.py, which loads HF once.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import jsonschema
 import pytest
-import torch
 from squeezed_pool import roomy_and_squeezed
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
@@ -115,29 +113,6 @@ def test_a_seeded_constrained_row_survives_preemption(engine: LLMEngine, gsm8k_q
     roomy, squeezed = roomy_and_squeezed(engine, prompts, params)
     assert [o.output_token_ids for o in squeezed] == [o.output_token_ids for o in roomy]
     assert [o.valid for o in squeezed] == [o.valid for o in roomy]
-
-
-def test_logprobs_equal_hf_transformers(engine: LLMEngine, gsm8k_questions: list[str], gguf_path: str) -> None:
-    """Raw logprobs (before temperature and penalties) of sampled rows against HF's log_softmax of the same
-    GGUF's logits (fp32), teacher-forced on our output tokens: within 1e-4."""
-    transformers = pytest.importorskip("transformers")
-    prompts = gsm8k_questions[60:63]
-    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=5, presence_penalty=0.5)
-    outs = engine.generate(prompts, params)
-    folder, name = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    for o in outs:
-        assert o.logprobs is not None and len(o.logprobs) == o.num_output_tokens
-        n = o.num_prompt_tokens
-        with torch.inference_mode():
-            ref = model(torch.tensor([o.prompt_token_ids + o.output_token_ids])).logits[0, n - 1:-1].log_softmax(-1)
-        for pos, entry in enumerate(o.logprobs):
-            assert entry.token_id == o.output_token_ids[pos]
-            assert abs(entry.logprob - ref[pos, entry.token_id].item()) < 1e-4
-            values, ids = ref[pos].topk(5)
-            assert [t.token_id for t in entry.top_logprobs] == ids.tolist()
-            assert max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, values.tolist(), strict=True)) < 1e-4
-            assert entry.token == engine.tokenizer.decode([entry.token_id], skip_special_tokens=False)
 
 
 def test_n_samples_share_the_prompt_blocks_and_seeded_ones_repeat(engine: LLMEngine,
