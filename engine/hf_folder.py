@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 from engine.architectures import config_from_hf
 from engine.config import ModelConfig
 from engine.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
-from engine.quant.state import LM_HEAD
-from engine.tensor_names import check_tensor_names
+from engine.tensor_names import LM_HEAD, check_tensor_names
 
 if TYPE_CHECKING:
     import torch

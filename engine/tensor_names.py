@@ -1,20 +1,23 @@
 """The parameter names a model of a given shape holds: what a model file must provide, exactly (no tensor dropped,
-none missing)."""
+none missing). Imports no torch at module level: the CLI reads a model folder's header through it (issue 31)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from engine.config import ModelConfig
-from engine.model import LlamaModel
-from engine.quant.state import LM_HEAD
+
+EMBEDDING = "embed_tokens"  # the token embedding's module name (HF, without "model.")
+LM_HEAD = "lm_head"  # the LM head's module name; its weight is left out of a model file when tied to EMBEDDING
 
 
 def model_param_names(cfg: ModelConfig) -> list[str]:
     """Names (HF, without "model.") of every parameter a model of shape `cfg` holds, a tied LM head left out:
     what a model file must provide, exactly (built on the meta device: no memory)."""
+    import torch
+
+    from engine.model import LlamaModel
+
     with torch.device("meta"):
         model = LlamaModel(cfg, 1)
     return [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == f"{LM_HEAD}.weight")]

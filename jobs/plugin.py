@@ -11,14 +11,17 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import Client, WorkerPlugin, get_worker
 from distributed.core import Status
 
-from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop
+from engine import EngineConfig
 from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
+
+if TYPE_CHECKING:  # the engine (torch) loads on the worker only: the client pickles the plugin and never computes
+    from engine import LLMEngine
+    from engine.engine_loop import EngineLoop
 
 PLUGIN_PREFIX = "tokenmill-engine"
 # Seconds a closing worker's teardown waits for the engine loop's step in progress to end.
@@ -89,6 +92,8 @@ class EnginePlugin(WorkerPlugin):
         self._engine, self._loop = None, None
 
     def _load(self) -> None:
+        from engine import LLMEngine
+
         try:
             if self.torch_threads:
                 import torch
@@ -121,6 +126,8 @@ class EnginePlugin(WorkerPlugin):
         """The worker's resident engine loop over the loaded engine (waits for the load; made and started at the
         first call, its step thread running `torch_threads`): every shard task of the worker submits to it.
         Raises RuntimeError as `get` does."""
+        from engine.engine_loop import EngineLoop
+
         engine = self.get()
         with self._loop_lock:
             if self._loop is None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import get_worker
 
-from engine.engine_loop import EngineLoop
 from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
@@ -22,6 +21,9 @@ from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import NoSpaceLeft, output_fs
+
+if TYPE_CHECKING:  # torch: the task runs on the worker, whose plugin loaded the engine; the client only submits it
+    from engine.engine_loop import EngineLoop
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5

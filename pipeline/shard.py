@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from engine import LLMEngine
-from engine.engine_loop import DeviceClock, EngineLoop
+from engine.submission import DeviceClock
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
@@ -34,6 +33,10 @@ from pipeline.shard_requests import ProgressFn, RowFn, generate_rows
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
 from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+
+if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), so the client that submits shards never loads it
+    from engine import LLMEngine
+    from engine.engine_loop import EngineLoop
 
 # The shard's rows (pipeline.shard_rows) and requests (pipeline.shard_requests), named here too for callers of the
 # whole shard.
@@ -94,6 +97,8 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
     after writing a failed-attempt record with the error), ShardInterrupted when stopped, and what the store raises
     when a commit fails after retries (NoSpaceLeft for a full local disk).
     """
+    from engine.engine_loop import EngineLoop
+
     fs, root = output_fs(output_url)
     committed = read_committed_accounting(fs, root, shard.shard_id)
     if committed is not None:
@@ -131,6 +136,8 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
                  cfg: RunConfig, attempt: int, t0: float, clock: DeviceClock, progress: ProgressFn | None,
                  notice: StopSignal, should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
                  model_fingerprint: str | None = None) -> dict[str, Any]:
+    from engine.engine_loop import EngineLoop
+
     loop = engine
     engine = loop.engine if isinstance(loop, EngineLoop) else loop
     done_path = results_path(root, shard.shard_id)

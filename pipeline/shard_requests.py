@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from engine import LLMEngine, RequestOutput, SamplingParams
-from engine.engine_loop import DeviceClock, EngineLoop
-from engine.llm_engine import prompt_problem
+from engine import RequestOutput, SamplingParams
+from engine.submission import DeviceClock
 from pipeline.checkpoint import completion_tokens
 from pipeline.config import RunConfig
 from pipeline.row_options import row_sampling_params
 from pipeline.shard_rows import ShardRows
+
+if TYPE_CHECKING:  # torch: generate_rows imports it when it runs (on a worker), not the client that submits shards
+    from engine import LLMEngine
+    from engine.engine_loop import EngineLoop
 
 # Called with (rows finished, output tokens of those rows) as rows finish.
 ProgressFn = Callable[[int, int], None]
@@ -42,6 +46,9 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
     left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
     it (engine.engine_loop.DeviceClock).
     """
+    from engine.engine_loop import EngineLoop
+    from engine.llm_engine import prompt_problem
+
     outputs: dict[int, RequestOutput] = {}
     runnable: list[int] = []
     params: list[SamplingParams] = []

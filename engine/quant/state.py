@@ -1,6 +1,7 @@
 """Names and helpers every INT4/INT8 layer shares: which parameters are projections, the quantized state dict type
 and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
-module but the INT4 weight type (engine.quant.qparams, itself a leaf) and, for AddBias.concat, engine.model (which
+module but the INT4 weight type (engine.quant.qparams, itself a leaf), the parameter names EMBEDDING and LM_HEAD
+(engine.tensor_names, re-exported here) and, for AddBias.concat, engine.model (which
 imports nothing of engine.quant), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on
 each other.
 
@@ -15,11 +16,13 @@ import torch
 from torch import nn
 
 from engine.quant.qparams import Int4Weight
+from engine.tensor_names import EMBEDDING, LM_HEAD
+
+__all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_linear_weight",
+           "set_module"]
 
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
-EMBEDDING = "embed_tokens"
-LM_HEAD = "lm_head"
 
 QuantizedState = dict[str, "torch.Tensor | Int4Weight"]
 

@@ -9,20 +9,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "distributed", "dask", "transformers", "pyarrow", "pydantic")
 
 
-def _loaded_after(code: str) -> dict[str, bool]:
-    """Which of HEAVY a fresh interpreter has imported after running `code` (a fresh process: this one has them)."""
+def _run_probe(code: str) -> tuple[dict[str, bool], list[str]]:
+    """Which of HEAVY a fresh interpreter has imported after running `code` (a fresh process: this one has them),
+    and the lines `code` printed before."""
     probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=120)
+                         timeout=300)
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-1]), lines[:-1]
+
+
+def _loaded_after(code: str) -> dict[str, bool]:
+    """Which of HEAVY a fresh interpreter has imported after running `code` (_run_probe)."""
+    return _run_probe(code)[0]
 
 
 def test_import_and_help_load_neither_torch_nor_dask_nor_arrow_nor_the_spec_model() -> None:
@@ -40,6 +48,24 @@ def test_status_and_cancel_load_no_torch_nor_dask(command: str, tmp_path: Path) 
     assert loaded["pyarrow"]  # it did read the job's folder (Arrow tables), so the probe would see a torch import
     assert {m: loaded[m] for m in ("torch", "distributed", "dask", "transformers")} == dict.fromkeys(
         ("torch", "distributed", "dask", "transformers"), False)
+
+
+def test_run_client_never_imports_torch(tiny_model: str, data_dir: Path, tmp_path: Path) -> None:
+    """A real `tokenmill run` of a model folder on its embedded LocalCluster: the engine (torch) loads in the Dask
+    worker processes only, the client checks the model's header, pins it, submits the shard tasks and gathers
+    their results without importing torch (~3 CPU-s per client; issue 31)."""
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(0, 3),
+                   inp / "a.parquet")
+    args = ["tokenmill", "run", str(inp), str(tmp_path / "out"), "--model", tiny_model, "--prompt-column",
+            "question", "--max-tokens", "2", "--workers", "1", "--json"]
+    code = (f"import sys\nimport jobs.cli\nsys.argv = {args!r}\n"
+            "try:\n    jobs.cli.app()\nexcept SystemExit as e:\n    assert not e.code, e.code")
+    loaded, printed = _run_probe(code)
+    summary = json.loads(printed[-1])
+    assert (summary["rows_ok"], summary["output_tokens"]) == (3, 6)  # the workers loaded the engine and ran it
+    assert loaded["distributed"] and not loaded["torch"], loaded
 
 
 def test_help_lists_every_command_with_the_help_it_has_when_built() -> None:
