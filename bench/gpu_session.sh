@@ -57,7 +57,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
     tests/engine/test_triton_attention.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_int4.py \
-    tests/engine/test_gemlite_int4.py --durations=10
+    tests/engine/test_int4_calibration.py tests/engine/test_gemlite_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
 step throughput 330 python3 bench/throughput.py --device cuda --workload both ${PRESET:+--preset "$PRESET"}
 step int4 240 python3 bench/int4.py --device cuda
