@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0
 ROWS = 8  # three interrupted runs commit at least one row each and leave some
 MAX_TOKENS = 256  # the tiny model never ends a row early (never_eos): each row is this many decode steps
+SIGHUP_AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+                             "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 @pytest.fixture()
@@ -47,8 +49,11 @@ def _args(rows: Path, out: Path) -> list[str]:
 def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
     """Start `tokenmill run`, send it `signum` once rows are being generated; return its stderr once it exited
     with 128 + signum and said how to go on."""
-    proc = subprocess.Popen(_args(rows, out), env=env, cwd=out.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # As from a terminal: SIGHUP at its default disposition in the child. A test process started under nohup (or by a
+    # runner that ignores SIGHUP) passes SIG_IGN down through exec, and `tokenmill run` rightly leaves an ignored
+    # SIGHUP alone (jobs.interrupt); SIG_DFL set before exec survives it.
+    proc = subprocess.Popen([sys.executable, "-c", SIGHUP_AS_FROM_A_TERMINAL, *_args(rows, out)[1:]], env=env,
+                            cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:  # the first progress line: rows are being generated
         if line.startswith('{"event": "progress"'):
