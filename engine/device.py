@@ -28,6 +28,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # share is a ceiling, not what a small batch holds; half leaves the rest for activations, logits and the page cache.
 CPU_KV_MEMORY_SHARE = 0.5
 _CGROUP = Path("/sys/fs/cgroup")
+PAGE = 4096  # bytes
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,8 +107,12 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor `shape` of `dtype` whose pages the OS maps when first written (numpy.zeros is
     calloc, which takes fresh zero pages from the OS for large sizes), so that an auto-sized KV pool holds memory as
     its blocks are used, not all at load as torch.zeros (which writes every byte) would."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(math.prod(shape) * size, dtype=np.uint8)).view(dtype).view(shape)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    # calloc's large chunks start 16 bytes into a page: start at the next page instead, so that rows of K and V
+    # (head_dim x 4 bytes) never straddle a cache line more than they must (torch's own allocator aligns to 64).
+    raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -75,6 +75,7 @@ def test_cpu_zeros_are_zeros_whose_pages_come_on_first_write(dtype: torch.dtype)
     untouched = psutil.Process().memory_info().rss - before
     nbytes = pool.numel() * pool.element_size()
     assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert pool.data_ptr() % dev.PAGE == 0  # page-aligned: K/V rows on cache-line boundaries
     assert untouched < nbytes // 4, f"{untouched} of {nbytes} bytes resident before any write"
     pool[7].fill_(1.5)
     assert pool[7].eq(1.5).all() and pool[:7].eq(0).all() and pool[8:].eq(0).all()  # reading maps zero pages
