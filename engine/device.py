@@ -107,7 +107,7 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor `shape` of `dtype` whose pages the OS maps when first written (numpy.zeros is
     calloc, which takes fresh zero pages from the OS for large sizes), so that an auto-sized KV pool holds memory as
     its blocks are used, not all at load as torch.zeros (which writes every byte) would."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     # calloc's large chunks start 16 bytes into a page: start at the next page instead, so that rows of K and V
     # (head_dim x 4 bytes) never straddle a cache line more than they must (torch's own allocator aligns to 64).
     raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
@@ -117,8 +117,7 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:

@@ -74,9 +74,7 @@ class EnginePlugin(WorkerPlugin):
         self.loaded_cpu_s: float | None = None
         # An auto-sized CPU KV pool stays within the worker's memory limit too (Dask pauses a worker at 80% of it):
         # several workers on one machine each see the machine's free memory.
-        limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-        if limit and self.engine_config.memory_limit_bytes is None:
-            self.engine_config = dataclasses.replace(self.engine_config, memory_limit_bytes=int(limit))
+        self._memory_limit: int | None = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
         threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
@@ -100,7 +98,10 @@ class EnginePlugin(WorkerPlugin):
 
                 torch.set_num_threads(self.torch_threads)
             before = fingerprint_model(self.model)
-            engine = LLMEngine.from_model(self.model, self.engine_config)
+            config = self.engine_config
+            if self._memory_limit and config.memory_limit_bytes is None:
+                config = dataclasses.replace(config, memory_limit_bytes=int(self._memory_limit))
+            engine = LLMEngine.from_model(self.model, config)
             after = fingerprint_model(self.model)
             if (what := before.changes(after)) is not None:
                 raise ModelPinError(f"the model {after.resolved} changed while this worker loaded it ({what}); run "
