@@ -39,15 +39,22 @@ DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"
 
 def step_figures(batch: list[int], admitted: list[int], rows: int, max_num_seqs: int) -> dict[str, Any]:
     """Histogram (deciles of max_num_seqs) and the share of steps below max_num_seqs / 2 among the steps after
-    which some of `rows` requests were not yet admitted, from a step trace (engine.step_stats)."""
+    which some of `rows` requests were not yet admitted, from a step trace (engine.step_stats).
+
+    Of those low steps, `low_steps_idle_admission` counts the ones in which no request joined the batch: a drain
+    (the batch shrinking while rows are still to come). A low step that admitted rows is the batch filling up
+    under the step's token budget (max_num_batched_tokens of prefill: the start of every run, the engine's own
+    included), a step the prompts' tokens keep full."""
     deciles = [0] * 10
     for b in batch:
         deciles[min(9, (b * 10 - 1) // max_num_seqs if b else 0)] += 1
-    pending = [b for b, a in zip(batch, admitted, strict=True) if a < rows]
-    low = sum(b < max_num_seqs / 2 for b in pending)
+    joined = [a - p for a, p in zip(admitted, [0, *admitted[:-1]], strict=True)]
+    pending = [(b, j) for b, a, j in zip(batch, admitted, joined, strict=True) if a < rows]
+    low = sum(b < max_num_seqs / 2 for b, _ in pending)
+    idle = sum(b < max_num_seqs / 2 and j == 0 for b, j in pending)
     return {"steps": len(batch), "histogram_deciles": deciles, "steps_rows_pending": len(pending),
             "low_steps_rows_pending": low, "low_share_rows_pending": low / len(pending) if pending else 0.0,
-            "mean_batch": sum(batch) / len(batch) if batch else 0.0}
+            "low_steps_idle_admission": idle, "mean_batch": sum(batch) / len(batch) if batch else 0.0}
 
 
 def _worker_trace(dask_worker: Any) -> tuple[list[int], list[int], float]:
@@ -153,7 +160,8 @@ def main() -> None:
         print(f"| {r['run']} | {r['output_tokens']} | {r['seconds']:.1f} | {r['tok_per_s']:.1f} | "
               f"{r['tok_per_s'] / base:.2f}x | {r['cpu_ms_per_token']:.1f} | {base_cpu / r['cpu_ms_per_token']:.3f} | "
               f"{r['steps']} | {r['mean_batch']:.1f} | "
-              f"{r['low_steps_rows_pending']}/{r['steps_rows_pending']} ({100 * r['low_share_rows_pending']:.1f}%) | "
+              f"{r['low_steps_rows_pending']}/{r['steps_rows_pending']} ({100 * r['low_share_rows_pending']:.1f}%; "
+              f"{r['low_steps_idle_admission']} admitting no row) | "
               f"{r['histogram_deciles']} |")
     print(json.dumps({"args": vars(args), "results": results}))
 
