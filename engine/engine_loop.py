@@ -11,7 +11,8 @@ output is handed to its submitter through a queue: the submitter's per-row callb
 run in its own thread, and an exception there stops that submitter's rows only.
 
 Device time of shared steps is shared by the tokens each submission computed in them: a step of T seconds that fed
-n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (`DeviceClock`).
+n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (`DeviceClock`);
+the time between steps is split equally among the callers whose clocks are open in it (`IdleShare`).
 
 The step thread is a daemon (a process never waits on its rows to exit), so it must be done before the interpreter
 finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
@@ -35,7 +36,7 @@ from engine.llm_engine import CHILD_SEP, LLMEngine, Prompt, lpt_key
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.submission import DONE, DeviceClock, Submission
+from engine.submission import DONE, DeviceClock, IdleShare, Submission
 
 __all__ = ["DeviceClock", "EngineLoop", "Submission"]  # DeviceClock and Submission live in engine.submission
 
@@ -96,6 +97,7 @@ class EngineLoop:
         self._ended = False  # the step thread returned after close(): nothing reads the inbox any more
         self._broken: BaseException | None = None
         self.step_seconds = 0.0
+        self.idle = IdleShare()  # the wall time without a step, split among the open DeviceClocks
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineLoop:
@@ -267,9 +269,13 @@ class EngineLoop:
             self._deliver(req, _aborted(req))
 
     def _step(self) -> None:
+        self.idle.step(True)
         t = time.perf_counter()
-        finished = self.engine.step()
-        dt = time.perf_counter() - t
+        try:
+            finished = self.engine.step()
+        finally:
+            dt = time.perf_counter() - t
+            self.idle.step(False)
         self.step_seconds += dt
         scheduled = self.engine.last_scheduled
         total = sum(n for _, n in scheduled)

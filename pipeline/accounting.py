@@ -15,8 +15,9 @@ Shards share a worker's engine (engine.engine_loop: several shards' rows in one 
 device-seconds (`device_s`, and `device_s` in its end record) are therefore not its wall time but its fair share
 (engine.engine_loop.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
 (prefill chunks and decodes), plus the wall time in which the engine ran no step at all (reading the shard,
-committing, idle). Shards that overlap for T seconds are billed T in all. A killed attempt, which cannot write its
-share, is still billed from its records' wall times as above (an overestimate when it shared the engine).
+committing, idle) split equally among the shards in it. Shards that overlap for T seconds are billed T in all. A
+killed attempt, which cannot write its share, is still billed from its records' wall times as above (an
+overestimate when it shared the engine).
 """
 
 from __future__ import annotations

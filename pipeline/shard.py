@@ -107,21 +107,21 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
         t0 = time.monotonic()
-        clock = DeviceClock(engine if isinstance(engine, EngineLoop) else None)
-        attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
-        try:
-            return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, clock, progress, notice,
-                                should_stop, pinned, model_fingerprint)
-        except ShardInterrupted:
-            raise
-        except Exception as e:
+        with DeviceClock(engine if isinstance(engine, EngineLoop) else None) as clock:
+            attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
             try:
-                end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
-                            device_s=clock.device_s(), error=f"{type(e).__name__}: {e}")
-            except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
-                (log.debug if is_no_space(record_error) else log.warning)(
-                    "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
-            raise
+                return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, clock, progress,
+                                    notice, should_stop, pinned, model_fingerprint)
+            except ShardInterrupted:
+                raise
+            except Exception as e:
+                try:
+                    end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
+                                device_s=clock.close(), error=f"{type(e).__name__}: {e}")
+                except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
+                    (log.debug if is_no_space(record_error) else log.warning)(
+                        "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
+                raise
 
 
 def _results(merged: pa.Table, shard: Shard) -> pa.Table:
@@ -183,7 +183,7 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         results = _results(merged, shard)
         if not commit_table(fs, done_path, results):
             results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
-    device_s = clock.device_s()
+    device_s = clock.close()  # this attempt's bill ends here: the engine's idle time is the other shards' from now
     earlier = bill_earlier_attempts(fs, root, shard.shard_id, attempt, list_attempts(fs, root, shard.shard_id),
                                     parts, cfg.checkpoint_seconds)
     row = accounting_row(
@@ -207,7 +207,7 @@ def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int,
     left = aborted + len(ckpt.pending)
     try:
         end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
-                    device_s=clock.device_s(), reason=reason)
+                    device_s=clock.close(), reason=reason)
     except Exception as e:  # without it the next attempt estimates this one's time instead
         (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
                                                         shard_id, attempt, e)
