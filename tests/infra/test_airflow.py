@@ -2,11 +2,11 @@
 imports without errors, `airflow dags test` runs the BashOperator DAG on a small real job to success, a second run of
 the same logical date does no work, and tokenmill's exit codes become Airflow's outcomes.
 
-About 40 s on the 2-core AVX2 EPYC, most of it Airflow's own start: one `airflow dags test` (the CLI, then the
-in-process execution API and task runner: ~15 s before the task's command starts) and one process in Airflow's
-interpreter for the rest. `make test` (what CI runs) and `make airflow-test` install Airflow into .airflow-venv when
-it is missing and run these (TOKENMILL_AIRFLOW_TESTS=1; another venv with TOKENMILL_AIRFLOW_VENV); a plain `pytest`
-skips them."""
+Under a minute on the 2-core AVX2 EPYC, about half the time of the three `dags test` runs before, most of it
+Airflow's own start: one `airflow dags test` (the CLI, then the in-process execution API and task runner: ~15 s
+before the task's command starts) and one process in Airflow's interpreter for the rest. `make test` (what CI runs)
+and `make airflow-test` install Airflow into .airflow-venv when it is missing and run these
+(TOKENMILL_AIRFLOW_TESTS=1; another venv with TOKENMILL_AIRFLOW_VENV); a plain `pytest` skips them."""
 
 from __future__ import annotations
 
