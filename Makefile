@@ -63,7 +63,7 @@ $(AIRFLOW_VENV)/.installed:
 
 airflow-venv: $(AIRFLOW_VENV)/.installed
 
-# The DAG in a real Airflow: `airflow dags test` of a small job, its rerun, exit codes (about 1.5 minutes).
+# The DAG in a real Airflow: `airflow dags test` of a small job, its rerun, exit codes (under a minute).
 airflow-test: setup airflow-venv
 	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -m airflow
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from gsm8k_rows import write_gsm8k
+from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
+from jobs.cli import app
 from jobs.cluster import ClusterOptions, RunContext, run_on_cluster
 from jobs.control import cancel_job, job_status
 from jobs.errors import JobError
@@ -69,7 +71,7 @@ def _cli(*args: str) -> list[str]:
 
 
 def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finishes(
-        gguf_path: str, data_dir: Path, tmp_path: Path) -> None:
+        gguf_path: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's scenario: `tokenmill run --model model.gguf`, cancelled after its first commit; model.gguf is
     rewritten (same name, same size, other bytes); `--resume` exits 2 with one line naming the file, its old and new
     size and hash and the two ways out, and writes nothing. With the model restored, `--resume` finishes, and every
@@ -107,9 +109,13 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     size = model.stat().st_size
     _rewrite_tail(model)
     assert model.stat().st_size == size
-    refused = subprocess.run(_cli(*args, "--resume"), env=env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=WAIT_S)
-    assert refused.returncode == 2, refused.stderr[-3000:]
+    # The refusal and the status read run the CLI in this process: both end before any cluster or model load, so a
+    # child process would add only its start-up.
+    monkeypatch.chdir(tmp_path)
+    cli_env = {k: env.get(k) for k in ("TOKENMILL_STOP_POLL_S", "TOKENMILL_CACHE_DIR", "TOKENMILL_WEIGHTS_CACHE",
+                                       "TOKENMILL_MODEL")}
+    refused = CliRunner().invoke(app, [*args, "--resume"], env=cli_env)
+    assert refused.exit_code == 2, refused.output[-3000:]
     line = refused.stderr.strip()
     assert "\n" not in line and "model.gguf was" in line and f"{size} bytes" in line
     assert pin["files"][0]["digest"].removeprefix("sha256:")[:16] in line
@@ -126,8 +132,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     assert {r["model_fingerprint"] for r in rows} == {pin["fingerprint"]} and {r["model"] for r in rows} == {
         "model.gguf"}
     assert {r["model_fingerprint"] for r in pq.read_table(out / "accounting").to_pylist()} == {pin["fingerprint"]}
-    status = subprocess.run(_cli("status", "out", "--json"), env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=WAIT_S)
+    status = CliRunner().invoke(app, ["status", "out", "--json"], env=cli_env)
     assert json.loads(status.stdout)["model"]["fingerprint"] == pin["fingerprint"]
 
 

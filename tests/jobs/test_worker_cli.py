@@ -95,7 +95,15 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         victim: dict[str, str] = {}  # the stopped shard and its worker CLI's pid, set as the signal goes out
 
+        first_marker: dict[str, str] = {}  # "bucket/key" of the first checkpoint marker written
+        marker_put = threading.Event()
+
         def delay(environ: dict) -> float:
+            path = environ.get("PATH_INFO", "")
+            if (not marker_put.is_set() and environ["REQUEST_METHOD"] == "PUT"
+                    and re.search(r"/checkpoints/[^/]+/[^/]+\.commit$", path)):
+                first_marker["key"] = path.lstrip("/")
+                marker_put.set()
             # One slow write: the stopped shard's first attempt's first write after the signal (its last part, or its
             # end record when no row was pending).
             shard = victim.get("shard")
@@ -113,18 +121,24 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
             pids = {w.pid: w for w in workers}
 
             def terminate_after_first_checkpoint() -> None:
+                # Woken by the S3 server's request hook (`delay`) when the first marker's PUT arrives, then waits for
+                # the marker to be in the bucket: a poll of the bucket listing at 10 Hz cost the in-process S3 server
+                # a good part of a core through the whole run.
                 deadline = time.monotonic() + WAIT_S
-                while time.monotonic() < deadline:
-                    fs.invalidate_cache()
-                    markers = fs.glob(f"{s3.bucket}/job/checkpoints/*/*.commit")
-                    if markers:
-                        shard = markers[0].split("/")[-2]
-                        start = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.json"))
-                        cli = pids[psutil.Process(start["pid"]).ppid()]  # the worker process's parent: its CLI
-                        victim.update(shard=shard, cli=str(cli.pid))
-                        cli.send_signal(signal.SIGTERM)  # as the kubelet does, to the pod's PID 1
+                if not marker_put.wait(WAIT_S):
+                    return
+                marker = first_marker["key"]
+                fs.invalidate_cache()
+                while not fs.exists(marker):
+                    if time.monotonic() > deadline:
                         return
-                    time.sleep(0.1)
+                    time.sleep(0.05)
+                    fs.invalidate_cache()
+                shard = marker.split("/")[-2]
+                start = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.json"))
+                cli = pids[psutil.Process(start["pid"]).ppid()]  # the worker process's parent: its CLI
+                victim.update(shard=shard, cli=str(cli.pid))
+                cli.send_signal(signal.SIGTERM)  # as the kubelet does, to the pod's PID 1
 
             terminator = threading.Thread(target=terminate_after_first_checkpoint, daemon=True)
             terminator.start()
