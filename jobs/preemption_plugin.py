@@ -145,6 +145,10 @@ NANNY_CLOSING = "nanny closing"  # the stop reason of a drain: the nanny takes t
 # Seconds a nanny's drain waits beyond TOKENMILL_STOP_DEADLINE_S: the engine's current step, the end record, the
 # shard's error reaching the scheduler.
 DRAIN_MARGIN_S = 10.0
+# Seconds the closing nanny tries to reach its worker (all on one host): a worker that stopped itself already (a
+# SIGTERM of its own process, PreemptionPlugin) no longer listens, and Dask's default connect timeout (30 s) would
+# hold the nanny's close, and the pod's grace period, that long.
+DRAIN_CONNECT_S = 5.0
 
 
 class DrainNannyPlugin(NannyPlugin):
@@ -173,6 +177,8 @@ class DrainNannyPlugin(NannyPlugin):
 
         timeout_s = stop_deadline_s() + DRAIN_MARGIN_S
         try:
+            # Connect first under DRAIN_CONNECT_S; the call below takes this connection from the nanny's pool.
+            nanny.rpc.reuse(address, await nanny.rpc.connect(address, timeout=DRAIN_CONNECT_S))
             async with nanny.rpc(address) as worker:
                 reply = await asyncio.wait_for(
                     worker.run(function=pickle.dumps(drain_worker), args=pickle.dumps((timeout_s,))), timeout_s + 5)

@@ -165,16 +165,14 @@ def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tm
     ids = write_gsm8k(data_dir, tmp_path / "in", 500, 24)
     cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
     out = tmp_path / "out"
-    with contextlib.ExitStack() as after_close, two_workers() as (_, client):
+    # The cluster's close: the SIGTERMed worker has left the scheduler and no longer listens; its nanny's drain
+    # (run_job registers DrainNannyPlugin on a cluster it reaches by address) gives up connecting to it after
+    # DRAIN_CONNECT_S, not Dask's 30 s connect timeout.
+    with two_workers() as (_, client):
         terminator = _when_a_shard_checkpoints(out, client, lambda _shard, pid: os.kill(pid, signal.SIGTERM))
         summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
                           scheduler_address=client.scheduler.address)
         terminator.join()
-        # The cluster's close (on leaving the block, under this setting until after_close ends): the SIGTERMed worker
-        # has left the scheduler but its process is still closing and no longer listens, and its nanny's drain
-        # (run_job registers DrainNannyPlugin on a cluster it reaches by address) would retry connecting to it for
-        # Dask's 30 s connect timeout. Every connect of this close is on 127.0.0.1.
-        after_close.enter_context(dask.config.set({"distributed.comm.timeouts.connect": "5s"}))
     stopped = terminator.acted
     assert stopped is not None, "no shard was caught mid-run"
     assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
