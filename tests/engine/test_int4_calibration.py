@@ -215,7 +215,10 @@ def test_quantize_model_calibrated_beats_round_to_nearest(ref, calibration_ids,
     first two decoder layers, embedding INT4 too: every projection, the embedding and the tied LM head are INT4
     modules, and the KL from the fp32 two-layer model on AlpacaEval answers neither saw is well below
     round-to-nearest's (same group size, same INT4 embedding, whose error both share). Measured: see the bound's
-    comment."""
+    comment. The tuning runs half an epoch (8 steps): here it must run inside quantize_model and tune the gains;
+    that it lowers the held-out KL is test_tuning_scales_and_zeros_lowers_held_out_kl's to show (from
+    round-to-nearest codes, where the drop is large: after GPTQ's codes, on these two layers without the INT4
+    embedding, a full epoch measured KL 0.0280 -> 0.0276 against round-to-nearest's 0.0484, AVX2 EPYC)."""
     calib, _, answers = calibration_ids
     teacher = _first_layers(ref.model, 2)
     # Both calls round the same embedding [49152, 576] to nearest (quantize_int4's MSE fit of 28M weights: over a
@@ -237,13 +240,13 @@ def test_quantize_model_calibrated_beats_round_to_nearest(ref, calibration_ids,
     rtn = quantize_model(copy.deepcopy(teacher), 128, include_embedding=True)
     steps: list[float] = []
     calibrated = quantize_model(copy.deepcopy(teacher), 128, include_embedding=True, calibration=calib[:, :64],
-                                act_order=True, tune_epochs=1.0, on_tune_step=lambda i, n, kl: steps.append(kl))
+                                act_order=True, tune_epochs=0.5, on_tune_step=lambda i, n, kl: steps.append(kl))
 
     def held_out_kl(m: torch.nn.Module) -> float:
         with torch.no_grad():
             return sum(distillation_kl(m, teacher, row).item() for row in answers[:, :128]) / answers.shape[0]
 
-    assert len(steps) == 16  # 32 sequences, 2 per step, one epoch
+    assert len(steps) == 8  # 32 sequences, 2 per step, half an epoch
     assert len(rounded) == 1  # the embedding was rounded once and reused
     for m in (rtn, calibrated):
         assert isinstance(m.embed_tokens, Int4Embedding) and isinstance(m.lm_head, Int4Linear)
