@@ -121,7 +121,8 @@ def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instructions, quantization: str) -> None:
     """The serving layout (one QKV and one gate/up GEMM per layer, plain fp32 and INT4 Q4_1) computes what the
-    file's separate projections compute: logits within fp32 rounding, the same greedy tokens."""
+    file's separate projections compute: logits within fp32 rounding on two real prompts, the same 6 greedy tokens
+    after the first (each greedy token is a full forward of both models: most of this test's CPU time)."""
     unfused = ref if quantization == "none" else native
     fused = copy.deepcopy(unfused.model)
     assert fused.fuse_projections() == 2 * unfused.config.num_layers
@@ -131,11 +132,12 @@ def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instr
     kind = torch.nn.Linear if quantization == "none" else Int4Linear
     assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
     assert attn.qkv_proj.out_features == (unfused.config.num_heads + 2 * unfused.config.num_kv_heads) * 64
-    for prompt in alpaca_instructions[:2]:
+    for i, prompt in enumerate(alpaca_instructions[:2]):
         ids = ref.tokenizer.encode(prompt)
         a, b = _logits(unfused.model, ids), _logits(fused, ids)
         assert ((a - b).norm() / a.norm()).item() < 1e-5
-        assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
+        if i == 0:
+            assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
 
 
 @pytest.fixture(scope="module")
