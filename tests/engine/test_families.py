@@ -178,6 +178,29 @@ def build_family(root: Path, family: str, gguf_path: str, hf_tok) -> tuple[objec
     return model, folder, path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parses() -> dict:
+    """Each GGUF file of this module parsed once. Every one carries SmolLM2's 49k-token vocabulary, whose metadata
+    parse (engine.gguf_file.open_gguf) is 1-2 CPU-s, and the tests load each file several times (greedy, config,
+    quantized paths). A parse of an unchanged file is the same each time and the loaders only read it, so the
+    engine's open_gguf returns the first parse of a (path, size, mtime) again: what is loaded from it is unchanged.
+    Returns the parses, by that key."""
+    from engine import gguf_file
+
+    parse, parsed = gguf_file.open_gguf, {}
+
+    def open_once(path: str):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key not in parsed:
+            parsed[key] = parse(path)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_file, "open_gguf", open_once)
+        yield parsed
+
+
 @pytest.fixture(scope="module")
 def hf_tok(gguf_path: str):
     from engine.tokenizer import Tokenizer
