@@ -9,7 +9,8 @@ convert_hf_to_gguf.py writes (permuted Q/K for llama/mistral, rope_freqs for Lla
 on 16 real prompts x 32 tokens is token-identical to HF from both formats: HF's argmax at every output position given
 the prompt and our earlier tokens is our token (teacher forcing, one HF forward per prompt; by induction over the
 positions that is HF's greedy output, as test_hf_parity.py argues), and HF's own `generate` loop gives the same
-tokens on the first prompt (512 `generate` steps per family cost about 4x the forwards on these tiny models).
+tokens on the first prompt (HF `generate` on all 16 prompts took a family's test from 5.0 to 7.9 CPU-s, AVX2
+EPYC).
 """
 
 from __future__ import annotations
