@@ -45,14 +45,23 @@ def _incremental(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (
     return len(ids), detok.finish(ids)
 
 
-def _full_decode_each_step(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...]) -> tuple[int, str]:
-    """The approach it replaces: decode the whole output at every step and find the earliest stop string."""
+def _prefix_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """The full decode of every prefix: [decode(ids[:n]) for n in 0..len(ids)] (O(n^2) decoding: computed once per
+    sequence and shared by the references of its several stop strings)."""
+    return [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+
+
+def _full_decode_each_step(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...],
+                           prefix_texts: list[str] | None = None) -> tuple[int, str]:
+    """The approach it replaces: decode the whole output at every step and find the earliest stop string.
+    prefix_texts: `_prefix_texts(tokenizer, ids)` when already computed (the same decodes)."""
+    texts = _prefix_texts(tokenizer, ids) if prefix_texts is None else prefix_texts
     for n in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:n])
+        text = texts[n]
         hits = [i for i in (text.find(s) for s in stop) if i >= 0]
         if hits:
             return n, text[:min(hits)]
-    return len(ids), tokenizer.decode(ids)
+    return len(ids), texts[len(ids)]
 
 
 def test_incremental_text_equals_the_full_decode(tokenizer: Tokenizer, sequences: list[list[int]]) -> None:
@@ -90,11 +99,11 @@ def test_a_cut_multibyte_character_never_ends_the_text(tokenizer: Tokenizer, seq
     assert cuts > 50, "the data should cut many multi-byte characters between tokens"
 
 
-def _boundary_spanning_stops(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+def _boundary_spanning_stops(tokenizer: Tokenizer, ids: list[int], prefix_texts: list[str]) -> list[str]:
     """Substrings of the text that start inside one token's text and end inside a later token's, some of them
-    with non-ASCII characters."""
-    text = tokenizer.decode(ids)
-    ends = [len(tokenizer.decode(ids[:n])) for n in range(1, len(ids) + 1)]
+    with non-ASCII characters. prefix_texts: `_prefix_texts(tokenizer, ids)`."""
+    text = prefix_texts[len(ids)]
+    ends = [len(t) for t in prefix_texts[1:]]
     stops = []
     for a, b in ((len(ids) // 3, len(ids) // 3 + 2), (len(ids) // 2, len(ids) // 2 + 1), (len(ids) - 4, len(ids) - 2)):
         if 0 < a < b < len(ids) and ends[b] - ends[a - 1] > 3:
@@ -112,15 +121,17 @@ def test_stop_strings_across_token_boundaries_stop_where_the_full_decode_did(tok
                                                                                sequences: list[list[int]]) -> None:
     checked = 0
     for ids in sequences:
-        text = tokenizer.decode(ids)
-        for stop in _boundary_spanning_stops(tokenizer, ids):
+        prefixes = _prefix_texts(tokenizer, ids)
+        text = prefixes[-1]
+        assert text == tokenizer.decode(ids)
+        for stop in _boundary_spanning_stops(tokenizer, ids, prefixes):
             got = _incremental(tokenizer, ids, (stop,))
-            assert got == _full_decode_each_step(tokenizer, ids, (stop,))
+            assert got == _full_decode_each_step(tokenizer, ids, (stop,), prefixes)
             assert got[1] == text[:text.index(stop)] and got[0] < len(ids) + 1
             checked += 1
         # Several stop strings at once: the earliest match wins, whatever their order.
-        stops = tuple(_boundary_spanning_stops(tokenizer, ids))[::-1] + ("\n\n", "zzzz never there")
-        assert _incremental(tokenizer, ids, stops) == _full_decode_each_step(tokenizer, ids, stops)
+        stops = tuple(_boundary_spanning_stops(tokenizer, ids, prefixes))[::-1] + ("\n\n", "zzzz never there")
+        assert _incremental(tokenizer, ids, stops) == _full_decode_each_step(tokenizer, ids, stops, prefixes)
     assert checked > 100
 
 

@@ -6,6 +6,7 @@ model folders (quantize -> save -> load -> generate), folder sizes and perplexit
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -22,7 +23,10 @@ from engine.quant.quantize import quantize_model
 from engine.sequence_forward import forward_sequence
 
 CPU = torch.device("cpu")
-PPL_TOKENS = 2048  # one forward each of 2 chunks; the full-sample figures are in bench/README.md
+# One forward of perplexity()'s 1,024-token chunk; the full-sample figures are in bench/README.md. Measured on the
+# first two chunks (AVX2 EPYC): g32 -0.15% and +0.07% (the gate: 1%), both far inside it for the same reason (g32
+# round-to-nearest barely moves the weights); the g128 miss is +51% / +72% on 20k tokens.
+PPL_TOKENS = 1024
 
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -87,8 +91,14 @@ def test_gguf_q4_blocks_map_exactly() -> None:
         gguf_q4_to_int4(raw, "Q8_0", (16, 128))
 
 
-def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, alpaca_instructions) -> None:
-    native = load_model(gguf_path, torch.float32, CPU, quantization="auto")
+@pytest.fixture(scope="module")
+def native(gguf_path: str):
+    """The real model loaded with its GGUF Q4_1 projections as Int4Linear (fp32, CPU), once per module. Read-only:
+    a test that changes it deep-copies `native.model` first."""
+    return load_model(gguf_path, torch.float32, CPU, quantization="auto")
+
+
+def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, alpaca_instructions) -> None:
     assert native.num_int4_modules == 30 * 7  # every projection of SmolLM2-135M is Q4_1
     assert isinstance(native.model.layers[0].self_attn.q_proj, Int4Linear)
     for prompt in alpaca_instructions[:2]:
@@ -110,11 +120,11 @@ def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_fused_projections_give_the_same_greedy_tokens(gguf_path: str, ref, alpaca_instructions,
-                                                       quantization: str) -> None:
+def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instructions, quantization: str) -> None:
     """The serving layout (one QKV and one gate/up GEMM per layer, plain fp32 and INT4 Q4_1) computes what the
-    file's separate projections compute: logits within fp32 rounding, the same greedy tokens."""
-    unfused = ref if quantization == "none" else load_model(gguf_path, torch.float32, CPU, quantization=quantization)
+    file's separate projections compute: logits within fp32 rounding on two real prompts, the same 6 greedy tokens
+    after the first (each greedy token is a full forward of both models: most of this test's CPU time)."""
+    unfused = ref if quantization == "none" else native
     fused = copy.deepcopy(unfused.model)
     assert fused.fuse_projections() == 2 * unfused.config.num_layers
     assert fused.fuse_projections() == 0  # idempotent
@@ -123,18 +133,27 @@ def test_fused_projections_give_the_same_greedy_tokens(gguf_path: str, ref, alpa
     kind = torch.nn.Linear if quantization == "none" else Int4Linear
     assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
     assert attn.qkv_proj.out_features == (unfused.config.num_heads + 2 * unfused.config.num_kv_heads) * 64
-    for prompt in alpaca_instructions[:2]:
+    for i, prompt in enumerate(alpaca_instructions[:2]):
         ids = ref.tokenizer.encode(prompt)
         a, b = _logits(unfused.model, ids), _logits(fused, ids)
         assert ((a - b).norm() / a.norm()).item() < 1e-5
-        assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
+        if i == 0:
+            assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
 
 
-def test_quantize_save_load_generate(gguf_path: str, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def int4_g128(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(folder, its JSON config) of `quantize_to_folder(GGUF, bits=4, group_size=128)` (round-to-nearest, the
+    embedding INT4 too: what `tokenmill quantize` writes by default), written once per module: about 25 CPU-s.
+    Read-only."""
+    out = tmp_path_factory.mktemp("int4-g128") / "int4"
+    return out, quantize_to_folder(gguf_path, str(out), bits=4, group_size=128)
+
+
+def test_quantize_save_load_generate(gguf_path: str, int4_g128: tuple[Path, dict], tmp_path) -> None:
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    int4_dir, bf16_dir = tmp_path / "int4", tmp_path / "bf16"
-    meta = quantize_to_folder(gguf_path, str(int4_dir), bits=4, group_size=128)
+    (int4_dir, meta), bf16_dir = int4_g128, tmp_path / "bf16"
     quantize_to_folder(gguf_path, str(bf16_dir), bits=16)
     assert meta["quantization"]["group_size"] == 128 and "embed_tokens" in meta["quantization"]["modules"]
     ratio = folder_bytes(str(int4_dir)) / folder_bytes(str(bf16_dir))
@@ -168,9 +187,11 @@ def test_perplexity_g32_within_1_percent(ref, base_perplexity: float, reference_
 @pytest.mark.xfail(strict=True, reason="round-to-nearest misses it: measured +51% (projections) / +72% (with "
                    "embedding) on 20k tokens of SmolLM2-135M Q4_1 requantized at group 128. The calibrated path "
                    "(GPTQ + end-to-end tuning) meets it: test_perplexity_gptq_tuned_g128_within_10_percent")
-def test_perplexity_g128_within_10_percent(ref, base_perplexity: float, reference_ids) -> None:
+def test_perplexity_g128_within_10_percent(int4_g128: tuple[Path, dict], base_perplexity: float,
+                                           reference_ids) -> None:
+    """The folder `tokenmill quantize` writes at group 128 (embedding INT4 too), loaded back in fp32."""
     base = base_perplexity
-    q = perplexity(quantize_model(copy.deepcopy(ref.model), 128), reference_ids).perplexity
+    q = perplexity(load_model(str(int4_g128[0]), torch.float32, CPU).model, reference_ids).perplexity
     assert q / base - 1 < 0.10, (base, q)
 
 

@@ -120,7 +120,9 @@ def test_gptq_keeps_massive_activation_features_accurate(ref, calibration_ids) -
     (AlpacaEval answers, each sequence from position 0) to a small fraction of round-to-nearest's, and below GPTQ
     as published (unweighted min-max fit, no refit)."""
     calib, _, answers = calibration_ids
-    x_calib, x_answers = (_down_proj_inputs(ref.model, ids, 11) for ids in (calib, answers))
+    # Half the calibration sequences (8 GSM8K, 8 AlpacaEval instructions: 4,096 tokens, over twice K=1536): their
+    # inputs cost 12 layers of forward each, most of this test's CPU time.
+    x_calib, x_answers = (_down_proj_inputs(ref.model, ids, 11) for ids in (calib[8:24], answers))
     assert x_answers.abs().max() > 1000  # the massive activation is there
     acc = HessianAccumulator(x_calib.shape[1])
     acc.add(x_calib)
@@ -129,7 +131,8 @@ def test_gptq_keeps_massive_activation_features_accurate(ref, calibration_ids) -
     plain = output_error(x_answers, w, gptq_quantize_weight(w, acc.hessian, 128, act_order=True, refit=False,
                                                             method="minmax").dequantize())
     gptq = output_error(x_answers, w, gptq_quantize_weight(w, acc.hessian, 128, act_order=True).dequantize())
-    # measured: round-to-nearest 0.0667, GPTQ as published 0.0045, weighted fit 0.0019, weighted + refit 0.0018
+    # measured: round-to-nearest 0.0667, GPTQ as published 0.0042, weighted fit + refit 0.0019 (on all 32
+    # calibration sequences: 0.0045 and 0.0018)
     assert gptq < 0.1 * rtn and gptq < 0.6 * plain, (gptq, plain, rtn)
 
 
@@ -215,7 +218,10 @@ def test_quantize_model_calibrated_beats_round_to_nearest(ref, calibration_ids,
     first two decoder layers, embedding INT4 too: every projection, the embedding and the tied LM head are INT4
     modules, and the KL from the fp32 two-layer model on AlpacaEval answers neither saw is well below
     round-to-nearest's (same group size, same INT4 embedding, whose error both share). Measured: see the bound's
-    comment."""
+    comment. The tuning runs half an epoch (8 steps): here it must run inside quantize_model and tune the gains;
+    that it lowers the held-out KL is test_tuning_scales_and_zeros_lowers_held_out_kl's to show (from
+    round-to-nearest codes, where the drop is large: after GPTQ's codes, on these two layers without the INT4
+    embedding, a full epoch measured KL 0.0280 -> 0.0276 against round-to-nearest's 0.0484, AVX2 EPYC)."""
     calib, _, answers = calibration_ids
     teacher = _first_layers(ref.model, 2)
     # Both calls round the same embedding [49152, 576] to nearest (quantize_int4's MSE fit of 28M weights: over a
@@ -237,13 +243,13 @@ def test_quantize_model_calibrated_beats_round_to_nearest(ref, calibration_ids,
     rtn = quantize_model(copy.deepcopy(teacher), 128, include_embedding=True)
     steps: list[float] = []
     calibrated = quantize_model(copy.deepcopy(teacher), 128, include_embedding=True, calibration=calib[:, :64],
-                                act_order=True, tune_epochs=1.0, on_tune_step=lambda i, n, kl: steps.append(kl))
+                                act_order=True, tune_epochs=0.5, on_tune_step=lambda i, n, kl: steps.append(kl))
 
     def held_out_kl(m: torch.nn.Module) -> float:
         with torch.no_grad():
             return sum(distillation_kl(m, teacher, row).item() for row in answers[:, :128]) / answers.shape[0]
 
-    assert len(steps) == 16  # 32 sequences, 2 per step, one epoch
+    assert len(steps) == 8  # 32 sequences, 2 per step, half an epoch
     assert len(rounded) == 1  # the embedding was rounded once and reused
     for m in (rtn, calibrated):
         assert isinstance(m.embed_tokens, Int4Embedding) and isinstance(m.lm_head, Int4Linear)

@@ -19,12 +19,22 @@ def app() -> typer.Typer:
     return app
 
 
-def test_perplexity_json_line(app: typer.Typer, data_dir) -> None:
-    r = CliRunner().invoke(app, ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column",
-                                 "reference_output", "--limit", "5", "--max-tokens", "300", "--json",
-                                 "--device", "cpu"])
+def _perplexity_args(data_dir) -> list[str]:
+    """`tokenmill perplexity` of the default model on 300 tokens of the first 5 AlpacaEval reference answers."""
+    return ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column", "reference_output",
+            "--limit", "5", "--max-tokens", "300", "--json", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def gguf_perplexity(app: typer.Typer, data_dir) -> dict:
+    """The JSON line of `_perplexity_args` on the default GGUF, run once per module (seconds of CPU)."""
+    r = CliRunner().invoke(app, _perplexity_args(data_dir))
     assert r.exit_code == 0, r.output
-    line = json.loads(r.output.strip().splitlines()[-1])
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def test_perplexity_json_line(gguf_perplexity: dict) -> None:
+    line = gguf_perplexity
     assert set(line) == {"perplexity", "tokens"} and line["tokens"] == 299
     assert 1.0 < line["perplexity"] < 50.0 and math.isfinite(line["perplexity"])
 
@@ -50,7 +60,8 @@ def test_perplexity_rejects_short_input() -> None:
     assert perplexity(model, list(range(100, 140)), context=16).tokens == 39 - 2  # 3 chunks: 15 + 15 + 7
 
 
-def test_quantize_writes_a_folder_perplexity_loads(app: typer.Typer, data_dir, tmp_path) -> None:
+def test_quantize_writes_a_folder_perplexity_loads(app: typer.Typer, data_dir, gguf_perplexity: dict,
+                                                   tmp_path) -> None:
     """`tokenmill quantize` (round-to-nearest g32, embedding kept) prints its JSON line and writes a folder that
     `tokenmill perplexity --model DIR` scores close to the GGUF it came from (g32 projections: -0.04% on 20k
     tokens, bench/README.md)."""
@@ -59,11 +70,7 @@ def test_quantize_writes_a_folder_perplexity_loads(app: typer.Typer, data_dir, t
     assert r.exit_code == 0, r.output
     line = json.loads(r.output.strip().splitlines()[-1])
     assert line["bits"] == 4 and line["group_size"] == 32 and line["method"] == "rtn" and line["bytes"] > 0
-    args = ["perplexity", "--input", str(data_dir / "alpaca_eval.parquet"), "--column", "reference_output",
-            "--limit", "5", "--max-tokens", "300", "--json", "--device", "cpu"]
-    scores = []
-    for model in ([], ["--model", str(out)]):
-        r = CliRunner().invoke(app, args + model)
-        assert r.exit_code == 0, r.output
-        scores.append(json.loads(r.output.strip().splitlines()[-1])["perplexity"])
+    r = CliRunner().invoke(app, _perplexity_args(data_dir) + ["--model", str(out)])
+    assert r.exit_code == 0, r.output
+    scores = [gguf_perplexity["perplexity"], json.loads(r.output.strip().splitlines()[-1])["perplexity"]]
     assert abs(scores[1] / scores[0] - 1) < 0.02, scores

@@ -174,12 +174,29 @@ def test_chunked_prefill_matches_full_prefill() -> None:
 
 
 WINDOWS = [1, 5, 16, 37, 1000]  # one key; under, at and over a 16-key page/tile; longer than every context
+# The kernel settings each window runs with: (GQA group, page size) and, for decode, the split count. Each window
+# runs two settings that differ in every one of them, and over the windows every two settings meet in all four
+# combinations (a pairwise covering): each branch of the window masks runs beside each page size, GQA group and
+# split count, at half the interpreter time of the full product (which repeats the same pairs).
+_PREFILL_PAIRS = [((1, 8), (3, 16)), ((1, 16), (3, 8))]
+PREFILL_WINDOW_CASES = [(w, *case) for i, w in enumerate(WINDOWS) for case in _PREFILL_PAIRS[i % 2]]
+_DECODE_PAIRS = [((1, 8, 1), (3, 16, 3)), ((1, 16, 1), (3, 8, 3)), ((1, 8, 3), (3, 16, 1)), ((1, 16, 3), (3, 8, 1))]
+DECODE_WINDOW_CASES = [(w, *case) for i, w in enumerate(WINDOWS) for case in _DECODE_PAIRS[i % 4]]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("num_splits", [1, 3])
+def test_window_cases_cover_every_pair() -> None:
+    """Every window meets both values of each setting; every two settings meet in all their combinations."""
+    for cases, names in ((PREFILL_WINDOW_CASES, ("group", "page")), (DECODE_WINDOW_CASES, ("group", "page", "split"))):
+        assert {c[0] for c in cases} == set(WINDOWS)
+        for i in range(1, len(names) + 1):
+            values = {c[i] for c in cases}
+            assert len(values) == 2 and all({(c[0], c[i]) for c in cases} >= {(w, v) for v in values}
+                                            for w in WINDOWS), names[i - 1]
+            for j in range(i + 1, len(names) + 1):
+                assert len({(c[i], c[j]) for c in cases}) == 4, (names[i - 1], names[j - 1])
+
+
+@pytest.mark.parametrize("window, group, block_size, num_splits", DECODE_WINDOW_CASES)
 def test_decode_sliding_window(window: int, group: int, block_size: int, num_splits: int) -> None:
     # Against the dense masked oracle; then blocks wholly before each window are NaN and must not be read.
     q, kc, vc, meta = make_step([1] * 4, DECODE_SEQ_LENS, 2 * group, 2, block_size, torch.float32)
@@ -190,9 +207,7 @@ def test_decode_sliding_window(window: int, group: int, block_size: int, num_spl
     assert (out - oracle).abs().max().item() < ATOL[torch.float32]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window, group, block_size", PREFILL_WINDOW_CASES)
 def test_prefill_sliding_window(window: int, group: int, block_size: int) -> None:
     # block_m 16 with group 3: 5 tokens per query tile, so a tile's rows start their windows in different key tiles
     # and some rows see no key of the first tile the program reads.
