@@ -1,5 +1,5 @@
 """Tests only: tokenmill's storage retries (engine.object_store.retry_transient, tenacity) without their back-off
-sleeps, in this process (`with no_backoff():`) and in a LocalCluster's worker processes (`WORKER_PRELOAD`, a Dask worker
+sleeps, in this process (`no_backoff()`) and in a LocalCluster's worker processes (`WORKER_PRELOAD`, a Dask worker
 preload: this module's `dask_setup`).
 
 A flaky S3 (tests/s3_faults.py) refuses requests by a seeded draw per request, not by time: waiting between tries
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import tenacity
@@ -26,7 +25,7 @@ RETRYING_MODULES = ("engine.model_files", "pipeline.attempts", "pipeline.checkpo
 WORKER_PRELOAD = {"distributed.worker.preload": [__name__]}
 
 
-def remove_backoff() -> Callable[[], None]:
+def no_backoff() -> Callable[[], None]:
     """Set the wait of every tenacity-retried function of tokenmill's modules to none; returns the undo."""
     for name in RETRYING_MODULES:
         importlib.import_module(name)
@@ -49,16 +48,6 @@ def remove_backoff() -> Callable[[], None]:
     return restore
 
 
-@contextmanager
-def no_backoff() -> Iterator[None]:
-    """No back-off sleeps in this process inside the block (remove_backoff, undone at its end)."""
-    restore = remove_backoff()
-    try:
-        yield
-    finally:
-        restore()
-
-
 def dask_setup(worker: Any) -> None:
-    """Dask worker preload hook (WORKER_PRELOAD): no back-off in this worker process, for its life."""
-    remove_backoff()
+    """Dask worker preload hook (WORKER_PRELOAD): no back-off in this worker process."""
+    no_backoff()

@@ -226,10 +226,14 @@ def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None
             with fs.open(f"{s3.bucket}/in/{name}.parquet", "wb") as f:
                 pq.write_table(part, f)
         s3.faults.enabled = True
-        with no_backoff(), dask.config.set(WORKER_PRELOAD):
-            res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
-                                      "question", "--rows-per-shard", "8", "--max-tokens", "6", "--checkpoint-rows",
-                                      "3", "--workers", "1", "--json"])
+        restore = no_backoff()
+        try:
+            with dask.config.set(WORKER_PRELOAD):
+                res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
+                                          "question", "--rows-per-shard", "8", "--max-tokens", "6",
+                                          "--checkpoint-rows", "3", "--workers", "1", "--json"])
+        finally:
+            restore()
         stats = s3.faults.stats
         s3.faults.enabled = False
         assert res.exit_code == 0, res.output

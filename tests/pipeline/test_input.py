@@ -201,13 +201,11 @@ def test_unreadable_file_is_pinned_without_rows(gsm8k_parts: Path, tmp_path: Pat
 
 def test_manifest_on_a_flaky_s3_pins_etags(gsm8k_parts: Path) -> None:
     """Listing, footers and the commit all go through tenacity retries: a flaky store never makes a good file look
-    corrupt or fails the pin. The retries skip their back-off sleeps (tests/no_backoff.py: the faults are drawn per
-    request, so a wait changes no outcome)."""
+    corrupt or fails the pin."""
     import fsspec
-    from no_backoff import no_backoff
     from s3_faults import flaky_s3
 
-    with flaky_s3(rate=0.25, lost_rate=0.1, seed=3) as s3, no_backoff():
+    with flaky_s3(rate=0.25, lost_rate=0.1, seed=3) as s3:
         fs = fsspec.filesystem("s3")
         s3.faults.enabled = False
         for p in sorted(gsm8k_parts.iterdir()):
