@@ -210,12 +210,8 @@ def test_messages_column_input(tmp_path: Path, data_dir: Path) -> None:
 
 def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None:
     """`tokenmill run s3://... s3://...` against an S3 that refuses ~15% of requests (503 SlowDown / 500) and loses
-    the answer to ~5% of PUTs after they landed; botocore's retries are off, so tokenmill's own retries carry it.
-    They retry without their back-off sleeps here, in this process and the workers (tests/no_backoff.py: the faults
-    are drawn per request, so a wait changes no outcome)."""
-    import dask
+    the answer to ~5% of PUTs after they landed; botocore's retries are off, so tokenmill's own retries carry it."""
     import fsspec
-    from no_backoff import WORKER_PRELOAD, no_backoff
     from s3_faults import flaky_s3
 
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, 16)
@@ -226,14 +222,9 @@ def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None
             with fs.open(f"{s3.bucket}/in/{name}.parquet", "wb") as f:
                 pq.write_table(part, f)
         s3.faults.enabled = True
-        restore = no_backoff()
-        try:
-            with dask.config.set(WORKER_PRELOAD):
-                res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
-                                          "question", "--rows-per-shard", "8", "--max-tokens", "6",
-                                          "--checkpoint-rows", "3", "--workers", "1", "--json"])
-        finally:
-            restore()
+        res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
+                                  "question", "--rows-per-shard", "8", "--max-tokens", "6", "--checkpoint-rows", "3",
+                                  "--workers", "1", "--json"])
         stats = s3.faults.stats
         s3.faults.enabled = False
         assert res.exit_code == 0, res.output
