@@ -112,7 +112,11 @@ def test_a_bad_tokenmill_variable_names_the_variable_and_the_option(questions: P
 def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, data_dir: Path) -> None:
     """Job A (long) runs while job B (short) runs beside it: each LocalCluster takes a free dashboard port and says
     where once (no "Port 8787 is already in use"). Then A is cancelled: exit 4 and its message, and no Dask
-    "Compute Failed ... ShardInterrupted" traceback on stderr (an interrupted shard is an outcome, not an error)."""
+    "Compute Failed ... ShardInterrupted" traceback on stderr (an interrupted shard is an outcome, not an error).
+
+    B starts once A's cluster is up (A's dashboard line: its port is taken), while A's worker loads, instead of after
+    A's first row: the clusters overlap all the same, and A is not generating rows beside all of B's run. A is
+    cancelled after its first progress line, as before: mid-shard."""
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"])
     long_in, short_in = tmp_path / "long.parquet", tmp_path / "short.parquet"
     pq.write_table(table.slice(0, 400), long_in)
@@ -125,11 +129,18 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
     try:
         assert a.stderr is not None
         a_err = []
-        for line in a.stderr:  # the first progress line: A's cluster is up and rows are being generated
-            a_err.append(line)
-            if line.startswith('{"event": "progress"'):
-                break
+        a_stderr_lines = a.stderr
+
+        def read_until(event: str) -> None:
+            for line in a_stderr_lines:
+                a_err.append(line)
+                if line.startswith(f'{{"event": "{event}"'):
+                    return
+            raise AssertionError(f"job A exited before its {event} line: {''.join(a_err)}")
+
+        read_until("dashboard")  # A's cluster is up: its dashboard port is taken
         b = _tokenmill(["run", str(short_in), str(tmp_path / "b"), *common, "--max-tokens", "4"], env, tmp_path)
+        read_until("progress")  # A is generating rows: the cancel lands mid-shard
         assert a.poll() is None, "job A finished before job B: the jobs did not overlap"
         cancel_job(str(tmp_path / "a"))
         _, rest = a.communicate(timeout=WAIT_S)
