@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -104,15 +105,15 @@ def cpu_kv_budget_bytes(config: EngineConfig) -> int:
 
 
 def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor `shape` of `dtype` whose pages the OS maps when first written (numpy.zeros is
-    calloc, which takes fresh zero pages from the OS for large sizes), so that an auto-sized KV pool holds memory as
-    its blocks are used, not all at load as torch.zeros (which writes every byte) would."""
+    """A zero-filled CPU tensor `shape` of `dtype` on its own private anonymous memory mapping (mmap(2)): the OS
+    maps its pages as they are first written (reads see the shared zero page), so an auto-sized KV pool holds memory
+    as its blocks are used, not all at load as torch.zeros (which writes every byte) would. Page-aligned, so rows of
+    K and V (head_dim x itemsize bytes) never straddle a cache line more than they must. Not numpy.zeros (calloc):
+    malloc may serve that from memory the process freed earlier, which calloc must clear, every page of it."""
     nbytes = math.prod(shape) * dtype.itemsize
-    # calloc's large chunks start 16 bytes into a page: start at the next page instead, so that rows of K and V
-    # (head_dim x 4 bytes) never straddle a cache line more than they must (torch's own allocator aligns to 64).
-    raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
-    skip = -raw.ctypes.data % PAGE
-    return torch.from_numpy(raw[skip:skip + nbytes]).view(dtype).view(shape)
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # numpy's view keeps the mapping alive (its base), torch's tensor the view; unmapped when both are gone.
+    return torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=nbytes)).view(dtype).view(shape)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
