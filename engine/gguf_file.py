@@ -9,6 +9,7 @@ torch order).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,11 +30,26 @@ def open_gguf(path: str) -> Any:
 
     GGUFReader slices its np.memmap once per metadata value, and each memmap slice runs memmap's Python
     __array_finalize__ and __getitem__; the reader here slices a plain ndarray view of the same mapping (no copy)
-    instead. Raises what GGUFReader raises (OSError, ValueError for a file that is not GGUF).
+    instead. Raises ValueError (one line naming the file and the fix) for a file cut short (a download or conversion
+    that stopped early: a metadata value or a tensor's data runs past its end), else what GGUFReader raises (OSError,
+    ValueError for a file that is not GGUF).
     """
     import gguf
 
-    return _fast_reader(gguf.GGUFReader)(path)
+    try:
+        return _fast_reader(gguf.GGUFReader)(path)
+    except _TruncatedGGUF as e:
+        size = os.path.getsize(path)
+        raise ValueError(f"{path} is not a complete GGUF file: it ends at byte {size:,} and its contents run to byte "
+                         f"{e.needed:,} at least; download or convert the model again") from None
+
+
+class _TruncatedGGUF(Exception):
+    """A read past the end of the file (GGUFReader itself would fail later with a numpy reshape or struct error)."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(needed)
+        self.needed = needed
 
 
 @functools.cache
@@ -44,7 +60,10 @@ def _fast_reader(base: type) -> type:
             if plain is None or plain.base is not self.data:
                 plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
             count = int(count)
-            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            end = offset + np.dtype(dtype).itemsize * count
+            if end > plain.shape[0]:
+                raise _TruncatedGGUF(end)
+            arr = plain[offset:end].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return FastGGUFReader

@@ -156,3 +156,21 @@ def test_every_architecture_tokenmill_runs_takes_the_direct_path() -> None:
 
     assert {a.gguf_arch for a in ARCHITECTURES} <= set(_GGUF_MODEL_TYPES)
     assert set(_GGUF_MODEL_TYPES) <= set(CONFIG_MAPPING_NAMES)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999])
+def test_a_model_file_cut_inside_its_tensor_data_is_a_one_line_error(gguf_path: str, keep: float, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's GGUF cut short in its tensor data (its metadata, the tokenizer with it, is whole): loading
+    names the file and the fix instead of gguf's numpy reshape error (a GPU run met this with a file joined from a
+    missing part)."""
+    from engine import EngineConfig, LLMEngine
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    whole = Path(gguf_path).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:int(len(whole) * keep)])
+    with pytest.raises(ValueError, match=f"{path} is not a complete GGUF file: it ends at byte "
+                                         f"{path.stat().st_size:,} .*; download or convert the model again") as e:
+        LLMEngine.from_model(str(path), EngineConfig(max_num_seqs=4))
+    assert "\n" not in str(e.value)
