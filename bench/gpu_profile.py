@@ -128,6 +128,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["none", "int4"], default="none",
                     help="int4: quantize the projections to INT4 g128 (engine.quant.quantize.quantize_model)")
     ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="EngineConfig.async_scheduling=False: the synchronous step loop (the before of the async A/B)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-steps", type=int, default=20, help="decode steps run before the profiled window")
     ap.add_argument("--profile-steps", type=int, default=30, help="decode steps profiled")
@@ -139,7 +141,8 @@ def main() -> None:
         raise SystemExit("--device cpu needs --model PATH (or --preset NAME)")
     dtype = "bfloat16" if cuda else "float32"
     cfg = EngineConfig(device=args.device, dtype=dtype, max_num_seqs=min(512, args.num_prompts),
-                       max_model_len=4096 if (args.preset or args.model is None) else None)
+                       max_model_len=4096 if (args.preset or args.model is None) else None,
+                       async_scheduling=False if args.sync_steps else None)
     # INT4: a tiny KV pool first, so quantizing has room; then the real pool (as bench/int4.py does).
     first = dataclasses.replace(cfg, num_kv_blocks=16) if args.quantization == "int4" else cfg
     torch.manual_seed(0)

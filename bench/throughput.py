@@ -138,6 +138,8 @@ def main() -> None:
                     help="cap on w2's reference lengths; default 256 on cpu, 1024 on cuda")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="default 64 on cpu, 256 on cuda")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default 64 on cpu, 512 on cuda")
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="EngineConfig.async_scheduling=False: the synchronous step loop (the before of the async A/B)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-static-w2", action="store_true",
                     help="on cuda, also run HF's static batch on w2 (skipped by default: about 6 minutes on an H100)")
@@ -149,7 +151,8 @@ def main() -> None:
     preset = args.preset or ("llama-3.1-8b" if cuda and args.model is None else None)
     dtype = "bfloat16" if cuda else "float32"
     cfg = EngineConfig(device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or (512 if cuda else 64),
-                       max_model_len=4096 if preset else None)
+                       max_model_len=4096 if preset else None,
+                       async_scheduling=False if args.sync_steps else None)
 
     torch.manual_seed(0)
     tokenizer_engine = None

@@ -178,6 +178,10 @@ class EngineConfig:
             CPU only under TRITON_INTERPRET=1), "cpu" or "torch" (engine.attention.paged_attention_ref).
         enforce_eager: never capture CUDA graphs. Otherwise, on CUDA with the Triton backend, decode steps replay
             graphs captured once per batch-size bucket (engine.cuda_graph) on their first use.
+        async_scheduling: plan and queue step n + 1 on the device before step n's tokens reach the host, so the
+            host's work of a step (stop checks, outputs, scheduling, inputs) overlaps the device's (LLMEngine.step
+            says how; the tokens are the ones synchronous steps give). None ("auto") = on for CUDA, off on the CPU,
+            where the host and the model share the cores and a stopped request's extra step would cost compute.
 
     Raises:
         ValueError: when a value is out of range.
@@ -199,6 +203,7 @@ class EngineConfig:
     int4_group_size: int = 128
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

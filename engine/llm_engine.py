@@ -16,14 +16,14 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.logits_processors import LogitsProcessors, RowState
 from engine.model import LlamaModel
-from engine.model_runner import ModelRunner, select_attention
+from engine.model_runner import LaunchedStep, ModelRunner, select_attention
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from engine.packed_linear import pack_linears
 from engine.prompts import Prompt, prompt_problem
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.step_stats import StepStats
 from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import Tokenizer
@@ -92,6 +92,11 @@ class LLMEngine:
         self.step_stats = StepStats(config.max_num_seqs)
         # The plan of the last step: (request, tokens fed) pairs, for callers that attribute a step's time.
         self.last_scheduled: list[ScheduledRequest] = []
+        # Asynchronous scheduling (step): on by default on CUDA, where the host's work of a step would otherwise
+        # leave the device idle; the step queued on the device whose tokens the host has not read yet.
+        self.async_scheduling = (device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._launched: LaunchedStep | None = None
 
     @classmethod
     def from_model(cls, model: str | None = None, config: EngineConfig | None = None) -> LLMEngine:
@@ -176,21 +181,65 @@ class LLMEngine:
         return self.kv_cache_manager.pool.reset_prefix_cache()
 
     def step(self) -> list[Request]:
-        """Schedule and run one step; return the requests that finished in it."""
-        plan = self.scheduler.schedule()
+        """Schedule and run one step; return the requests that finished: in this step, or with asynchronous
+        scheduling (`async_scheduling`) in the step before it, whose tokens the host reads while this one runs.
+
+        Asynchronous scheduling (SGLang's overlap scheduler, vLLM's async scheduling): step n + 1 is planned and
+        queued on the device before step n's sampled tokens reach the host; its input ids for the requests that
+        sampled in step n are gathered from step n's token tensor on the device (placeholders on the host,
+        Scheduler.hold_pending_tokens), and step n's stop checks and outputs run on the host while the device
+        computes step n + 1. A request that stopped in step n (EOS, a stop string) has run one step too many, whose
+        token is dropped; one that reaches its length limit is known in advance and not scheduled again. Steps in
+        which a logits processor is active (logprobs, penalties, logit_bias, min_tokens, structured output) run
+        synchronously: they need each step's tokens on the host. The tokens are the ones synchronous steps give.
+        """
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        launched = self._launched
+        overlap = self.async_scheduling and not self.logits_processors.active
+        finished: list[Request] = []
+        if launched is not None and (not overlap or not plan.scheduled):
+            finished = self._take_launched(launched)
+            if finished and plan.scheduled:  # requests planned on their pending token that has now stopped them
+                plan = SchedulerOutput([s for s in plan.scheduled if s.request.status is RequestStatus.RUNNING])
+            if not plan.scheduled:
+                self._end_step([], finished)
+                return finished
         if not plan.scheduled:
             if self.logits_processors.wait_for_compiles(0.05):  # every waiting row waits for its grammar
                 self.last_scheduled = []
                 return []
             raise RuntimeError("the scheduler could not fit any request; the KV pool is smaller than one block")
-        sampled = self.runner.execute(plan.scheduled, self.kv_cache_manager.block_tables)
-        finished = self.scheduler.update_from_output(plan, sampled)
+        tables = self.kv_cache_manager.block_tables
+        if overlap:
+            step = self.runner.launch(plan.scheduled, tables, None if launched is None else launched.tokens)
+            if launched is not None:
+                finished = self._take_launched(launched)
+            scheduler.advance(plan)
+            if step is not None and scheduler.hold_pending_tokens(step.sampling):
+                self._launched = step
+        else:
+            sampled = self.runner.execute(plan.scheduled, tables)
+            finished += scheduler.update_from_output(plan, sampled)
+        self._end_step(plan.scheduled, finished)
+        return finished
+
+    def _take_launched(self, launched: LaunchedStep) -> list[Request]:
+        """Wait for a launched step's tokens and apply them (Scheduler.take_pending_tokens); the finished ones."""
+        self._launched = None
+        return self.scheduler.take_pending_tokens(launched.sampling, launched.token_ids())
+
+    def _end_step(self, scheduled: list[ScheduledRequest], finished: list[Request]) -> None:
         if finished:
             self.runner.remove_requests([r.request_id for r in finished])
-        self.num_steps += 1
-        self.last_scheduled = plan.scheduled
-        self.step_stats.record(len(plan.scheduled), len(self.scheduler.waiting))
-        return finished
+        if scheduled:
+            self.num_steps += 1
+            self.step_stats.record(len(scheduled), len(self.scheduler.waiting))
+        self.last_scheduled = scheduled
+
+    def _drop_launched(self) -> None:
+        """Forget a launched step whose requests were all aborted (its tokens are never read)."""
+        self._launched = None
 
     def output_of(self, req: Request, start: float) -> RequestOutput:
         """The RequestOutput of a finished request; ttft_s and latency_s count from `start` (time.perf_counter())."""
@@ -298,6 +347,7 @@ class LLMEngine:
             while self.scheduler.has_unfinished:
                 if should_stop is not None and should_stop():
                     aborted = self.scheduler.abort_all()
+                    self._drop_launched()
                     self.runner.remove_requests([r.request_id for r in aborted])
                     for req in aborted:
                         i = index_of[req.request_id]
@@ -321,6 +371,7 @@ class LLMEngine:
             # A failed step or callback: leave the engine as it was before the call (no request left queued, every
             # block freed), so the next generate on this long-lived engine starts clean.
             self.runner.remove_requests([r.request_id for r in self.scheduler.abort_all()])
+            self._drop_launched()
             self.logits_processors.clear()
             raise
         return [o for o in outputs if o is not None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,8 +17,31 @@ from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
 from engine.request import Request
-from engine.sampler import sample_rows
+from engine.sampler import sample_rows_on_device
 from engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not read yet (ModelRunner.launch).
+
+    Attributes:
+        sampling: the requests that sample in the step, in the order of `tokens`.
+        tokens: int64 [S], the sampled token ids on the device (the next step's input ids are gathered from it).
+        host: int64 [S] on the host (pinned, filled by a copy queued behind the step; `tokens` itself on the CPU).
+        ready: the CUDA event recorded after that copy (None on the CPU, where the step ran already).
+    """
+
+    sampling: list[Request]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def token_ids(self) -> list[int]:
+        """The sampled token ids as host ints: waits for the step and its copy (the step's one host sync)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 def select_attention(backend: str, device: torch.device) -> AttentionFn:
@@ -92,14 +116,22 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, max_num_seqs,
                                        -(-max_model_len // block_size), max_model_len)
 
-    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                 pending_tokens: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
         """Inputs of one step on the device: input_ids and positions (int64 [T]), the attention metadata, and the
         rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
         step), with the host inputs (their `sampling`: the requests whose step reaches their last token). Built
-        from the persistent batch (engine.input_batch) with a few vectorized ops."""
+        from the persistent batch (engine.input_batch) with a few vectorized ops. `pending_tokens` (int64 [S'] on
+        the device): the sampled tokens of the step still running, which the placeholders -1 - i among the input
+        ids stand for (engine.scheduler.Scheduler.hold_pending_tokens); they are gathered on the device."""
         x = self.input_batch.prepare(scheduled, block_tables)
         dev = self._to_device
+        input_ids = dev(x.input_ids)
+        if pending_tokens is not None:
+            at = np.flatnonzero(x.input_ids < 0)
+            if at.size:
+                input_ids[dev(at)] = pending_tokens[dev(-1 - x.input_ids[at])]
         meta = AttentionMetadata(
             slot_mapping=dev(x.slot_mapping),
             query_start_loc=dev(x.query_start_loc),
@@ -111,7 +143,7 @@ class ModelRunner:
         )
         all_rows = len(x.sampling) == len(x.input_ids)  # every token is sampled: rows 0..T-1 in order
         logits_rows = None if all_rows else dev(x.logits_rows)
-        return dev(x.input_ids), dev(x.positions), meta, logits_rows, x
+        return input_ids, dev(x.positions), meta, logits_rows, x
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the runner's device: shared with numpy on the CPU; on CUDA copied from
@@ -132,7 +164,38 @@ class ModelRunner:
                 ) -> list[tuple[Request, int]]:
         """Run one step; return (request, sampled token) for each request whose step reached its last token
         (decodes and final prefill chunks). Requests mid-prefill sample nothing."""
-        input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables)
+        sampling, tokens = self._run(scheduled, block_tables, None)
+        return list(zip(sampling, tokens.tolist(), strict=True)) if tokens is not None else []
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+               pending_tokens: torch.Tensor | None) -> LaunchedStep | None:
+        """Queue one step on the device without waiting for it (asynchronous scheduling): the same work as
+        `execute`, whose sampled tokens stay on the device (the next step's input ids are gathered from them) and
+        are copied to pinned host memory behind the step; `LaunchedStep.token_ids` waits for that copy. Input ids
+        that are placeholders (-1 - i) take the i-th of `pending_tokens`, the tokens of the step launched before.
+        Needs no logits processor to be active (they read each step's tokens on the host); raises RuntimeError
+        otherwise. Returns None when no request samples in this step."""
+        procs = self.logits_processors
+        if procs is not None and procs.active:
+            raise RuntimeError("a step with logits processors (logprobs, penalties, logit_bias, min_tokens, "
+                               "structured output) cannot run asynchronously; use execute")
+        sampling, tokens = self._run(scheduled, block_tables, pending_tokens)
+        if tokens is None:
+            return None
+        if tokens.device.type != "cuda":
+            return LaunchedStep(sampling, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(sampling, tokens, host, event)
+
+    def _run(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+             pending_tokens: torch.Tensor | None) -> tuple[list[Request], torch.Tensor | None]:
+        """The step's forward pass and sampling: the sampled requests and their tokens (int64 [S] on the device;
+        None when none samples)."""
+        input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
         sampling = x.sampling
         graphs = self.graphs
         if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
@@ -142,7 +205,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
         if not sampling:
-            return []
+            return sampling, None
         if logits_rows is not None:
             hidden = hidden.index_select(0, logits_rows)
         logits = self.model.compute_logits(hidden, full_precision=False)
@@ -150,7 +213,7 @@ class ModelRunner:
         if procs is not None and procs.active:
             logits, pending = procs.apply(logits, sampling)
         # The rows' sampling parameters come from the persistent batch: nothing per row when all are greedy.
-        tokens = sample_rows(logits, self.input_batch.sampled_rows(x), self.generator)
+        tokens = sample_rows_on_device(logits, self.input_batch.sampled_rows(x), self.generator)
         if pending is not None:
-            procs.record(pending, tokens)
-        return list(zip(sampling, tokens, strict=True))
+            procs.record(pending, tokens.tolist())
+        return sampling, tokens

@@ -55,6 +55,9 @@ class Request:
         # ids or stop strings (then every new token is checked in full, engine.scheduler.check_stop).
         self.max_num_tokens = len(self.prompt_token_ids) + sampling_params.max_tokens
         self.has_stop_checks = bool(sampling_params.stop or sampling_params.stop_token_ids)
+        # Asynchronous steps (engine.llm_engine, EngineConfig.async_scheduling): the token still on the device, the
+        # last of all_token_ids as a placeholder, brings the request to its length limit, so it runs no further step.
+        self.ends_at_pending_token = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -201,6 +201,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
 def sample_rows(logits: torch.Tensor, sampled: SampledRows | None, generator: torch.Generator) -> list[int]:
     """`sample` with the non-greedy rows given as arrays (None: every row greedy), as the model runner passes them
     from the persistent batch: a greedy step is the argmax and one `tolist`, no per-row Python."""
+    return sample_rows_on_device(logits, sampled, generator).tolist()
+
+
+def sample_rows_on_device(logits: torch.Tensor, sampled: SampledRows | None, generator: torch.Generator
+                          ) -> torch.Tensor:
+    """`sample_rows` without the device->host sync: the S sampled token ids as an int64 [S] tensor on the logits'
+    device (the runner's asynchronous steps copy it to the host while the next step runs)."""
     tokens = argmax_rows(logits)
     if sampled is not None:
         g = _gather_rows(sampled, logits.shape[-1], logits.device, generator)
@@ -210,4 +217,4 @@ def sample_rows(logits: torch.Tensor, sampled: SampledRows | None, generator: to
         else:
             picked = _sample_torch(logits, g)
         tokens.index_copy_(0, g.rows, picked)
-    return tokens.tolist()
+    return tokens

@@ -130,6 +130,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.ends_at_pending_token:  # asynchronous steps: its token on the device ends it (length)
+                i += 1
+                continue
             done = req.num_computed_tokens
             n = len(req.all_token_ids) - done
             if n > budget:
@@ -161,24 +164,74 @@ class Scheduler:
         their last token) gets its token appended, its first-token time set, and is finished and freed when
         `check_stop` says so. `now`: time.perf_counter() seconds of the step's end (default: now).
         Returns the requests that finished in this step."""
-        now = time.perf_counter() if now is None else now
+        self.advance(output)
+        return self._take_tokens(sampled, time.perf_counter() if now is None else now, pending=False)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The first half of `update_from_output`, which needs no sampled token: every scheduled request still
+        running has its `num_new_tokens` in the KV cache (num_computed_tokens moves on; the full blocks it
+        completed are registered for prefix caching). Requests that finished or were aborted are skipped."""
         kv = self.kv_cache_manager
         bs = kv.block_size
         caching = kv.enable_prefix_caching
+        running = RequestStatus.RUNNING
         for req, n in output.scheduled:
+            if req.status is not running:
+                continue
             done = req.num_computed_tokens
             req.num_computed_tokens = done + n
             # Only a step that fills a block has a block to register.
             if caching and (done + n) // bs != done // bs:
                 kv.cache_full_blocks(req)
+
+    def hold_pending_tokens(self, sampling: Sequence[Request]) -> list[Request]:
+        """Asynchronous steps: the requests of `sampling` (a launched step's sampled requests, in the order of its
+        token tensor) that still run get a placeholder for the token they will receive, -1 - (its index in the
+        tensor), as the last of their all_token_ids, so `schedule` gives them their next step (whose input id the
+        model runner takes from the tensor on the device) before the token is on the host. A placeholder that
+        reaches the request's length limit (max_tokens, max_model_len) marks it `ends_at_pending_token`. Returns the
+        requests that hold one (empty: nothing to wait for)."""
+        held = []
+        max_len = self.max_model_len
+        running = RequestStatus.RUNNING
+        for i, req in enumerate(sampling):
+            if req.status is not running:
+                continue
+            tokens = req.all_token_ids
+            tokens.append(-1 - i)
+            num = len(tokens)
+            if num >= req.max_num_tokens or num >= max_len:
+                req.ends_at_pending_token = True
+            held.append(req)
+        return held
+
+    def take_pending_tokens(self, sampling: Sequence[Request], tokens: Sequence[int],
+                            now: float | None = None) -> list[Request]:
+        """Asynchronous steps: the tokens of a launched step are on the host. Each request of `sampling` (the
+        step's sampled requests, in the order of `tokens`) that is not finished (running, or preempted since and
+        waiting) gets its placeholder (`hold_pending_tokens`) replaced by its token and the stop checks of
+        `update_from_output`; returns the requests that finished. Aborted requests are skipped."""
+        return self._take_tokens(zip(sampling, tokens, strict=True), time.perf_counter() if now is None else now,
+                                 pending=True)
+
+    def _take_tokens(self, sampled: Iterable[tuple[Request, int]], now: float, *, pending: bool) -> list[Request]:
+        """Append (or with `pending`, put in place of the placeholder) each request's sampled token, set its
+        first-token time, and finish and free the requests that hit a stop condition; returns them."""
         finished = []
         eos, eos_ids, max_len = self.eos_token_id, self.eos_token_ids, self.max_model_len
         any_eos = eos_ids if eos is None else eos_ids | {eos}  # per step: the ids may be reassigned
+        done_status = RequestStatus.FINISHED
+        preempted = False
         for req, token in sampled:
+            tokens = req.all_token_ids
+            if pending:
+                if req.status is done_status:  # aborted while its step ran
+                    continue
+                tokens[-1] = token
+            else:
+                tokens.append(token)
             # Request.append_output_token inline (one call less per row per step).
             req.output_token_ids.append(token)
-            tokens = req.all_token_ids
-            tokens.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             num = len(tokens)
@@ -187,12 +240,15 @@ class Scheduler:
             if token in any_eos or req.has_stop_checks or num >= req.max_num_tokens or num >= max_len:
                 reason = check_stop(req, eos, max_len, eos_ids)
                 if reason is not None:
+                    preempted |= req.status is RequestStatus.WAITING
                     req.finish_time = now
                     self._finish(req, reason)
                     finished.append(req)
         if finished:
             # NOTE: one pass per step, not a list.remove per finished request (O(batch) each).
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            if preempted:  # a request preempted while its last token was on the device: it leaves the queue
+                self.waiting = deque(r for r in self.waiting if r.status is not done_status)
         return finished
 
     def abort_all(self) -> list[Request]:
