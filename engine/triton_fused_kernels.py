@@ -65,7 +65,7 @@ def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr
     product and the sum rounded to the dtype; cos/sin are contiguous [T, HEAD_DIM]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    half: tl.constexpr = HEAD_DIM // 2
+    half = HEAD_DIM // 2
     d = tl.arange(0, HALF_PAD)
     d_mask = d < half
     qk_heads = num_heads + num_kv_heads

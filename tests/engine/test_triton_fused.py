@@ -275,3 +275,52 @@ def test_engine_greedy_is_token_identical_with_and_without_the_fused_ops(
     finally:
         triton_fused.triton_fused_ops.cache_clear()
     assert outputs["1"] == outputs["0"]
+
+
+# Compiles every kernel for sm_90 in a fresh process (no TRITON_INTERPRET), as test_triton_attention.py does: the
+# interpreter checks no types or constexpr use, the compiler does; triton ships ptxas, so no GPU is needed. The
+# shapes are the Llama-3.1-8B ones (hidden 4096, head_dim 128) and a head norm's (hidden 128); a stride of 1 is
+# specialized to a constexpr at launch, so both forms compile.
+_COMPILE_SCRIPT = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine import triton_fused_kernels as K
+
+def compile_kernel(fn, types, constexprs, num_warps=4):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+for dt in ("bf16", "fp32"):
+    ptrs = {p: "*" + dt for p in ("x_ptr", "residual_ptr", "sum_ptr", "weight_ptr", "out_ptr", "gate_up_ptr",
+                                  "qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+    ptrs.update(slot_ptr="*i64", eps="fp32")
+    for residual in (False, True):
+        compile_kernel(K.rms_norm_kernel, ptrs, dict(HAS_RESIDUAL=residual, BLOCK=4096), num_warps=8)
+        compile_kernel(K.rms_norm_kernel, ptrs, dict(HAS_RESIDUAL=residual, BLOCK=128, stride_xc=1), num_warps=1)
+    compile_kernel(K.silu_and_mul_kernel, ptrs, dict(BLOCK=1024, stride_c=1))
+    compile_kernel(K.silu_and_mul_kernel, ptrs, dict(BLOCK=64))
+    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=128, HALF_PAD=64, BLOCK_H=16))
+    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=80, HALF_PAD=64, BLOCK_H=16))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    import subprocess
+    from pathlib import Path
+
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this triton has no backends registry")
+    if "nvidia" not in backends:
+        pytest.skip("triton was built without the NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
