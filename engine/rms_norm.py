@@ -30,7 +30,8 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
 
 def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
     """The C++ kernels (engine.cpu_kernels) when they can serve `x`: a CPU tensor with autograd off (the kernels
-    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run."""
+    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run. For the ops
+    only the C++ module has (quantize_rows_u8 of engine.quant.int8_linear); the model's layers call `fused_ops`."""
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return cpu_ops()
