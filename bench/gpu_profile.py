@@ -12,6 +12,8 @@ counted and named):
 - GPU idle: the step's wall time minus the union of its kernel intervals (host work between and inside steps:
   scheduling, input preparation, the sampled-token copy back, Python);
 - graph bucket padding: the rows a captured bucket computes beyond the step's batch (bucket - n) over the bucket.
+Under the table, the top 10 kernels of "other" and of "GEMM" by time (ms and calls per step, names cut to 100
+characters): what is left to fuse or tune.
 On the CPU (--device cpu, a smoke run on a small model) "kernels" are the profiled ops' self CPU time (our C++
 kernels are pybind calls the profiler does not see: they fall in the last row), attention and sampling told apart
 by profiler ranges around the attention function and the sampler.
@@ -102,21 +104,41 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def kernel_times(prof: torch.profiler.profile, cuda: bool) -> tuple[dict[str, float], float]:
-    """(microseconds by kind, busy microseconds = the union of kernel intervals) over the profiled window."""
+def kernel_times(prof: torch.profiler.profile, cuda: bool
+                 ) -> tuple[dict[str, float], float, dict[tuple[str, str], list[float]]]:
+    """(microseconds by kind, busy microseconds = the union of kernel intervals, and per (kind, kernel name) its
+    [microseconds, calls]) over the profiled window. On the CPU the names are the profiled ops'."""
     by_kind = dict.fromkeys(KINDS, 0.0)
+    by_name: dict[tuple[str, str], list[float]] = {}
     intervals: list[tuple[float, float]] = []
     for e in prof.events():
         if cuda:
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             t0, t1 = e.time_range.start, e.time_range.end
-            by_kind[kernel_kind(e.name)] += t1 - t0
+            kind, us = kernel_kind(e.name), t1 - t0
             intervals.append((t0, t1))
         elif e.device_type == torch.autograd.DeviceType.CPU:
-            by_kind[_cpu_kind(e)] += e.self_cpu_time_total  # self time: no op is counted twice
+            kind, us = _cpu_kind(e), e.self_cpu_time_total  # self time: no op is counted twice
+        else:
+            continue
+        by_kind[kind] += us
+        stat = by_name.setdefault((kind, e.name), [0.0, 0])
+        stat[0] += us
+        stat[1] += 1
     busy = _union_us(intervals) if cuda else sum(by_kind.values())
-    return by_kind, busy
+    return by_kind, busy, by_name
+
+
+def print_top_kernels(by_name: dict[tuple[str, str], list[float]], kind: str, steps: int, n: int = 10,
+                      width: int = 100) -> None:
+    """The n kernels of `kind` with the most time: ms and calls per step of the window, the name cut to `width`."""
+    top = sorted(((us, calls, name) for (k, name), (us, calls) in by_name.items() if k == kind), reverse=True)[:n]
+    print(f"\ntop {len(top)} kernels of '{kind}' by time, per step of the window:")
+    print(f"{'ms':>9} {'calls':>7}  name")
+    for us, calls, name in top:
+        short = name if len(name) <= width else name[:width - 3] + "..."
+        print(f"{us / steps / 1e3:>9.3f} {calls / steps:>7.1f}  {short}")
 
 
 def main() -> None:
@@ -210,7 +232,7 @@ def main() -> None:
         raise SystemExit(f"no decode step was profiled ({decode_steps} decode steps; lower --skip-steps)")
     if profiled < args.profile_steps:
         prof.__exit__(None, None, None)
-    by_kind, busy = kernel_times(prof, cuda)
+    by_kind, busy, by_name = kernel_times(prof, cuda)
     wall_us = window_wall * 1e6
     device_name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"\ndevice={device_name} torch={torch.__version__} model={engine.model_name} quantization="
@@ -228,6 +250,8 @@ def main() -> None:
     print(f"{'graph bucket padding (rows)':<34} {padded / profiled:>9.1f} {padded / max(rows, 1):>10.1%}")
     print(f"batch (mean rows per decode step): {(rows - padded) / profiled:.1f}; whole run: {out_tokens} output "
           f"tokens in {total_s:.2f} s ({out_tokens / total_s:.1f} tok/s, profiled steps included)")
+    for kind in ("other", "GEMM"):
+        print_top_kernels(by_name, kind, window_steps)
 
 
 if __name__ == "__main__":

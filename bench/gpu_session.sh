@@ -40,7 +40,7 @@ then  # put the default model back together, and check it is the file bench/gpu_
     fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-STEPS=${STEPS:-gpu_tests kernels throughput int4_tests int4 profile profile_int4}
+STEPS=${STEPS:-gpu_tests kernels fused throughput int4_tests int4 profile profile_int4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -53,10 +53,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 }
 
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
-    tests/engine/test_triton_attention.py --durations=10
+    tests/engine/test_triton_attention.py tests/engine/test_triton_fused.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_int4.py \
     tests/engine/test_int4_calibration.py tests/engine/test_gemlite_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
+step fused 60 python3 bench/fused_ops.py
 step throughput 330 python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
 step int4 240 python3 bench/int4.py --device cuda
 step profile 120 python3 bench/gpu_profile.py

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
-from engine.rms_norm import RMSNorm, fused_cpu_ops
+from engine.rms_norm import RMSNorm, fused_ops
 from engine.rope import RotaryEmbedding, apply_rope
 
 
@@ -97,10 +97,10 @@ class Attention(nn.Module):
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
-            ops = fused_cpu_ops(qkv)
+            ops = fused_ops(qkv)
             if (ops is not None and self.q_norm is None and qkv.dim() == 2
                     and cos.dtype == qkv.dtype == k_cache.dtype):
-                q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass, in C++
+                q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass (C++ or Triton)
                 return attn_fn(q, k_cache, v_cache, meta, self.scale,
                                sliding_window=self.sliding_window).reshape(t, h * d)
             qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
@@ -155,7 +155,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            ops = fused_cpu_ops(gate_up)
+            ops = fused_ops(gate_up)
             if ops is not None and gate_up.dim() == 2:
                 return self.down_proj(ops.silu_and_mul(gate_up))
             gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -1,5 +1,6 @@
-"""RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019), with the decoder's residual add fused in
-on the CPU, and the switch to the C++ kernels (engine.cpu_kernels) that the model's layers share."""
+"""RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019), with the decoder's residual add fused in,
+and the switch the model's layers share to the fused elementwise ops: the C++ kernels (engine.cpu_kernels) on the
+CPU, the Triton kernels (engine.triton_fused) on CUDA."""
 
 from __future__ import annotations
 
@@ -9,11 +10,28 @@ import torch
 from torch import nn
 
 from engine.cpu_kernels import cpu_ops
+from engine.triton_fused import DTYPES as TRITON_DTYPES
+from engine.triton_fused import triton_fused_ops
+
+
+def fused_ops(x: torch.Tensor) -> ModuleType | None:
+    """The fused ops (`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rope_write_kv`, one contract) that can serve
+    activation `x` with autograd off (they have no backward; GPTQ tuning trains through these modules): the C++
+    kernels for a CPU tensor (engine.cpu_kernels.cpu_ops), the Triton kernels for a CUDA tensor of fp32/fp16/bf16
+    (engine.triton_fused.triton_fused_ops). None otherwise, or where they are not available, and the torch ops run.
+    Called per layer per step: the CPU branch is first and does what `fused_cpu_ops` does."""
+    device = x.device.type
+    if device == "cpu":
+        return None if torch.is_grad_enabled() else cpu_ops()
+    if device == "cuda" and x.dtype in TRITON_DTYPES and not torch.is_grad_enabled():
+        return triton_fused_ops()
+    return None
 
 
 def fused_cpu_ops(x: torch.Tensor) -> ModuleType | None:
     """The C++ kernels (engine.cpu_kernels) when they can serve `x`: a CPU tensor with autograd off (the kernels
-    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run."""
+    have no backward; GPTQ tuning trains through these modules). None otherwise, and the torch ops run. For the ops
+    only the C++ module has (quantize_rows_u8 of engine.quant.int8_linear); the model's layers call `fused_ops`."""
     if x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return cpu_ops()
@@ -23,7 +41,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in fp32 as HF transformers does. x: [..., hidden] -> same shape.
 
     With `residual` (same shape), normalizes residual + x instead and returns (normalized, residual + x): the
-    decoder's skip connection fused into the norm, as vLLM's fused_add_rms_norm (one pass on the CPU).
+    decoder's skip connection fused into the norm, as vLLM's fused_add_rms_norm (one pass in the fused ops).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -33,7 +51,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_cpu_ops(x)
+        ops = fused_ops(x)
         if ops is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
