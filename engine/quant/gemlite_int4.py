@@ -209,7 +209,7 @@ def shipped_config_name(device_name: str, shipped: Iterable[str]) -> str | None:
     """The gemlite config file (its stem, e.g. "h100") for a GPU named `device_name`: gemlite's own rule (the longest
     shipped stem found in the lower-cased name, spaces as underscores; core.get_default_cache_config), else
     GEMLITE_CONFIG_ALIASES' entry found in the name, else None."""
-    found = _gemlite_own_config(device_name, shipped)
+    found = gemlite_own_config(device_name, shipped)
     if found is not None:
         return found
     name = device_name.lower().replace(" ", "_")
@@ -217,7 +217,7 @@ def shipped_config_name(device_name: str, shipped: Iterable[str]) -> str | None:
     return GEMLITE_CONFIG_ALIASES[alias] if alias is not None and GEMLITE_CONFIG_ALIASES[alias] in shipped else None
 
 
-def _gemlite_own_config(device_name: str, shipped: Iterable[str]) -> str | None:
+def gemlite_own_config(device_name: str, shipped: Iterable[str]) -> str | None:
     """The shipped config gemlite itself loads at import for this GPU (core.get_default_cache_config), or None."""
     name = device_name.lower().replace(" ", "_")
     return next((t for t in sorted(shipped, key=len, reverse=True) if t in name), None)
@@ -377,7 +377,7 @@ def tune_gemlite(layers: Sequence[GemLiteInt4], rows: Iterable[int], kernel_of: 
     name = shipped_config_name(device_name, shipped)
     # gemlite loaded its own match at import; an aliased chip's file is loaded here (keys tuned in this process
     # live in the kernels' autotuners, so loading it again changes nothing already resolved).
-    if name is not None and _gemlite_own_config(device_name, shipped) is None:
+    if name is not None and gemlite_own_config(device_name, shipped) is None:
         seed = shipped_dir / f"{name}.json"
         if gemlite.load_config(str(seed)):
             loaded.append(str(seed))

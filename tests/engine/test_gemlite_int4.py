@@ -373,3 +373,28 @@ def test_tune_gemlite_tunes_once_and_caches_per_gpu(_gemlite_on_cpu: None, tmp_p
     assert (again.keys, again.tuned, again.written) == (2, 0, None) and str(cache) in again.loaded
     with pytest.raises(ValueError, match="autotune"):
         gemlite_int4.tune_gemlite(*args, device_name="NVIDIA H200", cache=cache, autotune="slow")
+
+
+@pytest.mark.gpu
+def test_prepare_int4_kernels_tunes_at_load_then_reads_the_cache(_gemlite_on_cpu: None, tmp_path: Path) -> None:
+    """On a GPU: the engine-load step tunes every (kernel, M bucket) of each layer shape GemLite serves in M 1..256
+    (shapes no shipped file has), writes the cache, and a second load tunes nothing."""
+    if INTERPRET:
+        pytest.skip("needs a CUDA device: Int4Linear builds GemLite's kernels on cuda only")
+    from gemlite.core import get_matmul_type
+    from gemlite.triton_kernels.utils import get_closest_m
+    from torch import nn
+
+    from engine.quant.int4_linear import Int4Linear, prepare_int4_kernels
+
+    model = nn.Sequential(Int4Linear(_weight(512, 1024, 128, seed=1), torch.bfloat16, "cuda"),
+                          Int4Linear(_weight(1024, 512, 128, seed=2), torch.bfloat16, "cuda"))
+    lin = model[0]
+    keys = gemlite_int4.warmup_rows(range(1, 257), lambda m: get_matmul_type(m, 4) if lin.kernel_for(m) == "gemlite"
+                                    else None, get_closest_m)
+    cache = tmp_path / "gpu.json"
+    first = prepare_int4_kernels(model, 256, cache=cache)
+    assert (first.keys, first.written) == (2 * len(keys), cache) and first.tuned > 0
+    second = prepare_int4_kernels(model, 256, cache=cache)
+    assert (second.keys, second.tuned, second.written) == (2 * len(keys), 0, None)
+    assert prepare_int4_kernels(nn.Sequential(nn.Linear(4, 4)), 256) is None  # nothing runs GemLite
