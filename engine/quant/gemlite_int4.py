@@ -186,8 +186,10 @@ class GemLiteInt4:
         large M uses it). Word k // 8 holds element k at bits 4 * (k % 8) (the layout checked at construction)."""
         w_q, scales, zeros = self.linear.W_q, self.linear.scales, self.linear.zeros
         kp, n, g = self.padded_in_features, self.out_features, self.group_size
-        shifts = torch.arange(0, 32, 4, device=w_q.device, dtype=torch.int32)
-        q = ((w_q[:, None, :] >> shifts[None, :, None]) & 15).to(self.dtype).view(kp // g, g, n)
+        # Read as bytes (little-endian, as on x86 and NVIDIA GPUs): byte j of a word holds elements 2j (low nibble)
+        # and 2j + 1, so the unpacking works on uint8 (a quarter of the int32 shifts' memory traffic).
+        b = w_q.contiguous().view(torch.uint8).view(kp // 8, n, 4)
+        q = torch.stack((b & 15, b >> 4), dim=-1).permute(0, 2, 3, 1).reshape(kp // g, g, n).to(self.dtype)
         return torch.addcmul(zeros[:, None, :], q, scales[:, None, :]).view(kp, n).t()
 
 
