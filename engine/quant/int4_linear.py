@@ -43,7 +43,8 @@ from engine.quant.qparams import Int4Weight, unpack_uint4
 log = logging.getLogger(__name__)
 
 #: CUDA without gemlite: rows M at and above which dequantize-then-GEMM beats tinygemm. Provisional (H100,
-#: 2026-11-25); the H200 sweep of 2026-11-26 has them at M 128 (1939.5 vs 1794.7 us per layer) but not at 64.
+#: 2026-11-25); the H200 sweep of 2026-11-26 puts the crossover between M 64 (tinygemm 981.2 vs dequantize + GEMM
+#: 1782.9 us per layer) and 128 (1939.5 vs 1794.7).
 CUDA_DEQUANT_MIN_ROWS = 64
 #: CUDA with gemlite: rows M up to which tinygemm serves. Measured on an H200, 2026-11-26 (`bash
 #: bench/gpu_session.sh`, STEPS int4: `python bench/int4.py --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of

@@ -1,4 +1,7 @@
-"""GemLite INT4 (engine.quant.gemlite_int4) against our torch reference, and Int4Linear's CUDA kernel choice.
+"""GemLite INT4 (engine.quant.gemlite_int4) against our torch reference, Int4Linear's CUDA kernel choice per M, and
+GemLite's kernel configs: the per-GPU cache (its keying by GPU model and gemlite version, its refusal of a file
+tuned elsewhere), the seed file of an aliased GPU, the warm-up plan over the engine's row counts and the tuning at
+load (on the CPU with a stand-in benchmarker; for real on a GPU).
 
 Without a CUDA device GemLite's kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before
 triton is imported, as tests/engine/test_triton_attention.py does). gemlite 0.6 cannot be imported on a machine
