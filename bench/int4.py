@@ -16,7 +16,7 @@ M: bf16, tinygemm, dequantize-then-GEMM and GemLite as our engine sets it up and
 after its full autotune at --gemlite-max-rows), with the crossovers (CUDA_TINYGEMM_MAX_ROWS,
 CUDA_GEMLITE_DEQUANT_MIN_ROWS); then the start-up of each variant and decode output tok/s at batch 1/8/32/128/512
 (INT4 on its default kernels), KV room.
-    python bench/int4.py --device cuda [--sweep-only] [--gemlite-max-rows 1]
+    python bench/int4.py --device cuda [--sweep-only | --skip-sweep] [--gemlite-max-rows 1]
     python bench/int4.py --device cpu --sweep-only     # smoke run of the sweep on small shapes (no GemLite on CPU)
 Prints one JSON line per measurement.
 """
@@ -367,7 +367,7 @@ def _device_name(dev: torch.device) -> str:
 
 
 def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], sweep_only: bool = False,
-         gemlite_max_rows: tuple[int, ...] = ()) -> None:
+         gemlite_max_rows: tuple[int, ...] = (), skip_sweep: bool = False) -> None:
     """The kernel sweep on the Llama-3.1-8B layer, then (unless sweep_only) decode output tok/s of bf16 vs INT4 g128
     (the default kernels: tinygemm up to CUDA_TINYGEMM_MAX_ROWS, GemLite above, dequantize + GEMM from
     CUDA_GEMLITE_DEQUANT_MIN_ROWS) at `batches`, KV room, and the start-up a user pays per variant (`startup`
@@ -385,8 +385,9 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
         gemlite_version = importlib.metadata.version("gemlite")
     _emit(device=torch.cuda.get_device_name(dev), torch=torch.__version__, triton=triton.__version__,
           gemlite=gemlite_version, date=time.strftime("%Y-%m-%d"))
-    kernel_sweep(dev, projection_shapes("llama-3.1-8b"), rows, gemlite_max_rows=gemlite_max_rows)
-    torch.cuda.empty_cache()
+    if not skip_sweep:
+        kernel_sweep(dev, projection_shapes("llama-3.1-8b"), rows, gemlite_max_rows=gemlite_max_rows)
+        torch.cuda.empty_cache()
     if sweep_only:
         return
     if gemlite_unavailable_reason() is None:
@@ -469,6 +470,8 @@ def main() -> None:
                    help="kernel sweep: rows M (2048 = a prefill chunk, EngineConfig.max_num_batched_tokens)")
     p.add_argument("--sweep-only", action="store_true",
                    help="only the kernel sweep (with --device cpu: a smoke run on small shapes, no GemLite)")
+    p.add_argument("--skip-sweep", action="store_true",
+                   help="cuda: only the start-up and decode part (a GPU session can run the sweep as its own step)")
     p.add_argument("--gemlite-max-rows", default="",
                    help="cuda: rows M at which to also time GemLite after its full ('max') autotune from scratch, "
                         "comma-separated (minutes per M and shape: see GEMLITE_SETUPS)")
@@ -488,7 +491,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda needs a CUDA device")
         cuda([int(b) for b in a.batches.split(",")], a.prompt_len, a.max_tokens, rows, a.sweep_only,
-             tuple(int(r) for r in a.gemlite_max_rows.split(",") if r.strip()))
+             tuple(int(r) for r in a.gemlite_max_rows.split(",") if r.strip()), a.skip_sweep)
 
 
 if __name__ == "__main__":
