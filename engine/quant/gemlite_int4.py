@@ -43,8 +43,8 @@ Kernel configs (read in gemlite 0.6.0.post2's source: core.py, triton_kernels/{c
   SPLIT_K 16), which is our reading of that run's slow M 8-128 (bench/README.md "GPU"; unverified until re-run).
 - `gemlite.cache_config(json)` writes every key tuned so far (all kernels' autotuner caches plus the global cache).
 
-What we do (`tune_gemlite`, called at engine load by engine.quant.int4_linear.prepare_int4_kernels): seed gemlite
-from the shipped file of the same chip where gemlite finds none by name (GEMLITE_CONFIG_ALIASES: H200 -> h100),
+What we do (`tune_gemlite`, called at engine load by engine.quant.int4_linear.prepare_int4_kernels): load the
+shipped file of the GPU, or of the same chip where gemlite finds none by name (GEMLITE_CONFIG_ALIASES: H200 -> h100),
 load our per-device cache (config_cache_path: keyed by GPU name and gemlite version, beside the weights cache),
 run each layer shape once at every (kernel, M bucket) the engine can hit (its CUDA-graph batch sizes and prefill
 chunks up to max_num_batched_tokens), so tuning and Triton compiles happen at load, before any step or capture, and
@@ -343,10 +343,10 @@ def tune_gemlite(layers: Sequence[GemLiteInt4], rows: Iterable[int], kernel_of: 
                  *, device_name: str | None = None, cache: Path | None | str = "auto",
                  autotune: str = GEMLITE_AUTOTUNE) -> GemLiteTuning:
     """Tune and compile GemLite's kernels for `layers` at every M in `rows` that GemLite serves (kernel_of(layer, M)
-    True), once per layer shape, before any step: seed gemlite with the shipped file of an aliased GPU (once per
-    process), load our cache (a refused or damaged one is logged and replaced), run each (kernel, M bucket) of
-    `warmup_rows` once per shape (autotuning keys no config covers, with gemlite's `autotune` mode), then write
-    what gemlite holds to the cache when something was tuned.
+    True), once per layer shape, before any step: load gemlite's shipped file for this GPU (shipped_config_name:
+    its own pick or an alias's), then our cache (a refused or damaged one is logged and replaced), run each
+    (kernel, M bucket) of `warmup_rows` once per shape (autotuning keys no config covers, with gemlite's `autotune`
+    mode), then write what gemlite holds to the cache when something was tuned.
 
     Args:
         layers: the GemLiteInt4 of a model (one per distinct (N, Kp, G, dtype) is used).
@@ -377,12 +377,11 @@ def tune_gemlite(layers: Sequence[GemLiteInt4], rows: Iterable[int], kernel_of: 
     shipped_dir = Path(gemlite.__file__).parent / "configs"
     shipped = [p.stem for p in shipped_dir.glob("*.json")]
     name = shipped_config_name(device_name, shipped)
-    # gemlite loaded its own match at import; an aliased chip's file is loaded here (keys tuned in this process
-    # live in the kernels' autotuners, so loading it again changes nothing already resolved).
-    if name is not None and gemlite_own_config(device_name, shipped) is None:
-        seed = shipped_dir / f"{name}.json"
-        if gemlite.load_config(str(seed)):
-            loaded.append(str(seed))
+    # gemlite loads its own match at import (not an aliased chip's), and a reset_config drops it: loaded here
+    # either way, before our cache so that ours wins (keys already tuned in this process live in the kernels'
+    # autotuners, so loading again changes nothing resolved).
+    if name is not None and gemlite.load_config(str(shipped_dir / f"{name}.json")):
+        loaded.append(str(shipped_dir / f"{name}.json"))
     version = gemlite.__version__
     path = config_cache_path(device_name, version) if cache == "auto" else (Path(cache) if cache else None)
     if path is not None:
