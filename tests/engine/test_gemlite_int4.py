@@ -401,3 +401,38 @@ def test_prepare_int4_kernels_tunes_at_load_then_reads_the_cache(_gemlite_on_cpu
     second = prepare_int4_kernels(model, 256, cache=cache)
     assert (second.keys, second.tuned, second.written) == (2 * len(keys), 0, None)
     assert prepare_int4_kernels(nn.Sequential(nn.Linear(4, 4)), 256) is None  # nothing runs GemLite
+
+
+def test_prepare_int4_kernels_warms_only_the_m_gemlite_serves(_gemlite_on_cpu: None, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine-load step on the CPU: an fp16 Int4Linear given GemLite's kernels as on CUDA (interpreter) with
+    dequantize from M 6; prepare_int4_kernels(max_rows=8) warms GEMV_REVSPLITK at M 1, 2, 4 and GEMM_SPLITK's bucket
+    8 at M 5 only (6-8 are dequantize's), once for two layers of one shape, and writes them under the GPU's name."""
+    import copy
+    import json
+
+    import gemlite.core
+    from torch import nn
+
+    from engine.quant.int4_linear import Int4Linear, prepare_int4_kernels
+
+    if not INTERPRET:
+        pytest.skip("the CPU stand-in of the GPU test below")
+    monkeypatch.setattr(gemlite.core, "GEMLITE_TRITON_CONFIG_CACHE",
+                        copy.deepcopy(gemlite.core.GEMLITE_TRITON_CONFIG_CACHE))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    q = _weight(64, 256, 64, seed=11)
+    layers = []
+    for _ in range(2):
+        lin = Int4Linear(q, torch.float16, "cpu")
+        lin.gemlite, lin.dequant_min_rows = gemlite_int4.GemLiteInt4(q, torch.float16, "cpu"), 6
+        layers.append(lin)
+    assert [layers[0].kernel_for(m) for m in (1, 5, 6)] == ["gemlite", "gemlite", "dequant"]
+    cache = tmp_path / "h200.json"
+    done = prepare_int4_kernels(nn.Sequential(*layers), 8, cache=cache)
+    assert (done.keys, done.written) == (4, cache)
+    configs = json.loads(cache.read_text())["configs"]
+    g = layers[0].gemlite
+    for m, kernel in ((1, "GEMV_REVSPLITK"), (2, "GEMV_REVSPLITK"), (4, "GEMV_REVSPLITK"), (5, "GEMM_SPLITK")):
+        assert gemlite_int4.gemlite_signature(g, m) in configs[kernel]
+    assert prepare_int4_kernels(nn.Sequential(Int4Linear(q, torch.float16, "cpu")), 8) is None  # no GemLite here
