@@ -406,6 +406,7 @@ def tune_gemlite(layers: Sequence[GemLiteInt4], rows: Iterable[int], kernel_of: 
                     layer(torch.randn(m, layer.padded_in_features, device=device, dtype=layer.dtype))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up inputs and autotuning buffers, before the KV pool is sized
     written = None
     if path is not None and tuned and write_config_cache(path, device_name, version, _collect_configs(gemlite)):
         written = path
