@@ -63,6 +63,12 @@ class LLMEngine:
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
+        else:
+            from engine.quant.int4_linear import prepare_int4_kernels
+
+            # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
+            # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
+            prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype)
         limit = model_config.max_position_embeddings

@@ -5,10 +5,12 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
 `_weight_int4pack_mm[_for_cpu](Tensor self, Tensor mat2, int qGroupSize, Tensor qScaleAndZeros)`):
 - CUDA, bf16/fp16 activations, gemlite installed (the default): tinygemm for M <= tinygemm_max_rows
   (CUDA_TINYGEMM_MAX_ROWS), GemLite's A16W4 Triton kernels above (engine.quant.gemlite_int4: the layout mapping,
-  and why GemLite): tinygemm's time grows with M past 8, where it falls behind bf16 (0.74x at batch 32 on an
-  H100). Two packed copies (0.5 byte per weight each) while tinygemm is kept; tinygemm_max_rows=0 drops it.
-  Without gemlite (or too old) a warning is logged once and the scheme below serves; gemlite=True makes that an
-  ImportError instead.
+  why GemLite, and its kernel configs), and from dequant_min_rows (CUDA_GEMLITE_DEQUANT_MIN_ROWS: long prefill
+  chunks) GemLite's packed weight dequantized to the activation dtype and the dense GEMM. Two packed copies (0.5
+  byte per weight each) while tinygemm is kept; tinygemm_max_rows=0 drops it (the dequantize path reads GemLite's
+  copy). GemLite's configs are tuned and its kernels compiled at engine load (prepare_int4_kernels), not in the
+  first steps. Without gemlite (or too old) a warning is logged once and the scheme below serves; gemlite=True
+  makes that an ImportError instead.
 - CUDA without gemlite (or fp32 activations, or gemlite=False), M < dequant_min_rows: tinygemm
   `_weight_int4pack_mm`. Takes bf16 activations only (others are cast in and back out), the weight from
   `_convert_weight_to_int4pack(uint8 [N, Kp/2], innerKTiles)` (int32 [N/8, Kp/(16*innerKTiles), 32,
@@ -29,21 +31,32 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, gemlite_unavailable_reason
+from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, GemLiteTuning, gemlite_unavailable_reason
 from engine.quant.qparams import Int4Weight, unpack_uint4
 
 log = logging.getLogger(__name__)
 
-# Provisional crossover for CUDA without gemlite (rows M at and above which dequantize-then-GEMM beats tinygemm).
+#: CUDA without gemlite: rows M at and above which dequantize-then-GEMM beats tinygemm. Provisional (H100,
+#: 2026-11-25); the H200 sweep of 2026-11-26 puts the crossover between M 64 (tinygemm 981.2 vs dequantize + GEMM
+#: 1782.9 us per layer) and 128 (1939.5 vs 1794.7).
 CUDA_DEQUANT_MIN_ROWS = 64
-# Provisional crossover for CUDA with gemlite (rows M up to which tinygemm stays: it beat bf16 at M = 1 and 8 on an
-# H100). Both are measured by `python bench/int4.py --device cuda --sweep-only` (its "crossover" lines); update.
+#: CUDA with gemlite: rows M up to which tinygemm serves. Measured on an H200, 2026-11-26 (`bash
+#: bench/gpu_session.sh`, STEPS int4: `python bench/int4.py --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
+#: the four GEMMs in CUDA graphs): tinygemm 64.2 vs GemLite 76.5 us at M = 1, 154.4 vs 178.0 at M = 8, 259.8 vs
+#: 174.0 at M = 16. GemLite ran on untuned configs there (engine.quant.gemlite_int4); its next sweep, tuned,
+#: prints the crossover to put here.
 CUDA_TINYGEMM_MAX_ROWS = 8
+#: CUDA with gemlite: rows M at and above which GemLite's weight is dequantized and the dense GEMM runs (the long
+#: prefill chunks). Same H200 run: dequantize + GEMM 2781.3 vs GemLite 3946.8 us at M = 2048 (a prefill chunk of
+#: max_num_batched_tokens), 1947.1 vs 1120.9 at M = 512; rows between were not measured (the sweep now has 1024
+#: and 1536), so this is the smallest M measured to gain.
+CUDA_GEMLITE_DEQUANT_MIN_ROWS = 2048
 
 _FALLBACK_LOGGED: set[str] = set()
 
@@ -54,7 +67,8 @@ def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: i
     """Which kernels an Int4Linear on CUDA builds: (use GemLite, tinygemm_max_rows, dequant_min_rows).
 
     With GemLite: tinygemm for M <= tinygemm_max_rows ("auto" = CUDA_TINYGEMM_MAX_ROWS; 0 or None = never, and
-    never when N is not a multiple of 8, tinygemm's N tile), GemLite above; dequant_min_rows is None. Without:
+    never when N is not a multiple of 8, tinygemm's N tile), dequantize + dense GEMM from M >= dequant_min_rows
+    ("auto" = CUDA_GEMLITE_DEQUANT_MIN_ROWS; None = never), GemLite between. Without:
     (False, None, dequant_min_rows) as before ("auto" = CUDA_DEQUANT_MIN_ROWS; 0 when N % 8). gemlite: None = use
     it when `gemlite_reason` (engine.quant.gemlite_int4.gemlite_unavailable_reason()) is None, else log the reason
     once and fall back; True = required (ImportError with the reason; ValueError for fp32 activations, which
@@ -75,9 +89,38 @@ def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: i
                         "above (slower than bf16 at large batch)", gemlite_reason, CUDA_DEQUANT_MIN_ROWS)
     if use:
         rows = CUDA_TINYGEMM_MAX_ROWS if tinygemm_max_rows == "auto" else (tinygemm_max_rows or 0)
-        return True, 0 if out_features % 8 else rows, None
+        dequant = CUDA_GEMLITE_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
+        return True, 0 if out_features % 8 else rows, dequant
     rows = CUDA_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
     return False, None, 0 if out_features % 8 else rows
+
+
+def gemlite_kernel_for(m: int, tinygemm_max_rows: int, dequant_min_rows: int | None) -> str:
+    """The kernel of an Int4Linear with GemLite at `m` rows: "tinygemm" for m <= tinygemm_max_rows (0 = never),
+    "dequant" for m >= dequant_min_rows (None = never), else "gemlite" (the thresholds: cuda_kernel_plan)."""
+    if m <= tinygemm_max_rows:
+        return "tinygemm"
+    if dequant_min_rows is not None and m >= dequant_min_rows:
+        return "dequant"
+    return "gemlite"
+
+
+def prepare_int4_kernels(model: nn.Module, max_rows: int, *, cache: Path | None | str = "auto",
+                         autotune: str | None = None) -> GemLiteTuning | None:
+    """Tune and compile the GemLite kernels of `model`'s Int4Linear modules for every row count M in 1..max_rows
+    that GemLite serves (engine.quant.gemlite_int4.tune_gemlite: configs loaded or autotuned once per GPU model and
+    cached on disk). The engine calls it at load with max_rows = max(max_num_batched_tokens, max_num_seqs), which
+    covers its CUDA-graph batch sizes and prefill chunks. Returns what was done, or None when no module runs
+    GemLite (CPU, fp32, gemlite missing). cache and autotune: as tune_gemlite ("auto" / its default mode)."""
+    from engine.quant.gemlite_int4 import GEMLITE_AUTOTUNE, tune_gemlite
+
+    mods = [m for m in model.modules() if isinstance(m, Int4Linear) and m.gemlite is not None]
+    if not mods:
+        return None
+    owner = {id(m.gemlite): m for m in mods}
+    return tune_gemlite([m.gemlite for m in mods], range(1, max_rows + 1),
+                        lambda g, rows: owner[id(g)].kernel_for(rows) == "gemlite", cache=cache,
+                        autotune=autotune or GEMLITE_AUTOTUNE)
 
 
 def _inner_k_tiles(kp: int) -> int:
@@ -118,9 +161,9 @@ class Int4Linear(nn.Module):
         weight: the portable INT4 weight (engine.quant.qparams.Int4Weight), N = out_features, K = in_features.
         dtype: the activations' dtype (fp32, bf16 or fp16); output has the input's dtype.
         device: where the packed weight lives.
-        dequant_min_rows: on CUDA without GemLite, rows M at and above which to dequantize and use the dense GEMM;
-            None = always tinygemm (and no second copy). Ignored on CPU (see the module docstring). "auto" =
-            CUDA_DEQUANT_MIN_ROWS.
+        dequant_min_rows: on CUDA, rows M at and above which to dequantize and use the dense GEMM; None = never
+            (without GemLite: always tinygemm, and no second copy). Ignored on CPU (see the module docstring).
+            "auto" = CUDA_GEMLITE_DEQUANT_MIN_ROWS with GemLite, CUDA_DEQUANT_MIN_ROWS without.
         gemlite: on CUDA, None = GemLite above tinygemm_max_rows when installed (else a logged fallback), True =
             required, False = never (see cuda_kernel_plan). Ignored on CPU.
         tinygemm_max_rows: on CUDA with GemLite, rows M up to which tinygemm serves; "auto" =
@@ -158,7 +201,7 @@ class Int4Linear(nn.Module):
                 None if gemlite is False or dtype not in GEMLITE_DTYPES else gemlite_unavailable_reason())
             if use_gemlite:
                 self.gemlite = GemLiteInt4(weight, dtype, device)
-                self.tinygemm_max_rows, self.dequant_min_rows = tiny_rows, None
+                self.tinygemm_max_rows, self.dequant_min_rows = tiny_rows, rows
             if (tiny_rows if use_gemlite else rows != 0):
                 qw = weight.qweight.to(device).contiguous()
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(qw, _inner_k_tiles(self.padded_in_features))
@@ -191,7 +234,8 @@ class Int4Linear(nn.Module):
     def kernel_for(self, m: int) -> str:
         """"tinygemm", "gemlite" or "dequant": the kernel a forward with `m` rows will use."""
         if self.gemlite is not None:
-            return "tinygemm" if self.packed is not None and m <= self.tinygemm_max_rows else "gemlite"
+            return gemlite_kernel_for(m, self.tinygemm_max_rows if self.packed is not None else 0,
+                                      self.dequant_min_rows)
         if self.dequantizer is not None and (self.packed is None or (self.dequant_min_rows is not None
                                                                      and m >= self.dequant_min_rows)):
             return "dequant"
@@ -210,6 +254,8 @@ class Int4Linear(nn.Module):
         kernel = self.kernel_for(x2.shape[0])
         if kernel == "gemlite":
             y = self.gemlite(x2.to(self.dtype).contiguous()).to(x.dtype)
+        elif kernel == "dequant" and self.gemlite is not None:
+            y = F.linear(x2.to(self.dtype), self.gemlite.dequantize()).to(x.dtype)
         elif kernel == "dequant":
             y = F.linear(x2, self.dequantizer.rows(None, x.dtype))
         else:

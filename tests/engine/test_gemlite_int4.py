@@ -1,4 +1,7 @@
-"""GemLite INT4 (engine.quant.gemlite_int4) against our torch reference, and Int4Linear's CUDA kernel choice.
+"""GemLite INT4 (engine.quant.gemlite_int4) against our torch reference, Int4Linear's CUDA kernel choice per M, and
+GemLite's kernel configs: the per-GPU cache (its keying by GPU model and gemlite version, its refusal of a file
+tuned elsewhere), the seed file of an aliased GPU, the warm-up plan over the engine's row counts and the tuning at
+load (on the CPU with a stand-in benchmarker; for real on a GPU).
 
 Without a CUDA device GemLite's kernels run in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before
 triton is imported, as tests/engine/test_triton_attention.py does). gemlite 0.6 cannot be imported on a machine
@@ -31,6 +34,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -44,7 +48,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 tl = pytest.importorskip("triton.language")
 
 from engine.quant import gemlite_int4, int4_linear  # noqa: E402
-from engine.quant.int4_linear import _Dequantizer, cuda_kernel_plan  # noqa: E402
+from engine.quant.int4_linear import _Dequantizer, cuda_kernel_plan, gemlite_kernel_for  # noqa: E402
 from engine.quant.qparams import Int4Weight, quantize_int4  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -216,13 +220,14 @@ def test_missing_or_old_gemlite_is_one_line_with_the_fix() -> None:
 
 
 def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
-    """Int4Linear's CUDA kernels by dtype and gemlite's presence: gemlite above the tinygemm crossover; without
-    gemlite the tinygemm + dequantize scheme, logged once; gemlite=True without it raises; fp32 never uses it."""
+    """Int4Linear's CUDA kernels by dtype and gemlite's presence: gemlite between the tinygemm and dequantize
+    crossovers; without gemlite the tinygemm + dequantize scheme, logged once; gemlite=True without it raises;
+    fp32 never uses it."""
     ok, missing = None, "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
     plan = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok)
-    assert plan == (True, int4_linear.CUDA_TINYGEMM_MAX_ROWS, None)
-    assert cuda_kernel_plan(torch.float16, 4096, 0, "auto", None, ok) == (True, 0, None)
-    assert cuda_kernel_plan(torch.bfloat16, 4100, "auto", "auto", None, ok) == (True, 0, None)  # tinygemm tiles N by 8
+    assert plan == (True, int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
+    assert cuda_kernel_plan(torch.float16, 4096, 0, None, None, ok) == (True, 0, None)
+    assert cuda_kernel_plan(torch.bfloat16, 4100, "auto", 512, None, ok) == (True, 0, 512)  # tinygemm tiles N by 8
     int4_linear._FALLBACK_LOGGED.clear()
     with caplog.at_level("WARNING", logger="engine.quant.int4_linear"):
         for _ in range(2):
@@ -238,26 +243,196 @@ def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 32, 128, 512])
+@pytest.mark.parametrize("m", [1, 8, 32, 128, 512, 2048])
 def test_int4_linear_on_cuda_uses_gemlite_above_the_crossover(_gemlite_on_cpu: None, m: int) -> None:
-    """On a GPU: Int4Linear (bf16) picks tinygemm up to CUDA_TINYGEMM_MAX_ROWS and GemLite above, both within the
-    derived bound of the dequantized reference. GemLite rounds w = q s + m once (as the reference); tinygemm computes
-    (q - 8) s + z its own way in bf16, up to two roundings of terms as large as |q s| + |m| each."""
+    """On a GPU: Int4Linear (bf16) picks tinygemm up to CUDA_TINYGEMM_MAX_ROWS, GemLite above and GemLite's weight
+    dequantized + the dense GEMM from CUDA_GEMLITE_DEQUANT_MIN_ROWS, each within the derived bound of the
+    dequantized reference. GemLite (and its dequantized weight) rounds w = q s + m once (as the reference); tinygemm
+    computes (q - 8) s + z its own way in bf16, up to two roundings of terms as large as |q s| + |m| each."""
     from engine.quant.int4_linear import Int4Linear
     from engine.quant.qparams import unpack_uint4
 
     q = _weight(512, 1024, 128, seed=m)
     lin = Int4Linear(q, torch.bfloat16, "cuda")
-    kernel = "tinygemm" if m <= int4_linear.CUDA_TINYGEMM_MAX_ROWS else "gemlite"
+    kernel = gemlite_kernel_for(m, int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
     assert lin.kernel_for(m) == kernel
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     deq = _Dequantizer(q, torch.bfloat16, torch.device("cpu"))
     w = deq.rows(None, torch.bfloat16).float()
     ref = x.float() @ w.t()
     y = lin(x.cuda()).float().cpu()
-    if kernel == "gemlite":
+    if kernel != "tinygemm":
         assert ((y - ref).abs() <= _bound(x.float(), w, ref, torch.bfloat16)).all()
     else:
         codes = unpack_uint4(q.qweight).view(512, -1, 128).float()
         terms = (codes * deq.scales.float()[..., None]).abs() + deq.mins.float()[..., None].abs()
         assert ((y - ref).abs() <= _bound(x.float(), terms.view(512, -1), ref, torch.bfloat16, 4.0)).all()
+
+
+def test_gemlite_kernel_for_each_m() -> None:
+    """The kernel per row count M: tinygemm up to its crossover, dequantize + GEMM from its own, GemLite between;
+    0 / None switch either off."""
+    tiny, dequant = int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS
+    assert [gemlite_kernel_for(m, tiny, dequant) for m in (1, tiny, tiny + 1, dequant - 1, dequant, 8192)] == [
+        "tinygemm", "tinygemm", "gemlite", "gemlite", "dequant", "dequant"]
+    assert gemlite_kernel_for(1, 0, dequant) == "gemlite"
+    assert gemlite_kernel_for(8192, tiny, None) == "gemlite"
+
+
+def test_shipped_config_name_follows_gemlite_then_the_aliases() -> None:
+    shipped = ["h100", "a100", "l40", "l40s", "l4", "4090"]
+    assert gemlite_int4.shipped_config_name("NVIDIA H100 80GB HBM3", shipped) == "h100"
+    assert gemlite_int4.shipped_config_name("NVIDIA L40S", shipped) == "l40s"  # gemlite's rule: longest name first
+    assert gemlite_int4.shipped_config_name("NVIDIA H200", shipped) == "h100"  # none shipped: the same chip's
+    assert gemlite_int4.shipped_config_name("NVIDIA GH200 480GB", shipped) == "h100"
+    assert gemlite_int4.shipped_config_name("NVIDIA B200", shipped) is None
+    assert gemlite_int4.shipped_config_name("NVIDIA H200", ["a100"]) is None  # the alias's file is not shipped
+
+
+def test_config_cache_is_keyed_by_gpu_and_gemlite_and_refuses_another(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One cache file per GPU model and gemlite version, under the tokenmill cache root; a file tuned for another
+    GPU or gemlite version, or not a cache at all, is refused with a one-line ValueError naming the fix."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = gemlite_int4.config_cache_path("NVIDIA H200", "0.6.0.post2")
+    assert path.parent == tmp_path / "gemlite" and "nvidia-h200" in path.name and "0.6.0.post2" in path.name
+    assert len({path, gemlite_int4.config_cache_path("NVIDIA H100 80GB HBM3", "0.6.0.post2"),
+                gemlite_int4.config_cache_path("NVIDIA H200", "0.6.1")}) == 3
+    assert gemlite_int4.read_config_cache(path, "NVIDIA H200", "0.6.0.post2") is None  # none yet
+    configs = {"GEMM_SPLITK": {"(16, 28672, 4096, 128, 8, 104)": {"BLOCK_SIZE_M": 16, "SPLIT_K": 16,
+                                                                  "num_warps": 4, "num_stages": 1}}}
+    assert gemlite_int4.write_config_cache(path, "NVIDIA H200", "0.6.0.post2", configs)
+    assert gemlite_int4.read_config_cache(path, "NVIDIA H200", "0.6.0.post2") == configs
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left
+    for device, version, what in (("NVIDIA H100 80GB HBM3", "0.6.0.post2", "NVIDIA H200"),
+                                  ("NVIDIA H200", "0.6.1", "0.6.0.post2")):
+        with pytest.raises(ValueError, match="delete the file to retune") as e:
+            gemlite_int4.read_config_cache(path, device, version)
+        assert what in str(e.value) and "\n" not in str(e.value)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a GemLite config cache"):
+        gemlite_int4.read_config_cache(path, "NVIDIA H200", "0.6.0.post2")
+    gemlite_int4.write_config_cache(path, "NVIDIA H200", "0.6.0.post2", {"GEMM_FUTURE": {}})
+    with pytest.raises(ValueError, match="GEMM_FUTURE"):
+        gemlite_int4.read_config_cache(path, "NVIDIA H200", "0.6.0.post2")
+
+
+def test_warmup_rows_cover_every_kernel_and_m_bucket(_gemlite_on_cpu: None) -> None:
+    """The warm-up calls for M 1..2048 with the engine's thresholds: one (kernel, gemlite M bucket) per key, run at
+    its largest and smallest M; nothing where tinygemm or dequantize serve."""
+    from gemlite.core import get_matmul_type
+    from gemlite.triton_kernels.utils import get_closest_m
+
+    tiny, dequant = int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS
+    plan = gemlite_int4.warmup_rows(
+        range(1, 2049), lambda m: get_matmul_type(m, 4) if gemlite_kernel_for(m, tiny, dequant) == "gemlite" else None,
+        get_closest_m)
+    assert plan[("GEMM_SPLITK", 16)] == [16, 9]
+    assert plan[("GEMM_SPLITK", 64)] == [63, 49] and plan[("GEMM", 64)] == [64]  # M 64 leaves split-K
+    assert plan[("GEMM", 128)] == [128, 97] and plan[("GEMM", 2048)] == [2047, 1537]
+    covered = {m for ms in plan.values() for m in ms}
+    assert min(covered) == tiny + 1 and max(covered) == dequant - 1
+    for m in (9, 24, 100, 1000, 2047):  # every M served by GemLite falls in a warmed key
+        assert (get_matmul_type(m, 4), get_closest_m(m)) in plan
+    assert not any(k == "GEMV_REVSPLITK" for k, _ in plan)  # M <= 4 is tinygemm's here
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemlite_dequantize_is_the_reference_weight(_gemlite_on_cpu: None, dtype: torch.dtype) -> None:
+    """GemLite's packed weight dequantized (the large-M path, no second copy) is _Dequantizer's weight, bit for
+    bit: the same q, s and m = z - 8 s, one fused multiply-add in the activation dtype."""
+    q = _weight(96, 512, 128, seed=7)
+    g = gemlite_int4.GemLiteInt4(q, dtype, DEVICE)
+    w = g.dequantize().cpu()
+    assert w.shape == (96, 512) and w.dtype == dtype
+    assert torch.equal(w, _Dequantizer(q, dtype, torch.device("cpu")).rows(None, dtype))
+
+
+def test_tune_gemlite_tunes_once_and_caches_per_gpu(_gemlite_on_cpu: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune_gemlite at engine load: the keys no config covers are autotuned (here by the stand-in benchmarker),
+    written under gemlite's own signatures (gemlite_signature is the key its kernels look up), and a second load
+    tunes nothing: it reads the cache. An H200 is seeded with gemlite's shipped H100 file."""
+    import copy
+    import json
+
+    import gemlite.core
+
+    if not INTERPRET:
+        pytest.skip("runs gemlite's autotuner with a stand-in benchmarker; the GPU test below tunes for real")
+    monkeypatch.setattr(gemlite.core, "GEMLITE_TRITON_CONFIG_CACHE",
+                        copy.deepcopy(gemlite.core.GEMLITE_TRITON_CONFIG_CACHE))
+    g = gemlite_int4.GemLiteInt4(_weight(128, 256, 64, seed=3), torch.float16, DEVICE)
+    cache = tmp_path / "h200.json"
+    args = ([g, g], [1, 2, 24], lambda layer, m: m != 2)
+    done = gemlite_int4.tune_gemlite(*args, device_name="NVIDIA H200", cache=cache)
+    assert (done.keys, done.tuned, done.written) == (2, 2, cache)
+    assert any(p.endswith("h100.json") for p in done.loaded)
+    saved = json.loads(cache.read_text())
+    assert saved["meta"]["device"] == "NVIDIA H200"
+    for m, kernel in ((1, "GEMV_REVSPLITK"), (24, "GEMM_SPLITK")):
+        assert gemlite_int4.gemlite_signature(g, m) in saved["configs"][kernel]
+    again = gemlite_int4.tune_gemlite(*args, device_name="NVIDIA H200", cache=cache)
+    assert (again.keys, again.tuned, again.written) == (2, 0, None) and str(cache) in again.loaded
+    with pytest.raises(ValueError, match="autotune"):
+        gemlite_int4.tune_gemlite(*args, device_name="NVIDIA H200", cache=cache, autotune="slow")
+
+
+@pytest.mark.gpu
+def test_prepare_int4_kernels_tunes_at_load_then_reads_the_cache(_gemlite_on_cpu: None, tmp_path: Path) -> None:
+    """On a GPU: the engine-load step tunes every (kernel, M bucket) of each layer shape GemLite serves in M 1..256
+    (shapes no shipped file has), writes the cache, and a second load tunes nothing."""
+    if INTERPRET:
+        pytest.skip("needs a CUDA device: Int4Linear builds GemLite's kernels on cuda only")
+    from gemlite.core import get_matmul_type
+    from gemlite.triton_kernels.utils import get_closest_m
+    from torch import nn
+
+    from engine.quant.int4_linear import Int4Linear, prepare_int4_kernels
+
+    model = nn.Sequential(Int4Linear(_weight(512, 1024, 128, seed=1), torch.bfloat16, "cuda"),
+                          Int4Linear(_weight(1024, 512, 128, seed=2), torch.bfloat16, "cuda"))
+    lin = model[0]
+    keys = gemlite_int4.warmup_rows(range(1, 257), lambda m: get_matmul_type(m, 4) if lin.kernel_for(m) == "gemlite"
+                                    else None, get_closest_m)
+    cache = tmp_path / "gpu.json"
+    first = prepare_int4_kernels(model, 256, cache=cache)
+    assert (first.keys, first.written) == (2 * len(keys), cache) and first.tuned > 0
+    second = prepare_int4_kernels(model, 256, cache=cache)
+    assert (second.keys, second.tuned, second.written) == (2 * len(keys), 0, None)
+    assert prepare_int4_kernels(nn.Sequential(nn.Linear(4, 4)), 256) is None  # nothing runs GemLite
+
+
+def test_prepare_int4_kernels_warms_only_the_m_gemlite_serves(_gemlite_on_cpu: None, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine-load step on the CPU: an fp16 Int4Linear given GemLite's kernels as on CUDA (interpreter) with
+    dequantize from M 6; prepare_int4_kernels(max_rows=8) warms GEMV_REVSPLITK at M 1, 2, 4 and GEMM_SPLITK's bucket
+    8 at M 5 only (6-8 are dequantize's), once for two layers of one shape, and writes them under the GPU's name."""
+    import copy
+    import json
+
+    import gemlite.core
+    from torch import nn
+
+    from engine.quant.int4_linear import Int4Linear, prepare_int4_kernels
+
+    if not INTERPRET:
+        pytest.skip("the CPU stand-in of the GPU test below")
+    monkeypatch.setattr(gemlite.core, "GEMLITE_TRITON_CONFIG_CACHE",
+                        copy.deepcopy(gemlite.core.GEMLITE_TRITON_CONFIG_CACHE))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    q = _weight(64, 256, 64, seed=11)
+    layers = []
+    for _ in range(2):
+        lin = Int4Linear(q, torch.float16, "cpu")
+        lin.gemlite, lin.dequant_min_rows = gemlite_int4.GemLiteInt4(q, torch.float16, "cpu"), 6
+        layers.append(lin)
+    assert [layers[0].kernel_for(m) for m in (1, 5, 6)] == ["gemlite", "gemlite", "dequant"]
+    cache = tmp_path / "h200.json"
+    done = prepare_int4_kernels(nn.Sequential(*layers), 8, cache=cache)
+    assert (done.keys, done.written) == (4, cache)
+    configs = json.loads(cache.read_text())["configs"]
+    g = layers[0].gemlite
+    for m, kernel in ((1, "GEMV_REVSPLITK"), (2, "GEMV_REVSPLITK"), (4, "GEMV_REVSPLITK"), (5, "GEMM_SPLITK")):
+        assert gemlite_int4.gemlite_signature(g, m) in configs[kernel]
+    assert prepare_int4_kernels(nn.Sequential(Int4Linear(q, torch.float16, "cpu")), 8) is None  # no GemLite here
