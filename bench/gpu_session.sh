@@ -6,12 +6,16 @@
 # the default model's GGUF in two parts: the device tool carries at most 64 MiB per call, the GGUF is 98 MB).
 # Then, on one warm machine (idle 30 s, it goes back and /tmp with it), calls back to back; a lease is 15 minutes of
 # device time in all, the machine's start (~40 s) included. Seen on an H200 (2026-11-26): kernels 20 s, gpu_tests
-# 90 s, int4_tests 71 s, throughput (w1, --skip-hf) + profile 74 s, int4 over 240 s (GemLite's first calls).
+# 90 s (before test_triton_fused.py), int4_tests 71 s, throughput (w1, --skip-hf) + profile 74 s, int4 (sweep and
+# engine together) over 240 s. Estimated, not seen: fused 60 s, each extra throughput/profile variant ~40 s.
 #   1. run(command="mkdir -p /tmp/tm_parts && cp .gpu_a/* /tmp/tm_parts/ && STEPS='kernels fused' bash bench/gpu_session.sh",
 #          carry=[".gpu", ".gpu_a", ".gpu_t"], timeout_s=150)       # installs .gpu_t's transformers into /tmp/site
-#   2. run(command="THROUGHPUT_ARGS='--workload w1 --skip-hf' STEPS='gpu_tests int4_tests throughput profile' \
-#          bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=420)   # joins the GGUF, checks its sha256
-#   3. run(command="STEPS='int4 profile_int4' bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=420)
+#   2. run(command="THROUGHPUT_ARGS='--workload w1 --skip-hf' STEPS='gpu_tests throughput throughput_sync profile \
+#          profile_sync profile_unfused' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=480)
+#          # joins the GGUF and checks its sha256; the _sync/_unfused steps are the befores of async scheduling and of
+#          # the fused Triton ops, on the same card in the same call
+#   3. run(command="STEPS='int4_tests int4_sweep int4_engine' bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=540)
+#          # INT4 with GemLite tuned at load; the tuned configs come back under $OUT/gemlite
 # The full throughput step (both workloads, HF's continuous and static batching beside ours) takes ~220 s more.
 # Without gemlite INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
 # PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
@@ -40,7 +44,7 @@ then  # put the default model back together, and check it is the file bench/gpu_
     fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-STEPS=${STEPS:-gpu_tests kernels fused throughput int4_tests int4 profile profile_int4}
+STEPS=${STEPS:-gpu_tests kernels fused throughput throughput_sync int4_tests int4_sweep int4_engine profile profile_sync profile_unfused profile_int4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -59,9 +63,17 @@ step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/te
 step kernels 60 python3 bench/attention_kernels.py
 step fused 60 python3 bench/fused_ops.py
 step throughput 330 python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
-step int4 240 python3 bench/int4.py --device cuda
+step throughput_sync 330 python3 bench/throughput.py --device cuda --sync-steps ${THROUGHPUT_ARGS:---workload both} \
+    ${PRESET:+--preset "$PRESET"}
+step int4_sweep 240 python3 bench/int4.py --device cuda --sweep-only
+step int4_engine 300 python3 bench/int4.py --device cuda --skip-sweep
 step profile 120 python3 bench/gpu_profile.py
+step profile_sync 120 python3 bench/gpu_profile.py --sync-steps
+step profile_unfused 120 env TOKENMILL_TRITON_FUSED=0 python3 bench/gpu_profile.py
 step profile_int4 150 python3 bench/gpu_profile.py --quantization int4
+# GemLite's configs as tuned at engine load on this GPU (engine.quant.gemlite_int4), to read or carry later
+GEMLITE_CACHE=$(python3 -c "from engine.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
+[ -n "$GEMLITE_CACHE" ] && [ -d "$GEMLITE_CACHE" ] && cp -r "$GEMLITE_CACHE" "$OUT/"
 
 echo "== steps"; cat "$OUT/steps.txt"
 for f in $STEPS; do
