@@ -208,8 +208,8 @@ class LLMEngine:
             finished = self._take_launched(launched)
             if finished and plan.scheduled:  # requests planned on their pending token that has now stopped them
                 plan = SchedulerOutput([s for s in plan.scheduled if s.request.status is RequestStatus.RUNNING])
-            if not plan.scheduled:
-                self._end_step([], finished)
+            if not plan.scheduled:  # this call only waited for the launched step: its time is that step's
+                self._end_step(launched.scheduled, finished, new_step=False)
                 return finished
         if not plan.scheduled:
             if self.logits_processors.wait_for_compiles(0.05):  # every waiting row waits for its grammar
@@ -235,10 +235,10 @@ class LLMEngine:
         self._launched = None
         return self.scheduler.take_pending_tokens(launched.sampling, launched.token_ids())
 
-    def _end_step(self, scheduled: list[ScheduledRequest], finished: list[Request]) -> None:
+    def _end_step(self, scheduled: list[ScheduledRequest], finished: list[Request], new_step: bool = True) -> None:
         if finished:
             self.runner.remove_requests([r.request_id for r in finished])
-        if scheduled:
+        if scheduled and new_step:
             self.num_steps += 1
             self.step_stats.record(len(scheduled), len(self.scheduler.waiting))
         self.last_scheduled = scheduled

@@ -26,12 +26,14 @@ class LaunchedStep:
     """A step queued on the device whose sampled tokens the host has not read yet (ModelRunner.launch).
 
     Attributes:
+        scheduled: the step's plan (request, tokens fed), for the callers that attribute a step's time.
         sampling: the requests that sample in the step, in the order of `tokens`.
         tokens: int64 [S], the sampled token ids on the device (the next step's input ids are gathered from it).
         host: int64 [S] on the host (pinned, filled by a copy queued behind the step; `tokens` itself on the CPU).
         ready: the CUDA event recorded after that copy (None on the CPU, where the step ran already).
     """
 
+    scheduled: list[ScheduledRequest]
     sampling: list[Request]
     tokens: torch.Tensor
     host: torch.Tensor
@@ -184,12 +186,12 @@ class ModelRunner:
         if tokens is None:
             return None
         if tokens.device.type != "cuda":
-            return LaunchedStep(sampling, tokens, tokens, None)
+            return LaunchedStep(scheduled, sampling, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(sampling, tokens, host, event)
+        return LaunchedStep(scheduled, sampling, tokens, host, event)
 
     def _run(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
              pending_tokens: torch.Tensor | None) -> tuple[list[Request], torch.Tensor | None]:

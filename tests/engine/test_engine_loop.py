@@ -23,9 +23,12 @@ PARAMS = SamplingParams(max_tokens=12)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture()
-def loop(tiny_engine: LLMEngine) -> Iterator[EngineLoop]:
-    engine = tiny_engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=16))
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def loop(tiny_engine: LLMEngine, request: pytest.FixtureRequest) -> Iterator[EngineLoop]:
+    """An engine loop over the tiny model, with synchronous steps and with asynchronous scheduling (the CUDA
+    default, LLMEngine.step): shards sharing the engine, stops, aborts and failures must hold under both."""
+    engine = tiny_engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=16,
+                                                  async_scheduling=request.param))
     loop = EngineLoop(engine)
     yield loop
     loop.close(timeout_s=30)
@@ -107,16 +110,17 @@ def test_a_failing_callback_stops_its_submitter_not_the_other(loop: EngineLoop, 
 def test_a_failed_step_reaches_every_submitter_and_the_loop_serves_on(loop: EngineLoop,
                                                                       gsm8k_questions: list[str]) -> None:
     runner = loop.engine.runner
-    real_execute = runner.execute
+    method = "launch" if loop.engine.async_scheduling else "execute"
+    real_run = getattr(runner, method)
     calls = [0]
 
     def flaky(*args: object, **kwargs: object) -> object:
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("device lost")
-        return real_execute(*args, **kwargs)
+        return real_run(*args, **kwargs)
 
-    runner.execute = flaky  # type: ignore[method-assign]
+    setattr(runner, method, flaky)
     try:
         subs = [loop.submit(gsm8k_questions[:3], PARAMS), loop.submit(gsm8k_questions[3:6], PARAMS)]
         for sub in subs:
@@ -124,7 +128,7 @@ def test_a_failed_step_reaches_every_submitter_and_the_loop_serves_on(loop: Engi
                 sub.results()
         after = loop.submit(gsm8k_questions[:2], PARAMS).results()
     finally:
-        runner.execute = real_execute  # type: ignore[method-assign]
+        setattr(runner, method, real_run)
     assert [o.finish_reason for o in after] == ["length"] * 2
 
 
