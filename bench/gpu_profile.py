@@ -75,13 +75,13 @@ def labelled_ranges(engine: LLMEngine) -> Iterator[None]:
     """Profiler ranges around the engine's attention function and sampler (for the CPU's op classification)."""
     import engine.model_runner as model_runner
 
-    runner, sample = engine.runner, model_runner.sample_rows
+    runner, sample = engine.runner, model_runner.sample_rows_on_device
     attn = runner.attn_fn
-    runner.attn_fn, model_runner.sample_rows = _ranged(attn, ATTENTION_RANGE), _ranged(sample, SAMPLING_RANGE)
+    runner.attn_fn, model_runner.sample_rows_on_device = _ranged(attn, ATTENTION_RANGE), _ranged(sample, SAMPLING_RANGE)
     try:
         yield
     finally:
-        runner.attn_fn, model_runner.sample_rows = attn, sample
+        runner.attn_fn, model_runner.sample_rows_on_device = attn, sample
 
 
 def _cpu_kind(event: object) -> str:

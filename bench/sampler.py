@@ -45,17 +45,17 @@ def model_logits(rows: int) -> torch.Tensor:
     llm = LLMEngine.from_model(None)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in alpaca_rows(rows)[0]]
     captured: list[torch.Tensor] = []
-    real = model_runner.sample_rows
+    real = model_runner.sample_rows_on_device
 
-    def keep(logits: torch.Tensor, *args: object) -> list[int]:
+    def keep(logits: torch.Tensor, *args: object) -> torch.Tensor:
         captured.append(logits.clone())
         return real(logits, *args)
 
-    model_runner.sample_rows = keep
+    model_runner.sample_rows_on_device = keep
     try:
         llm.generate(prompts, SamplingParams(max_tokens=1))
     finally:
-        model_runner.sample_rows = real
+        model_runner.sample_rows_on_device = real
     return torch.cat(captured)[:rows].to(torch.bfloat16)
 
 
