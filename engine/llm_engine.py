@@ -195,14 +195,16 @@ class LLMEngine:
         sampled in step n are gathered from step n's token tensor on the device (placeholders on the host,
         Scheduler.hold_pending_tokens), and step n's stop checks and outputs run on the host while the device
         computes step n + 1. A request that stopped in step n (EOS, a stop string) has run one step too many, whose
-        token is dropped; one that reaches its length limit is known in advance and not scheduled again. Steps in
-        which a logits processor is active (logprobs, penalties, logit_bias, min_tokens, structured output) run
-        synchronously: they need each step's tokens on the host. The tokens are the ones synchronous steps give.
+        token is dropped; one that reaches its length limit is known in advance and not scheduled again. Steps that
+        run a request with a logits processor (logprobs, penalties, logit_bias, min_tokens, structured output) run
+        synchronously: it needs each step's tokens on the host. The tokens are the ones synchronous steps give.
         """
         scheduler = self.scheduler
         plan = scheduler.schedule()
         launched = self._launched
-        overlap = self.async_scheduling and not self.logits_processors.active
+        procs = self.logits_processors
+        # Steps with a row that has a logits processor run synchronously; the others of the same job do not.
+        overlap = self.async_scheduling and (not procs.active or not procs.any_registered(plan.scheduled))
         finished: list[Request] = []
         if launched is not None and (not overlap or not plan.scheduled):
             finished = self._take_launched(launched)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -35,6 +36,9 @@ from engine.logit_penalties import apply_bias_and_min_tokens, apply_penalties
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputManager, grammar_of
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledRequest
 
 # How long `add` waits for a constraint's compile before it lets the row wait in the queue instead (seconds): most
 # compiles (and every constraint that does not parse) finish within it, so their errors are error rows before any work.
@@ -146,6 +150,12 @@ class LogitsProcessors:
     def active(self) -> bool:
         """True while any registered request is unfinished."""
         return bool(self.states)
+
+    def any_registered(self, scheduled: Iterable[ScheduledRequest]) -> bool:
+        """Whether any request of a step's plan has a logits processor registered (its step must run
+        synchronously, engine.llm_engine.LLMEngine.step)."""
+        states = self.states
+        return any(s.request.request_id in states for s in scheduled)
 
     def add(self, request: Request) -> None:
         """Register a request whose params need logits processing (SamplingParams.needs_logits_processing; others

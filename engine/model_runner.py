@@ -176,13 +176,9 @@ class ModelRunner:
         `execute`, whose sampled tokens stay on the device (the next step's input ids are gathered from them) and
         are copied to pinned host memory behind the step; `LaunchedStep.token_ids` waits for that copy. Input ids
         that are placeholders (-1 - i) take the i-th of `pending_tokens`, the tokens of the step launched before.
-        Needs no logits processor to be active (they read each step's tokens on the host); raises RuntimeError
-        otherwise. Returns None when no request samples in this step."""
-        procs = self.logits_processors
-        if procs is not None and procs.active:
-            raise RuntimeError("a step with logits processors (logprobs, penalties, logit_bias, min_tokens, "
-                               "structured output) cannot run asynchronously; use execute")
-        sampling, tokens = self._run(scheduled, block_tables, pending_tokens)
+        No request of the step may have a logits processor (they read each step's tokens on the host); raises
+        RuntimeError when one does. Returns None when no request samples in this step."""
+        sampling, tokens = self._run(scheduled, block_tables, pending_tokens, asynchronous=True)
         if tokens is None:
             return None
         if tokens.device.type != "cuda":
@@ -194,7 +190,8 @@ class ModelRunner:
         return LaunchedStep(scheduled, sampling, tokens, host, event)
 
     def _run(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
-             pending_tokens: torch.Tensor | None) -> tuple[list[Request], torch.Tensor | None]:
+             pending_tokens: torch.Tensor | None, asynchronous: bool = False
+             ) -> tuple[list[Request], torch.Tensor | None]:
         """The step's forward pass and sampling: the sampled requests and their tokens (int64 [S] on the device;
         None when none samples)."""
         input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
@@ -214,6 +211,9 @@ class ModelRunner:
         procs, pending = self.logits_processors, None
         if procs is not None and procs.active:
             logits, pending = procs.apply(logits, sampling)
+            if pending is not None and asynchronous:
+                raise RuntimeError("a step with a logits processor (logprobs, penalties, logit_bias, min_tokens, "
+                                   "structured output) cannot run asynchronously; use execute")
         # The rows' sampling parameters come from the persistent batch: nothing per row when all are greedy.
         tokens = sample_rows_on_device(logits, self.input_batch.sampled_rows(x), self.generator)
         if pending is not None:

@@ -24,11 +24,13 @@ def _tokens(outputs: list[RequestOutput]) -> list[tuple[list[int], str, str]]:
 
 
 def _count_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls = [0]
+    """[asynchronous steps launched, of them while a logits processor was registered in the engine]."""
+    calls = [0, 0]
     launch = ModelRunner.launch
 
     def counted(self: ModelRunner, *args: object, **kwargs: object) -> object:
         calls[0] += 1
+        calls[1] += bool(self.logits_processors is not None and self.logits_processors.active)
         return launch(self, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "launch", counted)
@@ -50,7 +52,7 @@ def test_the_tokens_are_the_synchronous_ones(engine: LLMEngine, gsm8k_questions:
     params += [SamplingParams(max_tokens=40, stop=["\n", " the"]) for _ in range(2)]
     params += [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=100 + i) for i in range(3)]
     params += [SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=7, n=2)]
-    params += [SamplingParams(max_tokens=200), SamplingParams(max_tokens=5, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=64), SamplingParams(max_tokens=5, ignore_eos=True)]
     sync, overlap = _pair(engine, max_num_seqs=5, max_num_batched_tokens=64)
     expected = sync.generate(prompts, params)
     assert launches[0] == 0
@@ -99,19 +101,30 @@ def test_max_model_len_stops_rows_without_a_step_past_it(engine: LLMEngine, gsm8
 
 def test_logits_processors_fall_back_to_synchronous_steps(engine: LLMEngine, alpaca_instructions: list[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row that asks for logprobs (a logits processor: it reads every step's token on the host) joins a batch of
-    plain rows: the steps while it is unfinished run synchronously, the ones after it asynchronously, and nothing
-    changes."""
+    """A row that asks for logprobs (a logits processor: it reads every step's token on the host) in a job of plain
+    rows: the steps that run it are synchronous, the steps before it joins and after it ends asynchronous (it is
+    registered, and waits, from the start), and nothing changes."""
     launches = _count_launches(monkeypatch)
+    executes = [0]
+    execute = ModelRunner.execute
+
+    def counted(self: ModelRunner, *args: object, **kwargs: object) -> object:
+        executes[0] += 1
+        return execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "execute", counted)
     prompts = alpaca_instructions[10:16]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 5 + [SamplingParams(max_tokens=6, logprobs=2)]
-    sync, overlap = _pair(engine, max_num_seqs=6)  # all in one batch: the logprobs row ends first
+    # Longest first: the logprobs row (the shortest) joins last, when a slot frees.
+    params = [SamplingParams(max_tokens=16 + i, ignore_eos=True) for i in range(5)]
+    params.append(SamplingParams(max_tokens=6, logprobs=2))
+    sync, overlap = _pair(engine, max_num_seqs=3)
     expected = sync.generate(prompts, params)
+    executes[0] = 0
     got = overlap.generate(prompts, params)
     assert _tokens(got) == _tokens(expected)
     assert got[-1].logprobs is not None and [lp.token_id for lp in got[-1].logprobs] == \
         [lp.token_id for lp in expected[-1].logprobs]
-    assert launches[0] > 0
+    assert launches[1] > 0 and executes[0] > 0  # asynchronous steps while the logprobs row waited
 
 
 def test_a_stop_notice_mid_run_leaves_the_engine_clean(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
