@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 import attention_steps  # noqa: E402
+from sm90_compile import compile_for_sm90  # noqa: E402
 
 from engine.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
 from engine.triton_attention import (  # noqa: E402
@@ -277,19 +278,7 @@ def test_llama_shape_bf16_on_cuda(num_splits: int | None) -> None:
 # Compiles every kernel for sm_90 in a fresh process (no TRITON_INTERPRET): the interpreter does not check types,
 # loop-carried values, tl.dot shapes or shared memory, the compiler does, and triton ships ptxas, so no GPU is needed.
 _COMPILE_SCRIPT = """
-import inspect, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from engine import triton_attention_kernels as K
-
-def compile_kernel(fn, types, constexprs):
-    params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-    if compiled.metadata.shared > 227 * 1024:
-        sys.exit(f"{fn.fn.__name__}: {compiled.metadata.shared} bytes of shared memory")
 
 for dt in ("bf16", "fp32"):
     ptrs = {p: "*" + dt for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -311,21 +300,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90() -> None:
-    import subprocess
-    from pathlib import Path
-
-    try:
-        from triton.backends import backends
-    except ImportError:
-        pytest.skip("this triton has no backends registry")
-    if "nvidia" not in backends:
-        pytest.skip("triton was built without the NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    compile_for_sm90(_COMPILE_SCRIPT, {"num_warps": 4, "num_stages": 2}, {"TRITON_DEFAULT_FP_FUSION": "1"})
 
 
 def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:

@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 import torch.nn.functional as F  # noqa: E402
+from sm90_compile import compile_for_sm90  # noqa: E402
 
 from engine import triton_fused  # noqa: E402
 from engine.attention import AttentionMetadata, private_kv_cache, write_kv  # noqa: E402
@@ -282,17 +283,7 @@ def test_engine_greedy_is_token_identical_with_and_without_the_fused_ops(
 # shapes are the Llama-3.1-8B ones (hidden 4096, head_dim 128) and a head norm's (hidden 128); a stride of 1 is
 # specialized to a constexpr at launch, so both forms compile.
 _COMPILE_SCRIPT = """
-import inspect
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from engine import triton_fused_kernels as K
-
-def compile_kernel(fn, types, constexprs, num_warps=4):
-    params = list(inspect.signature(fn.fn).parameters)
-    sig = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 for dt in ("bf16", "fp32"):
     ptrs = {p: "*" + dt for p in ("x_ptr", "residual_ptr", "sum_ptr", "weight_ptr", "out_ptr", "gate_up_ptr",
@@ -310,17 +301,4 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90() -> None:
-    import subprocess
-    from pathlib import Path
-
-    try:
-        from triton.backends import backends
-    except ImportError:
-        pytest.skip("this triton has no backends registry")
-    if "nvidia" not in backends:
-        pytest.skip("triton was built without the NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    compile_for_sm90(_COMPILE_SCRIPT, {"num_warps": 4})
