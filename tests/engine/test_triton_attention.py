@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import torch
 
@@ -22,7 +21,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 import attention_steps  # noqa: E402
-from sm90_compile import compile_for_sm90  # noqa: E402
+from triton_testing import compile_for_sm90, skip_without_a_backend  # noqa: E402
 
 from engine.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
 from engine.triton_attention import (  # noqa: E402
@@ -42,11 +41,7 @@ ATOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 @pytest.fixture(autouse=True)
 def _needs_a_backend() -> None:
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
-    kernels = sys.modules.get("engine.triton_attention_kernels")
-    if INTERPRET and kernels is not None and type(kernels.paged_decode_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("triton kernels were compiled before TRITON_INTERPRET=1 was set in this process")
+    skip_without_a_backend("engine.triton_attention_kernels", "paged_decode_kernel")
 
 
 def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, block_size: int,

@@ -13,7 +13,6 @@ truncation (the GPU rounds to nearest even, as torch does), and an op rounds up 
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -25,7 +24,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 import torch.nn.functional as F  # noqa: E402
-from sm90_compile import compile_for_sm90  # noqa: E402
+from triton_testing import compile_for_sm90, skip_without_a_backend  # noqa: E402
 
 from engine import triton_fused  # noqa: E402
 from engine.attention import AttentionMetadata, private_kv_cache, write_kv  # noqa: E402
@@ -42,11 +41,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def _needs_a_backend() -> None:
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
-    kernels = sys.modules.get("engine.triton_fused_kernels")
-    if INTERPRET and kernels is not None and type(kernels.rms_norm_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("triton kernels were compiled before TRITON_INTERPRET=1 was set in this process")
+    skip_without_a_backend("engine.triton_fused_kernels", "rms_norm_kernel")
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float = 0.0) -> None:

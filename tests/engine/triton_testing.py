@@ -1,6 +1,7 @@
-"""Compile Triton kernels for sm_90 (H100/H200) in a fresh process without TRITON_INTERPRET: the interpreter checks no
-types, loop-carried values, tl.dot shapes, constexpr use or shared memory, the compiler does, and triton ships ptxas,
-so no GPU is needed. Shared by test_triton_attention.py and test_triton_fused.py."""
+"""What test_triton_attention.py and test_triton_fused.py share: the skip when no Triton backend can run their kernels,
+and the sm_90 (H100/H200) compile check in a fresh process without TRITON_INTERPRET (the interpreter checks no types,
+loop-carried values, tl.dot shapes, constexpr use or shared memory, the compiler does, and triton ships ptxas, so no
+GPU is needed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+
+def skip_without_a_backend(kernels_module: str, kernel: str) -> None:
+    """Skip the test unless its kernels can run: on CUDA, or interpreted under TRITON_INTERPRET=1 (and then only if
+    `kernels_module` was not imported, i.e. compiled, before the variable was set in this process; `kernel` is one of
+    its kernels)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not interpret and not torch.cuda.is_available():
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+    module = sys.modules.get(kernels_module)
+    if interpret and module is not None and type(getattr(module, kernel)).__name__ != "InterpretedFunction":
+        pytest.skip("triton kernels were compiled before TRITON_INTERPRET=1 was set in this process")
+
 
 #: Put before a test's script: `compile_kernel(fn, types, constexprs, **options)` compiles one specialization
 #: (parameters not in `types` or `constexprs` are i32; options such as num_warps over the script's defaults) and exits
