@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.gguf_blocks import GGUFBlocks
 from engine.quant.qparams import Int4Weight
 
 GGUF_GROUP_SIZE = 32
@@ -34,20 +35,13 @@ def gguf_q4_to_int4(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         raise ValueError(f"{type_name} is not a 4-bit GGUF type this loader maps natively (Q4_0, Q4_1); "
                          "load it dequantized with quantization='none' or requantize it")
     n, k = shape
-    if k % GGUF_GROUP_SIZE:
-        raise ValueError(f"a Q4 tensor's rows must be whole 32-weight blocks, got K={k}")
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n, k // GGUF_GROUP_SIZE, _BLOCK_BYTES[type_name])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., 4:]
-        zeros = m + 8 * d
-    else:
-        qs = blocks[..., 2:]
-        zeros = np.zeros_like(d)
+    blocks = GGUFBlocks.from_raw(raw, type_name, shape)  # raises for K not a multiple of 32
+    qs = blocks.qs.numpy()
+    d = blocks.scales
+    zeros = blocks.mins + 8 * d  # type: ignore[operator]  # Q4_1: m + 8d; Q4_0: -8d + 8d = 0 (exact)
     # Repack each block's 16 bytes straight into the portable order (element 2j high, 2j + 1 low): elements 0..15
     # are the low nibbles of qs, so packed byte i < 8 = lo(qs[2i]) << 4 | lo(qs[2i+1]); bytes 8..15 take the high
     # nibbles of the same pairs. Vectorized numpy on uint8 (byte-wise torch ops on strided views were 10x slower).
     even, odd = qs[..., 0::2], qs[..., 1::2]
     packed = np.concatenate(((even << 4) | (odd & 15), (even & 0xF0) | (odd >> 4)), axis=-1).reshape(n, k // 2)
-    return Int4Weight(torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(zeros), k, GGUF_GROUP_SIZE)
+    return Int4Weight(torch.from_numpy(packed), d, zeros, k, GGUF_GROUP_SIZE)

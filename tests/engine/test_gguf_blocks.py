@@ -1,0 +1,121 @@
+"""engine.gguf_blocks: GGUF Q4_0 / Q4_1 / Q8_0 blocks kept as they are, dequantized bit for bit as gguf-py does, and
+the C++ `gguf_linear` GEMM on them against a float64 x @ W^T of the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from engine.gguf_blocks import SUPPORTED_TYPES, GGUFBlocks, gguf_linear
+from engine.gguf_file import unpermute_rope_rows
+
+
+@pytest.fixture(scope="module")
+def reader(gguf_path: str) -> GGUFReader:
+    return GGUFReader(gguf_path)
+
+
+def _tensor(reader: GGUFReader, name: str) -> object:
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def _blocks(t: object, rows: int | None = None) -> tuple[GGUFBlocks, np.ndarray]:
+    """GGUFBlocks and gguf's own fp32 dequantization of a GGUF tensor (its first `rows` rows)."""
+    raw = t.data if rows is None else t.data[:rows]  # type: ignore[attr-defined]
+    n, k = raw.shape[0], int(t.shape[0])  # type: ignore[attr-defined]
+    blocks = GGUFBlocks.from_raw(raw, t.tensor_type.name, (n, k))  # type: ignore[attr-defined]
+    return blocks, dequantize(raw, t.tensor_type).reshape(n, k)  # type: ignore[attr-defined]
+
+
+def _bits(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32).view(np.int32)
+
+
+@pytest.fixture(scope="module")
+def q4_1(reader: GGUFReader) -> tuple[GGUFBlocks, np.ndarray]:
+    return _blocks(_tensor(reader, "blk.0.ffn_down.weight"))  # Q4_1 [576, 1536]
+
+
+@pytest.fixture(scope="module")
+def q8_0(reader: GGUFReader) -> tuple[GGUFBlocks, np.ndarray]:
+    return _blocks(_tensor(reader, "token_embd.weight"), rows=1000)  # Q8_0, the tied LM head
+
+
+@pytest.fixture(scope="module")
+def q4_0() -> tuple[GGUFBlocks, np.ndarray]:
+    # Synthetic Q4_0 from a real-sized weight (gguf's own quantizer; the default GGUF has no Q4_0 tensor).
+    w = np.random.default_rng(0).standard_normal((200, 576)).astype(np.float32) * 0.05
+    raw = quantize(w, GGMLQuantizationType.Q4_0)
+    return GGUFBlocks.from_raw(raw, "Q4_0", (200, 576)), dequantize(raw, GGMLQuantizationType.Q4_0)
+
+
+def test_real_q4_1_and_q8_0_dequantize_bit_for_bit(q4_1: tuple, q8_0: tuple) -> None:
+    for (blocks, ref), kind in ((q4_1, "Q4_1"), (q8_0, "Q8_0")):
+        assert blocks.type_name == kind
+        assert blocks.shape == ref.shape
+        w = blocks.dequantize()
+        assert w.dtype == torch.float32
+        np.testing.assert_array_equal(_bits(w), _bits(ref))  # bit for bit, signed zeros included
+
+
+def test_q4_0_dequantizes_to_gguf_values(q4_0: tuple) -> None:
+    blocks, ref = q4_0
+    w = blocks.dequantize().numpy()
+    # Equal as numbers: gguf's d * (q - 8) is -0 where q = 8 and d < 0, fma(d, q, -8 d) is +0 (module docstring).
+    np.testing.assert_array_equal(w, ref)
+    nonzero = ref != 0
+    np.testing.assert_array_equal(_bits(w[nonzero]), _bits(ref[nonzero]))
+    assert torch.equal(blocks.mins, blocks.scales * -8)
+
+
+def test_bytes_per_weight(q4_1: tuple, q8_0: tuple, q4_0: tuple) -> None:
+    # fp32 scales and mins take 8 bytes per block where GGUF's fp16 take 4: 0.75 B/weight for Q4_1 in memory.
+    for (blocks, _), per_weight in ((q4_1, 24 / 32), (q8_0, 36 / 32), (q4_0, 24 / 32)):
+        n, k = blocks.shape
+        assert blocks.nbytes == n * k * per_weight
+
+
+def test_map_rows_concat_and_state_round_trip(q4_1: tuple, q8_0: tuple, q4_0: tuple) -> None:
+    for blocks, _ in (q4_1, q8_0, q4_0):
+        w = blocks.dequantize()
+        n = blocks.shape[0]
+        heads = 8 if n % 16 == 0 else 4
+        permuted = blocks.map_rows(lambda t, h=heads: unpermute_rope_rows(t, h))
+        assert torch.equal(permuted.dequantize(), unpermute_rope_rows(w, heads))
+        both = GGUFBlocks.concat([blocks, permuted])
+        assert both is not None and both.shape == (2 * n, blocks.shape[1])
+        assert torch.equal(both.dequantize(), torch.cat([w, permuted.dequantize()]))
+        state = both.to_state("model.layers.0.mlp.gate_up_proj")
+        assert ("model.layers.0.mlp.gate_up_proj.gguf_mins" in state) == (blocks.type_name != "Q8_0")
+        back = GGUFBlocks.from_state("model.layers.0.mlp.gate_up_proj", state)
+        assert back.type_name == blocks.type_name
+        assert torch.equal(back.dequantize(), both.dequantize())
+    assert GGUFBlocks.concat([q4_1[0], q8_0[0]]) is None  # types differ
+    assert GGUFBlocks.concat([q4_1[0], q4_0[0]]) is None  # Q4_1 and Q4_0
+    assert GGUFBlocks.concat([]) is None
+
+
+def test_errors_name_the_problem(q4_1: tuple) -> None:
+    raw = quantize(np.ones((4, 64), dtype=np.float32), GGMLQuantizationType.Q4_1)
+    with pytest.raises(ValueError, match="whole 32-weight blocks"):
+        GGUFBlocks.from_raw(raw, "Q4_1", (8, 48))
+    with pytest.raises(ValueError, match="no block kernel"):
+        GGUFBlocks.from_raw(raw, "Q5_K", (4, 64))
+    with pytest.raises(ValueError, match="takes 320 bytes"):
+        GGUFBlocks.from_raw(raw, "Q4_1", (8, 64))
+    blocks = q4_1[0]
+    state = blocks.to_state("p")
+    state["p.gguf_type"] = torch.tensor([12], dtype=torch.uint8)  # Q4_K
+    with pytest.raises(ValueError, match="not a GGUF block type"):
+        GGUFBlocks.from_state("p", state)
+    del state["p.gguf_type"]
+    with pytest.raises(ValueError, match="gguf_type is missing"):
+        GGUFBlocks.from_state("p", state)
+    with pytest.raises(ValueError, match="takes no mins"):
+        GGUFBlocks("Q8_0", torch.zeros(2, 1, 32, dtype=torch.int8), torch.ones(2, 1), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="fp32 CPU x"):
+        gguf_linear(torch.zeros(2, 64), blocks)
+    assert set(SUPPORTED_TYPES) == {"Q4_0", "Q4_1", "Q8_0"}
