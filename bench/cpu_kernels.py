@@ -6,11 +6,16 @@ Usage:
     python bench/cpu_kernels.py --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
     python bench/cpu_kernels.py --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
     python bench/cpu_kernels.py --argmax       # ms per step: greedy argmax of [B, 49152] logits, torch vs C++
+    python bench/cpu_kernels.py --gguf         # us: gguf_linear on GGUF Q4_1/Q8_0 blocks vs oneDNN-packed fp32
 
 --gemm: each projection and the LM head at M = 16, 64, 256, 1024 rows, fp32 and bf16, then INT8 W8A8
 (engine.quant.int8_linear: the oneDNN int8 GEMM alone, and with the per-token activation quantization around it).
 --attention: B decode requests with contexts of 64-160 tokens in a 30-layer KV pool (one cache per layer, cycled,
 so the caches come from memory as in a real step, not from the L2), paged in 16-token blocks at shuffled ids.
+--gguf: each projection (fused QKV and gate_up, Q4_1) and the LM head (Q8_0) at M = 1..32 rows (--gguf-rows), the
+C++ gguf_linear (engine.gguf_blocks) against the oneDNN-packed fp32 GEMM of the same (dequantized) weight; each
+projection's weights cycle through --layers copies and the LM head through 2, so they come from memory, as in a
+decode step (30 layers of fp32 are 430 MB, of Q4_1 100 MB, against a 32 MB L3), not from the cache.
 Medians of repeated calls on the threads torch uses (--threads).
 """
 
@@ -180,12 +185,66 @@ def bench_argmax(batches: list[int], reps: int) -> None:
                   f"| {torch_s / ours_s:.1f}x |", flush=True)
 
 
+GGUF_SHAPES = {"qkv_proj": (960, 576, "Q4_1"), "o_proj": (576, 576, "Q4_1"), "gate_up_proj": (3072, 576, "Q4_1"),
+               "down_proj": (576, 1536, "Q4_1"), "lm_head": (49152, 576, "Q8_0")}  # (N, K, GGUF type)
+
+
+def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> object:
+    """GGUFBlocks of a random weight [n, k] in a GGUF type, through gguf-py's own quantizer."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from engine.gguf_blocks import GGUFBlocks
+
+    w = (torch.randn(n, k, generator=gen) * 0.05).numpy().astype(np.float32)
+    return GGUFBlocks.from_raw(quantize(w, GGMLQuantizationType[type_name]), type_name, (n, k))
+
+
+def bench_gguf(rows: list[int], reps: int, layers: int) -> None:
+    """Microseconds per GEMM, gguf_linear vs the oneDNN-packed fp32 GEMM, per projection and M; then per M the
+    sum over one layer's four projections plus the LM head, and the ratio."""
+    from engine.cpu_kernels import cpu_ops
+    from engine.gguf_blocks import gguf_linear
+    from engine.packed_linear import PackedLinear
+
+    if cpu_ops() is None:
+        sys.exit("the C++ kernels did not build here (see the warning)")
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, (n, k, type_name) in GGUF_SHAPES.items():
+        copies = 2 if name == "lm_head" else layers
+        blocks = [random_blocks(n, k, type_name, gen) for _ in range(min(copies, 2))]
+        blocks = [blocks[i % len(blocks)].map_rows(lambda t: t.clone()) for i in range(copies)]
+        weights[name] = (blocks, [PackedLinear(b.dequantize()) for b in blocks])
+    print("| M | " + " | ".join(f"{name} ({GGUF_SHAPES[name][2]}) ours / fp32 packed" for name in GGUF_SHAPES)
+          + " | layer + LM head ours / fp32 packed us | fp32 / ours |")
+    print("|---|" + "---|" * (len(GGUF_SHAPES) + 2))
+    for m in rows:
+        cells, ours_sum, packed_sum = [], 0.0, 0.0
+        for name, (k_blocks, k_packed) in weights.items():
+            x = torch.randn(m, GGUF_SHAPES[name][1], generator=gen)
+            diff = (gguf_linear(x, k_blocks[0]) - k_packed[0](x)).abs().max().item()
+            if diff > 1e-3:
+                sys.exit(f"gguf_linear differs from the fp32 GEMM by {diff} at M={m}, {name}")
+            ours = median_s(lambda x=x, bs=k_blocks: [gguf_linear(x, b) for b in bs], reps) / len(k_blocks) * 1e6
+            packed = median_s(lambda x=x, ps=k_packed: [p(x) for p in ps], reps) / len(k_packed) * 1e6
+            cells.append(f"{ours:.0f} / {packed:.0f}")
+            ours_sum += ours
+            packed_sum += packed
+        print(f"| {m} | " + " | ".join(cells) + f" | {ours_sum:.0f} / {packed_sum:.0f} | {packed_sum / ours_sum:.2f} |",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--argmax", action="store_true")
+    ap.add_argument("--gguf", action="store_true")
+    ap.add_argument("--gguf-rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32])
+    ap.add_argument("--layers", type=int, default=30, help="--gguf: copies of each projection's weights")
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
@@ -195,7 +254,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    every = not (args.gemm or args.attention or args.prefill or args.argmax)
+    every = not (args.gemm or args.attention or args.prefill or args.argmax or args.gguf)
     if args.gemm or every:
         bench_gemm(args.rows, args.reps)
     if args.attention or every:
@@ -204,6 +263,8 @@ def main() -> None:
         bench_prefill(args.lengths, args.reps)
     if args.argmax or every:
         bench_argmax(args.batches, args.reps)
+    if args.gguf or every:
+        bench_gguf(args.gguf_rows, args.reps, args.layers)
 
 
 if __name__ == "__main__":

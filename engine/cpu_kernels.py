@@ -53,7 +53,7 @@ def cpu_has_avx512() -> bool:
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
-    quantize_rows_u8), or None when they cannot be built here."""
+    quantize_rows_u8, argmax_rows, sample_rows, gguf_linear), or None when they cannot be built here."""
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
     digest = hashlib.sha256()

@@ -1037,6 +1037,163 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
   });
 }
 
+// ---- GGUF block GEMM (gguf_linear): y = x W^T with W read from its GGUF Q4_0 / Q4_1 / Q8_0 blocks ----
+// Layout (engine/gguf_blocks.py GGUFBlocks): qs uint8 [N, K/32, 16] (Q4: element j < 16 in the low nibble of byte j,
+// j + 16 in its high nibble) or int8 [N, K/32, 32] (Q8_0); scales, mins fp32 [N, K/32]. Weight = fma(d, q, min)
+// (Q8_0: d * q); d * q is exact in fp32 (11 + 8 significant bits), so every weight is the value gguf-py's
+// dequantize gives. Each block is dequantized once into registers and used for up to kGgufRowTile rows of x, with
+// fp32 accumulation: at a few rows per step the GEMM reads 0.625 (Q4_1) / 1.0625 (Q8_0) bytes per weight instead of
+// fp32's 4 (a decode step is bandwidth-bound; llama.cpp's ggml_vec_dot kernels work on the same blocks).
+constexpr int kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8;  // ggml_type ids
+
+// Portable form (any CPU; GCC vector extensions, FMA where -march=native has it): dequantize into a float[32], then
+// 8-lane multiply-adds per row of x.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int MT, int TYPE>
+void gguf_row_portable(const float* x, int64_t K, const uint8_t* qs, const float* sc, const float* mn, int64_t nb,
+                       float* y, int64_t ldy) {
+  v8 acc[MT] = {};
+  alignas(32) float w[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float d = sc[b];
+    if constexpr (TYPE == kGgufQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(qs) + b * 32;
+      for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
+    } else {
+      const uint8_t* q = qs + b * 16;
+      const float m = mn[b];
+      for (int j = 0; j < 16; ++j) {
+        w[j] = std::fma(d, static_cast<float>(q[j] & 15), m);
+        w[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), m);
+      }
+    }
+    for (int r = 0; r < MT; ++r) {
+      const float* xr = x + r * K + b * 32;
+      for (int i = 0; i < 4; ++i) acc[r] += load8(w + 8 * i) * load8(xr + 8 * i);
+    }
+  }
+  for (int r = 0; r < MT; ++r) {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += acc[r][i];
+    y[r * ldy] = s;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define TM_AVX2_GGUF 1
+// AVX2 + FMA form: the block's 32 weights in four __m256 (nibbles / bytes widened with vpmovzx/vpmovsx, converted,
+// one fma or mul each), then one fma per 8 weights per row into per-row accumulators (several per row when there are
+// few rows, so the fma latency chains overlap). Also the path of AVX-512 machines (same instructions).
+// The 32 weights of block b in four __m256 (elements 0-7, 8-15, 16-23, 24-31): bytes widened to int32 lanes straight
+// from memory (vpmovzx/vpmovsx with a folded load: one shuffle per 8 weights), nibbles split in the 32-bit lanes
+// (and / shift on any vector pipe), converted, one fma (Q4) or mul (Q8_0) each.
+template <int TYPE>
+inline void gguf_block_avx2(const uint8_t* qs, const float* sc, const float* mn, int64_t b, __m256* w) {
+  const __m256 d = _mm256_broadcast_ss(sc + b);
+  if constexpr (TYPE == kGgufQ8_0) {
+    const uint8_t* q = qs + b * 32;
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))));
+  } else {
+    const __m256 m = _mm256_broadcast_ss(mn + b);
+    const uint8_t* q = qs + b * 16;
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(a, low4)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(c, low4)), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), m);
+  }
+}
+
+// AVX2 + FMA form: each block's weights (gguf_block_avx2), then one fma per 8 weights per row of x into per-row
+// accumulators: 8 chains in all (one row: 2 blocks in flight x 4; 2 rows x 4; 4 rows x 2; 8 rows x 1), so the fma
+// latency (4-5 cycles) overlaps. Also the path of AVX-512 machines (same instructions).
+template <int MT, int TYPE>
+void gguf_row_avx2(const float* x, int64_t K, const uint8_t* qs, const float* sc, const float* mn, int64_t nb,
+                   float* y, int64_t ldy) {
+  constexpr int U = MT == 1 ? 2 : 1;                   // blocks per iteration
+  constexpr int NA = MT == 1 ? 8 : (8 / MT > 0 ? 8 / MT : 1);  // accumulators per row
+  __m256 acc[MT][NA];
+  for (int r = 0; r < MT; ++r)
+    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + U <= nb; b += U) {
+    for (int u = 0; u < U; ++u) {
+      __m256 w[4];
+      gguf_block_avx2<TYPE>(qs, sc, mn, b + u, w);
+      for (int r = 0; r < MT; ++r) {
+        const float* xr = x + r * K + (b + u) * 32;
+        for (int i = 0; i < 4; ++i) {
+          __m256& s = acc[r][(u * 4 + i) % NA];
+          s = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), s);
+        }
+      }
+    }
+  }
+  for (; b < nb; ++b) {  // an odd last block (U = 2)
+    __m256 w[4];
+    gguf_block_avx2<TYPE>(qs, sc, mn, b, w);
+    for (int r = 0; r < MT; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i % NA] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + b * 32 + 8 * i),
+                                                                   acc[r][i % NA]);
+  }
+  for (int r = 0; r < MT; ++r) {
+    __m256 s = acc[r][0];
+    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    y[r * ldy] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+}
+#endif
+
+constexpr int kGgufRowTile = 8;  // rows of x per pass over a row of W: 8 accumulators + 4 weights fit AVX2's 16
+
+// One row n of W against all M rows of x, in passes of 8, 4, 2, 1 rows (the row's blocks stay in L1 between passes).
+template <int TYPE, bool PORTABLE>
+void gguf_row_all(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* sc, const float* mn,
+                  int64_t nb, float* y, int64_t N) {
+  int64_t r = 0;
+  auto rows = [&](auto tile) {
+    constexpr int MT = decltype(tile)::value;
+#ifdef TM_AVX2_GGUF
+    if constexpr (!PORTABLE) {
+      gguf_row_avx2<MT, TYPE>(x + r * K, K, qs, sc, mn, nb, y + r * N, N);
+      r += MT;
+      return;
+    }
+#endif
+    gguf_row_portable<MT, TYPE>(x + r * K, K, qs, sc, mn, nb, y + r * N, N);
+    r += MT;
+  };
+  while (r + kGgufRowTile <= M) rows(std::integral_constant<int, kGgufRowTile>{});
+  if (M - r >= 4) rows(std::integral_constant<int, 4>{});
+  if (M - r >= 2) rows(std::integral_constant<int, 2>{});
+  if (M - r >= 1) rows(std::integral_constant<int, 1>{});
+}
+
+template <int TYPE, bool PORTABLE>
+void gguf_linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* scales,
+                        const float* mins, int64_t N, float* y) {
+  const int64_t nb = K / 32, qbytes = TYPE == kGgufQ8_0 ? 32 : 16;
+  // Rows of W split over the threads: grain 16 so N = 192 still gives every thread of a few some rows.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      gguf_row_all<TYPE, PORTABLE>(x, M, K, qs + n * nb * qbytes, scales + n * nb,
+                                   mins == nullptr ? nullptr : mins + n * nb, nb, y + n, N);
+  });
+}
+
 }  // namespace
 
 #define TM_DISPATCH(dtype, name, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, name, __VA_ARGS__)
@@ -1196,6 +1353,57 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Te
   return out;
 }
 
+// x fp32 [M, K] contiguous; qs uint8 [N, K/32, 16] (Q4_0, Q4_1) or int8 [N, K/32, 32] (Q8_0); scales fp32 [N, K/32];
+// mins fp32 [N, K/32] for Q4 or empty for Q8_0; type_code: ggml's type id (2 Q4_0, 3 Q4_1, 8 Q8_0). Returns y = x W^T
+// fp32 [M, N] (see gguf_linear_kernel). portable: the scalar / vector-extension form even where AVX2 is there.
+at::Tensor gguf_linear_impl(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                            const at::Tensor& mins, int64_t type_code, bool portable) {
+  TORCH_CHECK(type_code == kGgufQ4_0 || type_code == kGgufQ4_1 || type_code == kGgufQ8_0,
+              "type_code must be a ggml type id the kernel reads: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)");
+  const bool q8 = type_code == kGgufQ8_0;
+  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.scalar_type() == (q8 ? at::kChar : at::kByte) &&
+                  qs.size(2) == (q8 ? 32 : 16),
+              "qs must be contiguous uint8 [N, K/32, 16] for Q4_0/Q4_1, int8 [N, K/32, 32] for Q8_0");
+  const int64_t N = qs.size(0), nb = qs.size(1), K = nb * 32;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == K,
+              "x must be contiguous fp32 [M, K] with K = 32 * qs.size(1)");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == nb, "scales must be contiguous fp32 [N, K/32]");
+  if (q8) {
+    TORCH_CHECK(mins.numel() == 0, "Q8_0 takes no mins: pass an empty tensor");
+  } else {
+    TORCH_CHECK(mins.is_contiguous() && mins.scalar_type() == at::kFloat && mins.sizes() == scales.sizes(),
+                "Q4_0/Q4_1 mins must be contiguous fp32 [N, K/32]");
+  }
+  auto y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(qs.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = q8 ? nullptr : mins.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t M = x.size(0);
+  auto run = [&](auto type) {
+    constexpr int T = decltype(type)::value;
+    if (portable) gguf_linear_kernel<T, true>(xp, M, K, qp, sp, mp, N, yp);
+    else gguf_linear_kernel<T, false>(xp, M, K, qp, sp, mp, N, yp);
+  };
+  if (type_code == kGgufQ8_0) run(std::integral_constant<int, kGgufQ8_0>{});
+  else if (type_code == kGgufQ4_1) run(std::integral_constant<int, kGgufQ4_1>{});
+  else run(std::integral_constant<int, kGgufQ4_0>{});
+  return y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins,
+                       int64_t type_code) {
+  return gguf_linear_impl(x, qs, scales, mins, type_code, false);
+}
+
+at::Tensor gguf_linear_portable(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                                const at::Tensor& mins, int64_t type_code) {
+  return gguf_linear_impl(x, qs, scales, mins, type_code, true);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
@@ -1205,4 +1413,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_u8", &quantize_rows_u8, "per-row symmetric INT8 (+128 as uint8) with fp32 scales");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) of [S, V] rows");
   m.def("sample_rows", &sample_rows, "inverse-CDF sampling of [S, V] rows with temperature, top_k, top_p");
+  m.def("gguf_linear", &gguf_linear, "y = x W^T, fp32, W read from its GGUF Q4_0/Q4_1/Q8_0 blocks");
+  m.def("gguf_linear_portable", &gguf_linear_portable, "gguf_linear's portable form (tests it on AVX2 machines)");
 }

@@ -9,8 +9,18 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
+import engine.cpu_kernels
 from engine.gguf_blocks import SUPPORTED_TYPES, GGUFBlocks, gguf_linear
 from engine.gguf_file import unpermute_rope_rows
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = engine.cpu_kernels.cpu_ops()
+    if built is None:
+        pytest.fail("the CPU kernels did not build (g++ and ninja are test dependencies); see the warning above")
+    return built
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +129,82 @@ def test_errors_name_the_problem(q4_1: tuple) -> None:
     with pytest.raises(ValueError, match="fp32 CPU x"):
         gguf_linear(torch.zeros(2, 64), blocks)
     assert set(SUPPORTED_TYPES) == {"Q4_0", "Q4_1", "Q8_0"}
+
+
+def _check_gemm(y: torch.Tensor, x: torch.Tensor, blocks: GGUFBlocks) -> None:
+    """y against float64 x @ W^T of the blocks' exact weights. Bound: the weights are exact in fp32 and each product
+    x w and each partial sum is rounded at most once per step of a K-term sum in some order (fma or not), so
+    |y - x W^T| <= gamma_K sum_k |x_k w_k|, gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and Stability
+    of Numerical Algorithms, 2nd ed., eq. 3.5); the float64 reference's own error (K 2^-53 of the same sum) is far
+    inside the slack."""
+    w = blocks.dequantize().double()
+    ref = x.double() @ w.T
+    k = x.shape[1]
+    u = 2.0 ** -24
+    bound = (k * u / (1 - k * u)) * (x.double().abs() @ w.abs().T) + 1e-30
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, worst ratio {(err / bound).max().item():.3g}"
+    assert err.max().item() > 0 or x.shape[0] * blocks.shape[0] < 4  # fp32 sums do round: the check is not vacuous
+
+
+def _row_slices(q4_1: tuple, q8_0: tuple, q4_0: tuple) -> list[GGUFBlocks]:
+    # N = 300, 1000, 200: none a multiple of the kernel's 16-row grain, so the threads' chunks end unevenly.
+    return [q4_1[0].map_rows(lambda t: t[:300]), q8_0[0], q4_0[0]]
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+def test_gguf_linear_within_fp32_rounding_of_float64(ops: object, q4_1: tuple, q8_0: tuple, q4_0: tuple,
+                                                     m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    for blocks in _row_slices(q4_1, q8_0, q4_0):
+        x = torch.randn(m, blocks.shape[1], generator=gen)
+        empty = torch.empty(0)
+        mins = empty if blocks.mins is None else blocks.mins
+        _check_gemm(gguf_linear(x, blocks), x, blocks)
+        # The portable form (the path of CPUs without AVX2), run here too.
+        _check_gemm(ops.gguf_linear_portable(x, blocks.qs, blocks.scales, mins, blocks.type_code), x, blocks)
+
+
+def test_gguf_linear_on_real_activations(ops: object, reader: GGUFReader, q8_0: tuple, gguf_path: str,
+                                         gsm8k_questions: list[str]) -> None:
+    # Real hidden-like rows: the embedding rows of a real prompt's tokens, through a real Q4_1 projection (layer 0's
+    # q_proj) and the real Q8_0 LM head (its first 1000 rows).
+    ids = Tokenizer.from_gguf(gguf_path).encode(gsm8k_questions[0])[:17]
+    emb = _tensor(reader, "token_embd.weight")
+    x = GGUFBlocks.from_raw(emb.data[ids], "Q8_0", (len(ids), 576)).dequantize()
+    q_proj, _ = _blocks(_tensor(reader, "blk.0.attn_q.weight"))
+    for blocks in (q_proj, q8_0[0]):
+        for m in (1, 5, len(ids)):
+            _check_gemm(gguf_linear(x[:m].contiguous(), blocks), x[:m], blocks)
+
+
+def test_torch_fallback_is_the_same_function(ops: object, q4_1: tuple, q8_0: tuple, q4_0: tuple,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    xs = {}
+    built = {}
+    for blocks in _row_slices(q4_1, q8_0, q4_0):
+        xs[blocks.type_name] = x = torch.randn(6, blocks.shape[1], generator=gen)
+        built[blocks.type_name] = gguf_linear(x, blocks)
+    monkeypatch.setattr(engine.cpu_kernels, "cpu_ops", lambda: None)
+    for blocks in _row_slices(q4_1, q8_0, q4_0):
+        x = xs[blocks.type_name]
+        fallback = gguf_linear(x, blocks)
+        assert torch.equal(fallback, x @ blocks.dequantize().T)
+        _check_gemm(fallback, x, blocks)
+        # Both are the same weights summed in fp32: they agree within twice the bound of each.
+        assert (fallback - built[blocks.type_name]).abs().max().item() < 1e-4
+
+
+def test_op_rejects_bad_arguments(ops: object, q4_1: tuple) -> None:
+    blocks = q4_1[0]
+    x = torch.randn(2, blocks.shape[1])
+    with pytest.raises(RuntimeError, match="type_code must be"):
+        ops.gguf_linear(x, blocks.qs, blocks.scales, blocks.mins, 12)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        ops.gguf_linear(x[:, :64].contiguous(), blocks.qs, blocks.scales, blocks.mins, blocks.type_code)
+    with pytest.raises(RuntimeError, match="qs must be"):
+        ops.gguf_linear(x, blocks.qs, blocks.scales, blocks.mins, 8)  # Q4 bytes passed as Q8_0
+    with pytest.raises(RuntimeError, match="mins must be"):
+        ops.gguf_linear(x, blocks.qs, blocks.scales, torch.empty(0), blocks.type_code)
