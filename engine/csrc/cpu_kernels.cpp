@@ -1115,82 +1115,103 @@ inline void gguf_block_avx2(const uint8_t* qs, const float* sc, const float* mn,
   }
 }
 
-// AVX2 + FMA form: each block's weights (gguf_block_avx2), then one fma per 8 weights per row of x into per-row
-// accumulators: 8 chains in all (one row: 2 blocks in flight x 4; 2 rows x 4; 4 rows x 2; 8 rows x 1), so the fma
-// latency (4-5 cycles) overlaps. Also the path of AVX-512 machines (same instructions).
-template <int MT, int TYPE>
-void gguf_row_avx2(const float* x, int64_t K, const uint8_t* qs, const float* sc, const float* mn, int64_t nb,
-                   float* y, int64_t ldy) {
-  constexpr int U = MT == 1 ? 2 : 1;                   // blocks per iteration
-  constexpr int NA = MT == 1 ? 8 : (8 / MT > 0 ? 8 / MT : 1);  // accumulators per row
-  __m256 acc[MT][NA];
-  for (int r = 0; r < MT; ++r)
-    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + U <= nb; b += U) {
-    for (int u = 0; u < U; ++u) {
+// AVX2 + FMA form: NR rows of W at once against MT rows of x. Each block's weights (gguf_block_avx2), then one fma
+// per 8 weights per row of x into that (W row, x row)'s accumulators: 8 chains in all (NR x MT x NA), so the fma
+// latency (4 cycles) overlaps, and a row's reduction overlaps the other rows' work. Also the path of AVX-512 machines.
+template <int MT, int NR, int TYPE>
+void gguf_rows_avx2(const float* x, int64_t K, const uint8_t* qs, const float* sc, const float* mn, int64_t nb,
+                    float* y, int64_t ldy) {
+  constexpr int NA = 8 / (MT * NR) > 0 ? 8 / (MT * NR) : 1;  // accumulators per (W row, x row)
+  constexpr int64_t QB = TYPE == kGgufQ8_0 ? 32 : 16;
+  __m256 acc[NR][MT][NA];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MT; ++r)
+      for (int a = 0; a < NA; ++a) acc[j][r][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < NR; ++j) {
       __m256 w[4];
-      gguf_block_avx2<TYPE>(qs, sc, mn, b + u, w);
+      gguf_block_avx2<TYPE>(qs + j * nb * QB, sc + j * nb, mn == nullptr ? nullptr : mn + j * nb, b, w);
       for (int r = 0; r < MT; ++r) {
-        const float* xr = x + r * K + (b + u) * 32;
-        for (int i = 0; i < 4; ++i) {
-          __m256& s = acc[r][(u * 4 + i) % NA];
-          s = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), s);
-        }
+        const float* xr = x + r * K + b * 32;
+        for (int i = 0; i < 4; ++i) acc[j][r][i % NA] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i),
+                                                                       acc[j][r][i % NA]);
       }
     }
   }
-  for (; b < nb; ++b) {  // an odd last block (U = 2)
-    __m256 w[4];
-    gguf_block_avx2<TYPE>(qs, sc, mn, b, w);
-    for (int r = 0; r < MT; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i % NA] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + r * K + b * 32 + 8 * i),
-                                                                   acc[r][i % NA]);
-  }
-  for (int r = 0; r < MT; ++r) {
-    __m256 s = acc[r][0];
-    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[r][a]);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    y[r * ldy] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-  }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < MT; ++r) {
+      __m256 s = acc[j][r][0];
+      for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[j][r][a]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      y[r * ldy + j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    }
 }
 #endif
 
-constexpr int kGgufRowTile = 8;  // rows of x per pass over a row of W: 8 accumulators + 4 weights fit AVX2's 16
+constexpr int kGgufRowTile = 8;  // rows of x per pass over W: 8 accumulators + 4 weights fit AVX2's 16 registers
 
-// One row n of W against all M rows of x, in passes of 8, 4, 2, 1 rows (the row's blocks stay in L1 between passes).
-template <int TYPE, bool PORTABLE>
-void gguf_row_all(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* sc, const float* mn,
-                  int64_t nb, float* y, int64_t N) {
-  int64_t r = 0;
-  auto rows = [&](auto tile) {
-    constexpr int MT = decltype(tile)::value;
+// Portable: one row n of W against all M rows of x, in passes of 8, 4, 2, 1 rows (its blocks stay in L1).
+template <int TYPE>
+void gguf_rows_portable(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* sc, const float* mn,
+                        int64_t nb, float* y, int64_t N, int64_t begin, int64_t end) {
+  constexpr int64_t QB = TYPE == kGgufQ8_0 ? 32 : 16;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* q = qs + n * nb * QB;
+    const float* s = sc + n * nb;
+    const float* m = mn == nullptr ? nullptr : mn + n * nb;
+    int64_t r = 0;
+    for (; r + kGgufRowTile <= M; r += kGgufRowTile)
+      gguf_row_portable<kGgufRowTile, TYPE>(x + r * K, K, q, s, m, nb, y + r * N + n, N);
+    if (M - r >= 4) { gguf_row_portable<4, TYPE>(x + r * K, K, q, s, m, nb, y + r * N + n, N); r += 4; }
+    if (M - r >= 2) { gguf_row_portable<2, TYPE>(x + r * K, K, q, s, m, nb, y + r * N + n, N); r += 2; }
+    if (M - r >= 1) gguf_row_portable<1, TYPE>(x + r * K, K, q, s, m, nb, y + r * N + n, N);
+  }
+}
+
 #ifdef TM_AVX2_GGUF
-    if constexpr (!PORTABLE) {
-      gguf_row_avx2<MT, TYPE>(x + r * K, K, qs, sc, mn, nb, y + r * N, N);
-      r += MT;
-      return;
-    }
-#endif
-    gguf_row_portable<MT, TYPE>(x + r * K, K, qs, sc, mn, nb, y + r * N, N);
+// AVX2: rows [begin, end) of W against all M rows of x, in passes of (x rows MT, W rows at once NR) = (8, 1) while
+// 8 rows are left, then (4, 2), (2, 2), (1, 4): 8 accumulator chains in each.
+template <int TYPE>
+void gguf_rows_avx2_range(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* sc, const float* mn,
+                          int64_t nb, float* y, int64_t N, int64_t begin, int64_t end) {
+  constexpr int64_t QB = TYPE == kGgufQ8_0 ? 32 : 16;
+  int64_t r = 0;
+  auto pass = [&](auto tile_rows, auto tile_w) {
+    constexpr int MT = decltype(tile_rows)::value, NR = decltype(tile_w)::value;
+    int64_t n = begin;
+    for (; n + NR <= end; n += NR)
+      gguf_rows_avx2<MT, NR, TYPE>(x + r * K, K, qs + n * nb * QB, sc + n * nb, mn == nullptr ? nullptr : mn + n * nb,
+                                   nb, y + r * N + n, N);
+    for (; n < end; ++n)
+      gguf_rows_avx2<MT, 1, TYPE>(x + r * K, K, qs + n * nb * QB, sc + n * nb, mn == nullptr ? nullptr : mn + n * nb,
+                                  nb, y + r * N + n, N);
     r += MT;
   };
-  while (r + kGgufRowTile <= M) rows(std::integral_constant<int, kGgufRowTile>{});
-  if (M - r >= 4) rows(std::integral_constant<int, 4>{});
-  if (M - r >= 2) rows(std::integral_constant<int, 2>{});
-  if (M - r >= 1) rows(std::integral_constant<int, 1>{});
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I4 = std::integral_constant<int, 4>;
+  using I8 = std::integral_constant<int, kGgufRowTile>;
+  while (r + kGgufRowTile <= M) pass(I8{}, I1{});
+  if (M - r >= 4) pass(I4{}, I2{});
+  if (M - r >= 2) pass(I2{}, I2{});
+  if (M - r >= 1) pass(I1{}, I4{});
 }
+#endif
 
 template <int TYPE, bool PORTABLE>
 void gguf_linear_kernel(const float* x, int64_t M, int64_t K, const uint8_t* qs, const float* scales,
                         const float* mins, int64_t N, float* y) {
-  const int64_t nb = K / 32, qbytes = TYPE == kGgufQ8_0 ? 32 : 16;
+  const int64_t nb = K / 32;
   // Rows of W split over the threads: grain 16 so N = 192 still gives every thread of a few some rows.
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      gguf_row_all<TYPE, PORTABLE>(x, M, K, qs + n * nb * qbytes, scales + n * nb,
-                                   mins == nullptr ? nullptr : mins + n * nb, nb, y + n, N);
+#ifdef TM_AVX2_GGUF
+    if constexpr (!PORTABLE) {
+      gguf_rows_avx2_range<TYPE>(x, M, K, qs, scales, mins, nb, y, N, begin, end);
+      return;
+    }
+#endif
+    gguf_rows_portable<TYPE>(x, M, K, qs, scales, mins, nb, y, N, begin, end);
   });
 }
 

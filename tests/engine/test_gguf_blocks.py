@@ -149,21 +149,28 @@ def _check_gemm(y: torch.Tensor, x: torch.Tensor, blocks: GGUFBlocks) -> None:
 
 
 def _row_slices(q4_1: tuple, q8_0: tuple, q4_0: tuple) -> list[GGUFBlocks]:
-    # N = 300, 1000, 200: none a multiple of the kernel's 16-row grain, so the threads' chunks end unevenly.
-    return [q4_1[0].map_rows(lambda t: t[:300]), q8_0[0], q4_0[0]]
+    # N = 299, 999, 197: odd, so neither the threads' 16-row grain nor the kernel's 2 and 4 W rows at a time divide
+    # them: every tail path runs.
+    return [q4_1[0].map_rows(lambda t: t[:299]), q8_0[0].map_rows(lambda t: t[:999]),
+            q4_0[0].map_rows(lambda t: t[:197])]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m", [1, 3, 8, 17])
-def test_gguf_linear_within_fp32_rounding_of_float64(ops: object, q4_1: tuple, q8_0: tuple, q4_0: tuple,
-                                                     m: int) -> None:
+def test_gguf_linear_within_fp32_rounding_of_float64(ops: object, q4_1: tuple, q8_0: tuple, q4_0: tuple, m: int,
+                                                     threads: int) -> None:
     gen = torch.Generator().manual_seed(m)
-    for blocks in _row_slices(q4_1, q8_0, q4_0):
-        x = torch.randn(m, blocks.shape[1], generator=gen)
-        empty = torch.empty(0)
-        mins = empty if blocks.mins is None else blocks.mins
-        _check_gemm(gguf_linear(x, blocks), x, blocks)
-        # The portable form (the path of CPUs without AVX2), run here too.
-        _check_gemm(ops.gguf_linear_portable(x, blocks.qs, blocks.scales, mins, blocks.type_code), x, blocks)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 2: the rows of W split in two uneven chunks
+    try:
+        for blocks in _row_slices(q4_1, q8_0, q4_0):
+            x = torch.randn(m, blocks.shape[1], generator=gen)
+            mins = torch.empty(0) if blocks.mins is None else blocks.mins
+            _check_gemm(gguf_linear(x, blocks), x, blocks)
+            # The portable form (the path of CPUs without AVX2), run here too.
+            _check_gemm(ops.gguf_linear_portable(x, blocks.qs, blocks.scales, mins, blocks.type_code), x, blocks)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_gguf_linear_on_real_activations(ops: object, reader: GGUFReader, q8_0: tuple, gguf_path: str,
