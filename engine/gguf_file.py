@@ -18,10 +18,12 @@ import torch
 
 from engine.architectures import ARCHITECTURES, get_architecture, hf_to_gguf_names, supported
 from engine.config import ModelConfig, RopeScaling
+from engine.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
+from engine.gguf_blocks import GGUFBlocks
 from engine.quant.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import LM_HEAD, is_linear_weight
-from engine.tensor_names import check_tensor_names, model_param_names
+from engine.tensor_names import EMBEDDING, check_tensor_names, model_param_names
 
 
 def open_gguf(path: str) -> Any:
@@ -187,11 +189,14 @@ def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
     return w
 
 
-def iter_gguf_state(reader: Any, cfg: ModelConfig,
-                    native_int4: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
+                    keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
     dequantized) under their HF parameter names; with `native_int4`, Q4_0/Q4_1 projection weights instead as
-    Int4Weight under their module name (packed rows and scales un-permuted alike; engine.quant.gguf_int4)."""
+    Int4Weight under their module name (packed rows and scales un-permuted alike; engine.quant.gguf_int4). With
+    `keep_blocks`, each projection, LM head or embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
+    raw blocks (engine.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
+    CPU's small-batch kernel reads those (engine.packed_linear)."""
     from gguf.quants import dequantize
 
     names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
@@ -206,3 +211,9 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig,
         else:
             w = dequantize(t.data, t.tensor_type)
             yield name, torch.from_numpy(np.array(unpermute_qk(name, w, cfg), dtype=np.float32, copy=True))
+            if keep_blocks and t.tensor_type.name in GGUF_BLOCK_TYPES and (
+                    is_linear_weight(name) or name == f"{EMBEDDING}.weight"):
+                shape = (int(t.shape[1]), int(t.shape[0]))
+                blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, shape)
+                blocks = blocks.map_rows(lambda x, n=name: unpermute_qk(n, x, cfg))
+                yield from blocks.to_state(name.removesuffix(".weight")).items()

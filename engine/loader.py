@@ -13,19 +13,24 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.gguf_blocks import GGUFBlocks
 from engine.gguf_file import iter_gguf_state, read_gguf_config
 from engine.hf_folder import is_hf_folder as is_hf_folder  # NOTE: re-exported for engine.llm_engine
 from engine.hf_folder import iter_hf_state, read_hf_config
 from engine.model import LlamaModel
 from engine.model_files import resolve_model_path as resolve_model_path  # NOTE: re-exported for engine.llm_engine
+from engine.packed_linear import is_block_key, set_gguf_blocks
 from engine.quant.state import LM_HEAD
+from engine.tensor_names import EMBEDDING
 from engine.weights_cache import read_weights_cache, weights_cache_dir, write_weights_cache
 
 
 def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the dequantized weights in `dtype` (CPU tensors under their HF names, a tied LM head left
     out) of the GGUF file at `path`, through the weights cache (`load_gguf_model`; TOKENMILL_WEIGHTS_CACHE=0 turns
-    it off): read from the cache entry when there is one, else from the file, and the entry written."""
+    it off): read from the cache entry when there is one, else from the file, and the entry written. For fp32 the
+    state also holds the raw GGUF blocks of the block-quantized weights (`is_block_key` entries; `fill_model`
+    attaches them to their modules)."""
     use_cache = os.environ.get("TOKENMILL_WEIGHTS_CACHE", "1") != "0"
     folder = weights_cache_dir(path, dtype) if use_cache else None
     cached = read_weights_cache(folder) if folder is not None else None
@@ -35,7 +40,9 @@ def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
 
     reader = open_gguf(path)
     cfg = read_gguf_config(reader)
-    state = {name: w.to(dtype=dtype) for name, w in iter_gguf_state(reader, cfg)}
+    keep_blocks = dtype == torch.float32  # what the CPU's fp32 small-batch kernel reads (engine.packed_linear)
+    state = {name: w if is_block_key(name) else w.to(dtype=dtype)
+             for name, w in iter_gguf_state(reader, cfg, keep_blocks=keep_blocks)}
     if cfg.tie_word_embeddings:
         state.pop(f"{LM_HEAD}.weight", None)
     if folder is not None:
@@ -84,6 +91,7 @@ def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.d
     """
     tied = model.config.tie_word_embeddings
     lm_head = f"{LM_HEAD}.weight"
+    blocks = pop_gguf_blocks(state)
     plain = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == lm_head)}
     expected = {k for k in model.state_dict() if not (tied and k == lm_head)}
     for k, v in plain.items():
@@ -96,5 +104,28 @@ def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.d
     model.load_state_dict(plain, strict=False, assign=True)
     if tied and isinstance(model.embed_tokens, nn.Embedding):
         model.tie_weights()
+    if device.type == "cpu" and dtype == torch.float32:
+        attach_gguf_blocks(model, blocks)
     model.materialize_rotary(device)
     model.eval()
+
+
+def pop_gguf_blocks(state: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
+    """Take the raw GGUF block entries (`is_block_key`) out of `state`, in place: module name -> GGUFBlocks."""
+    prefixes = {k.rsplit(".", 1)[0] for k in state if is_block_key(k)}
+    found = {p: GGUFBlocks.from_state(p, state) for p in prefixes}
+    for k in [k for k in state if is_block_key(k)]:
+        del state[k]
+    return found
+
+
+def attach_gguf_blocks(model: LlamaModel, blocks: dict[str, GGUFBlocks]) -> int:
+    """Give each plain nn.Linear the GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM
+    head, which multiplies by the same matrix). Modules already replaced (INT4) are skipped. Returns how many."""
+    attached = 0
+    for prefix, b in blocks.items():
+        name = LM_HEAD if prefix == EMBEDDING and model.config.tie_word_embeddings else prefix
+        module = model.get_submodule(name) if name != EMBEDDING else None
+        if type(module) is nn.Linear and set_gguf_blocks(module, b):
+            attached += 1
+    return attached

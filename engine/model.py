@@ -16,6 +16,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
+from engine.gguf_blocks import GGUFBlocks
+from engine.packed_linear import gguf_blocks_of, set_gguf_blocks
 from engine.rms_norm import RMSNorm, fused_ops
 from engine.rope import RotaryEmbedding, apply_rope
 
@@ -33,7 +35,8 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
     cannot be merged. All take the same input [..., K]; the merged one returns [..., sum(N_i)].
 
     Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
-    vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix); other module
+    vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix; their GGUF
+    blocks too, when every part has them: engine.packed_linear.set_gguf_blocks); other module
     types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
     engine.quant.state.AddBias). The originals are not changed.
     """
@@ -51,6 +54,11 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
         merged.weight = nn.Parameter(weight, requires_grad=False)
         if biased:
             merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
+        blocks = [gguf_blocks_of(m) for m in modules]
+        if all(b is not None for b in blocks):  # the GGUF blocks of the parts, concatenated alike
+            joined = GGUFBlocks.concat(blocks)
+            if joined is not None:
+                set_gguf_blocks(merged, joined)
         return merged
     concat = getattr(type(first), "concat", None)
     return concat(modules) if concat is not None else None

@@ -9,18 +9,63 @@ rows 381-413 GFLOP/s packed vs 315-357 through F.linear; fp32 202-217 vs 106-172
 
 bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ from MKL's in rounding only
 (relative 1e-7), because the two libraries sum in other orders.
+
+Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0 GGUF tensor keeps its raw blocks
+(engine.gguf_blocks.GGUFBlocks, 0.56-1.06 bytes per weight), and a step of at most GGUF_KERNEL_MAX_ROWS rows
+multiplies by them in fp32 (engine.gguf_blocks.gguf_linear) instead of reading the 4-byte fp32 copy: at a few
+rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same numbers bit for bit (the
+blocks' values are what the fp32 copy was dequantized from); only the fp32 summation order differs, as it does
+between oneDNN kernels. More rows run the packed GEMM, which is faster once the step is compute-bound.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 
+from engine.gguf_blocks import GGUFBlocks, gguf_linear
 from engine.quant.state import set_module
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+#: Rows M of a step up to which an fp32 PackedLinear with GGUF blocks runs engine.gguf_blocks.gguf_linear instead
+#: of the packed GEMM (module docstring). From `python bench/cpu_kernels.py --gguf` (see bench/README.md).
+#: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM).
+GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 8
+#: The state-dict suffix of the GGUF block entries (engine.gguf_blocks.GGUFBlocks.to_state: `{module}.gguf_qs`...).
+GGUF_KEY_PREFIX = "gguf_"
+
+
+def is_block_key(name: str) -> bool:
+    """True for a state-dict entry that holds a GGUF block tensor (GGUFBlocks.to_state), not a parameter."""
+    return name.rsplit(".", 1)[-1].startswith(GGUF_KEY_PREFIX)
+
+
+def set_gguf_blocks(module: nn.Module, blocks: GGUFBlocks) -> bool:
+    """Record `blocks` as the raw form of `module.weight` (an fp32 [N, K] weight of the same shape), with the
+    weight's version counter and storage: a later change of the weight (SmoothQuant's in-place scaling, GPTQ's
+    `weight.data = ...`) makes `gguf_blocks_of` drop them rather than multiply by stale numbers. Returns False
+    (nothing recorded) when the shapes or dtype do not match."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != blocks.shape:
+        return False
+    module.gguf_blocks = (blocks, weight._version, weight.data_ptr())
+    return True
+
+
+def gguf_blocks_of(module: nn.Module) -> GGUFBlocks | None:
+    """The GGUF blocks `set_gguf_blocks` gave `module`, or None when it has none or its weight changed since."""
+    recorded = getattr(module, "gguf_blocks", None)
+    if recorded is None:
+        return None
+    blocks, version, address = recorded
+    weight = getattr(module, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight._version != version or weight.data_ptr() != address
+            or tuple(weight.shape) != blocks.shape or weight.dtype != torch.float32):
+        return None
+    return blocks
 
 
 def packing_available() -> bool:
@@ -54,11 +99,12 @@ class PackedLinear(nn.Module):
     Args:
         weight: fp32 or bf16 [N, K] on the CPU (N = out_features, K = in_features); packed here, not kept.
     forward: x [..., K] of the weight's dtype -> [..., N].
+        blocks: the same weight's GGUF blocks (fp32 weights only; module docstring), or None.
     Raises ValueError for another device or dtype, a bias, a torch without oneDNN (packing_available()), or bf16 on a
-    CPU whose oneDNN cannot pack it (bf16_packing_available()).
+    CPU whose oneDNN cannot pack it (bf16_packing_available()), or blocks of another shape or with a bf16 weight.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> None:
         super().__init__()
         if not packing_available():
             raise ValueError("PackedLinear needs torch built with oneDNN (mkldnn); keep the nn.Linear")
@@ -68,22 +114,33 @@ class PackedLinear(nn.Module):
         if not can_pack(weight.dtype):
             raise ValueError("oneDNN cannot pack bf16 weights on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT); "
                              "keep the nn.Linear, or run in float32")
+        if blocks is not None and (blocks.shape != tuple(weight.shape) or weight.dtype != torch.float32):
+            raise ValueError(f"GGUF blocks {blocks.shape} do not serve a {weight.dtype} weight "
+                             f"{tuple(weight.shape)}; pass blocks=None")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.blocks = blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, None, "none", [], "")
+        x2 = x.reshape(-1, self.in_features)
+        if self.blocks is not None and x2.shape[0] <= GGUF_KERNEL_MAX_ROWS and x2.dtype == torch.float32:
+            y = gguf_linear(x2, self.blocks)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, oneDNN packed"
+        small = f", GGUF {self.blocks.type_name} blocks up to {GGUF_KERNEL_MAX_ROWS} rows" if self.blocks else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"oneDNN packed{small}")
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a
-    tied LM head gets its own packed copy; the embedding is untouched; a bias is kept and added after the GEMM,
+    tied LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`)
+    come along; a bias is kept and added after the GEMM,
     engine.quant.state.set_module). Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack
     bf16 (`can_pack`). Fuse projections first (they are packed as
     they stand). Returns the number replaced (0 when oneDNN is missing)."""
@@ -93,5 +150,6 @@ def pack_linears(model: nn.Module) -> int:
              if type(m) is nn.Linear and m.weight.device.type == "cpu"
              and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
     for name in names:
-        set_module(model, name, PackedLinear(model.get_submodule(name).weight))
+        module = model.get_submodule(name)
+        set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module)))
     return len(names)

@@ -20,8 +20,9 @@ from engine.tokenizer import cache_root
 log = logging.getLogger(__name__)
 
 
-#: Bumped whenever what a weights-cache entry holds changes (its key includes it).
-WEIGHTS_CACHE_FORMAT = 2
+#: Bumped whenever what a weights-cache entry holds changes (its key includes it). 3: fp32 entries also hold the
+#: raw GGUF blocks of the block-quantized weights (engine.loader.read_gguf_state).
+WEIGHTS_CACHE_FORMAT = 3
 
 
 

@@ -50,7 +50,7 @@ def machine_report() -> dict[str, Any]:
     memory_gib {total, available, available_to_process}, gpus [{name, memory_gib}], versions {python, torch,
     transformers, tokenizers, gguf, triton, tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm,
     int8_weight_bits}, defaults {device, dtype, dtype_reason, attention_backend, cpu_kv_cache_gib,
-    cpu_kv_cache_reason, default_model}.
+    cpu_kv_cache_reason, default_model, small_batch_kernel}.
     Never raises for a missing piece: it is reported as such.
     """
     import psutil
@@ -106,5 +106,20 @@ def machine_report() -> dict[str, Any]:
                      "cpu_kv_cache_gib": round(cpu_kv_budget_bytes(EngineConfig()) / 2**30, 2),
                      "cpu_kv_cache_reason": "half the memory available to this process now (cgroup limit included); "
                                             "a worker sizes it after its model loads; --kv-cache-gib fixes it",
-                     "default_model": default_model},
+                     "default_model": default_model,
+                     "small_batch_kernel": _small_batch_kernel(device, dtype)},
     }
+
+
+def _small_batch_kernel(device: Any, dtype: Any) -> str:
+    """What engine.packed_linear's small-batch path does here (its module docstring says why)."""
+    import torch
+
+    from engine.packed_linear import GGUF_KERNEL_MAX_ROWS
+
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"off: the {str(dtype).removeprefix('torch.')} path on {device.type} reads its own weights"
+    if GGUF_KERNEL_MAX_ROWS <= 0:
+        return "off (TOKENMILL_GGUF_KERNEL=0)"
+    return (f"steps of <= {GGUF_KERNEL_MAX_ROWS} rows read a GGUF's Q4_0/Q4_1/Q8_0 blocks (0.6-1.1 bytes per weight "
+            "instead of fp32's 4; the same weights), larger steps the packed fp32 GEMMs")

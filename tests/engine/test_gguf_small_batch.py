@@ -1,0 +1,116 @@
+"""The CPU's small-batch path on the GGUF's own blocks (engine.packed_linear, engine.gguf_blocks): the default
+GGUF's projections and its tied LM head keep their raw blocks through loading, the weights cache, fusion and
+packing; steps of at most GGUF_KERNEL_MAX_ROWS rows multiply by them; the greedy tokens are the packed fp32
+GEMM's on real prompts; blocks whose weight changed are never used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine import LLMEngine, SamplingParams, packed_linear
+from engine.gguf_blocks import GGUFBlocks
+from engine.loader import load_gguf_model
+from engine.model import concat_linears
+from engine.packed_linear import PackedLinear, gguf_blocks_of, pack_linears, set_gguf_blocks
+
+CPU = torch.device("cpu")
+
+
+def _blocks(type_name: str, n: int, k: int, seed: int = 0) -> GGUFBlocks:
+    """Blocks of a random [n, k] weight quantized by gguf-py (the reference writer of the format)."""
+    import gguf
+
+    w = np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    return GGUFBlocks.from_raw(raw, type_name, (n, k))
+
+
+def test_the_default_gguf_keeps_its_blocks_through_packing(real_engine: LLMEngine) -> None:
+    model = real_engine.runner.model
+    served = {name: m.blocks.type_name for name, m in model.named_modules()
+              if isinstance(m, PackedLinear) and m.blocks is not None}
+    layers = model.config.num_layers
+    for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert [served.get(f"layers.{i}.{proj}") for i in range(layers)] == ["Q4_1"] * layers, proj
+    assert served["lm_head"] == "Q8_0"  # the tied LM head multiplies by the Q8_0 token embedding
+    # The blocks are the weights: the embedding (fp32, dequantized by gguf-py at load) bit for bit.
+    assert torch.equal(model.lm_head.blocks.dequantize(), model.embed_tokens.weight)
+
+
+def test_small_batches_run_on_the_blocks_and_give_the_packed_gemms_tokens(
+        real_engine: LLMEngine, alpaca_instructions: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    kernel = packed_linear.gguf_linear
+
+    def counted(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, blocks)
+
+    monkeypatch.setattr(packed_linear, "gguf_linear", counted)
+    prompts = alpaca_instructions[10:14]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        real_engine.reset_prefix_cache()
+        one = real_engine.generate(prompts[:1], params)  # decode steps of 1 row
+        four = real_engine.generate(prompts, params)  # of 4 rows
+        return [list(o.output_token_ids) for o in one + four]
+
+    on_blocks = run()
+    assert calls and max(calls) <= packed_linear.GGUF_KERNEL_MAX_ROWS and set(calls) >= {1, 4}
+    monkeypatch.setattr(packed_linear, "GGUF_KERNEL_MAX_ROWS", 0)
+    calls.clear()
+    assert run() == on_blocks
+    assert not calls  # the reference run never touched the blocks
+
+
+def test_a_cached_load_keeps_the_blocks(gguf_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    _, built = load_gguf_model(gguf_path, torch.float32, CPU)  # writes the cache entry
+    _, cached = load_gguf_model(gguf_path, torch.float32, CPU)  # reads it
+    for name in ("layers.0.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.29.mlp.down_proj", "lm_head"):
+        a, b = gguf_blocks_of(built.get_submodule(name)), gguf_blocks_of(cached.get_submodule(name))
+        assert a is not None and b is not None and a.type_name == b.type_name
+        assert torch.equal(a.dequantize(), b.dequantize())
+        assert torch.equal(b.dequantize(), cached.get_submodule(name).weight)  # the rows un-permuted alike (Q, K)
+    _, bf16 = load_gguf_model(gguf_path, torch.bfloat16, CPU)  # only the fp32 path reads blocks
+    assert gguf_blocks_of(bf16.layers[0].mlp.down_proj) is None
+
+
+def test_fused_projections_join_their_blocks_and_changed_weights_drop_them() -> None:
+    parts = [_blocks("Q4_1", n, 64, seed=n) for n in (32, 16, 16)]
+    linears = []
+    for b in parts:
+        lin = nn.Linear(64, b.shape[0], bias=False)
+        lin.weight = nn.Parameter(b.dequantize(), requires_grad=False)
+        assert set_gguf_blocks(lin, b)
+        linears.append(lin)
+    merged = concat_linears(linears)
+    joined = gguf_blocks_of(merged)
+    assert joined is not None and joined.shape == (64, 64)
+    assert torch.equal(joined.dequantize(), merged.weight)
+    with torch.no_grad():
+        merged.weight.mul_(2)  # SmoothQuant scales weights in place: the blocks are no longer this weight
+    assert gguf_blocks_of(merged) is None
+    linears[0].weight.data = linears[0].weight.data.clone()  # GPTQ swaps the data: also dropped
+    assert gguf_blocks_of(linears[0]) is None
+    wrong = nn.Linear(64, 8, bias=False)
+    assert not set_gguf_blocks(wrong, parts[0])  # [32, 64] blocks for an [8, 64] weight: refused
+    # A packed model keeps only blocks that are still its weights.
+    model = nn.Sequential(linears[1], merged)
+    pack_linears(model)
+    assert model[0].blocks is not None and model[1].blocks is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(model[0](x), x @ linears[1].weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_refuses_blocks_of_another_shape() -> None:
+    b = _blocks("Q8_0", 16, 64)
+    with pytest.raises(ValueError, match="GGUF blocks"):
+        PackedLinear(torch.zeros(8, 64), b)
+
