@@ -16,6 +16,7 @@ from engine.device import cpu_zeros
 from engine.input_batch import InputBatch, StepInputs
 from engine.logits_processors import LogitsProcessors
 from engine.model import AttentionFn, LlamaModel
+from engine.packed_linear import gguf_kernel_scope
 from engine.request import Request
 from engine.sampler import sample_rows_on_device
 from engine.scheduler import ScheduledRequest
@@ -196,18 +197,22 @@ class ModelRunner:
         None when none samples)."""
         input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
         sampling = x.sampling
+        sampled_rows = self.input_batch.sampled_rows(x)
+        # The CPU's small-batch GGUF kernel: decode-only steps without a seeded row (engine.packed_linear's NOTE).
+        small_kernel = meta.decode_only and (sampled_rows is None or not sampled_rows.seeded.any())
         graphs = self.graphs
-        if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
-            if not graphs.graphs:
-                graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
-            hidden = graphs.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
-        if not sampling:
-            return sampling, None
-        if logits_rows is not None:
-            hidden = hidden.index_select(0, logits_rows)
-        logits = self.model.compute_logits(hidden, full_precision=False)
+        with gguf_kernel_scope(small_kernel):
+            if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
+                if not graphs.graphs:
+                    graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
+                hidden = graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
+            if not sampling:
+                return sampling, None
+            if logits_rows is not None:
+                hidden = hidden.index_select(0, logits_rows)
+            logits = self.model.compute_logits(hidden, full_precision=False)
         procs, pending = self.logits_processors, None
         if procs is not None and procs.active:
             logits, pending = procs.apply(logits, sampling)
@@ -215,7 +220,7 @@ class ModelRunner:
                 raise RuntimeError("a step with a logits processor (logprobs, penalties, logit_bias, min_tokens, "
                                    "structured output) cannot run asynchronously; use execute")
         # The rows' sampling parameters come from the persistent batch: nothing per row when all are greedy.
-        tokens = sample_rows_on_device(logits, self.input_batch.sampled_rows(x), self.generator)
+        tokens = sample_rows_on_device(logits, sampled_rows, self.generator)
         if pending is not None:
             procs.record(pending, tokens.tolist())
         return sampling, tokens

@@ -11,17 +11,27 @@ bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ fr
 (relative 1e-7), because the two libraries sum in other orders.
 
 Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0 GGUF tensor keeps its raw blocks
-(engine.gguf_blocks.GGUFBlocks, 0.56-1.06 bytes per weight), and a step of at most GGUF_KERNEL_MAX_ROWS rows
+(engine.gguf_blocks.GGUFBlocks, 0.56-1.06 bytes per weight), and a decode step of at most GGUF_KERNEL_MAX_ROWS rows
 multiplies by them in fp32 (engine.gguf_blocks.gguf_linear) instead of reading the 4-byte fp32 copy: at a few
 rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same numbers bit for bit (the
 blocks' values are what the fp32 copy was dequantized from); only the fp32 summation order differs, as it does
 between oneDNN kernels. More rows run the packed GEMM, which is faster once the step is compute-bound.
+
+NOTE: oneDNN's packed GEMM gives a row the same bits whatever the other rows of the step (its per-output
+reduction order does not depend on M), and a seeded request's tokens are reproducible because of it, "whatever else
+is in the batch and after preemption" (SamplingParams.seed): a far-tail sample of the inverse CDF flips on a 1e-7
+change of a logit. So the runner opens the small-batch kernel only around a decode-only step with no seeded row
+(`gguf_kernel_scope`); prompts, and steps holding a seeded row, always run the packed GEMM. Outside such a scope
+(perplexity, GPTQ, direct model calls) PackedLinear never uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,6 +46,21 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 8
 #: The state-dict suffix of the GGUF block entries (engine.gguf_blocks.GGUFBlocks.to_state: `{module}.gguf_qs`...).
 GGUF_KEY_PREFIX = "gguf_"
+
+
+_scope = threading.local()  # engines on other threads (an EngineLoop's) step the same shared model
+
+
+@contextlib.contextmanager
+def gguf_kernel_scope(allowed: bool) -> Iterator[None]:
+    """Let this thread's PackedLinear modules use their GGUF blocks for steps of <= GGUF_KERNEL_MAX_ROWS rows while
+    the block runs (when `allowed`; module docstring NOTE says when the runner allows it)."""
+    before = getattr(_scope, "allowed", False)
+    _scope.allowed = allowed
+    try:
+        yield
+    finally:
+        _scope.allowed = before
 
 
 def is_block_key(name: str) -> bool:
@@ -125,7 +150,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.blocks is not None and x2.shape[0] <= GGUF_KERNEL_MAX_ROWS and x2.dtype == torch.float32:
+        if (self.blocks is not None and x2.shape[0] <= GGUF_KERNEL_MAX_ROWS and x2.dtype == torch.float32
+                and getattr(_scope, "allowed", False)):
             y = gguf_linear(x2, self.blocks)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")

@@ -1,7 +1,8 @@
 """The CPU's small-batch path on the GGUF's own blocks (engine.packed_linear, engine.gguf_blocks): the default
 GGUF's projections and its tied LM head keep their raw blocks through loading, the weights cache, fusion and
-packing; steps of at most GGUF_KERNEL_MAX_ROWS rows multiply by them; the greedy tokens are the packed fp32
-GEMM's on real prompts; blocks whose weight changed are never used."""
+packing; decode steps of at most GGUF_KERNEL_MAX_ROWS rows without a seeded row multiply by them; the greedy
+tokens are the packed fp32 GEMM's on real prompts; a seeded request's are the same alone and in a crowd; blocks
+whose weight changed are never used."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 from torch import nn
 
 from engine import LLMEngine, SamplingParams, packed_linear
-from engine.gguf_blocks import GGUFBlocks
+from engine.gguf_blocks import GGUFBlocks, gguf_linear
 from engine.loader import load_gguf_model
 from engine.model import concat_linears
-from engine.packed_linear import PackedLinear, gguf_blocks_of, pack_linears, set_gguf_blocks
+from engine.packed_linear import PackedLinear, gguf_blocks_of, gguf_kernel_scope, pack_linears, set_gguf_blocks
 
 CPU = torch.device("cpu")
 
@@ -62,11 +63,21 @@ def test_small_batches_run_on_the_blocks_and_give_the_packed_gemms_tokens(
         return [list(o.output_token_ids) for o in one + four]
 
     on_blocks = run()
-    assert calls and max(calls) <= packed_linear.GGUF_KERNEL_MAX_ROWS and set(calls) >= {1, 4}
+    assert calls and set(calls) == {1, 4}  # decode steps only: prompts (more rows) ran the packed GEMMs
     monkeypatch.setattr(packed_linear, "GGUF_KERNEL_MAX_ROWS", 0)
     calls.clear()
     assert run() == on_blocks
     assert not calls  # the reference run never touched the blocks
+    # A seeded request keeps its tokens whatever else is in the batch (SamplingParams.seed): steps holding one run
+    # the packed GEMMs, alone (a step of 1 row) as beside 11 others.
+    monkeypatch.undo()
+    monkeypatch.setattr(packed_linear, "gguf_linear", counted)
+    calls.clear()
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    alone = real_engine.generate(prompts[:1], seeded)[0].output_token_ids
+    assert not calls
+    crowd = real_engine.generate(prompts[:1] + alpaca_instructions[20:31], seeded)[0].output_token_ids
+    assert crowd == alone
 
 
 def test_a_cached_load_keeps_the_blocks(gguf_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,7 +93,7 @@ def test_a_cached_load_keeps_the_blocks(gguf_path: str, tmp_path: Path, monkeypa
     assert gguf_blocks_of(bf16.layers[0].mlp.down_proj) is None
 
 
-def test_fused_projections_join_their_blocks_and_changed_weights_drop_them() -> None:
+def test_fused_projections_join_their_blocks_and_changed_weights_drop_them(monkeypatch: pytest.MonkeyPatch) -> None:
     parts = [_blocks("Q4_1", n, 64, seed=n) for n in (32, 16, 16)]
     linears = []
     for b in parts:
@@ -106,7 +117,14 @@ def test_fused_projections_join_their_blocks_and_changed_weights_drop_them() -> 
     pack_linears(model)
     assert model[0].blocks is not None and model[1].blocks is None
     x = torch.randn(3, 64)
+    calls: list[int] = []
+    monkeypatch.setattr(packed_linear, "gguf_linear", lambda a, b: calls.append(1) or gguf_linear(a, b))
     torch.testing.assert_close(model[0](x), x @ linears[1].weight.T, rtol=1e-5, atol=1e-5)
+    assert not calls  # outside a runner's decode step: the packed GEMM
+    with gguf_kernel_scope(True):
+        torch.testing.assert_close(model[0](x), x @ linears[1].weight.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model[0](torch.randn(9, 64)).shape, (9, 16))  # more rows: packed again
+    assert calls == [1]
 
 
 def test_packed_linear_refuses_blocks_of_another_shape() -> None:
