@@ -1070,8 +1070,8 @@ void gguf_row_portable(const float* x, int64_t K, const uint8_t* qs, const float
       const uint8_t* q = qs + b * 16;
       const float m = mn[b];
       for (int j = 0; j < 16; ++j) {
-        w[j] = std::fma(d, static_cast<float>(q[j] & 15), m);
-        w[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), m);
+        w[j] = d * static_cast<float>(q[j] & 15) + m;  // d * q is exact: one rounding, fused or not
+        w[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
       }
     }
     for (int r = 0; r < MT; ++r) {
