@@ -28,12 +28,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from engine import cpu_kernels
+
 BLOCK_SIZE = 32  # weights per GGUF block, for all three types
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 SUPPORTED_TYPES = tuple(_BLOCK_BYTES)
 # The `.gguf_type` code stored with the blocks, and the C++ op's type_code: ggml's own type ids (ggml.h ggml_type).
 TYPE_CODES = {name: int(GGMLQuantizationType[name]) for name in SUPPORTED_TYPES}
 _TYPE_NAMES = {code: name for name, code in TYPE_CODES.items()}
+_NO_MINS = torch.empty(0)  # the op's mins for Q8_0
 
 
 def _check_type(type_name: str) -> None:
@@ -181,18 +184,15 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
     """y = x W^T for fp32 x [M, K] and W = blocks [N, K]: fp32 [M, N] (no bias).
 
     The C++ op reads the blocks, dequantizes each once into registers and uses it for every row of x (fast for small
-    M: bandwidth); without the compiled kernels, `x @ blocks.dequantize().T`, the same function (fp32 sums in
-    another order). Raises ValueError for x that is not fp32 [M, K] on the CPU.
+    M: bandwidth); without the compiled kernels, or for an x that requires grad, `x @ blocks.dequantize().T`, the
+    same function (fp32 sums in another order). Raises ValueError for x that is not fp32 [M, K] on the CPU.
     """
-    from engine.cpu_kernels import cpu_ops
-
     n, k = blocks.shape
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"gguf_linear takes fp32 CPU x [M, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}; "
                          "flatten the leading dims and convert first")
-    ops = cpu_ops()
-    if ops is None:
+    ops = cpu_kernels.cpu_ops()  # looked up per call, so TOKENMILL_CPU_KERNELS tests can patch it
+    if ops is None or x.requires_grad:  # the op has no backward: autograd through x takes the torch form
         return x @ blocks.dequantize().T
-    empty = blocks.scales.new_empty(0)
     return ops.gguf_linear(x.contiguous(), blocks.qs, blocks.scales,
-                           empty if blocks.mins is None else blocks.mins, blocks.type_code)
+                           _NO_MINS if blocks.mins is None else blocks.mins, blocks.type_code)
