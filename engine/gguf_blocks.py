@@ -14,9 +14,10 @@ Since d has 11 significant bits and q at most 8, d * q is exact in fp32, so fma(
 (d * (q - 8) and fma(d, q, -8 d) are both exact; they differ only in the sign of a zero weight when d < 0: -0 there,
 +0 here, which no product or sum can tell apart except an all-zero sum's sign).
 
-`gguf_linear(x, blocks)` = x @ W^T in fp32 reading 0.625 (Q4_1), 0.5625 (Q4_0) or 1.0625 (Q8_0) bytes per weight
-instead of fp32's 4: the C++ op `gguf_linear` of engine/csrc/cpu_kernels.cpp where it built, else the same function in
-torch (`x @ blocks.dequantize().T`). Only the fp32 summation order differs between the two, as between oneDNN kernels.
+`gguf_linear(x, blocks)` = x @ W^T in fp32 reading 0.75 (Q4_0, Q4_1: fp32 scale and min beside 16 bytes of nibbles
+per block; GGUF's fp16 ones make 0.5625 / 0.625) or 1.125 (Q8_0) bytes per weight instead of fp32's 4: the C++
+op `gguf_linear` of engine/csrc/cpu_kernels.cpp where it built, else the same function in torch
+(`x @ blocks.dequantize().T`). Only the fp32 summation order differs between the two, as between oneDNN kernels.
 """
 
 from __future__ import annotations

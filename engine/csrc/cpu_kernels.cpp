@@ -1042,8 +1042,9 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
 // j + 16 in its high nibble) or int8 [N, K/32, 32] (Q8_0); scales, mins fp32 [N, K/32]. Weight = fma(d, q, min)
 // (Q8_0: d * q); d * q is exact in fp32 (11 + 8 significant bits), so every weight is the value gguf-py's
 // dequantize gives. Each block is dequantized once into registers and used for up to kGgufRowTile rows of x, with
-// fp32 accumulation: at a few rows per step the GEMM reads 0.625 (Q4_1) / 1.0625 (Q8_0) bytes per weight instead of
-// fp32's 4 (a decode step is bandwidth-bound; llama.cpp's ggml_vec_dot kernels work on the same blocks).
+// fp32 accumulation: at a few rows per step the GEMM reads 0.75 (Q4: 16 B of nibbles + fp32 scale and min per 32
+// weights) / 1.125 (Q8_0) bytes per weight instead of fp32's 4 (a decode step is bandwidth-bound; llama.cpp's
+// ggml_vec_dot kernels work on the same blocks). Measured at SmolLM2-135M's shapes: bench/cpu_kernels.py --gguf.
 constexpr int kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8;  // ggml_type ids
 
 // Portable form (any CPU; GCC vector extensions, FMA where -march=native has it): dequantize into a float[32], then
