@@ -218,8 +218,8 @@ def bench_gguf(rows: list[int], reps: int, layers: int) -> None:
         blocks = [blocks[i % len(blocks)].map_rows(lambda t: t.clone()) for i in range(copies)]
         weights[name] = (blocks, [PackedLinear(b.dequantize()) for b in blocks])
     print("| M | " + " | ".join(f"{name} ({GGUF_SHAPES[name][2]}) ours / fp32 packed" for name in GGUF_SHAPES)
-          + " | layer + LM head ours / fp32 packed us | fp32 / ours |")
-    print("|---|" + "---|" * (len(GGUF_SHAPES) + 2))
+          + " | layer ours / fp32 packed us | fp32 / ours | layer + LM head ours / fp32 packed us | fp32 / ours |")
+    print("|---|" + "---|" * (len(GGUF_SHAPES) + 4))
     for m in rows:
         cells, ours_sum, packed_sum = [], 0.0, 0.0
         for name, (k_blocks, k_packed) in weights.items():
@@ -230,6 +230,8 @@ def bench_gguf(rows: list[int], reps: int, layers: int) -> None:
             ours = median_s(lambda x=x, bs=k_blocks: [gguf_linear(x, b) for b in bs], reps) / len(k_blocks) * 1e6
             packed = median_s(lambda x=x, ps=k_packed: [p(x) for p in ps], reps) / len(k_packed) * 1e6
             cells.append(f"{ours:.0f} / {packed:.0f}")
+            if name == "lm_head":
+                cells.append(f"{ours_sum:.0f} / {packed_sum:.0f} | {packed_sum / ours_sum:.2f}")  # the layer alone
             ours_sum += ours
             packed_sum += packed
         print(f"| {m} | " + " | ".join(cells) + f" | {ours_sum:.0f} / {packed_sum:.0f} | {packed_sum / ours_sum:.2f} |",

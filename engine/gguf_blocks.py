@@ -14,9 +14,10 @@ Since d has 11 significant bits and q at most 8, d * q is exact in fp32, so fma(
 (d * (q - 8) and fma(d, q, -8 d) are both exact; they differ only in the sign of a zero weight when d < 0: -0 there,
 +0 here, which no product or sum can tell apart except an all-zero sum's sign).
 
-`gguf_linear(x, blocks)` = x @ W^T in fp32 reading 0.625 (Q4_1), 0.5625 (Q4_0) or 1.0625 (Q8_0) bytes per weight
-instead of fp32's 4: the C++ op `gguf_linear` of engine/csrc/cpu_kernels.cpp where it built, else the same function in
-torch (`x @ blocks.dequantize().T`). Only the fp32 summation order differs between the two, as between oneDNN kernels.
+`gguf_linear(x, blocks)` = x @ W^T in fp32 reading 0.75 (Q4_0, Q4_1: fp32 scale and min beside 16 bytes of nibbles
+per block; GGUF's fp16 ones make 0.5625 / 0.625) or 1.125 (Q8_0) bytes per weight instead of fp32's 4: the C++
+op `gguf_linear` of engine/csrc/cpu_kernels.cpp where it built, else the same function in torch
+(`x @ blocks.dequantize().T`). Only the fp32 summation order differs between the two, as between oneDNN kernels.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from engine import cpu_kernels
+
 BLOCK_SIZE = 32  # weights per GGUF block, for all three types
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 SUPPORTED_TYPES = tuple(_BLOCK_BYTES)
 # The `.gguf_type` code stored with the blocks, and the C++ op's type_code: ggml's own type ids (ggml.h ggml_type).
 TYPE_CODES = {name: int(GGMLQuantizationType[name]) for name in SUPPORTED_TYPES}
 _TYPE_NAMES = {code: name for name, code in TYPE_CODES.items()}
+_NO_MINS = torch.empty(0)  # the op's mins for Q8_0
 
 
 def _check_type(type_name: str) -> None:
@@ -181,18 +185,15 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
     """y = x W^T for fp32 x [M, K] and W = blocks [N, K]: fp32 [M, N] (no bias).
 
     The C++ op reads the blocks, dequantizes each once into registers and uses it for every row of x (fast for small
-    M: bandwidth); without the compiled kernels, `x @ blocks.dequantize().T`, the same function (fp32 sums in
-    another order). Raises ValueError for x that is not fp32 [M, K] on the CPU.
+    M: bandwidth); without the compiled kernels, or for an x that requires grad, `x @ blocks.dequantize().T`, the
+    same function (fp32 sums in another order). Raises ValueError for x that is not fp32 [M, K] on the CPU.
     """
-    from engine.cpu_kernels import cpu_ops
-
     n, k = blocks.shape
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"gguf_linear takes fp32 CPU x [M, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}; "
                          "flatten the leading dims and convert first")
-    ops = cpu_ops()
-    if ops is None:
+    ops = cpu_kernels.cpu_ops()  # looked up per call, so TOKENMILL_CPU_KERNELS tests can patch it
+    if ops is None or x.requires_grad:  # the op has no backward: autograd through x takes the torch form
         return x @ blocks.dequantize().T
-    empty = blocks.scales.new_empty(0)
     return ops.gguf_linear(x.contiguous(), blocks.qs, blocks.scales,
-                           empty if blocks.mins is None else blocks.mins, blocks.type_code)
+                           _NO_MINS if blocks.mins is None else blocks.mins, blocks.type_code)

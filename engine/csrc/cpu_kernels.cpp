@@ -1042,8 +1042,9 @@ void sample_rows_kernel(const T* x, int64_t x_stride, int64_t cols, int64_t n, c
 // j + 16 in its high nibble) or int8 [N, K/32, 32] (Q8_0); scales, mins fp32 [N, K/32]. Weight = fma(d, q, min)
 // (Q8_0: d * q); d * q is exact in fp32 (11 + 8 significant bits), so every weight is the value gguf-py's
 // dequantize gives. Each block is dequantized once into registers and used for up to kGgufRowTile rows of x, with
-// fp32 accumulation: at a few rows per step the GEMM reads 0.625 (Q4_1) / 1.0625 (Q8_0) bytes per weight instead of
-// fp32's 4 (a decode step is bandwidth-bound; llama.cpp's ggml_vec_dot kernels work on the same blocks).
+// fp32 accumulation: at a few rows per step the GEMM reads 0.75 (Q4: 16 B of nibbles + fp32 scale and min per 32
+// weights) / 1.125 (Q8_0) bytes per weight instead of fp32's 4 (a decode step is bandwidth-bound; llama.cpp's
+// ggml_vec_dot kernels work on the same blocks). Measured at SmolLM2-135M's shapes: bench/cpu_kernels.py --gguf.
 constexpr int kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ8_0 = 8;  // ggml_type ids
 
 // Portable form (any CPU; GCC vector extensions, FMA where -march=native has it): dequantize into a float[32], then
@@ -1070,8 +1071,8 @@ void gguf_row_portable(const float* x, int64_t K, const uint8_t* qs, const float
       const uint8_t* q = qs + b * 16;
       const float m = mn[b];
       for (int j = 0; j < 16; ++j) {
-        w[j] = std::fma(d, static_cast<float>(q[j] & 15), m);
-        w[j + 16] = std::fma(d, static_cast<float>(q[j] >> 4), m);
+        w[j] = d * static_cast<float>(q[j] & 15) + m;  // d * q is exact: one rounding, fused or not
+        w[j + 16] = d * static_cast<float>(q[j] >> 4) + m;
       }
     }
     for (int r = 0; r < MT; ++r) {
@@ -1127,7 +1128,12 @@ void gguf_rows_avx2(const float* x, int64_t K, const uint8_t* qs, const float* s
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < MT; ++r)
       for (int a = 0; a < NA; ++a) acc[j][r][a] = _mm256_setzero_ps();
+  // Software prefetch of the next NR rows' blocks, at the pace these are read: with 2-4 rows read side by side the
+  // hardware prefetcher fell behind (Q8_0 LM head at M = 1: 7 ns per block from memory, 2.6 with this; a prefetch
+  // past the end of W does not fault).
+  const char* ahead = reinterpret_cast<const char*>(qs + NR * nb * QB);
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = 0; off < NR * QB; off += 64) __builtin_prefetch(ahead + b * NR * QB + off);
     for (int j = 0; j < NR; ++j) {
       __m256 w[4];
       gguf_block_avx2<TYPE>(qs + j * nb * QB, sc + j * nb, mn == nullptr ? nullptr : mn + j * nb, b, w);

@@ -194,6 +194,11 @@ def test_torch_fallback_is_the_same_function(ops: object, q4_1: tuple, q8_0: tup
     for blocks in _row_slices(q4_1, q8_0, q4_0):
         xs[blocks.type_name] = x = torch.randn(6, blocks.shape[1], generator=gen)
         built[blocks.type_name] = gguf_linear(x, blocks)
+    x = xs["Q4_1"].clone().requires_grad_()  # the op has no backward: x that requires grad takes the torch form
+    blocks = _row_slices(q4_1, q8_0, q4_0)[0]
+    y = gguf_linear(x, blocks)
+    y.sum().backward()
+    assert torch.equal(x.grad, blocks.dequantize().sum(0).expand_as(x))
     monkeypatch.setattr(engine.cpu_kernels, "cpu_ops", lambda: None)
     for blocks in _row_slices(q4_1, q8_0, q4_0):
         x = xs[blocks.type_name]
