@@ -11,11 +11,11 @@ bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ fr
 (relative 1e-7), because the two libraries sum in other orders.
 
 Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0 GGUF tensor keeps its raw blocks
-(engine.gguf_blocks.GGUFBlocks, 0.56-1.06 bytes per weight), and a decode step of at most GGUF_KERNEL_MAX_ROWS rows
-multiplies by them in fp32 (engine.gguf_blocks.gguf_linear) instead of reading the 4-byte fp32 copy: at a few
-rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same numbers bit for bit (the
-blocks' values are what the fp32 copy was dequantized from); only the fp32 summation order differs, as it does
-between oneDNN kernels. More rows run the packed GEMM, which is faster once the step is compute-bound.
+(engine.gguf_blocks.GGUFBlocks, 0.75 bytes per weight for Q4, 1.125 for Q8_0), and a decode step of at most
+GGUF_KERNEL_MAX_ROWS rows multiplies by them in fp32 (engine.gguf_blocks.gguf_linear) instead of reading the
+4-byte fp32 copy: at a few rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same
+numbers bit for bit (the blocks' values are what the fp32 copy was dequantized from); only the fp32 summation order
+differs, as it does between oneDNN kernels. More rows run the packed GEMM, faster once the step is compute-bound.
 
 NOTE: oneDNN's packed GEMM gives a row the same bits whatever the other rows of the step (its per-output
 reduction order does not depend on M), and a seeded request's tokens are reproducible because of it, "whatever else
@@ -41,9 +41,11 @@ from engine.quant.state import set_module
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: Rows M of a step up to which an fp32 PackedLinear with GGUF blocks runs engine.gguf_blocks.gguf_linear instead
-#: of the packed GEMM (module docstring). From `python bench/cpu_kernels.py --gguf` (see bench/README.md).
+#: of the packed GEMM (module docstring). `python bench/cpu_kernels.py --gguf` (AVX2 EPYC, 2026-11-26, 2 threads,
+#: a layer's four GEMMs + the LM head, weights from memory): 3.8x the packed GEMM at M = 1, 1.68x at 8, 1.11x at 16,
+#: 0.98x at 24, 0.86x at 32 (bench/README.md).
 #: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM).
-GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 8
+GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 16
 #: The state-dict suffix of the GGUF block entries (engine.gguf_blocks.GGUFBlocks.to_state: `{module}.gguf_qs`...).
 GGUF_KEY_PREFIX = "gguf_"
 

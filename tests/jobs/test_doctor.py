@@ -29,7 +29,7 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     assert report["versions"]["torch"] == torch.__version__
     # The fp32 CPU path reads a GGUF's blocks in small steps (engine.packed_linear); bf16 and CUDA do not.
     small = report["defaults"]["small_batch_kernel"]
-    expected = "steps of <= 8 rows" if report["defaults"]["dtype"] == "float32" else "off"
+    expected = "decode steps of <= 16 rows" if report["defaults"]["dtype"] == "float32" else "off"
     assert small.startswith(expected), small
     # The auto KV pool on the CPU: half of what this process may still take (engine.device.CPU_KV_MEMORY_SHARE).
     room = report["memory_gib"]["available_to_process"]
