@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept as their own blocks, and the exact small-M GEMM that reads them.
+"""GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K weights kept as their own blocks, and the exact small-M GEMM that reads them.
 
 ggml block layouts (ggml-common.h `block_q4_0`, `block_q4_1`, `block_q8_0`; 32 weights per block, blocks run along a
 row; gguf-py quants.py `dequantize_blocks` computes each in float32):
@@ -6,13 +6,19 @@ row; gguf-py quants.py `dequantize_blocks` computes each in float32):
     Q4_1: fp16 d, fp16 m, 16 bytes qs      w = d * q + m,    q in 0..15
     Q8_0: fp16 d, 32 int8 qs               w = d * q,        q in -128..127
 Byte j of a Q4 block's qs holds element j in its low nibble and element j + 16 in its high nibble.
+    Q4_K (`block_q4_K`, the "K-quant" of most Q4_K_M files): 256-weight super-blocks of fp16 d and dmin, 12 bytes of
+    6-bit scales sc and mins m (one pair per 32 weights, gguf-py `Q4_K.get_scale_min`), 128 bytes of nibbles;
+    w = (d * sc) * q - dmin * m, q in 0..15 (32 bytes hold two 32-weight sub-blocks: low nibbles the first, high
+    the second).
 
 `GGUFBlocks` keeps qs as they are and d (and m) widened to fp32, which is exact. Every weight is then
 w = fma(scale, q, min) with min = m (Q4_1), -8 d (Q4_0, exact: a power of two times d), none (Q8_0: w = scale * q).
 Since d has 11 significant bits and q at most 8, d * q is exact in fp32, so fma(d, q, m) rounds once, as gguf's
 `d * q + m` does: the weights equal `gguf.quants.dequantize` bit for bit for Q4_1 and Q8_0, and for Q4_0 as numbers
 (d * (q - 8) and fma(d, q, -8 d) are both exact; they differ only in the sign of a zero weight when d < 0: -0 there,
-+0 here, which no product or sum can tell apart except an all-zero sum's sign).
++0 here, which no product or sum can tell apart except an all-zero sum's sign). A Q4_K super-block becomes eight
+Q4_1-shaped blocks, nibbles regrouped into that order, scale = d * sc and min = -(dmin * m): both products are exact
+in fp32 (11 significant bits times 6), so fma(scale, q, min) rounds once, as gguf's `d * q - dm` does: bit for bit.
 
 `gguf_linear(x, blocks)` = x @ W^T in fp32 reading 0.75 (Q4_0, Q4_1: fp32 scale and min beside 16 bytes of nibbles
 per block; GGUF's fp16 ones make 0.5625 / 0.625) or 1.125 (Q8_0) bytes per weight instead of fp32's 4: the C++
@@ -32,7 +38,8 @@ from gguf import GGMLQuantizationType
 from engine import cpu_kernels
 
 BLOCK_SIZE = 32  # weights per GGUF block, for all three types
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}  # Q4_K: per 256-weight super-block
+SUPER_BLOCK = 256  # weights per Q4_K super-block (ggml QK_K)
 SUPPORTED_TYPES = tuple(_BLOCK_BYTES)
 # The `.gguf_type` code stored with the blocks, and the C++ op's type_code: ggml's own type ids (ggml.h ggml_type).
 TYPE_CODES = {name: int(GGMLQuantizationType[name]) for name in SUPPORTED_TYPES}
@@ -51,7 +58,7 @@ class GGUFBlocks:
     """One weight W [N, K] (torch order: N = out_features) as its GGUF blocks.
 
     Attributes:
-        type_name: "Q4_0", "Q4_1" or "Q8_0".
+        type_name: "Q4_0", "Q4_1", "Q8_0" or "Q4_K" (held as Q4_1-shaped blocks: module docstring).
         qs: Q4: uint8 [N, K / 32, 16] (GGUF's byte order: element j < 16 is qs[j] & 0xF, j + 16 is qs[j] >> 4);
             Q8_0: int8 [N, K / 32, 32].
         scales: fp32 [N, K / 32], the blocks' fp16 d widened (exact).
@@ -88,8 +95,13 @@ class GGUFBlocks:
 
     @property
     def type_code(self) -> int:
-        """ggml's id of the type (Q4_0 2, Q4_1 3, Q8_0 8): the C++ op's type_code."""
+        """ggml's id of the type (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12): what `to_state` stores."""
         return TYPE_CODES[self.type_name]
+
+    @property
+    def kernel_code(self) -> int:
+        """The C++ op's type_code: the layout the blocks have in memory (Q4_K is held as Q4_1-shaped blocks)."""
+        return TYPE_CODES["Q4_1"] if self.type_name == "Q4_K" else TYPE_CODES[self.type_name]
 
     @property
     def nbytes(self) -> int:
@@ -103,10 +115,13 @@ class GGUFBlocks:
 
         raw: the GGUFReader tensor's `data` (uint8, any shape holding N * K / 32 blocks); type_name: its
         `tensor_type.name`; shape: (N, K) in torch order (ggml lists K first). Raises ValueError for a type other
-        than Q4_0 / Q4_1 / Q8_0, K not a multiple of 32, or a byte count that does not match the shape.
+        than Q4_0 / Q4_1 / Q8_0 / Q4_K, K not a multiple of 32 (256 for Q4_K), or a byte count that does not match
+        the shape.
         """
         _check_type(type_name)
         n, k = shape
+        if type_name == "Q4_K":
+            return cls._from_q4_k(raw, n, k)
         if k % BLOCK_SIZE:
             raise ValueError(f"a {type_name} tensor's rows must be whole 32-weight blocks, got K={k}; load it "
                              "dequantized instead")
@@ -125,6 +140,32 @@ class GGUFBlocks:
             mins = scales * np.float32(-8)
         qs = np.ascontiguousarray(blocks[..., nbytes - 16:])
         return cls(type_name, torch.from_numpy(qs), torch.from_numpy(scales), torch.from_numpy(mins))
+
+    @classmethod
+    def _from_q4_k(cls, raw: np.ndarray, n: int, k: int) -> GGUFBlocks:
+        """Q4_K super-blocks as Q4_1-shaped blocks (module docstring), exactly."""
+        from gguf.quants import Q4_K
+
+        if k % SUPER_BLOCK:
+            raise ValueError(f"a Q4_K tensor's rows must be whole 256-weight super-blocks, got K={k}; load it "
+                             "dequantized instead")
+        nsb = n * (k // SUPER_BLOCK)
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        if flat.size != nsb * _BLOCK_BYTES["Q4_K"]:
+            raise ValueError(f"Q4_K [{n}, {k}] takes {nsb * _BLOCK_BYTES['Q4_K']} bytes, the tensor has {flat.size}")
+        sb = flat.reshape(nsb, _BLOCK_BYTES["Q4_K"])
+        d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nsb, 1]
+        dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(sb[:, 4:16])  # [nsb, 8] each, 0..63
+        scales = d * sc.astype(np.float32)
+        mins = -(dmin * m.astype(np.float32))
+        qs = sb[:, 16:].reshape(nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(nsb, 8, 32)  # sub-block j's 32 values, in element order
+        packed = q[..., :16] | (q[..., 16:] << np.uint8(4))  # this class's byte order
+        nb = k // BLOCK_SIZE
+        return cls("Q4_K", torch.from_numpy(np.ascontiguousarray(packed.reshape(n, nb, 16))),
+                   torch.from_numpy(np.ascontiguousarray(scales.reshape(n, nb))),
+                   torch.from_numpy(np.ascontiguousarray(mins.reshape(n, nb))))
 
     def quants(self) -> torch.Tensor:
         """The integer values q as float32 [N, K / 32, 32] in element order (0..15 for Q4, -128..127 for Q8_0)."""
@@ -196,4 +237,4 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
     if ops is None or x.requires_grad:  # the op has no backward: autograd through x takes the torch form
         return x @ blocks.dequantize().T
     return ops.gguf_linear(x.contiguous(), blocks.qs, blocks.scales,
-                           _NO_MINS if blocks.mins is None else blocks.mins, blocks.type_code)
+                           _NO_MINS if blocks.mins is None else blocks.mins, blocks.kernel_code)

@@ -10,7 +10,7 @@ rows 381-413 GFLOP/s packed vs 315-357 through F.linear; fp32 202-217 vs 106-172
 bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ from MKL's in rounding only
 (relative 1e-7), because the two libraries sum in other orders.
 
-Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0 GGUF tensor keeps its raw blocks
+Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0/Q4_K GGUF tensor keeps its blocks
 (engine.gguf_blocks.GGUFBlocks, 0.75 bytes per weight for Q4, 1.125 for Q8_0), and a decode step of at most
 GGUF_KERNEL_MAX_ROWS rows multiplies by them in fp32 (engine.gguf_blocks.gguf_linear) instead of reading the
 4-byte fp32 copy: at a few rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same

@@ -121,5 +121,5 @@ def _small_batch_kernel(device: Any, dtype: Any) -> str:
         return f"off: the {str(dtype).removeprefix('torch.')} path on {device.type} reads its own weights"
     if GGUF_KERNEL_MAX_ROWS <= 0:
         return "off (TOKENMILL_GGUF_KERNEL=0)"
-    return (f"decode steps of <= {GGUF_KERNEL_MAX_ROWS} rows without a seeded row read a GGUF's Q4_0/Q4_1/Q8_0 "
+    return (f"decode steps of <= {GGUF_KERNEL_MAX_ROWS} rows without a seeded row read a GGUF's Q4_0/Q4_1/Q8_0/Q4_K "
             "blocks (0.75-1.1 bytes per weight instead of fp32's 4; the same weights), other steps the packed GEMMs")

@@ -104,8 +104,10 @@ def _tokenizer_fields(tokenizer_gguf: str) -> list:
     return _TOKENIZER_FIELDS[tokenizer_gguf]
 
 
-def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[str, np.ndarray] | None = None) -> None:
-    """The model as llama.cpp's converter writes it (F32 tensors), with the tokenizer fields of `tokenizer_gguf`."""
+def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[str, np.ndarray] | None = None,
+               quantized: dict[str, tuple[np.ndarray, object]] | None = None) -> None:
+    """The model as llama.cpp's converter writes it (F32 tensors), with the tokenizer fields of `tokenizer_gguf`;
+    `quantized` (GGUF name -> (raw bytes [N, row bytes], gguf.GGMLQuantizationType)) replaces those tensors."""
     cfg = model.config
     arch = GGUF_ARCH[family]
     w = gguf.GGUFWriter(str(path), arch)
@@ -149,7 +151,11 @@ def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[
         tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
     tensors.update(extra or {})
     for name, a in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        if quantized and name in quantized:
+            raw, qtype = quantized[name]
+            w.add_tensor(name, np.ascontiguousarray(raw, dtype=np.uint8), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

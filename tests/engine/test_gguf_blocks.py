@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 import engine.cpu_kernels
-from engine.gguf_blocks import SUPPORTED_TYPES, GGUFBlocks, gguf_linear
+from engine.gguf_blocks import SUPPORTED_TYPES, TYPE_CODES, GGUFBlocks, gguf_linear
 from engine.gguf_file import unpermute_rope_rows
 from engine.tokenizer import Tokenizer
 
@@ -118,7 +118,7 @@ def test_errors_name_the_problem(q4_1: tuple) -> None:
         GGUFBlocks.from_raw(raw, "Q4_1", (8, 64))
     blocks = q4_1[0]
     state = blocks.to_state("p")
-    state["p.gguf_type"] = torch.tensor([12], dtype=torch.uint8)  # Q4_K
+    state["p.gguf_type"] = torch.tensor([14], dtype=torch.uint8)  # Q6_K
     with pytest.raises(ValueError, match="not a GGUF block type"):
         GGUFBlocks.from_state("p", state)
     del state["p.gguf_type"]
@@ -128,7 +128,7 @@ def test_errors_name_the_problem(q4_1: tuple) -> None:
         GGUFBlocks("Q8_0", torch.zeros(2, 1, 32, dtype=torch.int8), torch.ones(2, 1), torch.ones(2, 1))
     with pytest.raises(ValueError, match="fp32 CPU x"):
         gguf_linear(torch.zeros(2, 64), blocks)
-    assert set(SUPPORTED_TYPES) == {"Q4_0", "Q4_1", "Q8_0"}
+    assert set(SUPPORTED_TYPES) == {"Q4_0", "Q4_1", "Q8_0", "Q4_K"}
 
 
 def _check_gemm(y: torch.Tensor, x: torch.Tensor, blocks: GGUFBlocks) -> None:
@@ -220,3 +220,30 @@ def test_op_rejects_bad_arguments(ops: object, q4_1: tuple) -> None:
         ops.gguf_linear(x, blocks.qs, blocks.scales, blocks.mins, 8)  # Q4 bytes passed as Q8_0
     with pytest.raises(RuntimeError, match="mins must be"):
         ops.gguf_linear(x, blocks.qs, blocks.scales, torch.empty(0), blocks.type_code)
+
+
+def _q4_k_raw(n: int, k: int, seed: int) -> np.ndarray:
+    """Raw Q4_K bytes [n, k / 256 * 144] (gguf-py has no Q4_K quantizer): random nibbles and 6-bit scales/mins,
+    finite fp16 d and dmin of a real model's size."""
+    rng = np.random.default_rng(seed)
+    nsb = n * k // 256
+    raw = rng.integers(0, 256, size=(nsb, 144), dtype=np.uint8)
+    raw[:, 0:2] = rng.normal(0, 2e-3, nsb).astype(np.float16).view(np.uint8).reshape(nsb, 2)
+    raw[:, 2:4] = np.abs(rng.normal(0, 2e-3, nsb)).astype(np.float16).view(np.uint8).reshape(nsb, 2)
+    return raw.reshape(n, k // 256 * 144)
+
+
+def test_q4_k_super_blocks_are_q4_1_shaped_blocks_bit_for_bit(ops: object) -> None:
+    n, k = 203, 1536  # odd N (every tail path), K = 6 super-blocks
+    raw = _q4_k_raw(n, k, 0)
+    blocks = GGUFBlocks.from_raw(raw, "Q4_K", (n, k))
+    assert blocks.type_name == "Q4_K" and blocks.shape == (n, k) and blocks.kernel_code == TYPE_CODES["Q4_1"]
+    ref = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, k)
+    np.testing.assert_array_equal(_bits(blocks.dequantize()), _bits(ref))  # the same weights, bit for bit
+    for m in (1, 5, 16):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        _check_gemm(gguf_linear(x, blocks), x, blocks)
+    again = GGUFBlocks.from_state("w", blocks.to_state("w"))
+    assert again.type_name == "Q4_K" and torch.equal(again.dequantize(), blocks.dequantize())
+    with pytest.raises(ValueError, match="256-weight super-blocks"):
+        GGUFBlocks.from_raw(raw, "Q4_K", (n * 6, 256 - 32))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import LLMEngine, SamplingParams, packed_linear
+from engine import EngineConfig, LLMEngine, SamplingParams, packed_linear
 from engine.gguf_blocks import GGUFBlocks, gguf_linear
 from engine.loader import load_gguf_model
 from engine.model import concat_linears
@@ -133,3 +133,45 @@ def test_packed_linear_refuses_blocks_of_another_shape() -> None:
     with pytest.raises(ValueError, match="GGUF blocks"):
         PackedLinear(torch.zeros(8, 64), b)
 
+
+
+def test_a_q4_k_gguf_runs_small_steps_on_its_super_blocks(gguf_path: str, alpaca_instructions: list[str],
+                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K, the K-quant of most Q4_K_M files: a tiny Llama GGUF whose projections are Q4_K (random super-blocks,
+    written as llama.cpp lays them out) keeps them as blocks, and its greedy tokens are the packed GEMMs'."""
+    import gguf
+    import transformers
+    from test_families import write_gguf
+
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rng = np.random.default_rng(0)
+    quantized = {}
+    for i in range(2):
+        for name, (n, k) in {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256),
+                             "attn_output": (256, 256), "ffn_gate": (512, 256), "ffn_up": (512, 256),
+                             "ffn_down": (256, 512)}.items():
+            nsb = n * k // 256
+            raw = rng.integers(0, 256, size=(nsb, 144), dtype=np.uint8)
+            raw[:, 0:2] = rng.normal(0, 2e-4, nsb).astype(np.float16).view(np.uint8).reshape(nsb, 2)
+            raw[:, 2:4] = np.abs(rng.normal(0, 2e-4, nsb)).astype(np.float16).view(np.uint8).reshape(nsb, 2)
+            quantized[f"blk.{i}.{name}.weight"] = (raw.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K)
+    path = tmp_path / "q4k.gguf"
+    write_gguf(path, "llama", model, gguf_path, quantized=quantized)
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    engine = LLMEngine.from_model(str(path), EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
+    layer = engine.runner.model.layers[1]
+    assert layer.self_attn.qkv_proj.blocks.type_name == "Q4_K" and layer.mlp.down_proj.blocks.type_name == "Q4_K"
+    assert engine.runner.model.lm_head.blocks is None  # an F32 tensor: nothing to keep
+    calls: list[int] = []
+    kernel = packed_linear.gguf_linear
+    monkeypatch.setattr(packed_linear, "gguf_linear", lambda x, b: calls.append(x.shape[0]) or kernel(x, b))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    on_blocks = [o.output_token_ids for o in engine.generate(alpaca_instructions[:3], params)]
+    assert calls
+    monkeypatch.setattr(packed_linear, "GGUF_KERNEL_MAX_ROWS", 0)
+    engine.reset_prefix_cache()
+    assert [o.output_token_ids for o in engine.generate(alpaca_instructions[:3], params)] == on_blocks
