@@ -13,13 +13,12 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.gguf_blocks import GGUFBlocks
+from engine.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
 from engine.gguf_file import iter_gguf_state, read_gguf_config
 from engine.hf_folder import is_hf_folder as is_hf_folder  # NOTE: re-exported for engine.llm_engine
 from engine.hf_folder import iter_hf_state, read_hf_config
 from engine.model import LlamaModel
 from engine.model_files import resolve_model_path as resolve_model_path  # NOTE: re-exported for engine.llm_engine
-from engine.packed_linear import is_block_key, set_gguf_blocks
 from engine.quant.state import LM_HEAD
 from engine.tensor_names import EMBEDDING
 from engine.weights_cache import read_weights_cache, weights_cache_dir, write_weights_cache

@@ -16,8 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from engine.config import ModelConfig
-from engine.gguf_blocks import GGUFBlocks
-from engine.packed_linear import gguf_blocks_of, set_gguf_blocks
+from engine.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
 from engine.rms_norm import RMSNorm, fused_ops
 from engine.rope import RotaryEmbedding, apply_rope
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.gguf_blocks import GGUFBlocks, gguf_linear
+from engine.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
 from engine.quant.state import set_module
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -46,9 +46,6 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: 0.98x at 24, 0.86x at 32 (bench/README.md).
 #: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM).
 GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 16
-#: The state-dict suffix of the GGUF block entries (engine.gguf_blocks.GGUFBlocks.to_state: `{module}.gguf_qs`...).
-GGUF_KEY_PREFIX = "gguf_"
-
 
 _scope = threading.local()  # engines on other threads (an EngineLoop's) step the same shared model
 
@@ -63,36 +60,6 @@ def gguf_kernel_scope(allowed: bool) -> Iterator[None]:
         yield
     finally:
         _scope.allowed = before
-
-
-def is_block_key(name: str) -> bool:
-    """True for a state-dict entry that holds a GGUF block tensor (GGUFBlocks.to_state), not a parameter."""
-    return name.rsplit(".", 1)[-1].startswith(GGUF_KEY_PREFIX)
-
-
-def set_gguf_blocks(module: nn.Module, blocks: GGUFBlocks) -> bool:
-    """Record `blocks` as the raw form of `module.weight` (an fp32 [N, K] weight of the same shape), with the
-    weight's version counter and storage: a later change of the weight (SmoothQuant's in-place scaling, GPTQ's
-    `weight.data = ...`) makes `gguf_blocks_of` drop them rather than multiply by stale numbers. Returns False
-    (nothing recorded) when the shapes or dtype do not match."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != blocks.shape:
-        return False
-    module.gguf_blocks = (blocks, weight._version, weight.data_ptr())
-    return True
-
-
-def gguf_blocks_of(module: nn.Module) -> GGUFBlocks | None:
-    """The GGUF blocks `set_gguf_blocks` gave `module`, or None when it has none or its weight changed since."""
-    recorded = getattr(module, "gguf_blocks", None)
-    if recorded is None:
-        return None
-    blocks, version, address = recorded
-    weight = getattr(module, "weight", None)
-    if (not isinstance(weight, torch.Tensor) or weight._version != version or weight.data_ptr() != address
-            or tuple(weight.shape) != blocks.shape or weight.dtype != torch.float32):
-        return None
-    return blocks
 
 
 def packing_available() -> bool:

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams, packed_linear
-from engine.gguf_blocks import GGUFBlocks, gguf_linear
+from engine.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
 from engine.loader import load_gguf_model
 from engine.model import concat_linears
-from engine.packed_linear import PackedLinear, gguf_blocks_of, gguf_kernel_scope, pack_linears, set_gguf_blocks
+from engine.packed_linear import PackedLinear, gguf_kernel_scope, pack_linears
 
 CPU = torch.device("cpu")
 
