@@ -22,7 +22,9 @@ reduction order does not depend on M), and a seeded request's tokens are reprodu
 is in the batch and after preemption" (SamplingParams.seed): a far-tail sample of the inverse CDF flips on a 1e-7
 change of a logit. So the runner opens the small-batch kernel only around a decode-only step with no seeded row
 (`gguf_kernel_scope`); prompts, and steps holding a seeded row, always run the packed GEMM. Outside such a scope
-(perplexity, GPTQ, direct model calls) PackedLinear never uses it.
+(perplexity, GPTQ, direct model calls) PackedLinear never uses it. One way remains for kernel-computed numbers to
+reach a seeded row: a prompt that begins with text another request generated in this engine may take the KV blocks
+those decode steps wrote from the prefix cache (a cold engine computes them with the packed GEMMs).
 """
 
 from __future__ import annotations
