@@ -35,9 +35,11 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
+#: Tries of retry_transient (the first included).
+RETRY_ATTEMPTS = 5
 # NOTE: s3fs/botocore retry inside each call too; the layers multiply, so keep this one short (<= ~1 min in all).
 retry_transient = retry(retry=retry_if_exception(is_transient), wait=wait_random_exponential(multiplier=0.5, max=15),
-                        stop=stop_after_attempt(5), reraise=True)
+                        stop=stop_after_attempt(RETRY_ATTEMPTS), reraise=True)
 
 
 def modified_at(info: dict[str, Any]) -> float | None:

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides
-from pipeline.storage import retry_transient
+from pipeline.storage import RETRY_ATTEMPTS, is_transient, retry_transient
 
 
 class ShardError(RuntimeError):
@@ -79,6 +79,9 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
         if type(e).__name__ == "FileExpired":  # s3fs: the object's ETag no longer matches (If-Match failed)
             raise InputChanged(f"input changed while it was read: {shard.url} was replaced (its ETag no longer "
                                "matches the pinned one). Restore it, or run the new input into a new OUTPUT") from e
+        if is_transient(e):  # the store, not the file: retry_transient's tries all failed
+            raise ShardError(f"cannot read {shard.url}: the store kept failing ({str(e).rstrip('.')}) through "
+                             f"{RETRY_ATTEMPTS} tries; run the job again (committed rows are kept)") from e
         raise ShardError(f"cannot read {shard.url}: {str(e).rstrip('.')}. Fix or remove the file and run the job "
                          "again") from e
     start = shard.row_start - first_row

@@ -245,3 +245,34 @@ def test_a_prompt_column_of_the_wrong_type_is_refused_before_the_job(tmp_path: P
     pq.write_table(pa.table({"messages": ['[{"role": "user", "content": "hi"}]']}), msgs)
     fs, files = resolve_inputs(str(msgs))
     assert validate_columns(fs, files, RunConfig()) == "messages"
+
+
+def test_a_store_that_keeps_failing_is_not_called_a_bad_file(tmp_path: Path, gsm8k_table: pa.Table,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transient storage error (S3 InternalError: EREMOTEIO) on every retry fails the shard with the advice to run
+    again; a file that is not Parquet keeps 'Fix or remove the file'."""
+    import errno
+
+    from pipeline import shard_rows
+    from pipeline.shard import ShardError
+    from pipeline.storage import RETRY_ATTEMPTS
+
+    path = tmp_path / "g.parquet"
+    pq.write_table(gsm8k_table.slice(0, 8), path)
+    tries: list[str] = []
+
+    def failing(url: str, pinned: object) -> object:
+        tries.append(url)
+        raise OSError(errno.EREMOTEIO, "Internal Server Error")
+
+    monkeypatch.setattr(shard_rows, "open_pinned", failing)
+    monkeypatch.setattr(shard_rows._read_row_groups.retry, "sleep", lambda _s: None)  # tenacity's waits
+    with pytest.raises(ShardError, match=f"the store kept failing .*through {RETRY_ATTEMPTS} tries; run the job "
+                                         "again"):
+        read_shard(_shard(path, 0, 8), "question", "id")
+    assert len(tries) == RETRY_ATTEMPTS
+    monkeypatch.undo()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    with pytest.raises(ShardError, match="Fix or remove the file"):
+        read_shard(_shard(bad, 0, 8), "question", "id")
