@@ -35,7 +35,7 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
 
     Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
     vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix; their GGUF
-    blocks too, when every part has them: engine.packed_linear.set_gguf_blocks); other module
+    blocks too, when every part has them: engine.gguf_blocks.set_gguf_blocks); other module
     types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
     engine.quant.state.AddBias). The originals are not changed.
     """
