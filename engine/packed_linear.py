@@ -38,6 +38,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from engine import cpu_kernels
 from engine.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
 from engine.quant.state import set_module
 
@@ -55,9 +56,11 @@ _scope = threading.local()  # engines on other threads (an EngineLoop's) step th
 @contextlib.contextmanager
 def gguf_kernel_scope(allowed: bool) -> Iterator[None]:
     """Let this thread's PackedLinear modules use their GGUF blocks for steps of <= GGUF_KERNEL_MAX_ROWS rows while
-    the block runs (when `allowed`; module docstring NOTE says when the runner allows it)."""
+    the block runs (when `allowed`; module docstring NOTE says when the runner allows it). Never without the C++
+    kernels (engine.cpu_kernels): gguf_linear's torch form dequantizes the whole weight per call, slower than the
+    packed GEMM."""
     before = getattr(_scope, "allowed", False)
-    _scope.allowed = allowed
+    _scope.allowed = allowed and cpu_kernels.cpu_ops() is not None
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import EngineConfig, LLMEngine, SamplingParams, packed_linear
+from engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels, packed_linear
 from engine.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
 from engine.loader import load_gguf_model
 from engine.model import concat_linears
@@ -125,6 +125,11 @@ def test_fused_projections_join_their_blocks_and_changed_weights_drop_them(monke
         torch.testing.assert_close(model[0](x), x @ linears[1].weight.T, rtol=1e-5, atol=1e-5)
         more = packed_linear.GGUF_KERNEL_MAX_ROWS + 1
         assert model[0](torch.randn(more, 64)).shape == (more, 16)  # more rows: packed again
+    assert calls == [1]
+    # Without the C++ kernels the blocks stay unused: gguf_linear's torch form dequantizes the weight per call.
+    monkeypatch.setattr(cpu_kernels, "cpu_ops", lambda: None)
+    with gguf_kernel_scope(True):
+        torch.testing.assert_close(model[0](x), x @ linears[1].weight.T, rtol=1e-5, atol=1e-5)
     assert calls == [1]
 
 
