@@ -45,6 +45,7 @@ from peers import (  # noqa: E402  (also puts the repo root on sys.path)
     cpu_simd_flags,
     gsm8k_questions,
     llama_cpp_bin,
+    run_system,
 )
 
 SYSTEMS = ["tokenmill", "tokenmill-int8", "llama.cpp"]
@@ -136,23 +137,6 @@ def worker(system: str, spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(result))
 
 
-def run_system(system: str, spec_path: Path, timeout: float | None) -> dict:
-    """One system's worker in a fresh interpreter; a crash or a timeout becomes a "failed" result."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result = Path(f.name)
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", system, str(spec_path), str(result)],
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not result.stat().st_size:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            return {"status": "failed", "detail": tail[0][:200]}
-        return json.loads(result.read_text())
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
-    finally:
-        result.unlink(missing_ok=True)
-
-
 def table(results: dict[str, dict], pp: int, tg: int) -> str:
     """The curve as one Markdown table (a row per system and B) and the ratios of ours to llama.cpp's."""
     lines = [f"| system | PP | TG | B | {' | '.join(COLUMNS)} |", "|---|---|---|---|" + "---|" * len(COLUMNS)]
@@ -219,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     try:
         for system in systems:
             t0 = time.perf_counter()
-            results[system] = run_system(system, spec_path, args.timeout)
+            results[system] = run_system(system, spec_path, args.timeout, script=__file__)
             print(f"{system}: {results[system]['status']} in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         spec_path.unlink(missing_ok=True)

@@ -304,12 +304,13 @@ def worker(system: str, spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def run_system(system: str, spec_path: Path, timeout: float | None) -> dict:
-    """Run one system's worker in a fresh interpreter; a crash becomes a "failed" row."""
+def run_system(system: str, spec_path: Path, timeout: float | None, script: str = __file__) -> dict:
+    """Run one system's worker (`script --worker SYSTEM SPEC RESULT`, this file's by default) in a fresh
+    interpreter; its JSON result, or a "failed" row for a crash, a signal or a timeout."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
     try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", system, str(spec_path), str(result)],
+        proc = subprocess.run([sys.executable, script, "--worker", system, str(spec_path), str(result)],
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode < 0:
             return {"status": "failed", "detail": f"killed by signal {-proc.returncode}"}
