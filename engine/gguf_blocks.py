@@ -244,6 +244,7 @@ def gguf_linear(x: torch.Tensor, blocks: GGUFBlocks) -> torch.Tensor:
 #: The state-dict suffix of the GGUF block entries (engine.gguf_blocks.GGUFBlocks.to_state: `{module}.gguf_qs`...).
 GGUF_KEY_PREFIX = "gguf_"
 
+
 def is_block_key(name: str) -> bool:
     """True for a state-dict entry that holds a GGUF block tensor (GGUFBlocks.to_state), not a parameter."""
     return name.rsplit(".", 1)[-1].startswith(GGUF_KEY_PREFIX)

@@ -194,7 +194,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
     dequantized) under their HF parameter names; with `native_int4`, Q4_0/Q4_1 projection weights instead as
     Int4Weight under their module name (packed rows and scales un-permuted alike; engine.quant.gguf_int4). With
-    `keep_blocks`, each projection, LM head or embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
+    `keep_blocks`, each projection, LM head or tied embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
     raw blocks (engine.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
     CPU's small-batch kernel reads those (engine.packed_linear)."""
     from gguf.quants import dequantize
@@ -211,8 +211,9 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
         else:
             w = dequantize(t.data, t.tensor_type)
             yield name, torch.from_numpy(np.array(unpermute_qk(name, w, cfg), dtype=np.float32, copy=True))
+            # The embedding's blocks only serve a tied LM head (an untied embedding is a lookup, never a GEMM).
             if keep_blocks and t.tensor_type.name in GGUF_BLOCK_TYPES and (
-                    is_linear_weight(name) or name == f"{EMBEDDING}.weight"):
+                    is_linear_weight(name) or (cfg.tie_word_embeddings and name == f"{EMBEDDING}.weight")):
                 shape = (int(t.shape[1]), int(t.shape[0]))
                 blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, shape)
                 blocks = blocks.map_rows(lambda x, n=name: unpermute_qk(n, x, cfg))
