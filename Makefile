@@ -21,12 +21,12 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed kernels
 
-# The C++ CPU kernels (engine/csrc/) compiled for this machine into torch's extension cache, here and not inside the
+# The C++ CPU kernels (engine/kernels/csrc/) compiled for this machine into torch's extension cache, here and not inside the
 # first test or job that needs them (about 40 s of one core on a fresh clone; with them built, a process loads them in
 # under a second, and pytest or a job run without make still builds them on demand). Without g++/ninja the note says
 # so and the plain torch path runs.
 kernels: $(VENV)/.installed
-	@$(PY) -m engine.cpu_kernels || \
+	@$(PY) -m engine.kernels.cpu_kernels || \
 	  echo "note: the C++ CPU kernels could not be built (reason above); the plain torch path runs, and the kernel tests fail"
 
 demo: setup

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
-from engine.triton_attention import decode_num_splits, paged_attention_triton  # noqa: E402
+from engine.layers.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
+from engine.layers.triton_attention import decode_num_splits, paged_attention_triton  # noqa: E402
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:

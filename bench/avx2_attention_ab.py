@@ -1,7 +1,7 @@
 """The whole-engine A/B behind bench/README.md "AVX2-only CPUs": 64 prompts x 32 forced output tokens, greedy, the
 default engine (fp32 on AVX2), one thread, output tokens per CPU second (robust to other processes on the machine).
 
-Usage (run once in each tree to compare; the extra argument sets engine.attention.CPU_KERNEL_MAX_PREFILL_PAIRS,
+Usage (run once in each tree to compare; the extra argument sets engine.layers.attention.CPU_KERNEL_MAX_PREFILL_PAIRS,
 i.e. which prefill chunks go to the C++ kernel rather than SDPA, for each pass):
     python bench/avx2_attention_ab.py LABEL [PAIRS,PAIRS...]
 """
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine.attention as attention  # noqa: E402
+import engine.layers.attention as attention  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

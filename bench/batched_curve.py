@@ -68,7 +68,7 @@ def worker_tokenmill(spec: dict, quantization: str) -> list[dict]:
     import torch
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
 
     torch.set_num_threads(spec["threads"])
     pp, tg, npl = spec["npp"], spec["ntg"], spec["npl"]
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         ap.error("--npl, --npp and --ntg must be >= 1")
     import torch
 
-    from engine.model_files import resolve_model_path
+    from engine.loading.model_files import resolve_model_path
 
     model = str(resolve_model_path(args.model))
     threads = args.threads or torch.get_num_threads()

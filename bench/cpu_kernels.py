@@ -2,7 +2,7 @@
 64, intermediate 1536, vocabulary 49,152).
 
 Usage:
-    python bench/cpu_kernels.py --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.packed_linear) vs W8A8
+    python bench/cpu_kernels.py --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.quant.packed_linear) vs W8A8
     python bench/cpu_kernels.py --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
     python bench/cpu_kernels.py --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
     python bench/cpu_kernels.py --argmax       # ms per step: greedy argmax of [B, 49152] logits, torch vs C++
@@ -13,7 +13,7 @@ Usage:
 --attention: B decode requests with contexts of 64-160 tokens in a 30-layer KV pool (one cache per layer, cycled,
 so the caches come from memory as in a real step, not from the L2), paged in 16-token blocks at shuffled ids.
 --gguf: each projection (fused QKV and gate_up, Q4_1) and the LM head (Q8_0) at M = 1..32 rows (--gguf-rows), the
-C++ gguf_linear (engine.gguf_blocks) against the oneDNN-packed fp32 GEMM of the same (dequantized) weight; each
+C++ gguf_linear (engine.kernels.gguf_blocks) against the oneDNN-packed fp32 GEMM of the same (dequantized) weight; each
 projection's weights cycle through --layers copies and the LM head through 2, so they come from memory, as in a
 decode step (30 layers of fp32 are 430 MB, of Q4_1 100 MB, against a 32 MB L3), not from the cache.
 Medians of repeated calls on the threads torch uses (--threads).
@@ -50,8 +50,8 @@ def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
 
 
 def bench_gemm(rows: list[int], reps: int) -> None:
-    from engine.packed_linear import PackedLinear
     from engine.quant.int8_linear import Int8Linear, int8_available
+    from engine.quant.packed_linear import PackedLinear
 
     print("| M | projection | fp32 F.linear | fp32 packed | bf16 F.linear | bf16 packed | int8 GEMM only "
           "| int8 W8A8 (bf16 in/out) |")
@@ -80,8 +80,8 @@ def bench_gemm(rows: list[int], reps: int) -> None:
 
 
 def bench_attention(batches: list[int], reps: int) -> None:
-    from engine.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
-    from engine.cpu_kernels import cpu_ops
+    from engine.kernels.cpu_kernels import cpu_ops
+    from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 
     if cpu_ops() is None:
         sys.exit("the C++ kernels did not build here (see the warning)")
@@ -126,8 +126,8 @@ def bench_attention(batches: list[int], reps: int) -> None:
 def bench_prefill(lengths: list[int], reps: int) -> None:
     """Prefill attention per layer: SDPA over padded chunks (paged_attention_ref) vs the C++ kernel, for one prompt
     of each length, and for 16 prompts of 64-160 tokens in one step (a chat batch)."""
-    from engine.attention import AttentionMetadata, paged_attention_ref
-    from engine.cpu_kernels import cpu_ops
+    from engine.kernels.cpu_kernels import cpu_ops
+    from engine.layers.attention import AttentionMetadata, paged_attention_ref
 
     ops = cpu_ops()
     if ops is None:
@@ -168,8 +168,8 @@ def bench_prefill(lengths: list[int], reps: int) -> None:
 
 def bench_argmax(batches: list[int], reps: int) -> None:
     """Greedy sampling's argmax over a step's logits [B, vocab], bf16 and fp32: torch.argmax vs the C++ kernel
-    (engine.sampler.argmax_rows)."""
-    from engine.cpu_kernels import cpu_ops
+    (engine.sample.sampler.argmax_rows)."""
+    from engine.kernels.cpu_kernels import cpu_ops
 
     ops = cpu_ops()
     vocab = SHAPES["lm_head"][1]
@@ -195,7 +195,7 @@ def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> objec
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from engine.gguf_blocks import GGUFBlocks
+    from engine.kernels.gguf_blocks import GGUFBlocks
 
     w = (torch.randn(n, k, generator=gen) * 0.05).numpy().astype(np.float32)
     return GGUFBlocks.from_raw(quantize(w, GGMLQuantizationType[type_name]), type_name, (n, k))
@@ -204,9 +204,9 @@ def random_blocks(n: int, k: int, type_name: str, gen: torch.Generator) -> objec
 def bench_gguf(rows: list[int], reps: int, layers: int) -> None:
     """Microseconds per GEMM, gguf_linear vs the oneDNN-packed fp32 GEMM, per projection and M; then per M the
     sum over one layer's four projections plus the LM head, and the ratio."""
-    from engine.cpu_kernels import cpu_ops
-    from engine.gguf_blocks import gguf_linear
-    from engine.packed_linear import PackedLinear
+    from engine.kernels.cpu_kernels import cpu_ops
+    from engine.kernels.gguf_blocks import gguf_linear
+    from engine.quant.packed_linear import PackedLinear
 
     if cpu_ops() is None:
         sys.exit("the C++ kernels did not build here (see the warning)")

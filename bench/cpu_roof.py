@@ -8,7 +8,7 @@ For the workload of bench/peers.py (same prompts, same token counts) it counts t
 layers (Q/K/V, O, gate/up, down, and the LM head once per sampled token) that our engine runs: every prompt token
 once, less the KV blocks the batch's prompts share (in-batch prefix caching, at the engine's block size), then one
 token per request per decode step. It then times those GEMMs here: oneDNN's packed fp32 GEMM
-(engine.packed_linear.PackedLinear) on the model's real shapes, at the decode step's rows M (the batch) and at a
+(engine.quant.packed_linear.PackedLinear) on the model's real shapes, at the decode step's rows M (the batch) and at a
 prefill chunk's, through 30 distinct layers' weights (cold in cache, as in a step) and the LM head, and prints
     floor_s         the linear layers' time alone, at the measured GEMM rates (attention, norms, sampling free)
     max_tok_s       output tokens / floor_s: no fp32 engine on these GEMMs makes more
@@ -51,7 +51,7 @@ def prefill_tokens(prompts: list[list[int]], block_size: int) -> int:
 def gemm_seconds(shapes: list[tuple[int, int]], layers: int, rows: int, reps: int) -> float:
     """Seconds of one pass of `rows` rows through `layers` distinct copies of the layer GEMMs `shapes` (N, K),
     oneDNN packed fp32, median of `reps` passes after one warm-up pass."""
-    from engine.packed_linear import PackedLinear
+    from engine.quant.packed_linear import PackedLinear
 
     weights = [[PackedLinear(torch.randn(n, k) * 0.02) for n, k in shapes] for _ in range(layers)]
     xs = {k: torch.randn(rows, k) for _, k in shapes}
@@ -77,9 +77,9 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=2.0, help="the ratio over the peer to check")
     args = ap.parse_args()
     from engine import EngineConfig
-    from engine.gguf_file import open_gguf, read_gguf_config
-    from engine.model_files import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.loading.gguf_file import open_gguf, read_gguf_config
+    from engine.loading.model_files import resolve_model_path
+    from engine.text.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ Runs `LLMEngine.generate` on the first --rows GSM8K test questions in one call (
 honoured: natural output lengths up to --max-tokens), then, per --rows-per-shard, the job `tokenmill run` runs
 (jobs.runner.run_job) on the same rows into a fresh OUTPUT, on a LocalCluster of one worker started here with the
 job's settings (jobs.cluster.CLUSTER_CONFIG, shard slots from jobs.plugin.shard_slots, --threads torch threads), so
-that the worker's engine step statistics (engine.step_stats) can be read back before the cluster closes.
+that the worker's engine step statistics (engine.core.step_stats) can be read back before the cluster closes.
 
 Prints, per run: output tokens, seconds (the engine's generate call; the job's billed device-seconds, every shard's
 `device_s_billed`), output tok/s per (device-)second, CPU-seconds per output token (the engine's: this process's CPU
@@ -39,7 +39,7 @@ DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"
 
 def step_figures(batch: list[int], admitted: list[int], rows: int, max_num_seqs: int) -> dict[str, Any]:
     """Histogram (deciles of max_num_seqs) and the share of steps below max_num_seqs / 2 among the steps after
-    which some of `rows` requests were not yet admitted, from a step trace (engine.step_stats).
+    which some of `rows` requests were not yet admitted, from a step trace (engine.core.step_stats).
 
     Of those low steps, `low_steps_idle_admission` counts the ones in which no request joined the batch: a drain
     (the batch shrinking while rows are still to come). A low step that admitted rows is the batch filling up

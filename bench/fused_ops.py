@@ -1,13 +1,14 @@
 """Micro-benchmark: the decoder's elementwise ops on CUDA, torch fallback vs the Triton fused kernels
-(engine.triton_fused), at a model shape's sizes.
+(engine.kernels.triton_fused), at a model shape's sizes.
 
 Usage:
     python bench/fused_ops.py                                # Llama-3.1-8B shape, bf16, T = 1 64 512 2048
     python bench/fused_ops.py --preset qwen2.5-7b --tokens 256 --eager
     TRITON_INTERPRET=1 python bench/fused_ops.py --device cpu --preset tiny-smollm2 --tokens 1 5   # smoke run
 
-Per op and token count T: the torch path the model runs without the fused ops (engine/rms_norm.py RMSNorm._norm,
-the residual add, engine/rope.py apply_rope + engine/attention.py write_kv, F.silu(gate) * up) and the Triton op,
+Per op and token count T: the torch path the model runs without the fused ops (engine/layers/rms_norm.py RMSNorm._norm,
+the residual add, engine/layers/rope.py apply_rope + engine/layers/attention.py write_kv, F.silu(gate) * up) and the
+Triton op,
 each checked against the other first (max abs difference), then timed: CUDA-event medians of one CUDA graph of
 --reps calls (the decode step runs in CUDA graphs, so no launch cost; inputs stay in L2 where they fit), or with
 --eager launched one by one. Prints us per call, the speedup, and the bytes the op must move (its inputs read once,
@@ -33,11 +34,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention import write_kv  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.presets import preset_config  # noqa: E402
-from engine.rms_norm import RMSNorm  # noqa: E402
-from engine.rope import apply_rope  # noqa: E402
+from engine.layers.attention import write_kv  # noqa: E402
+from engine.layers.rms_norm import RMSNorm  # noqa: E402
+from engine.layers.rope import apply_rope  # noqa: E402
+from engine.loading.presets import preset_config  # noqa: E402
 
 BLOCK_SIZE = 16
 OPS = ("rms_norm", "add_rms_norm", "rope_write_kv", "silu_and_mul")
@@ -88,7 +89,7 @@ def make_ops(t: int, cfg: ModelConfig, norm: RMSNorm, dtype: torch.dtype, device
              ) -> tuple[dict[str, tuple[Callable[[], object], Callable[[], object], int]], Callable[[], float]]:
     """The four ops at T = t on random inputs: name -> (torch path, Triton op, bytes the op must move), and a check
     of the K rows the last Triton rope_write_kv call stored (max abs difference from the torch path's RoPE)."""
-    from engine import triton_fused
+    from engine.kernels import triton_fused
 
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -140,7 +141,7 @@ def make_ops(t: int, cfg: ModelConfig, norm: RMSNorm, dtype: torch.dtype, device
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--preset", default="llama-3.1-8b", help="model shape (engine.presets)")
+    ap.add_argument("--preset", default="llama-3.1-8b", help="model shape (engine.loading.presets)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512, 2048], help="rows T per call")
     ap.add_argument("--reps", type=int, default=10, help="calls per timing (per captured graph)")
@@ -152,7 +153,7 @@ def main() -> None:
         raise SystemExit("--device cuda needs a CUDA device; TRITON_INTERPRET=1 ... --device cpu for a smoke run")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(f"--device {args.device}: the Triton kernels run off CUDA only under TRITON_INTERPRET=1")
-    from engine import triton_fused
+    from engine.kernels import triton_fused
 
     if triton_fused.triton_fused_ops() is None:
         raise SystemExit("the Triton fused ops are off here: triton does not import or TOKENMILL_TRITON_FUSED=0")

@@ -3,7 +3,7 @@
 #   .gpu/data   the prompt sets (../shared/data/*.parquet)
 #   .gpu/whl    wheels the device image lacks or has too old: gguf, tenacity, gemlite (GemLite's INT4 kernels; PyPI
 #               has only its sdist, built here as a pure-Python wheel), pydantic and its three needs (schemas/)
-#   .gpu_t      transformers >= 5.24 (the image has 5.17; engine/tokenizer.py needs apply_chat_template's
+#   .gpu_t      transformers >= 5.24 (the image has 5.17; engine/text/tokenizer.py needs apply_chat_template's
 #               sanitize_control_tokens), 13 MiB: carried in the first call only
 #   .gpu/pkg    the default model's package without its GGUF
 #   .gpu_a, .gpu_b  the default model's GGUF (98 MB, over the 64 MiB a call carries) in two parts

@@ -73,7 +73,7 @@ def _ranged(fn: Callable, label: str) -> Callable:
 @contextlib.contextmanager
 def labelled_ranges(engine: LLMEngine) -> Iterator[None]:
     """Profiler ranges around the engine's attention function and sampler (for the CPU's op classification)."""
-    import engine.model_runner as model_runner
+    import engine.worker.model_runner as model_runner
 
     runner, sample = engine.runner, model_runner.sample_rows_on_device
     attn = runner.attn_fn
@@ -144,7 +144,7 @@ def print_top_kernels(by_name: dict[tuple[str, str], list[float]], kind: str, st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--preset", default=None, help="random-weights shape (engine.presets); default on cuda: "
+    ap.add_argument("--preset", default=None, help="random-weights shape (engine.loading.presets); default on cuda: "
                                                    "llama-3.1-8b")
     ap.add_argument("--model", default=None, help="model path instead of a preset (the CPU smoke run)")
     ap.add_argument("--quantization", choices=["none", "int4"], default="none",
@@ -172,8 +172,8 @@ def main() -> None:
         engine = LLMEngine.from_model(args.model, first)
         tokenizer = engine.tokenizer
     else:
-        from engine.model_files import default_model_path
-        from engine.tokenizer import Tokenizer
+        from engine.loading.model_files import default_model_path
+        from engine.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(default_model_path())
         engine = LLMEngine.from_config(args.preset or "llama-3.1-8b", first)

@@ -18,7 +18,7 @@
 #          # INT4 with GemLite tuned at load; the tuned configs come back under $OUT/gemlite
 # The full throughput step (both workloads, HF's continuous and static batching beside ours) takes ~220 s more.
 # Without gemlite INT4 on CUDA logs the fallback, the int4 step's sweep prints "skipped" and the gemlite tests skip.
-# PRESET picks the throughput step's model shape (engine.presets: llama-3.1-8b (default), qwen2.5-7b,
+# PRESET picks the throughput step's model shape (engine.loading.presets: llama-3.1-8b (default), qwen2.5-7b,
 # mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
 # THROUGHPUT_ARGS replaces the throughput step's '--workload both' (e.g. '--workload w1 --skip-hf': ours alone).
 # STEPS (default: all) picks the steps. Each step has its own time limit so one slow step cannot eat the others;
@@ -56,10 +56,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
     echo "$name rc=$?" >> "$OUT/steps.txt"
 }
 
-step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
-    tests/engine/test_triton_attention.py tests/engine/test_triton_fused.py --durations=10
-step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/test_int4.py \
-    tests/engine/test_int4_calibration.py tests/engine/test_gemlite_int4.py --durations=10
+step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_gpu.py \
+    tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py --durations=10
+step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/quant/test_int4.py \
+    tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py --durations=10
 step kernels 60 python3 bench/attention_kernels.py
 step fused 60 python3 bench/fused_ops.py
 step throughput 330 python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
@@ -72,7 +72,7 @@ step profile_sync 120 python3 bench/gpu_profile.py --sync-steps
 step profile_unfused 120 env TOKENMILL_TRITON_FUSED=0 python3 bench/gpu_profile.py
 step profile_int4 150 python3 bench/gpu_profile.py --quantization int4
 # GemLite's configs as tuned at engine load on this GPU (engine.quant.gemlite_int4), to read or carry later
-GEMLITE_CACHE=$(python3 -c "from engine.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
+GEMLITE_CACHE=$(python3 -c "from engine.text.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
 [ -n "$GEMLITE_CACHE" ] && [ -d "$GEMLITE_CACHE" ] && cp -r "$GEMLITE_CACHE" "$OUT/"
 
 echo "== steps"; cat "$OUT/steps.txt"

@@ -69,10 +69,10 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
 
     import pyarrow.parquet as pq
 
-    from engine.perplexity import perplexity
+    from engine.loading.quantized import load_model
+    from engine.model.perplexity import perplexity
     from engine.quant.calibration import calibration_batch
     from engine.quant.gptq import gptq_quantize_model
-    from engine.quant.loading import load_model
     from engine.quant.tune import tune_group_qparams
 
     t = pq.read_table(CALIBRATION, columns=["question", "answer"])
@@ -112,9 +112,9 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
     hurts (bench/README.md, INT4: massive activations)."""
     import pyarrow.parquet as pq
 
-    from engine.model_files import default_model_path
-    from engine.perplexity import perplexity, text_token_ids
-    from engine.quant.loading import load_model
+    from engine.loading.model_files import default_model_path
+    from engine.loading.quantized import load_model
+    from engine.model.perplexity import perplexity, text_token_ids
     from engine.quant.qparams import quantize_int4
     from engine.quant.state import LINEAR_MODULES
 
@@ -151,10 +151,10 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
         tune_epochs: float = 0.0) -> None:
     import pyarrow.parquet as pq
 
-    from engine.model_files import default_model_path
-    from engine.perplexity import perplexity, text_token_ids
-    from engine.quant.folder import folder_bytes
-    from engine.quant.loading import load_model, quantize_to_folder
+    from engine.loading.model_files import default_model_path
+    from engine.loading.quantized import load_model, quantize_to_folder
+    from engine.loading.tokenmill_folder import folder_bytes
+    from engine.model.perplexity import perplexity, text_token_ids
     from engine.quant.quantize import quantize_model
 
     path = default_model_path()
@@ -228,8 +228,8 @@ def _time_us(fn: object, device: torch.device, reps: int = 20) -> tuple[float, s
 
 
 def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of one decoder layer's GEMMs as the engine serves them (fused QKV and gate/up): engine.presets."""
-    from engine.presets import preset_config
+    """(N, K) of one decoder layer's GEMMs as the engine serves them (fused QKV and gate/up): engine.loading.presets."""
+    from engine.loading.presets import preset_config
 
     c = preset_config(preset)
     head_dim = c.head_dim or c.hidden_size // c.num_heads
@@ -424,7 +424,7 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
             sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             # Warm up at this batch's shapes: Triton compiles a kernel per new constexpr set (split count, chunk
             # bucket) on first use; a batch-1 warm-up left that inside the batch-8 and batch-32 timings (2026-11-25).
-            # The first one also captures the CUDA graphs of every batch bucket (engine.cuda_graph).
+            # The first one also captures the CUDA graphs of every batch bucket (engine.worker.cuda_graph).
             t = time.perf_counter()
             engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
             torch.cuda.synchronize()

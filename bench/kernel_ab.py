@@ -1,4 +1,5 @@
-"""A/B of two builds of the C++ CPU kernels (engine/csrc/cpu_kernels.cpp) in one process: this tree's and the one
+"""A/B of two builds of the C++ CPU kernels (engine/kernels/csrc/cpu_kernels.cpp) in one process: this tree's and the
+one
 at git revision --rev, per op (silu_and_mul, quantize_rows_u8, argmax_rows), per layer (decode attention) and in the
 whole engine (both builds loaded, swapped between runs in every module that calls `cpu_ops`: attention, RMSNorm and
 the layers' fused ops, the sampler). One thread, CPU seconds (`time.process_time`): robust to other work on
@@ -29,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import engine.attention as attention  # noqa: E402
-from engine.cpu_kernels import CFLAGS, SOURCES  # noqa: E402
+import engine.layers.attention as attention  # noqa: E402
+from engine.kernels.cpu_kernels import CFLAGS, SOURCES  # noqa: E402
 
 # (rows, shortest context, longest context + 1, heads, KV heads, head_dim)
 CASES = [(16, 64, 161, 9, 3, 64), (64, 64, 161, 9, 3, 64), (64, 300, 601, 9, 3, 64), (256, 64, 161, 9, 3, 64),
@@ -86,8 +87,8 @@ def per_op(mods: dict[str, ModuleType]) -> None:
 
 def use_kernels(mod: ModuleType) -> None:
     """Route every caller of the kernels in the engine to `mod`."""
-    import engine.rms_norm as rms_norm
-    import engine.sampler as sampler
+    import engine.layers.rms_norm as rms_norm
+    import engine.sample.sampler as sampler
 
     for module in (attention, rms_norm, sampler):
         module.cpu_ops = lambda mod=mod: mod

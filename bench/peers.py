@@ -386,8 +386,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     import torch
 
-    from engine.model_files import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.loading.model_files import resolve_model_path
+    from engine.text.tokenizer import Tokenizer
 
     model = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_gguf(model)

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine.sampler as sampler  # noqa: E402
-from engine.cpu_kernels import cpu_ops  # noqa: E402
+import engine.sample.sampler as sampler  # noqa: E402
+from engine.kernels.cpu_kernels import cpu_ops  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 KINDS = {"greedy": SamplingParams(), "temperature 0.7": SamplingParams(temperature=0.7),
@@ -39,7 +39,7 @@ def model_logits(rows: int) -> torch.Tensor:
     """bf16 [rows, V] next-token logits of the default model at the end of AlpacaEval prompts (chat template)."""
     from throughput import alpaca_rows
 
-    import engine.model_runner as model_runner
+    import engine.worker.model_runner as model_runner
     from engine import LLMEngine
 
     llm = LLMEngine.from_model(None)

@@ -6,7 +6,8 @@ step's parts are timed by wrapping the engine's methods with perf_counter:
 
 - scheduler: `Scheduler.schedule` (plan the step, allocate KV slots)
 - inputs: `ModelRunner._prepare` (input ids, positions, slot mapping, block tables, attention metadata)
-- sampling: `engine.sampler.sample_rows` as the runner calls it (argmax, the sampled rows' parameters, the host sync)
+- sampling: `engine.sample.sampler.sample_rows` as the runner calls it (argmax, the sampled rows' parameters, the host
+  sync)
 - output: `Scheduler.update_from_output` (counters, appended tokens, stop checks, incremental detokenization)
 - model: the forward pass and the LM head (`LlamaModel.forward`, `compute_logits`), excluded from "host"
 - host: the whole `LLMEngine.step` minus the model; per row per step = host / (sum over steps of rows in the step).
@@ -39,13 +40,13 @@ from typing import Any
 
 import torch
 
-import engine.model_runner as model_runner_module
+import engine.worker.model_runner as model_runner_module
 from engine.config import EngineConfig, ModelConfig
+from engine.core.scheduler import Scheduler
 from engine.llm_engine import LLMEngine
-from engine.model import LlamaModel
-from engine.model_runner import ModelRunner
+from engine.model.decoder import LlamaModel
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.worker.model_runner import ModelRunner
 
 PROMPT_LEN = 32
 OUTPUT_LEN = 64
@@ -235,8 +236,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = None
     if args.stop:
-        from engine.loader import resolve_model_path
-        from engine.tokenizer import Tokenizer
+        from engine.loading.loader import resolve_model_path
+        from engine.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(resolve_model_path(None))
     run(16, args.vocab, args.stop, False, tokenizer)  # warm-up: imports, kernels, allocator

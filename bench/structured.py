@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams  # noqa: E402
-from engine.model_files import default_model_path  # noqa: E402
+from engine.loading.model_files import default_model_path  # noqa: E402
 
 DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "reasoning": {"type": "string"}},
@@ -76,7 +76,7 @@ def share_valid(outs: list, schemas: list[dict]) -> tuple[int, int]:
 def timed(llm: LLMEngine, prompts: list[str], params: list[SamplingParams] | SamplingParams) -> tuple[list, dict]:
     """Run one generate call; returns its outputs and its costs: wall seconds, CPU seconds of this process
     (time.process_time: what a shared, loaded machine disturbs least), steps, and the CPU seconds spent in the
-    logits processors (engine.logits_processors: the bitmask fill, its application, the matchers' accept: what
+    logits processors (engine.sample.logits_processors: the bitmask fill, its application, the matchers' accept: what
     constraining adds to a step)."""
     procs = llm.logits_processors
     spent = [0.0]
@@ -153,7 +153,7 @@ _AB = """
 import sys, time, torch, pyarrow.parquet as pq
 torch.set_num_threads(1)
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_files import default_model_path
+from engine.loading.model_files import default_model_path
 ins = pq.read_table(sys.argv[1], columns=["instruction"]).column("instruction").to_pylist()[:64]
 llm = LLMEngine.from_model(default_model_path(), EngineConfig(device="cpu", dtype="float32"))
 llm.generate(ins[:4], SamplingParams(max_tokens=4))

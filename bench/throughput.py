@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams  # noqa: E402
-from engine.model_files import resolve_model_path  # noqa: E402
+from engine.loading.model_files import resolve_model_path  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -127,7 +127,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None, help="GGUF path or URL (default on cpu: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (engine.presets: "
+    ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (engine.loading.presets: "
                                                    "llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, qwen3-8b, ...; "
                                                    "default on cuda: llama-3.1-8b)")
     ap.add_argument("--num-prompts", type=int, default=None, help="default 64 on cpu, 512 on cuda")
@@ -157,8 +157,8 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer_engine = None
     if preset:
-        from engine.model_files import default_model_path
-        from engine.tokenizer import Tokenizer
+        from engine.loading.model_files import default_model_path
+        from engine.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(default_model_path())  # AlpacaEval prompt lengths, counted as in the data doc
         engine = LLMEngine.from_config(preset, cfg)

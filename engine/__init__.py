@@ -2,7 +2,8 @@
 
 Imports only torch and its own small deps (gguf, transformers' tokenizer); knows nothing of Parquet, S3 or Dask.
 
-NOTE: the names below load on first use (PEP 562), so `import engine.object_store` (pipeline/, the CLI's `status`)
+NOTE: the names below load on first use (PEP 562), so `import engine.loading.object_store` (pipeline/, the CLI's
+`status`)
 does not pay for torch (~2 s); `from engine import LLMEngine` still works as before.
 """
 

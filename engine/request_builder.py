@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.logits_processors import LogitsProcessors
+from engine.core.request import Request
 from engine.outputs import RequestOutput
-from engine.prompts import Prompt, prompt_problem
-from engine.request import Request
+from engine.sample.logits_processors import LogitsProcessors
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.prompts import Prompt, prompt_problem
+from engine.text.tokenizer import Tokenizer
 
 # Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
 CHILD_SEP = "\x1f"
@@ -45,9 +45,9 @@ class RequestBuilder:
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
                          allow_special_tokens: bool = False) -> list[int]:
         """The token ids a prompt runs as (see `generate` for the flags): text through the chat template or raw,
-        messages through the chat template, token ids as they are. User text is encoded as text (engine.tokenizer):
+        messages through the chat template, token ids as they are. User text is encoded as text (engine.text.tokenizer):
         a control token's spelling in it is never the control token unless `allow_special_tokens`.
-        Raises ValueError for a prompt that cannot run: what engine.prompts.prompt_problem finds (the validator the
+        Raises ValueError for a prompt that cannot run: what engine.text.prompts.prompt_problem finds (the validator the
         pipeline runs too), token ids outside the vocabulary, or text without a tokenizer."""
         problem = prompt_problem(prompt)
         if problem is not None:

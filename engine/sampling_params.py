@@ -13,7 +13,8 @@ from schemas.sampling import LOGIT_BIAS_RANGE, SAMPLING_RANGES
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """A constraint on the output text, compiled to a grammar (engine.structured_output, xgrammar): exactly one of
+    """A constraint on the output text, compiled to a grammar (engine.sample.structured_output, xgrammar): exactly one
+    of
 
     Attributes:
         json_schema: a JSON Schema (JSON text): the output is one JSON value valid against it.
@@ -105,7 +106,8 @@ class SamplingParams:
             Source: Holtzman et al., "The Curious Case of Neural Text Degeneration" (ICLR 2020).
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: makes this request's samples reproducible whatever else is in the batch and after preemption: the
-            uniform that draws output token i is a hash of (seed, i) (engine.sampler.counter_uniforms). None draws
+            uniform that draws output token i is a hash of (seed, i) (engine.sample.sampler.counter_uniforms). None
+            draws
             from the engine's generator. An integer >= 0.
         stop: strings that end the completion; the matched string is not part of the returned text.
         stop_token_ids: token ids that end the completion (the model's EOS is always one unless ignore_eos).
@@ -179,7 +181,7 @@ class SamplingParams:
 
     @property
     def needs_logits_processing(self) -> bool:
-        """True when its logits need more than the sampler (engine.logits_processors): logprobs, penalties,
+        """True when its logits need more than the sampler (engine.sample.logits_processors): logprobs, penalties,
         min_tokens, logit_bias or a structured output."""
         return (self.logprobs is not None or self.structured_outputs is not None or bool(self.logit_bias)
                 or self.min_tokens > 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -2,8 +2,9 @@
 
 A user filing a bug pastes its output; a user choosing a CPU fleet reads which path each CPU kind gets. Everything
 is probed, not assumed: the CPU's flags from /proc/cpuinfo, oneDNN's bf16 packing and int8 GEMM by running them once
-(engine.packed_linear.bf16_packing_available, engine.quant.int8_linear.int8_weight_qmax), the C++ kernels by building
-or loading them (engine.cpu_kernels.cpu_ops: about 15 s the first time on a machine, then cached).
+(engine.quant.packed_linear.bf16_packing_available, engine.quant.int8_linear.int8_weight_qmax), the C++ kernels by
+building
+or loading them (engine.kernels.cpu_kernels.cpu_ops: about 15 s the first time on a machine, then cached).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# The CPU features that change which path the engine takes (engine.llm_engine, engine.packed_linear,
+# The CPU features that change which path the engine takes (engine.llm_engine, engine.quant.packed_linear,
 # engine.quant.int8_linear), in the spelling of /proc/cpuinfo.
 CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
                 "avx512_bf16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
@@ -57,13 +58,13 @@ def machine_report() -> dict[str, Any]:
     import torch
 
     from engine.config import EngineConfig
-    from engine.cpu_kernels import cpu_ops
-    from engine.device import cpu_kv_budget_bytes, memory_available_bytes
+    from engine.kernels.cpu_kernels import cpu_ops
     from engine.llm_engine import cpu_has_native_bf16, resolve_device, resolve_dtype
-    from engine.model_files import default_model_path
-    from engine.model_runner import select_attention
-    from engine.packed_linear import bf16_packing_available, packing_available
+    from engine.loading.model_files import default_model_path
     from engine.quant.int8_linear import int8_available, int8_weight_qmax
+    from engine.quant.packed_linear import bf16_packing_available, packing_available
+    from engine.worker.device import cpu_kv_budget_bytes, memory_available_bytes
+    from engine.worker.model_runner import select_attention
 
     model, flags = _cpuinfo()
     mem = psutil.virtual_memory()
@@ -112,10 +113,10 @@ def machine_report() -> dict[str, Any]:
 
 
 def _small_batch_kernel(device: Any, dtype: Any) -> str:
-    """What engine.packed_linear's small-batch path does here (its module docstring says why)."""
+    """What engine.quant.packed_linear's small-batch path does here (its module docstring says why)."""
     import torch
 
-    from engine.packed_linear import GGUF_KERNEL_MAX_ROWS
+    from engine.quant.packed_linear import GGUF_KERNEL_MAX_ROWS
 
     if device.type != "cpu" or dtype != torch.float32:
         return f"off: the {str(dtype).removeprefix('torch.')} path on {device.type} reads its own weights"

@@ -32,7 +32,7 @@ from pathlib import PurePosixPath
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, pushadd_to_gateway, write_to_textfile
 
-from engine.model_files import DEFAULT_MODEL_FILE
+from engine.loading.model_files import DEFAULT_MODEL_FILE
 from jobs.summary import JobSummary
 from pipeline.preemption import env_seconds
 

@@ -1,4 +1,4 @@
-"""`tokenmill quantize` and `tokenmill perplexity`: thin Typer commands over engine.quant and engine.perplexity.
+"""`tokenmill quantize` and `tokenmill perplexity`: thin Typer commands over engine.quant and engine.model.perplexity.
 
 Wire them in with `register(app)`.
 """
@@ -67,8 +67,8 @@ def quantize(
                   --calibration '../shared/data/gsm8k_test.parquet#question,answer' \\
                   --calibration '../shared/data/alpaca_eval.parquet#instruction'
     """
-    from engine.quant.folder import folder_bytes
-    from engine.quant.loading import quantize_to_folder
+    from engine.loading.quantized import quantize_to_folder
+    from engine.loading.tokenmill_folder import folder_bytes
 
     try:
         sources = [_read_texts(*_source(c, calibration_column)) for c in calibration or []] if method == "gptq" \
@@ -194,8 +194,8 @@ def perplexity(
     """
 
     from engine.llm_engine import resolve_device, resolve_dtype
-    from engine.perplexity import text_perplexity
-    from engine.quant.loading import load_model
+    from engine.loading.quantized import load_model
+    from engine.model.perplexity import text_perplexity
 
     try:
         cfg = EngineConfig(**engine, int4_group_size=group_size)

@@ -1,4 +1,4 @@
-"""Keeps one engine resident per Dask worker process, stepped by one resident engine loop (engine.engine_loop) that
+"""Keeps one engine resident per Dask worker process, stepped by one resident engine loop (engine.loop.engine_loop) that
 every shard task of the worker submits its rows to: with several shard slots per worker (Dask threads, and a
 fraction of the GPU resource per shard) the next shard's rows join the batch while the current shard's tail
 finishes, so the batch never drains between shards. The stop plugins live in jobs.preemption_plugin."""
@@ -21,7 +21,7 @@ from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
 
 if TYPE_CHECKING:  # the engine (torch) loads on the worker only: the client pickles the plugin and never computes
     from engine import LLMEngine
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
 PLUGIN_PREFIX = "tokenmill-engine"
 # Seconds a closing worker's teardown waits for the engine loop's step in progress to end.
@@ -80,7 +80,7 @@ class EnginePlugin(WorkerPlugin):
     def teardown(self, worker: Any) -> None:
         # A closing worker (its process is about to exit): abort what is left in the engine and wait for the step
         # thread to end, so that the thread neither steps nor frees the engine while the interpreter finalizes
-        # (std::terminate, "terminate called without an active exception": engine.engine_loop's docstring).
+        # (std::terminate, "terminate called without an active exception": engine.loop.engine_loop's docstring).
         # The plugin removed from a running worker (another job's engine registered): the loop finishes its rows.
         # The references are dropped here, after the join: the weights and the KV pool are freed on this thread
         # once running tasks let go of them, never on the step thread.
@@ -127,7 +127,7 @@ class EnginePlugin(WorkerPlugin):
         """The worker's resident engine loop over the loaded engine (waits for the load; made and started at the
         first call, its step thread running `torch_threads`): every shard task of the worker submits to it.
         Raises RuntimeError as `get` does."""
-        from engine.engine_loop import EngineLoop
+        from engine.loop.engine_loop import EngineLoop
 
         engine = self.get()
         with self._loop_lock:

@@ -16,8 +16,8 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from engine.model_files import HF_CONFIG_FILE, check_model_url, hub_model_path, is_hub_id, is_url
-from engine.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
+from engine.loading.model_files import HF_CONFIG_FILE, check_model_url, hub_model_path, is_hub_id, is_url
+from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
 from pipeline.input import absolute_url
 from pipeline.storage import StoreUnreachable, check_bucket, probe_endpoint, unreachable_store
@@ -81,9 +81,10 @@ def check_model(model: str | None) -> str | None:
     """The model as workers must read it (a local path made absolute; None, URLs and hub ids as given), after
     checking a local one exists, is readable and is a GGUF file (its first 4 bytes are b"GGUF"), a model folder
     written by `tokenmill quantize`, or a Hugging Face model folder that tokenmill runs exactly (its architecture,
-    config fields and tensor names: engine.hf_folder.check_hf_folder, from config.json and the safetensors headers
+    config fields and tensor names: engine.loading.hf_folder.check_hf_folder, from config.json and the safetensors
+    headers
     only); that an fsspec URL holds a readable GGUF file or model folder (listed and its first bytes read, not
-    downloaded: engine.model_files.check_model_url); that a Hugging Face hub id is in this machine's HF cache.
+    downloaded: engine.loading.model_files.check_model_url); that a Hugging Face hub id is in this machine's HF cache.
     Raises JobError (exit 2)."""
     if model is None:
         return model
@@ -98,7 +99,7 @@ def check_model(model: str | None) -> str | None:
         return model
     path = os.path.abspath(model.removeprefix("file://"))
     if os.path.isdir(path):
-        from engine.hf_folder import check_hf_folder, is_hf_folder
+        from engine.loading.hf_folder import check_hf_folder, is_hf_folder
 
         if is_hf_folder(path):
             try:
@@ -198,8 +199,8 @@ def model_context(model: str | None) -> dict[str, int] | None:
     length: context (tokens), layers, kv_heads, head_dim; None for a model at a URL (its worker reads it). `model`
     as check_model returns it (None: the default model). Raises JobError (exit 2) when the file's header cannot be
     read."""
-    from engine.hf_folder import is_hf_folder, read_hf_config
-    from engine.model_files import default_model_path, hub_model_path, is_hub_id, is_url
+    from engine.loading.hf_folder import is_hf_folder, read_hf_config
+    from engine.loading.model_files import default_model_path, hub_model_path, is_hub_id, is_url
 
     if model is not None and is_url(model):
         return None
@@ -223,7 +224,7 @@ def model_context(model: str | None) -> dict[str, int] | None:
         raise JobError(f"--model {path}: cannot read its GGUF header ({e}); give a complete GGUF file") from e
     got = {k: meta.get(f"{arch}.{v}") for k, v in names.items()}
     heads = got["heads"] or 1
-    # The engine's defaults where the file has no value (engine.gguf_file.read_gguf_config).
+    # The engine's defaults where the file has no value (engine.loading.gguf_file.read_gguf_config).
     return {"context": int(got["context"] or 2048), "layers": int(got["layers"] or 0),
             "kv_heads": int(got["kv_heads"] or heads),
             "head_dim": int(got["head_dim"] or (got["hidden"] or 0) // heads)}
@@ -249,7 +250,8 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
                         kv_cache_gib: float | None) -> None:
     """Refuse a --max-model-len (tokens) the engine could not honour, before any work: more than the model's context
     (the engine would cut it to the context without a word), or, on the CPU, more tokens than the KV cache of
-    --kv-cache-gib GiB holds (cut to the pool; None: the auto size on this machine, engine.device.cpu_kv_budget_bytes).
+    --kv-cache-gib GiB holds (cut to the pool; None: the auto size on this machine,
+    engine.worker.device.cpu_kv_budget_bytes).
     `model` as check_model returns it; a remote model is checked by its worker. Raises JobError (exit 2) naming the
     option, the limit and the fix."""
     if max_model_len is None:
@@ -277,7 +279,7 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
     size = torch.empty((), dtype=resolve_dtype(dtype, on)).element_size()
     per_block = 2 * shape["layers"] * block * shape["kv_heads"] * shape["head_dim"] * size
     if kv_cache_gib is None:
-        from engine.device import cpu_kv_budget_bytes
+        from engine.worker.device import cpu_kv_budget_bytes
 
         budget = cpu_kv_budget_bytes(EngineConfig())
         size_of = f"the auto-sized KV cache ({budget / (1 << 30):.2f} GiB: half the memory free here)"

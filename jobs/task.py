@@ -23,7 +23,7 @@ from pipeline.shard import ShardError, ShardInterrupted, run_shard
 from pipeline.storage import NoSpaceLeft, output_fs
 
 if TYPE_CHECKING:  # torch: the task runs on the worker, whose plugin loaded the engine; the client only submits it
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
 PROGRESS_TOPIC = "tokenmill-progress"
 PROGRESS_INTERVAL_S = 0.5

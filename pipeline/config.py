@@ -29,7 +29,7 @@ class RunConfig:
         id_column: column of row ids; when the input lacks it, ids are row positions in the file.
         use_chat_template: wrap text prompts in the model's chat template.
         allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
-            control); by default user text is encoded as text (engine.tokenizer).
+            control); by default user text is encoded as text (engine.text.tokenizer).
         max_tokens, temperature, top_p, top_k, seed, stop, n, logprobs, presence_penalty, frequency_penalty,
             repetition_penalty, min_tokens: sampling, as engine.SamplingParams. With a seed, each row samples with the
             seed mixed with a hash of its id, so rows differ but reruns repeat them exactly.

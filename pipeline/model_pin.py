@@ -5,7 +5,7 @@ The pin, OUTPUT/_manifest/model.json, is committed create-only beside the input 
 model as given (`--model`; None for the default), the path or URL it resolved to, and its files:
 
 - a local file (a GGUF): its size, mtime and sha256. Hashing a 16 GB file takes a minute, so the hash is computed
-  once per machine and cached under $TOKENMILL_CACHE_DIR/model-hashes/ (engine.tokenizer.cache_root), keyed by the
+  once per machine and cached under $TOKENMILL_CACHE_DIR/model-hashes/ (engine.text.tokenizer.cache_root), keyed by the
   file's real path, size, mtime_ns, ctime_ns and inode: any write to the file (even one that restores its mtime,
   which ctime records) makes a new key, so a cached hash is never the hash of other bytes;
 - a local folder (`tokenmill quantize` output, an HF-style folder): each file that makes the model (MODEL_FILES:
@@ -37,8 +37,8 @@ from typing import Any
 
 import fsspec
 
-from engine.model_files import default_model_path
-from engine.tokenizer import cache_root
+from engine.loading.model_files import default_model_path
+from engine.text.tokenizer import cache_root
 from pipeline.config import InputError
 from pipeline.input import file_version
 from pipeline.layout import model_pin_path

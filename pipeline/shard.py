@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from engine.submission import DeviceClock
+from engine.loop.submission import DeviceClock
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
@@ -36,7 +36,7 @@ from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), so the client that submits shards never loads it
     from engine import LLMEngine
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
 # The shard's rows (pipeline.shard_rows) and requests (pipeline.shard_requests), named here too for callers of the
 # whole shard.
@@ -70,7 +70,7 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
               model_fingerprint: str | None = None) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD). `engine`: the worker's resident engine loop
-    (engine.engine_loop.EngineLoop: the shard's rows share its batch with other shards running at the same time,
+    (engine.loop.engine_loop.EngineLoop: the shard's rows share its batch with other shards running at the same time,
     and its device-seconds are its share of the steps plus the time the engine ran no step while it ran;
     DeviceClock, pipeline.accounting), or an engine this caller holds alone (one `generate` call; billed its wall
     time).
@@ -97,7 +97,7 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
     after writing a failed-attempt record with the error), ShardInterrupted when stopped, and what the store raises
     when a commit fails after retries (NoSpaceLeft for a full local disk).
     """
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
     fs, root = output_fs(output_url)
     committed = read_committed_accounting(fs, root, shard.shard_id)
@@ -136,7 +136,7 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
                  cfg: RunConfig, attempt: int, t0: float, clock: DeviceClock, progress: ProgressFn | None,
                  notice: StopSignal, should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
                  model_fingerprint: str | None = None) -> dict[str, Any]:
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
     loop = engine
     engine = loop.engine if isinstance(loop, EngineLoop) else loop

@@ -1,4 +1,4 @@
-"""Row -> request mapping: a shard's rows as requests on the worker's resident engine loop (engine.engine_loop),
+"""Row -> request mapping: a shard's rows as requests on the worker's resident engine loop (engine.loop.engine_loop),
 each with the job's sampling and its own values put in, bad rows as error outputs, and the per-row checkpoint
 callback run in the shard's own thread as rows finish."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine import RequestOutput, SamplingParams
-from engine.submission import DeviceClock
+from engine.loop.submission import DeviceClock
 from pipeline.checkpoint import completion_tokens
 from pipeline.config import RunConfig
 from pipeline.row_options import row_sampling_params
@@ -17,7 +17,7 @@ from pipeline.shard_rows import ShardRows
 
 if TYPE_CHECKING:  # torch: generate_rows imports it when it runs (on a worker), not the client that submits shards
     from engine import LLMEngine
-    from engine.engine_loop import EngineLoop
+    from engine.loop.engine_loop import EngineLoop
 
 # Called with (rows finished, output tokens of those rows) as rows finish.
 ProgressFn = Callable[[int, int], None]
@@ -35,7 +35,7 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
     """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
     out-of-range per-row sampling values) become error outputs; the others run each with the job's sampling and its
     own values put in (pipeline.row_options): submitted to `engine` when it is a resident engine loop
-    (engine.engine_loop: other shards' rows may share its batch), else as one `LLMEngine.generate` call on an
+    (engine.loop.engine_loop: other shards' rows may share its batch), else as one `LLMEngine.generate` call on an
     engine this caller holds alone.
 
     `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes,
@@ -44,10 +44,10 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
     (and are not passed to `on_row` or `progress`); other shards' rows go on. When `on_row` or `progress` raises (a
     checkpoint commit that failed after its retries), this shard's rows are stopped the same way, so the engine is
     left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
-    it (engine.engine_loop.DeviceClock).
+    it (engine.loop.engine_loop.DeviceClock).
     """
-    from engine.engine_loop import EngineLoop
     from engine.llm_engine import prompt_problem
+    from engine.loop.engine_loop import EngineLoop
 
     outputs: dict[int, RequestOutput] = {}
     runnable: list[int] = []

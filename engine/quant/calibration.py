@@ -1,7 +1,7 @@
 """Calibration text for GPTQ and the end-to-end tuning: token-id batches cut from real text.
 
 Both passes run the model over int64 [S, L] sequences from position 0, each in its own private KV cache
-(engine.sequence_forward). Use text that is not the evaluation text: the defaults mix GSM8K questions and answers
+(engine.model.sequence_forward). Use text that is not the evaluation text: the defaults mix GSM8K questions and answers
 with AlpacaEval instructions, and the perplexity gate scores AlpacaEval reference answers (bench/README.md, INT4).
 """
 
@@ -15,9 +15,10 @@ import torch
 def calibration_token_ids(tokenizer: object, texts: Sequence[str], num_sequences: int,
                           seq_len: int) -> torch.Tensor:
     """int64 [S, seq_len] calibration batch: the non-empty `texts` joined by blank lines, tokenized once (as
-    engine.perplexity does) and cut into consecutive sequences of `seq_len` tokens, S = min(num_sequences, what the
+    engine.model.perplexity does) and cut into consecutive sequences of `seq_len` tokens, S = min(num_sequences, what
+    the
     text fills). Raises ValueError when the text does not fill one sequence."""
-    from engine.perplexity import text_token_ids
+    from engine.model.perplexity import text_token_ids
 
     ids = text_token_ids(tokenizer, texts, num_sequences * seq_len)  # type: ignore[arg-type]
     s = len(ids) // seq_len

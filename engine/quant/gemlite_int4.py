@@ -7,7 +7,7 @@ formats run fbgemm-gpu-genai kernels, a compiled CUDA wheel built per torch rele
 `marlin_sparse` needs 2:4-sparse weights; TorchAO's GemLite config wraps these same kernels. GemLite is pure Python
 over Triton (already our GPU kernel stack), has a kernel per M regime, takes floating zero points (so our
 asymmetric grid maps exactly, below) and runs partly in Triton's interpreter, so its layout is tested on the CPU
-(tests/engine/test_gemlite_int4.py).
+(tests/engine/quant/test_gemlite_int4.py).
 
 Mapping of our Int4Weight (engine.quant.qparams, tinygemm's convention) to GemLite 0.6 (`GemLiteLinearTriton`):
 - Ours: w[n, k] = (q - 8) * s[n, g] + z[n, g], q in 0..15, g = k // G (groups of G consecutive input features along
@@ -226,9 +226,10 @@ def gemlite_own_config(device_name: str, shipped: Iterable[str]) -> str | None:
 
 
 def config_cache_path(device_name: str, gemlite_version: str, root: Path | None = None) -> Path:
-    """Our GemLite config cache for one GPU model and gemlite version: `root` (default engine.tokenizer.cache_root(),
+    """Our GemLite config cache for one GPU model and gemlite version: `root` (default
+    engine.text.tokenizer.cache_root(),
     beside the weights cache) / "gemlite" / "<gpu>-gemlite-<version>-v<format>.json"."""
-    from engine.tokenizer import cache_root
+    from engine.text.tokenizer import cache_root
 
     slug = re.sub(r"[^a-z0-9.]+", "-", device_name.lower()).strip("-")
     return (root or cache_root()) / "gemlite" / f"{slug}-gemlite-{gemlite_version}-v{GEMLITE_CONFIG_FORMAT}.json"

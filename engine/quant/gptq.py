@@ -51,11 +51,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from engine.attention import paged_attention_ref
-from engine.model import LlamaModel
+from engine.layers.attention import paged_attention_ref
+from engine.model.decoder import LlamaModel
+from engine.model.sequence_forward import private_prefill
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 from engine.quant.refit import refit_group_qparams, row_errors
-from engine.sequence_forward import private_prefill
 
 #: Per decoder layer, the projections quantized together (same input, so one Hessian), in forward order.
 SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -286,7 +286,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
             out[f"layers.{li}.{nm}"] = q
 
     for li, layer in enumerate(model.layers):
-        # DecoderLayer.forward (engine.model) cut at each projection group's input; every stage runs once per
+        # DecoderLayer.forward (engine.model.decoder) cut at each projection group's input; every stage runs once per
         # sequence, after the groups before it are quantized, so the cost is one layer forward.
         xs = [layer.input_layernorm(x) for x in hidden]
         quantize_group(li, 0, xs)

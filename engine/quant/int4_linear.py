@@ -216,7 +216,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def concat(cls, modules: list[Int4Linear]) -> Int4Linear | None:
         """One Int4Linear whose output is the concatenation of `modules`' outputs (their weights stacked along N,
-        as engine.model.concat_linears asks), or None when their input width, group size, scale dtype,
+        as engine.model.decoder.concat_linears asks), or None when their input width, group size, scale dtype,
         activation dtype or device differ. The originals are not changed."""
         first = modules[0]
         srcs = [m.source for m in modules]

@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import nn
 
-from engine.rms_norm import fused_cpu_ops
+from engine.layers.rms_norm import fused_cpu_ops
 
 _QMAX = 127.0
 _QMAX_NO_VNNI = 63.0  # 7-bit weights where u8 x s8 pair sums saturate at int16 (module docstring)

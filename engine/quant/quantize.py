@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model import LlamaModel
+from engine.model.decoder import LlamaModel
 from engine.quant.gptq import gptq_quantize_model
 from engine.quant.handler import Int4QuantHandler
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
@@ -29,7 +29,7 @@ def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding
                      on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
     """INT4 weights for a filled model: every decoder projection and an untied LM head, plus the embedding when
     `include_embedding` (a tied LM head then reads it). The one driver behind quantize_model (modules swapped in
-    place) and `tokenmill quantize --method gptq` (engine.quant.loading, weights written to a folder).
+    place) and `tokenmill quantize --method gptq` (engine.loading.quantized, weights written to a folder).
 
     Args:
         model: LlamaModel with plain nn.Linear / nn.Embedding weights; fp32 when calibrating.

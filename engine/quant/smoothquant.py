@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model import LlamaModel
-from engine.sequence_forward import forward_sequence
+from engine.model.decoder import LlamaModel
+from engine.model.sequence_forward import forward_sequence
 
 #: Text of the calibration forward: a mix of instructions, arithmetic, code, lists and prose.
 CALIBRATION_TEXT = """\

@@ -1,13 +1,13 @@
 """Names and helpers every INT4/INT8 layer shares: which parameters are projections, the quantized state dict type
 and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
 module but the INT4 weight type (engine.quant.qparams, itself a leaf), the parameter names EMBEDDING and LM_HEAD
-(engine.tensor_names, re-exported here) and, for AddBias.concat, engine.model (which
+(engine.model.tensor_names, re-exported here) and, for AddBias.concat, engine.model.decoder (which
 imports nothing of engine.quant), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on
 each other.
 
 A quantized state dict maps a *module* name (e.g. "layers.0.self_attn.q_proj") to an Int4Weight and every other
 parameter name (e.g. "norm.weight") to a plain tensor. On disk each Int4Weight X becomes three tensors, X.qweight,
-X.scales and X.zeros (engine.quant.folder).
+X.scales and X.zeros (engine.loading.tokenmill_folder).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.tensor_names import EMBEDDING, LM_HEAD
 from engine.quant.qparams import Int4Weight
-from engine.tensor_names import EMBEDDING, LM_HEAD
 
 __all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_linear_weight",
            "set_module"]
@@ -55,9 +55,10 @@ class AddBias(nn.Module):
 
     @classmethod
     def concat(cls, modules: list[AddBias]) -> AddBias | None:
-        """The fused module of several (engine.model.concat_linears of their inner modules, biases concatenated),
+        """The fused module of several (engine.model.decoder.concat_linears of their inner modules, biases
+        concatenated),
         or None when the inner modules cannot be merged."""
-        from engine.model import concat_linears  # engine.model imports nothing of engine.quant
+        from engine.model.decoder import concat_linears  # engine.model.decoder.decoder imports nothing of engine.quant
 
         inner = concat_linears([m.inner for m in modules])
         if inner is None:

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import LlamaModel
+from engine.layers.rms_norm import RMSNorm
+from engine.model.decoder import LlamaModel
+from engine.model.sequence_forward import forward_sequence
 from engine.quant.qparams import Int4Weight, unpack_uint4
 from engine.quant.state import set_module
-from engine.rms_norm import RMSNorm
-from engine.sequence_forward import forward_sequence
 
 
 class _TunableInt4Linear(nn.Module):

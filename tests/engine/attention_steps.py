@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, write_kv
+from engine.layers.attention import AttentionMetadata, write_kv
 
 HEAD_DIM = 64
 

@@ -1,5 +1,5 @@
 """A tiny random MistralForCausalLM built by HF transformers (the reference) and the same weights in our LlamaModel,
-shared by the sliding-window parity tests (tests/engine/test_sliding_window.py, test_triton_attention.py)."""
+shared by the sliding-window parity tests (tests/engine/layers/test_sliding_window.py, test_triton_attention.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.config import ModelConfig
-from engine.presets import random_model
-from engine.tokenizer import Tokenizer
+from engine.loading.presets import random_model
+from engine.text.tokenizer import Tokenizer
 
 # Shorter than every chat-templated gsm8k prompt (about 80-250 tokens), and not a multiple of the block sizes used.
 SLIDING_WINDOW = 24

@@ -62,7 +62,7 @@ def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
     _, stderr = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 128 + signum, stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "Run the same command again" in stderr
-    # No worker aborted at exit by a daemon thread still in torch (engine.engine_loop's atexit hook, the plugin's
+    # No worker aborted at exit by a daemon thread still in torch (engine.loop.engine_loop's atexit hook, the plugin's
     # teardown): it used to print this as the cluster closed.
     assert "terminate called" not in stderr
     return stderr

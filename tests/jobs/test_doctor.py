@@ -27,11 +27,11 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     assert report["defaults"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert report["defaults"]["dtype"] == ("bfloat16" if torch.cuda.is_available() or native_bf16 else "float32")
     assert report["versions"]["torch"] == torch.__version__
-    # The fp32 CPU path reads a GGUF's blocks in small steps (engine.packed_linear); bf16 and CUDA do not.
+    # The fp32 CPU path reads a GGUF's blocks in small steps (engine.quant.packed_linear); bf16 and CUDA do not.
     small = report["defaults"]["small_batch_kernel"]
     expected = "decode steps of <= 16 rows" if report["defaults"]["dtype"] == "float32" else "off"
     assert small.startswith(expected), small
-    # The auto KV pool on the CPU: half of what this process may still take (engine.device.CPU_KV_MEMORY_SHARE).
+    # The auto KV pool on the CPU: half of what this process may still take (engine.worker.device.CPU_KV_MEMORY_SHARE).
     room = report["memory_gib"]["available_to_process"]
     assert 0 < room <= report["memory_gib"]["total"]
     assert abs(report["defaults"]["cpu_kv_cache_gib"] - room / 2) < 0.5 + room / 10  # memory moves between probes

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from engine.model_files import default_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.model_files import default_model_path
+from engine.text.tokenizer import Tokenizer
 from jobs.cli import app
 from jobs.openai_batch import CHAT_URL
 

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory, gguf_path: str) -> Path:
     """A bf16 model folder of the "tiny" preset (2 layers, width 64, random weights, tied embedding) with the
     default model's tokenizer (same vocabulary size)."""
-    from engine.presets import preset_config, random_model
-    from engine.quant.folder import save_folder
-    from engine.tokenizer import Tokenizer
+    from engine.loading.presets import preset_config, random_model
+    from engine.loading.tokenmill_folder import save_folder
+    from engine.text.tokenizer import Tokenizer
 
     cfg = preset_config("tiny")
     state = {k: v for k, v in random_model(cfg, torch.float32, torch.device("cpu")).state_dict().items()

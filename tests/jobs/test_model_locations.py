@@ -1,6 +1,6 @@
 """`--model` at an S3 URL and as a Hugging Face hub id through `tokenmill run`: the client checks the location
 before any work (exit 2, one line, when it is missing), and on a real LocalCluster of two worker processes the model
-is copied once per machine however many workers load it (engine.model_files)."""
+is copied once per machine however many workers load it (engine.loading.model_files)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hub_cache import write_hub_cache
 from s3_faults import FlakyS3, GetCounter, flaky_s3, upload_folder
 from typer.testing import CliRunner
 
-from engine.model_files import MODELS_DIR
+from engine.loading.model_files import MODELS_DIR
 from jobs.cli import app
 from jobs.preflight import check_model
 

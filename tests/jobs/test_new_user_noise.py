@@ -97,7 +97,7 @@ def test_a_bad_tokenmill_variable_names_the_variable_and_the_option(questions: P
     bad = _refused([*base, "--max-num-seqs", "0"], TOKENMILL_DEVICE="gpu")
     assert bad.exit_code == 2
     assert "invalid tokenmill run options (2 problems)" in bad.stderr  # was "options is invalid"
-    assert "engine.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
+    assert "engine.worker.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
     assert "engine.max_num_seqs (--max-num-seqs):" in bad.stderr  # from the command line: no variable named
     missing = _refused(base, TOKENMILL_MODEL=str(tmp_path / "nonexistent.gguf"))
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
@@ -153,7 +153,7 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
     assert "the job was cancelled" in a_stderr
     for stderr in (a_stderr, b.stderr):
         assert "Compute Failed" not in stderr and "Traceback" not in stderr and "already in use" not in stderr
-        assert "terminate called" not in stderr  # no worker aborted at exit (engine.engine_loop's atexit hook)
+        assert "terminate called" not in stderr  # no worker aborted at exit (engine.loop.engine_loop's atexit hook)
         # Not a terminal: the dashboard is said once, as a JSON event line like the progress events.
         assert len(re.findall(r'\{"event": "dashboard", "url": "http://127\.0\.0\.1:\d+/status"', stderr)) == 1
     ports = [re.search(r"127\.0\.0\.1:(\d+)", s).group(1) for s in (a_stderr, b.stderr)]

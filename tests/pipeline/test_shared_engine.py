@@ -1,4 +1,4 @@
-"""Two shards at once on one resident engine loop (engine.engine_loop), as a worker's shard slots run them: a stop
+"""Two shards at once on one resident engine loop (engine.loop.engine_loop), as a worker's shard slots run them: a stop
 with both in flight commits both shards' finished rows and a rerun completes every id once; one shard's unreadable
 file never stops the other's rows; the two shards' device-seconds add up to the time they shared the engine."""
 
@@ -15,7 +15,7 @@ import pytest
 from shard_helpers import ROWS, shard_cfg
 
 from engine import EngineConfig, LLMEngine
-from engine.engine_loop import EngineLoop
+from engine.loop.engine_loop import EngineLoop
 from pipeline.checkpoint import committed_parts
 from pipeline.input import Shard
 from pipeline.layout import results_path

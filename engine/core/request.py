@@ -1,0 +1,84 @@
+"""One generation request, tracked by counters rather than phases."""
+
+from __future__ import annotations
+
+import enum
+
+from engine.sampling_params import SamplingParams
+from engine.text.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler's queues."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """A prompt, its generated tokens so far, and how many of them the KV cache holds.
+
+    NOTE: prefill, chunked prefill, decode and recompute after preemption all follow from two counters:
+    `num_computed_tokens` (tokens whose K/V are in the cache) against `num_tokens` (prompt + output). A step feeds
+    tokens [num_computed_tokens, num_computed_tokens + n) and samples only when it reaches `num_tokens`. Only the
+    scheduler (engine.core.scheduler.Scheduler) changes a request's counters, status and finish_reason.
+
+    Attributes:
+        request_id: caller's id (string).
+        prompt_token_ids: the prompt (tokens).
+        output_token_ids: generated tokens so far.
+        sampling_params: how to sample and when to stop.
+        num_computed_tokens: tokens whose K/V are in this request's blocks.
+        num_preemptions: times the request lost its blocks and went back to waiting.
+        finish_reason: "stop" | "length" once finished, else None.
+        detokenizer: the output's text and stop strings (engine.text.detokenizer), or None when there is no tokenizer.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.detokenizer = detokenizer
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        # For the scheduler's per-step stop test: the total length at max_tokens, and whether the request has stop
+        # ids or stop strings (then every new token is checked in full, engine.core.scheduler.check_stop).
+        self.max_num_tokens = len(self.prompt_token_ids) + sampling_params.max_tokens
+        self.has_stop_checks = bool(sampling_params.stop or sampling_params.stop_token_ids)
+        # Asynchronous steps (engine.llm_engine, EngineConfig.async_scheduling): the token still on the device, the
+        # last of all_token_ids as a placeholder, brings the request to its length limit, so it runs no further step.
+        self.ends_at_pending_token = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens generated so far."""
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        """Record one sampled token (its K/V is computed by the next step)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

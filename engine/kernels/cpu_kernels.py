@@ -1,0 +1,96 @@
+"""C++ kernels of the CPU path (engine/kernels/csrc/), compiled for this machine on first use.
+
+`cpu_ops()` builds engine/kernels/csrc/cpu_kernels.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
+-march=native, so the build is for the CPU it runs on) into torch's extension cache (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions), under a name that hashes the source (its path and text), the flags, torch's version and
+this CPU's flags: later processes on the same machine load it in well under a second (a build takes about 15 s on 2
+cores: the source includes only the ATen headers it uses, not <torch/extension.h>), and concurrent first builds wait on
+torch's file lock. When the build cannot run (no compiler, no ninja, a build
+error) or TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers
+use the plain torch path, which computes the same function.
+
+`python -m engine.kernels.cpu_kernels` (`make kernels`, which `make setup` runs) builds them ahead of use, so a fresh
+clone's first test or job does not wait for the compiler; a process that finds them built loads them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Resolved: torch's build.ninja names the source by this path, so every process of one checkout (make, pytest, a
+# job's workers) must spell it alike or each would rewrite build.ninja and rebuild the module.
+SOURCES = [Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"]
+# The kernels vectorize by hand (GCC vector extensions), so no -ffast-math: the softmax needs -inf and exact order.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def cpu_has_avx512() -> bool:
+    """True when this CPU has AVX-512F (the kernels' 16-lane vectors fill one register; on AVX2 they take two)."""
+    return "avx512f" in _cpu_flags().split()
+
+
+@functools.cache
+def cpu_ops() -> ModuleType | None:
+    """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
+    quantize_rows_u8, argmax_rows, sample_rows, gguf_linear), or None when they cannot be built here."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        # The path too: torch's build.ninja names the source by path, so two checkouts of one source sharing a name
+        # would rebuild each other's module (about 30 s) every time a process of the other one loads it.
+        digest.update(str(src).encode() + b"\0" + src.read_bytes())
+    digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
+    name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
+    if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False)
+    except Exception as e:  # no compiler / ninja, or a build error: the torch path does the same work
+        log.warning("tokenmill's CPU kernels could not be built (%s: %s); using the plain torch path, which is "
+                    "slower. Install g++ and ninja (pip install ninja) to get them.", type(e).__name__,
+                    str(e).strip().splitlines()[-1:] if str(e).strip() else "")
+        return None
+
+
+def main() -> int:
+    """`python -m engine.kernels.cpu_kernels`: build (or load, when built) the kernels of this checkout and print the
+    module's
+    path. Exit status 1, with the reason logged, when they cannot be built; 0 when TOKENMILL_CPU_KERNELS=0 turns them
+    off."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        print("TOKENMILL_CPU_KERNELS=0: the CPU kernels are off, nothing to build")
+        return 0
+    ops = cpu_ops()
+    if ops is None:
+        return 1
+    print(f"tokenmill CPU kernels: {ops.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Paged attention: the plain torch reference (CPU, tests, the oracle for the GPU kernels).
+
+KV cache layout, per layer: `k_cache`, `v_cache` of shape [num_blocks, block_size, num_kv_heads, head_dim].
+Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`; its flat slot is
+`block_id * block_size + offset` (the slot mapping). Source: Kwon et al., "Efficient Memory Management for Large
+Language Model Serving with PagedAttention" (SOSP 2023).
+
+Sliding-window attention (Mistral; Jiang et al., "Mistral 7B", 2023): every paged attention function takes
+`sliding_window=W`; when set, the query at position i sees only keys j with i - W < j <= i (its last W keys, itself
+included: HF transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`). None: full causal attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu_kernels import cpu_has_avx512, cpu_ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the tokens of one step sit in the batch and in the KV cache. Built once per step by the model runner.
+
+    The step's tokens are flattened: request b owns rows query_start_loc[b]:query_start_loc[b+1] of every [T, ...]
+    activation. Its query token j sits at position seq_lens[b] - q_len_b + j and attends to keys 0..that position.
+
+    Attributes:
+        slot_mapping: int64 [T], the flat KV slot each new token's K/V is written to.
+        query_start_loc: int32 [B + 1], prefix sums of the per-request query lengths (host copy in `query_lens`).
+        seq_lens: int32 [B], tokens in the KV cache per request after this step (context + new tokens).
+        block_tables: int32 [B, max_blocks], block ids per request, padded with 0.
+        query_lens: list of B ints (host), new tokens per request this step.
+        seq_lens_host: list of B ints (host), the same as seq_lens.
+        decode_only: True when every request has exactly one new token (the fast decode path).
+        plan: the torch path's batching of this step (BatchPlan), built on first use and then shared by every
+            layer; the Triton kernels do not read it.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens: list[int]
+    seq_lens_host: list[int]
+    decode_only: bool
+    plan: BatchPlan | None = None
+    _leading_decodes: int | None = None
+    _prefill_pairs: int | None = None
+
+    def max_prefill_pairs(self) -> int:
+        """The most (query, key) pairs of one prefill chunk of the step (q_len x seq_len; 0 when all decode)."""
+        if self._prefill_pairs is None:
+            self._prefill_pairs = max((q * s for q, s in zip(self.query_lens, self.seq_lens_host, strict=True)
+                                       if q > 1), default=0)
+        return self._prefill_pairs
+
+    def num_leading_decodes(self) -> int:
+        """How many requests decode (one new token each) when they all lead the step, as the model runner orders
+        them; -1 when a decode follows a prefill chunk. Counted once per step."""
+        if self._leading_decodes is None:
+            n = 0
+            while n < len(self.query_lens) and self.query_lens[n] == 1:
+                n += 1
+            self._leading_decodes = n if 1 not in self.query_lens[n:] else -1
+        return self._leading_decodes
+
+    def batch_plan(self, block_size: int, dtype: torch.dtype, sliding_window: int | None = None) -> BatchPlan:
+        """This step's BatchPlan for KV blocks of `block_size` tokens, attention in `dtype` and `sliding_window`
+        (None: full causal), built once (every layer of a model shares the window) and rebuilt if the window
+        changes."""
+        if self.plan is None or self.plan.sliding_window != sliding_window:
+            self.plan = BatchPlan.build(self, block_size, dtype, sliding_window)
+        return self.plan
+
+    @classmethod
+    def single_prefill(cls, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
+        """One request prefilling n tokens from an empty private cache whose blocks 0..ceil(n / block_size) - 1 it
+        owns in order (slot i = token i): the metadata of perplexity scoring and calibration forwards."""
+        blocks = -(-n // block_size)
+        return cls(slot_mapping=torch.arange(n, device=device),
+                   query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+                   seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+                   block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+                   query_lens=[n], seq_lens_host=[n], decode_only=False)
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raise ValueError unless `sliding_window` is None or an int >= 1 (tokens)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1 (tokens), got {sliding_window!r}")
+
+
+def private_kv_cache(n: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (k_cache, v_cache), each [ceil(n / block_size), block_size, num_kv_heads, head_dim] of `dtype`: one
+    layer's cache for a single request of n tokens, laid out as `AttentionMetadata.single_prefill` expects."""
+    shape = (-(-n // block_size), block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's keys and values in the paged cache.
+
+    k, v: [T, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    slot_mapping: int64 [T]. Writes in place.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@dataclass
+class BatchPlan:
+    """How the torch path batches one step: every decode row in one attention call, every prefill chunk in another.
+
+    Built once per step (`AttentionMetadata.batch_plan`) from the host lists and reused by every layer, so no
+    layer loops over requests in Python. Each group reads its requests' contexts through one gather of whole KV
+    blocks (`block_ids`, padded with block 0 to the group's longest context) and masks what a query may not see
+    with an additive mask (0 or -inf) of the attention dtype.
+
+    Attributes:
+        decode_rows: rows of q (and requests) of the decode group: a slice when they lead the step (the model
+            runner orders decodes first), else an int64 index tensor; None when the step has no decode row.
+        decode_block_ids: int64 [Bd * nb_d], the decode requests' block tables flattened.
+        decode_mask: [Bd, 1, 1, nb_d * block_size] additive mask (keys past each request's seq_len are -inf, and
+            with a sliding window W the keys before seq_len - W too).
+        prefill_rows: int64 [Tp], the rows of q fed by prefill chunks, request by request; None without prefill.
+        prefill_block_ids: int64 [P * nb_p].
+        prefill_pad_index: int64 [Tp], where each prefill row sits in the padded [P * max_q_len] query batch.
+        prefill_mask: [P, 1, max_q_len, nb_p * block_size] additive causal mask (sliding-window causal when
+            `sliding_window` is set); a padded query row sees key 0 (its output is discarded) so no row of the
+            softmax is empty.
+        max_q_len: the longest prefill chunk (tokens).
+        sliding_window: the window W the masks were built for (None: full causal).
+    """
+
+    decode_rows: slice | torch.Tensor | None
+    decode_block_ids: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefill_rows: torch.Tensor | None
+    prefill_block_ids: torch.Tensor | None
+    prefill_pad_index: torch.Tensor | None
+    prefill_mask: torch.Tensor | None
+    max_q_len: int
+    sliding_window: int | None = None
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
+              sliding_window: int | None = None) -> BatchPlan:
+        """The plan of `meta`'s step for KV blocks of `block_size` tokens, attention in `dtype` and a sliding
+        window of `sliding_window` keys (None: full causal)."""
+        device = meta.block_tables.device
+        decode = [b for b, n in enumerate(meta.query_lens) if n == 1]
+        prefill = [b for b, n in enumerate(meta.query_lens) if n > 1]
+        starts = [0]
+        for n in meta.query_lens:
+            starts.append(starts[-1] + n)
+
+        def blocks(reqs: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
+            seq = [meta.seq_lens_host[b] for b in reqs]
+            nb = -(-max(seq) // block_size)
+            idx = torch.tensor(reqs, device=device)
+            ids = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
+            return ids, nb, torch.tensor(seq, device=device)
+
+        decode_rows = decode_ids = decode_mask = None
+        if decode:
+            decode_ids, nb, seq = blocks(decode)
+            keys = torch.arange(nb * block_size, device=device)
+            visible = keys[None, :] < seq[:, None]
+            if sliding_window is not None:  # the decode query sits at seq_len - 1 and sees keys > seq_len - 1 - W
+                visible &= keys[None, :] >= (seq - sliding_window)[:, None]
+            decode_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            decode_mask = decode_mask[:, None, None, :]
+            contiguous = decode == list(range(len(decode))) and starts[len(decode)] == len(decode)
+            decode_rows = slice(0, len(decode)) if contiguous else torch.tensor(
+                [starts[b] for b in decode], device=device)
+        prefill_rows = prefill_ids = pad_index = prefill_mask = None
+        max_q = 0
+        if prefill:
+            prefill_ids, nb, seq = blocks(prefill)
+            q_lens = [meta.query_lens[b] for b in prefill]
+            max_q = max(q_lens)
+            prefill_rows = torch.tensor([r for b in prefill for r in range(starts[b], starts[b + 1])], device=device)
+            pad_index = torch.tensor([i * max_q + j for i, n in enumerate(q_lens) for j in range(n)], device=device)
+            q_len = torch.tensor(q_lens, device=device)
+            j = torch.arange(max_q, device=device)
+            keys = torch.arange(nb * block_size, device=device)
+            # Query j of request i sits at position seq_len - q_len + j and sees keys up to it.
+            pos = (seq - q_len)[:, None] + j[None, :]  # [P, max_q]
+            visible = keys[None, None, :] <= pos[:, :, None]
+            if sliding_window is not None:
+                visible &= keys[None, None, :] > (pos - sliding_window)[:, :, None]
+            visible |= (j[None, :] >= q_len[:, None])[:, :, None] & (keys == 0)[None, None, :]
+            prefill_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            prefill_mask = prefill_mask[:, None]
+        return cls(decode_rows, decode_ids, decode_mask, prefill_rows, prefill_ids, pad_index, prefill_mask, max_q,
+                   sliding_window)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """Contexts read through block tables: [num_seqs, Hkv, nb * block_size, D] in `dtype` (one copy of the blocks)."""
+    ctx = cache.index_select(0, block_ids)  # [S * nb, block_size, Hkv, D]
+    ctx = ctx.view(num_seqs, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+    return ctx if ctx.dtype == dtype else ctx.to(dtype)
+
+
+def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan,
+                    scale: float) -> torch.Tensor:
+    """The decode rows of `plan` through one SDPA call: [Bd, num_heads, head_dim]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    qd = q[plan.decode_rows] if isinstance(plan.decode_rows, slice) else q.index_select(0, plan.decode_rows)
+    b = qd.shape[0]
+    k = _gather(k_cache, plan.decode_block_ids, b, q.dtype)  # [B, Hkv, L, D]
+    v = _gather(v_cache, plan.decode_block_ids, b, q.dtype)
+    # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
+    # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
+    group = num_heads // num_kv_heads
+    return F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
+                                          attn_mask=plan.decode_mask, scale=scale).reshape(b, num_heads, head_dim)
+
+
+def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan, scale: float,
+                     out: torch.Tensor) -> None:
+    """The prefill rows of `plan` through one SDPA call over the padded chunks, written into `out` [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs = plan.prefill_mask.shape[0]
+    qp = q.new_zeros(num_seqs * plan.max_q_len, num_heads, head_dim)
+    qp.index_copy_(0, plan.prefill_pad_index, q.index_select(0, plan.prefill_rows))
+    qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
+    k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+    v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
+    out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries over each request's cached keys and values (the torch path: tests,
+    and the oracle of the CPU and GPU kernels).
+
+    q: [T, num_heads, head_dim]; caches as in the module docstring (already holding this step's K/V);
+    returns [T, num_heads, head_dim] in q's dtype. Grouped-query attention: query head h reads KV head
+    h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
+    scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
+    sliding_window: W >= 1 limits each query to its last W keys (see the module docstring), by the masks; None:
+    full causal. Raises ValueError on an invalid window.
+    """
+    check_sliding_window(sliding_window)
+    plan = meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window)
+    if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == q.shape[0]:
+        return _attend_decodes(q, k_cache, v_cache, plan, scale)  # decode only: the decode output is the whole
+    out = torch.empty_like(q)
+    if plan.decode_rows is not None:
+        o = _attend_decodes(q, k_cache, v_cache, plan, scale)
+        if isinstance(plan.decode_rows, slice):
+            out[plan.decode_rows] = o
+        else:
+            out.index_copy_(0, plan.decode_rows, o)
+    if plan.prefill_rows is not None:
+        _attend_prefills(q, k_cache, v_cache, plan, scale, out)
+    return out
+
+
+# Prefill chunks of at most this many (query, key) pairs per request go through the C++ kernel together with the
+# decodes: one call, no padding, no mask. Longer ones take SDPA's blocked (GEMM) path, which wins there: the
+# kernel's cost grows as q_len x seq_len with dot products at vector rather than GEMM rates. Measured crossover
+# (`python bench/cpu_kernels.py --prefill`, 2-core EPYC, SmolLM2's 9/3 heads of 64): see bench/README.md. On CPUs
+# without AVX-512 the kernel's 16-lane blocking takes two registers a vector and SDPA wins at every prefill length
+# (5-8x per layer there; a whole job 18% faster on GSM8K prompts with every chunk on SDPA: bench/README.md "AVX2").
+CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024 if cpu_has_avx512() else 0
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
+    """`paged_attention_ref`'s contract on the CPU, in a C++ kernel (engine/kernels/csrc/cpu_kernels.cpp) that reads
+    each
+    context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
+    Decodes and short prefill chunks (CPU_KERNEL_MAX_PREFILL_PAIRS) run in one kernel call; a step with a longer
+    chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
+    `paged_attention_ref` when the kernels are not built (engine.kernels.cpu_kernels). With `sliding_window` the kernel
+    skips the whole KV blocks before a row's window and masks the rest of the boundary block. Raises ValueError on
+    an invalid window.
+    """
+    check_sliding_window(sliding_window)
+    ops = cpu_ops()
+    if ops is None:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+    window = sliding_window or 0  # the kernel's "no window"
+    if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                   scale, window)
+    nd = meta.num_leading_decodes()
+    if nd <= 0:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+    out = torch.empty_like(q)
+    out[:nd] = ops.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                   meta.query_start_loc[:nd + 1], scale, window)
+    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window), scale, out)
+    return out

@@ -1,0 +1,104 @@
+"""Hugging Face model folders (config.json, generation_config.json, safetensors weights, sharded with an index):
+their config through the architecture registry and their tensors, one at a time, under our parameter names.
+
+Format: https://huggingface.co/docs/safetensors (read with the `safetensors` package's safe_open).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.config import ModelConfig
+from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
+from engine.model.architectures import config_from_hf
+from engine.model.tensor_names import LM_HEAD, check_tensor_names
+
+if TYPE_CHECKING:
+    import torch
+
+
+
+_HF_INDEX_FILE = "model.safetensors.index.json"
+
+
+def is_hf_folder(path: str) -> bool:
+    """True when `path` is a Hugging Face model folder (config.json beside safetensors weights), not a tokenmill
+    folder (engine.loading.tokenmill_folder)."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_CONFIG_FILE))
+            and not os.path.isfile(os.path.join(path, TOKENMILL_CONFIG_FILE)))
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """ModelConfig of the HF folder at `path`: config.json through its architecture's registry entry, plus
+    generation_config.json's stop tokens (engine.model.architectures.config_from_hf). Raises ValueError as that does."""
+    config = json.loads(Path(path, HF_CONFIG_FILE).read_text())
+    gen_path = Path(path, "generation_config.json")
+    generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    return config_from_hf(config, generation)
+
+
+def hf_weight_files(path: str) -> list[str]:
+    """The safetensors files of an HF folder: those model.safetensors.index.json names (sharded), else every
+    *.safetensors. Raises ValueError when there are none (e.g. only pytorch_model.bin, which we do not read)."""
+    index = Path(path, _HF_INDEX_FILE)
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not Path(path, f).is_file()]
+        if missing:
+            raise ValueError(f"{path}: {_HF_INDEX_FILE} names {missing[:3]}, which are missing; copy the whole folder")
+        return [str(Path(path, f)) for f in files]
+    files = sorted(str(p) for p in Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights; tokenmill reads safetensors (convert .bin files with "
+                         "transformers' save_pretrained(safe_serialization=True))")
+    return files
+
+
+def _hf_param_name(key: str) -> str:
+    """Our parameter name of an HF checkpoint key: "model.layers.0..." -> "layers.0...", "lm_head.weight" kept."""
+    return key.removeprefix("model.")
+
+
+def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
+    """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
+    against `cfg`'s architecture. Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in hf_weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
+                    continue
+                out[_hf_param_name(key)] = (file, key)
+    check_tensor_names(out, cfg, path)
+    return out
+
+
+def check_hf_folder(path: str) -> ModelConfig:
+    """The config of an HF folder after checking, without reading weights, that tokenmill runs it exactly: its
+    architecture and config fields (engine.model.architectures) and every tensor name. Raises ValueError."""
+    cfg = read_hf_config(path)
+    hf_tensor_index(path, cfg)
+    return cfg
+
+
+def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
+    from the safetensors files; every name checked before the first is read. Raises ValueError as
+    hf_tensor_index."""
+    from safetensors import safe_open
+
+    index = hf_tensor_index(path, cfg)
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name, (file, key) in index.items():
+        if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
+            by_file.setdefault(file, []).append((name, key))
+    for file, items in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name, key in items:
+                yield name, f.get_tensor(key).to(dtype)

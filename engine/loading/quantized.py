@@ -1,0 +1,185 @@
+"""Load any model file tokenmill reads (GGUF file, Hugging Face folder or tokenmill folder) with the asked-for
+quantization, and write quantized folders (what `tokenmill quantize` runs).
+
+quantization modes (EngineConfig.quantization):
+    "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
+    "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
+            saved; everything else in the compute dtype.
+    "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
+    "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection and the LM head as INT8 per output
+            channel, activations quantized per token at run time; loaded as "none", then fused and quantized.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
+from engine.loading.hf_folder import is_hf_folder, iter_hf_state, read_hf_config
+from engine.loading.loader import read_gguf_state
+from engine.loading.model_files import resolve_model_path
+from engine.loading.tokenmill_folder import is_model_folder, read_folder, save_folder
+from engine.model.decoder import LlamaModel
+from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
+from engine.quant.qparams import Int4Weight
+from engine.quant.quantize import quantize_weights
+from engine.quant.state import LM_HEAD, QuantizedState
+from engine.text.tokenizer import Tokenizer
+
+QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
+
+
+@dataclass
+class LoadedModel:
+    """A filled model with its shape, tokenizer and the count of INT4 modules (0 = plain)."""
+
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    num_int4_modules: int
+
+
+def read_state(path: str, quantization: str, group_size: int,
+               plain_dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, QuantizedState]:
+    """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per
+    the modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none": no fp32 copy of a
+    bf16 checkpoint; INT4 quantized one tensor at a time). Raises ValueError for an unknown mode or unsupported
+    file."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+    if is_hf_folder(path):
+        cfg = read_hf_config(path)
+        dtype = plain_dtype if quantization == "none" else torch.float32
+        items = iter_hf_state(path, cfg, dtype)
+        if quantization != "int4":
+            return cfg, dict(items)
+        handler = Int4QuantHandler(group_size, include_embedding=False)
+        state: QuantizedState = {}
+        for name, w in items:
+            state.update(handler.quantize_state_dict({name: w}))
+        return cfg, state
+    if os.path.isdir(path):
+        cfg, state, _ = read_folder(path)
+    elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
+        return read_gguf_state(path, torch.float32)
+    else:
+        from engine.loading.gguf_file import open_gguf
+
+        reader = open_gguf(path)
+        cfg = read_gguf_config(reader)
+        state = dict(iter_gguf_state(reader, cfg, native_int4=True))
+    if quantization in ("none", "int8"):
+        return cfg, dequantize_state_dict(state, torch.float32)
+    if quantization == "int4":
+        state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
+    return cfg, state
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
+               group_size: int = 128, max_positions: int | None = None,
+               dequant_min_rows: int | None | str = "auto") -> LoadedModel:
+    """Load a GGUF file / URL, a tokenmill folder, or None (the default SmolLM2 model) onto `device`.
+
+    dtype: compute dtype of activations and plain weights. Raises FileNotFoundError (no such model) and ValueError
+    (bad mode, unsupported architecture, broken file).
+    """
+    path = resolve_model_path(model)
+    if os.path.isdir(path) and not is_model_folder(path) and not is_hf_folder(path):
+        raise ValueError(f"{path} is a folder but neither a Hugging Face model folder (config.json + safetensors) "
+                         "nor a tokenmill model folder; pass a GGUF file or one of those folders")
+    cfg, state = read_state(path, quantization, group_size, plain_dtype=dtype)
+    n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
+    llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
+    tokenizer = Tokenizer.from_model_path(path)
+    if quantization == "int8":
+        from engine.quant.int8_linear import quantize_model_int8
+        from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
+
+        if device.type != "cpu":
+            raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
+                             "'auto' or 'int4'")
+        llama.fuse_projections()
+        calibration = torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device)
+        smooth_model(llama, calibration)
+        quantize_model_int8(llama)
+    return LoadedModel(cfg, llama, tokenizer, n_int4)
+
+
+QUANTIZE_METHODS = ("rtn", "gptq")
+
+
+def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_size: int = 128,
+                       include_embedding: bool = True, *, method: str = "rtn",
+                       calibration: Sequence[Sequence[str]] | None = None, calibration_samples: int = 128,
+                       calibration_seq_len: int = 256, act_order: bool = True, damp: float = 0.01,
+                       tune_epochs: float = 1.0, on_layer: Callable[[int, float], None] | None = None,
+                       on_tune_step: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
+    """Write `model` (GGUF file or folder) as a tokenmill folder: INT4 (bits=4, group-wise at group_size, the
+    embedding too unless include_embedding=False) or plain bf16 (bits=16). Returns the folder's JSON config.
+
+    method "rtn": round-to-nearest with the MSE scale fit, weights quantized one at a time from fp32, so peak memory
+    is about one fp32 tensor plus the output. method "gptq" (engine.quant.gptq): the model is loaded in fp32 on the
+    CPU and its decoder projections are quantized layer by layer on `calibration_samples` sequences of
+    `calibration_seq_len` tokens, split evenly over the `calibration` sources (each a list of texts, joined by blank
+    lines; engine.quant.calibration.calibration_batch), with `act_order` and dampening `damp`, then every group's
+    scale and zero is tuned end to end for `tune_epochs` passes over the same sequences (engine.quant.tune; 0 =
+    off) (defaults: the best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays
+    round-to-nearest.
+    Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
+    Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
+    if bits not in (4, 16):
+        raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(f"method must be one of {QUANTIZE_METHODS}, got {method!r}")
+    path = resolve_model_path(model)
+    handler = Int4QuantHandler(group_size, include_embedding) if bits == 4 else None
+    if bits == 4 and method == "gptq":
+        if not calibration or not any(calibration):
+            raise ValueError("method 'gptq' needs calibration text (e.g. --calibration '../shared/data/"
+                             "gsm8k_test.parquet#question,answer')")
+        return _gptq_to_folder(path, out_dir, group_size, include_embedding, calibration, calibration_samples,
+                               calibration_seq_len, act_order, damp, tune_epochs, on_layer, on_tune_step)
+    if is_hf_folder(path):
+        cfg = read_hf_config(path)
+        items: Iterator[tuple[str, Any]] = iter_hf_state(path, cfg, torch.float32)
+    elif os.path.isdir(path):
+        cfg, stored, _ = read_folder(path)
+        items = iter(dequantize_state_dict(stored, torch.float32).items())
+    else:
+        from engine.loading.gguf_file import open_gguf
+
+        reader = open_gguf(path)
+        cfg = read_gguf_config(reader)
+        items = iter_gguf_state(reader, cfg, native_int4=False)
+    state: QuantizedState = {}
+    for name, w in items:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        state.update(handler.quantize_state_dict({name: w}) if handler else {name: w.to(torch.bfloat16)})
+    return save_folder(out_dir, cfg, state, Tokenizer.from_model_path(path).hf_tokenizer, bits=bits,
+                       group_size=group_size if bits == 4 else None, source=os.path.basename(path))
+
+
+def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding: bool,
+                    sources: Sequence[Sequence[str]], samples: int, seq_len: int, act_order: bool, damp: float,
+                    tune_epochs: float, on_layer: Callable[[int, float], None] | None,
+                    on_tune_step: Callable[[int, int, float], None] | None) -> dict[str, Any]:
+    from engine.quant.calibration import calibration_batch
+
+    loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
+    cfg, llama = loaded.config, loaded.model
+    calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
+    state: QuantizedState = dict(quantize_weights(llama, group_size, include_embedding, calibration=calibration,
+                                                  act_order=act_order, damp=damp, tune_epochs=tune_epochs,
+                                                  on_layer=on_layer, on_tune_step=on_tune_step))
+    for name, w in llama.state_dict().items():  # the norms (tuned ones included) and a kept embedding
+        if name.removesuffix(".weight") not in state and not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
+            state[name] = w
+    return save_folder(out_dir, cfg, state, loaded.tokenizer.hf_tokenizer, bits=4, group_size=group_size,
+                       source=os.path.basename(path), method="gptq")

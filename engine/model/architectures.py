@@ -1,0 +1,226 @@
+"""The model families tokenmill runs: one registry entry per architecture.
+
+An entry says how a family's Hugging Face `config.json` and GGUF metadata become a ModelConfig (the fields it reads,
+the ones it refuses when set to something the engine does not implement), its GGUF architecture name, and whether
+llama.cpp's converter permuted its Q/K rows. Tensor names come from the `gguf` package
+(`gguf.get_tensor_name_map`: the table llama.cpp's convert_hf_to_gguf.py itself uses), never a hand-written table.
+Everything downstream (engine.model.decoder, the quantized paths, the weights cache, the kernels) reads ModelConfig
+fields
+(qkv_bias, qk_norm, rope_scaling, sliding_window, ...), never a family name.
+
+Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine/model/test_families.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ModelConfig, RopeScaling
+
+#: config.json fields that describe training, serialization or the HF runtime, not the math of inference.
+_IGNORED_FIELDS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id", "pretraining_tp",
+    "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+    "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class", "quantization_config", "max_window_layers",
+    "use_sliding_window", "sliding_window", "layer_types", "rope_scaling", "rope_parameters", "rope_theta",
+    "head_dim", "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act",
+    "attention_bias", "mlp_bias", "bos_token", "eos_token", "unsloth_fixed", "use_mrope",
+})
+_SILU = ("silu", "swish")
+#: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.
+_MATH_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "use_mrope", "rope_interleaved",
+                "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling", "embedding_multiplier",
+                "residual_multiplier", "attention_multiplier", "query_pre_attn_scalar", "logit_scale",
+                "use_qk_norm", "no_rope_layers", "qk_layernorm", "use_parallel_residual")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model family.
+
+    Attributes:
+        name: registry name (also ModelConfig.architecture of GGUF files).
+        hf_model_types: config.json `model_type` values it reads ("mistral" is Llama's math plus a window).
+        gguf_arch: `general.architecture` of its GGUF files (gguf.MODEL_ARCH_NAMES).
+        gguf_permuted_qk: llama.cpp's converter permuted Q/K rows to interleaved RoPE pairs (llama does; qwen2/qwen3
+            do not): they are un-permuted on load.
+        qkv_bias: q/k/v projections carry a bias (Qwen2).
+        qk_norm: per-head q_norm / k_norm before RoPE (Qwen3).
+        refused: (config.json field, the values we implement): any other value is an error naming the field.
+        window: reads the sliding window of a config.json dict (None = full attention); raises ValueError.
+    """
+
+    name: str
+    hf_model_types: tuple[str, ...]
+    gguf_arch: str
+    gguf_permuted_qk: bool
+    qkv_bias: bool
+    qk_norm: bool
+    refused: tuple[tuple[str, tuple[Any, ...]], ...]
+    window: Callable[[dict[str, Any]], int | None]
+
+
+def _mistral_window(config: dict[str, Any]) -> int | None:
+    """Mistral's `sliding_window` (every layer); Llama configs have none."""
+    w = config.get("sliding_window")
+    return int(w) if w is not None else None
+
+
+def _qwen_window(config: dict[str, Any]) -> int | None:
+    """Qwen2/Qwen3: a window only with `use_sliding_window`, on the layers `layer_types` (or `max_window_layers`:
+    layers from that index on) mark sliding. Per-layer windows (some layers full, some sliding) are refused."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        start = int(config.get("max_window_layers", n)) if config.get("use_sliding_window") else n
+        types = ["sliding_attention" if config.get("use_sliding_window") and i >= start else "full_attention"
+                 for i in range(n)]
+    kinds = set(types)
+    if kinds == {"full_attention"} or not config.get("use_sliding_window"):
+        return None
+    if kinds == {"sliding_attention"} and config.get("sliding_window"):
+        return int(config["sliding_window"])
+    raise ValueError(f"config.json asks for a sliding window on some layers only (layer_types {types[:4]}..., "
+                     f"max_window_layers={config.get('max_window_layers')}); tokenmill runs one window for every "
+                     "layer or none: set use_sliding_window false")
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    # Llama 2/3/3.1/3.2, SmolLM, TinyLlama; Mistral (HF model_type "mistral"; llama.cpp writes it as "llama").
+    Architecture("llama", ("llama", "mistral"), "llama", gguf_permuted_qk=True, qkv_bias=False, qk_norm=False,
+                 refused=(("attention_bias", (False, None)), ("mlp_bias", (False, None)), ("hidden_act", _SILU)),
+                 window=_mistral_window),
+    # Qwen2 / Qwen2.5: QKV bias, tied or untied embeddings, YaRN when the config has it.
+    Architecture("qwen2", ("qwen2",), "qwen2", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(("hidden_act", _SILU),), window=_qwen_window),
+    # Qwen3: per-head q_norm / k_norm, no bias, explicit head_dim.
+    Architecture("qwen3", ("qwen3",), "qwen3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
+                 refused=(("attention_bias", (False, None)), ("hidden_act", _SILU)), window=_qwen_window),
+)
+
+
+def supported() -> str:
+    """The families we run, for error messages: "llama (llama, mistral), qwen2 (qwen2), qwen3 (qwen3)"."""
+    return ", ".join(f"{a.name} ({', '.join(a.hf_model_types)})" for a in ARCHITECTURES)
+
+
+def get_architecture(name: str) -> Architecture:
+    """The entry whose registry name, HF model_type or GGUF architecture is `name`.
+
+    Raises ValueError listing the families we run."""
+    for a in ARCHITECTURES:
+        if name == a.name or name in a.hf_model_types or name == a.gguf_arch:
+            return a
+    raise ValueError(f"architecture {name!r} is not supported; tokenmill runs {supported()}")
+
+
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+              "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+              "truncate", "partial_rotary_factor"}
+
+
+def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, RopeScaling or None) of a config.json dict: the old layout (`rope_theta` + `rope_scaling`) or
+    transformers 5's `rope_parameters`. Defaults as transformers' standardize_rope_params (original context =
+    max_position_embeddings for llama3/yarn; yarn's factor = max / original when missing).
+
+    Raises ValueError for an unknown rope type or key, or a partial rotary factor other than 1."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    unknown = sorted(set(params) - _ROPE_KEYS)
+    if unknown:
+        raise ValueError(f"rope_scaling has fields {unknown} tokenmill does not implement")
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not implemented (only full-width RoPE)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    max_pos = int(config.get("max_position_embeddings", 2048))
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if kind == "dynamic" or original is None:  # dynamic: transformers scales by the ratio to max_position_embeddings
+        original = max_pos
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_pos / int(original) if kind == "yarn" else 1.0
+    return theta, RopeScaling(
+        rope_type=kind, factor=float(factor), original_max_position_embeddings=int(original),
+        low_freq_factor=params.get("low_freq_factor"), high_freq_factor=params.get("high_freq_factor"),
+        beta_fast=params.get("beta_fast"), beta_slow=params.get("beta_slow"), mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"), attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)))
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """ModelConfig of a Hugging Face `config.json` dict (and `generation_config.json`'s, whose `eos_token_id` list
+    adds stop tokens).
+
+    Raises ValueError for an architecture we do not run (listing those we do), a field that changes the math and
+    that we do not implement (naming it), or an inconsistent shape."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ValueError(f"config.json has no model_type; tokenmill runs {supported()}")
+    arch = get_architecture(str(model_type))
+    if model_type not in arch.hf_model_types:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported; tokenmill runs {supported()}")
+    for field, allowed in arch.refused:
+        if field in config and config[field] not in allowed:
+            raise ValueError(f"config.json sets {field}={config[field]!r}, which tokenmill does not implement for "
+                             f"{model_type} (it runs {field} in {list(allowed)})")
+    changes_math = sorted(k for k in _MATH_FIELDS if config.get(k) not in (None, False, 0, 1, 1.0, [], {}))
+    if changes_math:
+        raise ValueError(f"config.json sets {changes_math} (= {[config[k] for k in changes_math]}), which tokenmill "
+                         f"does not implement for {model_type}")
+    unknown = sorted(k for k in config if k not in _IGNORED_FIELDS and not k.endswith("_token_id"))
+    if unknown:
+        log.warning("config.json fields %s are not read by tokenmill (%s); check they do not change the output",
+                    unknown, model_type)
+    theta, scaling = rope_from_hf(config)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    eos = _ids(config.get("eos_token_id"))
+    stop = eos + tuple(i for i in _ids((generation_config or {}).get("eos_token_id")) if i not in eos)
+    bos = config.get("bos_token_id")
+    return ModelConfig(
+        vocab_size=int(config["vocab_size"]), hidden_size=hidden, intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads), rope_theta=theta,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        bos_token_id=int(bos) if isinstance(bos, int) else None, eos_token_id=stop[0] if stop else None,
+        architecture=str(model_type), qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, rope_scaling=scaling,
+        eos_token_ids=stop, sliding_window=arch.window(config))
+
+
+def hf_to_gguf_names(arch: Architecture, param_names: list[str], num_layers: int) -> dict[str, str]:
+    """{GGUF tensor name: our parameter name} for `param_names` (HF names without "model.", e.g.
+    "layers.0.self_attn.q_proj.bias"), through the gguf package's TensorNameMap of `arch`.
+
+    Raises ValueError naming a parameter the map cannot place (a registry entry out of step with gguf)."""
+    import gguf
+
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    tmap = gguf.get_tensor_name_map(by_name[arch.gguf_arch], num_layers)
+    out = {}
+    for name in param_names:
+        hf = name if name == "lm_head.weight" else f"model.{name}"
+        gname = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"the gguf package has no {arch.gguf_arch} tensor name for {name}")
+        out[gname] = name
+    return out

@@ -1,0 +1,157 @@
+"""Linear layers with weights pre-packed for oneDNN on the CPU: the serving form of the model's GEMMs there.
+
+`F.linear` on a CPU tensor reorders the weight into the GEMM library's blocked layout on every call (or goes
+through MKL's sgemm for fp32, which is slower at these shapes). Packing it once, as PyTorch Inductor's CPU
+freezing pass does (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`; both
+in torch since 2.0), saves that work at every step. Measured on a 2-core AMD EPYC with AVX512-BF16 (torch
+2.13.0+cpu, `python bench/cpu_kernels.py --gemm`, SmolLM2-135M's projection and LM-head shapes): bf16 at M = 64
+rows 381-413 GFLOP/s packed vs 315-357 through F.linear; fp32 202-217 vs 106-172 (the LM head 2x).
+
+bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ from MKL's in rounding only
+(relative 1e-7), because the two libraries sum in other orders.
+
+Small batches read the GGUF's own blocks: a weight loaded from a Q4_0/Q4_1/Q8_0/Q4_K GGUF tensor keeps its blocks
+(engine.kernels.gguf_blocks.GGUFBlocks, 0.75 bytes per weight for Q4, 1.125 for Q8_0), and a decode step of at most
+GGUF_KERNEL_MAX_ROWS rows multiplies by them in fp32 (engine.kernels.gguf_blocks.gguf_linear) instead of reading the
+4-byte fp32 copy: at a few rows a decode step is bound by memory bandwidth, not FLOPs. The weights are the same
+numbers bit for bit (the blocks' values are what the fp32 copy was dequantized from); only the fp32 summation order
+differs, as it does between oneDNN kernels. More rows run the packed GEMM, faster once the step is compute-bound.
+
+NOTE: oneDNN's packed GEMM gives a row the same bits whatever the other rows of the step (its per-output
+reduction order does not depend on M), and a seeded request's tokens are reproducible because of it, "whatever else
+is in the batch and after preemption" (SamplingParams.seed): a far-tail sample of the inverse CDF flips on a 1e-7
+change of a logit. So the runner opens the small-batch kernel only around a decode-only step with no seeded row
+(`gguf_kernel_scope`); prompts, and steps holding a seeded row, always run the packed GEMM. Outside such a scope
+(perplexity, GPTQ, direct model calls) PackedLinear never uses it. One way remains for kernel-computed numbers to
+reach a seeded row: a prompt that begins with text another request generated in this engine may take the KV blocks
+those decode steps wrote from the prefix cache (a cold engine computes them with the packed GEMMs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from engine.kernels import cpu_kernels
+from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
+from engine.quant.state import set_module
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+#: Rows M of a step up to which an fp32 PackedLinear with GGUF blocks runs engine.kernels.gguf_blocks.gguf_linear
+#: instead
+#: of the packed GEMM (module docstring). `python bench/cpu_kernels.py --gguf` (AVX2 EPYC, 2026-11-26, 2 threads,
+#: a layer's four GEMMs + the LM head, weights from memory): 3.8x the packed GEMM at M = 1, 1.68x at 8, 1.11x at 16,
+#: 0.98x at 24, 0.86x at 32 (bench/README.md).
+#: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM).
+GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 16
+
+_scope = threading.local()  # engines on other threads (an EngineLoop's) step the same shared model
+
+
+@contextlib.contextmanager
+def gguf_kernel_scope(allowed: bool) -> Iterator[None]:
+    """Let this thread's PackedLinear modules use their GGUF blocks for steps of <= GGUF_KERNEL_MAX_ROWS rows while
+    the block runs (when `allowed`; module docstring NOTE says when the runner allows it). Never without the C++
+    kernels (engine.kernels.cpu_kernels): gguf_linear's torch form dequantizes the whole weight per call, slower than
+    the
+    packed GEMM."""
+    before = getattr(_scope, "allowed", False)
+    _scope.allowed = allowed and cpu_kernels.cpu_ops() is not None
+    try:
+        yield
+    finally:
+        _scope.allowed = before
+
+
+def packing_available() -> bool:
+    """True when this torch build has oneDNN (mkldnn) and its prepacked linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def bf16_packing_available() -> bool:
+    """True when oneDNN can pack bf16 weights on this CPU: its bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT
+    (AVX2-only CPUs have neither; there bf16 linears stay plain nn.Linear). Found by packing a tiny weight once."""
+    if not packing_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """True when a CPU weight of `dtype` can be packed: fp32 wherever oneDNN is, bf16 per bf16_packing_available."""
+    if dtype == torch.bfloat16:
+        return bf16_packing_available()
+    return dtype in PACKED_DTYPES and packing_available()
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (no bias) with W held in oneDNN's blocked layout.
+
+    Args:
+        weight: fp32 or bf16 [N, K] on the CPU (N = out_features, K = in_features); packed here, not kept.
+    forward: x [..., K] of the weight's dtype -> [..., N].
+        blocks: the same weight's GGUF blocks (fp32 weights only; module docstring), or None.
+    Raises ValueError for another device or dtype, a bias, a torch without oneDNN (packing_available()), or bf16 on a
+    CPU whose oneDNN cannot pack it (bf16_packing_available()), or blocks of another shape or with a bf16 weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> None:
+        super().__init__()
+        if not packing_available():
+            raise ValueError("PackedLinear needs torch built with oneDNN (mkldnn); keep the nn.Linear")
+        if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+            raise ValueError(f"PackedLinear takes a 2-D fp32/bf16 CPU weight, got {tuple(weight.shape)} "
+                             f"{weight.dtype} on {weight.device}")
+        if not can_pack(weight.dtype):
+            raise ValueError("oneDNN cannot pack bf16 weights on this CPU (it needs AVX512BW/VL/DQ or AVX-NE-CONVERT); "
+                             "keep the nn.Linear, or run in float32")
+        if blocks is not None and (blocks.shape != tuple(weight.shape) or weight.dtype != torch.float32):
+            raise ValueError(f"GGUF blocks {blocks.shape} do not serve a {weight.dtype} weight "
+                             f"{tuple(weight.shape)}; pass blocks=None")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if (self.blocks is not None and x2.shape[0] <= GGUF_KERNEL_MAX_ROWS and x2.dtype == torch.float32
+                and getattr(_scope, "allowed", False)):
+            y = gguf_linear(x2, self.blocks)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        small = f", GGUF {self.blocks.type_name} blocks up to {GGUF_KERNEL_MAX_ROWS} rows" if self.blocks else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"oneDNN packed{small}")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a
+    tied LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`)
+    come along; a bias is kept and added after the GEMM,
+    engine.quant.state.set_module). Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack
+    bf16 (`can_pack`). Fuse projections first (they are packed as
+    they stand). Returns the number replaced (0 when oneDNN is missing)."""
+    if not packing_available():
+        return 0
+    names = [name for name, m in model.named_modules()
+             if type(m) is nn.Linear and m.weight.device.type == "cpu"
+             and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
+    for name in names:
+        module = model.get_submodule(name)
+        set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module)))
+    return len(names)

@@ -1,0 +1,92 @@
+"""The weights cache (engine/loading/loader.py): a GGUF is read and dequantized once per dtype, later loads read the
+cached
+safetensors file, and the cached model is the same model (same config, bit-identical tensors, same greedy tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams, gguf_file
+from engine.loading.loader import load_gguf_model
+from engine.loading.weights_cache import weights_cache_dir
+
+CPU = torch.device("cpu")
+
+
+def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8k_questions: list[str],
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    folder = weights_cache_dir(gguf_path, torch.float32)
+    assert not folder.exists()
+    cfg, built = load_gguf_model(gguf_path, torch.float32, CPU)
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert weights_cache_dir(gguf_path, torch.bfloat16) != folder  # one entry per dtype
+
+    import gguf
+
+    def no_gguf(*_a: object, **_k: object) -> None:
+        raise AssertionError("a cached load must not read the GGUF file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_gguf)
+    monkeypatch.setattr(gguf_file, "open_gguf", no_gguf)  # the engine's one way to open a GGUF file
+    cached_cfg, cached = load_gguf_model(gguf_path, torch.float32, CPU)
+    assert cached_cfg == cfg
+    a, b = built.state_dict(), cached.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert cached.lm_head.weight is cached.embed_tokens.weight  # still tied
+    # The whole engine on the cached weights: the same greedy tokens on real prompts.
+    monkeypatch.undo()
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    config = EngineConfig(device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=8)
+    fresh = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
+    again = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in fresh]
+    # The plain load of engine.loading.quantized (quantization "none", as `tokenmill perplexity` and INT8 load) reads
+    # the same fp32 entry: no GGUF tensor is dequantized again.
+    from engine.loading import loader
+    from engine.loading.quantized import load_model
+
+    monkeypatch.setattr(loader, "iter_gguf_state", no_gguf)
+    plain = load_model(gguf_path, torch.float32, CPU, quantization="none").model.state_dict()
+    assert plain.keys() == a.keys() and all(torch.equal(a[k], plain[k]) for k in a)
+
+
+def test_a_broken_entry_is_rebuilt_and_the_cache_can_be_turned_off(gguf_path: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_WEIGHTS_CACHE", "0")
+    load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    assert not (tmp_path / "cache" / "weights").exists()
+    monkeypatch.delenv("TOKENMILL_WEIGHTS_CACHE")
+    cfg, model = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    folder = weights_cache_dir(gguf_path, torch.bfloat16)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # damaged (a disk error, a killed copy)
+    cfg2, model2 = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    assert cfg2 == cfg and torch.equal(model2.embed_tokens.weight, model.embed_tokens.weight)
+    assert (folder / "model.safetensors").stat().st_size > 1 << 20  # rebuilt on the next load
+    _, model3 = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    assert torch.equal(model3.layers[3].mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
+
+
+def test_open_gguf_reads_what_gguf_reader_reads(gguf_path: str) -> None:
+    """engine.loading.gguf_file.open_gguf (the faster metadata parse every uncached GGUF load takes) holds the same
+    fields,
+    values and tensors as gguf.GGUFReader on the real model file."""
+    import gguf
+    import numpy as np
+
+    slow, fast = gguf.GGUFReader(gguf_path), gguf_file.open_gguf(gguf_path)
+    assert isinstance(fast, gguf.GGUFReader) and fast.fields.keys() == slow.fields.keys()
+    assert len(slow.fields["tokenizer.ggml.tokens"].data) > 40_000  # the vocabulary: most of the parse
+    for key, a in slow.fields.items():
+        b = fast.fields[key]
+        assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
+        assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert a.contents() == b.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(slow.tensors, fast.tensors, strict=True))

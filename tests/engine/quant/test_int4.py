@@ -1,0 +1,214 @@
+"""INT4 weight-only quantization: packing, Int4Linear against a dequantized reference, GGUF Q4 loaded natively,
+model folders (quantize -> save -> load -> generate), folder sizes and perplexity on real text. The calibrated path
+(GPTQ, refit, end-to-end tuning) is in test_int4_calibration.py: a file of its own, so that pytest-xdist's
+`--dist loadfile` can run the two halves on two workers."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from engine.loading.gguf_int4 import gguf_q4_to_int4
+from engine.loading.quantized import load_model, quantize_to_folder
+from engine.loading.tokenmill_folder import folder_bytes, read_folder
+from engine.model.perplexity import perplexity, text_token_ids
+from engine.model.sequence_forward import forward_sequence
+from engine.quant.int4_linear import Int4Linear
+from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
+from engine.quant.quantize import quantize_model
+
+CPU = torch.device("cpu")
+# One forward of perplexity()'s 1,024-token chunk; the full-sample figures are in bench/README.md. Measured on the
+# first two chunks (AVX2 EPYC): g32 -0.15% and +0.07% (the gate: 1%), both far inside it for the same reason (g32
+# round-to-nearest barely moves the weights); the g128 miss is +51% / +72% on 20k tokens.
+PPL_TOKENS = 1024
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), vocab] of one sequence from an empty private KV cache in the model's dtype."""
+    with torch.inference_mode():
+        return model.compute_logits(forward_sequence(model, torch.tensor(ids)))
+
+
+@pytest.fixture(scope="module")
+def reference_ids(ref, data_dir) -> list[int]:
+    texts = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["reference_output"]).column(0).to_pylist()
+    return text_token_ids(ref.tokenizer, texts, PPL_TOKENS)
+
+
+def test_pack_unpack_round_trip() -> None:
+    q = torch.randint(0, 16, (24, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_uint4(q)
+    assert packed.shape == (24, 48) and packed.dtype == torch.uint8
+    assert int(packed[0, 0]) == (int(q[0, 0]) << 4) | int(q[0, 1])  # element 2j in the high nibble
+    assert torch.equal(unpack_uint4(packed), q)
+
+
+@pytest.mark.parametrize("k, group_size", [(576, 32), (576, 128), (1536, 64)])
+def test_quantize_round_trip_and_padding(k: int, group_size: int) -> None:
+    w = torch.randn(64, k, generator=torch.Generator().manual_seed(1)) * 0.02
+    q = quantize_int4(w, group_size)
+    assert q.padded_in_features % group_size == 0 and q.scales.dtype == torch.bfloat16
+    rel = ((q.dequantize() - w).norm() / w.norm()).item()
+    assert rel < 0.1  # 4-bit grid on Gaussian weights: ~7-9% relative RMS error
+    grid = quantize_int4(w, group_size, method="minmax").dequantize()
+    again = quantize_int4(grid, group_size, method="minmax")  # values already on a min-max grid stay there
+    assert ((again.dequantize() - grid).norm() / w.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_int4_linear_matches_dequantized_reference(dtype: torch.dtype, tol: float) -> None:
+    """fp32 runs dequantize-then-GEMM (measured relative error 0.0); bf16 runs the CPU tinygemm kernel
+    `_weight_int4pack_mm_for_cpu` (measured 1.6e-3 relative, the bf16 rounding of activations and output)."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(192, 576, generator=gen) * 0.02
+    q = quantize_int4(w, 128)  # K=576 is padded to 640 for group 128
+    lin = Int4Linear(q, dtype, CPU)
+    assert lin.kernel_for(7) == ("dequant" if dtype == torch.float32 else "tinygemm")
+    x = torch.randn(3, 7, 576, generator=gen)
+    y = lin(x.to(dtype))
+    ref = x @ q.dequantize().t()
+    assert y.shape == (3, 7, 192) and y.dtype == dtype
+    assert ((y.float() - ref).norm() / ref.norm()).item() < tol
+
+
+def test_gguf_q4_blocks_map_exactly() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    x = np.random.default_rng(3).standard_normal((16, 128)).astype(np.float32)
+    for qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        raw = quantize(x, qtype)
+        w = gguf_q4_to_int4(raw, qtype.name, (16, 128))
+        assert w.group_size == 32
+        np.testing.assert_array_equal(w.dequantize().numpy(), dequantize(raw, qtype))
+    with pytest.raises(ValueError, match="Q4_0, Q4_1"):
+        gguf_q4_to_int4(raw, "Q8_0", (16, 128))
+
+
+@pytest.fixture(scope="module")
+def native(gguf_path: str):
+    """The real model loaded with its GGUF Q4_1 projections as Int4Linear (fp32, CPU), once per module. Read-only:
+    a test that changes it deep-copies `native.model` first."""
+    return load_model(gguf_path, torch.float32, CPU, quantization="auto")
+
+
+def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, alpaca_instructions) -> None:
+    assert native.num_int4_modules == 30 * 7  # every projection of SmolLM2-135M is Q4_1
+    assert isinstance(native.model.layers[0].self_attn.q_proj, Int4Linear)
+    for prompt in alpaca_instructions[:2]:
+        ids = ref.tokenizer.encode(prompt)
+        a, b = _logits(ref.model, ids), _logits(native.model, ids)
+        assert ((a - b).norm() / a.norm()).item() < 1e-3
+    # bf16 through the tinygemm CPU kernel: same argmax on most positions (bf16 activations).
+    bf = load_model(gguf_path, torch.bfloat16, CPU, quantization="auto")
+    ids = ref.tokenizer.encode(alpaca_instructions[0])
+    agree = (_logits(bf.model, ids).argmax(-1) == _logits(ref.model, ids).argmax(-1)).float().mean().item()
+    assert agree > 0.8
+
+
+def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(_logits(model, ids + out)[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instructions, quantization: str) -> None:
+    """The serving layout (one QKV and one gate/up GEMM per layer, plain fp32 and INT4 Q4_1) computes what the
+    file's separate projections compute: logits within fp32 rounding on two real prompts, the same 6 greedy tokens
+    after the first (each greedy token is a full forward of both models: most of this test's CPU time)."""
+    unfused = ref if quantization == "none" else native
+    fused = copy.deepcopy(unfused.model)
+    assert fused.fuse_projections() == 2 * unfused.config.num_layers
+    assert fused.fuse_projections() == 0  # idempotent
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
+    kind = torch.nn.Linear if quantization == "none" else Int4Linear
+    assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
+    assert attn.qkv_proj.out_features == (unfused.config.num_heads + 2 * unfused.config.num_kv_heads) * 64
+    for i, prompt in enumerate(alpaca_instructions[:2]):
+        ids = ref.tokenizer.encode(prompt)
+        a, b = _logits(unfused.model, ids), _logits(fused, ids)
+        assert ((a - b).norm() / a.norm()).item() < 1e-5
+        if i == 0:
+            assert _greedy(fused, ids, 6) == _greedy(unfused.model, ids, 6)
+
+
+@pytest.fixture(scope="module")
+def int4_g128(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(folder, its JSON config) of `quantize_to_folder(GGUF, bits=4, group_size=128)` (round-to-nearest, the
+    embedding INT4 too: what `tokenmill quantize` writes by default), written once per module: about 25 CPU-s.
+    Read-only."""
+    out = tmp_path_factory.mktemp("int4-g128") / "int4"
+    return out, quantize_to_folder(gguf_path, str(out), bits=4, group_size=128)
+
+
+def test_quantize_save_load_generate(gguf_path: str, int4_g128: tuple[Path, dict], tmp_path) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    (int4_dir, meta), bf16_dir = int4_g128, tmp_path / "bf16"
+    quantize_to_folder(gguf_path, str(bf16_dir), bits=16)
+    assert meta["quantization"]["group_size"] == 128 and "embed_tokens" in meta["quantization"]["modules"]
+    ratio = folder_bytes(str(int4_dir)) / folder_bytes(str(bf16_dir))
+    assert ratio <= 0.35, f"INT4 folder is {ratio:.3f}x the bf16 folder"
+    _, state, _ = read_folder(str(int4_dir))
+    assert isinstance(state["layers.0.self_attn.q_proj"], Int4Weight)
+    assert state["layers.0.self_attn.q_proj"].qweight.shape == (576, 640 // 2)
+    config = EngineConfig(device="cpu", dtype="bfloat16", quantization="auto", num_kv_blocks=64)
+    engine = LLMEngine.from_model(str(int4_dir), config)
+    assert engine.model_name == "int4"
+    out = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.finish_reason in ("stop", "length") and out.output_token_ids and out.text.strip()
+    plain = LLMEngine.from_model(str(bf16_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64))
+    assert plain.generate(["Hi"], SamplingParams(max_tokens=2))[0].output_token_ids
+
+
+@pytest.fixture(scope="module")
+def base_perplexity(ref, reference_ids) -> float:
+    """The fp32 model's perplexity on `reference_ids`, the baseline of the round-to-nearest gates."""
+    return perplexity(ref.model, reference_ids).perplexity
+
+
+def test_perplexity_g32_within_1_percent(ref, base_perplexity: float, reference_ids) -> None:
+    """Projections at group 32 (the embedding / tied LM head kept fp32, as gpt-fast does)."""
+    base = base_perplexity
+    q = perplexity(quantize_model(copy.deepcopy(ref.model), 32), reference_ids).perplexity  # the fp32 GGUF load
+    assert 4.0 < base < 8.0
+    assert abs(q / base - 1) < 0.01, (base, q)
+
+
+@pytest.mark.xfail(strict=True, reason="round-to-nearest misses it: measured +51% (projections) / +72% (with "
+                   "embedding) on 20k tokens of SmolLM2-135M Q4_1 requantized at group 128. The calibrated path "
+                   "(GPTQ + end-to-end tuning) meets it: test_perplexity_gptq_tuned_g128_within_10_percent")
+def test_perplexity_g128_within_10_percent(int4_g128: tuple[Path, dict], base_perplexity: float,
+                                           reference_ids) -> None:
+    """The folder `tokenmill quantize` writes at group 128 (embedding INT4 too), loaded back in fp32."""
+    base = base_perplexity
+    q = perplexity(load_model(str(int4_g128[0]), torch.float32, CPU).model, reference_ids).perplexity
+    assert q / base - 1 < 0.10, (base, q)
+
+
+@pytest.mark.quality
+def test_perplexity_gptq_tuned_g128_within_10_percent(gguf_path: str, ref, data_dir, tmp_path) -> None:
+    """The issue's g128 gate on the full 20k-token sample, through what a user runs: `tokenmill quantize --method
+    gptq --keep-embedding` with its defaults (GSM8K question+answer and AlpacaEval instructions, not the evaluation
+    text), the folder loaded back, perplexity on AlpacaEval reference answers. About 14 minutes on 2 CPU cores:
+    `make quality`."""
+    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"])
+    gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
+    alpaca = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction", "reference_output"])
+    ids = text_token_ids(ref.tokenizer, alpaca.column(1).to_pylist(), 20000)
+    out = str(tmp_path / "g128")
+    quantize_to_folder(gguf_path, out, 4, 128, include_embedding=False, method="gptq",
+                       calibration=[gsm, alpaca.column(0).to_pylist()])
+    base = perplexity(ref.model, ids).perplexity
+    q = perplexity(load_model(out, torch.float32, CPU).model, ids).perplexity
+    assert abs(base - 5.4285) < 0.01, base  # the fp32 figure of bench/README.md
+    assert q / base - 1 < 0.10, (base, q)
