@@ -14,10 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from engine import EngineConfig, LLMEngine, SamplingParams, cpu_kernels, packed_linear
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import cpu_kernels
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
 from engine.loading.loader import load_gguf_model
 from engine.model.decoder import concat_linears
+from engine.quant import packed_linear
 from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope, pack_linears
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ from engine.core.scheduler import Scheduler
 from engine.loop.engine_loop import EngineLoop
 
 PARAMS = SamplingParams(max_tokens=12)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
