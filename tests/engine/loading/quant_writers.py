@@ -99,3 +99,28 @@ def write_quantized(folder: Path, model, hf_tok, method: str, quant_config: dict
             tensors[name] = t.detach().contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return refs
+
+
+def ct_int_tensors(q, z, s, bits: int, packed: bool, sym: bool) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized (packed) or int-quantized tensors of unsigned q, z (signed: minus 2^(b-1))."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    off = 1 << (bits - 1)
+    signed = (q - off).to(torch.int8)
+    out = {"weight_scale": s}
+    if packed:
+        out.update(weight_packed=pack_to_int32(signed, bits), weight_shape=torch.tensor(list(q.shape)))
+        if not sym:
+            out["weight_zero_point"] = pack_to_int32((z - off).to(torch.int8), bits, packed_dim=0)
+    else:
+        out["weight"] = signed
+        if not sym:
+            out["weight_zero_point"] = (z - off).to(torch.int8)
+    return out
+
+
+def ct_config(fmt: str, weights: dict, activations: dict | None = None) -> dict:
+    """A compressed-tensors quantization_config with one group over every Linear but the LM head."""
+    return {"format": fmt, "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(weights, dynamic=False),
+                                          "input_activations": activations, "output_activations": None}}}
