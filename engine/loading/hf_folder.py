@@ -10,17 +10,23 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
+from engine.loading.hf_quantized import (
+    QuantFormat,
+    QuantReport,
+    iter_quantized_state,
+    param_names,
+    read_quant_format,
+    refuse_unmarked_quantized,
+)
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
 from engine.model.architectures import config_from_hf
 from engine.model.tensor_names import LM_HEAD, check_tensor_names
 
 if TYPE_CHECKING:
     import torch
-
-
 
 _HF_INDEX_FILE = "model.safetensors.index.json"
 
@@ -63,36 +69,70 @@ def _hf_param_name(key: str) -> str:
     return key.removeprefix("model.")
 
 
+def hf_quant_format(path: str) -> QuantFormat | None:
+    """The checked quantization_config of an HF folder (engine.loading.hf_quantized), None when unquantized.
+    Raises ValueError (one line) for a method or layout tokenmill does not read."""
+    return read_quant_format(json.loads(Path(path, HF_CONFIG_FILE).read_text()), path)
+
+
 def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
-    against `cfg`'s architecture. Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
+    against `cfg`'s architecture (a quantized folder's layers count as "<module>.weight", their file and key those of
+    the layer's first tensor). Raises ValueError naming an unknown or missing tensor (check_tensor_names), an
+    unsupported quantization_config, or GPTQ-style tensors without one."""
     from safetensors import safe_open
 
-    out = {}
+    fmt = hf_quant_format(path)
+    keys: dict[str, str] = {}
     for file in hf_weight_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
-                    continue
-                out[_hf_param_name(key)] = (file, key)
+                if not key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
+                    keys[key] = file
+    if fmt is None:
+        refuse_unmarked_quantized(keys, path)
+        out = {_hf_param_name(key): (file, key) for key, file in keys.items()}
+    else:
+        out = {_hf_param_name(key): (keys.get(key, ""), key) for key in param_names(keys, fmt)}
     check_tensor_names(out, cfg, path)
     return out
 
 
 def check_hf_folder(path: str) -> ModelConfig:
     """The config of an HF folder after checking, without reading weights, that tokenmill runs it exactly: its
-    architecture and config fields (engine.model.architectures) and every tensor name. Raises ValueError."""
+    architecture and config fields (engine.model.architectures), its quantization_config and every tensor name.
+    Raises ValueError."""
     cfg = read_hf_config(path)
     hf_tensor_index(path, cfg)
     return cfg
 
 
+def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
+                            keep_int4: bool) -> tuple[Iterator[tuple[str, Any]], QuantReport]:
+    """(iterator, report) over a quantized HF folder's parameters (engine.loading.hf_quantized.iter_quantized_state:
+    INT4 as stored where exact when `keep_int4`, else dequantized exactly to `dtype`; a tied LM head left out); the
+    report fills as the iterator runs. Names are checked before the first tensor is read. Raises ValueError as
+    hf_tensor_index, and for a folder without quantization_config."""
+    fmt = hf_quant_format(path)
+    if fmt is None:
+        raise ValueError(f"{path} has no quantization_config")
+    hf_tensor_index(path, cfg)
+    report = QuantReport(fmt.describe())
+    tied = f"{LM_HEAD}.weight" if cfg.tie_word_embeddings else None
+    items = iter_quantized_state(hf_weight_files(path), fmt, _hf_param_name, dtype, keep_int4, report,
+                                 skip=lambda name: name == tied)
+    return items, report
+
+
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
-    from the safetensors files; every name checked before the first is read. Raises ValueError as
-    hf_tensor_index."""
+    from the safetensors files (a quantized folder's layers dequantized exactly: iter_hf_quantized_state); every
+    name checked before the first is read. Raises ValueError as hf_tensor_index."""
     from safetensors import safe_open
 
+    if hf_quant_format(path) is not None:
+        yield from iter_hf_quantized_state(path, cfg, dtype, keep_int4=False)[0]
+        return
     index = hf_tensor_index(path, cfg)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name, (file, key) in index.items():

@@ -4,7 +4,9 @@ quantization, and write quantized folders (what `tokenmill quantize` runs).
 quantization modes (EngineConfig.quantization):
     "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
     "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
-            saved; everything else in the compute dtype.
+            saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact
+            (engine.loading.hf_quantized; the others dequantized exactly, and the load logs which and why);
+            everything else in the compute dtype.
     "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
     "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection and the LM head as INT8 per output
             channel, activations quantized per token at run time; loaded as "none", then fused and quantized.
@@ -12,6 +14,7 @@ quantization modes (EngineConfig.quantization):
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +24,13 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
-from engine.loading.hf_folder import is_hf_folder, iter_hf_state, read_hf_config
+from engine.loading.hf_folder import (
+    hf_quant_format,
+    is_hf_folder,
+    iter_hf_quantized_state,
+    iter_hf_state,
+    read_hf_config,
+)
 from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
 from engine.loading.tokenmill_folder import is_model_folder, read_folder, save_folder
@@ -33,6 +42,8 @@ from engine.quant.state import LM_HEAD, QuantizedState
 from engine.text.tokenizer import Tokenizer
 
 QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +67,8 @@ def read_state(path: str, quantization: str, group_size: int,
     if is_hf_folder(path):
         cfg = read_hf_config(path)
         dtype = plain_dtype if quantization == "none" else torch.float32
+        if quantization in ("auto", "int4") and hf_quant_format(path) is not None:
+            return cfg, _read_quantized_hf(path, cfg, quantization, group_size)
         items = iter_hf_state(path, cfg, dtype)
         if quantization != "int4":
             return cfg, dict(items)
@@ -79,6 +92,17 @@ def read_state(path: str, quantization: str, group_size: int,
     if quantization == "int4":
         state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
     return cfg, state
+
+
+def _read_quantized_hf(path: str, cfg: ModelConfig, quantization: str, group_size: int) -> QuantizedState:
+    """A quantized HF folder's state for "auto"/"int4": its layers INT4 as stored where exact, the rest dequantized
+    exactly in fp32 ("int4" then quantizes those on load, as for any plain weight); the report logged."""
+    items, report = iter_hf_quantized_state(path, cfg, torch.float32, keep_int4=True)
+    state: QuantizedState = dict(items)
+    (log.warning if report.dequantized else log.info)("%s: %s", os.path.basename(path), report.summary())
+    if quantization == "int4":
+        state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
+    return state
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
