@@ -35,7 +35,8 @@ _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
                "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
                "70 internal error (a bug: one line names the file its traceback was written to), "
-               "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
+               "129 / 130 / 131 / 143 interrupted by SIGHUP / SIGINT / SIGQUIT / SIGTERM (committed rows kept; run "
+               "again to resume).")
 
 
 # Commands built on first use (_LazyGroup): name -> the module whose `register(app)` adds it.

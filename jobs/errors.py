@@ -9,7 +9,8 @@ Exit codes of `tokenmill run` / `submit` (and `status`, which reports a job's st
     5  `status` only: the job is unfinished (pending or partial shards) and no run holds it: submit it again
     6  no space left on the device of a local OUTPUT (ENOSPC): the line says how much to free; what is committed
        stays, and the same command run again after freeing space resumes
-    129, 130, 143  `run`/`submit` interrupted by SIGHUP (a closed terminal) / SIGINT (Ctrl-C) / SIGTERM: running
+    129, 130, 131, 143  `run`/`submit` interrupted by SIGHUP (a closed terminal) / SIGINT (Ctrl-C) / SIGQUIT
+       (Ctrl-\\, taken as SIGTERM) / SIGTERM: running
        shards committed their finished rows and stopped, the lease was released; the same command run again resumes
        (jobs.interrupt). `--dry-run` writes nothing and exits with these codes at once
     70  an internal error (a bug in tokenmill, sysexits' EX_SOFTWARE): one line names it and the file its traceback
@@ -28,6 +29,7 @@ EXIT_NO_SPACE = 6
 EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE
 EXIT_SIGHUP = 129
 EXIT_SIGINT = 130  # 128 + the signal's number, the shell's convention
+EXIT_SIGQUIT = 131
 EXIT_SIGTERM = 143
 
 
