@@ -6,7 +6,8 @@ Exit codes of `tokenmill run` / `submit` (and `status`, which reports a job's st
     2  bad input, options or job spec, or options that differ from the job pinned under OUTPUT: nothing ran
     3  another run holds the job's lease (its holder and expiry are printed); `status`: a run holds the job
     4  the job was cancelled (`tokenmill cancel`); `run`/`submit` refuse it unless --resume
-    5  `status` only: the job is unfinished (pending or partial shards) and no run holds it: submit it again
+    5  `status` only: the job is unfinished (pending or partial shards), or every shard is committed but no
+       _SUCCESS seals it (state "unsealed"), and no run holds it: run it again to resume or seal it
     6  no space left on the device of a local OUTPUT (ENOSPC): the line says how much to free; what is committed
        stays, and the same command run again after freeing space resumes
     129, 130, 131, 143  `run`/`submit` interrupted by SIGHUP (a closed terminal) / SIGINT (Ctrl-C) / SIGQUIT
