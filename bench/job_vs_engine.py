@@ -2,10 +2,13 @@
 
 Usage:
     python bench/job_vs_engine.py --rows 256 --max-tokens 64
+    python bench/job_vs_engine.py --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96   # issue 45 item 8
 
 Runs `tokenmill run` (a subprocess, as a user would: embedded LocalCluster, one worker, one shard, default engine
-settings, chat template, greedy) on the first --rows GSM8K test questions into a fresh OUTPUT, then, in this process,
-`LLMEngine.generate` on the same questions with the same SamplingParams. Prints output tokens, seconds and output
+settings, chat template, greedy) on --rows GSM8K test questions from row --start (one shard, or --rows-per-shard
+rows each) into a fresh OUTPUT, then, in this process, `LLMEngine.generate` on the same questions with the same
+SamplingParams and the intra-op threads the job's one worker runs (jobs.plugin.default_torch_threads). Run it on a
+quiet machine: another process's CPU load moves the two runs apart. Prints output tokens, seconds and output
 tok/s of both, and the job's rate over the engine's twice: by the job's billed device-seconds (what the bill says)
 and by its wall time from the command's start (cluster start and model load included).
 """
@@ -31,12 +34,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--start", type=int, default=0, help="first GSM8K row")
+    ap.add_argument("--rows-per-shard", type=int, default=None, help="default: all rows in one shard")
     args = ap.parse_args()
-    data = DATA / "gsm8k_test.parquet"
+    tmp = Path(tempfile.mkdtemp(prefix="job-vs-engine-"))
+    data = tmp / "in.parquet"
+    pq.write_table(pq.read_table(DATA / "gsm8k_test.parquet", columns=["id", "question"]).slice(
+        args.start, args.rows), data)
 
-    out = Path(tempfile.mkdtemp(prefix="job-vs-engine-")) / "out"
+    out = tmp / "out"
     cmd = [sys.executable, "-m", "jobs.cli", "run", str(data), str(out), "--prompt-column", "question",
-           "--limit", str(args.rows), "--rows-per-shard", str(args.rows), "--max-tokens", str(args.max_tokens),
+           "--rows-per-shard", str(args.rows_per_shard or args.rows), "--max-tokens", str(args.max_tokens),
            "--workers", "1", "--json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
@@ -45,9 +53,13 @@ def main() -> None:
         sys.exit(f"tokenmill run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    from engine import LLMEngine, SamplingParams
+    import torch
 
-    questions = pq.read_table(data, columns=["question"]).slice(0, args.rows).column("question").to_pylist()
+    from engine import LLMEngine, SamplingParams
+    from jobs.plugin import default_torch_threads
+
+    torch.set_num_threads(default_torch_threads(1))  # as the job's one worker runs its engine
+    questions = pq.read_table(data, columns=["question"]).column("question").to_pylist()
     engine = LLMEngine.from_model(None)
     engine.generate(questions[:2], SamplingParams(max_tokens=4))  # warm-up (kernel build, first-call costs)
     engine.reset_prefix_cache()

@@ -35,7 +35,8 @@ _EXIT_CODES = ("Exit codes: 0 done (or nothing left to do), 1 some shards failed
                "(nothing ran), 3 another run holds the job, 4 the job was cancelled (use --resume), 5 `status`: "
                "unfinished and no run holds it, 6 no space left on OUTPUT's device (free space and run again), "
                "70 internal error (a bug: one line names the file its traceback was written to), "
-               "129 / 130 / 143 interrupted by SIGHUP / SIGINT / SIGTERM (committed rows kept; run again to resume).")
+               "129 / 130 / 131 / 143 interrupted by SIGHUP / SIGINT / SIGQUIT / SIGTERM (committed rows kept; run "
+               "again to resume).")
 
 
 # Commands built on first use (_LazyGroup): name -> the module whose `register(app)` adds it.
@@ -119,6 +120,8 @@ def _print_status(st: JobStatus) -> None:
         ("cost", f"${st.cost_usd:.6f}"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.device_s_lost:.1f} device-seconds lost)"),
+        ("unfinished shards' attempts", f"{st.device_s_unfinished:.1f} device-seconds so far (billed when they "
+                                        "finish)"),
         ("dtype / quantization", ran_in(st.dtypes, st.quantizations)),
         ("run", "none" if st.lease is None else f"{st.lease['holder']} (lease for {st.lease['expires_in_s']} s)"),
     ]:
@@ -128,6 +131,9 @@ def _print_status(st: JobStatus) -> None:
     out.print(t)
     for shard_id, error in st.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+    if st.state == "unsealed":
+        err.print("complete, not sealed: every shard is committed but OUTPUT/_SUCCESS is not (a run stopped before "
+                  "sealing the job); run the same command to seal it")
 
 
 @app.command()
@@ -138,8 +144,9 @@ def status(
     """Shards done / running / partial / failed / pending, rows, tokens, cost, tokens per dollar and attempts of the
     job at OUTPUT, from what is committed there.
 
-    Exit codes: 0 done, 1 failed shards (no run holds the job), 2 no job at OUTPUT, 3 a run holds the job (running),
-    4 cancelled, 5 unfinished and no run holds it (submit it again to resume).
+    Exit codes: 0 done (OUTPUT/_SUCCESS committed), 1 failed shards (no run holds the job), 2 no job at OUTPUT, 3 a
+    run holds the job (running), 4 cancelled, 5 unfinished or not sealed (every shard committed, no _SUCCESS) and
+    no run holds it (run the same command again to resume or seal it).
     """
     from jobs.control import job_status
     from jobs.preflight import check_store

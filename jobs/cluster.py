@@ -37,7 +37,9 @@ from jobs.plugin import (
 )
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
+from pipeline.accounting import bill_unfinished
 from pipeline.attempts import list_attempts
+from pipeline.checkpoint import committed_parts, committed_rows
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
@@ -285,8 +287,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                     log.info("shard %s interrupted (%s); running it again", shard.shard_id, e)
                     pending.add(submit(shard, tries + 1))
                 else:
-                    summary.fail(shard.shard_id, f"ShardInterrupted {tries + 1} times; last: {e}",
-                                 attempts_claimed(output_url, shard.shard_id))
+                    fail_shard(run, shard.shard_id, f"ShardInterrupted {tries + 1} times; last: {e}")
                 continue
             except SHARD_FAILURES as e:  # one failed shard never fails the others
                 log.warning("shard %s failed: %s: %s", shard.shard_id, type(e).__name__, e)
@@ -297,7 +298,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 client.cancel(list(futures))
                 raise JobError(row.error, exit_code=EXIT_NO_SPACE)
             if isinstance(row, ShardFailed):
-                summary.fail(shard.shard_id, row.error, attempts_claimed(output_url, shard.shard_id))
+                fail_shard(run, shard.shard_id, row.error)
                 progress.finish(shard.shard_id, shard.num_rows, 0)
                 continue
             summary.add(row)
@@ -305,6 +306,23 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
     finally:
         done_watching.set()
         watcher.join()
+
+
+def fail_shard(run: RunContext, shard_id: str, error: str) -> None:
+    """Record the shard as failed in the run's summary, with what its attempts cost (they ran: their device-seconds
+    are billed) and the rows its checkpoints keep for the rerun, said after `error`."""
+    try:
+        fs, root = output_fs(run.output_url)
+        bill = bill_unfinished(fs, root, shard_id, run.cfg.checkpoint_seconds)
+        kept = len(committed_rows(fs, committed_parts(fs, root, shard_id)))
+    except (OSError, ValueError) as e:  # the store may be what failed: the error is the line to give
+        log.info("could not bill the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
+        run.summary.fail(shard_id, error, attempts_claimed(run.output_url, shard_id))
+        return
+    if kept:
+        error += f" ({kept} rows are checkpointed: the same command, run again once this is fixed, takes them)"
+    run.summary.fail(shard_id, error, attempts_claimed(run.output_url, shard_id), bill.device_s,
+                     run.cfg.price_per_hour_usd)
 
 
 def attempts_claimed(output_url: str, shard_id: str) -> int:

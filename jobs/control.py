@@ -32,13 +32,14 @@ from jobs.errors import (
 )
 from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_accounting
-from pipeline.accounting import tokens_per_dollar
+from pipeline.accounting import bill_unfinished, tokens_per_dollar
+from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
 from pipeline.manifest import InputManifest, read_manifest
 from pipeline.model_pin import read_model_pin
 from pipeline.status import ShardState, shard_state
-from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
+from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_fs, read_json
 
 STATES = ("done", "running", "partial", "failed", "pending")
 # Shards whose state status reads at once (each is a few small listings of the store).
@@ -120,8 +121,12 @@ def shard_states(output_url: str, shards: list[Shard]) -> list[ShardState]:
 class JobStatus:
     """A job's state from what is committed under OUTPUT.
 
-    `state` is one of done, running (a run holds the lease), failed (failed shards, no run holding the job),
-    cancelled, incomplete (pending or partial shards, no run holding the job); `exit_code` maps it (jobs.errors).
+    `state` is one of done (OUTPUT/_SUCCESS is committed: the only seal), running (a run holds the lease), unsealed
+    (every shard committed but no _SUCCESS: a run stopped before sealing it; the same command seals it), failed
+    (failed shards, no run holding the job), cancelled, incomplete (pending or partial shards, no run holding the
+    job); `exit_code` maps it (jobs.errors: 5 for unsealed as for incomplete). `device_s_unfinished`: device-seconds
+    the attempts of shards not done have held so far (failed, stopped or killed ones, billed from their records:
+    pipeline.accounting.bill_unfinished), not in `cost_usd` until a shard's accounting bills them.
     Token counts in tokens, cost in USD, device_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
     torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
     model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
@@ -142,6 +147,7 @@ class JobStatus:
     attempts: int = 0
     preemptions: int = 0
     device_s_lost: float = 0.0
+    device_s_unfinished: float = 0.0
     lease: dict[str, Any] | None = None
     cancelled: dict[str, Any] | None = None
     failed: dict[str, str] = field(default_factory=dict)
@@ -163,7 +169,8 @@ class JobStatus:
                 "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
                 "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
-                "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3), "lease": self.lease,
+                "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3),
+                "device_s_unfinished": round(self.device_s_unfinished, 3), "lease": self.lease,
                 "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "model": self.model}
 
@@ -194,6 +201,8 @@ def job_status(output_url: str) -> JobStatus:
         row = st.accounting
         if row:
             add_accounting(status, row)
+        elif st.attempts:
+            status.device_s_unfinished += _unfinished_bill(output_url, shard.shard_id)
     lease = newest_record(output_url)
     if lease is not None and lease.active() and not holder_gone(lease.holder):
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,
@@ -205,11 +214,19 @@ def job_status(output_url: str) -> JobStatus:
     return status
 
 
+def _unfinished_bill(output_url: str, shard_id: str) -> float:
+    """Device-seconds the attempts of an unfinished shard held (pipeline.accounting.bill_unfinished)."""
+    fs, root = read_fs(output_url)
+    return bill_unfinished(fs, root, shard_id, RunConfig().checkpoint_seconds).device_s
+
+
 def _overall(status: JobStatus, done: bool) -> tuple[str, int]:
-    if done or status.shards["done"] == sum(status.shards.values()):
+    if done:  # only _SUCCESS seals a job: readers trust nothing else
         return "done", EXIT_OK
     if status.lease is not None:
         return "running", EXIT_LEASE_HELD
+    if status.shards["done"] == sum(status.shards.values()):
+        return "unsealed", EXIT_INCOMPLETE  # every shard committed, the run stopped before _SUCCESS
     if status.shards["failed"]:
         return "failed", EXIT_FAILED_SHARDS
     if status.cancelled is not None:

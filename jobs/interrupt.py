@@ -1,5 +1,7 @@
-"""Ctrl-C (SIGINT), SIGTERM and SIGHUP (a closed terminal, a dying ssh session) to `tokenmill run` / `submit`: stop
-the job cleanly instead of dying mid-commit. SIGHUP is left alone where it is ignored (`nohup tokenmill run ...`).
+"""Ctrl-C (SIGINT), SIGTERM, SIGHUP (a closed terminal, a dying ssh session) and SIGQUIT (Ctrl-\\) to `tokenmill run`
+/ `submit`: stop the job cleanly instead of dying mid-commit. SIGHUP is left alone where it is ignored (`nohup
+tokenmill run ...`). SIGQUIT is taken as SIGTERM, not as Python's default (a core-dumping exit that drains nothing
+and leaves the lease held): nobody sends it to get a half-committed job.
 
 The first signal takes the path of `tokenmill cancel`: it commits OUTPUT/_CANCEL, so running shards commit their
 finished rows and stop, and queued ones do not start; the run then returns as a cancelled one, releasing its lease.
@@ -21,16 +23,17 @@ from jobs.control import cancel_job, cancel_record, resume_cancelled
 from jobs.errors import JobError
 from pipeline.manifest import read_manifest
 
-HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class ClientInterrupt:
-    """Context manager that turns SIGINT/SIGTERM/SIGHUP into a cancel of the job at `output_url` (see the module
+    """Context manager that turns SIGINT/SIGTERM/SIGHUP/SIGQUIT into a cancel of the job at `output_url` (see the module
     docstring).
 
     Attributes:
         signum: the first signal received, or None.
-        exit_code: 128 + signum (130 SIGINT, 143 SIGTERM, 129 SIGHUP), the shell's convention; 0 when no signal
+        exit_code: 128 + signum (130 SIGINT, 143 SIGTERM, 129 SIGHUP, 131 SIGQUIT), the shell's convention; 0 when
+            no signal
             came.
     """
 
@@ -92,7 +95,7 @@ T = TypeVar("T")
 
 def run_or_exit_on_signal(fn: Callable[[], T], on_signal: Callable[[str], None]) -> T:
     """Run `fn` (work that writes nothing, e.g. a --dry-run forecast) in a thread and return what it returns (or raise
-    what it raises); SIGINT, SIGTERM or SIGHUP exits the process at once with 128 + the signal's number, after
+    what it raises); SIGINT, SIGTERM, SIGHUP or SIGQUIT exits the process at once with 128 + the signal's number, after
     `on_signal(signal name)` (one line for the user). The main thread only waits, so a signal is acted on within
     0.2 s however long a torch or store call in `fn` blocks: Python runs handlers on the main thread only."""
     result: dict[str, Any] = {}

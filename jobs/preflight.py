@@ -113,8 +113,9 @@ def check_model(model: str | None) -> str | None:
                            "(config.json + *.safetensors), or a folder written by `tokenmill quantize --output DIR`")
         return path
     if not os.path.exists(path):
-        raise JobError(f"--model {path} does not exist; give the path of a GGUF file (or a `tokenmill quantize` "
-                       "folder), or leave --model out for the default SmolLM2-135M-Instruct")
+        raise JobError(f"--model {path} does not exist; give a GGUF file, a Hugging Face folder (config.json + "
+                       "*.safetensors), a `tokenmill quantize` folder, an fsspec URL of one (s3://...) or a Hugging "
+                       "Face hub id (org/name), or leave --model out for the default SmolLM2-135M-Instruct")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

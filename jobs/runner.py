@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import fsspec
 import pyarrow as pa
@@ -22,7 +23,7 @@ from engine import EngineConfig
 from jobs.cluster import ClusterOptions, RunContext, run_on_cluster
 from jobs.control import cancel_record, job_done, read_success, resume_cancelled, shard_states
 from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
-from jobs.lease import Lease
+from jobs.lease import Lease, LeaseHeld
 from jobs.summary import JobProgress, JobSummary
 from jobs.task import record_failure
 from pipeline.checkpoint import committed_parts
@@ -151,7 +152,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         return checked
     model_now = _model_now(model, output_url)
     t0 = time.perf_counter()
-    with Lease(output_url, ttl_s=lease_ttl_s) as lease:
+    with _lease_or_mismatch(input_url, output_url, cfg, lease_ttl_s) as lease:
         manifest, pinned_now = _manifest_or_error(input_url, output_url, cfg, checked)
         model_pin, model_note = _pin_model_or_error(output_url, model_now, pinned_now)
         if (cancelled := cancel_record(output_url)) is not None:
@@ -181,6 +182,27 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             raise JobError(f"this run lost the job's lease at {output_url} to another run and stopped",
                            exit_code=EXIT_LEASE_HELD)
         return _finish(summary, t0, output_url, shards)
+
+
+@contextmanager
+def _lease_or_mismatch(input_url: str, output_url: str, cfg: RunConfig, ttl_s: float | None) -> Iterator[Lease]:
+    """Hold the job's lease (jobs.lease.Lease) for the `with` block. When another run holds it and the manifest that
+    run pinned meanwhile names another input or other options, the mismatch is the error (exit 2), said at once:
+    waiting for that run would only lead to it. Raises LeaseHeld (exit 3) otherwise."""
+    try:
+        lease = Lease(output_url, ttl_s=ttl_s).__enter__()
+    except LeaseHeld as held:
+        pinned = read_manifest(output_url)
+        if pinned is not None:
+            try:
+                check_compatible(pinned, input_url, cfg, output_url)
+            except InputError as e:
+                raise JobError(f"{e} (another run holds the job now: {held.record.describe()})") from None
+        raise
+    try:
+        yield lease
+    finally:
+        lease.__exit__(None, None, None)
 
 
 def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, progress: JobProgress) -> list[Shard]:

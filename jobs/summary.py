@@ -86,10 +86,15 @@ class JobSummary:
         self.attempts += int(row.get("attempts") or 1)
         add_accounting(self, row)
 
-    def fail(self, shard_id: str, error: str, attempts: int) -> None:
-        """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all."""
+    def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0,
+             price_per_hour_usd: float = 0.0) -> None:
+        """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all;
+        `device_s` the device-seconds they held (pipeline.accounting.bill_unfinished), billed at
+        `price_per_hour_usd` (USD per hour): a failed shard's time is real money too."""
         self.failed[shard_id] = error
         self.attempts += attempts
+        self.device_s += device_s
+        self.cost_usd += device_s / 3600.0 * price_per_hour_usd
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""

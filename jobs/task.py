@@ -16,6 +16,7 @@ from distributed import get_worker
 from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
 from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
+from pipeline.denied import AccessDenied
 from pipeline.input import InputChanged, Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
@@ -71,7 +72,8 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     the pinned version (`pinned`, checked first and again as the rows are read: exactly the pinned version is read),
     the model this worker loaded is not the job's pinned one (`model_pin`; checked against the fingerprint taken when
     the worker loaded it, before any row runs), in both cases with a failed attempt recorded, or the file cannot be
-    read (run_shard's ShardError), or OUTPUT's device is full; ShardStopped when a cancel stopped it (its finished
+    read (run_shard's ShardError), or OUTPUT's device is full, or the store refused a write (AccessDenied: the
+    object, the operation and the credential); ShardStopped when a cancel stopped it (its finished
     rows committed). Rows carry the loaded model's fingerprint. Raises what _run_shard_task raises otherwise
     (WorkerPreempted when its worker's stop signal stopped it; an engine that failed to load: RuntimeError).
     """
@@ -87,6 +89,8 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(f"InputChanged: {e}")
     except NoSpaceLeft as e:
         return ShardFailed(str(e), no_space=True)
+    except AccessDenied as e:  # the user's permission, not a bug: the line names the object (no worker traceback)
+        return ShardFailed(str(e))
     except ShardInterrupted as e:
         return ShardStopped(e)
     except ModelChanged as e:

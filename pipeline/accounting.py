@@ -5,9 +5,11 @@ Earlier attempts are billed from their records (pipeline.attempts, pipeline.chec
 - One that was killed (SIGKILL, a vanished VM) could not. It is billed from its start to its last sign of life: the
   later of its last committed part (the marker's elapsed_s) and its last heartbeat (pipeline.attempts.Heartbeat:
   the seconds since its start are in the record's name, so one listing gives them). That under-bills by less than
-  one heartbeat interval (RunConfig.heartbeat_seconds), never over-bills. An attempt whose start record has no
-  `heartbeat_s` (written before heartbeats existed) is estimated as before: its last part's elapsed time plus the
-  time to the next attempt's start, capped at `checkpoint_seconds`.
+  one heartbeat interval (RunConfig.heartbeat_seconds), never over-bills. One killed before its first part or
+  heartbeat is billed one heartbeat interval (at most until the next attempt's start): it ran less than that, and
+  billing it 0 s dropped its time from every bill. An attempt whose start record has no `heartbeat_s` (written
+  before heartbeats existed) is estimated as before: its last part's elapsed time plus the time to the next
+  attempt's start, capped at `checkpoint_seconds`.
 - Its lost device-seconds (`device_s_lost`) are those after its last commit: work no commit kept. For an interrupted
   attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
 
@@ -22,6 +24,7 @@ overestimate when it shared the engine).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -31,7 +34,7 @@ import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
 from pipeline.attempts import AttemptListing, list_attempts, read_record
-from pipeline.checkpoint import Part
+from pipeline.checkpoint import Part, committed_parts
 from pipeline.layout import accounting_path, end_path, results_path, start_path
 from pipeline.storage import exists_now, read_fs, read_table
 from schemas import ACCOUNTING_SCHEMA
@@ -52,11 +55,25 @@ class EarlierAttempts:
     device_s_lost: float = 0.0
 
 
+def _before_first_sign(starts: dict[int, dict[str, Any]], a: int, now: float | None) -> float:
+    """Seconds to bill attempt `a`, killed with no sign of life after its start record: one heartbeat interval (a
+    live attempt leaves a sign that often), at most until the next attempt's start (or `now`, epoch seconds, for the
+    latest one)."""
+    bound = float(starts[a]["heartbeat_s"])
+    started_at = starts[a].get("started_at")
+    after = next((starts[b].get("started_at") for b in sorted(starts) if b > a
+                  and starts[b].get("started_at") is not None), now)
+    if started_at is not None and after is not None:
+        bound = min(bound, max(float(after) - float(started_at), 0.0))
+    return bound
+
+
 def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
-                          parts: list[Part], checkpoint_seconds: float) -> EarlierAttempts:
+                          parts: list[Part], checkpoint_seconds: float, now: float | None = None) -> EarlierAttempts:
     """Bill the attempts numbered below `attempt` (see the module docstring for the estimates) in device-seconds.
     Reads each one's start record, end record (if listed) and last marker: at most three small objects per earlier
-    attempt; heartbeats come from `listing` (their names)."""
+    attempt; heartbeats come from `listing` (their names). `now` (epoch seconds) bounds the latest attempt's bill
+    when no attempt started after it (bill_unfinished); None bills it only to its last sign of life."""
     earlier = sorted(a for a in listing.started if a < attempt)
     if not earlier:
         return EarlierAttempts()
@@ -73,6 +90,8 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
         elif starts[a].get("heartbeat_s") is not None:
             preemptions += 1
             used = max(kept, listing.alive.get(a, 0.0))  # start -> last sign of life
+            if used == 0.0:  # killed before its first part or heartbeat: it ran for less than one interval
+                used = _before_first_sign(starts, a, now)
         else:
             preemptions += 1
             last_at = marker.get("committed_at", starts[a].get("started_at"))
@@ -83,6 +102,18 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
         device_s += used
         lost += max(used - kept, 0.0)
     return EarlierAttempts(preemptions, device_s, lost)
+
+
+def bill_unfinished(fs: AbstractFileSystem, root: str, shard_id: str, checkpoint_seconds: float,
+                    now: float | None = None) -> EarlierAttempts:
+    """What every attempt of a shard that has no accounting (failed, stopped, killed, or still running) has cost so
+    far, in device-seconds: bill_earlier_attempts over all its attempts, `now` (epoch seconds, default the current
+    time) bounding a latest attempt killed before its first sign of life. A job's summary adds it for failed shards
+    and `tokenmill status` / `report` for unfinished ones, so time no commit kept is still on the bill."""
+    listing = list_attempts(fs, root, shard_id)
+    parts = committed_parts(fs, root, shard_id)
+    return bill_earlier_attempts(fs, root, shard_id, listing.latest + 1, listing, parts, checkpoint_seconds,
+                                 time.time() if now is None else now)
 
 
 def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:

@@ -196,8 +196,9 @@ class StopSignal:
 
 def install_sigterm_handler(stop: StopSignal) -> Any:
     """Make SIGTERM set `stop` (reason "SIGTERM"), and SIGHUP too (a closed terminal or a dying ssh session hangs up
-    the whole process group: the shard commits its finished rows as on SIGTERM) unless SIGHUP is ignored (`nohup`);
-    returns the previous SIGTERM handler.
+    the whole process group: the shard commits its finished rows as on SIGTERM) unless SIGHUP is ignored (`nohup`),
+    and SIGQUIT (Ctrl-\\, also sent to the whole foreground group) unless ignored; returns the previous SIGTERM
+    handler.
 
     The handler only sets the flag: it neither exits nor chains to the previous handler, so the process lives on
     until run_shard has committed the finished rows and raised ShardInterrupted; the caller then exits (or restores
@@ -208,6 +209,7 @@ def install_sigterm_handler(stop: StopSignal) -> Any:
         stop.set(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, handler)
-    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        signal.signal(signal.SIGHUP, handler)
+    for also in (signal.SIGHUP, signal.SIGQUIT):  # Ctrl-\ reaches the whole foreground process group, workers too
+        if signal.getsignal(also) is not signal.SIG_IGN:
+            signal.signal(also, handler)
     return previous

@@ -37,6 +37,7 @@ from engine.loading.object_store import is_no_space as is_no_space
 from engine.loading.object_store import is_transient as is_transient
 from engine.loading.object_store import modified_at as modified_at
 from engine.loading.object_store import retry_transient
+from pipeline.denied import access_denied
 
 # Protocols of object stores: flat key spaces in buckets, no folders to create (fsspec's makedirs would create the
 # bucket itself).
@@ -99,13 +100,16 @@ def check_bucket(url: str) -> None:
 def create_file(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     """Write `data` to `path` unless it exists, in one create-only call (no retries; see commit_table). Returns
     True if this call created it, False if it was already there. Creates missing parent folders where folders exist.
-    Locally the write is atomic (the module docstring). Raises NoSpaceLeft when the device is full."""
+    Locally the write is atomic (the module docstring). Raises NoSpaceLeft when the device is full, AccessDenied
+    (pipeline.denied: the object, the operation and the credential) when the store refuses the write."""
     if not is_object_store(fs):
         try:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         except OSError as e:  # NOTE: not in the try below: a file in the folder's place is no "already committed"
             if is_no_space(e):
                 raise no_space_left(path, len(data)) from e
+            if isinstance(e, PermissionError):
+                raise access_denied(e, fs, path.rsplit("/", 1)[0], "mkdir") from e
             raise
     try:
         if isinstance(fs, LocalFileSystem):
@@ -115,6 +119,8 @@ def create_file(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
     except FileExistsError:
         # Also the answer when an earlier try of the same commit landed but its response was lost.
         return False
+    except PermissionError as e:  # a bucket policy, a read-only folder: name the object and who asked
+        raise access_denied(e, fs, path, "s3:PutObject" if is_object_store(fs) else "create") from e
     except OSError as e:
         if is_no_space(e):
             raise no_space_left(path, len(data)) from e

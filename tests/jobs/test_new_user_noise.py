@@ -215,3 +215,20 @@ def test_a_preempted_shard_logs_no_compute_failed_but_a_real_error_does() -> Non
         logging.getLogger(WORKER_LOGGER).removeHandler(handler)
     failed = [r for r in records if r.startswith("Compute Failed")]
     assert len(failed) == 1 and "a real bug" in failed[0]
+
+
+def test_run_help_and_the_missing_model_error_name_every_kind_of_model(tmp_path) -> None:  # noqa: ANN001
+    """`run --help` and a missing --model name GGUF files, Hugging Face folders, quantize folders, URLs and hub ids
+    (before: only GGUF files and quantize folders)."""
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+
+    runner = CliRunner()
+    helped = " ".join(runner.invoke(app, ["run", "--help"], terminal_width=400).output.split())
+    assert "Hugging Face folder" in helped and "s3://" in helped and "hub id" in helped
+    res = runner.invoke(app, ["run", str(tmp_path / "in.parquet"), str(tmp_path / "out"), "--model",
+                              str(tmp_path / "missing.gguf")])
+    assert res.exit_code == 2
+    line = " ".join(res.output.split())
+    assert "Hugging Face folder" in line and "s3://" in line and "hub id" in line
