@@ -37,14 +37,13 @@ from jobs.plugin import (
 )
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
-from pipeline.attempts import list_attempts
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
 from pipeline.preemption import env_seconds
+from pipeline.record import ShardRecord
 from pipeline.shard import ShardInterrupted
-from pipeline.storage import output_fs
 from schemas.job_spec import Cluster
 
 log = logging.getLogger(__name__)
@@ -311,8 +310,7 @@ def attempts_claimed(output_url: str, shard_id: str) -> int:
     """Attempts the shard has claimed in all (its attempt records), for a failed shard's summary; 0 when they cannot
     be listed (the failure may be the store's)."""
     try:
-        fs, root = output_fs(output_url)
-        return list_attempts(fs, root, shard_id).latest
+        return ShardRecord.open(output_url, shard_id).attempts.latest
     except (OSError, ValueError) as e:  # the store, or an attempt record it cannot parse: not worth a second failure
         log.info("could not list the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
         return 0

@@ -22,6 +22,7 @@ overestimate when it shared the engine).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -55,8 +56,8 @@ class EarlierAttempts:
 def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
                           parts: list[Part], checkpoint_seconds: float) -> EarlierAttempts:
     """Bill the attempts numbered below `attempt` (see the module docstring for the estimates) in device-seconds.
-    Reads each one's start record, end record (if listed) and last marker: at most three small objects per earlier
-    attempt; heartbeats come from `listing` (their names)."""
+    Reads each one's start record, end record (if any) and last marker: at most three small objects per earlier
+    attempt; which attempts exist and their heartbeats come from `listing` (their names)."""
     earlier = sorted(a for a in listing.started if a < attempt)
     if not earlier:
         return EarlierAttempts()
@@ -66,7 +67,8 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
     for a in earlier:
         marker = read_record(fs, last_part[a].marker) if a in last_part else {}
         kept = float(marker.get("elapsed_s", 0.0))
-        end = read_record(fs, end_path(root, shard_id, a)) if a in listing.ended else {}
+        # Read even when `listing` shows no end: an attempt that ended after the listing (a zombie) has one now.
+        end = read_record(fs, end_path(root, shard_id, a))
         if end:
             used = float(end.get("device_s", end.get("gpu_s", kept)))  # gpu_s: records written before the rename
             preemptions += end.get("outcome") == "interrupted"
@@ -132,8 +134,16 @@ def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) 
     (OLD_NAMES) read under the new ones."""
     if not exists_now(fs, results_path(root, shard_id)):
         return None
+    return committed_accounting_of(fs, root, shard_id, list_attempts(fs, root, shard_id).started)
+
+
+def committed_accounting_of(fs: AbstractFileSystem, root: str, shard_id: str,
+                            attempts: Iterable[int]) -> dict[str, Any] | None:
+    """The accounting row of the latest of `attempts` (attempt numbers, e.g. one listing's) that committed one, or
+    None; the caller checked that the results are committed. Columns written under their old names (OLD_NAMES)
+    read under the new ones."""
     # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
-    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
+    for attempt in sorted(attempts, reverse=True):
         path = accounting_path(root, shard_id, attempt)
         if exists_now(fs, path):
             row = {OLD_NAMES.get(k, k): v for k, v in read_table(fs, path).to_pylist()[-1].items()}
