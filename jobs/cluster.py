@@ -37,16 +37,13 @@ from jobs.plugin import (
 )
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
-from pipeline.accounting import bill_unfinished
-from pipeline.attempts import list_attempts
-from pipeline.checkpoint import committed_parts, committed_rows
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
 from pipeline.preemption import env_seconds
+from pipeline.record import ShardRecord
 from pipeline.shard import ShardInterrupted
-from pipeline.storage import output_fs
 from schemas.job_spec import Cluster
 
 log = logging.getLogger(__name__)
@@ -312,25 +309,23 @@ def fail_shard(run: RunContext, shard_id: str, error: str) -> None:
     """Record the shard as failed in the run's summary, with what its attempts cost (they ran: their device-seconds
     are billed) and the rows its checkpoints keep for the rerun, said after `error`."""
     try:
-        fs, root = output_fs(run.output_url)
-        bill = bill_unfinished(fs, root, shard_id, run.cfg.checkpoint_seconds)
-        kept = len(committed_rows(fs, committed_parts(fs, root, shard_id)))
+        record = ShardRecord.read(run.output_url, shard_id)
+        bill = record.bill_unfinished(run.cfg.checkpoint_seconds)
+        kept = len(record.committed_rows())
     except (OSError, ValueError) as e:  # the store may be what failed: the error is the line to give
         log.info("could not bill the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
         run.summary.fail(shard_id, error, attempts_claimed(run.output_url, shard_id))
         return
     if kept:
         error += f" ({kept} rows are checkpointed: the same command, run again once this is fixed, takes them)"
-    run.summary.fail(shard_id, error, attempts_claimed(run.output_url, shard_id), bill.device_s,
-                     run.cfg.price_per_hour_usd)
+    run.summary.fail(shard_id, error, record.attempts.latest, bill.device_s, run.cfg.price_per_hour_usd)
 
 
 def attempts_claimed(output_url: str, shard_id: str) -> int:
     """Attempts the shard has claimed in all (its attempt records), for a failed shard's summary; 0 when they cannot
     be listed (the failure may be the store's)."""
     try:
-        fs, root = output_fs(output_url)
-        return list_attempts(fs, root, shard_id).latest
+        return ShardRecord.open(output_url, shard_id).attempts.latest
     except (OSError, ValueError) as e:  # the store, or an attempt record it cannot parse: not worth a second failure
         log.info("could not list the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
         return 0

@@ -32,14 +32,15 @@ from jobs.errors import (
 )
 from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_accounting
-from pipeline.accounting import bill_unfinished, tokens_per_dollar
+from pipeline.accounting import tokens_per_dollar
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
 from pipeline.manifest import InputManifest, read_manifest
 from pipeline.model_pin import read_model_pin
+from pipeline.record import ShardRecord
 from pipeline.status import ShardState, shard_state
-from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_fs, read_json
+from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
 
 STATES = ("done", "running", "partial", "failed", "pending")
 # Shards whose state status reads at once (each is a few small listings of the store).
@@ -126,7 +127,7 @@ class JobStatus:
     (failed shards, no run holding the job), cancelled, incomplete (pending or partial shards, no run holding the
     job); `exit_code` maps it (jobs.errors: 5 for unsealed as for incomplete). `device_s_unfinished`: device-seconds
     the attempts of shards not done have held so far (failed, stopped or killed ones, billed from their records:
-    pipeline.accounting.bill_unfinished), not in `cost_usd` until a shard's accounting bills them.
+    pipeline.record.ShardRecord.bill_unfinished), not in `cost_usd` until a shard's accounting bills them.
     Token counts in tokens, cost in USD, device_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
     torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
     model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
@@ -215,9 +216,8 @@ def job_status(output_url: str) -> JobStatus:
 
 
 def _unfinished_bill(output_url: str, shard_id: str) -> float:
-    """Device-seconds the attempts of an unfinished shard held (pipeline.accounting.bill_unfinished)."""
-    fs, root = read_fs(output_url)
-    return bill_unfinished(fs, root, shard_id, RunConfig().checkpoint_seconds).device_s
+    """Device-seconds the attempts of an unfinished shard held (pipeline.record.ShardRecord.bill_unfinished)."""
+    return ShardRecord.read(output_url, shard_id).bill_unfinished(RunConfig().checkpoint_seconds).device_s
 
 
 def _overall(status: JobStatus, done: bool) -> tuple[str, int]:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from jobs.errors import JobError
-from pipeline.accounting import read_committed_accounting
-from pipeline.layout import MANIFEST, results_path
+from pipeline.layout import MANIFEST
 from pipeline.manifest import InputManifest, read_manifest
-from pipeline.storage import read_fs, read_table
+from pipeline.record import ShardRecord
+from pipeline.storage import read_fs
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,13 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
     fs, root = read_fs(output_url)
     chat = _is_chat(manifest)
     for shard in manifest.shards():
-        path = results_path(root, shard.shard_id)
-        accounting = read_committed_accounting(fs, root, shard.shard_id)
+        record = ShardRecord(fs, root, shard.shard_id)
+        accounting = record.accounting
         if accounting is None:
             yield shard.shard_id
             continue
         created = int(accounting["finished_at"].timestamp())
-        for row in read_table(fs, path).to_pylist():
+        for row in record.results().to_pylist():
             key = _stable_id(manifest.input, manifest.created_at, row["id"])
             line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": row["id"]}
             if row["error"] is not None:

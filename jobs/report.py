@@ -20,12 +20,9 @@ import polars as pl
 
 from jobs.control import JobStatus, job_status
 from jobs.errors import JobError
-from pipeline.accounting import read_committed_accounting
-from pipeline.attempts import list_attempts, read_record
-from pipeline.checkpoint import committed_parts
-from pipeline.layout import results_path, start_path
 from pipeline.manifest import read_manifest
-from pipeline.storage import exists_now, read_fs, read_table
+from pipeline.record import ShardRecord
+from pipeline.storage import read_fs
 
 matplotlib.use("Agg")  # no display: render to SVG in memory
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
@@ -64,24 +61,25 @@ def read_report_data(output_url: str) -> ReportData:
     first_start: float | None = None
     for shard in manifest.shards():
         sid = shard.shard_id
-        listing = list_attempts(fs, root, sid)
+        record = ShardRecord(fs, root, sid)
+        listing = record.attempts
         for a in sorted(listing.started)[:1]:
-            started = read_record(fs, start_path(root, sid, a)).get("started_at")
+            started = record.start_record(a).get("started_at")
             if started is not None:
                 first_start = started if first_start is None else min(first_start, started)
-        acc = read_committed_accounting(fs, root, sid) or {}
+        acc = record.accounting or {}
         shard_rows.append({"shard_id": sid, "state": status.shard_states.get(sid, "pending"),
                            "rows": shard.num_rows, "rows_error": acc.get("rows_error"),
                            "output_tokens": acc.get("output_tokens"), "tokens_per_dollar": acc.get("tokens_per_dollar"),
                            "attempts": acc.get("attempts") or len(listing.started),
                            "preemptions": acc.get("preemptions") or 0, "device_s_lost": acc.get("device_s_lost") or 0.0,
                            "device_s_billed": acc.get("device_s_billed")})
-        if exists_now(fs, results_path(root, sid)):
-            errors = read_table(fs, results_path(root, sid), columns=["error"]).column("error").to_pylist()
+        if record.results_committed:
+            errors = record.results(columns=["error"]).column("error").to_pylist()
             result_frames.append(pl.DataFrame({"shard_id": [sid] * len(errors), "error": errors},
                                               schema={"shard_id": pl.String, "error": pl.String}))
-        for part in committed_parts(fs, root, sid):
-            table = pl.from_arrow(read_table(fs, part.path))
+        for part in record.parts:
+            table = pl.from_arrow(record.read_part(part))
             if "latency_s" in table.columns:  # parts written before the column existed lack it
                 latency_frames.append(table.select(pl.lit(sid).alias("shard_id"), "latency_s").drop_nulls())
             if part.committed_at is not None:

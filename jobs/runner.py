@@ -26,7 +26,6 @@ from jobs.errors import EXIT_CANCELLED, EXIT_LEASE_HELD, JobError
 from jobs.lease import Lease, LeaseHeld
 from jobs.summary import JobProgress, JobSummary
 from jobs.task import record_failure
-from pipeline.checkpoint import committed_parts
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard, validate_columns
 from pipeline.layout import results_path, success_path
@@ -41,8 +40,9 @@ from pipeline.manifest import (
     repinned,
 )
 from pipeline.model_pin import ModelPin, check_model_pin, fingerprint_model, pin_model, read_model_pin
+from pipeline.record import ShardRecord
 from pipeline.shard import ProgressFn
-from pipeline.storage import commit_json, exists_now, output_fs, read_table
+from pipeline.storage import commit_json, output_fs
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ def _skip_committed(output_url: str, shards: list[Shard], summary: JobSummary, p
 
 def _has_commits(fs: AbstractFileSystem, root: str, shard_id: str) -> bool:
     """Whether the shard committed anything: its results or a checkpoint part."""
-    return exists_now(fs, results_path(root, shard_id)) or bool(committed_parts(fs, root, shard_id))
+    record = ShardRecord(fs, root, shard_id)
+    return record.results_committed or bool(record.parts)
 
 
 def _repin_unstarted_inputs(output_url: str, manifest: InputManifest,
@@ -299,15 +300,16 @@ def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]
     summary.wall_s = time.perf_counter() - t0
     if summary.shards_ok == len(shards) and not summary.failed and not summary.stopped:
         fs, root = output_fs(output_url)
-        for s in shards:
-            if not exists_now(fs, results_path(root, s.shard_id)):
+        records = [ShardRecord(fs, root, s.shard_id) for s in shards]
+        for s, record in zip(shards, records, strict=True):
+            if not record.results_committed:
                 summary.failed[s.shard_id] = (f"its results are not at {results_path(output_url, s.shard_id)} "
                                               "although its task reported them committed; check that the workers "
                                               "see OUTPUT at the same place as this client, and run the job again")
         if summary.failed:
             summary.shards_ok -= len(summary.failed)
             return summary
-        summary.ids_null, summary.ids_repeated = count_ids(fs, [results_path(root, s.shard_id) for s in shards])
+        summary.ids_null, summary.ids_repeated = count_ids(records)
         commit_json(fs, success_path(root), {
             "shards": [{"shard_id": s.shard_id, "input": s.url, "row_start": s.row_start, "row_end": s.row_end,
                         "results": results_path("", s.shard_id)} for s in shards],
@@ -315,10 +317,10 @@ def _finish(summary: JobSummary, t0: float, output_url: str, shards: list[Shard]
     return summary
 
 
-def count_ids(fs: AbstractFileSystem, paths: list[str]) -> tuple[int, int]:
-    """(rows with a null id, rows whose id another row has too) over the results files at `paths` (reads only their
-    id column)."""
-    ids = pa.chunked_array([read_table(fs, p, columns=["id"]).column("id") for p in paths], pa.string())
+def count_ids(records: list[ShardRecord]) -> tuple[int, int]:
+    """(rows with a null id, rows whose id another row has too) over the committed results of the shards of
+    `records` (reads only their id column)."""
+    ids = pa.chunked_array([r.results(columns=["id"]).column("id") for r in records], pa.string())
     nulls = ids.null_count
     counts = pc.value_counts(ids.drop_null())
     repeated = pc.sum(pc.filter(counts.field("counts"), pc.greater(counts.field("counts"), 1))).as_py() or 0

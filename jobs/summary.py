@@ -89,7 +89,7 @@ class JobSummary:
     def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0,
              price_per_hour_usd: float = 0.0) -> None:
         """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all;
-        `device_s` the device-seconds they held (pipeline.accounting.bill_unfinished), billed at
+        `device_s` the device-seconds they held (pipeline.record.ShardRecord.bill_unfinished), billed at
         `price_per_hour_usd` (USD per hour): a failed shard's time is real money too."""
         self.failed[shard_id] = error
         self.attempts += attempts

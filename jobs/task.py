@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 from distributed import get_worker
 
 from jobs.plugin import WorkerPreempted, engine_plugin, get_preemption
-from pipeline.attempts import claim_attempt, end_attempt
 from pipeline.config import RunConfig
 from pipeline.denied import AccessDenied
 from pipeline.input import InputChanged, Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
+from pipeline.record import ShardRecord
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
-from pipeline.storage import NoSpaceLeft, output_fs
+from pipeline.storage import NoSpaceLeft
 
 if TYPE_CHECKING:  # torch: the task runs on the worker, whose plugin loaded the engine; the client only submits it
     from engine.loop.engine_loop import EngineLoop
@@ -57,10 +57,7 @@ class ShardStopped:
 def record_failure(output_url: str, shard_id: str, error: str) -> int:
     """Record a failed attempt of the shard that never ran (so `tokenmill status` shows it failed, with `error`);
     returns its attempt number."""
-    fs, root = output_fs(output_url)
-    attempt, _ = claim_attempt(fs, root, shard_id)
-    end_attempt(fs, root, shard_id, attempt, "failed", rows_committed=0, device_s=0.0, error=error)
-    return attempt
+    return ShardRecord.open(output_url, shard_id).record_failure(error)
 
 
 def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,

@@ -24,7 +24,7 @@ overestimate when it shared the engine).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
 from pipeline.attempts import AttemptListing, list_attempts, read_record
-from pipeline.checkpoint import Part, committed_parts
+from pipeline.checkpoint import Part
 from pipeline.layout import accounting_path, end_path, results_path, start_path
 from pipeline.storage import exists_now, read_fs, read_table
 from schemas import ACCOUNTING_SCHEMA
@@ -71,9 +71,10 @@ def _before_first_sign(starts: dict[int, dict[str, Any]], a: int, now: float | N
 def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, listing: AttemptListing,
                           parts: list[Part], checkpoint_seconds: float, now: float | None = None) -> EarlierAttempts:
     """Bill the attempts numbered below `attempt` (see the module docstring for the estimates) in device-seconds.
-    Reads each one's start record, end record (if listed) and last marker: at most three small objects per earlier
-    attempt; heartbeats come from `listing` (their names). `now` (epoch seconds) bounds the latest attempt's bill
-    when no attempt started after it (bill_unfinished); None bills it only to its last sign of life."""
+    Reads each one's start record, end record (if any) and last marker: at most three small objects per earlier
+    attempt; which attempts exist and their heartbeats come from `listing` (their names). `now` (epoch seconds)
+    bounds the latest attempt's bill when no attempt started after it (pipeline.record.ShardRecord.bill_unfinished);
+    None bills it only to its last sign of life."""
     earlier = sorted(a for a in listing.started if a < attempt)
     if not earlier:
         return EarlierAttempts()
@@ -83,7 +84,8 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
     for a in earlier:
         marker = read_record(fs, last_part[a].marker) if a in last_part else {}
         kept = float(marker.get("elapsed_s", 0.0))
-        end = read_record(fs, end_path(root, shard_id, a)) if a in listing.ended else {}
+        # Read even when `listing` shows no end: an attempt that ended after the listing (a zombie) has one now.
+        end = read_record(fs, end_path(root, shard_id, a))
         if end:
             used = float(end.get("device_s", end.get("gpu_s", kept)))  # gpu_s: records written before the rename
             preemptions += end.get("outcome") == "interrupted"
@@ -102,18 +104,6 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
         device_s += used
         lost += max(used - kept, 0.0)
     return EarlierAttempts(preemptions, device_s, lost)
-
-
-def bill_unfinished(fs: AbstractFileSystem, root: str, shard_id: str, checkpoint_seconds: float,
-                    now: float | None = None) -> EarlierAttempts:
-    """What every attempt of a shard that has no accounting (failed, stopped, killed, or still running) has cost so
-    far, in device-seconds: bill_earlier_attempts over all its attempts, `now` (epoch seconds, default the current
-    time) bounding a latest attempt killed before its first sign of life. A job's summary adds it for failed shards
-    and `tokenmill status` / `report` for unfinished ones, so time no commit kept is still on the bill."""
-    listing = list_attempts(fs, root, shard_id)
-    parts = committed_parts(fs, root, shard_id)
-    return bill_earlier_attempts(fs, root, shard_id, listing.latest + 1, listing, parts, checkpoint_seconds,
-                                 time.time() if now is None else now)
 
 
 def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
@@ -163,8 +153,16 @@ def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) 
     (OLD_NAMES) read under the new ones."""
     if not exists_now(fs, results_path(root, shard_id)):
         return None
+    return committed_accounting_of(fs, root, shard_id, list_attempts(fs, root, shard_id).started)
+
+
+def committed_accounting_of(fs: AbstractFileSystem, root: str, shard_id: str,
+                            attempts: Iterable[int]) -> dict[str, Any] | None:
+    """The accounting row of the latest of `attempts` (attempt numbers, e.g. one listing's) that committed one, or
+    None; the caller checked that the results are committed. Columns written under their old names (OLD_NAMES)
+    read under the new ones."""
     # The finishing attempt is nearly always the latest claimed: one exists() per shard, not a listing of accounting/.
-    for attempt in sorted(list_attempts(fs, root, shard_id).started, reverse=True):
+    for attempt in sorted(attempts, reverse=True):
         path = accounting_path(root, shard_id, attempt)
         if exists_now(fs, path):
             row = {OLD_NAMES.get(k, k): v for k, v in read_table(fs, path).to_pylist()[-1].items()}

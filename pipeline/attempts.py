@@ -70,14 +70,14 @@ def list_attempts(fs: AbstractFileSystem, root: str, shard_id: str) -> AttemptLi
     return AttemptListing(started, ended, alive)
 
 
-def claim_attempt(fs: AbstractFileSystem, root: str, shard_id: str,
-                  heartbeat_s: float | None = None) -> tuple[int, float]:
+def claim_attempt(fs: AbstractFileSystem, root: str, shard_id: str, heartbeat_s: float | None = None, *,
+                  after: int | None = None) -> tuple[int, float]:
     """Claim the shard's next attempt number with a create-only start record; returns (number, started_at epoch
     seconds). `heartbeat_s`: the attempt leaves signs of life (Heartbeat) at this interval, seconds; None: it
     leaves none (a failed-attempt record; attempts of versions before heartbeats). Tries numbers upward from one
-    past the highest listed until a create succeeds. Raises what the store raises (after retry_transient's
-    retries)."""
-    attempt = list_attempts(fs, root, shard_id).latest + 1
+    past `after` (the highest number a listing the caller holds shows; None: list the records now) until a create
+    succeeds. Raises what the store raises (after retry_transient's retries)."""
+    attempt = (list_attempts(fs, root, shard_id).latest if after is None else after) + 1
     while True:
         record = {"attempt": attempt, "started_at": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                   "nonce": uuid.uuid4().hex, "heartbeat_s": heartbeat_s}

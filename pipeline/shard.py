@@ -8,6 +8,8 @@ Layout under OUTPUT (every object create-only, never overwritten; paths from pip
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.commit   commit marker (pipeline.checkpoint)
     results/<shard_id>.parquet                        the parts merged: one row per input row, in row order
     accounting/<shard_id>.attempt-NNN.parquet         the bill, committed last by the attempt that finished the shard
+
+Every read and write of these goes through the shard's record (pipeline.record.ShardRecord and its Attempt).
 """
 
 from __future__ import annotations
@@ -19,20 +21,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from fsspec import AbstractFileSystem
 
 from engine.loop.submission import DeviceClock
-from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
-from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
-from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
+from pipeline.accounting import accounting_row
+from pipeline.checkpoint import Checkpointer, completion_tokens
 from pipeline.config import RunConfig
 from pipeline.input import Shard
-from pipeline.layout import accounting_path, checkpoints_dir, results_path
 from pipeline.preemption import StopSignal, stop_deadline_s
+from pipeline.record import Attempt, ShardRecord
 from pipeline.shard_requests import ProgressFn, RowFn, generate_rows
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
-from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_table
-from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
+from schemas import RESULTS_SCHEMA
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), so the client that submits shards never loads it
     from engine import LLMEngine
@@ -99,28 +98,22 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
     """
     from engine.loop.engine_loop import EngineLoop
 
-    fs, root = output_fs(output_url)
-    committed = read_committed_accounting(fs, root, shard.shard_id)
-    if committed is not None:
-        return committed
+    record = ShardRecord.open(output_url, shard.shard_id)
+    if record.accounting is not None:
+        return record.accounting
     with StopSignal.from_env(output_url, notices=watch_notices) as notice:
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
-            raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
+            raise ShardInterrupted(len(record.committed_rows()), 0)
         t0 = time.monotonic()
         with DeviceClock(engine if isinstance(engine, EngineLoop) else None) as clock:
-            attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
+            attempt = record.claim(cfg.heartbeat_seconds)
             try:
-                return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, clock, progress,
-                                    notice, should_stop, pinned, model_fingerprint)
+                return _run_attempt(engine, shard, prompt_column, cfg, attempt, t0, clock, progress, notice,
+                                    should_stop, pinned, model_fingerprint)
             except ShardInterrupted:
                 raise
             except Exception as e:
-                try:
-                    end_attempt(fs, root, shard.shard_id, attempt, "failed", rows_committed=0,
-                                device_s=clock.close(), error=f"{type(e).__name__}: {e}")
-                except Exception as record_error:  # the shard's own error is the one to raise (a full disk: once)
-                    (log.debug if is_no_space(record_error) else log.warning)(
-                        "shard %s: could not record failed attempt %d: %s", shard.shard_id, attempt, record_error)
+                attempt.fail(f"{type(e).__name__}: {e}", clock.close())
                 raise
 
 
@@ -132,37 +125,35 @@ def _results(merged: pa.Table, shard: Shard) -> pa.Table:
     return table.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
 
 
-def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, fs: AbstractFileSystem, root: str,
-                 cfg: RunConfig, attempt: int, t0: float, clock: DeviceClock, progress: ProgressFn | None,
-                 notice: StopSignal, should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
+def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, cfg: RunConfig, attempt: Attempt,
+                 t0: float, clock: DeviceClock, progress: ProgressFn | None, notice: StopSignal,
+                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
                  model_fingerprint: str | None = None) -> dict[str, Any]:
     from engine.loop.engine_loop import EngineLoop
 
     loop = engine
     engine = loop.engine if isinstance(loop, EngineLoop) else loop
-    done_path = results_path(root, shard.shard_id)
+    record = attempt.record
     wall_s, generated_tokens = 0.0, 0
-    if exists_now(fs, done_path):
+    if record.results_committed:
         # An earlier attempt committed the results and died before the accounting: bill what is committed.
-        results = read_table(fs, done_path)
-        parts = committed_parts(fs, root, shard.shard_id)
-        kv = merge_parts(fs, parts).column("kv_preemptions")
+        results = record.results()
+        kv = record.merged().column("kv_preemptions")
         rows_resumed = results.num_rows
     else:
         rows = read_shard(shard, prompt_column, cfg.id_column,
                           messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
-        done = committed_rows(fs, committed_parts(fs, root, shard.shard_id))
+        done = record.committed_rows()
         todo = [k for k in range(len(rows.ids)) if k not in done]
         rows_resumed = len(rows.ids) - len(todo)
-        ckpt = Checkpointer(fs, root, shard.shard_id, attempt, engine.model_name, every_rows=cfg.checkpoint_rows,
-                            every_s=cfg.checkpoint_seconds, started=t0, model_fingerprint=model_fingerprint)
+        ckpt = attempt.checkpointer(engine.model_name, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
+                                    started=t0, model_fingerprint=model_fingerprint)
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())
 
         t_gen = time.perf_counter()
-        with Heartbeat(fs, root, shard.shard_id, attempt, every_s=cfg.heartbeat_seconds, started=t0,
-                       last_sign=lambda: ckpt.last_commit):
+        with attempt.heartbeat(every_s=cfg.heartbeat_seconds, started=t0, last_sign=lambda: ckpt.last_commit):
             outputs = generate_rows(loop, rows.take(todo), cfg, progress,
                                     on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop, clock=clock)
         wall_s = time.perf_counter() - t_gen
@@ -171,44 +162,36 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         if aborted:
             owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped
             reason = notice.reason or (owner.reason if isinstance(owner, StopSignal) else None) or "should_stop"
-            _interrupted(fs, root, shard.shard_id, attempt, ckpt, clock, rows_resumed, aborted, reason)
+            _interrupted(attempt, ckpt, clock, rows_resumed, aborted, reason)
         ckpt.commit()
-        parts = committed_parts(fs, root, shard.shard_id)
-        merged = merge_parts(fs, parts)
+        record.refresh_parts()  # this attempt's parts, and any a racing attempt committed meanwhile
+        merged = record.merged()
         if merged.column("row").to_pylist() != list(range(len(rows.ids))):
-            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under "
-                               f"{checkpoints_dir(root, shard.shard_id)}/ do not hold rows 0..{len(rows.ids) - 1} "
-                               "once each; were parts deleted while it ran?")
+            raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {record.checkpoints_dir}/ do not "
+                               f"hold rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
         kv = merged.column("kv_preemptions")
-        results = _results(merged, shard)
-        if not commit_table(fs, done_path, results):
-            results = read_table(fs, done_path)  # a racing attempt committed first: bill what readers see
+        results = attempt.commit_results(_results(merged, shard))  # a racing attempt's, if it committed first
     device_s = clock.close()  # this attempt's bill ends here: the engine's idle time is the other shards' from now
-    earlier = bill_earlier_attempts(fs, root, shard.shard_id, attempt, list_attempts(fs, root, shard.shard_id),
-                                    parts, cfg.checkpoint_seconds)
     row = accounting_row(
-        shard_id=shard.shard_id, attempt=attempt, input_path=shard.url, row_start=shard.row_start, results=results,
-        wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s, earlier=earlier, rows_resumed=rows_resumed,
+        shard_id=shard.shard_id, attempt=attempt.number, input_path=shard.url, row_start=shard.row_start,
+        results=results, wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s,
+        earlier=attempt.bill_earlier(cfg.checkpoint_seconds), rows_resumed=rows_resumed,
         kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
         model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
-    commit_table(fs, accounting_path(root, shard.shard_id, attempt), pa.Table.from_pylist([row],
-                                                                                         schema=ACCOUNTING_SCHEMA))
+    attempt.finish(row)
     return row
 
 
-def _interrupted(fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, ckpt: Checkpointer, clock: DeviceClock,
-                 rows_resumed: int, aborted: int, reason: str) -> None:
+def _interrupted(attempt: Attempt, ckpt: Checkpointer, clock: DeviceClock, rows_resumed: int, aborted: int,
+                 reason: str) -> None:
     """Commit the finished rows within the stop deadline, record the interrupted attempt, raise ShardInterrupted."""
     try:
         ckpt.commit(deadline_s=stop_deadline_s())
     except Exception as e:  # report what is committed; the next attempt redoes the rest
-        log.warning("shard %s: could not commit %d finished rows before stopping: %s", shard_id, len(ckpt.pending), e)
+        log.warning("shard %s: could not commit %d finished rows before stopping: %s", attempt.record.shard_id,
+                    len(ckpt.pending), e)
     left = aborted + len(ckpt.pending)
-    try:
-        end_attempt(fs, root, shard_id, attempt, "interrupted", rows_committed=ckpt.rows_committed,
-                    device_s=clock.close(), reason=reason)
-    except Exception as e:  # without it the next attempt estimates this one's time instead
-        (log.debug if is_no_space(e) else log.warning)("shard %s: could not record interrupted attempt %d: %s",
-                                                        shard_id, attempt, e)
+    # Without the end record the next attempt estimates this one's time instead (Attempt.interrupt logs a failure).
+    attempt.interrupt(ckpt.rows_committed, clock.close(), reason)
     raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

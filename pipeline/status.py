@@ -7,11 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pipeline.accounting import read_committed_accounting
-from pipeline.attempts import list_attempts, read_record
-from pipeline.checkpoint import committed_parts
-from pipeline.layout import end_path, results_path
-from pipeline.storage import exists_now, read_fs, read_table
+from pipeline.record import ShardRecord
 
 State = Literal["done", "running", "partial", "failed", "pending"]
 
@@ -56,28 +52,29 @@ def shard_state(output_url: str, shard_id: str, *, stale_after_s: float = STALE_
 
     An attempt counts as live while its latest activity is less than `stale_after_s` seconds (default 600) before
     `now` (epoch seconds, default the current time); a SIGKILLed worker's attempt turns stale after that long.
-    Costs two listings (attempts/<shard_id>/, checkpoints/<shard_id>/), an exists check of the results, and one
-    read for a finished or failed shard. Raises what the store raises.
+    Costs one ShardRecord snapshot (pipeline.record: one listing of attempts/<shard_id>/, one of
+    checkpoints/<shard_id>/ for an unfinished shard, an exists check of the results) and one read for a finished or
+    failed shard. Raises what the store raises.
     """
-    fs, root = read_fs(output_url)
+    record = ShardRecord.read(output_url, shard_id)
     now = time.time() if now is None else now
-    attempts = list_attempts(fs, root, shard_id)
-    accounting = read_committed_accounting(fs, root, shard_id)
+    attempts = record.attempts
+    accounting = record.accounting
     if accounting is not None:
         return ShardState(shard_id, "done", int(accounting["rows"]), attempts.latest, None, accounting,
                           accounting["finished_at"])
-    parts = committed_parts(fs, root, shard_id)
+    parts = record.parts
     latest = attempts.latest
     latest_times = [t for t in [attempts.started.get(latest), attempts.ended.get(latest)]
                     + [p.committed_at for p in parts if p.attempt == latest] if t is not None]
     times = [t for t in [*attempts.started.values(), *attempts.ended.values(), *(p.committed_at for p in parts)]
              if t is not None]
     rows = sum(p.rows for p in parts)
-    if exists_now(fs, results_path(root, shard_id)):  # results committed, accounting not yet (or a crash between)
-        rows = read_table(fs, results_path(root, shard_id), columns=["id"]).num_rows
+    if record.results_committed:  # results committed, accounting not yet (or a crash between)
+        rows = record.results(columns=["id"]).num_rows
     last_activity = _utc(max(times, default=None))
     if latest in attempts.ended:
-        end = read_record(fs, end_path(root, shard_id, latest))
+        end = record.end_record(latest)
         if end.get("outcome") == "failed":
             return ShardState(shard_id, "failed", rows, latest, end.get("error") or "failed", None, last_activity)
     live = bool(latest) and latest not in attempts.ended and bool(latest_times) and (

@@ -1,11 +1,15 @@
 """What test_triton_attention.py and test_triton_fused.py share: the skip when no Triton backend can run their kernels,
 and the sm_90 (H100/H200) compile check in a fresh process without TRITON_INTERPRET (the interpreter checks no types,
 loop-carried values, tl.dot shapes, constexpr use or shared memory, the compiler does, and triton ships ptxas, so no
-GPU is needed)."""
+GPU is needed). A compile that passed is remembered by the hash of everything it depends on (compiled_stamp), so it
+runs again only when a kernel's source, the script, its options or triton change: minutes of CPU once, not every
+run."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,19 +49,59 @@ def compile_kernel(fn, types, constexprs, **options):
 """
 
 
+ROOT = Path(__file__).resolve().parents[2]
+_ENGINE_IMPORT = re.compile(r"^\s*from (engine(?:\.\w+)*) import ([\w, ]+)", re.MULTILINE)
+
+
+def engine_sources(text: str, seen: set[Path] | None = None) -> set[Path]:
+    """The engine/ source files `text` imports with `from engine... import ...`, and those they import the same way
+    (a module or a package's __init__ for each name)."""
+    seen = set() if seen is None else seen
+    for package, names in _ENGINE_IMPORT.findall(text):
+        base = ROOT / package.replace(".", "/")
+        candidates = [base / f"{n.strip().split(' ')[0]}.py" for n in names.split(",")] + [
+            base.with_suffix(".py"), base / "__init__.py"]
+        for path in candidates:
+            if path.is_file() and path not in seen:
+                seen.add(path)
+                engine_sources(path.read_text(), seen)
+    return seen
+
+
+def compiled_stamp(script: str, options: dict[str, int], env: dict[str, str] | None = None) -> Path:
+    """Where a passed compile of `script` is remembered: a file named by the SHA-256 of the script, PRELUDE, the
+    options, `env`, triton's version and the engine sources the script imports (engine_sources), under
+    $XDG_CACHE_HOME (default ~/.cache)/tokenmill/sm90-compiled/."""
+    import triton
+
+    digest = hashlib.sha256()
+    for part in (PRELUDE, script, repr(sorted(options.items())), repr(sorted((env or {}).items())),
+                 triton.__version__):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(engine_sources(script)):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "tokenmill" / "sm90-compiled" / digest.hexdigest()
+
+
 def compile_for_sm90(script: str, options: dict[str, int], env: dict[str, str] | None = None) -> None:
     """Run PRELUDE + `script` (which ends by printing "compiled") in a fresh Python at the repository root, with
     `options` the compile options of every kernel (num_warps, num_stages) and `env` added to the environment; fails
-    the test with the compiler's error, skips where triton cannot target NVIDIA GPUs."""
+    the test with the compiler's error, skips where triton cannot target NVIDIA GPUs. Nothing runs when the same
+    compile passed before (compiled_stamp: same kernel sources, script, options and triton)."""
     try:
         from triton.backends import backends
     except ImportError:
         pytest.skip("this triton has no backends registry")
     if "nvidia" not in backends:
         pytest.skip("triton was built without the NVIDIA backend")
+    stamp = compiled_stamp(script, options, env)
+    if stamp.is_file():
+        return
     full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
-    root = Path(__file__).resolve().parents[2]
     prelude = f"DEFAULT_OPTIONS = {options!r}\n" + PRELUDE
-    proc = subprocess.run([sys.executable, "-c", prelude + script], cwd=root, env=full_env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", prelude + script], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(proc.stdout)

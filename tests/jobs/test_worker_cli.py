@@ -6,6 +6,9 @@ makes the nanny stop the shard and wait for its commit first.
 Real `dask scheduler` and `dask worker --nthreads 1 --resources GPU=1` processes with the Dask config Kubernetes
 mounts (infra/k8s/base/dask.yaml), `tokenmill run` as a process, real GSM8K rows, the real model on CPU, OUTPUT on a
 local S3 (moto) whose first write after the signal takes 10 s: a commit slower than the nanny's 8 s.
+
+The test makes its own timing: the workers load hold_shard_preload.py, which holds the first engine to finish two rows
+until its shards are told to stop, so the signal always lands mid-shard, on any machine, under any load.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASK = Path(sys.executable).with_name("dask")
 DASK_CONFIG = ROOT / "infra" / "k8s" / "base" / "dask.yaml"
 WAIT_S = 600.0  # generous: a loaded CI box; the test never asserts on time
+HOLD_PRELOAD = Path(__file__).with_name("hold_shard_preload.py")
 SLOW_COMMIT_S = 10.0  # the first write of the interrupted attempt after the signal: longer than the nanny's 8 s
 
 
@@ -45,18 +49,20 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2,
-                     cwd: Path | None = None) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+def dask_cli_cluster(env: dict[str, str], log: Path, workers: int = 2, cwd: Path | None = None,
+                     worker_args: tuple[str, ...] = ()) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """`dask scheduler` and `workers` x `dask worker ADDRESS --nthreads 1 --resources GPU=1` processes on 127.0.0.1,
-    as the Kubernetes manifests start them, in the working directory `cwd` (default: this one); yields the scheduler
-    address and the worker CLI processes once they are all connected. Their output goes to `log`."""
+    as the Kubernetes manifests start them (plus `worker_args`), in the working directory `cwd` (default: this one);
+    yields the scheduler address and the worker CLI processes once they are all connected. Their output goes to
+    `log`."""
     address = f"tcp://127.0.0.1:{_free_port()}"
     out = log.open("ab")
     procs = [subprocess.Popen([str(DASK), "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
                                "--dashboard-address", ":0"], env=env, stdout=out, stderr=out, cwd=cwd)]
     try:
         procs += [subprocess.Popen([str(DASK), "worker", address, "--nthreads", "1", "--resources", "GPU=1",
-                                    "--name", f"gpu-{i}", "--host", "127.0.0.1", "--dashboard-address", ":0"],
+                                    "--name", f"gpu-{i}", "--host", "127.0.0.1", "--dashboard-address", ":0",
+                                    *worker_args],
                                    env=env, stdout=out, stderr=out, cwd=cwd) for i in range(workers)]
         with Client(address, timeout=WAIT_S) as client:
             if workers:
@@ -81,70 +87,79 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
     commits its finished rows (a 10 s write) and records the interrupted attempt before the worker dies; it runs
     again on the other worker and resumes; every id exactly once.
 
-    Sized so that the stop must outlast the nanny's 8 s: 10 of the shard's 12 rows (32 tokens each) are left at the
-    signal (about 11 s of generation on 2 loaded cores), and the commit after the signal takes 10 s on any machine.
-    Without the drain the worker is SIGKILLed at 8 s: no end record, no WorkerPreempted reaches the client."""
+    The stop must outlast the nanny's 8 s: the first write after the signal takes 10 s on any machine. The shard is
+    caught mid-run by a hook, not by its speed: the first worker to finish two rows holds its engine until the stop
+    (hold_shard_preload.py), so rows are always in flight at the signal. Without the drain the worker is SIGKILLed
+    at 8 s: no end record, no WorkerPreempted reaches the client."""
     from s3_faults import flaky_s3
 
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(800, 24)
     ids = table.column("id").to_pylist()
     (tmp_path / "in").mkdir()
     pq.write_table(table, tmp_path / "in" / "in.parquet")
+    claim = tmp_path / "hold-claim"  # the held worker process writes its pid here as the hold begins
     with flaky_s3(rate=0.0, lost_rate=0.0) as s3:
         out = f"s3://{s3.bucket}/job"
         fs = fsspec.filesystem("s3", skip_instance_cache=True)
         victim: dict[str, str] = {}  # the stopped shard and its worker CLI's pid, set as the signal goes out
-
-        first_marker: dict[str, str] = {}  # "bucket/key" of the first checkpoint marker written
-        marker_put = threading.Event()
+        markers: list[str] = []  # "bucket/key" of every checkpoint marker PUT, in arrival order
+        marker_put = threading.Condition()
 
         def delay(environ: dict) -> float:
             path = environ.get("PATH_INFO", "")
-            if (not marker_put.is_set() and environ["REQUEST_METHOD"] == "PUT"
-                    and re.search(r"/checkpoints/[^/]+/[^/]+\.commit$", path)):
-                first_marker["key"] = path.lstrip("/")
-                marker_put.set()
+            if environ["REQUEST_METHOD"] == "PUT" and re.search(r"/checkpoints/[^/]+/[^/]+\.commit$", path):
+                with marker_put:
+                    markers.append(path.lstrip("/"))
+                    marker_put.notify_all()
             # One slow write: the stopped shard's first attempt's first write after the signal (its last part, or its
             # end record when no row was pending).
             shard = victim.get("shard")
             if (shard and not victim.get("slowed") and environ["REQUEST_METHOD"] == "PUT"
-                    and re.search(rf"/(checkpoints/{shard}/a001-|attempts/{shard}/attempt-001\.end)",
-                                  environ.get("PATH_INFO", ""))):
-                victim["slowed"] = environ["PATH_INFO"]
+                    and re.search(rf"/(checkpoints/{shard}/a001-|attempts/{shard}/attempt-001\.end)", path)):
+                victim["slowed"] = path
                 return SLOW_COMMIT_S
             return 0.0
 
         s3.faults.delay = delay
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   DASK_CONFIG=str(DASK_CONFIG), TOKENMILL_STOP_POLL_S="0.2")
-        with dask_cli_cluster(env, tmp_path / "dask.log") as (address, workers):
+                   DASK_CONFIG=str(DASK_CONFIG), TOKENMILL_STOP_POLL_S="0.2", HOLD_SHARD_CLAIM=str(claim),
+                   HOLD_SHARD_AFTER_ROWS="2")
+        with dask_cli_cluster(env, tmp_path / "dask.log", worker_args=("--preload", str(HOLD_PRELOAD))) as (
+                address, workers):
             pids = {w.pid: w for w in workers}
 
-            def terminate_after_first_checkpoint() -> None:
-                # Woken by the S3 server's request hook (`delay`) when the first marker's PUT arrives, then waits for
-                # the marker to be in the bucket: a poll of the bucket listing at 10 Hz cost the in-process S3 server
-                # a good part of a core through the whole run.
+            def terminate_the_held_worker() -> None:
+                # Woken by the S3 server's request hook (`delay`) at each marker PUT (and every 0.5 s, to see the claim
+                # file appear); signals once a marker of the held worker's shard (its attempt's start record names
+                # the worker's pid) is in the bucket. The held worker delivers its finished rows before it holds
+                # (checkpoint every row), so that marker comes.
                 deadline = time.monotonic() + WAIT_S
-                if not marker_put.wait(WAIT_S):
-                    return
-                marker = first_marker["key"]
-                fs.invalidate_cache()
-                while not fs.exists(marker):
-                    if time.monotonic() > deadline:
-                        return
-                    time.sleep(0.05)
-                    fs.invalidate_cache()
-                shard = marker.split("/")[-2]
-                start = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.json"))
-                cli = pids[psutil.Process(start["pid"]).ppid()]  # the worker process's parent: its CLI
-                victim.update(shard=shard, cli=str(cli.pid))
-                cli.send_signal(signal.SIGTERM)  # as the kubelet does, to the pod's PID 1
+                others: set[str] = set()  # markers of other workers' shards
+                while time.monotonic() < deadline:
+                    with marker_put:
+                        marker_put.wait(timeout=0.5)
+                        todo = [m for m in markers if m not in others]
+                    if not claim.exists():
+                        continue
+                    held = int(claim.read_text())
+                    for marker in todo:
+                        shard, attempt = marker.split("/")[-2], marker.split("/")[-1][1:4]
+                        start = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-{attempt}.json"))
+                        if start["pid"] != held or attempt != "001":
+                            others.add(marker)
+                            continue
+                        fs.invalidate_cache()
+                        if fs.exists(marker):  # else its PUT has not landed yet: look again
+                            cli = pids[psutil.Process(held).ppid()]  # the worker process's parent: its CLI
+                            victim.update(shard=shard, cli=str(cli.pid))
+                            cli.send_signal(signal.SIGTERM)  # as the kubelet does, to the pod's PID 1
+                            return
 
-            terminator = threading.Thread(target=terminate_after_first_checkpoint, daemon=True)
+            terminator = threading.Thread(target=terminate_the_held_worker, daemon=True)
             terminator.start()
             run = subprocess.run(
                 [sys.executable, "-m", "jobs.cli", "run", str(tmp_path / "in"), out, "--prompt-column", "question",
-                 "--max-tokens", "32", "--rows-per-shard", "12", "--checkpoint-rows", "2", "--max-num-seqs", "2",
+                 "--max-tokens", "32", "--rows-per-shard", "12", "--checkpoint-rows", "1", "--max-num-seqs", "2",
                  "--kv-cache-gib", "0.25", "--device", "cpu", "--dtype", "float32", "--scheduler", address,
                  "--gpus-per-worker", "1", "--json"],
                 env=env, cwd=tmp_path, capture_output=True, text=True, timeout=WAIT_S)
@@ -160,13 +175,13 @@ def test_sigterm_to_the_dask_worker_cli_commits_the_shard_and_it_resumes_elsewhe
         results = pq.read_table(f"{s3.bucket}/job/results", filesystem=fs).column("id").to_pylist()
         assert sorted(results) == sorted(ids)  # every id exactly once
         # The interrupted attempt ended on its own (a kill leaves no end record) after committing its finished rows,
-        # the slow part included: every row it counted is in a part with a commit marker.
+        # the slow write included: every row it counted is in a part with a commit marker.
         end = json.loads(fs.cat(f"{s3.bucket}/job/attempts/{shard}/attempt-001.end.json"))
         assert end["outcome"] == "interrupted" and end["reason"] == "nanny closing" and victim.get("slowed")
         fs.invalidate_cache()  # the watcher's listings are stale: parts were committed after them
         parts = fs.glob(f"{s3.bucket}/job/checkpoints/{shard}/a001-*.commit")
-        assert end["rows_committed"] == sum(int(p.rsplit("-n", 1)[1].split(".")[0]) for p in parts) >= 2
-        assert end["rows_committed"] < 12  # rows were in flight: the next attempt ran them
+        assert end["rows_committed"] == sum(int(p.rsplit("-n", 1)[1].split(".")[0]) for p in parts) >= 1
+        assert end["rows_committed"] <= 2  # the held engine finished two rows: the next attempt ran the rest
         acct = pq.read_table(f"{s3.bucket}/job/accounting", filesystem=fs).to_pylist()
         (row,) = [r for r in acct if r["shard_id"] == shard]
         assert row["attempts"] >= 2 and row["preemptions"] >= 1 and row["rows_resumed"] == end["rows_committed"]

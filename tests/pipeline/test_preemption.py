@@ -68,7 +68,7 @@ def test_stopped_shard_commits_finished_rows_and_resumes_with_only_the_rest(
 
 
 _CHILD = """
-import json, os, sys
+import json, os, sys, time
 from engine import EngineConfig, LLMEngine
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -81,9 +81,14 @@ install_sigterm_handler(stop)
 engine = LLMEngine.from_model(os.environ.get("TOKENMILL_MODEL"), EngineConfig(device="cpu", dtype="float32",
                                                                             max_num_seqs=4))
 
-def progress(finished, tokens):
+printed = [0]
+
+def progress(finished, tokens):  # called in the engine's own thread (generate's on_output)
     for _ in range(finished):
         print("row", flush=True)
+    printed[0] += finished
+    while printed[0] >= 5 and not stop.is_set():  # the test's own timing: hold the engine until the signal lands
+        time.sleep(0.01)
 
 try:
     run_shard(engine, Shard("00000-000000000", path, "file://" + path, 0, rows), "question", out,
@@ -104,7 +109,8 @@ def test_sigterm_commits_finished_rows_and_the_process_exits_cleanly(
                              stdout=subprocess.PIPE, text=True)
     try:
         lines = []
-        # checkpoint_rows is large: only the stop commit can save these rows. Wait for the null row and a wave.
+        # checkpoint_rows is large: only the stop commit can save these rows. Wait for the null row and a wave (the
+        # child holds its engine from the fifth row until the signal: rows are in flight however fast it runs).
         while sum(line == "row" for line in lines) < 5:
             line = child.stdout.readline()
             assert line, f"the child ended before any rows finished: {lines}"

@@ -1,0 +1,209 @@
+"""One owner of a shard's record under OUTPUT: what its attempts, checkpoint parts, results and accounting say, and
+the writes of the attempt that runs it.
+
+Its parts keep their roles: pipeline.layout spells the paths, pipeline.attempts the attempt records (claim, end,
+heartbeat), pipeline.checkpoint the parts (list, merge, Checkpointer), pipeline.accounting the bill, pipeline.storage
+the create-only commits. A ShardRecord is a snapshot: it lists `attempts/<shard_id>/` once and
+`checkpoints/<shard_id>/` once (each when first asked, then kept; `refresh_parts` lists the parts again), so a shard
+run, `tokenmill status`, the report and the OpenAI export each read a shard's records with one listing of each
+folder. `claim` starts an attempt from the same listing: an Attempt, whose checkpointer, heartbeat and end records
+(fail, interrupt) and final commits (results, then accounting: finish) go through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import pyarrow as pa
+from fsspec import AbstractFileSystem
+
+from pipeline.accounting import EarlierAttempts, bill_earlier_attempts, committed_accounting_of
+from pipeline.attempts import AttemptListing, Heartbeat, claim_attempt, end_attempt, list_attempts, read_record
+from pipeline.checkpoint import Checkpointer, Part, committed_parts, committed_rows, merge_parts
+from pipeline.layout import accounting_path, checkpoints_dir, end_path, results_path, start_path
+from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_fs, read_table
+from schemas import ACCOUNTING_SCHEMA
+
+log = logging.getLogger(__name__)
+
+
+class ShardRecord:
+    """A snapshot of shard `shard_id`'s records under the OUTPUT at `root` (protocol-less) on `fs`.
+
+    Each property reads the store once, when first asked, and keeps what it read (a listing of a folder, an exists
+    check): reading it twice costs nothing and gives the same answer. Raises what the store raises (after
+    pipeline.storage's retries).
+    """
+
+    def __init__(self, fs: AbstractFileSystem, root: str, shard_id: str) -> None:
+        self.fs, self.root, self.shard_id = fs, root, shard_id
+
+    @classmethod
+    def open(cls, output_url: str, shard_id: str) -> ShardRecord:
+        """The record of a shard this process is about to write (creates OUTPUT's folder where folders exist)."""
+        fs, root = output_fs(output_url)
+        return cls(fs, root, shard_id)
+
+    @classmethod
+    def read(cls, output_url: str, shard_id: str) -> ShardRecord:
+        """The record of a shard, to read only (creates nothing)."""
+        fs, root = read_fs(output_url)
+        return cls(fs, root, shard_id)
+
+    @cached_property
+    def attempts(self) -> AttemptListing:
+        """The shard's attempt records: one listing of attempts/<shard_id>/ (pipeline.attempts.list_attempts)."""
+        return list_attempts(self.fs, self.root, self.shard_id)
+
+    @cached_property
+    def parts(self) -> list[Part]:
+        """The shard's committed checkpoint parts by (attempt, index): one listing of checkpoints/<shard_id>/."""
+        return committed_parts(self.fs, self.root, self.shard_id)
+
+    @property
+    def checkpoints_dir(self) -> str:
+        """The folder of the shard's checkpoint parts (protocol-less)."""
+        return checkpoints_dir(self.root, self.shard_id)
+
+    def refresh_parts(self) -> list[Part]:
+        """List the committed parts again (parts this or a racing attempt committed since) and keep that listing."""
+        self.__dict__.pop("parts", None)
+        return self.parts
+
+    @cached_property
+    def results_committed(self) -> bool:
+        """Whether the shard's results are committed (an exists check of results/<shard_id>.parquet)."""
+        return exists_now(self.fs, results_path(self.root, self.shard_id))
+
+    @cached_property
+    def accounting(self) -> dict[str, Any] | None:
+        """The accounting row (schemas.ACCOUNTING_SCHEMA, columns under their current names) of the attempt that
+        finished the shard, when its results and accounting are committed; else None. Looks among the listed
+        attempts, latest first."""
+        if not self.results_committed:
+            return None
+        return committed_accounting_of(self.fs, self.root, self.shard_id, self.attempts.started)
+
+    def committed_rows(self) -> set[int]:
+        """Positions (in the shard) of the rows in the listed committed parts (reads their `row` column only)."""
+        return committed_rows(self.fs, self.parts)
+
+    def bill_unfinished(self, checkpoint_seconds: float, now: float | None = None) -> EarlierAttempts:
+        """What every attempt of a shard with no accounting (failed, stopped, killed, or still running) has cost so
+        far, in device-seconds: bill_earlier_attempts over all its listed attempts, `now` (epoch seconds, default
+        the current time) bounding a latest attempt killed before its first sign of life. A job's summary adds it
+        for failed shards and `tokenmill status` / `report` for unfinished ones, so time no commit kept is still
+        on the bill."""
+        return bill_earlier_attempts(self.fs, self.root, self.shard_id, self.attempts.latest + 1, self.attempts,
+                                     self.parts, checkpoint_seconds, time.time() if now is None else now)
+
+    def merged(self) -> pa.Table:
+        """The listed parts' rows in row order, one per position (schemas.CHECKPOINT_PART_SCHEMA)."""
+        return merge_parts(self.fs, self.parts)
+
+    def read_part(self, part: Part) -> pa.Table:
+        """One committed part as written (the columns of the version that wrote it)."""
+        return read_table(self.fs, part.path)
+
+    def results(self, columns: list[str] | None = None) -> pa.Table:
+        """The committed results (schemas.RESULTS_SCHEMA), or only `columns` of them. Raises FileNotFoundError when
+        none are committed."""
+        return read_table(self.fs, results_path(self.root, self.shard_id), columns=columns)
+
+    def start_record(self, attempt: int) -> dict[str, Any]:
+        """Attempt `attempt`'s start record ({} when missing or unreadable; pipeline.attempts.read_record)."""
+        return read_record(self.fs, start_path(self.root, self.shard_id, attempt))
+
+    def end_record(self, attempt: int) -> dict[str, Any]:
+        """Attempt `attempt`'s end record ({} when it has none: running, finished or killed)."""
+        return read_record(self.fs, end_path(self.root, self.shard_id, attempt))
+
+    def claim(self, heartbeat_s: float | None = None) -> Attempt:
+        """Claim the shard's next attempt number (pipeline.attempts.claim_attempt, from this snapshot's listing:
+        no second listing). `heartbeat_s`: the interval of the attempt's signs of life, seconds (None: it leaves
+        none). Numbers another run took between the listing and the claim join the snapshot as started, as does
+        the claimed one, so the bill sees every attempt before it."""
+        listing = self.attempts
+        number, started_at = claim_attempt(self.fs, self.root, self.shard_id, heartbeat_s, after=listing.latest)
+        taken = dict.fromkeys(range(listing.latest + 1, number)) | {number: started_at}
+        self.attempts = AttemptListing({**listing.started, **taken}, listing.ended, listing.alive)
+        return Attempt(self, number, started_at)
+
+    def record_failure(self, error: str) -> int:
+        """Record a failed attempt of a shard that never ran (so `tokenmill status` shows it failed, with `error`);
+        returns its number. Raises what the store raises."""
+        attempt = self.claim()
+        end_attempt(self.fs, self.root, self.shard_id, attempt.number, "failed", rows_committed=0, device_s=0.0,
+                    error=error)
+        return attempt.number
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A claimed attempt of the shard of `record`: `number`, started at `started_at` (epoch seconds). Its writes all
+    go under the shard's record: checkpoint parts (checkpointer), signs of life (heartbeat), the end record of an
+    attempt that stops (interrupt) or fails (fail), and, for the attempt that finishes the shard, the results
+    (commit_results) and then the accounting (finish)."""
+
+    record: ShardRecord
+    number: int
+    started_at: float
+
+    def checkpointer(self, model: str, *, every_rows: int, every_s: float, started: float,
+                     model_fingerprint: str | None = None) -> Checkpointer:
+        """A Checkpointer for this attempt's finished rows (pipeline.checkpoint.Checkpointer: `every_rows` rows or
+        `every_s` seconds; `started`: the attempt's start on time.monotonic())."""
+        r = self.record
+        return Checkpointer(r.fs, r.root, r.shard_id, self.number, model, every_rows=every_rows, every_s=every_s,
+                            started=started, model_fingerprint=model_fingerprint)
+
+    def heartbeat(self, *, every_s: float, started: float, last_sign: Any) -> Heartbeat:
+        """This attempt's Heartbeat (pipeline.attempts.Heartbeat: a `with` block; `every_s` seconds; `started` on
+        time.monotonic(); `last_sign()`: time.monotonic() of its last checkpoint commit)."""
+        r = self.record
+        return Heartbeat(r.fs, r.root, r.shard_id, self.number, every_s=every_s, started=started,
+                         last_sign=last_sign)
+
+    def fail(self, error: str, device_s: float) -> None:
+        """Record that this attempt failed with `error` after `device_s` device-seconds. A write that fails is
+        logged (once for a full disk), never raised: the shard's own error is the one its caller raises."""
+        self._end("failed", rows_committed=0, device_s=device_s, error=error)
+
+    def interrupt(self, rows_committed: int, device_s: float, reason: str) -> None:
+        """Record that this attempt stopped for `reason` after committing `rows_committed` rows, holding the
+        device `device_s` seconds. Logged, never raised, when the write fails (the next attempt then bills this
+        one as killed)."""
+        self._end("interrupted", rows_committed=rows_committed, device_s=device_s, reason=reason)
+
+    def _end(self, outcome: Any, **fields: Any) -> None:
+        r = self.record
+        try:
+            end_attempt(r.fs, r.root, r.shard_id, self.number, outcome, **fields)
+        except Exception as e:  # the caller's own error or stop is what matters (a full disk: said once)
+            (log.debug if is_no_space(e) else log.warning)("shard %s: could not record %s attempt %d: %s",
+                                                            r.shard_id, outcome, self.number, e)
+
+    def commit_results(self, results: pa.Table) -> pa.Table:
+        """Commit the shard's results (schemas.RESULTS_SCHEMA); returns what readers see: `results`, or those a
+        racing attempt committed first. Raises what the store raises."""
+        r = self.record
+        if commit_table(r.fs, results_path(r.root, r.shard_id), results):
+            return results
+        return r.results()
+
+    def bill_earlier(self, checkpoint_seconds: float) -> EarlierAttempts:
+        """What the attempts before this one cost (pipeline.accounting.bill_earlier_attempts), from the record's
+        attempt listing and its latest parts listing."""
+        r = self.record
+        return bill_earlier_attempts(r.fs, r.root, r.shard_id, self.number, r.attempts, r.parts, checkpoint_seconds)
+
+    def finish(self, accounting: dict[str, Any]) -> None:
+        """Commit this attempt's accounting row (schemas.ACCOUNTING_SCHEMA), the shard's last record: after it the
+        shard is done. Raises what the store raises."""
+        r = self.record
+        commit_table(r.fs, accounting_path(r.root, r.shard_id, self.number),
+                     pa.Table.from_pylist([accounting], schema=ACCOUNTING_SCHEMA))
