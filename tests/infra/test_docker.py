@@ -75,7 +75,7 @@ def test_the_install_copy_lineinstalls_a_working_tokenmill(tmp_path: Path) -> No
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", *line.split()[:-1], "--no-deps", "--no-build-isolation", "--target",
                     str(target), str(src)], check=True, capture_output=True, cwd=tmp_path)
-    assert (target / "engine" / "csrc" / "cpu_kernels.cpp").is_file()
+    assert (target / "engine" / "kernels" / "csrc" / "cpu_kernels.cpp").is_file()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)}
     res = subprocess.run([sys.executable, "-c", "import engine, jobs.cli, sys; print(engine.__file__); "
                           "sys.argv = ['tokenmill', '--help']; jobs.cli.app()"],
