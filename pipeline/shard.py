@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from engine.loop.submission import DeviceClock
+from engine.loop.clock import DeviceClock
 from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
@@ -107,7 +107,7 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
         t0 = time.monotonic()
-        with DeviceClock(engine if isinstance(engine, EngineLoop) else None) as clock:
+        with DeviceClock(engine.idle if isinstance(engine, EngineLoop) else None) as clock:
             attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
             try:
                 return _run_attempt(engine, shard, prompt_column, fs, root, cfg, attempt, t0, clock, progress,

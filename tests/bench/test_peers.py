@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import peers  # noqa: E402
+from bench import peers
 
 
 def test_parse_args_defaults_and_unknown_system() -> None:

@@ -97,7 +97,7 @@ def test_a_bad_tokenmill_variable_names_the_variable_and_the_option(questions: P
     bad = _refused([*base, "--max-num-seqs", "0"], TOKENMILL_DEVICE="gpu")
     assert bad.exit_code == 2
     assert "invalid tokenmill run options (2 problems)" in bad.stderr  # was "options is invalid"
-    assert "engine.worker.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
+    assert "engine.device (--device, set by the environment variable TOKENMILL_DEVICE)" in bad.stderr
     assert "engine.max_num_seqs (--max-num-seqs):" in bad.stderr  # from the command line: no variable named
     missing = _refused(base, TOKENMILL_MODEL=str(tmp_path / "nonexistent.gguf"))
     assert missing.exit_code == 2 and "does not exist" in missing.stderr
