@@ -59,7 +59,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_gpu.py \
     tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/quant/test_int4.py \
-    tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py --durations=10
+    tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py \
+    tests/engine/quant/test_gemlite_tuning.py --durations=10
 step kernels 60 python3 -m bench.attention_kernels
 step fused 60 python3 -m bench.fused_ops
 step throughput 330 python3 -m bench.throughput --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}

@@ -245,7 +245,7 @@ def _setup_gemlite(setup: str) -> None:
     kernel modules, so no key tuned before survives) and the config files loaded."""
     import gemlite
 
-    from engine.quant.gemlite_int4 import gemlite_own_config
+    from engine.quant.gemlite_tuning import gemlite_own_config
 
     gemlite.set_autotune("max" if setup == "gemlite_max" else "fast")
     gemlite.reset_config()
@@ -267,7 +267,8 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
     the largest M at which tinygemm beats our GemLite (engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS), the
     smallest from which dequantize + GEMM does (CUDA_GEMLITE_DEQUANT_MIN_ROWS) and where the best INT4 kernel is
     at or below dense. Returns that tinygemm crossover (None when GemLite did not run)."""
-    from engine.quant.gemlite_int4 import gemlite_unavailable_reason, tune_gemlite
+    from engine.quant.gemlite_int4 import gemlite_unavailable_reason
+    from engine.quant.gemlite_tuning import tune_gemlite
     from engine.quant.int4_linear import Int4Linear
     from engine.quant.qparams import quantize_int4
 
