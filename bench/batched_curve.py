@@ -35,15 +35,9 @@ import time
 from pathlib import Path
 
 from bench.common import data_dir, new_parser
-from bench.peers import (
-    NotInstalled,
-    alpaca_rows,
-    cpu_model_name,
-    cpu_simd_flags,
-    gsm8k_questions,
-    llama_cpp_bin,
-    run_system,
-)
+from bench.peer_workers import NotInstalled, llama_cpp_bin
+from bench.peers import cpu_model_name, cpu_simd_flags, gsm8k_questions, run_system
+from bench.throughput import alpaca_rows
 
 SYSTEMS = ["tokenmill", "tokenmill-int8", "llama.cpp"]
 COLUMNS = ("T_PP", "S_PP", "T_TG", "S_TG", "T", "S")

@@ -44,6 +44,11 @@ def read_column(name: str, column: str) -> list:
     return pq.read_table(data_file(name), columns=[column]).column(column).to_pylist()
 
 
+def emit(**row: object) -> None:
+    """Print one measurement as a JSON line (flushed: a benchmark cut short keeps its rows)."""
+    print(json.dumps(row), flush=True)
+
+
 def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     """Median wall seconds of `fn()` over `reps` calls after `warmup` untimed ones (time.perf_counter: a CPU
     timer; for CUDA work use cuda_ms, which waits for the device)."""

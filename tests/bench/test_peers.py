@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers
+from bench import peer_workers, peers
 
 
 def test_parse_args_defaults_and_unknown_system() -> None:
@@ -27,4 +27,4 @@ def test_tokenmill_subprocess_run_writes_positive_throughput(tmp_path: Path, ggu
     assert row["status"] == "ok", row
     assert row["requests"] == 2 and row["output_tokens"] == 8
     assert row["tok_s"] > 0 and row["load_s"] > 0
-    assert len(row["check_ids"]) == 2 and all(len(ids) == peers.CHECK_TOKENS for ids in row["check_ids"])
+    assert len(row["check_ids"]) == 2 and all(len(ids) == peer_workers.CHECK_TOKENS for ids in row["check_ids"])
