@@ -2,7 +2,7 @@
 processes, under each OMP_WAIT_POLICY (the figures of bench/README.md "OpenMP wait policy").
 
 libgomp reads OMP_WAIT_POLICY (and GOMP_SPINCOUNT) once, when torch loads it; a job's processes get PASSIVE unless
-the variable is set (jobs/__init__.py), a library user of LLMEngine gets libgomp's default. Here each setting runs
+the variable is set (jobs/process_env.py), a library user of LLMEngine gets libgomp's default. Here each setting runs
 LLMEngine.generate in a fresh process whose environment names it ("default" = libgomp's own: threads spin up to
 300,000 rounds at each barrier). A busy process
 is `python -c 'while True: pass'`, started before and stopped after each run, so the machine is shared the same way

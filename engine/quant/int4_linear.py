@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 #: 1782.9 us per layer) and 128 (1939.5 vs 1794.7).
 CUDA_DEQUANT_MIN_ROWS = 64
 #: CUDA with gemlite: rows M up to which tinygemm serves. Measured on an H200, 2026-11-26 (`bash
-#: bench/gpu_session.sh`, STEPS int4: `python bench/int4.py --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
+#: bench/gpu_session.sh`, STEPS int4: `python -m bench.int4 --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
 #: the four GEMMs in CUDA graphs): tinygemm 64.2 vs GemLite 76.5 us at M = 1, 154.4 vs 178.0 at M = 8, 259.8 vs
 #: 174.0 at M = 16. GemLite ran on untuned configs there (engine.quant.gemlite_int4); its next sweep, tuned,
 #: prints the crossover to put here.

@@ -35,7 +35,7 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     room = report["memory_gib"]["available_to_process"]
     assert 0 < room <= report["memory_gib"]["total"]
     assert abs(report["defaults"]["cpu_kv_cache_gib"] - room / 2) < 0.5 + room / 10  # memory moves between probes
-    # The CLI (package jobs) sets it before torch loads: OpenMP threads sleep at barriers (jobs/__init__.py).
+    # The CLI (package jobs) sets it before torch loads: OpenMP threads sleep at barriers (jobs/process_env.py).
     assert report["cpu"]["omp_wait_policy"] == "PASSIVE"
     # oneDNN packs bf16 only with AVX512BW/VL/DQ (or AVX-NE-CONVERT); its int8 GEMM sums exactly at 8 bits with VNNI.
     features = set(report["cpu"]["features"])
