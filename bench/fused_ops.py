@@ -22,14 +22,12 @@ On the CPU (TRITON_INTERPRET=1, --device cpu) the times are the interpreter's: a
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import new_parser
+from bench.common import cuda_ms, median_s, new_parser
 from engine.config import ModelConfig
 from engine.layers.attention import write_kv
 from engine.layers.rms_norm import RMSNorm
@@ -45,13 +43,7 @@ def time_us(fn: Callable[[], object], device: torch.device, reps: int, iters: in
     calls (graph) or of `reps` eager calls; on the CPU the wall time of `reps` calls."""
     fn()  # compile, autotune, allocate
     if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t0) / reps * 1e6)
-        return statistics.median(times)
+        return median_s(lambda: [fn() for _ in range(reps)], iters, warmup=0) / reps * 1e6
     torch.cuda.synchronize()
     run: Callable[[], object]
     if graph:
@@ -69,16 +61,7 @@ def time_us(fn: Callable[[], object], device: torch.device, reps: int, iters: in
         def run() -> None:
             for _ in range(reps):
                 fn()
-    run()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+    return cuda_ms(run, iters, warmup=1) * 1e3 / reps
 
 
 def make_ops(t: int, cfg: ModelConfig, norm: RMSNorm, dtype: torch.dtype, device: torch.device
