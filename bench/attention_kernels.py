@@ -1,8 +1,8 @@
 """Micro-benchmark: Triton paged attention kernels vs the torch reference, on a CUDA device.
 
 Usage:
-    python bench/attention_kernels.py                       # Llama-3.1-8B heads (32 q, 8 kv, head_dim 128), bf16
-    python bench/attention_kernels.py --batch-sizes 1 8 64 256 --context-lens 512 2048 8192
+    python -m bench.attention_kernels                       # Llama-3.1-8B heads (32 q, 8 kv, head_dim 128), bf16
+    python -m bench.attention_kernels --batch-sizes 1 8 64 256 --context-lens 512 2048 8192
 
 Decode: every request has one query token and `context` keys (this step's included) in a paged cache of 16-token
 blocks at shuffled block ids. Prints, per (batch, context): the split-K count chosen, the median time of the Triton
@@ -14,40 +14,20 @@ key and value once). Then one chunked-prefill step (`--prefill-batch` requests o
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.layers.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
-from engine.layers.triton_attention import decode_num_splits, paged_attention_triton  # noqa: E402
-
-
-def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
-    """Median wall time of fn() on the current CUDA stream, in ms."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from bench.common import cuda_ms, new_parser
+from engine.layers.attention import AttentionMetadata, paged_attention_ref
+from engine.layers.triton_attention import decode_num_splits, paged_attention_triton
 
 
 def copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy of 1 GiB, in bytes/s (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters=10)
+    ms = cuda_ms(lambda: dst.copy_(src), iters=10)
     return 2 * src.numel() / (ms / 1e3)
 
 
@@ -83,7 +63,7 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context-lens", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--num-heads", type=int, default=32)
@@ -115,8 +95,8 @@ def main() -> None:
             ref = paged_attention_ref(q, kc, vc, meta, scale)
             err = (ours.float() - ref.float()).abs().max().item()
             del ref
-            t_ours = time_ms(lambda: paged_attention_triton(q, kc, vc, meta, scale), args.iters)  # noqa: B023
-            t_ref = time_ms(lambda: paged_attention_ref(q, kc, vc, meta, scale), max(3, args.iters // 4))  # noqa: B023
+            t_ours = cuda_ms(lambda: paged_attention_triton(q, kc, vc, meta, scale), args.iters)  # noqa: B023
+            t_ref = cuda_ms(lambda: paged_attention_ref(q, kc, vc, meta, scale), max(3, args.iters // 4))  # noqa: B023
             splits = decode_num_splits(batch, hkv, meta.block_tables.shape[1], args.block_size, device)
             kv_bytes = 2 * batch * ctx * hkv * d * kc.element_size()
             gbs = kv_bytes / (t_ours / 1e3) / 1e9
@@ -129,8 +109,8 @@ def main() -> None:
     q, kc, vc, meta = make_step([chunk] * b, [ctx] * b, h, hkv, d, args.block_size, dtype, device)
     ours = paged_attention_triton(q, kc, vc, meta, scale)
     err = (ours.float() - paged_attention_ref(q, kc, vc, meta, scale).float()).abs().max().item()
-    t_ours = time_ms(lambda: paged_attention_triton(q, kc, vc, meta, scale), args.iters)
-    t_ref = time_ms(lambda: paged_attention_ref(q, kc, vc, meta, scale), max(3, args.iters // 4))
+    t_ours = cuda_ms(lambda: paged_attention_triton(q, kc, vc, meta, scale), args.iters)
+    t_ref = cuda_ms(lambda: paged_attention_ref(q, kc, vc, meta, scale), max(3, args.iters // 4))
     # Causal FLOPs: each query row sees (ctx - chunk + j + 1) keys; QK^T and PV are 2 * D FLOPs per key each.
     keys_seen = b * sum(ctx - chunk + j + 1 for j in range(chunk))
     tflops = 4 * d * h * keys_seen / (t_ours / 1e3) / 1e12

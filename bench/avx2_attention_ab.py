@@ -3,30 +3,26 @@ default engine (fp32 on AVX2), one thread, output tokens per CPU second (robust 
 
 Usage (run once in each tree to compare; the extra argument sets engine.layers.attention.CPU_KERNEL_MAX_PREFILL_PAIRS,
 i.e. which prefill chunks go to the C++ kernel rather than SDPA, for each pass):
-    python bench/avx2_attention_ab.py LABEL [PAIRS,PAIRS...]
+    python -m bench.avx2_attention_ab LABEL [PAIRS,PAIRS...]
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine.layers.attention as attention  # noqa: E402
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+import engine.layers.attention as attention
+from bench.common import data_file
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    gsm8k = pq.read_table(DATA / "gsm8k_test.parquet").column("question").to_pylist()
-    alpaca = pq.read_table(DATA / "alpaca_eval.parquet").column("instruction").to_pylist()
+    gsm8k = pq.read_table(data_file("gsm8k_test.parquet")).column("question").to_pylist()
+    alpaca = pq.read_table(data_file("alpaca_eval.parquet")).column("instruction").to_pylist()
     engine = LLMEngine.from_model(None, EngineConfig(device="cpu"))
     engine.generate(gsm8k[:4], SamplingParams(max_tokens=4))  # warm-up: kernels built and loaded
     engine.reset_prefix_cache()

@@ -5,25 +5,22 @@ template, --max-tokens forced output tokens. Prints output tokens per CPU-second
 generate calls: on a shared machine steadier than wall time; use --threads 1 there), the scheduler's preemptions
 (each one recomputes a row's prefix) and the pool's size in blocks.
 
-    python bench/batch_scaling.py --rows 256 --chunk 64 --threads 1
+    python -m bench.batch_scaling --rows 256 --chunk 64 --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import data_file, new_parser
 from engine import EngineConfig, LLMEngine, SamplingParams
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -33,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    questions = pq.read_table(DATA / "gsm8k_test.parquet", columns=["question"]).column("question").to_pylist()
+    questions = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question"]).column("question").to_pylist()
     prompts = [[{"role": "user", "content": q}] for q in questions[:args.rows]]
     base = LLMEngine.from_model(None, EngineConfig(device="cpu", max_num_seqs=args.rows))
     engines = {"auto": base}

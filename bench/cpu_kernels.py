@@ -2,11 +2,11 @@
 64, intermediate 1536, vocabulary 49,152).
 
 Usage:
-    python bench/cpu_kernels.py --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.quant.packed_linear) vs W8A8
-    python bench/cpu_kernels.py --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
-    python bench/cpu_kernels.py --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
-    python bench/cpu_kernels.py --argmax       # ms per step: greedy argmax of [B, 49152] logits, torch vs C++
-    python bench/cpu_kernels.py --gguf         # us: gguf_linear on GGUF Q4_1/Q8_0 blocks vs oneDNN-packed fp32
+    python -m bench.cpu_kernels --gemm         # GFLOP/s: F.linear vs oneDNN-packed (engine.quant.packed_linear) vs W8A8
+    python -m bench.cpu_kernels --attention    # ms per layer: decode attention, torch reference vs the C++ kernel
+    python -m bench.cpu_kernels --prefill      # ms per layer: prefill attention, SDPA vs the C++ kernel
+    python -m bench.cpu_kernels --argmax       # ms per step: greedy argmax of [B, 49152] logits, torch vs C++
+    python -m bench.cpu_kernels --gguf         # us: gguf_linear on GGUF Q4_1/Q8_0 blocks vs oneDNN-packed fp32
 
 --gemm: each projection and the LM head at M = 16, 64, 256, 1024 rows, fp32 and bf16, then INT8 W8A8
 (engine.quant.int8_linear: the oneDNN int8 GEMM alone, and with the per-token activation quantization around it).
@@ -21,32 +21,16 @@ Medians of repeated calls on the threads torch uses (--threads).
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import median_s, new_parser
 
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576),
           "lm_head": (576, 49152)}  # (K, N)
-
-
-def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    """Median wall time of fn() in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_gemm(rows: list[int], reps: int) -> None:
@@ -239,7 +223,7 @@ def bench_gguf(rows: list[int], reps: int, layers: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--prefill", action="store_true")

@@ -1,8 +1,8 @@
 """The fp32 GEMM floor of a CPU workload: how fast any engine doing its linear-layer FLOPs in fp32 could be here.
 
 Usage:
-    python bench/cpu_roof.py                          # w1: 64 AlpacaEval prompts, chat template, 64 output tokens
-    python bench/cpu_roof.py --workload c256 --threads 2
+    python -m bench.cpu_roof                          # w1: 64 AlpacaEval prompts, chat template, 64 output tokens
+    python -m bench.cpu_roof --workload c256 --threads 2
 
 For the workload of bench/peers.py (same prompts, same token counts) it counts the FLOPs of the model's linear
 layers (Q/K/V, O, gate/up, down, and the LM head once per sampled token) that our engine runs: every prompt token
@@ -19,17 +19,13 @@ ratio any fp32 engine could show over that peer on this machine. Machine: report
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peers import WORKLOADS, build_prompts, cpu_model_name, cpu_simd_flags  # noqa: E402
+from bench.common import new_parser
+from bench.peers import WORKLOADS, build_prompts, cpu_model_name, cpu_simd_flags
 
 
 def prefill_tokens(prompts: list[list[int]], block_size: int) -> int:
@@ -67,7 +63,7 @@ def gemm_seconds(shapes: list[tuple[int, int]], layers: int, rows: int, reps: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=64)

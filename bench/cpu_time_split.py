@@ -3,7 +3,7 @@ page-fault cost (bench/README.md, "KV pool pages").
 
 Usage (A/B of two trees, alternated, pinned to one core):
     for i in 1 2; do for t in TREE_A TREE_B; do (cd $t && PYTHONPATH=$t taskset -c 0 \\
-        python bench/cpu_time_split.py --rows 128); done; done
+        python -m bench.cpu_time_split --rows 128); done; done
 
 Runs the default SmolLM2-135M GGUF (fp32 auto dtype on an AVX2 CPU) on the first --rows GSM8K questions, --max-tokens
 forced tokens each, one torch thread, after a 2-prompt warm-up, and prints one JSON line: user and system CPU
@@ -12,9 +12,7 @@ seconds of the generate call (getrusage), minor page faults, output tokens per C
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -22,19 +20,20 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from bench.common import data_file, new_parser
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
-    questions = pq.read_table(DATA / "gsm8k_test.parquet", columns=["question"]).column("question").to_pylist()
+    questions = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question"]).column("question").to_pylist()
     engine = LLMEngine.from_model(None, EngineConfig(device="cpu", max_num_seqs=256))
     engine.generate(questions[:2], SamplingParams(max_tokens=4))
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

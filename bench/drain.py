@@ -1,7 +1,7 @@
 """Does the batch drain between shards? The whole job at several --rows-per-shard against the engine alone.
 
 Usage:
-    python bench/drain.py --rows 1024 --max-tokens 256 --max-num-seqs 256 --rows-per-shard 64,256,1024
+    python -m bench.drain --rows 1024 --max-tokens 256 --max-num-seqs 256 --rows-per-shard 64,256,1024
 
 Runs `LLMEngine.generate` on the first --rows GSM8K test questions in one call (greedy, chat template, EOS
 honoured: natural output lengths up to --max-tokens), then, per --rows-per-shard, the job `tokenmill run` runs
@@ -33,8 +33,9 @@ from typing import Any
 import dask
 import pyarrow.parquet as pq
 
+from bench.common import data_file, new_parser
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 
 
 def step_figures(batch: list[int], admitted: list[int], rows: int, max_num_seqs: int) -> dict[str, Any]:
@@ -122,7 +123,7 @@ def run_job(input_url: str, rows: int, rows_per_shard: int, args: argparse.Names
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true", help="skip the LLMEngine.generate run")
     args = ap.parse_args()
 
-    data = DATA / "gsm8k_test.parquet"
+    data = data_file("gsm8k_test.parquet")
     table = pq.read_table(data, columns=["id", "question"]).slice(0, args.rows)
     folder = Path(tempfile.mkdtemp(prefix="drain-in-"))
     pq.write_table(table, folder / "in.parquet")

@@ -1,32 +1,26 @@
 """How far off is `tokenmill run --dry-run`? Forecast a job, run it, compare device-seconds.
 
 Usage:
-    python bench/forecast.py --rows 128 --max-tokens 32             # 128 GSM8K rows on the CPU, one worker
+    python -m bench.forecast --rows 128 --max-tokens 32             # 128 GSM8K rows on the CPU, one worker
 Prints the forecast (device-seconds, tokens, cost), the job's actual summary, and forecast / actual.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.forecast import forecast_job  # noqa: E402
-from jobs.spec import run_spec  # noqa: E402
-from schemas.job_spec import JobSpec  # noqa: E402
-
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
+from bench.common import data_file, new_parser
+from jobs.forecast import forecast_job
+from jobs.spec import run_spec
+from schemas.job_spec import JobSpec
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--start", type=int, default=0, help="first GSM8K row")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -35,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.parquet"
-        pq.write_table(pq.read_table(DATA / "gsm8k_test.parquet", columns=["id", "question"]).slice(
+        pq.write_table(pq.read_table(data_file("gsm8k_test.parquet"), columns=["id", "question"]).slice(
             args.start, args.rows), src)
         spec = JobSpec.from_options(input=str(src), output=str(Path(tmp) / "out"), prompt_column="question",
                                     max_tokens=args.max_tokens, rows_per_shard=args.rows_per_shard,

@@ -2,9 +2,9 @@
 (engine.kernels.triton_fused), at a model shape's sizes.
 
 Usage:
-    python bench/fused_ops.py                                # Llama-3.1-8B shape, bf16, T = 1 64 512 2048
-    python bench/fused_ops.py --preset qwen2.5-7b --tokens 256 --eager
-    TRITON_INTERPRET=1 python bench/fused_ops.py --device cpu --preset tiny-smollm2 --tokens 1 5   # smoke run
+    python -m bench.fused_ops                                # Llama-3.1-8B shape, bf16, T = 1 64 512 2048
+    python -m bench.fused_ops --preset qwen2.5-7b --tokens 256 --eager
+    TRITON_INTERPRET=1 python -m bench.fused_ops --device cpu --preset tiny-smollm2 --tokens 1 5   # smoke run
 
 Per op and token count T: the torch path the model runs without the fused ops (engine/layers/rms_norm.py RMSNorm._norm,
 the residual add, engine/layers/rope.py apply_rope + engine/layers/attention.py write_kv, F.silu(gate) * up) and the
@@ -21,24 +21,18 @@ On the CPU (TRITON_INTERPRET=1, --device cpu) the times are the interpreter's: a
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.config import ModelConfig  # noqa: E402
-from engine.layers.attention import write_kv  # noqa: E402
-from engine.layers.rms_norm import RMSNorm  # noqa: E402
-from engine.layers.rope import apply_rope  # noqa: E402
-from engine.loading.presets import preset_config  # noqa: E402
+from bench.common import cuda_ms, median_s, new_parser
+from engine.config import ModelConfig
+from engine.layers.attention import write_kv
+from engine.layers.rms_norm import RMSNorm
+from engine.layers.rope import apply_rope
+from engine.loading.presets import preset_config
 
 BLOCK_SIZE = 16
 OPS = ("rms_norm", "add_rms_norm", "rope_write_kv", "silu_and_mul")
@@ -49,13 +43,7 @@ def time_us(fn: Callable[[], object], device: torch.device, reps: int, iters: in
     calls (graph) or of `reps` eager calls; on the CPU the wall time of `reps` calls."""
     fn()  # compile, autotune, allocate
     if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t0) / reps * 1e6)
-        return statistics.median(times)
+        return median_s(lambda: [fn() for _ in range(reps)], iters, warmup=0) / reps * 1e6
     torch.cuda.synchronize()
     run: Callable[[], object]
     if graph:
@@ -73,16 +61,7 @@ def time_us(fn: Callable[[], object], device: torch.device, reps: int, iters: in
         def run() -> None:
             for _ in range(reps):
                 fn()
-    run()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+    return cuda_ms(run, iters, warmup=1) * 1e3 / reps
 
 
 def make_ops(t: int, cfg: ModelConfig, norm: RMSNorm, dtype: torch.dtype, device: torch.device
@@ -139,7 +118,7 @@ def make_ops(t: int, cfg: ModelConfig, norm: RMSNorm, dtype: torch.dtype, device
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="llama-3.1-8b", help="model shape (engine.loading.presets)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

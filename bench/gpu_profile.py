@@ -19,30 +19,24 @@ kernels are pybind calls the profiler does not see: they fall in the last row), 
 by profiler ranges around the attention function and the sampler.
 
 Usage:
-    python bench/gpu_profile.py                                    # cuda, llama-3.1-8b shape, random bf16 weights
-    python bench/gpu_profile.py --quantization int4                # the same with INT4 g128 projections
-    python bench/gpu_profile.py --device cpu --model PATH --num-prompts 8 --max-tokens 16 --profile-steps 4
+    python -m bench.gpu_profile                                    # cuda, llama-3.1-8b shape, random bf16 weights
+    python -m bench.gpu_profile --quantization int4                # the same with INT4 g128 projections
+    python -m bench.gpu_profile --device cpu --model PATH --num-prompts 8 --max-tokens 16 --profile-steps 4
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput import alpaca_rows  # noqa: E402
-
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from bench.common import new_parser
+from bench.throughput import alpaca_rows
+from engine import EngineConfig, LLMEngine, SamplingParams
 
 KINDS = ("GEMM", "attention", "sampling", "other")
 # CUDA kernel names by kind (first match wins): cuBLAS (sm90_xmma_gemm, nvjet, cutlass, *gemm*), tinygemm
@@ -142,7 +136,7 @@ def print_top_kernels(by_name: dict[tuple[str, str], list[float]], kind: str, st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default=None, help="random-weights shape (engine.loading.presets); default on cuda: "
                                                    "llama-3.1-8b")

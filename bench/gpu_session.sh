@@ -59,18 +59,19 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_gpu.py \
     tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/quant/test_int4.py \
-    tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py --durations=10
-step kernels 60 python3 bench/attention_kernels.py
-step fused 60 python3 bench/fused_ops.py
-step throughput 330 python3 bench/throughput.py --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
-step throughput_sync 330 python3 bench/throughput.py --device cuda --sync-steps ${THROUGHPUT_ARGS:---workload both} \
+    tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py \
+    tests/engine/quant/test_gemlite_tuning.py --durations=10
+step kernels 60 python3 -m bench.attention_kernels
+step fused 60 python3 -m bench.fused_ops
+step throughput 330 python3 -m bench.throughput --device cuda ${THROUGHPUT_ARGS:---workload both} ${PRESET:+--preset "$PRESET"}
+step throughput_sync 330 python3 -m bench.throughput --device cuda --sync-steps ${THROUGHPUT_ARGS:---workload both} \
     ${PRESET:+--preset "$PRESET"}
-step int4_sweep 240 python3 bench/int4.py --device cuda --sweep-only
-step int4_engine 300 python3 bench/int4.py --device cuda --skip-sweep
-step profile 120 python3 bench/gpu_profile.py
-step profile_sync 120 python3 bench/gpu_profile.py --sync-steps
-step profile_unfused 120 env TOKENMILL_TRITON_FUSED=0 python3 bench/gpu_profile.py
-step profile_int4 150 python3 bench/gpu_profile.py --quantization int4
+step int4_sweep 240 python3 -m bench.int4 --device cuda --sweep-only
+step int4_engine 300 python3 -m bench.int4 --device cuda --skip-sweep
+step profile 120 python3 -m bench.gpu_profile
+step profile_sync 120 python3 -m bench.gpu_profile --sync-steps
+step profile_unfused 120 env TOKENMILL_TRITON_FUSED=0 python3 -m bench.gpu_profile
+step profile_int4 150 python3 -m bench.gpu_profile --quantization int4
 # GemLite's configs as tuned at engine load on this GPU (engine.quant.gemlite_int4), to read or carry later
 GEMLITE_CACHE=$(python3 -c "from engine.text.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
 [ -n "$GEMLITE_CACHE" ] && [ -d "$GEMLITE_CACHE" ] && cp -r "$GEMLITE_CACHE" "$OUT/"

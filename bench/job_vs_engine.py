@@ -1,8 +1,8 @@
 """The whole job vs the engine alone, on the same rows: what the pipeline, Dask and start-up cost.
 
 Usage:
-    python bench/job_vs_engine.py --rows 256 --max-tokens 64
-    python bench/job_vs_engine.py --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96   # issue 45 item 8
+    python -m bench.job_vs_engine --rows 256 --max-tokens 64
+    python -m bench.job_vs_engine --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96   # issue 45 item 8
 
 Runs `tokenmill run` (a subprocess, as a user would: embedded LocalCluster, one worker, one shard, default engine
 settings, chat template, greedy) on --rows GSM8K test questions from row --start (one shard, or --rows-per-shard
@@ -15,7 +15,6 @@ and by its wall time from the command's start (cluster start and model load incl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,12 +25,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from bench.common import data_file, new_parser
+
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--start", type=int, default=0, help="first GSM8K row")
@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="job-vs-engine-"))
     data = tmp / "in.parquet"
-    pq.write_table(pq.read_table(DATA / "gsm8k_test.parquet", columns=["id", "question"]).slice(
+    pq.write_table(pq.read_table(data_file("gsm8k_test.parquet"), columns=["id", "question"]).slice(
         args.start, args.rows), data)
 
     out = tmp / "out"

@@ -6,14 +6,13 @@ the layers' fused ops, the sampler). One thread, CPU seconds (`time.process_time
 the machine. The figures of bench/README.md "AVX2-only CPUs, second session".
 
 Usage:
-    python bench/kernel_ab.py --rev f95af2a                 # per-op and per-layer tables, then 64 AlpacaEval +
+    python -m bench.kernel_ab --rev f95af2a                 # per-op and per-layer tables, then 64 AlpacaEval +
                                                             # 64 GSM8K rows (fp32) and 64 AlpacaEval (--int8)
-    python bench/kernel_ab.py --rev f95af2a --no-engine
+    python -m bench.kernel_ab --rev f95af2a --no-engine
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import os
@@ -27,11 +26,9 @@ from types import ModuleType
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import engine.layers.attention as attention  # noqa: E402
-from engine.kernels.cpu_kernels import CFLAGS, SOURCES  # noqa: E402
+import engine.layers.attention as attention
+from bench.common import ROOT, new_parser
+from engine.kernels.cpu_kernels import CFLAGS, SOURCES
 
 # (rows, shortest context, longest context + 1, heads, KV heads, head_dim)
 CASES = [(16, 64, 161, 9, 3, 64), (64, 64, 161, 9, 3, 64), (64, 300, 601, 9, 3, 64), (256, 64, 161, 9, 3, 64),
@@ -153,7 +150,7 @@ def whole_engine(mods: dict[str, ModuleType], max_tokens: int, quantization: str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rev", required=True, help="git revision of the base build")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-engine", action="store_true", help="the per-op and per-layer tables only")

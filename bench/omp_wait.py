@@ -2,16 +2,16 @@
 processes, under each OMP_WAIT_POLICY (the figures of bench/README.md "OpenMP wait policy").
 
 libgomp reads OMP_WAIT_POLICY (and GOMP_SPINCOUNT) once, when torch loads it; a job's processes get PASSIVE unless
-the variable is set (jobs/__init__.py), a library user of LLMEngine gets libgomp's default. Here each setting runs
+the variable is set (jobs/process_env.py), a library user of LLMEngine gets libgomp's default. Here each setting runs
 LLMEngine.generate in a fresh process whose environment names it ("default" = libgomp's own: threads spin up to
 300,000 rounds at each barrier). A busy process
 is `python -c 'while True: pass'`, started before and stopped after each run, so the machine is shared the same way
 for every setting.
 
 Usage:
-    python bench/omp_wait.py                                   # 2 busy processes, default vs PASSIVE vs 1 thread
-    python bench/omp_wait.py --noise 0 --prompts 64            # a quiet machine: what PASSIVE costs there
-    python bench/omp_wait.py --settings default,PASSIVE,spin=1000
+    python -m bench.omp_wait                                   # 2 busy processes, default vs PASSIVE vs 1 thread
+    python -m bench.omp_wait --noise 0 --prompts 64            # a quiet machine: what PASSIVE costs there
+    python -m bench.omp_wait --settings default,PASSIVE,spin=1000
 
 Each run: the default model (SmolLM2-135M GGUF), the first --prompts AlpacaEval instructions in the chat template,
 --max-tokens forced tokens, greedy, one `generate`; reports wall seconds, CPU seconds of the process and output
@@ -25,9 +25,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT, new_parser
 
 RUN = r"""
 import json, os, sys, time
@@ -81,7 +80,7 @@ def run(setting: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--settings", default="default,PASSIVE,1-thread",
                     help="comma-separated: default, PASSIVE, ACTIVE, spin=N (GOMP_SPINCOUNT), 1-thread")
     ap.add_argument("--noise", type=int, default=2, help="busy processes beside the engine")

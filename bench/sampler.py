@@ -1,9 +1,9 @@
 """Sampler microbenchmark (CPU): one step's sampling of [R, V] bf16 logits, the C++ kernel vs the torch ops.
 
 Usage:
-    python bench/sampler.py                       # R = 64 rows, V = 49,152 (SmolLM2's vocabulary), 2 threads
-    python bench/sampler.py --rows 256 --logits model   # logits of the real model on AlpacaEval prompts
-    python bench/sampler.py --generate            # w1 generations per setting, 1 thread, by CPU seconds
+    python -m bench.sampler                       # R = 64 rows, V = 49,152 (SmolLM2's vocabulary), 2 threads
+    python -m bench.sampler --rows 256 --logits model   # logits of the real model on AlpacaEval prompts
+    python -m bench.sampler --generate            # w1 generations per setting, 1 thread, by CPU seconds
 
 What it showed (bench/README.md, "fourth session"): the sampler before (an exponential race over the whole
 vocabulary, with a sort of every row for top-p) took 77 ms per 64-row step at temperature 0.7 and 173 ms with top_p
@@ -16,17 +16,13 @@ so the sampler selects rows with x[rows].
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine.sample.sampler as sampler  # noqa: E402
-from engine.kernels.cpu_kernels import cpu_ops  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import engine.sample.sampler as sampler
+from engine.kernels.cpu_kernels import cpu_ops
+from engine.sampling_params import SamplingParams
 
 KINDS = {"greedy": SamplingParams(), "temperature 0.7": SamplingParams(temperature=0.7),
          "t 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),

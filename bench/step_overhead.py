@@ -15,11 +15,11 @@ step's parts are timed by wrapping the engine's methods with perf_counter:
 Times are the CPU time of the engine's thread (time.thread_time; torch runs one thread), so a loaded machine
 inflates them less than wall time would; compare trees in runs made close together.
 
-Usage: python bench/step_overhead.py [--rows 64 256 512] [--vocab 512] [--stop] [--profile]
+Usage: python -m bench.step_overhead [--rows 64 256 512] [--vocab 512] [--stop] [--profile]
 (--stop gives every row a stop string that never matches, so each row is detokenized every step; it needs the
 default model's tokenizer, whose ids cover any vocabulary up to 49,152.) Run with PYTHONPATH at the tree to measure.
 
-python bench/step_overhead.py --ab TREE_A TREE_B: the real model (the default SmolLM2-135M GGUF, CPU, dtype auto)
+python -m bench.step_overhead --ab TREE_A TREE_B: the real model (the default SmolLM2-135M GGUF, CPU, dtype auto)
 on 64 AlpacaEval prompts x 64 forced tokens (ignore_eos), greedy, one thread, in a fresh process per tree
 (PYTHONPATH=TREE), alternating A, B, A, B: output tok/s per CPU-second of the process (robust to other load) and
 per wall second, best of the two runs of each, and whether both trees produced the same tokens.
@@ -179,7 +179,10 @@ def real_once() -> None:
 
     from engine.config import EngineConfig as Config
 
-    data = os.path.join(os.environ.get("TOKENMILL_DATA", "/work/shared/data"), "alpaca_eval.parquet")
+    # NOTE: not bench.common.data_file: this runs in other checkouts too (ab), older than bench/common.py
+    data = os.path.join(os.environ.get("TOKENMILL_DATA_DIR")
+                        or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"),
+                        "alpaca_eval.parquet")
     prompts = pq.read_table(data, columns=["instruction"]).column(0).to_pylist()[:64]
     torch.set_num_threads(1)  # CPU seconds of one thread: OpenMP workers spin while they wait, on a loaded machine
     llm = LLMEngine.from_model(None, Config(device="cpu"))

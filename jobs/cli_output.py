@@ -55,7 +55,9 @@ def internal_error(e: BaseException) -> int:
     text = "".join(traceback.format_exception(e))
     message = " ".join(str(e).split())[:300] or "(no message)"
     try:
-        folder = os.environ.get("TOKENMILL_LOG_DIR") or tempfile.gettempdir()
+        from schemas import settings
+
+        folder = settings.env_text(settings.LOG_DIR) or tempfile.gettempdir()
         fd, path = tempfile.mkstemp(prefix="tokenmill-error-", suffix=".log", dir=folder)
         with os.fdopen(fd, "w") as f:
             f.write(f"tokenmill {' '.join(sys.argv[1:])}\n{text}")

@@ -41,9 +41,9 @@ from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
-from pipeline.preemption import env_seconds
 from pipeline.record import ShardRecord
 from pipeline.shard import ShardInterrupted
+from schemas import settings
 from schemas.job_spec import Cluster
 
 log = logging.getLogger(__name__)
@@ -208,14 +208,14 @@ def say_dashboard(link: str) -> None:
         print(json.dumps({"event": "dashboard", "url": link, "needs_bokeh": not bokeh}), file=sys.stderr, flush=True)
 
 
-WORKER_WAIT_ENV = "TOKENMILL_WORKER_WAIT_S"
+WORKER_WAIT_ENV = settings.WORKER_WAIT_S
 
 
 def worker_wait_s() -> float:
     """Seconds a run waits for a GPU worker to join the cluster (env TOKENMILL_WORKER_WAIT_S, default 0: none).
     Set it where workers scale from zero (Karpenter, cluster autoscaler). Raises JobError for a bad value."""
     try:
-        return env_seconds(WORKER_WAIT_ENV, 0.0, allow_zero=True)
+        return settings.env_seconds(WORKER_WAIT_ENV, 0.0, allow_zero=True)
     except ValueError as e:
         raise JobError(str(e)) from None
 

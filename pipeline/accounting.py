@@ -15,7 +15,7 @@ Earlier attempts are billed from their records (pipeline.attempts, pipeline.chec
 
 Shards share a worker's engine (engine.loop.engine_loop: several shards' rows in one batch). An attempt's own
 device-seconds (`device_s`, and `device_s` in its end record) are therefore not its wall time but its fair share
-(engine.loop.engine_loop.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
+(engine.loop.clock.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
 (prefill chunks and decodes), plus the wall time in which the engine ran no step at all (reading the shard,
 committing, idle) split equally among the shards in it. Shards that overlap for T seconds are billed T in all. A
 killed attempt, which cannot write its share, is still billed from its records' wall times as above (an

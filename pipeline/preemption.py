@@ -32,35 +32,21 @@ import fsspec
 
 from pipeline.layout import cancel_path
 from pipeline.storage import exists_now
+from schemas import settings
 
 log = logging.getLogger(__name__)
 
-NOTICE_FILE_ENV = "TOKENMILL_SPOT_NOTICE_FILE"
-NOTICE_URL_ENV = "TOKENMILL_SPOT_NOTICE_URL"
-POLL_ENV = "TOKENMILL_STOP_POLL_S"
-DEADLINE_ENV = "TOKENMILL_STOP_DEADLINE_S"
+NOTICE_FILE_ENV = settings.SPOT_NOTICE_FILE
+NOTICE_URL_ENV = settings.SPOT_NOTICE_URL
+POLL_ENV = settings.STOP_POLL_S
+DEADLINE_ENV = settings.STOP_DEADLINE_S
 FILE_POLL_S = 0.5
-
-
-def env_seconds(name: str, default: float, *, allow_zero: bool = False) -> float:
-    """Seconds from environment variable `name` (unset or blank: `default`): the one parser of tokenmill's *_S
-    settings. Raises ValueError naming the variable for a non-number, or for a value <= 0 (< 0 with allow_zero)."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not (value >= 0 if allow_zero else value > 0):
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, got {raw!r}")
-    return value
 
 
 def stop_deadline_s() -> float:
     """Seconds run_shard may spend committing finished rows after a stop: env TOKENMILL_STOP_DEADLINE_S, default 20.
     Raises ValueError when the variable is not a positive number."""
-    return env_seconds(DEADLINE_ENV, 20.0)
+    return settings.env_seconds(DEADLINE_ENV, 20.0)
 
 
 class StopSignal:
@@ -90,9 +76,9 @@ class StopSignal:
         """Watch the env's notice file and URL (TOKENMILL_SPOT_NOTICE_FILE / _URL, polled every
         TOKENMILL_STOP_POLL_S seconds; not with notices=False, when another signal of this process watches them)
         and, given a job's OUTPUT, its cancel marker. Raises ValueError for a bad TOKENMILL_STOP_POLL_S."""
-        return cls(notice_file=os.environ.get(NOTICE_FILE_ENV) or None if notices else None,
-                   notice_url=os.environ.get(NOTICE_URL_ENV) or None if notices else None,
-                   cancel=cancel_path(output_url) if output_url else None, poll_s=env_seconds(POLL_ENV, 5.0))
+        return cls(notice_file=settings.env_text(NOTICE_FILE_ENV) if notices else None,
+                   notice_url=settings.env_text(NOTICE_URL_ENV) if notices else None,
+                   cancel=cancel_path(output_url) if output_url else None, poll_s=settings.env_seconds(POLL_ENV, 5.0))
 
     def set(self, reason: str = "stop") -> None:
         """Set the flag (first reason wins). Safe from signal handlers and other threads."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.loop.submission import DeviceClock
+from engine.loop.clock import DeviceClock
 from pipeline.accounting import accounting_row
 from pipeline.checkpoint import Checkpointer, completion_tokens
 from pipeline.config import RunConfig
@@ -105,7 +105,7 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             raise ShardInterrupted(len(record.committed_rows()), 0)
         t0 = time.monotonic()
-        with DeviceClock(engine if isinstance(engine, EngineLoop) else None) as clock:
+        with DeviceClock(engine.idle if isinstance(engine, EngineLoop) else None) as clock:
             attempt = record.claim(cfg.heartbeat_seconds)
             try:
                 return _run_attempt(engine, shard, prompt_column, cfg, attempt, t0, clock, progress, notice,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine import RequestOutput, SamplingParams
-from engine.loop.submission import DeviceClock
+from engine.loop.clock import DeviceClock
 from pipeline.checkpoint import completion_tokens
 from pipeline.config import RunConfig
 from pipeline.row_options import row_sampling_params
@@ -44,7 +44,7 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
     (and are not passed to `on_row` or `progress`); other shards' rows go on. When `on_row` or `progress` raises (a
     checkpoint commit that failed after its retries), this shard's rows are stopped the same way, so the engine is
     left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
-    it (engine.loop.engine_loop.DeviceClock).
+    it (engine.loop.clock.DeviceClock).
     """
     from engine.llm_engine import prompt_problem
     from engine.loop.engine_loop import EngineLoop

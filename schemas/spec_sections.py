@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.engine_choices import DEFAULT_MAX_NUM_SEQS, DTYPES, QUANTIZATIONS
 from schemas.sampling import SAMPLING_RANGES
 
 
@@ -136,16 +137,16 @@ class Engine(_Section):
 
     device: Annotated[str, Field(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="auto, cpu, cuda or cuda:N."),
                       Cli(envvar="TOKENMILL_DEVICE")] = "auto"
-    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"],
+    dtype: Annotated[Literal[DTYPES],
                      Field(description="auto (bf16 on cuda and on cpus with native bf16, else fp32), float32, "
                                        "bfloat16 or float16."), Cli(envvar="TOKENMILL_DTYPE")] = "auto"
-    quantization: Annotated[Literal["none", "auto", "int4", "int8"],
+    quantization: Annotated[Literal[QUANTIZATIONS],
                             Field(description="none (weights dequantized to dtype, the reference), auto (INT4 where "
                                               "the model file stores INT4), int4 (every projection INT4 on load), "
                                               "int8 (W8A8 on the CPU: int8 weights per channel, int8 activations "
                                               "per token)."), Cli(envvar="TOKENMILL_QUANTIZATION")] = "none"
     max_num_seqs: Annotated[int, Field(ge=1, description="Most rows decoding at once per engine."),
-                            Cli(envvar="TOKENMILL_MAX_NUM_SEQS")] = 256
+                            Cli(envvar="TOKENMILL_MAX_NUM_SEQS")] = DEFAULT_MAX_NUM_SEQS
     kv_cache_gib: Annotated[float | None, Field(gt=0, description="KV cache size on cpu, GiB per worker, > 0; null "
                                                                   "= half the memory free at load (on cuda the pool "
                                                                   "is sized from free memory)."),

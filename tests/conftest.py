@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads libgomp (jobs/__init__.py says why): the suite runs two pytest workers on two cores, and
+# Before torch loads libgomp (jobs/process_env.py says why): the suite runs two pytest workers on two cores, and
 # spinning OpenMP threads made engine tests 3-4x slower there.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -26,6 +26,8 @@ from types import ModuleType
 
 import torch
 
+from schemas import settings
+
 log = logging.getLogger(__name__)
 
 # Resolved: torch's build.ninja names the source by this path, so every process of one checkout (make, pytest, a
@@ -54,7 +56,7 @@ def cpu_has_avx512() -> bool:
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
     quantize_rows_u8, argmax_rows, sample_rows, gguf_linear), or None when they cannot be built here."""
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+    if not settings.env_flag(settings.CPU_KERNELS):
         return None
     digest = hashlib.sha256()
     for src in SOURCES:
@@ -82,7 +84,7 @@ def main() -> int:
     path. Exit status 1, with the reason logged, when they cannot be built; 0 when TOKENMILL_CPU_KERNELS=0 turns them
     off."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+    if not settings.env_flag(settings.CPU_KERNELS):
         print("TOKENMILL_CPU_KERNELS=0: the CPU kernels are off, nothing to build")
         return 0
     ops = cpu_ops()

@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from schemas import settings
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The largest row RMSNorm keeps in registers in one program (Llama 3.1 405B's hidden is 16384).
 MAX_HIDDEN = 65536
@@ -37,7 +39,7 @@ def triton_fused_ops() -> ModuleType | None:
     """This module when its kernels can run: triton imports and TOKENMILL_TRITON_FUSED is not "0"; else None (the
     torch path runs). Read once per process (tests call `triton_fused_ops.cache_clear()` after changing the
     variable). Only ImportError means "no triton": a broken install raises."""
-    if os.environ.get("TOKENMILL_TRITON_FUSED", "1") == "0":
+    if not settings.env_flag(settings.TRITON_FUSED):
         return None
     try:
         import triton  # noqa: F401

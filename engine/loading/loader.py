@@ -3,18 +3,16 @@ folder. The formats' readers: engine.loading.gguf_file, engine.loading.hf_folder
 engine.loading.model_files.
 
 The one GGUF reading path: the plain load here (LLMEngine's default) and the quantized loads and folders of
-engine.loading.quantized both read tensors with `iter_gguf_state` and fill the meta-device model with `fill_model`.
+engine.loading.quantized both read tensors with `iter_gguf_state` and fill the meta-device model with
+engine.model.fill.fill_model.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
+from engine.kernels.gguf_blocks import is_block_key
 from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
 from engine.loading.hf_folder import is_hf_folder as is_hf_folder  # NOTE: re-exported for engine.llm_engine
 from engine.loading.hf_folder import iter_hf_state, read_hf_config
@@ -23,8 +21,9 @@ from engine.loading.model_files import (
 )
 from engine.loading.weights_cache import read_weights_cache, weights_cache_dir, write_weights_cache
 from engine.model.decoder import LlamaModel
-from engine.model.tensor_names import EMBEDDING
-from engine.quant.state import LM_HEAD
+from engine.model.fill import fill_model
+from engine.model.tensor_names import LM_HEAD
+from schemas import settings
 
 
 def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -33,7 +32,7 @@ def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
     it off): read from the cache entry when there is one, else from the file, and the entry written. For fp32 the
     state also holds the raw GGUF blocks of the block-quantized weights (`is_block_key` entries; `fill_model`
     attaches them to their modules)."""
-    use_cache = os.environ.get("TOKENMILL_WEIGHTS_CACHE", "1") != "0"
+    use_cache = settings.env_flag(settings.WEIGHTS_CACHE)
     folder = weights_cache_dir(path, dtype) if use_cache else None
     cached = read_weights_cache(folder) if folder is not None else None
     if cached is not None:
@@ -83,51 +82,3 @@ def load_hf_model(path: str, dtype: torch.dtype, device: torch.device,
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
     fill_model(model, {name: w.to(device=device) for name, w in iter_hf_state(path, cfg, dtype)}, dtype, device)
     return cfg, model
-
-
-def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-    """Fill a meta-device model in place with the plain tensors `state` (HF names, cast to `dtype` on `device`),
-    assigned without copies, tie a plain LM head to the embedding when the config ties them, rebuild non-persistent
-    buffers on `device` and switch to eval. Modules already replaced (INT4) keep their own tensors; a tied
-    "lm_head.weight" in `state` is ignored. Raises ValueError naming the tensors the model needs and `state` lacks.
-    """
-    tied = model.config.tie_word_embeddings
-    lm_head = f"{LM_HEAD}.weight"
-    blocks = pop_gguf_blocks(state)
-    plain = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == lm_head)}
-    expected = {k for k in model.state_dict() if not (tied and k == lm_head)}
-    for k, v in plain.items():
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"model tensor {k} holds NaN or Inf values: the model file is damaged; download or "
-                             "convert it again")
-    missing = expected - set(plain)
-    if missing:
-        raise ValueError(f"model file lacks tensors {sorted(missing)[:5]} (and {max(0, len(missing) - 5)} more)")
-    model.load_state_dict(plain, strict=False, assign=True)
-    if tied and isinstance(model.embed_tokens, nn.Embedding):
-        model.tie_weights()
-    if device.type == "cpu" and dtype == torch.float32:
-        attach_gguf_blocks(model, blocks)
-    model.materialize_rotary(device)
-    model.eval()
-
-
-def pop_gguf_blocks(state: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
-    """Take the raw GGUF block entries (`is_block_key`) out of `state`, in place: module name -> GGUFBlocks."""
-    prefixes = {k.rsplit(".", 1)[0] for k in state if is_block_key(k)}
-    found = {p: GGUFBlocks.from_state(p, state) for p in prefixes}
-    for k in [k for k in state if is_block_key(k)]:
-        del state[k]
-    return found
-
-
-def attach_gguf_blocks(model: LlamaModel, blocks: dict[str, GGUFBlocks]) -> int:
-    """Give each plain nn.Linear the GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM
-    head, which multiplies by the same matrix). Modules already replaced (INT4) are skipped. Returns how many."""
-    attached = 0
-    for prefix, b in blocks.items():
-        name = LM_HEAD if prefix == EMBEDDING and model.config.tie_word_embeddings else prefix
-        module = model.get_submodule(name) if name != EMBEDDING else None
-        if type(module) is nn.Linear and set_gguf_blocks(module, b):
-            attached += 1
-    return attached

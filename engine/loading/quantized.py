@@ -40,8 +40,9 @@ from engine.quant.qparams import Int4Weight
 from engine.quant.quantize import quantize_weights
 from engine.quant.state import LM_HEAD, QuantizedState
 from engine.text.tokenizer import Tokenizer
+from schemas.engine_choices import QUANTIZATIONS
 
-QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
+QUANTIZATION_MODES = QUANTIZATIONS  # schemas.engine_choices, EngineConfig.quantization's choices
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,11 @@ output is handed to its submitter through a queue: the submitter's per-row callb
 run in its own thread, and an exception there stops that submitter's rows only.
 
 Device time of shared steps is shared by the tokens each submission computed in them: a step of T seconds that fed
-n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (`DeviceClock`);
-the time between steps is split equally among the callers whose clocks are open in it (`IdleShare`).
+n_i tokens of submission i (prefill chunks and decodes, sum N) bills n_i / N x T to submission i (engine.loop.clock.
+DeviceClock); the time between steps is split equally among the callers whose clocks are open in it (IdleShare).
+
+The loop asks the engine only for what LLMEngine offers every caller (make_requests, add_requests, step, abort_requests,
+abort_all, output_of): the engine owns its requests' clean-up (KV blocks, batch rows, logits-processor state).
 
 The step thread is a daemon (a process never waits on its rows to exit), so it must be done before the interpreter
 finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
@@ -33,12 +36,13 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from engine.core.request import Request
-from engine.llm_engine import CHILD_SEP, LLMEngine, Prompt, lpt_key
-from engine.loop.submission import DONE, DeviceClock, IdleShare, Submission
+from engine.llm_engine import LLMEngine, Prompt
+from engine.loop.clock import DeviceClock, IdleShare
+from engine.loop.submission import DONE, Submission
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["DeviceClock", "EngineLoop", "Submission"]  # DeviceClock and Submission live in engine.loop.submission
+__all__ = ["EngineLoop"]
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +147,7 @@ class EngineLoop:
 
     def clock(self) -> DeviceClock:
         """A DeviceClock started now: pass it to `submit` to bill this caller's share of the steps to it."""
-        return DeviceClock(self)
+        return DeviceClock(self.idle)
 
     def submit(self, prompts: Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -168,7 +172,8 @@ class EngineLoop:
                                                                                     range(len(ids))],
                                              use_chat_template=use_chat_template,
                                              allow_special_tokens=allow_special_tokens)
-        sub = Submission(self, key, len(prepared), time.perf_counter(), should_stop, clock, [None] * len(prepared))
+        sub = Submission(self._request_abort, key, len(prepared), time.perf_counter(), should_stop, clock,
+                         [None] * len(prepared))
         requests: list[tuple[Request, int, str, int]] = []
         for i, item in enumerate(prepared):
             if isinstance(item, RequestOutput):
@@ -184,6 +189,10 @@ class EngineLoop:
         return sub
 
     # ---- the step thread -----------------------------------------------------------------------------------
+
+    def _request_abort(self, sub: Submission) -> None:
+        """Submission.abort's callback (any thread): the step thread aborts `sub`'s requests before its next step."""
+        self._post(("abort", sub))
 
     def _post(self, message: tuple) -> None:
         with self._cv:
@@ -211,12 +220,12 @@ class EngineLoop:
             self._thread_init()
         except Exception as e:  # a thread setting is not worth the loop
             log.warning("engine loop: thread_init failed: %s: %s", type(e).__name__, e)
-        scheduler = self.engine.scheduler
+        engine = self.engine
         while True:
             with self._cv:
-                while not self._inbox and not scheduler.has_unfinished and not self._closed:
+                while not self._inbox and not engine.has_unfinished and not self._closed:
                     self._cv.wait()
-                if self._closed and not self._inbox and not scheduler.has_unfinished:
+                if self._closed and not self._inbox and not engine.has_unfinished:
                     self._ended = True  # under the lock: a later _post answers its submitter itself
                     return
                 inbox, self._inbox = self._inbox, []
@@ -226,7 +235,7 @@ class EngineLoop:
                     for sub in list(self._active.values()):
                         self._abort(sub)
                 self._poll_stops()
-                if scheduler.has_unfinished:
+                if engine.has_unfinished:
                     self._step()
             except BaseException as e:  # a failed step: every submission in the engine gets the error
                 log.warning("engine loop: step failed (%s: %s); aborting every request in the engine",
@@ -246,8 +255,7 @@ class EngineLoop:
             elif message[1].key in self._active:  # abort
                 self._abort(message[1])
         if added:
-            self.engine.scheduler.add_requests(added, key=lpt_key)
-            self.engine.step_stats.num_added += len(added)
+            self.engine.add_requests(added)
 
     def _poll_stops(self) -> None:
         for sub in list(self._active.values()):
@@ -262,11 +270,8 @@ class EngineLoop:
                 self._abort(sub)
 
     def _abort(self, sub: Submission) -> None:
-        ids = {rid for rid, entry in self._owner.items() if entry[0] is sub}
-        aborted = self.engine.scheduler.abort_requests(ids)
-        self.engine.runner.remove_requests([r.request_id for r in aborted])
-        for req in aborted:
-            self._deliver(req, _aborted(req))
+        for out in self.engine.abort_requests([rid for rid, entry in self._owner.items() if entry[0] is sub]):
+            self._deliver(out)
 
     def _step(self) -> None:
         self.idle.step(True)
@@ -286,23 +291,17 @@ class EngineLoop:
                 if entry is not None and entry[0].clock is not None:
                     entry[0].clock.share_s += dt * n / total
         for req in finished:
-            self._deliver(req, self.engine.output_of(req, self._owner[req.request_id][0].start))
+            self._deliver(self.engine.output_of(req, self._owner[req.request_id][0].start))
 
-    def _deliver(self, req: Request, out: RequestOutput) -> None:
-        sub, index, caller_id, num_samples = self._owner.pop(req.request_id)
-        self.engine.logits_processors.pop(req.request_id)  # finished: popped already; aborted: dropped here
+    def _deliver(self, out: RequestOutput) -> None:
+        """Hand the output of a request that left the engine (finished or aborted; under its engine id) to its
+        submission."""
+        sub, index, caller_id, num_samples = self._owner.pop(out.request_id)
         sub.remaining -= 1
         if num_samples > 1:  # one of a prompt's n samples: its output once all n are in (LLMEngine.generate's)
-            group = sub.samples.setdefault(index, [None] * num_samples)
-            group[int(req.request_id.rsplit(CHILD_SEP, 1)[1])] = out
-            if all(s is not None for s in group):
-                del sub.samples[index]
-                if any(s.finish_reason == "abort" for s in group):
-                    out = RequestOutput(caller_id, req.prompt_token_ids, [], "", "abort",
-                                        num_preemptions=sum(s.num_preemptions for s in group))
-                else:
-                    out = self.engine.join_samples(caller_id, group)
-                sub._queue.put((index, out))
+            joined = sub.samples.add(index, num_samples, out, caller_id)
+            if joined is not None:
+                sub._queue.put((index, joined))
         else:
             out.request_id = caller_id
             sub._queue.put((index, out))
@@ -317,24 +316,20 @@ class EngineLoop:
             if message[0] == "add" and message[1].key not in self._active:
                 message[1]._queue.put(error)
                 message[1]._queue.put(DONE)
-                for req, _, _, _ in message[2]:
-                    self._owner.pop(req.request_id, None)
-                    self.engine.logits_processors.pop(req.request_id)
-        aborted = self.engine.scheduler.abort_all()
-        self.engine.runner.remove_requests([r.request_id for r in aborted])
+                ids = [req.request_id for req, _, _, _ in message[2]]
+                for rid in ids:
+                    self._owner.pop(rid, None)
+                self.engine.abort_requests(ids)  # never queued: the engine forgets their logits-processor state
+        aborted = self.engine.abort_all()
         for sub in self._active.values():
             sub._queue.put(error)
-        for req in aborted:
-            if req.request_id in self._owner:
-                self._deliver(req, _aborted(req))
+        for out in aborted:
+            if out.request_id in self._owner:
+                self._deliver(out)
         for sub in list(self._active.values()):  # requests not yet in the scheduler
-            for rid in [rid for rid, entry in self._owner.items() if entry[0] is sub]:
+            rest = [rid for rid, entry in self._owner.items() if entry[0] is sub]
+            for rid in rest:
                 del self._owner[rid]
-                self.engine.logits_processors.pop(rid)
+            self.engine.abort_requests(rest)
             del self._active[sub.key]
             sub._queue.put(DONE)
-
-
-def _aborted(req: Request) -> RequestOutput:
-    """The output of a request stopped before it finished: no output tokens, finish_reason "abort"."""
-    return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "abort", num_preemptions=req.num_preemptions)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.loading.loader import fill_model
 from engine.model.decoder import LlamaModel
+from engine.model.fill import fill_model
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, check_group_size, quantize_int4
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module

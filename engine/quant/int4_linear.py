@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, GemLiteTuning, gemlite_unavailable_reason
+from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, gemlite_unavailable_reason
+from engine.quant.gemlite_tuning import GemLiteTuning
 from engine.quant.qparams import Int4Weight, unpack_uint4
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 #: 1782.9 us per layer) and 128 (1939.5 vs 1794.7).
 CUDA_DEQUANT_MIN_ROWS = 64
 #: CUDA with gemlite: rows M up to which tinygemm serves. Measured on an H200, 2026-11-26 (`bash
-#: bench/gpu_session.sh`, STEPS int4: `python bench/int4.py --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
+#: bench/gpu_session.sh`, STEPS int4: `python -m bench.int4 --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
 #: the four GEMMs in CUDA graphs): tinygemm 64.2 vs GemLite 76.5 us at M = 1, 154.4 vs 178.0 at M = 8, 259.8 vs
 #: 174.0 at M = 16. GemLite ran on untuned configs there (engine.quant.gemlite_int4); its next sweep, tuned,
 #: prints the crossover to put here.
@@ -108,11 +109,11 @@ def gemlite_kernel_for(m: int, tinygemm_max_rows: int, dequant_min_rows: int | N
 def prepare_int4_kernels(model: nn.Module, max_rows: int, *, cache: Path | None | str = "auto",
                          autotune: str | None = None) -> GemLiteTuning | None:
     """Tune and compile the GemLite kernels of `model`'s Int4Linear modules for every row count M in 1..max_rows
-    that GemLite serves (engine.quant.gemlite_int4.tune_gemlite: configs loaded or autotuned once per GPU model and
+    that GemLite serves (engine.quant.gemlite_tuning.tune_gemlite: configs loaded or autotuned once per GPU model and
     cached on disk). The engine calls it at load with max_rows = max(max_num_batched_tokens, max_num_seqs), which
     covers its CUDA-graph batch sizes and prefill chunks. Returns what was done, or None when no module runs
     GemLite (CPU, fp32, gemlite missing). cache and autotune: as tune_gemlite ("auto" / its default mode)."""
-    from engine.quant.gemlite_int4 import GEMLITE_AUTOTUNE, tune_gemlite
+    from engine.quant.gemlite_tuning import GEMLITE_AUTOTUNE, tune_gemlite
 
     mods = [m for m in model.modules() if isinstance(m, Int4Linear) and m.gemlite is not None]
     if not mods:

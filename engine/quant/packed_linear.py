@@ -4,7 +4,7 @@
 through MKL's sgemm for fp32, which is slower at these shapes). Packing it once, as PyTorch Inductor's CPU
 freezing pass does (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`; both
 in torch since 2.0), saves that work at every step. Measured on a 2-core AMD EPYC with AVX512-BF16 (torch
-2.13.0+cpu, `python bench/cpu_kernels.py --gemm`, SmolLM2-135M's projection and LM-head shapes): bf16 at M = 64
+2.13.0+cpu, `python -m bench.cpu_kernels --gemm`, SmolLM2-135M's projection and LM-head shapes): bf16 at M = 64
 rows 381-413 GFLOP/s packed vs 315-357 through F.linear; fp32 202-217 vs 106-172 (the LM head 2x).
 
 bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ from MKL's in rounding only
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Iterator
 
@@ -41,15 +40,16 @@ from torch import nn
 from engine.kernels import cpu_kernels
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
 from engine.quant.state import set_module
+from schemas import settings
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: Rows M of a step up to which an fp32 PackedLinear with GGUF blocks runs engine.kernels.gguf_blocks.gguf_linear
 #: instead
-#: of the packed GEMM (module docstring). `python bench/cpu_kernels.py --gguf` (AVX2 EPYC, 2026-11-26, 2 threads,
+#: of the packed GEMM (module docstring). `python -m bench.cpu_kernels --gguf` (AVX2 EPYC, 2026-11-26, 2 threads,
 #: a layer's four GEMMs + the LM head, weights from memory): 3.8x the packed GEMM at M = 1, 1.68x at 8, 1.11x at 16,
 #: 0.98x at 24, 0.86x at 32 (bench/README.md).
-#: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM).
-GGUF_KERNEL_MAX_ROWS = 0 if os.environ.get("TOKENMILL_GGUF_KERNEL") == "0" else 16
+#: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM; gguf_kernel_max_rows).
+GGUF_KERNEL_MAX_ROWS = 16
 
 _scope = threading.local()  # engines on other threads (an EngineLoop's) step the same shared model
 
@@ -61,12 +61,18 @@ def gguf_kernel_scope(allowed: bool) -> Iterator[None]:
     kernels (engine.kernels.cpu_kernels): gguf_linear's torch form dequantizes the whole weight per call, slower than
     the
     packed GEMM."""
-    before = getattr(_scope, "allowed", False)
-    _scope.allowed = allowed and cpu_kernels.cpu_ops() is not None
+    before = getattr(_scope, "max_rows", 0)
+    _scope.max_rows = gguf_kernel_max_rows() if allowed and cpu_kernels.cpu_ops() is not None else 0
     try:
         yield
     finally:
-        _scope.allowed = before
+        _scope.max_rows = before
+
+
+def gguf_kernel_max_rows() -> int:
+    """GGUF_KERNEL_MAX_ROWS, or 0 when TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (read now: the
+    scope reads it once per step). Raises ValueError naming the variable for a value that is no switch."""
+    return GGUF_KERNEL_MAX_ROWS if settings.env_flag(settings.GGUF_KERNEL) else 0
 
 
 def packing_available() -> bool:
@@ -126,8 +132,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if (self.blocks is not None and x2.shape[0] <= GGUF_KERNEL_MAX_ROWS and x2.dtype == torch.float32
-                and getattr(_scope, "allowed", False)):
+        if (self.blocks is not None and x2.shape[0] <= getattr(_scope, "max_rows", 0)
+                and x2.dtype == torch.float32):
             y = gguf_linear(x2, self.blocks)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZES = (32, 64, 128, 256)
+from schemas.engine_choices import INT4_GROUP_SIZES
+
+GROUP_SIZES = INT4_GROUP_SIZES  # schemas.engine_choices: EngineConfig and the job spec take the same
 
 
 def padded_in_features(in_features: int, group_size: int) -> int:

@@ -40,14 +40,15 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from schemas import settings
+
 log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """tokenmill's cache folder: $TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill."""
-    if os.environ.get("TOKENMILL_CACHE_DIR"):
-        return Path(os.environ["TOKENMILL_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenmill"
+    """tokenmill's cache folder: $TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill, else ~/.cache/tokenmill
+    (schemas.settings.cache_dir)."""
+    return settings.cache_dir()
 
 
 def _gguf_tokenizer_cache(path: str) -> Path:

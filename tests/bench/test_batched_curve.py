@@ -1,17 +1,14 @@
 """bench/batched_curve.py: llama-batched-bench's table parsed, and one tiny tokenmill-only curve through the
-subprocess path (peers.run_system with this script's worker)."""
+subprocess path (peers.run_system with this module's worker)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import batched_curve  # noqa: E402
+from bench import batched_curve
 
 # llama-batched-bench's output (llama.cpp in llama-cpp-python 0.3.36), as printed on this project's CPU.
 OUTPUT = """

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import peers  # noqa: E402
+from bench import peer_workers, peers
 
 
 def test_parse_args_defaults_and_unknown_system() -> None:
@@ -30,4 +27,4 @@ def test_tokenmill_subprocess_run_writes_positive_throughput(tmp_path: Path, ggu
     assert row["status"] == "ok", row
     assert row["requests"] == 2 and row["output_tokens"] == 8
     assert row["tok_s"] > 0 and row["load_s"] > 0
-    assert len(row["check_ids"]) == 2 and all(len(ids) == peers.CHECK_TOKENS for ids in row["check_ids"])
+    assert len(row["check_ids"]) == 2 and all(len(ids) == peer_workers.CHECK_TOKENS for ids in row["check_ids"])

@@ -63,6 +63,7 @@ def test_invariants(overlay: str, tmp_path: Path) -> None:
     dask = yaml.safe_load(_one(objects, "ConfigMap", "tokenmill-dask")["data"]["tokenmill.yaml"])["distributed"]
     assert dask["scheduler"]["allowed-failures"] >= 10 and dask["worker"]["profile"]["enabled"] is False
     assert dask["nanny"]["pre-spawn-environ"]["MALLOC_TRIM_THRESHOLD_"] is None
+    assert dask["nanny"]["pre-spawn-environ"]["OMP_WAIT_POLICY"] == "PASSIVE"  # jobs/process_env.py
 
     worker = _one(objects, "Deployment", "tokenmill-worker")["spec"]["template"]["spec"]
     (container,) = worker["containers"]

@@ -35,7 +35,7 @@ def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
     room = report["memory_gib"]["available_to_process"]
     assert 0 < room <= report["memory_gib"]["total"]
     assert abs(report["defaults"]["cpu_kv_cache_gib"] - room / 2) < 0.5 + room / 10  # memory moves between probes
-    # The CLI (package jobs) sets it before torch loads: OpenMP threads sleep at barriers (jobs/__init__.py).
+    # The CLI (package jobs) sets it before torch loads: OpenMP threads sleep at barriers (jobs/process_env.py).
     assert report["cpu"]["omp_wait_policy"] == "PASSIVE"
     # oneDNN packs bf16 only with AVX512BW/VL/DQ (or AVX-NE-CONVERT); its int8 GEMM sums exactly at 8 bits with VNNI.
     features = set(report["cpu"]["features"])
@@ -56,8 +56,17 @@ def test_doctor_prints_a_table_a_person_reads() -> None:
     assert "dtype_reason" in result.output and "features" in result.output and "{" not in result.output
 
 
-def test_a_wait_policy_the_user_set_is_kept() -> None:
-    code = "import jobs, os, torch; print(os.environ['OMP_WAIT_POLICY'])"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
-                          env={**os.environ, "OMP_WAIT_POLICY": "ACTIVE"})
-    assert done.stdout.strip() == "ACTIVE"
+def test_the_wait_policy_is_set_by_a_job_process_not_by_an_import() -> None:
+    """jobs.process_env: importing jobs (and the CLI's module) changes nothing; the CLI's entry and the engine
+    plugin's setup set PASSIVE before torch loads, unless the user set a policy; once torch is in, it is too late."""
+    code = ("import os, jobs, jobs.cli, jobs.plugin\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))\n"
+            "from jobs.process_env import set_omp_wait_policy\n"
+            "print(set_omp_wait_policy(), os.environ.get('OMP_WAIT_POLICY'))\n"
+            "import torch\n"
+            "print(set_omp_wait_policy())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, expected in ((None, "None\nTrue PASSIVE\nFalse"), ("ACTIVE", "ACTIVE\nTrue ACTIVE\nFalse")):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                              env=env if given is None else {**env, "OMP_WAIT_POLICY": given})
+        assert done.stdout.strip() == expected, done.stderr

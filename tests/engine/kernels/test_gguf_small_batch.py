@@ -67,7 +67,7 @@ def test_small_batches_run_on_the_blocks_and_give_the_packed_gemms_tokens(
 
     on_blocks = run()
     assert calls and set(calls) == {1, 4}  # decode steps only: prompts (more rows) ran the packed GEMMs
-    monkeypatch.setattr(packed_linear, "GGUF_KERNEL_MAX_ROWS", 0)
+    monkeypatch.setenv("TOKENMILL_GGUF_KERNEL", "0")  # read at each step (gguf_kernel_max_rows)
     calls.clear()
     assert run() == on_blocks
     assert not calls  # the reference run never touched the blocks
@@ -180,6 +180,6 @@ def test_a_q4_k_gguf_runs_small_steps_on_its_super_blocks(gguf_path: str, alpaca
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     on_blocks = [o.output_token_ids for o in engine.generate(alpaca_instructions[:3], params)]
     assert calls
-    monkeypatch.setattr(packed_linear, "GGUF_KERNEL_MAX_ROWS", 0)
+    monkeypatch.setenv("TOKENMILL_GGUF_KERNEL", "0")  # read at each step (gguf_kernel_max_rows)
     engine.reset_prefix_cache()
     assert [o.output_token_ids for o in engine.generate(alpaca_instructions[:3], params)] == on_blocks

@@ -1,5 +1,4 @@
-"""engine.loop.submission.DeviceClock / IdleShare: shards that share one engine are billed its time once. Steps are
-split
+"""engine.loop.clock.DeviceClock / IdleShare: shards that share one engine are billed its time once. Steps are split
 by the tokens each caller fed them; the time between steps is split equally among the callers open in it."""
 
 from __future__ import annotations
@@ -11,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loop.clock import DeviceClock
 from engine.loop.engine_loop import EngineLoop
-from engine.loop.submission import DeviceClock
 
 
 class FakeTime:
@@ -27,11 +26,11 @@ class FakeTime:
 
 def test_idle_time_is_split_among_the_open_clocks(tiny_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeTime()
-    monkeypatch.setattr("engine.loop.submission.time", SimpleNamespace(monotonic=fake.monotonic))
+    monkeypatch.setattr("engine.loop.clock.time", SimpleNamespace(monotonic=fake.monotonic))
     loop = EngineLoop(tiny_engine)  # never started: no step runs, all of its time is idle
-    a = DeviceClock(loop)
+    a = DeviceClock(loop.idle)
     fake.now += 10  # a alone: 10 s
-    b = DeviceClock(loop)
+    b = DeviceClock(loop.idle)
     fake.now += 10  # both open: 5 s each
     assert (a.device_s(), b.device_s()) == (pytest.approx(15.0), pytest.approx(5.0))
     assert a.close() == pytest.approx(15.0)
@@ -55,7 +54,7 @@ def test_two_submitters_are_billed_the_wall_time_once(tiny_engine: LLMEngine, gs
     loop = EngineLoop(tiny_engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=16)))
     bills: dict[str, float] = {}
     t0 = time.monotonic()
-    clocks = {"a": DeviceClock(loop), "b": DeviceClock(loop)}
+    clocks = {"a": DeviceClock(loop.idle), "b": DeviceClock(loop.idle)}
 
     def caller(name: str, prompts: list[str]) -> None:
         with clocks[name] as clock:

@@ -227,7 +227,7 @@ from engine.loop.engine_loop import EngineLoop
 engine = LLMEngine.from_model(sys.argv[1], EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
 loop = EngineLoop(engine)
 loop.submit(json.loads(open(sys.argv[2]).read()), SamplingParams(max_tokens=4000))
-while engine.core.step_stats.num_steps < 3:
+while engine.step_stats.num_steps < 3:
     time.sleep(0.01)
 print("exiting mid-batch", flush=True)
 sys.exit(0)

@@ -1,0 +1,120 @@
+"""What tokenmill's benchmarks share: where the prompt data is, the CPU and CUDA timers, the argparse preamble and
+one way to run a worker in a fresh interpreter.
+
+Run a benchmark as a module from the repository root: `python -m bench.NAME --help` (bench/README.md). Only the
+standard library at import: torch loads in the timers that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from schemas import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def data_dir() -> Path:
+    """The real prompt sets (gsm8k_test.parquet, alpaca_eval.parquet): $TOKENMILL_DATA_DIR, else ../shared/data
+    beside the checkout (as tests/conftest.py finds them)."""
+    return Path(settings.env_text(settings.DATA_DIR) or ROOT.parent / "shared" / "data")
+
+
+def data_file(name: str) -> Path:
+    """`name` in data_dir(). Raises FileNotFoundError naming the folder and the variable when it is not there."""
+    path = data_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: set TOKENMILL_DATA_DIR to the folder of the prompt sets")
+    return path
+
+
+def read_column(name: str, column: str) -> list:
+    """One column of a prompt set in data_dir() (e.g. read_column("gsm8k_test.parquet", "question")), in file
+    order."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(data_file(name), columns=[column]).column(column).to_pylist()
+
+
+def emit(**row: object) -> None:
+    """Print one measurement as a JSON line (flushed: a benchmark cut short keeps its rows)."""
+    print(json.dumps(row), flush=True)
+
+
+def median_s(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median wall seconds of `fn()` over `reps` calls after `warmup` untimed ones (time.perf_counter: a CPU
+    timer; for CUDA work use cuda_ms, which waits for the device)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median device milliseconds of one `fn()` on the current CUDA stream over `iters` calls after `warmup` untimed
+    ones, each between two CUDA events (the host's launch time is not in it unless the device waited for it)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def new_parser(doc: str | None, *, threads: int | None | bool = False) -> argparse.ArgumentParser:
+    """The benchmark's argument parser: its module docstring as the description (kept as written). `threads`:
+    also a --threads option with this default (None: torch's own count); False: none. Call set_threads(args)
+    after parsing."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if threads is not False:
+        ap.add_argument("--threads", type=int, default=threads,
+                        help=f"torch threads (default: {threads if threads is not None else 'torch' + chr(39) + 's'})")
+    return ap
+
+
+def set_threads(args: argparse.Namespace) -> None:
+    """torch.set_num_threads(args.threads) when the option was given a count."""
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def run_worker(module: str, args: Sequence[str], timeout: float | None) -> dict:
+    """Run `python -m module *args RESULT` in a fresh interpreter (a benchmark's worker: one system, one
+    configuration) and return the JSON object it wrote to RESULT (a temporary file, its last argument), or
+    {"status": "failed", "detail": ...} for a crash (its last line of output), a signal or a timeout."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = Path(f.name)
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, *args, str(result)], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+        if proc.returncode < 0:
+            return {"status": "failed", "detail": f"killed by signal {-proc.returncode}"}
+        if proc.returncode != 0 or not result.stat().st_size:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            return {"status": "failed", "detail": tail[0][:200]}
+        return json.loads(result.read_text())
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
+    finally:
+        result.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""Which loader reads a model: a plain Hugging Face folder or GGUF file through engine.loading.loader (the GGUF
+through the weights cache), anything quantized or a tokenmill folder through engine.loading.quantized. What
+LLMEngine.from_model loads its weights and tokenizer with."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.model.decoder import LlamaModel
+from engine.text.tokenizer import Tokenizer
+
+
+class OpenedModel(NamedTuple):
+    """A filled model on its device, its shape, its tokenizer and the model's name (its file or folder name)."""
+
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+
+
+def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
+               group_size: int = 128, max_positions: int | None = None) -> OpenedModel:
+    """Load `model` (a GGUF path or fsspec URL, a Hugging Face model folder, a tokenmill folder; None = the default
+    SmolLM2-135M-Instruct Q4_1) onto `device` in `dtype` with the given quantization (EngineConfig.quantization,
+    int4_group_size; engine.loading.quantized's modes). Raises FileNotFoundError (no such model), ValueError
+    (unsupported architecture, bad mode, broken file)."""
+    path = resolve_model_path(model)
+    name = os.path.basename(os.path.normpath(path))
+    if quantization == "none" and is_hf_folder(path):
+        cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
+        return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name)
+    if quantization != "none" or os.path.isdir(path):
+        from engine.loading.quantized import load_model
+
+        loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
+                            max_positions=max_positions)
+        return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name)
+    cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
+    return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name)

@@ -1,0 +1,101 @@
+"""Requests into outputs: the RequestOutput of a finished or aborted request (text, finish_reason, times, logprobs
+with each token's text, a constraint's verdict) and the joined output of a prompt's n samples. The counterpart of
+engine.request_builder; engine.llm_engine.LLMEngine and the engine loop's step thread call it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.core.request import Request
+from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from engine.request_builder import CHILD_SEP
+from engine.sample.logits_processors import LogitsProcessors, RowState
+from engine.text.tokenizer import Tokenizer
+
+
+class OutputBuilder:
+    """Makes the outputs of an engine's requests.
+
+    Args:
+        tokenizer: the engine's tokenizer, or None (random weights: outputs carry no text).
+        logits_processors: the engine's logits-processor state; a finished request's state (logprobs, a
+            constraint's verdict) is taken out of it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, logits_processors: LogitsProcessors) -> None:
+        self.tokenizer = tokenizer
+        self.logits_processors = logits_processors
+        self._token_text: dict[int, str] = {}
+
+    def finished(self, req: Request, start: float) -> RequestOutput:
+        """The RequestOutput of a finished request (its logits-processor state forgotten); ttft_s and latency_s
+        count from `start` (time.perf_counter() seconds). A request whose constraint failed to compile after it
+        was queued is an error output."""
+        text = req.detokenizer.finish(req.output_token_ids) if req.detokenizer is not None else ""
+        state = self.logits_processors.pop(req.request_id) if self.logits_processors.active else None
+        if state is not None and state.error is not None:
+            return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "error", error=state.error,
+                                 num_preemptions=req.num_preemptions)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - start,
+            latency_s=None if req.finish_time is None else req.finish_time - start,
+            logprobs=self._logprobs(state), valid=None if state is None else state.valid)
+
+    @staticmethod
+    def aborted(req: Request) -> RequestOutput:
+        """The output of a request stopped before it finished: no output tokens, finish_reason "abort"."""
+        return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "abort",
+                             num_preemptions=req.num_preemptions)
+
+    @staticmethod
+    def join_samples(parent_id: str, samples: list[RequestOutput]) -> RequestOutput:
+        """The output of a request with n > 1: sample 0's fields at the top, every sample in `samples` (each under
+        the parent's id), preemptions summed, the first token's time the earliest and the latency the latest."""
+        for s in samples:
+            s.request_id = parent_id
+        first = samples[0]
+        ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
+        latencies = [s.latency_s for s in samples if s.latency_s is not None]
+        return dataclasses.replace(first, num_preemptions=sum(s.num_preemptions for s in samples),
+                                   ttft_s=min(ttfts, default=None), latency_s=max(latencies, default=None),
+                                   samples=samples)
+
+    def _logprobs(self, state: RowState | None) -> list[TokenLogprob] | None:
+        """A request's raw logprobs with each token's text (decoded alone, cached per token id)."""
+        if state is None or state.logprobs is None:
+            return None
+
+        def text(t: int) -> str:
+            found = self._token_text.get(t)
+            if found is None:
+                found = self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else ""
+                self._token_text[t] = found
+            return found
+
+        return [TokenLogprob(r.token_id, text(r.token_id), r.logprob, [TopLogprob(t, text(t), lp) for t, lp in r.top])
+                for r in state.logprobs]
+
+
+class SampleGroups:
+    """The outputs of prompts with n > 1 samples (each sample one request, its id the parent's + CHILD_SEP + its
+    index) until all n are in; `LLMEngine.generate` and the engine loop's step thread collect them here."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, list[RequestOutput | None]] = {}
+
+    def add(self, index: int, num_samples: int, out: RequestOutput, parent_id: str) -> RequestOutput | None:
+        """Keep sample `out` (under its engine id) of prompt `index`; once all `num_samples` are in, return the
+        prompt's output under `parent_id`: the samples joined (OutputBuilder.join_samples), or when any of them was
+        aborted one "abort" output without tokens (preemptions summed). None while samples are missing."""
+        group = self._groups.setdefault(index, [None] * num_samples)
+        group[int(out.request_id.rsplit(CHILD_SEP, 1)[1])] = out
+        if any(s is None for s in group):
+            return None
+        del self._groups[index]
+        done = [s for s in group if s is not None]
+        if any(s.finish_reason == "abort" for s in done):
+            return RequestOutput(parent_id, out.prompt_token_ids, [], "", "abort",
+                                 num_preemptions=sum(s.num_preemptions for s in done))
+        return OutputBuilder.join_samples(parent_id, done)

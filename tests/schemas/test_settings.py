@@ -1,0 +1,81 @@
+"""TOKENMILL_* environment variables: read through schemas.settings only, and when asked, never at import."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from schemas import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "pipeline", "jobs", "schemas")
+NAME = re.compile(r"^TOKENMILL_[A-Z0-9_]+$")
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+            for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def test_only_the_settings_module_names_a_tokenmill_variable() -> None:
+    """A TOKENMILL_* name as a string is in schemas/settings.py, or a job option's `envvar` (read by the CLI's
+    option parser); nowhere else can a module read one past the settings."""
+    found = []
+    for path, tree in _sources().items():
+        if path == "schemas/settings.py":
+            continue
+        envvars = {id(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                   for k in node.keywords if k.arg == "envvar"}
+        found += [f"{path}:{n.lineno} {n.value}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and NAME.match(n.value)
+                  and id(n) not in envvars]
+    assert found == []
+
+
+def test_no_module_reads_the_environment_when_imported() -> None:
+    """No call at a module's top level (or in a class body, which runs at import too) reads os.environ, os.getenv
+    or a setting: a variable set after the import (a test, a Dask worker's plugin) would be ignored."""
+    def reads_env(node: ast.AST) -> bool:
+        text = ast.unparse(node)
+        return "environ" in text or "getenv" in text or "settings.env_" in text or "settings.cache_dir" in text
+
+    def top_level(body: list[ast.stmt]) -> list[ast.stmt]:
+        out = []
+        for stmt in body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(stmt, ast.ClassDef):
+                out += top_level(stmt.body)
+            else:
+                out.append(stmt)
+        return out
+
+    found = [f"{path}:{stmt.lineno}" for path, tree in _sources().items() for stmt in top_level(tree.body)
+             if any(isinstance(n, ast.Call) and reads_env(n.func) for n in ast.walk(stmt))
+             or any(isinstance(n, ast.Subscript) and reads_env(n.value) for n in ast.walk(stmt))]
+    assert found == []
+
+
+def test_switches_and_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(settings.GGUF_KERNEL, raising=False)
+    assert settings.env_flag(settings.GGUF_KERNEL) is True
+    for raw, on in (("0", False), ("off", False), ("FALSE", False), ("1", True), ("yes", True), (" ", True)):
+        monkeypatch.setenv(settings.GGUF_KERNEL, raw)
+        assert settings.env_flag(settings.GGUF_KERNEL) is on  # read now: set after import, seen
+    monkeypatch.setenv(settings.GGUF_KERNEL, "maybe")
+    with pytest.raises(ValueError, match="TOKENMILL_GGUF_KERNEL must be 1 or 0 .on or off., got 'maybe'"):
+        settings.env_flag(settings.GGUF_KERNEL)
+    monkeypatch.setenv(settings.LEASE_TTL_S, "2.5")
+    assert settings.env_seconds(settings.LEASE_TTL_S, 60.0) == 2.5
+    monkeypatch.setenv(settings.LEASE_TTL_S, "0")
+    with pytest.raises(ValueError, match="TOKENMILL_LEASE_TTL_S must be > 0 seconds, got '0'"):
+        settings.env_seconds(settings.LEASE_TTL_S, 60.0)
+    assert settings.env_seconds(settings.LEASE_TTL_S, 60.0, allow_zero=True) == 0.0
+    monkeypatch.setenv(settings.CACHE_DIR, "/tmp/tm-cache")
+    assert settings.cache_dir() == Path("/tmp/tm-cache")
+    monkeypatch.delenv(settings.CACHE_DIR)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg")
+    assert settings.cache_dir() == Path("/tmp/xdg/tokenmill")
