@@ -33,7 +33,7 @@ from jobs.errors import JobError
 from pipeline.input import absolute_url, file_version
 from pipeline.layout import staged_requests_path
 from pipeline.row_options import ROW_ERROR_COLUMN
-from pipeline.storage import commit_table, exists_now, output_fs, read_table
+from pipeline.storage import commit_table, exists_now, output_fs, read_fs, read_table
 from schemas.job_spec import Columns, JobSpec
 from schemas.sampling import SAMPLING_RANGES
 
@@ -285,13 +285,15 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
     """Convert the batch file into OUTPUT/_input/requests.parquet (create-only) and return (its URL, endpoint).
 
     A job that already staged it reuses it when the batch file is the same one (URL, size, version); a batch file
-    that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards.
+    that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards. A
+    batch file refused as unreadable (read_batch_file) creates nothing: OUTPUT's folder is made only to stage.
     """
-    fs, root = output_fs(output_url)
+    fs, root = read_fs(output_url)
     staged = staged_requests_path(root)
     if not exists_now(fs, staged):
-        table, _, source = read_batch_file(input_url)
+        table, _, source = read_batch_file(input_url)  # a file refused here leaves no OUTPUT folder behind
         meta = {f"tokenmill.{k}".encode(): v.encode() for k, v in source.items()}
+        fs, root = output_fs(output_url)
         commit_table(fs, staged, table.replace_schema_metadata(meta))
     meta = {k.decode().removeprefix("tokenmill."): v.decode()
             for k, v in (read_table(fs, staged).schema.metadata or {}).items() if k.startswith(b"tokenmill.")}
