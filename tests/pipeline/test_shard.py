@@ -43,6 +43,9 @@ def test_bad_rows_become_error_rows_and_the_shard_goes_on(engine: LLMEngine, bad
     assert [r["id"] for r in rows] == ids
     assert [r["finish_reason"] for r in rows] == ["length", "error", "length", "error", "error", "length"]
     assert "null" in rows[1]["error"] and "empty" in rows[3]["error"] and "shorten" in rows[4]["error"]
+    # The over-long prompt's row says how long it was (its error's count), the others that did not run 0.
+    assert rows[4]["error"].startswith(f"the prompt has {rows[4]['prompt_tokens']} tokens;")
+    assert rows[4]["prompt_tokens"] > engine.max_model_len and rows[1]["prompt_tokens"] == rows[3]["prompt_tokens"] == 0
     assert all(r["error"] is None and r["completion_tokens"] == 6 and r["completion"]
                for r in (rows[0], rows[2], rows[5]))
     assert rows[0]["model"] == engine.model_name
@@ -51,7 +54,8 @@ def test_bad_rows_become_error_rows_and_the_shard_goes_on(engine: LLMEngine, bad
     assert acc.schema.equals(ACCOUNTING_SCHEMA, check_metadata=False)
     (a,) = acc.to_pylist()
     assert (a["rows"], a["rows_ok"], a["rows_error"]) == (6, 3, 3)
-    assert a["output_tokens"] == 18 and a["input_tokens"] == sum(r["prompt_tokens"] for r in rows) > 0
+    assert a["output_tokens"] == 18  # input tokens: of the rows that ran (an over-long prompt was never computed)
+    assert a["input_tokens"] == sum(r["prompt_tokens"] for r in rows if r["error"] is None) > 0
     assert a["device_s_billed"] == a["device_s"] >= a["wall_s"] > 0  # one attempt: it alone is billed
     assert a["cost_usd"] == pytest.approx(a["device_s_billed"] / 3600 * 3.6)
     assert a["tokens_per_dollar"] == pytest.approx(18 / a["cost_usd"])
