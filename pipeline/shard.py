@@ -51,7 +51,8 @@ class ShardInterrupted(RuntimeError):
 
     Attributes:
         rows_committed: rows of the shard committed so far, by every attempt (rows).
-        rows_in_flight: rows this attempt had taken on and left uncommitted; the next attempt runs them (rows).
+        rows_in_flight: rows of the shard left uncommitted, which the next attempt runs: those this attempt had
+            taken on, or every uncommitted row when it stopped before starting (rows).
     Run the shard again (anywhere) to resume: only uncommitted rows are generated.
     """
 
@@ -105,7 +106,8 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         return committed
     with StopSignal.from_env(output_url, notices=watch_notices) as notice:
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
-            raise ShardInterrupted(len(committed_rows(fs, committed_parts(fs, root, shard.shard_id))), 0)
+            done = len(committed_rows(fs, committed_parts(fs, root, shard.shard_id)))
+            raise ShardInterrupted(done, max(0, shard.num_rows - done))
         t0 = time.monotonic()
         with DeviceClock(engine if isinstance(engine, EngineLoop) else None) as clock:
             attempt, _ = claim_attempt(fs, root, shard.shard_id, cfg.heartbeat_seconds)
