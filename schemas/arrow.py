@@ -51,6 +51,10 @@ _ROW_FIELDS = [
     pa.field("samples", SAMPLES_TYPE, metadata={
         "doc": "null unless n > 1; else the n samples in order, each with its completion, finish_reason, "
                "completion_tokens, valid and logprobs (the row's own completion and finish_reason are sample 0's)"}),
+    pa.field("note", pa.string(), metadata={
+        "doc": "null, or what a row that ran needs said beside its fields: a finish_reason length row whose "
+               "max_tokens was cut to fit --max-model-len (prompt + max_tokens did not fit) names both; null in "
+               "results written before the column existed"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
