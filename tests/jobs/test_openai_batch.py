@@ -288,4 +288,4 @@ def test_completions_export_counts_text_offset_from_the_prompt_and_keeps_the_req
             lp = choice["logprobs"]
             assert lp["text_offset"][0] == len(prompt) and len(lp["tokens"]) == len(lp["text_offset"]) > 0
             offsets = lp["text_offset"]
-            assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp["tokens"][:-1], strict=True))
+            assert all(b - a == len(t) for a, b, t in zip(offsets[:-1], offsets[1:], lp["tokens"][:-1], strict=True))
