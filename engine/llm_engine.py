@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
         self.request_builder = RequestBuilder(tokenizer, model_config.vocab_size, self.max_model_len,
                                               self.logits_processors)
-        self.output_builder = OutputBuilder(tokenizer, self.logits_processors)
+        self.output_builder = OutputBuilder(tokenizer, self.logits_processors, self.max_model_len)
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
         # The plan of the last step: (request, tokens fed) pairs, for callers that attribute a step's time.

@@ -20,11 +20,13 @@ class OutputBuilder:
         tokenizer: the engine's tokenizer, or None (random weights: outputs carry no text).
         logits_processors: the engine's logits-processor state; a finished request's state (logprobs, a
             constraint's verdict) is taken out of it.
+        max_model_len: the engine's limit of prompt + output tokens per request (a request it cut gets a note).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, logits_processors: LogitsProcessors) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, logits_processors: LogitsProcessors, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.logits_processors = logits_processors
+        self.max_model_len = max_model_len
         self._token_text: dict[int, str] = {}
 
     def finished(self, req: Request, start: float) -> RequestOutput:
@@ -41,7 +43,17 @@ class OutputBuilder:
             text=text, finish_reason=req.finish_reason or "length", num_preemptions=req.num_preemptions,
             ttft_s=None if req.first_token_time is None else req.first_token_time - start,
             latency_s=None if req.finish_time is None else req.finish_time - start,
-            logprobs=self._logprobs(state), valid=None if state is None else state.valid)
+            logprobs=self._logprobs(state), valid=None if state is None else state.valid, note=self._cut_note(req))
+
+    def _cut_note(self, req: Request) -> str | None:
+        """The note of a request that stopped at max_model_len before its max_tokens (None for any other)."""
+        max_tokens, prompt = req.sampling_params.max_tokens, req.num_prompt_tokens
+        if req.finish_reason != "length" or len(req.output_token_ids) >= max_tokens or \
+                prompt + len(req.output_token_ids) < self.max_model_len:
+            return None
+        return (f"max_tokens {max_tokens} was cut to {self.max_model_len - prompt}: the prompt's {prompt} tokens "
+                f"and the output fill max_model_len {self.max_model_len} (--max-model-len, at most the model's "
+                "context)")
 
     @staticmethod
     def aborted(req: Request) -> RequestOutput:
@@ -60,7 +72,7 @@ class OutputBuilder:
         latencies = [s.latency_s for s in samples if s.latency_s is not None]
         return dataclasses.replace(first, num_preemptions=sum(s.num_preemptions for s in samples),
                                    ttft_s=min(ttfts, default=None), latency_s=max(latencies, default=None),
-                                   samples=samples)
+                                   samples=samples, note=next((s.note for s in samples if s.note), None))
 
     def _logprobs(self, state: RowState | None) -> list[TokenLogprob] | None:
         """A request's raw logprobs with each token's text (decoded alone, cached per token id)."""

@@ -51,6 +51,9 @@ class RequestOutput:
             "length"); None for unconstrained requests.
         samples: for n > 1, the n samples in order (each a RequestOutput with its own text, tokens, finish_reason,
             logprobs and valid; the top-level fields are sample 0's); None when n == 1.
+        note: why a row that ran is what it is where its fields alone do not say: a "length" output whose
+            max_tokens was cut to fit max_model_len (its prompt + max_tokens did not fit) names both numbers; None
+            otherwise (with n > 1, the first sample's note that is set).
     """
 
     request_id: str
@@ -65,6 +68,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     valid: bool | None = None
     samples: list[RequestOutput] | None = None
+    note: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,15 @@ from engine.text.tokenizer import Tokenizer
 CHILD_SEP = "\x1f"
 
 
+class PromptTooLong(ValueError):
+    """A prompt of more tokens than the engine's max_model_len leaves room for; `token_ids` is the prompt as it
+    would have run, so its error output can report its real length."""
+
+    def __init__(self, message: str, token_ids: list[int]) -> None:
+        super().__init__(message)
+        self.token_ids = token_ids
+
+
 def lpt_key(request: Request) -> int:
     """Admission order of an offline batch: longest first by prompt + max_tokens (the LPT rule, Graham 1969)."""
     return -(request.num_prompt_tokens + request.sampling_params.max_tokens)
@@ -76,8 +85,9 @@ class RequestBuilder:
         compile."""
         token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
-                             f"(max_model_len {self.max_model_len} includes at least one output token): shorten it")
+            raise PromptTooLong(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
+                                f"(max_model_len {self.max_model_len} includes at least one output token): shorten "
+                                "it", token_ids)
         if params.n == 1:
             children = [(request_id, params)]
         else:
@@ -104,7 +114,8 @@ class RequestBuilder:
         """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its requests
         ready to queue (one, or its n samples: _make_requests), or an error RequestOutput (finish_reason "error") for
         a prompt that cannot run. Host work: it touches no scheduler or cache state, so any thread may call it (it
-        registers each request's logits-processor state, keyed by request id). Raises ValueError when the lengths
+        registers each request's logits-processor state, keyed by request id). An over-long prompt's error output
+        has its prompt_token_ids (its real length); other error outputs have none. Raises ValueError when the lengths
         of prompts, params and ids differ, or ids repeat."""
         n = len(prompts)
         if sampling_params is None:
@@ -120,6 +131,7 @@ class RequestBuilder:
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             try:
                 prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens))
-            except ValueError as e:
-                prepared.append(RequestOutput(rid, [], [], "", "error", error=str(e)))
+            except ValueError as e:  # an over-long prompt's error output keeps its tokens: its real length
+                tokens = e.token_ids if isinstance(e, PromptTooLong) else []
+                prepared.append(RequestOutput(rid, tokens, [], "", "error", error=str(e)))
         return prepared

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
@@ -33,7 +34,7 @@ from jobs.errors import JobError
 from pipeline.input import absolute_url, file_version
 from pipeline.layout import staged_requests_path
 from pipeline.row_options import ROW_ERROR_COLUMN
-from pipeline.storage import commit_table, exists_now, output_fs, read_table
+from pipeline.storage import commit_table, exists_now, output_fs, read_fs, read_table
 from schemas.job_spec import Columns, JobSpec
 from schemas.sampling import SAMPLING_RANGES
 
@@ -42,7 +43,7 @@ COMPLETIONS_URL = "/v1/completions"
 # Body fields we accept when they ask for nothing we do not do: field -> the values that are fine.
 _NEUTRAL = {"stream": (False, None), "echo": (False, None), "parallel_tool_calls": (False, None),
             "tool_choice": ("none", None)}
-_IGNORED = ("model", "user", "metadata", "store")  # the job's model runs every row; the rest is bookkeeping
+_IGNORED = ("model", "user", "metadata", "store")  # the job's model runs every row (`model` is kept as request_model)
 # Body fields with the sampling field's own name and range (schemas.sampling), but logprobs (see _sampling).
 _NUMERIC = tuple(name for name in SAMPLING_RANGES if name != "logprobs")
 _OTHER = ("max_completion_tokens", "stop", "logprobs", "top_logprobs", "logit_bias", "response_format",
@@ -53,7 +54,8 @@ _COLUMNS = {"id": pa.string(), "messages": pa.list_(_MESSAGE), "prompt": pa.stri
             **{name: pa.int64() if SAMPLING_RANGES[name].integer else pa.float64() for name in SAMPLING_RANGES},
             "stop": pa.list_(pa.string()), "logit_bias": pa.string(), "json_schema": pa.string(),
             "json_object": pa.bool_(), "regex": pa.string(), "choices": pa.list_(pa.string()),
-            ROW_ERROR_COLUMN: pa.string()}
+            ROW_ERROR_COLUMN: pa.string(), "request_model": pa.string()}
+log = logging.getLogger(__name__)
 
 
 def is_openai_batch(url: str) -> bool:
@@ -192,7 +194,8 @@ def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
     if unsupported:
         raise _BadRequest(f"body fields {unsupported} are not supported (no streaming, echo or tools); remove them")
     prompt = {"messages": _messages(body)} if url == CHAT_URL else {"prompt": _prompt(body)}
-    return url, {**prompt, **_sampling(body, url == CHAT_URL)}
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    return url, {**prompt, **_sampling(body, url == CHAT_URL), "request_model": model}
 
 
 def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
@@ -200,12 +203,15 @@ def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
 
     `lines` are text, or raw bytes (decoded here as UTF-8, one line at a time: see batch_file_lines). Returns a table
     with columns id (custom_id; "line-<n>" when a line has none), messages (chat) or prompt (completions), the
-    per-row sampling columns (null where the request does not set them) and request_error (null, or why the line
-    cannot run, naming its line number and the fix). Blank lines are skipped. A line that is not UTF-8 or not JSON
-    is an error row; a repeated custom_id makes the later line an error row. The endpoint is that of the first
-    well-formed line (chat when there is none).
+    per-row sampling columns (null where the request does not set them), request_error (null, or why the line
+    cannot run, naming its line number and the fix) and request_model (the body's `model`, which the job's model
+    replaces: the export writes it beside ours). Blank lines are skipped. A line that is not UTF-8 or not JSON is
+    an error row; a repeated custom_id makes the later line an error row. The endpoint is that of the first
+    well-formed line (chat when there is none). Warns once (logging) when requests name models (the job's runs them)
+    or set max_tokens and max_completion_tokens to different values (max_completion_tokens is taken, as vLLM does).
     """
     rows: list[dict[str, Any]] = []
+    both: list[str] = []  # "custom_id (max_tokens, max_completion_tokens)" of requests that set both, differently
     endpoint: str | None = None
     seen: dict[str, int] = {}
     for line_no, line in enumerate(lines, start=1):
@@ -230,15 +236,32 @@ def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
                 raise _BadRequest(f"custom_id {custom_id!r} repeats line {seen[custom_id]}; custom_ids must be unique")
             seen[custom_id] = line_no
             url, values = _request(doc, endpoint)
+            body = doc["body"]
+            if body.get("max_completion_tokens") is not None and body.get("max_tokens") not in (
+                    None, body["max_completion_tokens"]):
+                both.append(f"{custom_id} ({body['max_tokens']}, {body['max_completion_tokens']})")
             endpoint = endpoint or url
             rows.append({"id": custom_id, **values})
         except _BadRequest as e:
             seen.setdefault(custom_id, line_no)
             rows.append({"id": custom_id, ROW_ERROR_COLUMN: f"line {line_no}: {e}"})
     endpoint = endpoint or CHAT_URL
+    _warn_once(both, sorted({r["request_model"] for r in rows if r.get("request_model")}))
     schema = pa.schema([(name, t) for name, t in _COLUMNS.items()
                         if name != ("prompt" if endpoint == CHAT_URL else "messages")])
     return pa.Table.from_pylist(rows, schema=schema), endpoint
+
+
+def _warn_once(both: list[str], models: list[str]) -> None:
+    """The batch file's two silent substitutions, each said once per file (a job stages its file once)."""
+    if both:
+        log.warning("%d requests set both max_tokens and max_completion_tokens, to different values (%s%s); "
+                    "max_completion_tokens is used (vLLM's rule; max_tokens is its older name)", len(both),
+                    ", ".join(both[:3]), ", ..." if len(both) > 3 else "")
+    if models:
+        log.warning("requests name the model%s %s; every row runs the job's model (--model) instead: the export "
+                    "writes each request's name as request_model beside the model that ran", "s" * (len(models) > 1),
+                    ", ".join(models[:5]) + (", ..." if len(models) > 5 else ""))
 
 
 # Byte order marks of the encodings a JSONL file is not in (UTF-8's own is skipped). UTF-32 first: its LE mark
@@ -285,13 +308,15 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
     """Convert the batch file into OUTPUT/_input/requests.parquet (create-only) and return (its URL, endpoint).
 
     A job that already staged it reuses it when the batch file is the same one (URL, size, version); a batch file
-    that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards.
+    that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards. A
+    batch file refused as unreadable (read_batch_file) creates nothing: OUTPUT's folder is made only to stage.
     """
-    fs, root = output_fs(output_url)
+    fs, root = read_fs(output_url)
     staged = staged_requests_path(root)
     if not exists_now(fs, staged):
-        table, _, source = read_batch_file(input_url)
+        table, _, source = read_batch_file(input_url)  # a file refused here leaves no OUTPUT folder behind
         meta = {f"tokenmill.{k}".encode(): v.encode() for k, v in source.items()}
+        fs, root = output_fs(output_url)
         commit_table(fs, staged, table.replace_schema_metadata(meta))
     meta = {k.decode().removeprefix("tokenmill."): v.decode()
             for k, v in (read_table(fs, staged).schema.metadata or {}).items() if k.startswith(b"tokenmill.")}
@@ -321,6 +346,3 @@ def prepare_spec(spec: JobSpec) -> JobSpec:
         return spec
     staged, endpoint = stage_batch_file(spec.input, spec.output)
     return batch_spec(spec, staged, endpoint)
-
-
-# --- out -------------------------------------------------------------------------------------------------------------

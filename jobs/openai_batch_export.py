@@ -6,22 +6,27 @@ input order: `id`, `custom_id`, `response` {`status_code` 200, `request_id`, `bo
 text_completion object with `choices` and `usage`} and `error` null; an error row has `response` null and `error`
 {`code`, `message`}. With n > 1 the body has n `choices`; with logprobs each choice has them in OpenAI's shape
 (chat: `logprobs.content` [{token, logprob, bytes, top_logprobs}]; completions: `logprobs` {tokens, token_logprobs,
-top_logprobs, text_offset}).
+top_logprobs, text_offset}, text_offset in characters from the start of the prompt, as OpenAI's legacy completions
+count it without echo: the first token's offset is the prompt's length). The body's `model` is the model that ran;
+`request_model` beside it is the request's own `model`, when it named one (the job's model replaced it).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import pyarrow.parquet as pq
+
 from jobs.errors import JobError
-from pipeline.layout import MANIFEST
+from pipeline.input import Shard
+from pipeline.layout import MANIFEST, STAGED_REQUESTS
 from pipeline.manifest import InputManifest, read_manifest
 from pipeline.record import ShardRecord
-from pipeline.storage import read_fs
+from pipeline.storage import read_fs, read_table
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,22 @@ def _is_chat(manifest: InputManifest) -> bool:
         manifest.options.get("use_chat_template"))
 
 
+def _input_reader(manifest: InputManifest) -> Callable[[Shard, str], list[Any] | None]:
+    """read(shard, column): the input file's values of `column` (all its rows, indexed by input_row), or None when
+    the file has no such column; each file's column is read once."""
+    cache: dict[tuple[str, str], list[Any] | None] = {}
+
+    def read(shard: Shard, column: str) -> list[Any] | None:
+        key = (shard.url, column)
+        if key not in cache:
+            fs, path = read_fs(shard.url)
+            with fs.open(path, "rb") as f:
+                names = pq.ParquetFile(f).schema_arrow.names
+            cache[key] = read_table(fs, path, [column]).column(column).to_pylist() if column in names else None
+        return cache[key]
+    return read
+
+
 def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
     """The OpenAI batch output objects of the job at OUTPUT, one per committed result row in input order (shards in
     manifest order, rows in shard order); then, for each shard without committed results, its id (a str).
@@ -54,6 +75,7 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
         raise JobError(f"no job at {output_url}: its input manifest ({MANIFEST}) is missing")
     fs, root = read_fs(output_url)
     chat = _is_chat(manifest)
+    read_input = _input_reader(manifest)
     for shard in manifest.shards():
         record = ShardRecord(fs, root, shard.shard_id)
         accounting = record.accounting
@@ -61,24 +83,33 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
             yield shard.shard_id
             continue
         created = int(accounting["finished_at"].timestamp())
-        for row in record.results().to_pylist():
+        rows = record.results().to_pylist()
+        # Completions' text_offset counts from the prompt's start; staged batch files keep each request's model.
+        need_prompts = not chat and any(r["logprobs"] is not None or r.get("samples") for r in rows)
+        prompts = read_input(shard, manifest.prompt_column) if need_prompts else None
+        request_models = read_input(shard, "request_model") if manifest.input.endswith(STAGED_REQUESTS) else None
+        for row in rows:
             key = _stable_id(manifest.input, manifest.created_at, row["id"])
             line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": row["id"]}
             if row["error"] is not None:
                 yield {**line, "response": None, "error": {"code": "invalid_request", "message": row["error"]}}
                 continue
             samples = row.get("samples") or [row]  # results written before n, logprobs existed have neither
+            start = len(prompts[row["input_row"]] or "") if prompts else 0
+            requested = request_models[row["input_row"]] if request_models else None
             body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
                     "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": row["model"], "choices": [_choice(i, s, chat) for i, s in enumerate(samples)],
+                    "model": row["model"], **({"request_model": requested} if requested else {}),
+                    "choices": [_choice(i, s, chat, start) for i, s in enumerate(samples)],
                     "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
                               "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
             yield {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
 
 
-def _choice(index: int, sample: dict[str, Any], chat: bool) -> dict[str, Any]:
+def _choice(index: int, sample: dict[str, Any], chat: bool, prompt_chars: int = 0) -> dict[str, Any]:
     """One `choices[]` entry of a response body from a result row or one of its samples, logprobs in OpenAI's
-    shape for the endpoint (None when not asked for)."""
+    shape for the endpoint (None when not asked for); a completion's text_offset starts at `prompt_chars`, the
+    prompt's length in characters (OpenAI's legacy field counts from the prompt's start)."""
     text, logprobs = sample["completion"], sample.get("logprobs")
     if logprobs is None:
         shaped = None
@@ -90,7 +121,7 @@ def _choice(index: int, sample: dict[str, Any], chat: bool) -> dict[str, Any]:
                                "top_logprobs": [entry(t["token"], t["logprob"]) for t in e["top_logprobs"]]}
                               for e in logprobs], "refusal": None}
     else:
-        offsets, at = [], 0
+        offsets, at = [], prompt_chars
         for e in logprobs:
             offsets.append(at)
             at += len(e["token"])

@@ -111,6 +111,13 @@ def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
     return output_tokens / cost_usd if cost_usd > 0 else None
 
 
+def ran_prompt_tokens(results: pa.Table) -> int:
+    """Prompt tokens of the rows that ran (error null): an error row's prompt was never computed, though its
+    prompt_tokens says how long it was (an over-long prompt's real length)."""
+    ran = pc.is_null(results.column("error"))
+    return int(pc.sum(pc.filter(results.column("prompt_tokens"), ran)).as_py() or 0)
+
+
 def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
                    wall_s: float, generated_tokens: int, device_s: float, earlier: EarlierAttempts, rows_resumed: int,
                    kv_preemptions: int, device: str, dtype: str, quantization: str, model: str,
@@ -132,7 +139,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
     return {
         "shard_id": shard_id, "attempt": attempt, "input_path": input_path, "row_start": row_start,
         "row_end": row_start + rows, "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
-        "input_tokens": int(pc.sum(results.column("prompt_tokens")).as_py() or 0), "output_tokens": out_tokens,
+        "input_tokens": ran_prompt_tokens(results), "output_tokens": out_tokens,
         "wall_s": wall_s, "output_tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
         "device": device, "dtype": dtype, "quantization": quantization, "price_per_hour_usd": price_per_hour_usd,
         "cost_usd": cost, "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),

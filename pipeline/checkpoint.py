@@ -124,7 +124,7 @@ def part_table(rows: list[tuple[int, RequestOutput]], model: str, model_fingerpr
         "model": model, "model_fingerprint": model_fingerprint, "logprobs": _logprobs(o), "valid": o.valid,
         "samples": None if o.samples is None else [
             {"completion": s.text, "finish_reason": s.finish_reason, "completion_tokens": s.num_output_tokens,
-             "valid": s.valid, "logprobs": _logprobs(s)} for s in o.samples],
+             "valid": s.valid, "logprobs": _logprobs(s)} for s in o.samples], "note": o.note,
         "row": k, "kv_preemptions": o.num_preemptions, "latency_s": o.latency_s} for k, o in rows],
         schema=CHECKPOINT_PART_SCHEMA)
 

@@ -50,7 +50,8 @@ class ShardInterrupted(RuntimeError):
 
     Attributes:
         rows_committed: rows of the shard committed so far, by every attempt (rows).
-        rows_in_flight: rows this attempt had taken on and left uncommitted; the next attempt runs them (rows).
+        rows_in_flight: rows of the shard left uncommitted, which the next attempt runs: those this attempt had
+            taken on, or every uncommitted row when it stopped before starting (rows).
     Run the shard again (anywhere) to resume: only uncommitted rows are generated.
     """
 
@@ -103,7 +104,8 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         return record.accounting
     with StopSignal.from_env(output_url, notices=watch_notices) as notice:
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
-            raise ShardInterrupted(len(record.committed_rows()), 0)
+            done = len(record.committed_rows())
+            raise ShardInterrupted(done, max(0, shard.num_rows - done))
         t0 = time.monotonic()
         with DeviceClock(engine.idle if isinstance(engine, EngineLoop) else None) as clock:
             attempt = record.claim(cfg.heartbeat_seconds)

@@ -36,7 +36,9 @@ _ROW_FIELDS = [
                                                  "column. Ids may repeat: input_file + input_row name a row"}),
     pa.field("completion", pa.string(), metadata={"doc": "generated text; empty on error"}),
     pa.field("finish_reason", pa.string(), nullable=False, metadata={"doc": "stop | length | error"}),
-    pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={"doc": "prompt length in tokens"}),
+    pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={
+        "doc": "prompt length in tokens (an over-long prompt's error row too); 0 for an error row whose prompt was "
+               "never tokenized (null, empty, malformed)"}),
     pa.field("completion_tokens", pa.int32(), nullable=False,
              metadata={"doc": "generated tokens (with n > 1: of all n samples, as OpenAI's usage counts them)"}),
     pa.field("error", pa.string(), metadata={"doc": "null when the row ran; else what was wrong and the fix"}),
@@ -49,6 +51,10 @@ _ROW_FIELDS = [
     pa.field("samples", SAMPLES_TYPE, metadata={
         "doc": "null unless n > 1; else the n samples in order, each with its completion, finish_reason, "
                "completion_tokens, valid and logprobs (the row's own completion and finish_reason are sample 0's)"}),
+    pa.field("note", pa.string(), metadata={
+        "doc": "null, or what a row that ran needs said beside its fields: a finish_reason length row whose "
+               "max_tokens was cut to fit --max-model-len (prompt + max_tokens did not fit) names both; null in "
+               "results written before the column existed"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
@@ -67,7 +73,8 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("rows", pa.int64(), nullable=False),
     pa.field("rows_ok", pa.int64(), nullable=False),
     pa.field("rows_error", pa.int64(), nullable=False),
-    pa.field("input_tokens", pa.int64(), nullable=False, metadata={"doc": "prompt tokens, tokens"}),
+    pa.field("input_tokens", pa.int64(), nullable=False, metadata={
+        "doc": "prompt tokens of the rows that ran (error rows' prompts were never computed), tokens"}),
     pa.field("output_tokens", pa.int64(), nullable=False, metadata={"doc": "completion tokens, tokens"}),
     pa.field("wall_s", pa.float64(), nullable=False, metadata={"doc": "this attempt's generation wall time, seconds"}),
     pa.field("output_tokens_per_s", pa.float64(), nullable=False,

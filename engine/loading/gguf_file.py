@@ -9,7 +9,9 @@ torch order).
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,8 @@ from engine.model.architectures import ARCHITECTURES, get_architecture, hf_to_gg
 from engine.model.tensor_names import EMBEDDING, check_tensor_names, model_param_names
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import LM_HEAD, is_linear_weight
+
+log = logging.getLogger(__name__)
 
 
 def open_gguf(path: str) -> Any:
@@ -110,6 +114,9 @@ def read_gguf_config(reader: object) -> ModelConfig:
     stops = tuple(dict.fromkeys(int(i) for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id"),
                                                  _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None))
     window = _field(reader, f"{arch}.attention.sliding_window")
+    if arch == "llama" and not window:
+        _warn_mistral_without_window(str(_field(reader, "general.name") or ""),
+                                     str(_field(reader, "general.basename") or ""))
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -131,6 +138,22 @@ def read_gguf_config(reader: object) -> ModelConfig:
         eos_token_ids=stops,
         sliding_window=int(window) if window else None,
     )
+
+
+@functools.cache
+def _warn_mistral_without_window(name: str, basename: str) -> None:
+    """Warn, once per model name, when a llama GGUF names a Mistral model but has no sliding-window key.
+
+    llama.cpp's convert_hf_to_gguf.py writes Mistral as architecture "llama" without `llama.attention.sliding_window`,
+    so such a file runs with full attention. Only the name in its metadata (general.name / general.basename) says
+    it came from Mistral: whether its Hugging Face config had a window (Mistral 7B v0.1: 4096; v0.2 and later: none)
+    is not in the file, so the warning says what follows in either case."""
+    if not re.search(r"mistral", f"{name} {basename}", re.IGNORECASE):
+        return
+    log.warning("the GGUF %r names a Mistral model but holds no sliding window (llama.cpp's converter writes none): "
+                "it runs with full attention. Where the Hugging Face config has a window (Mistral 7B v0.1: 4096 "
+                "tokens), sequences longer than the window differ from Hugging Face's; load the Hugging Face folder "
+                "to keep it", name or basename)
 
 
 def _gguf_rope_scaling(reader: object, arch: str, rope_freqs: Any, max_pos: int) -> RopeScaling | None:

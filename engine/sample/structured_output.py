@@ -28,6 +28,9 @@ from typing import Any
 from engine.sampling_params import StructuredOutputsParams
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message a user can act on.
+# JSON outputs have one layout, no free whitespace: json.dumps' default separators (", " between items, ": " after a
+# key), no newlines or indentation, so `{"answer": 16}` is the only spelling of that object a row can produce.
+JSON_SEPARATORS = (", ", ": ")
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -83,9 +86,11 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         try:
             if spec.json_schema is not None:
-                return compiler.compile_json_schema(spec.json_schema, any_whitespace=False)
+                return compiler.compile_json_schema(spec.json_schema, any_whitespace=False,
+                                                    separators=JSON_SEPARATORS)
             if spec.json_object:  # an object, as OpenAI's json_object (xgrammar's builtin JSON also takes arrays)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                    separators=JSON_SEPARATORS)
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             # A choice is a string literal of the grammar; JSON escapes are EBNF string escapes.

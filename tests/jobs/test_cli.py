@@ -278,3 +278,22 @@ def test_cluster_options_are_the_spec_cluster_section() -> None:
         with pytest.raises(JobError, match=field) as e:
             ClusterOptions(**bad)
         assert e.value.exit_code == 2
+
+
+def test_the_readmes_exit_code_table_has_every_code_and_command() -> None:
+    """README's exit-codes table: a row for every EXIT_* code of jobs.errors, and a column for every command that
+    exits with a code of its own (before: run/submit and status only; export's 1 and the others' 2 were unlisted)."""
+    import re
+
+    import jobs.errors as errors
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("  | code |"):]
+    table = table[:table.index("\n\n")]
+    header, _, *rows = table.splitlines()
+    assert all(f"`{c}`" in header for c in ("run", "submit", "status", "cancel", "export", "report", "quantize",
+                                            "perplexity"))
+    listed = {int(c) for row in rows for c in re.findall(r"\d+", row.split("|")[1])}
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    assert codes <= listed, codes - listed
+    assert all(row.count("|") == header.count("|") for row in rows)  # every row fills every column

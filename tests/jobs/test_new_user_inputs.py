@@ -168,3 +168,8 @@ def test_a_utf16_or_utf32_batch_file_is_refused_naming_its_encoding(encoding: st
     path.write_bytes(_batch_line("a", gsm8k_questions[0]).decode().encode(encoding))  # with the encoding's BOM
     with pytest.raises(JobError, match=rf"is {encoding.upper()} encoded .*save it as UTF-8"):
         read_batch_file(str(path))
+    # `tokenmill run` refuses it (exit 2) and leaves nothing behind: no OUTPUT folder, empty or not.
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(path), str(out), "--json"])
+    assert res.exit_code == 2 and f"is {encoding.upper()} encoded" in res.stderr, res.output
+    assert not out.exists()

@@ -249,3 +249,43 @@ def test_control_token_text_in_batch_requests_is_text(tmp_path: Path, engine: LL
     assert results == {cid: len(engine.tokenizer.apply_chat_template(m)) for cid, m in safe.items()}
     assert all(results[cid] != len(engine.tokenizer.apply_chat_template(m, allow_special_tokens=True))
                for cid, m in safe.items())
+
+
+def test_completions_export_counts_text_offset_from_the_prompt_and_keeps_the_request_model(
+        tmp_path: Path, gsm8k_questions: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """/v1/completions with logprobs: text_offset counts characters from the prompt's start (OpenAI's legacy field:
+    the first token's offset is the prompt's length); a request's own `model` is written beside the one that ran;
+    max_tokens beside a different max_completion_tokens takes the latter, and both substitutions are warned about
+    once per job (the staging run), not at a rerun."""
+    prompts = [gsm8k_questions[410], gsm8k_questions[411] + " Answer: "]
+    bodies = [{"model": "gpt-3.5-turbo-instruct", "prompt": prompts[0], "logprobs": 2, "max_tokens": 20,
+               "max_completion_tokens": 4},
+              {"prompt": prompts[1], "logprobs": 0, "n": 2, "temperature": 0.8, "seed": 3, "max_tokens": 3}]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": COMPLETIONS_URL,
+                                            "body": b}) + "\n" for i, b in enumerate(bodies)))
+    out = tmp_path / "out"
+    args = ["run", str(requests), str(out), "--max-tokens", "8", "--json"]
+    with caplog.at_level("WARNING", logger="jobs.openai_batch"):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        again = runner.invoke(app, args)
+        assert again.exit_code == 0, again.output
+    warned = [r.getMessage() for r in caplog.records if r.name == "jobs.openai_batch"]
+    assert len(warned) == 2, warned  # each once, at the run that staged the file
+    assert "1 requests set both max_tokens and max_completion_tokens" in warned[0] and "c0 (20, 4)" in warned[0]
+    assert "gpt-3.5-turbo-instruct" in warned[1] and "request_model" in warned[1]
+
+    exported = runner.invoke(app, ["export", str(out)])
+    assert exported.exit_code == 0, exported.output
+    got = {g["custom_id"]: g["response"]["body"] for g in map(json.loads, exported.stdout.splitlines())}
+    results = {r["id"]: r for r in pq.read_table(out / "results").to_pylist()}
+    assert got["c0"]["model"] == results["c0"]["model"] and got["c0"]["request_model"] == "gpt-3.5-turbo-instruct"
+    assert "request_model" not in got["c1"]
+    assert got["c0"]["usage"]["completion_tokens"] == 4  # max_completion_tokens, not max_tokens 20
+    for cid, prompt in zip(("c0", "c1"), prompts, strict=True):
+        for choice in got[cid]["choices"]:
+            lp = choice["logprobs"]
+            assert lp["text_offset"][0] == len(prompt) and len(lp["tokens"]) == len(lp["text_offset"]) > 0
+            offsets = lp["text_offset"]
+            assert all(b - a == len(t) for a, b, t in zip(offsets[:-1], offsets[1:], lp["tokens"][:-1], strict=True))

@@ -157,9 +157,25 @@ def test_notice_file_and_cancel_marker_stop_the_shard(real_waves: LLMEngine, sha
     # While the notice or the marker is there, a new run commits and claims nothing.
     with pytest.raises(ShardInterrupted) as again:
         run_shard(waves, shard, "question", out, shard_cfg())
-    assert (again.value.rows_committed, again.value.rows_in_flight) == (stopped.value.rows_committed, 0)
+    # Its summary line is true: the rows not committed are left for the next attempt (before: "0 left").
+    assert (again.value.rows_committed, again.value.rows_in_flight) == (stopped.value.rows_committed,
+                                                                        ROWS - stopped.value.rows_committed)
     fs, root = output_fs(out)
     assert list_attempts(fs, root, shard.shard_id).latest == 1
+
+
+def test_a_shard_cancelled_before_it_starts_says_all_its_rows_are_left(waves: LLMEngine, shard: Shard,
+                                                                        tmp_path: Path) -> None:
+    """A queued shard that meets the cancel marker (Ctrl-C's path) claims nothing and says so truly: 0 rows
+    committed, all ROWS left for the next attempt (before: '0 rows committed, 0 left for the next attempt')."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "_CANCEL").touch()
+    with pytest.raises(ShardInterrupted) as stopped:
+        run_shard(waves, shard, "question", str(out), shard_cfg())
+    assert (stopped.value.rows_committed, stopped.value.rows_in_flight) == (0, ROWS)
+    assert f"0 rows committed, {ROWS} left for the next attempt" in str(stopped.value)
+    assert not (out / "attempts").exists()
 
 
 class _NoticeServer(BaseHTTPRequestHandler):

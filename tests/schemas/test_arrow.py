@@ -14,7 +14,7 @@ from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 def test_results_schema_columns_types_and_nullability() -> None:
     assert RESULTS_SCHEMA.names == ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
                                     "error", "model", "model_fingerprint", "logprobs", "valid", "samples",
-                                    "input_file", "input_row"]
+                                    "note", "input_file", "input_row"]
     types = {f.name: f.type for f in RESULTS_SCHEMA}
     assert types["id"] == pa.string() and types["prompt_tokens"] == pa.int32() == types["completion_tokens"]
     assert types["input_row"] == pa.int64()
@@ -22,7 +22,7 @@ def test_results_schema_columns_types_and_nullability() -> None:
     # error is null exactly when the row ran; a null id stays null (input_file + input_row name every row); a row of
     # a job started before models were pinned has no model_fingerprint; logprobs, valid and samples are null unless
     # asked for (and in results written before they existed)
-    assert nullable == {"id", "completion", "error", "model_fingerprint", "logprobs", "valid", "samples"}
+    assert nullable == {"id", "completion", "error", "model_fingerprint", "logprobs", "valid", "samples", "note"}
     assert types["valid"] == pa.bool_()
     assert types["logprobs"].value_type.field("top_logprobs").type.value_type.field("logprob").type == pa.float32()
 

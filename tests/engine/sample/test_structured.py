@@ -34,6 +34,8 @@ def test_json_schema_outputs_validate_and_length_rows_are_flagged(engine: LLMEng
     for o in stopped:
         assert o.valid is True
         jsonschema.validate(json.loads(o.text), ANSWER_SCHEMA)
+        # One layout (README): json.dumps' separators, no other whitespace, so not the compact ',' / ':'.
+        assert o.text == json.dumps(json.loads(o.text), ensure_ascii=False) and '": ' in o.text
     # Cut short by max_tokens: "length", and flagged not valid.
     short = engine.generate(prompts[:1], _schema_params(max_tokens=3))[0]
     assert short.finish_reason == "length" and short.valid is False
