@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
-from engine.model.architectures import config_from_hf
-from engine.model.tensor_names import LM_HEAD, check_tensor_names
+from engine.model.architectures import config_from_hf, get_architecture
+from engine.model.tensor_names import LM_HEAD, check_tensor_names, split_fused
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +65,8 @@ def _hf_param_name(key: str) -> str:
 
 def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
-    against `cfg`'s architecture. Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
+    against `cfg`'s architecture (a family with fused projections, Phi-3, keeps its fused names: qkv_proj,
+    gate_up_proj). Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
     from safetensors import safe_open
 
     out = {}
@@ -75,7 +76,7 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
                 if key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
                     continue
                 out[_hf_param_name(key)] = (file, key)
-    check_tensor_names(out, cfg, path)
+    check_tensor_names(out, cfg, path, fused=get_architecture(cfg.architecture).fused_projections)
     return out
 
 
@@ -89,8 +90,8 @@ def check_hf_folder(path: str) -> ModelConfig:
 
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
-    from the safetensors files; every name checked before the first is read. Raises ValueError as
-    hf_tensor_index."""
+    from the safetensors files (fused Q/K/V and gate/up split into their parts: engine.model.tensor_names.split_fused);
+    every name checked before the first is read. Raises ValueError as hf_tensor_index."""
     from safetensors import safe_open
 
     index = hf_tensor_index(path, cfg)
@@ -101,4 +102,4 @@ def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
     for file, items in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name, key in items:
-                yield name, f.get_tensor(key).to(dtype)
+                yield from split_fused(name, f.get_tensor(key).to(dtype), cfg)
