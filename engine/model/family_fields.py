@@ -57,14 +57,16 @@ def gemma2_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def gemma3_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3 text (HF Gemma3TextConfig): 5 sliding layers to 1 global by default (`sliding_window_pattern`), the
+    """Gemma 3 text (HF Gemma3TextConfig): 5 sliding layers to 1 global by default (`layer_types`, else
+    `sliding_window_pattern`, or `_sliding_window_pattern` as transformers 5 writes it), the
     global layers' RoPE (rope_theta, default 1e6, and its scaling) and the sliding layers' base
     (`rope_local_base_freq`, default 1e4, unscaled); transformers 5 writes both as `rope_parameters` by layer type.
     Attention soft-capping, which HF's Gemma 3 does not apply, is refused. Raises ValueError."""
     if config.get("attn_logit_softcapping") is not None:
         raise ValueError(f"config.json sets attn_logit_softcapping={config['attn_logit_softcapping']!r}, which "
                          "Gemma 3 does not use (HF transformers ignores it); remove it")
-    out = _gemma_common(config, _layer_types(config, int(config.get("sliding_window_pattern") or GEMMA3_PATTERN)))
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or GEMMA3_PATTERN
+    out = _gemma_common(config, _layer_types(config, int(pattern)))
     out["final_logit_softcapping"] = config.get("final_logit_softcapping")
     params = config.get("rope_parameters") or {}
     if "sliding_attention" in params or "full_attention" in params:
