@@ -36,7 +36,7 @@ _IGNORED_FIELDS = frozenset({
     # and of HF's runtime
     "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
     "use_bidirectional_attention", "cache_implementation", "original_max_position_embeddings", "resid_pdrop",
-    "embd_pdrop", "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+    "embd_pdrop", "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
 })
 _SILU = ("silu", "swish")
 #: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.

@@ -43,7 +43,7 @@ def hf_config(family: str, vocab: int):
         # LongRoPE with an original context of 32 tokens: every prompt is longer, so HF uses the long factors, as
         # the engine does for a context (2048) past the original one
         half = 16 // 2
-        return transformers.Phi3Config(vocab_size=vocab, num_hidden_layers=2, sliding_window=40,
+        return transformers.Phi3Config(vocab_size=vocab, num_hidden_layers=2, sliding_window=28,
                                        original_max_position_embeddings=32, tie_word_embeddings=False, **SHAPE,
                                        rope_scaling={"type": "longrope",
                                                      "short_factor": [1.0 + 0.2 * i for i in range(half)],
@@ -88,9 +88,10 @@ def tokenizer_fields(tokenizer_gguf: str) -> list:
             for name, f in reader.fields.items() if name.startswith("tokenizer.")]
 
 
-def write_gguf(path: Path, family: str, model, tok_fields: list) -> None:
-    """The model as llama.cpp's converter writes it (F32 tensors): Gemma's norms + 1, soft-caps and window; Phi-3's
-    fused tensors under attn_qkv / ffn_up, its LongRoPE factors, original context and attention factor."""
+def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str, ...] = ()) -> None:
+    """The model as llama.cpp's converter writes it (F32 tensors, those whose GGUF name contains one of `q4_0` in
+    Q4_0): Gemma's norms + 1, soft-caps and window; Phi-3's fused tensors under attn_qkv / ffn_up, its LongRoPE
+    factors, original context and attention factor."""
     import gguf
 
     cfg, arch = model.config, GGUF_ARCH[family]
@@ -136,7 +137,11 @@ def write_gguf(path: Path, family: str, model, tok_fields: list) -> None:
             a = a + 1.0
         tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
     for name, a in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        if any(part in name for part in q4_0):
+            qtype = gguf.GGMLQuantizationType.Q4_0
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
