@@ -15,7 +15,9 @@ from schemas.engine_choices import (
     choice_problem,
 )
 
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activation: SwiGLU, or GeGLU with tanh-approximate GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class RopeScaling:
     Attributes:
         rope_type: "linear" (position interpolation, Chen et al. 2023: inv_freq / factor), "dynamic" (dynamic NTK:
             the base grows with the sequence length past max_position_embeddings), "yarn" (Peng et al., YaRN, 2023)
-            or "llama3" (Meta Llama 3.1's wavelength-banded scaling).
+            "llama3" (Meta Llama 3.1's wavelength-banded scaling) or "longrope" (Ding et al., "LongRoPE", 2024;
+            Phi-3: per-frequency divisors, `short_factor` or `long_factor` by the context the engine runs).
         factor: the scaling factor (all types).
         original_max_position_embeddings: pretraining context (llama3, yarn).
         low_freq_factor / high_freq_factor: llama3's band edges.
@@ -34,6 +37,11 @@ class RopeScaling:
             transformers' defaults).
         freq_factors: per-frequency divisors of the unscaled inv_freq [head_dim / 2] (GGUF `rope_freqs.weight`, as
             llama.cpp's converter writes Llama 3's scaling); when set they are used instead of the llama3 formula.
+        short_factor / long_factor: longrope's per-frequency divisors [head_dim / 2]: the long ones when the engine's
+            context (max_model_len) exceeds original_max_position_embeddings, else the short ones (as vLLM and
+            llama.cpp choose them; HF transformers picks per forward call by the sequence's length, which equals this
+            for every sequence when the context is within the original one, and for sequences longer than it
+            otherwise). attention_factor multiplies cos/sin (default sqrt(1 + ln(factor) / ln(original))).
 
     Raises:
         ValueError: for an unknown rope_type or a missing parameter.
@@ -51,13 +59,16 @@ class RopeScaling:
     attention_factor: float | None = None
     truncate: bool = True
     freq_factors: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES[1:]:
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not implemented; tokenmill runs "
                              f"{', '.join(ROPE_TYPES[1:])} (or none)")
-        if self.freq_factors is not None:
-            object.__setattr__(self, "freq_factors", tuple(float(f) for f in self.freq_factors))
+        for name in ("freq_factors", "short_factor", "long_factor"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
         if self.factor <= 0:
             raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3" and self.freq_factors is None and None in (
@@ -66,6 +77,10 @@ class RopeScaling:
                              "original_max_position_embeddings (or GGUF rope_freqs)")
         if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
             raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None
+                                             or self.original_max_position_embeddings is None):
+            raise ValueError("rope_scaling longrope needs short_factor, long_factor and "
+                             "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,26 @@ class ModelConfig:
             <|eot_id|> and <|end_of_text|>); eos_token_id is one of them.
         sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
             i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
-            boundary as HF transformers' `sliding_window_overlay`). None: full causal attention.
+            boundary as HF transformers' `sliding_window_overlay`). None: full causal attention. With layer_types,
+            only the "sliding_attention" layers use it.
+        layer_types: per layer "full_attention" or "sliding_attention" (Gemma 2/3: local and global layers
+            interleaved); () = every layer alike (sliding_window, when set, on all of them).
+        hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
+            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020).
+        norm_weight_offset: every RMSNorm multiplies by (offset + weight), computed in fp32 (Gemma: 1.0, its
+            weights stored centred on 0); 0.0: by weight.
+        embedding_scale: the token embeddings are multiplied by this (Gemma: sqrt(hidden_size), rounded to the
+            model's dtype as HF transformers does); None: not scaled.
+        query_pre_attn_scalar: attention scores scale by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+            (Gemma).
+        attn_logit_softcapping: attention scores s (after the scale) become c * tanh(s / c) before the mask and
+            softmax (Gemma 2, c = 50); None: not capped.
+        final_logit_softcapping: the LM head's logits become c * tanh(logits / c) (Gemma 2, c = 30).
+        sandwich_norms: each block also normalizes its attention output and its MLP output before the residual
+            add (post_attention_layernorm on the attention output, pre_feedforward_layernorm before the MLP,
+            post_feedforward_layernorm after it: Gemma 2/3); False: Llama's pre-norm blocks.
+        rope_local_theta: the RoPE base of the "sliding_attention" layers, with no RoPE scaling (Gemma 3's
+            rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -119,8 +153,18 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    embedding_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sandwich_norms: bool = False
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         ids = tuple(int(i) for i in self.eos_token_ids)
@@ -140,6 +184,33 @@ class ModelConfig:
                                                 or self.sliding_window < 1):
             raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1 (tokens), got "
                              f"{self.sliding_window!r}")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The fields of the Gemma / Phi variants: Raises ValueError naming a bad value."""
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise ValueError(f"ModelConfig.layer_types must list {self.num_layers} of {LAYER_TYPES}, got "
+                             f"{self.layer_types}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented; tokenmill runs {HIDDEN_ACTS}")
+        for name in ("embedding_scale", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be None or > 0, got {value!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full causal attention there)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_is_local(self, layer: int) -> bool:
+        """Whether layer `layer` takes the local RoPE table (rope_local_theta set and a sliding layer)."""
+        return self.rope_local_theta is not None and self.layer_window(layer) is not None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:

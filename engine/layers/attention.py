@@ -8,6 +8,10 @@ Language Model Serving with PagedAttention" (SOSP 2023).
 Sliding-window attention (Mistral; Jiang et al., "Mistral 7B", 2023): every paged attention function takes
 `sliding_window=W`; when set, the query at position i sees only keys j with i - W < j <= i (its last W keys, itself
 included: HF transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`). None: full causal attention.
+Models may give each layer its own window (Gemma: sliding and global layers); a step keeps one BatchPlan per window.
+
+Soft-capping (Gemma 2; Gemma Team, "Gemma 2", 2024): with `softcap=c` each scaled score s becomes c * tanh(s / c)
+before the mask and the softmax, as HF transformers' eager Gemma 2 attention computes it.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ class AttentionMetadata:
         query_lens: list of B ints (host), new tokens per request this step.
         seq_lens_host: list of B ints (host), the same as seq_lens.
         decode_only: True when every request has exactly one new token (the fast decode path).
-        plan: the torch path's batching of this step (BatchPlan), built on first use and then shared by every
-            layer; the Triton kernels do not read it.
+        plan: the torch path's batching of this step (BatchPlan) for the last window asked, built on first use and
+            then shared by every layer with that window; the Triton kernels do not read it.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +53,7 @@ class AttentionMetadata:
     plan: BatchPlan | None = None
     _leading_decodes: int | None = None
     _prefill_pairs: int | None = None
+    _plans: dict[tuple[int | None, torch.dtype], BatchPlan] | None = None
 
     def max_prefill_pairs(self) -> int:
         """The most (query, key) pairs of one prefill chunk of the step (q_len x seq_len; 0 when all decode)."""
@@ -69,11 +74,14 @@ class AttentionMetadata:
 
     def batch_plan(self, block_size: int, dtype: torch.dtype, sliding_window: int | None = None) -> BatchPlan:
         """This step's BatchPlan for KV blocks of `block_size` tokens, attention in `dtype` and `sliding_window`
-        (None: full causal), built once (every layer of a model shares the window) and rebuilt if the window
-        changes."""
-        if self.plan is None or self.plan.sliding_window != sliding_window:
-            self.plan = BatchPlan.build(self, block_size, dtype, sliding_window)
-        return self.plan
+        (None: full causal), built once per window and dtype (models with sliding and global layers use two)."""
+        if self._plans is None:
+            self._plans = {}
+        plan = self._plans.get((sliding_window, dtype))
+        if plan is None:
+            plan = self._plans[(sliding_window, dtype)] = BatchPlan.build(self, block_size, dtype, sliding_window)
+        self.plan = plan
+        return plan
 
     @classmethod
     def single_prefill(cls, n: int, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -210,8 +218,29 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: 
     return ctx if ctx.dtype == dtype else ctx.to(dtype)
 
 
+def check_softcap(softcap: float | None) -> None:
+    """Raise ValueError unless `softcap` is None or a number > 0."""
+    if softcap is not None and (isinstance(softcap, bool) or not softcap > 0):
+        raise ValueError(f"softcap must be None or > 0, got {softcap!r}")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          softcap: float | None, gqa: bool = False) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, or with `softcap` its eager form with the scores capped (fp32
+    softmax, as HF's eager attention): q [..., H, Lq, D], k/v [..., Hkv, L, D] (Hkv = H, or with `gqa` any divisor
+    of H), mask additive, broadcast to [..., H, Lq, L]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan,
-                    scale: float) -> torch.Tensor:
+                    scale: float, softcap: float | None = None) -> torch.Tensor:
     """The decode rows of `plan` through one SDPA call: [Bd, num_heads, head_dim]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -222,12 +251,12 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
     # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
     group = num_heads // num_kv_heads
-    return F.scaled_dot_product_attention(qd.view(b, num_kv_heads, group, head_dim), k, v,
-                                          attn_mask=plan.decode_mask, scale=scale).reshape(b, num_heads, head_dim)
+    return _sdpa(qd.view(b, num_kv_heads, group, head_dim), k, v, plan.decode_mask, scale, softcap).reshape(
+        b, num_heads, head_dim)
 
 
 def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan, scale: float,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, softcap: float | None = None) -> None:
     """The prefill rows of `plan` through one SDPA call over the padded chunks, written into `out` [T, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = plan.prefill_mask.shape[0]
@@ -236,13 +265,14 @@ def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
     k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
     v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=plan.prefill_mask, scale=scale, enable_gqa=True)
+    o = _sdpa(qp, k, v, plan.prefill_mask, scale, softcap, gqa=True)
     o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
     out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over each request's cached keys and values (the torch path: tests,
     and the oracle of the CPU and GPU kernels).
 
@@ -251,21 +281,23 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
     scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
     sliding_window: W >= 1 limits each query to its last W keys (see the module docstring), by the masks; None:
-    full causal. Raises ValueError on an invalid window.
+    full causal. softcap: c > 0 caps the scores (module docstring; the eager form of SDPA). Raises ValueError on an
+    invalid window or cap.
     """
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     plan = meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window)
     if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == q.shape[0]:
-        return _attend_decodes(q, k_cache, v_cache, plan, scale)  # decode only: the decode output is the whole
+        return _attend_decodes(q, k_cache, v_cache, plan, scale, softcap)  # decode only: the decode output is all
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        o = _attend_decodes(q, k_cache, v_cache, plan, scale)
+        o = _attend_decodes(q, k_cache, v_cache, plan, scale, softcap)
         if isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = o
         else:
             out.index_copy_(0, plan.decode_rows, o)
     if plan.prefill_rows is not None:
-        _attend_prefills(q, k_cache, v_cache, plan, scale, out)
+        _attend_prefills(q, k_cache, v_cache, plan, scale, out, softcap)
     return out
 
 
@@ -279,29 +311,32 @@ CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024 if cpu_has_avx512() else 0
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s contract on the CPU, in a C++ kernel (engine/kernels/csrc/cpu_kernels.cpp) that reads
     each
     context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
     Decodes and short prefill chunks (CPU_KERNEL_MAX_PREFILL_PAIRS) run in one kernel call; a step with a longer
     chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
     `paged_attention_ref` when the kernels are not built (engine.kernels.cpu_kernels). With `sliding_window` the kernel
-    skips the whole KV blocks before a row's window and masks the rest of the boundary block. Raises ValueError on
-    an invalid window.
+    skips the whole KV blocks before a row's window and masks the rest of the boundary block; with `softcap` it caps
+    each score before the softmax. Raises ValueError on an invalid window or cap.
     """
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     ops = cpu_ops()
     if ops is None:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
-    window = sliding_window or 0  # the kernel's "no window"
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
+    window, cap = sliding_window or 0, softcap or 0.0  # the kernel's "no window", "no cap"
     if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   scale, window)
+                                   scale, window, cap)
     nd = meta.num_leading_decodes()
     if nd <= 0:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
     out = torch.empty_like(q)
     out[:nd] = ops.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   meta.query_start_loc[:nd + 1], scale, window)
-    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window), scale, out)
+                                   meta.query_start_loc[:nd + 1], scale, window, cap)
+    _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window), scale, out,
+                     softcap)
     return out

@@ -45,16 +45,21 @@ class RMSNorm(nn.Module):
 
     With `residual` (same shape), normalizes residual + x instead and returns (normalized, residual + x): the
     decoder's skip connection fused into the norm, as vLLM's fused_add_rms_norm (one pass in the fused ops).
+
+    With `offset` (Gemma: 1.0) the normalized x is multiplied by (offset + weight) in fp32 and then rounded to x's
+    dtype, as HF transformers' GemmaRMSNorm (the weight is stored centred on 0, initialized to zeros); that form
+    runs in torch (the fused kernels take the plain weight).
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_ops(x)
+        ops = fused_ops(x) if not self.offset else None
         if ops is not None and x.dim() == 2 and self.weight.dtype == x.dtype:
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
@@ -70,4 +75,6 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)

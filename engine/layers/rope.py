@@ -1,5 +1,6 @@
 """Rotary position embeddings (Su et al., "RoFormer", 2021; the rotate-half form of HF transformers) and their
-scalings: linear, dynamic NTK, YaRN (Peng et al., 2023) and Llama 3's per-frequency factors (cfg.rope_scaling)."""
+scalings: linear, dynamic NTK, YaRN (Peng et al., 2023), Llama 3's per-frequency factors and LongRoPE (Ding et al.,
+2024; Phi-3) (cfg.rope_scaling)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from torch import nn
 from engine.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
+                  max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies (fp32) and the attention factor that multiplies cos/sin, exactly as HF transformers'
     `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them for cfg.rope_scaling.
 
     Returns inv_freq [head_dim / 2], or with "dynamic" scaling and `positions` (int64 [P]), [P, head_dim / 2]: the
     frequencies transformers uses for a sequence that ends at each position (its dynamic NTK recomputes them from the
     current length, max(position + 1, max_position_embeddings)). llama3 with GGUF `rope_freqs` divides the unscaled
-    frequencies by those factors (llama.cpp's form of the same formula).
+    frequencies by those factors (llama.cpp's form of the same formula). longrope divides them by the long factors
+    when `max_positions` (the engine's context) exceeds the original context, else by the short ones
+    (engine.config.RopeScaling says why).
     """
     dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -48,6 +52,16 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None) -> tu
         smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if rs.rope_type == "longrope":  # transformers' _compute_longrope_parameters, the set chosen once
+        orig = rs.original_max_position_embeddings
+        long = max_positions is not None and max_positions > orig
+        factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"longrope has {factors.numel()} factors, head_dim {dim} needs {inv_freq.numel()}")
+        attention_factor = rs.attention_factor
+        if attention_factor is None:
+            attention_factor = 1.0 if rs.factor <= 1 else math.sqrt(1 + math.log(rs.factor) / math.log(orig))
+        return 1.0 / (factors * base ** exponents), float(attention_factor)
     # yarn (Peng et al., "YaRN", 2023), transformers' _compute_yarn_parameters
     factor = rs.factor
 
@@ -84,7 +98,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.int64)
-        inv_freq, attention_factor = rope_inv_freq(cfg, positions)
+        inv_freq, attention_factor = rope_inv_freq(cfg, positions, max_positions)
         if inv_freq.dim() == 1:
             freqs = positions.float()[:, None] * inv_freq[None, :]
         else:

@@ -239,8 +239,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+SOFTCAP_UNSUPPORTED = ("the Triton attention kernels do not implement attention logit soft-capping "
+                       "(attn_logit_softcapping, Gemma 2); run with attention_backend='torch'")
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, *, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float, *, sliding_window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over each request's paged keys and values (Triton path).
 
     Same contract as `engine.layers.attention.paged_attention_ref`: q [T, num_heads, head_dim]; k_cache, v_cache
@@ -248,9 +253,12 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     in q's dtype, softmax accumulated in fp32; `sliding_window` W >= 1 limits each query to its last W keys (None:
     full causal; an int, so a captured CUDA graph bakes it in). Decode-only steps take the split-K decode kernel,
     others the varlen prefill kernel. Reads only device tensors of `meta` (no host sync; CUDA-graph safe for
-    decode). Raises ValueError on unsupported inputs. Sources: PagedAttention (Kwon et al., SOSP 2023),
-    FlashAttention-2 (Dao, 2023).
+    decode). Raises ValueError on unsupported inputs, soft-capping among them (`softcap`, Gemma 2: the kernels do
+    not cap scores; LLMEngine refuses such a model with this backend before any work). Sources: PagedAttention (Kwon et
+    al., SOSP 2023), FlashAttention-2 (Dao, 2023).
     """
+    if softcap is not None:
+        raise ValueError(SOFTCAP_UNSUPPORTED)
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window=sliding_window)

@@ -23,7 +23,7 @@ from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
 from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.model.architectures import ARCHITECTURES, get_architecture, hf_to_gguf_names, supported
-from engine.model.tensor_names import EMBEDDING, check_tensor_names, model_param_names
+from engine.model.tensor_names import EMBEDDING, check_tensor_names, fuse_names, model_param_names, split_fused
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import LM_HEAD, is_linear_weight
 
@@ -117,7 +117,11 @@ def read_gguf_config(reader: object) -> ModelConfig:
     if arch == "llama" and not window:
         _warn_mistral_without_window(str(_field(reader, "general.name") or ""),
                                      str(_field(reader, "general.basename") or ""))
-    return ModelConfig(
+    fields = {} if entry.gguf_fields is None else entry.gguf_fields(
+        lambda key, default: _field(reader, f"{arch}.{key}", default),
+        layers=int(_field(reader, f"{arch}.block_count")), hidden=hidden, heads=heads,
+        head_dim=int(head_dim) if head_dim else hidden // heads)
+    return ModelConfig(**{**dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
@@ -134,10 +138,10 @@ def read_gguf_config(reader: object) -> ModelConfig:
         architecture=entry.name,
         qkv_bias=entry.qkv_bias,
         qk_norm=entry.qk_norm,
-        rope_scaling=_gguf_rope_scaling(reader, arch, tensors.get("rope_freqs.weight"), max_pos),
+        rope_scaling=_gguf_rope_scaling(reader, arch, tensors, max_pos),
         eos_token_ids=stops,
         sliding_window=int(window) if window else None,
-    )
+    ), **fields})
 
 
 @functools.cache
@@ -156,18 +160,32 @@ def _warn_mistral_without_window(name: str, basename: str) -> None:
                 "to keep it", name or basename)
 
 
-def _gguf_rope_scaling(reader: object, arch: str, rope_freqs: Any, max_pos: int) -> RopeScaling | None:
-    """RoPE scaling of GGUF metadata: `rope_freqs.weight` (Llama 3's per-frequency factors), or
+def _factors(tensor: Any) -> tuple[float, ...]:
+    """The values of a 1-D GGUF tensor (RoPE factors), as floats."""
+    from gguf.quants import dequantize
+
+    return tuple(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist())
+
+
+def _gguf_rope_scaling(reader: object, arch: str, tensors: dict[str, Any], max_pos: int) -> RopeScaling | None:
+    """RoPE scaling of GGUF metadata: `rope_freqs.weight` (Llama 3's per-frequency factors), `rope_factors_long` /
+    `rope_factors_short` (Phi-3's LongRoPE, with `rope.scaling.original_context_length` and `.attn_factor`), or
     `{arch}.rope.scaling.type` linear / yarn with its factor, original context and yarn betas."""
     kind = _field(reader, f"{arch}.rope.scaling.type")
-    if rope_freqs is not None:
+    rope_freqs = tensors.get("rope_freqs.weight")
+    if rope_freqs is not None or ROPE_FACTORS[0] in tensors:
         if kind not in (None, "none"):
-            raise ValueError(f"GGUF has both rope_freqs and rope.scaling.type {kind!r}; tokenmill cannot tell which "
-                             "RoPE scaling the model was trained with")
-        from gguf.quants import dequantize
-
-        factors = np.asarray(dequantize(rope_freqs.data, rope_freqs.tensor_type), dtype=np.float32).reshape(-1)
-        return RopeScaling(rope_type="llama3", freq_factors=tuple(factors.tolist()))
+            raise ValueError(f"GGUF has both RoPE factor tensors and rope.scaling.type {kind!r}; tokenmill cannot "
+                             "tell which RoPE scaling the model was trained with")
+        if rope_freqs is not None:
+            return RopeScaling(rope_type="llama3", freq_factors=_factors(rope_freqs))
+        if ROPE_FACTORS[1] not in tensors:
+            raise ValueError(f"GGUF has {ROPE_FACTORS[0]} without {ROPE_FACTORS[1]}; convert the model again")
+        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length") or max_pos)
+        return RopeScaling(rope_type="longrope", factor=max_pos / original, original_max_position_embeddings=original,
+                           attention_factor=_field(reader, f"{arch}.rope.scaling.attn_factor"),
+                           long_factor=_factors(tensors[ROPE_FACTORS[0]]),
+                           short_factor=_factors(tensors[ROPE_FACTORS[1]]))
     if kind in (None, "none"):
         return None
     if kind not in ("linear", "yarn"):
@@ -181,21 +199,28 @@ def _gguf_rope_scaling(reader: object, arch: str, rope_freqs: Any, max_pos: int)
                        attention_factor=_field(reader, f"{arch}.rope.scaling.attn_factor"))
 
 
+#: Phi-3's LongRoPE factors (llama.cpp's rope_factors_long / rope_factors_short), read into cfg.rope_scaling.
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_ROPE_TENSORS = ("rope_freqs.weight", *ROPE_FACTORS)
+
+
 def gguf_name_map(reader: Any, cfg: ModelConfig) -> dict[str, str]:
-    """{GGUF tensor name: our parameter name} for every tensor of the file but `rope_freqs.weight` (read into
-    cfg.rope_scaling), checked: Raises ValueError naming a tensor the architecture does not place, or a missing one.
-    """
+    """{GGUF tensor name: our parameter name} for every tensor of the file but the RoPE factors (`rope_freqs`,
+    `rope_factors_*`: read into cfg.rope_scaling), checked: Raises ValueError naming a tensor the architecture does
+    not place, or a missing one. Families with fused projections (Phi-3) map attn_qkv / ffn_up to their fused
+    names (qkv_proj, gate_up_proj: split when read)."""
     entry = get_architecture(cfg.architecture)
-    table = hf_to_gguf_names(entry, model_param_names(cfg) + [f"{LM_HEAD}.weight"], cfg.num_layers)
+    names = model_param_names(cfg) + ([] if cfg.tie_word_embeddings else [f"{LM_HEAD}.weight"])
+    table = hf_to_gguf_names(entry, fuse_names(names) if entry.fused_projections else names, cfg.num_layers)
     out = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in _ROPE_TENSORS:
             continue
         if t.name not in table:
             raise ValueError(f"GGUF tensor {t.name!r} is not part of the {cfg.architecture} architecture as tokenmill "
                              "runs it; tokenmill would drop it and compute something else")
         out[t.name] = table[t.name]
-    check_tensor_names(out.values(), cfg, "the GGUF file")
+    check_tensor_names(out.values(), cfg, "the GGUF file", fused=entry.fused_projections)
     return out
 
 
@@ -225,19 +250,22 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
     names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
     for t in reader.tensors:
         name = names.get(t.name)
-        if name is None:  # rope_freqs, already in cfg.rope_scaling
+        if name is None:  # RoPE factors, already in cfg.rope_scaling
             continue
+        shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None  # ggml: fastest dimension first
         if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
-            shape = (int(t.shape[1]), int(t.shape[0]))  # ggml lists the fastest dimension first
             w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
-            yield name.removesuffix(".weight"), w.map_rows(lambda x, n=name: unpermute_qk(n, x, cfg))
-        else:
-            w = dequantize(t.data, t.tensor_type)
-            yield name, torch.from_numpy(np.array(unpermute_qk(name, w, cfg), dtype=np.float32, copy=True))
-            # The embedding's blocks only serve a tied LM head (an untied embedding is a lookup, never a GEMM).
-            if keep_blocks and t.tensor_type.name in GGUF_BLOCK_TYPES and (
-                    is_linear_weight(name) or (cfg.tie_word_embeddings and name == f"{EMBEDDING}.weight")):
-                shape = (int(t.shape[1]), int(t.shape[0]))
-                blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, shape)
-                blocks = blocks.map_rows(lambda x, n=name: unpermute_qk(n, x, cfg))
-                yield from blocks.to_state(name.removesuffix(".weight")).items()
+            for part, rows in split_fused(name.removesuffix(".weight"), w, cfg):
+                yield part, rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg))
+            continue
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if cfg.norm_weight_offset and name.endswith("norm.weight"):
+            w = w - np.float32(cfg.norm_weight_offset)  # llama.cpp's converter stored (offset + weight)
+        for part, rows in split_fused(name, w, cfg):
+            yield part, torch.from_numpy(np.array(unpermute_qk(part, rows, cfg), dtype=np.float32, copy=True))
+        # The embedding's blocks only serve a tied LM head (an untied embedding is a lookup, never a GEMM).
+        if keep_blocks and t.tensor_type.name in GGUF_BLOCK_TYPES and (
+                is_linear_weight(name) or (cfg.tie_word_embeddings and name == f"{EMBEDDING}.weight")):
+            blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, shape)
+            for part, rows in split_fused(name.removesuffix(".weight"), blocks, cfg):
+                yield from rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg)).to_state(part).items()

@@ -22,8 +22,8 @@ from engine.loading.hf_quantized import (
     refuse_unmarked_quantized,
 )
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
-from engine.model.architectures import config_from_hf
-from engine.model.tensor_names import LM_HEAD, check_tensor_names
+from engine.model.architectures import config_from_hf, get_architecture
+from engine.model.tensor_names import LM_HEAD, check_tensor_names, split_fused
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +78,9 @@ def hf_quant_format(path: str) -> QuantFormat | None:
 def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
     """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
     against `cfg`'s architecture (a quantized folder's layers count as "<module>.weight", their file and key those of
-    the layer's first tensor). Raises ValueError naming an unknown or missing tensor (check_tensor_names), an
-    unsupported quantization_config, or GPTQ-style tensors without one."""
+    the layer's first tensor; a family with fused projections, Phi-3, keeps its fused names: qkv_proj, gate_up_proj).
+    Raises ValueError naming an unknown or missing tensor (check_tensor_names), an unsupported quantization_config,
+    or GPTQ-style tensors without one."""
     from safetensors import safe_open
 
     fmt = hf_quant_format(path)
@@ -94,7 +95,7 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
         out = {_hf_param_name(key): (file, key) for key, file in keys.items()}
     else:
         out = {_hf_param_name(key): (keys.get(key, ""), key) for key in param_names(keys, fmt)}
-    check_tensor_names(out, cfg, path)
+    check_tensor_names(out, cfg, path, fused=get_architecture(cfg.architecture).fused_projections)
     return out
 
 
@@ -126,8 +127,9 @@ def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
 
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
-    from the safetensors files (a quantized folder's layers dequantized exactly: iter_hf_quantized_state); every
-    name checked before the first is read. Raises ValueError as hf_tensor_index."""
+    from the safetensors files (a quantized folder's layers dequantized exactly: iter_hf_quantized_state; fused
+    Q/K/V and gate/up split into their parts: engine.model.tensor_names.split_fused); every name checked before the
+    first is read. Raises ValueError as hf_tensor_index."""
     from safetensors import safe_open
 
     if hf_quant_format(path) is not None:
@@ -141,4 +143,4 @@ def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
     for file, items in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name, key in items:
-                yield name, f.get_tensor(key).to(dtype)
+                yield from split_fused(name, f.get_tensor(key).to(dtype), cfg)

@@ -13,12 +13,14 @@ Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ModelConfig, RopeScaling
+from engine.model.family_fields import gemma2_fields, gemma3_fields, gemma_gguf_fields
 
 #: config.json fields that describe training, serialization or the HF runtime, not the math of inference.
 _IGNORED_FIELDS = frozenset({
@@ -30,6 +32,11 @@ _IGNORED_FIELDS = frozenset({
     "head_dim", "tie_word_embeddings", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act",
     "attention_bias", "mlp_bias", "bos_token", "eos_token", "unsloth_fixed", "use_mrope",
+    # read by the families' `fields` readers (engine.model.family_fields) or dropout / cache settings of training
+    # and of HF's runtime
+    "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
+    "use_bidirectional_attention", "cache_implementation", "original_max_position_embeddings", "resid_pdrop",
+    "embd_pdrop", "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
 })
 _SILU = ("silu", "swish")
 #: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.
@@ -55,6 +62,15 @@ class Architecture:
         qk_norm: per-head q_norm / k_norm before RoPE (Qwen3).
         refused: (config.json field, the values we implement): any other value is an error naming the field.
         window: reads the sliding window of a config.json dict (None = full attention); raises ValueError.
+        reads: config.json fields of _MATH_FIELDS this family implements (read by `fields`, not refused).
+        fields: more ModelConfig fields of a config.json dict (engine.model.family_fields; they override the
+            common ones); raises ValueError naming what it does not implement.
+        fused_projections: its files hold Q/K/V as one qkv_proj and gate/up as one gate_up_proj (Phi-3; GGUF
+            attn_qkv, ffn_up of twice the width): split on load into our q/k/v and gate/up parameters
+            (engine.model.tensor_names.split_fused).
+        rope_types: the rope_scaling types its configs may set (None: those of _COMMON_ROPE).
+        gguf_fields: more ModelConfig fields of its GGUF metadata: called with `get(key without "{arch}.",
+            default)` and the keywords layers, hidden, heads, head_dim (engine.model.family_fields).
     """
 
     name: str
@@ -65,12 +81,26 @@ class Architecture:
     qk_norm: bool
     refused: tuple[tuple[str, tuple[Any, ...]], ...]
     window: Callable[[dict[str, Any]], int | None]
+    reads: tuple[str, ...] = ()
+    fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    fused_projections: bool = False
+    rope_types: tuple[str, ...] | None = None
+    gguf_fields: Callable[..., dict[str, Any]] | None = None
 
 
 def _mistral_window(config: dict[str, Any]) -> int | None:
     """Mistral's `sliding_window` (every layer); Llama configs have none."""
     w = config.get("sliding_window")
     return int(w) if w is not None else None
+
+
+def _no_window(config: dict[str, Any]) -> int | None:
+    """Families whose `fields` reader sets the window with the layer types (Gemma)."""
+    return None
+
+
+#: The _MATH_FIELDS the Gemma readers implement.
+_GEMMA_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
 
 
 def _qwen_window(config: dict[str, Any]) -> int | None:
@@ -103,6 +133,19 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Qwen3: per-head q_norm / k_norm, no bias, explicit head_dim.
     Architecture("qwen3", ("qwen3",), "qwen3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
                  refused=(("attention_bias", (False, None)), ("hidden_act", _SILU)), window=_qwen_window),
+    # Gemma 2: soft-capped attention and logits, sandwich norms of (1 + weight), GeGLU, alternating windows.
+    Architecture("gemma2", ("gemma2",), "gemma2", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
+                 refused=(("attention_bias", (False, None)),), window=_no_window, reads=_GEMMA_FIELDS,
+                 fields=gemma2_fields, rope_types=("default",),
+                 gguf_fields=functools.partial(gemma_gguf_fields, gemma3=False)),
+    # Gemma 3 text (Gemma3ForCausalLM: the 1B, or a text-only checkpoint): q/k norms, local and global RoPE bases.
+    Architecture("gemma3_text", ("gemma3_text",), "gemma3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
+                 refused=(("attention_bias", (False, None)),), window=_no_window, reads=_GEMMA_FIELDS,
+                 fields=gemma3_fields, gguf_fields=functools.partial(gemma_gguf_fields, gemma3=True)),
+    # Phi-3 / Phi-3.5 / Phi-4 (dense): fused qkv_proj and gate_up_proj, LongRoPE (rope_scaling type longrope / su).
+    Architecture("phi3", ("phi3",), "phi3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
+                 refused=(("hidden_act", _SILU),), window=_mistral_window, fused_projections=True,
+                 rope_types=("default", "longrope")),
 )
 
 
@@ -123,16 +166,25 @@ def get_architecture(name: str) -> Architecture:
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
               "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-              "truncate", "partial_rotary_factor"}
+              "truncate", "partial_rotary_factor", "short_factor", "long_factor"}
 
 
-def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+#: The RoPE types of a family whose entry names none (longrope only where a family's own model uses it).
+_COMMON_ROPE = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_from_hf(config: dict[str, Any], rope_types: tuple[str, ...] = _COMMON_ROPE
+                 ) -> tuple[float, RopeScaling | None]:
     """(rope_theta, RopeScaling or None) of a config.json dict: the old layout (`rope_theta` + `rope_scaling`) or
-    transformers 5's `rope_parameters`. Defaults as transformers' standardize_rope_params (original context =
-    max_position_embeddings for llama3/yarn; yarn's factor = max / original when missing).
+    transformers 5's `rope_parameters` (by layer type, as Gemma 3's: the full-attention layers' entry). Defaults as
+    transformers' standardize_rope_params (original context = max_position_embeddings for llama3/yarn; yarn's and
+    longrope's factor = max / original when missing; Phi-3's "su" is longrope).
 
-    Raises ValueError for an unknown rope type or key, or a partial rotary factor other than 1."""
+    Raises ValueError for a rope type not in `rope_types` or an unknown key, or a partial rotary factor other
+    than 1."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if "full_attention" in params or "sliding_attention" in params:  # by layer type; the local one: family_fields
+        params = dict(params.get("full_attention") or {})
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     unknown = sorted(set(params) - _ROPE_KEYS)
     if unknown:
@@ -141,6 +193,10 @@ def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not implemented (only full-width RoPE)")
     kind = params.get("rope_type", params.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind not in rope_types:
+        raise ValueError(f"rope_scaling type {kind!r} is not implemented for {config.get('model_type')}; tokenmill "
+                         f"runs {', '.join(rope_types)} there")
     if kind == "default":
         return theta, None
     max_pos = int(config.get("max_position_embeddings", 2048))
@@ -149,13 +205,14 @@ def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         original = max_pos
     factor = params.get("factor")
     if factor is None:
-        factor = max_pos / int(original) if kind == "yarn" else 1.0
+        factor = max_pos / int(original) if kind in ("yarn", "longrope") else 1.0
     return theta, RopeScaling(
         rope_type=kind, factor=float(factor), original_max_position_embeddings=int(original),
         low_freq_factor=params.get("low_freq_factor"), high_freq_factor=params.get("high_freq_factor"),
         beta_fast=params.get("beta_fast"), beta_slow=params.get("beta_slow"), mscale=params.get("mscale"),
         mscale_all_dim=params.get("mscale_all_dim"), attention_factor=params.get("attention_factor"),
-        truncate=bool(params.get("truncate", True)))
+        truncate=bool(params.get("truncate", True)), short_factor=params.get("short_factor"),
+        long_factor=params.get("long_factor"))
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -180,7 +237,8 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         if field in config and config[field] not in allowed:
             raise ValueError(f"config.json sets {field}={config[field]!r}, which tokenmill does not implement for "
                              f"{model_type} (it runs {field} in {list(allowed)})")
-    changes_math = sorted(k for k in _MATH_FIELDS if config.get(k) not in (None, False, 0, 1, 1.0, [], {}))
+    changes_math = sorted(k for k in _MATH_FIELDS
+                          if k not in arch.reads and config.get(k) not in (None, False, 0, 1, 1.0, [], {}))
     if changes_math:
         raise ValueError(f"config.json sets {changes_math} (= {[config[k] for k in changes_math]}), which tokenmill "
                          f"does not implement for {model_type}")
@@ -188,13 +246,13 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
     if unknown:
         log.warning("config.json fields %s are not read by tokenmill (%s); check they do not change the output",
                     unknown, model_type)
-    theta, scaling = rope_from_hf(config)
+    theta, scaling = rope_from_hf(config, arch.rope_types or _COMMON_ROPE)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     eos = _ids(config.get("eos_token_id"))
     stop = eos + tuple(i for i in _ids((generation_config or {}).get("eos_token_id")) if i not in eos)
     bos = config.get("bos_token_id")
-    return ModelConfig(
+    fields = dict(
         vocab_size=int(config["vocab_size"]), hidden_size=hidden, intermediate_size=int(config["intermediate_size"]),
         num_layers=int(config["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
@@ -205,6 +263,9 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         bos_token_id=int(bos) if isinstance(bos, int) else None, eos_token_id=stop[0] if stop else None,
         architecture=str(model_type), qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, rope_scaling=scaling,
         eos_token_ids=stop, sliding_window=arch.window(config))
+    if arch.fields is not None:
+        fields.update(arch.fields(config))
+    return ModelConfig(**fields)
 
 
 def hf_to_gguf_names(arch: Architecture, param_names: list[str], num_layers: int) -> dict[str, str]:

@@ -4,10 +4,15 @@ Architecture: Touvron et al., "LLaMA" (2023): pre-norm RMSNorm (Zhang & Sennrich
 (Su et al., RoFormer, 2021; the rotate-half form of HF transformers), grouped-query attention (Ainslie et al., 2023),
 SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCausalLM without the "model." prefix.
 The norm and RoPE live in engine.layers.rms_norm and engine.layers.rope.
+
+The variants of other families are ModelConfig fields: Gemma 2/3 (Gemma Team, "Gemma 2", 2024; "Gemma 3", 2025):
+sandwich norms of (1 + weight), GeGLU with tanh GELU, the embedding scale, query_pre_attn_scalar, soft-capped
+attention and final logits, per-layer sliding/global attention, a local RoPE base for the sliding layers.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -23,10 +28,10 @@ from engine.layers.rope import RotaryEmbedding, apply_rope
 
 class AttentionFn(Protocol):
     """A paged attention function (engine.layers.attention.paged_attention_ref's contract): (q, k_cache, v_cache, meta,
-    scale, *, sliding_window) -> [T, num_heads, head_dim]."""
+    scale, *, sliding_window, softcap) -> [T, num_heads, head_dim]. softcap is passed only when a model sets it."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, *, sliding_window: int | None = None) -> torch.Tensor: ...
+                 scale: float, *, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
 
 
 def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
@@ -69,20 +74,24 @@ class Attention(nn.Module):
     Q, K and V come from q_proj/k_proj/v_proj (the names of the model files and of GPTQ), or, after `fuse()`, from
     one qkv_proj: one GEMM of N = (num_heads + 2 * num_kv_heads) * head_dim instead of three narrower ones.
     With cfg.qkv_bias the three carry a bias (Qwen2); with cfg.qk_norm queries and keys go through a per-head
-    RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3).
+    RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3, Gemma 3). `layer` is the layer's index (its
+    window: cfg.layer_window); scores scale by cfg.query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
-        self.sliding_window = cfg.sliding_window  # None: full causal attention
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.sliding_window = cfg.layer_window(layer)  # None: full causal attention
+        # passed to the attention function only when set, so functions without soft-capping serve other models
+        self.attn_kwargs = {"softcap": cfg.attn_logit_softcapping} if cfg.attn_logit_softcapping else {}
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        offset = cfg.norm_weight_offset
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.qkv_proj: nn.Module | None = None
 
     def fuse(self) -> bool:
@@ -108,8 +117,8 @@ class Attention(nn.Module):
             if (ops is not None and self.q_norm is None and qkv.dim() == 2
                     and cos.dtype == qkv.dtype == k_cache.dtype):
                 q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass (C++ or Triton)
-                return attn_fn(q, k_cache, v_cache, meta, self.scale,
-                               sliding_window=self.sliding_window).reshape(t, h * d)
+                return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                               **self.attn_kwargs).reshape(t, h * d)
             qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
             if self.q_norm is not None:
                 qk = torch.cat((self._head_norm(self.q_norm, qk[:, :h]), self._head_norm(self.k_norm, qk[:, h:])), 1)
@@ -123,8 +132,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.v_proj(x).view(t, hkv, d)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window).reshape(
-            t, self.num_heads * self.head_dim)
+        return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                       **self.attn_kwargs).reshape(t, self.num_heads * self.head_dim)
 
     @staticmethod
     def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -138,11 +147,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); after `fuse()`, gate and up are one gate_up_proj GEMM."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), or GeGLU with cfg.hidden_act "gelu_pytorch_tanh" (gelu, tanh form);
+    after `fuse()`, gate and up are one gate_up_proj GEMM."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.silu = cfg.hidden_act == "silu"
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -162,27 +173,38 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            ops = fused_ops(gate_up)
+            ops = fused_ops(gate_up) if self.silu else None
             if ops is not None and gate_up.dim() == 2:
                 return self.down_proj(ops.silu_and_mul(gate_up))
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self._act(gate) * up)
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals."""
+    """Pre-norm attention and MLP blocks with residuals; with cfg.sandwich_norms (Gemma) the attention output is
+    normalized (post_attention_layernorm) before its residual add, the MLP's input by pre_feedforward_layernorm and
+    its output by post_feedforward_layernorm before that residual add."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.mlp = MLP(cfg)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, attn_fn)
+        if self.pre_feedforward_layernorm is not None:
+            h, x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual=x)
+            return x + self.post_feedforward_layernorm(self.mlp(h))
         h, x = self.post_attention_layernorm(h, residual=x)  # x + attention, and its norm, in one pass
         return x + self.mlp(h)
 
@@ -206,19 +228,31 @@ class LlamaModel(nn.Module):
         on_meta = torch.empty(0).device.type == "meta"
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
+        self.rotary_local: RotaryEmbedding | None = None
         if on_meta:
             with torch.device("cpu"):
-                self.rotary = RotaryEmbedding(cfg, 1)
+                self._build_rotary(1)
         else:
-            self.rotary = RotaryEmbedding(cfg, max_positions)
+            self._build_rotary(max_positions)
+
+    def _build_rotary(self, positions: int) -> None:
+        """The RoPE tables: `rotary`, and `rotary_local` of the sliding layers when cfg.rope_local_theta is set."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg, positions)
+        if cfg.rope_local_theta is not None:
+            local = replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_local_theta=None)
+            self.rotary_local = RotaryEmbedding(local, positions)
 
     def materialize_rotary(self, device: torch.device) -> None:
         """(Re)build the fp32 RoPE tables on `device`: needed after building on the meta device."""
-        self.rotary = RotaryEmbedding(self.config, self.max_positions).to(device)
+        self._build_rotary(self.max_positions)
+        self.rotary = self.rotary.to(device)
+        if self.rotary_local is not None:
+            self.rotary_local = self.rotary_local.to(device)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""
@@ -226,11 +260,20 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
                 torch.Tensor]], meta: AttentionMetadata, attn_fn: AttentionFn = paged_attention_ref) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        x = self.embed(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            cos, sin = local if self.config.layer_is_local(i) else rope
             x = layer(x, cos, sin, k_cache, v_cache, meta, attn_fn)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] of input_ids int64 [T], times cfg.embedding_scale when set (rounded to the
+        embedding's dtype first, as HF transformers' Gemma does)."""
+        x = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
 
     def fuse_projections(self) -> int:
         """Merge each layer's Q/K/V and gate/up projections into one GEMM each (Attention.fuse, MLP.fuse), in
@@ -240,6 +283,9 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
         """Logits [S, vocab] of hidden [S, hidden]: fp32, or in the model's dtype when not full_precision (what the
-        sampler takes: greedy rows need no fp32 copy of [S, vocab])."""
+        sampler takes: greedy rows need no fp32 copy of [S, vocab]). With cfg.final_logit_softcapping c the logits
+        are c * tanh(logits / c) (Gemma 2)."""
         logits = self.lm_head(hidden)
-        return logits.float() if full_precision else logits
+        logits = logits.float() if full_precision else logits
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -23,12 +23,13 @@ def model_param_names(cfg: ModelConfig) -> list[str]:
     return [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == f"{LM_HEAD}.weight")]
 
 
-def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str) -> None:
-    """Every name in `names` (our parameter names) is a parameter of a model of shape `cfg`, and none is missing.
+def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str, fused: bool = False) -> None:
+    """Every name in `names` (our parameter names; with `fused`, as `fuse_names` gives them: a Phi-3 file's) is a
+    parameter of a model of shape `cfg`, and none is missing.
 
     Raises ValueError naming the first unknown tensor and the architecture (a tensor we would otherwise drop), or
     the missing ones."""
-    expected = set(model_param_names(cfg))
+    expected = set(fuse_names(model_param_names(cfg)) if fused else model_param_names(cfg))
     names = set(names)
     if cfg.tie_word_embeddings:
         names.discard(f"{LM_HEAD}.weight")
@@ -40,3 +41,55 @@ def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str) -> N
     if missing:
         raise ValueError(f"{source} lacks tensors {missing[:5]} (and {max(0, len(missing) - 5)} more) of the "
                          f"{cfg.architecture} architecture")
+
+
+#: Fused projections of model files (Phi-3): the fused module and the parts it holds, rows in this order.
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fused_rows(cfg: ModelConfig, fused: str) -> list[int]:
+    """Output rows of each part of a fused module ("self_attn.qkv_proj" or "mlp.gate_up_proj") of shape `cfg`."""
+    if fused == "self_attn.qkv_proj":
+        return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def fuse_names(names: Iterable[str]) -> list[str]:
+    """Our parameter names as a file with fused projections names them: each layer's q/k/v and gate/up parameters
+    as one qkv_proj / gate_up_proj parameter (e.g. "layers.0.self_attn.qkv_proj.weight"), order kept."""
+    out: dict[str, None] = {}
+    for name in names:
+        for fused, parts in FUSED_PARTS.items():
+            for part in parts:
+                name = name.replace(f".{part}.", f".{fused}.")
+        out[name] = None
+    return list(out)
+
+
+def split_fused(name: str, value: object, cfg: ModelConfig) -> list[tuple[str, object]]:
+    """[(our name, rows)] of a fused file tensor (`name` our "layers.N.self_attn.qkv_proj.weight" style, or a module
+    name without ".weight"; `value` rows first: a tensor, an array, or anything with `map_rows(fn)` such as packed
+    INT4 or GGUF blocks), split by `fused_rows`; any other tensor as [(name, value)]."""
+    for fused, parts in FUSED_PARTS.items():
+        marker = f".{fused}"
+        if marker in name:
+            prefix, _, suffix = name.partition(marker)
+            out, start = [], 0
+            for part, rows in zip(parts, fused_rows(cfg, fused), strict=True):
+                piece = (value.map_rows(lambda x, a=start, b=start + rows: x[a:b]) if hasattr(value, "map_rows")
+                         else value[start:start + rows])
+                out.append((f"{prefix}.{part}{suffix}", piece))
+                start += rows
+            if start != value_rows(value):
+                raise ValueError(f"{name} has {value_rows(value)} rows; {cfg.architecture} of this shape needs {start}")
+            return out
+    return [(name, value)]
+
+
+def value_rows(value: object) -> int:
+    """Rows (the first dimension) of a tensor, an array, or an object with `out_features` / `shape` (INT4, GGUF
+    blocks)."""
+    if hasattr(value, "out_features"):
+        return int(value.out_features)
+    return int(value.shape[0])

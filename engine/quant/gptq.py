@@ -256,10 +256,14 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     Returns {module name: Int4Weight}. Cost: about one forward of the decoder over the S * L tokens (each stage
     of a layer is computed once per sequence and kept) plus the GPTQ solves. Peak extra memory: fp32
     [S, L, hidden] for the residual stream plus [S, L, intermediate] for one stage's inputs. Raises ValueError when
-    the projections are not fp32.
+    the projections are not fp32, or for a Gemma block (its stages are not the ones cut here).
     """
     import time
 
+    cfg = model.config
+    if cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embedding_scale or cfg.rope_local_theta:
+        raise ValueError(f"GPTQ calibration runs Llama's decoder block; the {cfg.architecture} block (sandwich norms, "
+                         "GeGLU, scaled embeddings, local RoPE) is not implemented there: quantize with RTN")
     if (dt := model.layers[0].self_attn.q_proj.weight.dtype) != torch.float32:
         raise ValueError(f"GPTQ calibrates in fp32 but the model's projections are {dt}: load it with "
                          "dtype='float32' (tokenmill quantize does), then quantize")

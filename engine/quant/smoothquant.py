@@ -78,6 +78,15 @@ def _factors(act_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch
     return (act_max.clamp_min(1e-5).pow(alpha) / w_max.pow(1 - alpha)).clamp_min(1e-5)
 
 
+def _divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """Divide an RMSNorm's effective weight (offset + weight: engine.layers.rms_norm.RMSNorm) by s [K], in place."""
+    offset, w = getattr(norm, "offset", 0.0), norm.weight
+    if offset:
+        w.copy_(((offset + w.float()) / s - offset).to(w.dtype))
+    else:
+        w.div_(s.to(w.dtype))
+
+
 @torch.inference_mode()
 def smooth_model(model: LlamaModel, token_ids: torch.Tensor, alpha: float = 0.5) -> None:
     """Apply SmoothQuant in place to a fused model (LlamaModel.fuse_projections) with plain nn.Linear weights;
@@ -94,10 +103,11 @@ def smooth_model(model: LlamaModel, token_ids: torch.Tensor, alpha: float = 0.5)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         s = _factors(stats[f"layers.{i}.self_attn.qkv_proj"], attn.qkv_proj.weight, alpha)
-        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
+        _divide_norm(layer.input_layernorm, s)
         attn.qkv_proj.weight.mul_(s.to(attn.qkv_proj.weight.dtype))
         s = _factors(stats[f"layers.{i}.mlp.gate_up_proj"], mlp.gate_up_proj.weight, alpha)
-        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight.dtype))
+        # the MLP's input norm: pre_feedforward_layernorm in sandwich-norm blocks (Gemma)
+        _divide_norm(layer.pre_feedforward_layernorm or layer.post_attention_layernorm, s)
         mlp.gate_up_proj.weight.mul_(s.to(mlp.gate_up_proj.weight.dtype))
         s = _factors(stats[f"layers.{i}.mlp.down_proj"], mlp.down_proj.weight, alpha)
         mlp.gate_up_proj.weight[inter:].div_(s[:, None].to(mlp.gate_up_proj.weight.dtype))

@@ -51,11 +51,11 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv
 
 
 def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The oracle of every paged attention path: request by request, its keys and values read out of the paged
     cache into one dense [seq_len, Hkv, D] tensor, scores in float64, and an explicit boolean mask: the query at
-    position i sees key j when j <= i and (no window, or i - W < j, HF transformers' `sliding_window_overlay`).
-    Returns [T, H, D] in q's dtype."""
+    position i sees key j when j <= i and (no window, or i - W < j, HF transformers' `sliding_window_overlay`);
+    with `softcap` c the scores are c * tanh(score / c) first (Gemma 2). Returns [T, H, D] in q's dtype."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -67,6 +67,8 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[3])[slots].double().repeat_interleave(group, dim=1)
         qb = q[start:start + q_len].double()
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [H, q_len, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         i = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         visible = pos[None, :] <= i
         if sliding_window is not None:

@@ -411,6 +411,13 @@ inline float exp_scores16(float* sh, int64_t padded) {
 }
 #endif
 
+// Gemma 2's soft-capping of n scores in place: s -> cap * tanh(s / cap) (cap > 0; 0 = none, nothing done).
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 // AVX2 (8 fp32 lanes, 16 registers): attention one query row at a time, written for the register file it runs on.
 // The 16-lane path above keeps 16 dot products (32 ymm) or 16 value accumulators live, which AVX2 cannot hold; here
@@ -474,7 +481,8 @@ inline void pv_slice_avx2(const T* v_cache, const int32_t* table, int64_t block_
 template <typename T>
 void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* v_cache, const int32_t* table,
                      int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group, float scale,
-                     int64_t lo, int64_t lim, float* qf, std::vector<float>& scores, float* kbuf, float* acc, T* out) {
+                     float softcap, int64_t lo, int64_t lim, float* qf, std::vector<float>& scores, float* kbuf,
+                     float* acc, T* out) {
   const int64_t num_heads = num_kv_heads * group, row = num_kv_heads * head_dim;
   const int64_t n = lim - lo, padded = (n + 15) / 16 * 16;
   if (static_cast<int64_t>(scores.size()) < num_heads * padded) scores.resize(num_heads * padded);
@@ -515,6 +523,7 @@ void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* 
   float inv[256];  // 1 / softmax denominator per head (num_heads <= 256, checked by the caller)
   for (int64_t h = 0; h < num_heads; ++h) {
     float* sh = scores.data() + h * padded;
+    softcap_scores(sh, n, softcap);
     for (int64_t t = n; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
     inv[h] = 1.f / exp_scores16(sh, padded);
   }
@@ -545,7 +554,7 @@ void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* 
 constexpr bool kAvx2Rows = false;
 template <typename T>
 void attend_row_avx2(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
-                     int64_t, int64_t, float*, std::vector<float>&, float*, float*, T*) {}
+                     float, int64_t, int64_t, float*, std::vector<float>&, float*, float*, T*) {}
 #endif
 
 // One work item: query rows [row_begin, row_end) of request `seq`, at most kRowsPerItem of them.
@@ -561,12 +570,13 @@ constexpr int64_t kRowsPerItem = 8;
 // as whole cache rows (all KV heads). With a sliding window (window > 0; 0 = none) the row at position i sees keys
 // i - window < t <= i only (Mistral; HF transformers' sliding_window_overlay): the item starts at the KV block that
 // holds its first row's first key, so whole blocks before every row's window are never read, and the keys of that
-// block before a row's window are masked (probability exactly 0).
+// block before a row's window are masked (probability exactly 0). With softcap > 0 (Gemma 2) each scaled score s
+// becomes softcap * tanh(s / softcap) before the softmax.
 template <typename T>
 void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
                       int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
-                      int64_t num_seqs, int64_t group, float scale, int64_t window, T* out) {
+                      int64_t num_seqs, int64_t group, float scale, int64_t window, float softcap, T* out) {
   const int64_t num_heads = num_kv_heads * group;
   const int64_t row = num_kv_heads * head_dim;  // elements per token slot in the cache: every KV head's columns
   const bool vectorized = head_dim % 16 == 0;
@@ -591,8 +601,8 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
         if (head_dim % 16 == 0 && num_heads <= 256) {
           for (int64_t j = 0; j < nr; ++j)
             attend_row_avx2(q + (item.row_begin + j) * q_stride_t, q_stride_h, k_cache, v_cache,
-                            block_tables + b * table_stride, block_size, num_kv_heads, head_dim, group, scale, lo[j],
-                            lim[j], qf.data(), scores, kf.data(), acc.data(),
+                            block_tables + b * table_stride, block_size, num_kv_heads, head_dim, group, scale,
+                            softcap, lo[j], lim[j], qf.data(), scores, kf.data(), acc.data(),
                             out + (item.row_begin + j) * num_heads * head_dim);
           continue;
         }
@@ -661,6 +671,7 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
         const int64_t pj = (lim[j] - k0 + 15) / 16 * 16, lj = lim[j] - k0, wj = lo[j] - k0;
         for (int64_t h = 0; h < num_heads; ++h) {
           float* sh = scores.data() + (j * num_heads + h) * padded;
+          softcap_scores(sh + wj, lj - wj, softcap);
           for (int64_t t = 0; t < wj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
           for (int64_t t = lj; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
           const float inv = 1.f / exp_scores16(sh, pj);
@@ -1307,11 +1318,13 @@ std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x) {
 
 // q [T, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
 // seq_lens int32 [B] (>= the request's query rows), query_start_loc int32 [B + 1] (prefix sums of the query rows,
-// starting at 0 and ending at T), window: the sliding window in keys (0 = none). Returns [T, H, D] in q's dtype.
+// starting at 0 and ending at T), window: the sliding window in keys (0 = none), softcap: the scores' soft cap (0 =
+// none). Returns [T, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, int64_t window) {
+                              const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 keys (0 = no sliding window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0 = no soft-capping)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -1338,7 +1351,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                                v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
                                block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, qsl, num_seqs,
                                num_heads / num_kv_heads, static_cast<float>(scale), window,
-                               out.data_ptr<scalar_t>());
+                               static_cast<float>(softcap), out.data_ptr<scalar_t>());
   });
   return out;
 }
@@ -1432,7 +1445,9 @@ at::Tensor gguf_linear_portable(const at::Tensor& x, const at::Tensor& qs, const
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)");
+  m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("window"), py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of Q and K from a fused QKV, K/V written to the paged cache");

@@ -440,7 +440,7 @@ def test_extra_gguf_tensor_is_an_error(families, gguf_path: str, tmp_path: Path)
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"model_type": "gemma2"}, r"'gemma2' is not supported; tokenmill runs llama \(llama, mistral\), qwen2"),
+    ({"model_type": "falcon"}, r"'falcon' is not supported; tokenmill runs llama \(llama, mistral\), qwen2"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, r"rope_scaling type 'longrope' is not implemented"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64, "beta_x": 1}}, r"rope_scaling has fields \['beta_x'\]"),
@@ -496,7 +496,7 @@ def test_cli_refuses_bad_folder_before_work(families, gsm8k_questions, tmp_path:
     import pyarrow.parquet as pq
 
     bad = _copy(families["llama"][1], tmp_path)
-    _edit_config(bad, model_type="phi3")
+    _edit_config(bad, model_type="falcon")
     data = tmp_path / "in.parquet"
     pq.write_table(pa.table({"question": gsm8k_questions[:2]}), data)
     out = tmp_path / "out"
@@ -504,7 +504,7 @@ def test_cli_refuses_bad_folder_before_work(families, gsm8k_questions, tmp_path:
                            "question", "--model", str(bad)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "'phi3' is not supported" in proc.stderr + proc.stdout
+    assert "'falcon' is not supported" in proc.stderr + proc.stdout
     assert not out.exists() or not any(out.iterdir())
 
 

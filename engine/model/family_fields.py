@@ -1,0 +1,105 @@
+"""Readers of the config fields of the families whose math goes beyond Llama's: Gemma 2, Gemma 3 text (soft-capping,
+the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), from a Hugging
+Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the ModelConfig
+fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError naming the field.
+
+Sources: HF transformers' Gemma2Config / Gemma3TextConfig (defaults, `layer_types`, `rope_parameters`), llama.cpp's
+convert_hf_to_gguf.py (Gemma2Model, Gemma3Model) and llama-model.cpp (what a GGUF leaves implicit: the attention
+scale, Gemma 3's local RoPE base and layer pattern).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+GELU_TANH = "gelu_pytorch_tanh"
+#: Gemma 3's defaults when config.json leaves them out (transformers' Gemma3TextConfig.default_theta, pattern 6).
+GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA, GEMMA3_PATTERN = 1_000_000.0, 10_000.0, 6
+
+
+def _layer_types(config: dict[str, Any], pattern: int) -> tuple[str, ...]:
+    """`layer_types` of config.json, else every `pattern`-th layer global and the others sliding (HF's default:
+    layer i slides when (i + 1) % pattern != 0)."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config.json layer_types {types} is not {n} of full_attention / sliding_attention")
+    return tuple(types)
+
+
+def _gemma_common(config: dict[str, Any], types: tuple[str, ...]) -> dict[str, Any]:
+    act = config.get("hidden_activation") or GELU_TANH
+    if act != GELU_TANH:
+        raise ValueError(f"config.json sets hidden_activation={act!r}, which tokenmill does not implement for "
+                         f"{config['model_type']} (it runs {GELU_TANH})")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("config.json sets use_bidirectional_attention=true (an embedding model); tokenmill runs "
+                         "causal decoders only")
+    window = config.get("sliding_window")
+    if "sliding_attention" in types and not window:
+        raise ValueError("config.json has sliding_attention layers but no sliding_window")
+    return dict(hidden_act=GELU_TANH, norm_weight_offset=1.0, embedding_scale=math.sqrt(int(config["hidden_size"])),
+                query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)), sandwich_norms=True,
+                layer_types=types, sliding_window=int(window) if "sliding_attention" in types else None)
+
+
+def gemma2_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 (HF Gemma2Config): alternating sliding/global layers, attention and final logit soft-capping
+    (defaults 50 and 30 when config.json leaves them out). Raises ValueError."""
+    out = _gemma_common(config, _layer_types(config, 2))
+    out["attn_logit_softcapping"] = config.get("attn_logit_softcapping", 50.0)
+    out["final_logit_softcapping"] = config.get("final_logit_softcapping", 30.0)
+    return out
+
+
+def gemma3_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text (HF Gemma3TextConfig): 5 sliding layers to 1 global by default (`layer_types`, else
+    `sliding_window_pattern`, or `_sliding_window_pattern` as transformers 5 writes it), the
+    global layers' RoPE (rope_theta, default 1e6, and its scaling) and the sliding layers' base
+    (`rope_local_base_freq`, default 1e4, unscaled); transformers 5 writes both as `rope_parameters` by layer type.
+    Attention soft-capping, which HF's Gemma 3 does not apply, is refused. Raises ValueError."""
+    if config.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"config.json sets attn_logit_softcapping={config['attn_logit_softcapping']!r}, which "
+                         "Gemma 3 does not use (HF transformers ignores it); remove it")
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or GEMMA3_PATTERN
+    out = _gemma_common(config, _layer_types(config, int(pattern)))
+    out["final_logit_softcapping"] = config.get("final_logit_softcapping")
+    params = config.get("rope_parameters") or {}
+    if "sliding_attention" in params or "full_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json rope_parameters.sliding_attention is {local}; tokenmill runs the "
+                             "sliding layers' RoPE unscaled (rope_type default)")
+        out["rope_local_theta"] = float(local.get("rope_theta", GEMMA3_LOCAL_THETA))
+    else:
+        out["rope_local_theta"] = float(config.get("rope_local_base_freq", GEMMA3_LOCAL_THETA))
+        if "rope_theta" not in config and "rope_theta" not in params:
+            out["rope_theta"] = GEMMA3_GLOBAL_THETA
+    return out
+
+
+def gemma_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: int, heads: int, head_dim: int,
+                      gemma3: bool) -> dict[str, Any]:
+    """The Gemma fields of a GGUF file's metadata (`get(key without the "{arch}." prefix, default)`), as llama.cpp
+    reads them: soft-capping from `attn_logit_softcapping` / `final_logit_softcapping`; the window from
+    `attention.sliding_window` on every 2nd (Gemma 2) or 6 in 6 (Gemma 3, llama.cpp's fixed pattern) layer, the
+    last of each period global; Gemma 3's local RoPE base `rope.freq_base_swa` (default 1e4). The attention scale
+    is not stored: llama.cpp takes hidden / heads for the 27B models (46 layers for Gemma 2, 62 for Gemma 3) and
+    head_dim for the others, and so does this."""
+    window = get("attention.sliding_window", None)
+    pattern = 6 if gemma3 else 2
+    types = tuple("sliding_attention" if window and (i + 1) % pattern else "full_attention" for i in range(layers))
+    is_27b = layers == (62 if gemma3 else 46)
+    out = dict(hidden_act=GELU_TANH, norm_weight_offset=1.0, embedding_scale=math.sqrt(hidden),
+               query_pre_attn_scalar=float(hidden // heads if is_27b else head_dim), sandwich_norms=True,
+               layer_types=types, sliding_window=int(window) if window else None,
+               final_logit_softcapping=get("final_logit_softcapping", None))
+    if gemma3:
+        out["rope_local_theta"] = float(get("rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+    else:
+        out["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
+    return out
