@@ -15,6 +15,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.layers.attention import paged_attention_ref
+from engine.loading.hf_folder import hf_quant_format
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.model.decoder import LlamaModel
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
@@ -50,10 +51,14 @@ class LLMEngine:
         kv_cache_manager: block tables, block pool and prefix cache (engine.core.kv_cache_manager); the KV tensors
             themselves are the runner's `kv_caches`.
         scheduler: request queues and state (engine.core.scheduler).
+        quantization_loaded: for an already quantized HF folder, how its layers were loaded (e.g. "gptq 4-bit,
+            group 128: 224 layers INT4 as stored, 0 dequantized exactly"; engine.loading.hf_quantized.QuantReport);
+            None for other models.
     """
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
-                 model_name: str, device: torch.device, dtype: torch.dtype) -> None:
+                 model_name: str, device: torch.device, dtype: torch.dtype,
+                 quantization_loaded: str | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -61,6 +66,7 @@ class LLMEngine:
         self.device = device
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.quantization_loaded = quantization_loaded
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
@@ -120,7 +126,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         max_positions = config.max_model_len
-        if config.quantization == "none" and is_hf_folder(path):
+        if config.quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
             model_config, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
             name = os.path.basename(os.path.normpath(path))
             return cls(llama, model_config, Tokenizer.from_model_path(path), config, name, device, dtype)
@@ -130,7 +136,8 @@ class LLMEngine:
             loaded = load_model(path, dtype, device, quantization=config.quantization,
                                 group_size=config.int4_group_size, max_positions=max_positions)
             name = os.path.basename(os.path.normpath(path))
-            return cls(loaded.model, loaded.config, loaded.tokenizer, config, name, device, dtype)
+            return cls(loaded.model, loaded.config, loaded.tokenizer, config, name, device, dtype,
+                       loaded.quantization_loaded)
         model_config, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
         return cls(llama, model_config, Tokenizer.from_gguf(path), config, os.path.basename(path), device, dtype)
 
@@ -160,7 +167,8 @@ class LLMEngine:
         if device != self.device or dtype != self.dtype:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
-        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype)
+        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
+                         self.quantization_loaded)
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
 from engine.loop.submission import DeviceClock
-from pipeline.accounting import accounting_row, bill_earlier_attempts, read_committed_accounting
+from pipeline.accounting import accounting_row, bill_earlier_attempts, quantization_label, read_committed_accounting
 from pipeline.attempts import Heartbeat, claim_attempt, end_attempt, list_attempts
 from pipeline.checkpoint import Checkpointer, committed_parts, committed_rows, completion_tokens, merge_parts
 from pipeline.config import RunConfig
@@ -190,7 +190,8 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         shard_id=shard.shard_id, attempt=attempt, input_path=shard.url, row_start=shard.row_start, results=results,
         wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s, earlier=earlier, rows_resumed=rows_resumed,
         kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
-        dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        quantization=quantization_label(engine.config.quantization, getattr(engine, "quantization_loaded", None)),
         model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
     commit_table(fs, accounting_path(root, shard.shard_id, attempt), pa.Table.from_pylist([row],
                                                                                          schema=ACCOUNTING_SCHEMA))
