@@ -72,26 +72,26 @@ def read_state(path: str, quantization: str, group_size: int, plain_dtype: torch
 def read_model_state(path: str, quantization: str, group_size: int, plain_dtype: torch.dtype = torch.float32,
                      device: torch.device | None = None) -> tuple[ModelConfig, QuantizedState, str | None]:
     """ModelConfig, (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per the
-    modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none": no fp32 copy of a bf16
-    checkpoint; INT4 quantized one tensor at a time), and for an already quantized HF folder the load report's line
-    (else None). `device`: where the model will run (default the CPU): a W8A8 folder's INT8 layers are kept as
-    stored only on a CPU with the INT8 kernel. Raises ValueError for an unknown mode, a mode that would quantize a
-    quantized folder a second time (engine.loading.hf_quantized.check_quantization_mode), or an unsupported file."""
+    modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none", and for every mode of an
+    already quantized one: no fp32 copy of a bf16 checkpoint; INT4 quantized one tensor at a time), and for an
+    already quantized HF folder the load report's line (else None; its converted layers go through the weights
+    cache: engine.loading.stored_cache). `device`: where the model will run (default the CPU): a W8A8 folder's
+    INT8 layers are kept as stored only on a CPU with the INT8 kernel. Raises ValueError for an unknown mode, a
+    mode that would quantize a quantized folder a second time (engine.loading.hf_quantized.check_quantization_mode),
+    or an unsupported file."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if is_hf_folder(path):
         cfg = read_hf_config(path)
-        dtype = plain_dtype if quantization == "none" else torch.float32
         fmt = hf_quant_format(path)
         if fmt is not None:
             check_quantization_mode(fmt, quantization, path)
             keep = None if quantization == "none" else stored_kernels(device or torch.device("cpu"))
-            items, report = iter_hf_quantized_state(path, cfg, dtype, keep)
-            state = dict(items)
-            (log.warning if report.dequantized and keep else log.info)("%s: %s", os.path.basename(path),
-                                                                       report.summary())
-            return cfg, state, report.summary()
-        items = iter_hf_state(path, cfg, dtype)
+            state, summary = _read_quantized_hf(path, cfg, plain_dtype, keep)
+            (log.warning if "dequantized exactly (" in summary and keep else log.info)(
+                "%s: %s", os.path.basename(path), summary)
+            return cfg, state, summary
+        items = iter_hf_state(path, cfg, plain_dtype if quantization == "none" else torch.float32)
         if quantization != "int4":
             return cfg, dict(items), None
         handler = Int4QuantHandler(group_size, include_embedding=False)
@@ -114,6 +114,26 @@ def read_model_state(path: str, quantization: str, group_size: int, plain_dtype:
     if quantization == "int4":
         state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
     return cfg, state, None
+
+
+def _read_quantized_hf(path: str, cfg: ModelConfig, dtype: torch.dtype,
+                       keep: KeepStored | None) -> tuple[QuantizedState, str]:
+    """A quantized HF folder's state (its layers kept as `keep` allows, plain tensors in `dtype`) and load report,
+    through the weights cache when anything is kept (engine.loading.stored_cache: a second load skips the
+    conversion)."""
+    from engine.loading.hf_folder import hf_weight_files
+    from engine.loading.model_files import HF_CONFIG_FILE
+    from engine.loading.stored_cache import read_stored_cache, write_stored_cache
+
+    files = [*hf_weight_files(path), os.path.join(path, HF_CONFIG_FILE)]
+    cached = read_stored_cache(path, files, dtype, keep) if keep is not None else None
+    if cached is not None:
+        return cached
+    items, report = iter_hf_quantized_state(path, cfg, dtype, keep)
+    state: QuantizedState = dict(items)
+    if keep is not None:
+        write_stored_cache(path, files, dtype, keep, cfg, state, report.summary())
+    return state, report.summary()
 
 
 def stored_kernels(device: torch.device) -> KeepStored:

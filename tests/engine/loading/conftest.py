@@ -49,3 +49,12 @@ def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str
     texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
     return [hf_tok.encode(hf_tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                      tokenize=False), add_special_tokens=False) for t in texts]
+
+
+@pytest.fixture()
+def quant_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TOKENMILL_CACHE_DIR in this session's temporary folder: the quantized folders' weights-cache entries
+    (engine.loading.stored_cache) are written there, not into the user's cache."""
+    root = tmp_path_factory.getbasetemp() / "tokenmill-cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(root))
+    return root

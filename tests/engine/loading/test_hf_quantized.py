@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_cases import CASES, hf_argmax  # noqa: E402
 
 MAX_TOKENS = 32
+pytestmark = pytest.mark.usefixtures("quant_cache_dir")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -25,6 +25,7 @@ from quant_cases import hf_argmax  # noqa: E402
 from quant_writers import PROJECTIONS  # noqa: E402
 
 MAX_TOKENS = 32
+pytestmark = pytest.mark.usefixtures("quant_cache_dir")
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=16,
               max_num_batched_tokens=512)
 
@@ -200,3 +201,48 @@ def test_the_shards_accounting_names_the_quantization_as_loaded(folders, tmp_pat
     summary = JobSummary()
     add_accounting(summary, row)
     assert summary.quantizations == [expected]
+
+
+def test_a_second_load_reads_the_converted_layers_from_the_weights_cache(folders, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time conversion (INT4 repacked, act-order permuted, W8A8 int8 as stored, 8-bit GPTQ dequantized)
+    lands in the weights cache: a second load reads the same state and report without converting; a changed file
+    is a new entry; quantization 'none' is not cached (nothing is converted to keep)."""
+    import os
+    import shutil
+
+    from engine.loading import quantized
+    from engine.loading.quantized import read_model_state
+    from engine.quant.qparams import Int4Weight, Int8Weight
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    cases = ("gptq-4bit-g32-actorder", "ct-w8a8-int-quantized", "gptq-8bit-g32")
+    first = {case: read_model_state(str(folders[case][0]), "auto", 128) for case in cases}
+    read_model_state(str(folders["awq-gemm-g64"][0]), "none", 128)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == len(cases)
+
+    def no_conversion(*_a: object, **_k: object) -> None:
+        raise AssertionError("a cached load must not convert the checkpoint again")
+
+    def parts(v: object) -> list:
+        if isinstance(v, Int4Weight):
+            return [v.qweight, v.scales, v.zeros, v.in_features, v.group_size, v.in_perm]
+        return [v.qweight, v.scale] if isinstance(v, Int8Weight) else [v]
+
+    with monkeypatch.context() as m:
+        m.setattr(quantized, "iter_hf_quantized_state", no_conversion)
+        for case in cases:
+            _, built, report = first[case]
+            _, cached, cached_report = read_model_state(str(folders[case][0]), "auto", 128)
+            assert cached_report == report and cached.keys() == built.keys()
+            for name, v in built.items():
+                assert type(cached[name]) is type(v), name
+                for a, b in zip(parts(v), parts(cached[name]), strict=True):
+                    assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+    copy = tmp_path / "copy"
+    shutil.copytree(folders["gptq-4bit-g32-actorder"][0], copy)
+    read_model_state(str(copy), "auto", 128)
+    config = copy / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    read_model_state(str(copy), "auto", 128)
+    assert len(list((tmp_path / "cache" / "weights").iterdir())) == len(cases) + 2
