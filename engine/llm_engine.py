@@ -47,10 +47,14 @@ class LLMEngine:
         kv_cache_manager: block tables, block pool and prefix cache (engine.core.kv_cache_manager); the KV tensors
             themselves are the runner's `kv_caches`.
         scheduler: request queues and state (engine.core.scheduler).
+        quantization_loaded: for an already quantized HF folder, how its layers were loaded (e.g. "gptq 4-bit,
+            group 128: 224 layers INT4 as stored, 0 dequantized exactly"; engine.loading.hf_quantized.QuantReport);
+            None for other models.
     """
 
     def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
-                 model_name: str, device: torch.device, dtype: torch.dtype) -> None:
+                 model_name: str, device: torch.device, dtype: torch.dtype,
+                 quantization_loaded: str | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -58,6 +62,7 @@ class LLMEngine:
         self.device = device
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.quantization_loaded = quantization_loaded
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
@@ -122,7 +127,8 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, device)
         opened = open_model(model, dtype, device, quantization=config.quantization,
                             group_size=config.int4_group_size, max_positions=config.max_model_len)
-        return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype)
+        return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
+                   opened.quantization_loaded)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
@@ -149,7 +155,8 @@ class LLMEngine:
         if device != self.device or dtype != self.dtype:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
-        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype)
+        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
+                         self.quantization_loaded)
 
     # ---- requests -------------------------------------------------------------------------------------------
 

@@ -292,3 +292,23 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
         raise JobError(f"--max-model-len {max_model_len} is more than {size_of} "
                        f"holds for {name} ({pool} tokens); raise --kv-cache-gib to at least "
                        f"{max_model_len * per_block / block / (1 << 30):.3f} or lower --max-model-len")
+
+
+def check_quantization(model: str | None, quantization: str) -> None:
+    """Raise JobError (exit 2) when --quantization would quantize an already quantized local Hugging Face folder a
+    second time (int4 on any, int8 on all but W8A8 ones: engine.loading.hf_quantized.check_quantization_mode), before
+    any work; the message names its quant_method and the modes to use (auto, none). Other models pass (a URL or hub
+    id is checked by the engine when it loads)."""
+    if model is None or is_url(model) or is_hub_id(model) or quantization in ("auto", "none"):
+        return
+    from engine.loading.hf_folder import hf_quant_format, is_hf_folder
+    from engine.loading.hf_quantized import check_quantization_mode
+
+    if not is_hf_folder(model):
+        return
+    try:
+        fmt = hf_quant_format(model)
+        if fmt is not None:
+            check_quantization_mode(fmt, quantization, model)
+    except ValueError as e:
+        raise JobError(f"--quantization {quantization}: {e}") from e

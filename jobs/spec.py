@@ -12,7 +12,14 @@ from engine import EngineConfig
 from jobs.errors import JobError
 from jobs.metrics import JobMetrics
 from jobs.openai_batch import prepare_spec
-from jobs.preflight import check_device, check_max_model_len, check_model, check_output, check_store
+from jobs.preflight import (
+    check_device,
+    check_max_model_len,
+    check_model,
+    check_output,
+    check_quantization,
+    check_store,
+)
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
 from schemas.job_spec import JobSpec
@@ -71,6 +78,7 @@ def checked_spec(spec: JobSpec) -> JobSpec:
     model = check_model(spec.model)
     e = spec.engine
     check_device(e.device, spec.cluster.scheduler)
+    check_quantization(model, e.quantization)
     check_max_model_len(model, e.device, e.dtype, e.max_model_len, e.kv_cache_gib)
     return spec.model_copy(update={"output": check_output(spec.output), "model": model})
 

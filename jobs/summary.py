@@ -22,7 +22,8 @@ class JobSummary:
     `interruptions` counts shard runs this job saw stop (preemption or cancel). `stopped` maps shards left
     unfinished by a cancel to why; `cancelled` says the job was cancelled; `already_done` that it had finished
     before this run started (nothing ran). `dtypes` and `quantizations` are the distinct torch dtypes ("bfloat16",
-    "float32", ...) and weight quantizations (none, auto, int4, int8) the committed shards ran in, sorted: one value
+    "float32", ...) and weight quantizations (none, auto, int4, int8; for an already quantized model with how its
+    layers loaded: pipeline.accounting.quantization_label) the committed shards ran in, sorted: one value
     each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
     `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
     when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run

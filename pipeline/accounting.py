@@ -118,6 +118,13 @@ def ran_prompt_tokens(results: pa.Table) -> int:
     return int(pc.sum(pc.filter(results.column("prompt_tokens"), ran)).as_py() or 0)
 
 
+def quantization_label(mode: str, loaded: str | None) -> str:
+    """The accounting's quantization value: the engine's mode (none, auto, int4, int8), then, for an already
+    quantized model, how its layers were loaded in parentheses (LLMEngine.quantization_loaded), e.g. "auto (gptq
+    4-bit, group 128: 224 layers INT4 as stored, 0 dequantized exactly)"."""
+    return mode if not loaded else f"{mode} ({loaded})"
+
+
 def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: int, results: pa.Table,
                    wall_s: float, generated_tokens: int, device_s: float, earlier: EarlierAttempts, rows_resumed: int,
                    kv_preemptions: int, device: str, dtype: str, quantization: str, model: str,
@@ -128,8 +135,9 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
     `generated_tokens`: output tokens this attempt generated; `device_s`: this attempt's device-seconds. The cost bills
     every attempt's device-seconds (`device_s + earlier.device_s`, in `device_s_billed`): lost time is real money.
     `device`, `dtype` ("bfloat16", "float32", ...: what ran, "auto" resolved) and `quantization` (none, auto, int4,
-    int8) say what the engine that finished the shard ran on and in; `model_fingerprint` which model it had loaded
-    (pipeline.model_pin; None when the job pinned none).
+    int8, with the load report of a quantized model: quantization_label) say what the engine that finished the
+    shard ran on and in; `model_fingerprint` which model it had loaded (pipeline.model_pin; None when the job pinned
+    none).
     """
     rows = results.num_rows
     errors = rows - results.column("error").null_count

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from engine.loop.clock import DeviceClock
-from pipeline.accounting import accounting_row
+from pipeline.accounting import accounting_row, quantization_label
 from pipeline.checkpoint import Checkpointer, completion_tokens
 from pipeline.config import RunConfig
 from pipeline.input import Shard
@@ -179,7 +179,8 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         results=results, wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s,
         earlier=attempt.bill_earlier(cfg.checkpoint_seconds), rows_resumed=rows_resumed,
         kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
-        dtype=str(engine.dtype).removeprefix("torch."), quantization=engine.config.quantization,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        quantization=quantization_label(engine.config.quantization, getattr(engine, "quantization_loaded", None)),
         model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
     attempt.finish(row)
     return row

@@ -83,7 +83,10 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("dtype", pa.string(), nullable=False,
              metadata={"doc": "the torch dtype the engine ran in (float32, bfloat16, float16), 'auto' resolved"}),
     pa.field("quantization", pa.string(), nullable=False,
-             metadata={"doc": "how the engine held the weights: none, auto, int4 or int8 (EngineConfig.quantization)"}),
+             metadata={"doc": "how the engine held the weights: none, auto, int4 or int8 (EngineConfig.quantization); "
+                              "for an already quantized model (GPTQ, AWQ, compressed-tensors) followed by how its "
+                              "layers loaded, e.g. 'auto (gptq 4-bit, group 128: 224 layers INT4 as stored, 0 "
+                              "dequantized exactly)'"}),
     pa.field("price_per_hour_usd", pa.float64(), nullable=False, metadata={"doc": "price of the device, USD/hour"}),
     pa.field("cost_usd", pa.float64(), nullable=False, metadata={
         "doc": "device_s_billed / 3600 * price_per_hour_usd: every attempt of the shard, lost time included, USD"}),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
 from engine.loading.hf_quantized import (
+    KeepStored,
     QuantFormat,
     QuantReport,
     iter_quantized_state,
@@ -109,18 +110,18 @@ def check_hf_folder(path: str) -> ModelConfig:
 
 
 def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
-                            keep_int4: bool) -> tuple[Iterator[tuple[str, Any]], QuantReport]:
+                            keep: KeepStored | None) -> tuple[Iterator[tuple[str, Any]], QuantReport]:
     """(iterator, report) over a quantized HF folder's parameters (engine.loading.hf_quantized.iter_quantized_state:
-    INT4 as stored where exact when `keep_int4`, else dequantized exactly to `dtype`; a tied LM head left out); the
-    report fills as the iterator runs. Names are checked before the first tensor is read. Raises ValueError as
-    hf_tensor_index, and for a folder without quantization_config."""
+    INT4 / INT8 as stored where `keep` holds them exactly, else dequantized exactly to `dtype`; keep None: all
+    dequantized; a tied LM head left out); the report fills as the iterator runs. Names are checked before the first
+    tensor is read. Raises ValueError as hf_tensor_index, and for a folder without quantization_config."""
     fmt = hf_quant_format(path)
     if fmt is None:
         raise ValueError(f"{path} has no quantization_config")
     hf_tensor_index(path, cfg)
     report = QuantReport(fmt.describe())
     tied = f"{LM_HEAD}.weight" if cfg.tie_word_embeddings else None
-    items = iter_quantized_state(hf_weight_files(path), fmt, _hf_param_name, dtype, keep_int4, report,
+    items = iter_quantized_state(hf_weight_files(path), fmt, _hf_param_name, dtype, keep, report,
                                  skip=lambda name: name == tied)
     return items, report
 
@@ -133,7 +134,7 @@ def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
     from safetensors import safe_open
 
     if hf_quant_format(path) is not None:
-        yield from iter_hf_quantized_state(path, cfg, dtype, keep_int4=False)[0]
+        yield from iter_hf_quantized_state(path, cfg, dtype, keep=None)[0]
         return
     index = hf_tensor_index(path, cfg)
     by_file: dict[str, list[tuple[str, str]]] = {}

@@ -8,7 +8,9 @@ Methods read (engine.loading.gptq_awq, engine.loading.compressed_tensors; the ar
     compressed-tensors  pack-quantized int4/int8 (group or channel, sym or asym), int-quantized int8, float-quantized
                         fp8 (tensor, channel or block scales)
 A layer goes to the INT4 kernels with its integers and scales as stored when that is exact
-(IntGroupWeight.int4_plan), else it is dequantized exactly; `QuantReport` says which layers took which way and why.
+(IntGroupWeight.int4_plan; act-order layers with their input features permuted once at load), a W8A8 layer to the
+CPU's INT8 kernel (IntGroupWeight.to_int8), else it is dequantized exactly; `QuantReport` says which layers took
+which way and why. Modes that would quantize such a folder a second time are refused (check_quantization_mode).
 Imports nothing of engine.loading.hf_folder (which imports this module), and torch only where tensors are read: the
 CLI's preflight checks a folder's config and tensor names through it.
 """
@@ -46,6 +48,12 @@ class QuantFormat:
     schemes: list[CTScheme] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
 
+    def is_w8a8(self) -> bool:
+        """True for a compressed-tensors folder whose every quantized group is W8A8 with dynamic per-token
+        activations (CTScheme.w8a8_dynamic): what quantization 'int8' runs, so its integers are kept, not redone."""
+        return self.method == "compressed-tensors" and bool(self.schemes) and all(
+            s.w8a8_dynamic() for s in self.schemes)
+
     def describe(self) -> str:
         """One line for logs and summaries, e.g. "gptq 4-bit, group 128"."""
         if self.method == "compressed-tensors":
@@ -82,6 +90,17 @@ def read_quant_format(config: dict[str, Any], source: str) -> QuantFormat | None
     return QuantFormat(method, bits, group)
 
 
+def check_quantization_mode(fmt: QuantFormat, quantization: str, source: str) -> None:
+    """Raise ValueError (one line naming quant_method and the modes to use) when the engine's `quantization` would
+    quantize an already quantized folder a second time: "int4" always, "int8" unless the folder is W8A8
+    (QuantFormat.is_w8a8; its stored INT8 integers are then kept). "auto" and "none" always pass."""
+    if quantization == "int4" or (quantization == "int8" and not fmt.is_w8a8()):
+        raise ValueError(f"{source} is already quantized (quantization_config.quant_method {fmt.method!r}, "
+                         f"{fmt.describe()}); quantization '{quantization}' would quantize it a second time: use "
+                         "'auto' (its stored integers kept where the kernels hold them exactly) or 'none' "
+                         "(dequantized exactly)")
+
+
 def refuse_unmarked_quantized(keys: Iterable[str], source: str) -> None:
     """Raise ValueError when a folder without quantization_config holds GPTQ-style tensors (qweight, qzeros,
     g_idx): its config.json lost the quantization_config its producer wrote."""
@@ -115,21 +134,45 @@ def param_names(keys: Iterable[str], fmt: QuantFormat) -> list[str]:
 
 @dataclass
 class QuantReport:
-    """How a quantized folder's layers were loaded: `int4` (module names kept as stored INT4) and `dequantized`
-    (module name -> why: a reason the INT4 kernels cannot hold it exactly, or the mode asked for it)."""
+    """How a quantized folder's layers were loaded: `int4` (module names kept as stored INT4; `permuted`: those of
+    them whose input features were reordered, act-order), `int8` (kept as stored INT8, W8A8) and `dequantized`
+    (module name -> why: a reason the kernels cannot hold it exactly, or the mode asked for it)."""
 
     format: str
     int4: list[str] = field(default_factory=list)
+    permuted: list[str] = field(default_factory=list)
+    int8: list[str] = field(default_factory=list)
     dequantized: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        """One line, e.g. "gptq 4-bit, group 128: 14 layers INT4 as stored, 2 dequantized exactly (8-bit ...: 2)"."""
+        """One line, e.g. "gptq 4-bit, group 128: 14 layers INT4 as stored (14 act-order, input permuted at load),
+        2 dequantized exactly (8-bit ...: 2)"."""
         reasons: dict[str, int] = {}
         for why in self.dequantized.values():
             reasons[why] = reasons.get(why, 0) + 1
         detail = "; ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
-        return (f"{self.format}: {len(self.int4)} layers INT4 as stored, {len(self.dequantized)} dequantized exactly"
-                + (f" ({detail})" if detail else ""))
+        parts = [f"{len(self.int4)} layers INT4 as stored" + (
+            f" ({len(self.permuted)} act-order, input permuted at load)" if self.permuted else "")]
+        if self.int8:
+            parts = [f"{len(self.int8)} layers INT8 as stored (W8A8)"] + (parts if self.int4 else [])
+        parts.append(f"{len(self.dequantized)} dequantized exactly" + (f" ({detail})" if detail else ""))
+        return f"{self.format}: " + ", ".join(parts)
+
+
+@dataclass
+class KeepStored:
+    """Which stored integers a load keeps: `int4` (4-bit layers to the INT4 kernels where exact; `act_order`: also
+    act-order ones, their input permuted), `int8_qmax` (W8A8 layers to the CPU INT8 kernel when it sums their |q|
+    exactly: engine.quant.int8_linear.int8_weight_qmax; None = no INT8 kernel here, `int8_off` says why)."""
+
+    int4: bool = True
+    act_order: bool = True
+    int8_qmax: float | None = None
+    int8_off: str = "no INT8 kernel on this device (the W8A8 kernel is the CPU's oneDNN int8 GEMM)"
+
+
+#: The reason of every dequantized layer when the mode asks for plain weights.
+DEQUANTIZE_ALL = "quantization 'none' asked for dequantized"
 
 
 def read_layer(get: Callable[[str], torch.Tensor | None], module: str,
@@ -150,16 +193,39 @@ def read_layer(get: Callable[[str], torch.Tensor | None], module: str,
     return read_ct_float(get, module, scheme) if scheme.type == "float" else read_ct_int(get, module, scheme)
 
 
+def keep_layer(layer: IntGroupWeight | torch.Tensor, scheme: CTScheme | None,
+               keep: KeepStored | None) -> tuple[Any, str]:
+    """(Int4Weight or Int8Weight of the stored integers, "") when `keep` holds this layer as stored, else (None, why
+    it is dequantized). keep None: the mode asked for dequantized weights."""
+    from engine.loading.quant_groups import IntGroupWeight
+
+    if keep is None:
+        return None, DEQUANTIZE_ALL
+    if not isinstance(layer, IntGroupWeight):
+        return None, "fp8 weights"
+    if scheme is not None and scheme.activations:
+        if scheme.w8a8_dynamic():
+            return layer.to_int8(keep.int8_qmax) if keep.int8_qmax is not None else (None, keep.int8_off)
+        if layer.bits == 8:
+            return None, "int8 activations not dynamic per token (the INT8 kernel's scheme)"
+    if not keep.int4:
+        return None, "quantization keeps no INT4 here"
+    group, perm, why = layer.int4_plan(keep.act_order)
+    return (None, why) if group is None else (layer.to_int4(group, perm), "")
+
+
 def iter_quantized_state(files: list[str], fmt: QuantFormat, param_name: Callable[[str], str], dtype: torch.dtype,
-                         keep_int4: bool, report: QuantReport,
+                         keep: KeepStored | None, report: QuantReport,
                          skip: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
-    """(name, value) per parameter of a quantized HF folder, one layer at a time: a quantized layer as an
-    Int4Weight under its module name (our names, through `param_name`) when `keep_int4` and exact, else its exactly
-    dequantized weight in `dtype` under "<module>.weight"; other tensors in `dtype`. Names for which `skip` is true
-    (a tied LM head) are left out. Fills `report`. Raises ValueError as read_layer."""
+    """(name, value) per parameter of a quantized HF folder, one layer at a time: a quantized layer that `keep`
+    holds as stored (keep_layer) as an Int4Weight or Int8Weight under its module name (our names, through
+    `param_name`), else its exactly dequantized weight in `dtype` under "<module>.weight"; other tensors in `dtype`.
+    keep None: every layer dequantized. Names for which `skip` is true (a tied LM head) are left out. Fills `report`.
+    Raises ValueError as read_layer."""
     from safetensors import safe_open
 
     from engine.loading.quant_groups import IntGroupWeight
+    from engine.quant.qparams import Int8Weight
 
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
@@ -179,12 +245,14 @@ def iter_quantized_state(files: list[str], fmt: QuantFormat, param_name: Callabl
             if skip(f"{name}.weight"):
                 continue
             layer = read_layer(get, module, fmt)
-            plan, why = layer.int4_plan() if isinstance(layer, IntGroupWeight) else (None, "fp8 weights")
-            if keep_int4 and plan is not None:
-                report.int4.append(name)
-                yield name, layer.to_int4(plan)
+            scheme = scheme_for(module, fmt.schemes, fmt.ignore) if fmt.method == "compressed-tensors" else None
+            kept, why = keep_layer(layer, scheme, keep)
+            if kept is not None:
+                (report.int8 if isinstance(kept, Int8Weight) else report.int4).append(name)
+                if getattr(kept, "in_perm", None) is not None:
+                    report.permuted.append(name)
+                yield name, kept
                 continue
-            report.dequantized[name] = why if keep_int4 else "quantization 'none' or 'int8' asked for dequantized"
+            report.dequantized[name] = why
             w = layer.dequantize() if isinstance(layer, IntGroupWeight) else layer
             yield f"{name}.weight", w.to(dtype)
-

@@ -19,11 +19,15 @@ from engine.loading.hf_folder import iter_hf_state, read_hf_config
 from engine.loading.model_files import (
     resolve_model_path as resolve_model_path,  # NOTE: re-exported for engine.llm_engine
 )
-from engine.loading.weights_cache import read_weights_cache, weights_cache_dir, write_weights_cache
+from engine.loading.weights_cache import (
+    read_weights_cache,
+    weights_cache_dir,
+    weights_cache_enabled,
+    write_weights_cache,
+)
 from engine.model.decoder import LlamaModel
 from engine.model.fill import fill_model
 from engine.model.tensor_names import LM_HEAD
-from schemas import settings
 
 
 def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -32,8 +36,7 @@ def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
     it off): read from the cache entry when there is one, else from the file, and the entry written. For fp32 the
     state also holds the raw GGUF blocks of the block-quantized weights (`is_block_key` entries; `fill_model`
     attaches them to their modules)."""
-    use_cache = settings.env_flag(settings.WEIGHTS_CACHE)
-    folder = weights_cache_dir(path, dtype) if use_cache else None
+    folder = weights_cache_dir(path, dtype) if weights_cache_enabled() else None
     cached = read_weights_cache(folder) if folder is not None else None
     if cached is not None:
         return cached

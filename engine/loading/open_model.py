@@ -10,18 +10,22 @@ from typing import NamedTuple
 import torch
 
 from engine.config import ModelConfig
+from engine.loading.hf_folder import hf_quant_format
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.model.decoder import LlamaModel
 from engine.text.tokenizer import Tokenizer
 
 
 class OpenedModel(NamedTuple):
-    """A filled model on its device, its shape, its tokenizer and the model's name (its file or folder name)."""
+    """A filled model on its device, its shape, its tokenizer, the model's name (its file or folder name) and, for an
+    already quantized HF folder, how its layers were loaded (engine.loading.quantized.LoadedModel.quantization_loaded;
+    None otherwise)."""
 
     model: LlamaModel
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
+    quantization_loaded: str | None = None
 
 
 def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
@@ -32,7 +36,7 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     (unsupported architecture, bad mode, broken file)."""
     path = resolve_model_path(model)
     name = os.path.basename(os.path.normpath(path))
-    if quantization == "none" and is_hf_folder(path):
+    if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
         cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
         return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name)
     if quantization != "none" or os.path.isdir(path):
@@ -40,6 +44,6 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
 
         loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
                             max_positions=max_positions)
-        return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name)
+        return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded)
     cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
     return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name)

@@ -4,12 +4,15 @@ quantization, and write quantized folders (what `tokenmill quantize` runs).
 quantization modes (EngineConfig.quantization):
     "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
     "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
-            saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact
-            (engine.loading.hf_quantized; the others dequantized exactly, and the load logs which and why);
-            everything else in the compute dtype.
-    "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
-    "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection and the LM head as INT8 per output
-            channel, activations quantized per token at run time; loaded as "none", then fused and quantized.
+            saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact (act-order
+            ones with their input permuted) and a W8A8 folder's INT8 layers as stored on the CPU
+            (engine.loading.hf_quantized; the others dequantized exactly, and the load report says which and why:
+            LoadedModel.quantization_loaded); everything else in the compute dtype.
+    "int4"  "auto", plus every other projection weight quantized at `group_size` on load (refused for an already
+            quantized HF folder: it would quantize twice).
+    "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection as INT8 per output channel, activations
+            quantized per token at run time; loaded as "none", then fused, smoothed and quantized. A W8A8 HF folder
+            keeps its stored INT8 instead ("auto"); other quantized HF folders are refused.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from engine.loading.hf_folder import (
     iter_hf_state,
     read_hf_config,
 )
+from engine.loading.hf_quantized import KeepStored, check_quantization_mode
 from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
 from engine.loading.tokenmill_folder import is_model_folder, read_folder, save_folder
@@ -49,39 +53,57 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    """A filled model with its shape, tokenizer and the count of INT4 modules (0 = plain)."""
+    """A filled model with its shape, tokenizer, the count of INT4 modules (0 = plain) and, for an already quantized
+    HF folder, the one-line account of how its layers were loaded (QuantReport.summary(); None for other models)."""
 
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
     num_int4_modules: int
+    quantization_loaded: str | None = None
 
 
-def read_state(path: str, quantization: str, group_size: int,
-               plain_dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, QuantizedState]:
-    """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per
-    the modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none": no fp32 copy of a
-    bf16 checkpoint; INT4 quantized one tensor at a time). Raises ValueError for an unknown mode or unsupported
-    file."""
+def read_state(path: str, quantization: str, group_size: int, plain_dtype: torch.dtype = torch.float32,
+               device: torch.device | None = None) -> tuple[ModelConfig, QuantizedState]:
+    """ModelConfig and (partly) quantized state dict on the CPU: read_model_state without the load report."""
+    cfg, state, _ = read_model_state(path, quantization, group_size, plain_dtype, device)
+    return cfg, state
+
+
+def read_model_state(path: str, quantization: str, group_size: int, plain_dtype: torch.dtype = torch.float32,
+                     device: torch.device | None = None) -> tuple[ModelConfig, QuantizedState, str | None]:
+    """ModelConfig, (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per the
+    modes in the module docstring (an HF folder's plain weights in `plain_dtype` for "none", and for every mode of an
+    already quantized one: no fp32 copy of a bf16 checkpoint; INT4 quantized one tensor at a time), and for an
+    already quantized HF folder the load report's line (else None; its converted layers go through the weights
+    cache: engine.loading.stored_cache). `device`: where the model will run (default the CPU): a W8A8 folder's
+    INT8 layers are kept as stored only on a CPU with the INT8 kernel. Raises ValueError for an unknown mode, a
+    mode that would quantize a quantized folder a second time (engine.loading.hf_quantized.check_quantization_mode),
+    or an unsupported file."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if is_hf_folder(path):
         cfg = read_hf_config(path)
-        dtype = plain_dtype if quantization == "none" else torch.float32
-        if quantization in ("auto", "int4") and hf_quant_format(path) is not None:
-            return cfg, _read_quantized_hf(path, cfg, quantization, group_size)
-        items = iter_hf_state(path, cfg, dtype)
+        fmt = hf_quant_format(path)
+        if fmt is not None:
+            check_quantization_mode(fmt, quantization, path)
+            keep = None if quantization == "none" else stored_kernels(device or torch.device("cpu"))
+            state, summary = _read_quantized_hf(path, cfg, plain_dtype, keep)
+            (log.warning if "dequantized exactly (" in summary and keep else log.info)(
+                "%s: %s", os.path.basename(path), summary)
+            return cfg, state, summary
+        items = iter_hf_state(path, cfg, plain_dtype if quantization == "none" else torch.float32)
         if quantization != "int4":
-            return cfg, dict(items)
+            return cfg, dict(items), None
         handler = Int4QuantHandler(group_size, include_embedding=False)
         state: QuantizedState = {}
         for name, w in items:
             state.update(handler.quantize_state_dict({name: w}))
-        return cfg, state
+        return cfg, state, None
     if os.path.isdir(path):
         cfg, state, _ = read_folder(path)
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
-        return read_gguf_state(path, torch.float32)
+        return (*read_gguf_state(path, torch.float32), None)
     else:
         from engine.loading.gguf_file import open_gguf
 
@@ -89,51 +111,73 @@ def read_state(path: str, quantization: str, group_size: int,
         cfg = read_gguf_config(reader)
         state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
-        return cfg, dequantize_state_dict(state, torch.float32)
+        return cfg, dequantize_state_dict(state, torch.float32), None
     if quantization == "int4":
         state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
-    return cfg, state
+    return cfg, state, None
 
 
-def _read_quantized_hf(path: str, cfg: ModelConfig, quantization: str, group_size: int) -> QuantizedState:
-    """A quantized HF folder's state for "auto"/"int4": its layers INT4 as stored where exact, the rest dequantized
-    exactly in fp32 ("int4" then quantizes those on load, as for any plain weight); the report logged."""
-    items, report = iter_hf_quantized_state(path, cfg, torch.float32, keep_int4=True)
+def _read_quantized_hf(path: str, cfg: ModelConfig, dtype: torch.dtype,
+                       keep: KeepStored | None) -> tuple[QuantizedState, str]:
+    """A quantized HF folder's state (its layers kept as `keep` allows, plain tensors in `dtype`) and load report,
+    through the weights cache when anything is kept (engine.loading.stored_cache: a second load skips the
+    conversion)."""
+    from engine.loading.hf_folder import hf_weight_files
+    from engine.loading.model_files import HF_CONFIG_FILE
+    from engine.loading.stored_cache import read_stored_cache, write_stored_cache
+
+    files = [*hf_weight_files(path), os.path.join(path, HF_CONFIG_FILE)]
+    cached = read_stored_cache(path, files, dtype, keep) if keep is not None else None
+    if cached is not None:
+        return cached
+    items, report = iter_hf_quantized_state(path, cfg, dtype, keep)
     state: QuantizedState = dict(items)
-    (log.warning if report.dequantized else log.info)("%s: %s", os.path.basename(path), report.summary())
-    if quantization == "int4":
-        state = Int4QuantHandler(group_size, include_embedding=False).quantize_state_dict(state)
-    return state
+    if keep is not None:
+        write_stored_cache(path, files, dtype, keep, cfg, state, report.summary())
+    return state, report.summary()
+
+
+def stored_kernels(device: torch.device) -> KeepStored:
+    """What a quantized folder's layers can keep as stored on `device`: INT4 everywhere (act-order permuted), the
+    W8A8 INT8 layers on a CPU whose torch has the oneDNN int8 ops, up to the |q| its int8 GEMM sums exactly."""
+    from engine.quant.int8_linear import int8_available, int8_weight_qmax
+
+    if device.type != "cpu":
+        return KeepStored()
+    if not int8_available():
+        return KeepStored(int8_off="torch has no oneDNN int8 ops (the W8A8 kernel)")
+    return KeepStored(int8_qmax=int8_weight_qmax())
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
                group_size: int = 128, max_positions: int | None = None,
                dequant_min_rows: int | None | str = "auto") -> LoadedModel:
-    """Load a GGUF file / URL, a tokenmill folder, or None (the default SmolLM2 model) onto `device`.
+    """Load a GGUF file / URL, a tokenmill folder, an HF folder (quantized or not), or None (the default SmolLM2
+    model) onto `device`.
 
     dtype: compute dtype of activations and plain weights. Raises FileNotFoundError (no such model) and ValueError
-    (bad mode, unsupported architecture, broken file).
+    (bad mode, unsupported architecture, broken file, a quantized folder asked to be quantized again).
     """
     path = resolve_model_path(model)
     if os.path.isdir(path) and not is_model_folder(path) and not is_hf_folder(path):
         raise ValueError(f"{path} is a folder but neither a Hugging Face model folder (config.json + safetensors) "
                          "nor a tokenmill model folder; pass a GGUF file or one of those folders")
-    cfg, state = read_state(path, quantization, group_size, plain_dtype=dtype)
+    if quantization == "int8" and device.type != "cpu":
+        raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
+                         "'auto' or 'int4'")
+    cfg, state, loaded = read_model_state(path, quantization, group_size, plain_dtype=dtype, device=device)
     n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
     llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
     tokenizer = Tokenizer.from_model_path(path)
-    if quantization == "int8":
+    if quantization == "int8" and loaded is None:  # a W8A8 folder's INT8 layers are its stored ones
         from engine.quant.int8_linear import quantize_model_int8
         from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
 
-        if device.type != "cpu":
-            raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
-                             "'auto' or 'int4'")
         llama.fuse_projections()
         calibration = torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device)
         smooth_model(llama, calibration)
         quantize_model_int8(llama)
-    return LoadedModel(cfg, llama, tokenizer, n_int4)
+    return LoadedModel(cfg, llama, tokenizer, n_int4, loaded)
 
 
 QUANTIZE_METHODS = ("rtn", "gptq")
@@ -157,12 +201,16 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     off) (defaults: the best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays
     round-to-nearest.
     Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
-    Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
+    Raises ValueError for bits other than 4 or 16, a bad group size or method, gptq without calibration text, or
+    an already quantized HF folder at bits 4 (check_quantization_mode: never quantized twice)."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method must be one of {QUANTIZE_METHODS}, got {method!r}")
     path = resolve_model_path(model)
+    fmt = hf_quant_format(path) if bits == 4 and is_hf_folder(path) else None
+    if fmt is not None:
+        check_quantization_mode(fmt, "int4", path)
     handler = Int4QuantHandler(group_size, include_embedding) if bits == 4 else None
     if bits == 4 and method == "gptq":
         if not calibration or not any(calibration):

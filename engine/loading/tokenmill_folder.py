@@ -53,6 +53,9 @@ def save_folder(out_dir: str, cfg: ModelConfig, state: QuantizedState, hf_tokeni
     modules: dict[str, int] = {}
     for name, v in state.items():
         if isinstance(v, Int4Weight):
+            if v.in_perm is not None:
+                raise ValueError(f"{name}: INT4 weights with permuted input features (act-order) have no place in a "
+                                 "tokenmill folder; run the quantized checkpoint itself")
             modules[name] = v.in_features
             tensors[f"{name}.qweight"] = v.qweight.contiguous()
             tensors[f"{name}.scales"] = v.scales.to(torch.bfloat16).contiguous()

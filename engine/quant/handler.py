@@ -14,7 +14,8 @@ from engine.config import ModelConfig
 from engine.model.decoder import LlamaModel
 from engine.model.fill import fill_model
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
-from engine.quant.qparams import Int4Weight, check_group_size, quantize_int4
+from engine.quant.int8_linear import Int8Linear
+from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, quantize_int4
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module
 
 
@@ -64,7 +65,8 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
                 max_positions: int | None = None, dequant_min_rows: int | None | str = "auto") -> LlamaModel:
     """A LlamaModel on `device` from a (possibly partly) quantized state dict.
 
-    Built on the meta device: INT4 modules replace their nn.Linear / nn.Embedding, plain tensors are cast to
+    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
+    replace their nn.Linear / nn.Embedding, plain tensors are cast to
     `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
     embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter.
     Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
@@ -78,16 +80,23 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         if isinstance(state.get(EMBEDDING), Int4Weight):
             state[LM_HEAD] = state[EMBEDDING]
     for name, w in list(state.items()):
-        if not isinstance(w, Int4Weight):
+        if not isinstance(w, Int4Weight | Int8Weight):
             continue
         old = model.get_submodule(name)
         shape = (old.num_embeddings, old.embedding_dim) if isinstance(old, nn.Embedding) else (
             old.out_features, old.in_features)
-        if (w.out_features, w.in_features) != shape:
-            raise ValueError(f"INT4 weight {name} is [{w.out_features}, {w.in_features}], the model wants {shape}: "
-                             "the model file does not match its config")
-        new = Int4Embedding(w, dtype, device) if isinstance(old, nn.Embedding) else Int4Linear(
-            w, dtype, device, dequant_min_rows)
+        have = (w.out_features, w.in_features) if isinstance(w, Int4Weight) else tuple(w.qweight.shape)
+        if have != shape or (isinstance(w, Int8Weight) and isinstance(old, nn.Embedding)):
+            raise ValueError(f"quantized weight {name} is {list(have)}, the model wants {shape}: the model file does "
+                             "not match its config")
+        if isinstance(w, Int8Weight):
+            if device.type != "cpu":
+                raise ValueError(f"INT8 weight {name} runs on the CPU's oneDNN kernel, not {device.type}")
+            new: nn.Module = Int8Linear(w, dtype)
+        elif isinstance(old, nn.Embedding):
+            new = Int4Embedding(w, dtype, device)
+        else:
+            new = Int4Linear(w, dtype, device, dequant_min_rows)
         set_module(model, name, new)
         del state[name]
     fill_model(model, state, dtype, device)

@@ -169,8 +169,8 @@ class Int4Linear(nn.Module):
             required, False = never (see cuda_kernel_plan). Ignored on CPU.
         tinygemm_max_rows: on CUDA with GemLite, rows M up to which tinygemm serves; "auto" =
             CUDA_TINYGEMM_MAX_ROWS, 0 = GemLite at every M (one packed copy).
-    forward: x [..., K] -> [..., N]. Raises ValueError on construction for a device other than cpu/cuda, and as
-    cuda_kernel_plan.
+    forward: x [..., K] -> [..., N] (with the weight's in_perm, x's features gathered in that order first: one
+    index_select). Raises ValueError on construction for a device other than cpu/cuda, and as cuda_kernel_plan.
     """
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str,
@@ -182,6 +182,7 @@ class Int4Linear(nn.Module):
         self.gemlite_arg, self.tinygemm_max_rows_arg = gemlite, tinygemm_max_rows
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.padded_in_features, self.group_size = weight.padded_in_features, weight.group_size
+        self.in_perm = None if weight.in_perm is None else weight.in_perm.to(device)  # act-order: x's features
         self.packed: torch.Tensor | None = None
         self.scales_and_zeros: torch.Tensor | None = None
         self.dequantizer: _Dequantizer | None = None
@@ -218,17 +219,17 @@ class Int4Linear(nn.Module):
     def concat(cls, modules: list[Int4Linear]) -> Int4Linear | None:
         """One Int4Linear whose output is the concatenation of `modules`' outputs (their weights stacked along N,
         as engine.model.decoder.concat_linears asks), or None when their input width, group size, scale dtype,
-        activation dtype or device differ. The originals are not changed."""
+        activation dtype, device or input order (in_perm) differ. The originals are not changed."""
         first = modules[0]
         srcs = [m.source for m in modules]
         if any((s.in_features, s.group_size, s.scales.dtype) != (first.source.in_features, first.source.group_size,
                                                                   first.source.scales.dtype) for s in srcs) or any(
-                (m.dtype, m.device) != (first.dtype, first.device) for m in modules):
+                (m.dtype, m.device) != (first.dtype, first.device) for m in modules) or not _same_order(srcs):
             return None
         weight = Int4Weight(torch.cat([s.qweight.to(first.device) for s in srcs]),
                             torch.cat([s.scales.to(first.device) for s in srcs]),
                             torch.cat([s.zeros.to(first.device) for s in srcs]), first.in_features,
-                            first.group_size)
+                            first.group_size, first.source.in_perm)
         return cls(weight, first.dtype, first.device, first.dequant_min_rows_arg, gemlite=first.gemlite_arg,
                    tinygemm_max_rows=first.tinygemm_max_rows_arg)
 
@@ -250,6 +251,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        if self.in_perm is not None:
+            x2 = x2.index_select(1, self.in_perm)
         if self.padded_in_features != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in_features - self.in_features))
         kernel = self.kernel_for(x2.shape[0])
@@ -270,6 +273,14 @@ class Int4Linear(nn.Module):
                 f"kernel={k}, dequant_min_rows={self.dequant_min_rows}, tinygemm_max_rows={self.tinygemm_max_rows}")
 
 
+def _same_order(weights: list[Int4Weight]) -> bool:
+    """True when every weight takes its input in the same order (no in_perm, or equal ones)."""
+    perms = [w.in_perm for w in weights]
+    if all(p is None for p in perms):
+        return True
+    return all(p is not None and torch.equal(p, perms[0]) for p in perms)
+
+
 class Int4Embedding(nn.Module):
     """Token embedding stored as INT4: forward gathers the packed rows of `input_ids` and dequantizes them.
 
@@ -279,6 +290,8 @@ class Int4Embedding(nn.Module):
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        if weight.in_perm is not None:
+            raise ValueError("an INT4 embedding cannot hold permuted columns (in_perm); dequantize it")
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
         self.dtype = dtype
         self.dequantizer = _Dequantizer(weight, torch.float32, torch.device(device))

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from engine.layers.rms_norm import fused_cpu_ops
+from engine.quant.qparams import Int8Weight
 
 _QMAX = 127.0
 _QMAX_NO_VNNI = 63.0  # 7-bit weights where u8 x s8 pair sums saturate at int16 (module docstring)
@@ -83,31 +84,59 @@ class Int8Linear(nn.Module):
     """y = x W^T in W8A8 (see the module docstring), no bias.
 
     Args:
-        weight: float [N, K] (N = out_features, K = in_features), quantized here, per output channel.
+        weight: float [N, K] (N = out_features, K = in_features), quantized here per output channel; or an
+            Int8Weight, whose integers and scales are used as they are (no second quantization).
         dtype: the activations' dtype (fp32 or bf16); the output has the input's dtype.
-    forward: x [..., K] -> [..., N].
-    Raises ValueError when torch has no oneDNN int8 ops (int8_available()) or the weight is not 2-D.
+    forward: x [..., K] -> [..., N]. The weight is packed for oneDNN at the first forward (until then `concat` can
+    merge modules: the fused serving layout of stored INT8 weights).
+    Raises ValueError when torch has no oneDNN int8 ops (int8_available()), the weight is not 2-D on the CPU, or an
+    Int8Weight holds values beyond what this CPU's int8 GEMM sums exactly (|q| <= int8_weight_qmax()).
     """
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor | Int8Weight, dtype: torch.dtype) -> None:
         super().__init__()
         if not int8_available():
             raise ValueError("quantization='int8' needs torch's oneDNN int8 ops (a CPU build with mkldnn); use "
                              "quantization='none' or 'auto'")
-        if weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"Int8Linear takes a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
-        self.out_features, self.in_features = weight.shape
+        w = weight.qweight if isinstance(weight, Int8Weight) else weight
+        if w.dim() != 2 or w.device.type != "cpu":
+            raise ValueError(f"Int8Linear takes a 2-D CPU weight, got {tuple(w.shape)} on {w.device}")
+        if isinstance(weight, Int8Weight):
+            top = int(weight.qweight.abs().max()) if weight.qweight.numel() else 0
+            if top > int8_weight_qmax():
+                raise ValueError(f"stored int8 weights reach |q| = {top}, beyond the {int(int8_weight_qmax())} this "
+                                 "CPU's int8 GEMM sums exactly (no VNNI); dequantize them instead")
+        else:
+            weight = Int8Weight(*quantize_weight_int8(weight, int8_weight_qmax()))
+        self.out_features, self.in_features = w.shape
         self.dtype = dtype
-        qweight, self.weight_scale = quantize_weight_int8(weight, int8_weight_qmax())
-        self.packed = torch.ops.onednn.qlinear_prepack(qweight, None)
+        self.source: Int8Weight | None = weight
+        self.packed: torch.Tensor | None = None
+        self.weight_scale = weight.scale
         self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
+
+    @classmethod
+    def concat(cls, modules: list[Int8Linear]) -> Int8Linear | None:
+        """One Int8Linear whose output is the concatenation of `modules`' outputs (rows and scales stacked: exact,
+        the scales are per row), or None when one is already packed or their input width or dtype differ."""
+        first = modules[0]
+        if any(m.source is None or (m.in_features, m.dtype) != (first.in_features, first.dtype) for m in modules):
+            return None
+        return cls(Int8Weight(torch.cat([m.source.qweight for m in modules]),
+                              torch.cat([m.source.scale for m in modules])), first.dtype)
+
+    def _pack(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = torch.ops.onednn.qlinear_prepack(self.source.qweight, None)
+            self.source = None  # the packed copy replaces it: one int8 copy of the weight
+        return self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         ops = fused_cpu_ops(x2)
         qx, sx = ops.quantize_rows_u8(x2) if ops is not None else quantize_activations_int8(x2)
-        y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, _ZERO_POINT, self.packed, self.weight_scale,
+        y = torch.ops.onednn.qlinear_pointwise(qx, 1.0, _ZERO_POINT, self._pack(), self.weight_scale,
                                                self.weight_zero_point, None, 1.0, 0, torch.float32, "none", [], "")
         return y.mul_(sx).to(x.dtype).view(*lead, self.out_features)
 

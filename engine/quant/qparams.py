@@ -1,4 +1,5 @@
-"""INT4 group-wise quantization parameters and the portable packed format (layer 1 of 3, after gpt-fast).
+"""INT4 group-wise quantization parameters and the portable packed format (layer 1 of 3, after gpt-fast), and the
+stored INT8 weight of a W8A8 checkpoint (Int8Weight; its kernel: engine.quant.int8_linear).
 
 Convention (tinygemm, the kernel behind `torch.ops.aten._weight_int4pack_mm`): a weight row is cut into groups of
 `group_size` consecutive input features; each group has a scale s and a zero z, and element q in 0..15 stands for
@@ -64,6 +65,9 @@ class Int4Weight:
         scales, zeros: float [N, Kp / group_size] (bf16 on disk; fp32 when loaded from GGUF, so Q4 stays exact).
         in_features: K, the unpadded input width (Kp - K padding columns are ignored).
         group_size: input features per (scale, zero) group.
+        in_perm: None, or int64 [K]: the input feature each column holds (column j multiplies x[..., in_perm[j]]):
+            a GPTQ act-order checkpoint's columns sorted by group, so that its groups are contiguous runs
+            (engine.loading.quant_groups). Int4Linear gathers x's features in this order before its GEMM.
     """
 
     qweight: torch.Tensor
@@ -71,6 +75,7 @@ class Int4Weight:
     zeros: torch.Tensor
     in_features: int
     group_size: int
+    in_perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         kp = padded_in_features(self.in_features, self.group_size)
@@ -82,6 +87,10 @@ class Int4Weight:
             t = getattr(self, name)
             if tuple(t.shape) != (n, kp // self.group_size):
                 raise ValueError(f"{name} must be [{n}, {kp // self.group_size}], got {tuple(t.shape)}")
+        if self.in_perm is not None and (self.in_perm.dtype != torch.int64
+                                         or tuple(self.in_perm.shape) != (self.in_features,)):
+            raise ValueError(f"in_perm must be int64 [{self.in_features}], got {self.in_perm.dtype} "
+                             f"{tuple(self.in_perm.shape)}")
 
     @property
     def out_features(self) -> int:
@@ -95,19 +104,48 @@ class Int4Weight:
         """A copy on `device` with scales and zeros in `scale_dtype` (None keeps them)."""
         dt = scale_dtype or self.scales.dtype
         return Int4Weight(self.qweight.to(device), self.scales.to(device, dt), self.zeros.to(device, dt),
-                          self.in_features, self.group_size)
+                          self.in_features, self.group_size,
+                          None if self.in_perm is None else self.in_perm.to(device))
 
     def map_rows(self, fn: object) -> Int4Weight:
         """Apply a row permutation `fn(tensor) -> tensor` (e.g. loader.unpermute_rope_rows) to every part."""
         return Int4Weight(fn(self.qweight), fn(self.scales), fn(self.zeros), self.in_features,  # type: ignore[operator]
-                          self.group_size)
+                          self.group_size, self.in_perm)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as `dtype` [N, K]: (q - 8) * scale + zero, computed in fp32 (padding columns dropped)."""
+        """The weight as `dtype` [N, K]: (q - 8) * scale + zero, computed in fp32 (padding columns dropped), its
+        columns in the input's order (in_perm undone)."""
         n, g = self.out_features, self.group_size
         q = unpack_uint4(self.qweight).view(n, -1, g).float()
-        w = (q - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
-        return w.view(n, -1)[:, :self.in_features].to(dtype)
+        w = ((q - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]).view(n, -1)[:, :self.in_features]
+        if self.in_perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.in_perm.to(w.device), w)
+        return w.to(dtype)
+
+
+@dataclass
+class Int8Weight:
+    """A linear weight stored as INT8 per output channel, symmetric: W[n, k] = qweight[n, k] * scale[n] (a W8A8
+    checkpoint's integers and scales as they are, e.g. compressed-tensors `int-quantized`).
+
+    Attributes:
+        qweight: int8 [N, K].
+        scale: fp32 [N].
+    Raises ValueError when the shapes or dtypes disagree.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if (self.qweight.dtype != torch.int8 or self.qweight.dim() != 2 or self.scale.dtype != torch.float32
+                or tuple(self.scale.shape) != (self.qweight.shape[0],)):
+            raise ValueError(f"Int8Weight takes int8 [N, K] and fp32 [N] scales, got {self.qweight.dtype} "
+                             f"{tuple(self.qweight.shape)} and {self.scale.dtype} {tuple(self.scale.shape)}")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as `dtype` [N, K]: q * scale in fp32."""
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
 
 def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,

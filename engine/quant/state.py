@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.model.tensor_names import EMBEDDING, LM_HEAD
-from engine.quant.qparams import Int4Weight
+from engine.quant.qparams import Int4Weight, Int8Weight
 
 __all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_linear_weight",
            "set_module"]
@@ -24,7 +24,7 @@ __all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "Quantized
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
 
-QuantizedState = dict[str, "torch.Tensor | Int4Weight"]
+QuantizedState = dict[str, "torch.Tensor | Int4Weight | Int8Weight"]
 
 
 def is_linear_weight(name: str) -> bool:
