@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+#: How a mixture-of-experts router turns its logits into the top-k experts' weights (engine.layers.moe.route).
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,15 @@ class ModelConfig:
         sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
             i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
             boundary as HF transformers' `sliding_window_overlay`). None: full causal attention.
+        num_experts: experts of each layer's sparse MLP block (engine.layers.moe; Qwen3-MoE, Qwen2-MoE, Mixtral);
+            0 = a dense SwiGLU MLP of intermediate_size.
+        num_experts_per_tok: experts each token runs (top-k), 1 <= k <= num_experts when num_experts > 0.
+        moe_intermediate_size: SwiGLU width of one expert.
+        router: "softmax_topk" (softmax over every expert, then the top k; Qwen2/3-MoE) or "topk_softmax" (the
+            top k logits, then a softmax over those k; Mixtral).
+        norm_topk_prob: with "softmax_topk", divide the k weights by their sum (Qwen3-MoE's norm_topk_prob).
+        shared_expert_intermediate_size: width of a shared expert every token runs, its output scaled by
+            sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0 = none.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -109,6 +120,12 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -130,6 +147,21 @@ class ModelConfig:
                                                 or self.sliding_window < 1):
             raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1 (tokens), got "
                              f"{self.sliding_window!r}")
+        if self.num_experts:
+            self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Raises ValueError for an inconsistent mixture-of-experts shape."""
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                             f"{self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ModelConfig.router must be one of {ROUTERS}, got {self.router!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("ModelConfig.shared_expert_intermediate_size must be >= 0, got "
+                             f"{self.shared_expert_intermediate_size}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:

@@ -6,21 +6,21 @@ Format: https://huggingface.co/docs/safetensors (read with the `safetensors` pac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import ModelConfig
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
-from engine.model.architectures import config_from_hf
+from engine.model.architectures import config_from_hf, get_architecture
 from engine.model.tensor_names import LM_HEAD, check_tensor_names
 
 if TYPE_CHECKING:
     import torch
-
-
 
 _HF_INDEX_FILE = "model.safetensors.index.json"
 
@@ -58,23 +58,50 @@ def hf_weight_files(path: str) -> list[str]:
     return files
 
 
-def _hf_param_name(key: str) -> str:
-    """Our parameter name of an HF checkpoint key: "model.layers.0..." -> "layers.0...", "lm_head.weight" kept."""
-    return key.removeprefix("model.")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 
-def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
-    """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
-    against `cfg`'s architecture. Raises ValueError naming an unknown or missing tensor (check_tensor_names)."""
+def _hf_param_name(key: str, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, int | None]:
+    """(our parameter name, expert index or None) of an HF checkpoint key: "model.layers.0..." -> "layers.0...",
+    "lm_head.weight" kept, the architecture's renames applied (Architecture.hf_renames), and one expert's weight
+    ("layers.0.mlp.experts.5.up_proj.weight") named by the stacked parameter it is row 5 of
+    ("layers.0.mlp.experts.up_proj.weight")."""
+    name = key.removeprefix("model.")
+    for old, new in renames:
+        name = name.replace(old, new)
+    m = _EXPERT_KEY.search(name)
+    if m is None:
+        return name, None
+    return f"{name[:m.start()]}.experts.{name[m.end():]}", int(m.group(1))
+
+
+def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, str], ...]]:
+    """{our parameter name: ((file, checkpoint key), ...)} of an HF folder, from the safetensors headers only, checked
+    against `cfg`'s architecture: one key per parameter, or for a mixture-of-experts layer's stacked expert weight
+    the num_experts keys of experts 0, 1, ... in order. Raises ValueError naming an unknown or missing tensor
+    (check_tensor_names) or expert."""
     from safetensors import safe_open
 
-    out = {}
+    renames = get_architecture(cfg.architecture).hf_renames
+    plain: dict[str, tuple[str, str]] = {}
+    experts: dict[str, dict[int, tuple[str, str]]] = {}
     for file in hf_weight_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
                     continue
-                out[_hf_param_name(key)] = (file, key)
+                name, expert = _hf_param_name(key, renames)
+                if expert is None:
+                    plain[name] = (file, key)
+                else:
+                    experts.setdefault(name, {})[expert] = (file, key)
+    out = {name: (where,) for name, where in plain.items()}
+    for name, parts in experts.items():
+        if cfg.num_experts and sorted(parts) != list(range(cfg.num_experts)):
+            odd = sorted(set(parts) ^ set(range(cfg.num_experts)))
+            raise ValueError(f"{path}: {name} has experts {sorted(parts)[:4]}... ({len(parts)}), not 0..."
+                             f"{cfg.num_experts - 1} as config.json says (first odd one: {odd[0]})")
+        out[name] = tuple(parts[e] for e in range(cfg.num_experts))
     check_tensor_names(out, cfg, path)
     return out
 
@@ -89,16 +116,20 @@ def check_hf_folder(path: str) -> ModelConfig:
 
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
-    from the safetensors files; every name checked before the first is read. Raises ValueError as
-    hf_tensor_index."""
+    from the safetensors files (a mixture-of-experts layer's per-expert weights stacked into one [E, out, in]);
+    every name checked before the first is read. Raises ValueError as hf_tensor_index."""
+    import torch
     from safetensors import safe_open
 
     index = hf_tensor_index(path, cfg)
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name, (file, key) in index.items():
-        if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
-            by_file.setdefault(file, []).append((name, key))
-    for file, items in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name, key in items:
-                yield name, f.get_tensor(key).to(dtype)
+    with contextlib.ExitStack() as stack:  # every file open once (a layer's experts may span shards)
+        files = {file: stack.enter_context(safe_open(file, framework="pt"))
+                 for file in dict.fromkeys(file for parts in index.values() for file, _ in parts)}
+        for name, parts in index.items():
+            if cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight":
+                continue
+            if len(parts) == 1 and ".experts." not in name:
+                file, key = parts[0]
+                yield name, files[file].get_tensor(key).to(dtype)
+            else:  # a stacked expert weight [E, out, in]
+                yield name, torch.stack([files[file].get_tensor(key).to(dtype) for file, key in parts])
