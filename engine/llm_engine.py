@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.layers.attention import paged_attention_ref
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from engine.quant.packed_linear import pack_linears
@@ -27,6 +29,8 @@ from engine.text.prompts import Prompt, prompt_problem
 from engine.text.tokenizer import Tokenizer
 from engine.worker.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
+
+log = logging.getLogger(__name__)
 
 # Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, pipeline.shard,
 # engine.loop.engine_loop);
@@ -61,6 +65,7 @@ class LLMEngine:
         self.device = device
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
@@ -83,7 +88,10 @@ class LLMEngine:
         attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
+                                  # a MoE step reads its experts' row counts on the host (engine.layers.moe):
+                                  # not capturable in a CUDA graph
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
+                                               and not model_config.num_experts
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))

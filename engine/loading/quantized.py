@@ -4,7 +4,7 @@ quantization, and write quantized folders (what `tokenmill quantize` runs).
 quantization modes (EngineConfig.quantization):
     "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
     "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
-            saved; everything else in the compute dtype.
+            saved; everything else in the compute dtype (a mixture-of-experts model's experts too).
     "int4"  "auto", plus every other projection weight quantized at `group_size` on load.
     "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection and the LM head as INT8 per output
             channel, activations quantized per token at run time; loaded as "none", then fused and quantized.
@@ -24,7 +24,7 @@ from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
 from engine.loading.hf_folder import is_hf_folder, iter_hf_state, read_hf_config
 from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
-from engine.loading.tokenmill_folder import is_model_folder, read_folder, save_folder
+from engine.loading.tokenmill_folder import is_model_folder, read_folder, read_folder_config, save_folder
 from engine.model.decoder import LlamaModel
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
 from engine.quant.qparams import Int4Weight
@@ -33,6 +33,15 @@ from engine.quant.state import LM_HEAD, QuantizedState
 from engine.text.tokenizer import Tokenizer
 
 QUANTIZATION_MODES = ("none", "auto", "int4", "int8")
+
+
+def check_experts_quantization(cfg: ModelConfig, quantization: str) -> None:
+    """Raises ValueError when `quantization` ("int4", "int8", or "int4/int8 folder" for `tokenmill quantize`) would
+    have to quantize a mixture-of-experts model's experts (engine.layers.moe): not implemented, and quantizing only
+    the attention would leave most of the weights as they were."""
+    if cfg.num_experts and quantization not in ("none", "auto"):
+        raise ValueError(f"{quantization} quantization of a mixture-of-experts model ({cfg.architecture}, "
+                         f"{cfg.num_experts} experts) is not implemented; run it with quantization none (or auto)")
 
 
 @dataclass
@@ -45,6 +54,18 @@ class LoadedModel:
     num_int4_modules: int
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a local GGUF file, HF folder or tokenmill folder, from its header or config only (no
+    weights read). Raises ValueError (unsupported architecture or field, broken file) or OSError."""
+    if is_hf_folder(path):
+        return read_hf_config(path)
+    if os.path.isdir(path):
+        return read_folder_config(path)
+    from engine.loading.gguf_file import open_gguf
+
+    return read_gguf_config(open_gguf(path))
+
+
 def read_state(path: str, quantization: str, group_size: int,
                plain_dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, QuantizedState]:
     """ModelConfig and (partly) quantized state dict on the CPU of a GGUF file, HF folder or tokenmill folder, per
@@ -55,6 +76,7 @@ def read_state(path: str, quantization: str, group_size: int,
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if is_hf_folder(path):
         cfg = read_hf_config(path)
+        check_experts_quantization(cfg, quantization)
         dtype = plain_dtype if quantization == "none" else torch.float32
         items = iter_hf_state(path, cfg, dtype)
         if quantization != "int4":
@@ -67,12 +89,15 @@ def read_state(path: str, quantization: str, group_size: int,
     if os.path.isdir(path):
         cfg, state, _ = read_folder(path)
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
-        return read_gguf_state(path, torch.float32)
+        cfg, state = read_gguf_state(path, torch.float32)
+        check_experts_quantization(cfg, quantization)
+        return cfg, state
     else:
         from engine.loading.gguf_file import open_gguf
 
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
+        check_experts_quantization(cfg, quantization)
         state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
         return cfg, dequantize_state_dict(state, torch.float32)
@@ -132,7 +157,8 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     off) (defaults: the best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays
     round-to-nearest.
     Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
-    Raises ValueError for bits other than 4 or 16, a bad group size or method, or gptq without calibration text."""
+    Raises ValueError for bits other than 4 or 16, a bad group size or method, gptq without calibration text, or a
+    mixture-of-experts model (check_experts_quantization)."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
     if method not in QUANTIZE_METHODS:
@@ -157,6 +183,7 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
         items = iter_gguf_state(reader, cfg, native_int4=False)
+    check_experts_quantization(cfg, f"tokenmill quantize --bits {bits}")
     state: QuantizedState = {}
     for name, w in items:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -174,6 +201,7 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
 
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     cfg, llama = loaded.config, loaded.model
+    check_experts_quantization(cfg, "tokenmill quantize --method gptq")
     calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
     state: QuantizedState = dict(quantize_weights(llama, group_size, include_embedding, calibration=calibration,
                                                   act_order=act_order, damp=damp, tune_epochs=tune_epochs,

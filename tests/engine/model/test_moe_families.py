@@ -261,3 +261,32 @@ def test_missing_expert_is_an_error(moe_families, tmp_path: Path) -> None:
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj\.weight has experts .*first odd one: 5"):
         LLMEngine.from_model(str(bad), FP32)
+
+
+def test_doctor_names_family_and_experts(moe_families) -> None:
+    from jobs.doctor import model_report
+
+    report = model_report(str(moe_families["qwen3_moe"][1]))
+    assert (report["family"], report["experts"], report["experts_active"]) == ("qwen3_moe", 8, 2)
+    assert model_report(str(moe_families["mixtral"][2]))["summary"] == (
+        "mixtral, 2 layers, hidden 64, 8 experts (2 active per token)")
+
+
+def test_quantization_of_experts(moe_families, prompt_ids, tmp_path: Path) -> None:
+    """INT4/INT8 of experts is not implemented: an error naming it, before any work; "auto" runs the experts as
+    stored (F32 here), the same logits as "none"."""
+    from engine.loading.quantized import load_model, quantize_to_folder
+    from engine.model.sequence_forward import forward_sequence
+
+    _, folder, path = moe_families["qwen2_moe"]
+    cpu = torch.device("cpu")
+    for model, mode in ((folder, "int4"), (path, "int4"), (path, "int8")):
+        with pytest.raises(ValueError, match=f"{mode} quantization of a mixture-of-experts model \\(qwen2_moe, 8"):
+            load_model(str(model), torch.float32, cpu, quantization=mode)
+    with pytest.raises(ValueError, match="tokenmill quantize --bits 4 quantization of a mixture-of-experts"):
+        quantize_to_folder(str(folder), str(tmp_path / "q4"), bits=4)
+    ids = torch.tensor(prompt_ids[2])
+    with torch.no_grad():
+        none, auto = (m.model.compute_logits(forward_sequence(m.model, ids))
+                      for m in (load_model(str(path), torch.float32, cpu, quantization=q) for q in ("none", "auto")))
+    torch.testing.assert_close(auto, none)
