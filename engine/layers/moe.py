@@ -12,12 +12,13 @@ them:
 Without the renormalisation the two orders give different weights (softmax_topk's k weights sum to less than 1).
 
 Experts run grouped, never per token and never every expert on every token: the step's (token, slot) rows are
-sorted by expert (a stable sort, so each expert's rows keep token order), each expert with rows multiplies its
-contiguous block of rows once (gate/up, SiLU-and-mul, down), the results are weighted, put back in (token, slot) order
-and summed over the k slots in increasing expert order (the order HF's per-expert index_add_ accumulates in, so fp32
-sums round alike). On the CPU each expert's GEMMs run on oneDNN-packed weights once
-engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch matmuls on the
-stacked weights.
+sorted by expert (a stable sort, so each expert's rows keep token order), and each expert with rows gathers its
+block of token rows, multiplies it once (gate/up, SiLU-and-mul, down), weights it and adds it into the tokens'
+outputs (index_add_), expert after expert in increasing order: each token's sum starts at zero and adds its experts
+in HF transformers' order, so fp32 sums round alike. Every block is small (an expert's rows), so the gathers, weights
+and adds run in cache, not over the whole step's T * k rows. On the CPU each expert's GEMMs run on oneDNN-packed
+weights once engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
+matmuls on the stacked weights.
 
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
@@ -150,24 +151,19 @@ class GroupedExperts(nn.Module):
         return down_fn(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) rows grouped by expert, token order kept
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x[order // k]
-        out = torch.empty_like(rows)
+        tokens, row_weights = order // k, weights.reshape(-1)[order, None]
+        y = torch.zeros_like(x)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts):  # increasing expert order: each token's sum in HF's order
             if n:
-                out[start:start + n] = self._expert(e, rows[start:start + n])
+                idx = tokens[start:start + n]
+                out = self._expert(e, x.index_select(0, idx))
+                y.index_add_(0, idx, out.mul_(row_weights[start:start + n]))
                 start += n
-        out = out * weights.reshape(-1)[order, None]
-        by_slot = torch.empty_like(out)
-        by_slot[order] = out
-        by_slot = by_slot.view(t, k, -1)
-        y = by_slot[:, 0]
-        for j in range(1, k):  # increasing expert order, as route sorts each row's ids
-            y = y + by_slot[:, j]
         return y
 
 
