@@ -291,3 +291,27 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
         raise JobError(f"--max-model-len {max_model_len} is more than {size_of} "
                        f"holds for {name} ({pool} tokens); raise --kv-cache-gib to at least "
                        f"{max_model_len * per_block / block / (1 << 30):.3f} or lower --max-model-len")
+
+
+def check_quantization(model: str | None, quantization: str) -> None:
+    """Refuse --quantization int4 / int8 of a local mixture-of-experts model before any work: its experts are not
+    quantized yet (engine.loading.quantized.check_experts_quantization; the workers would fail on load). `model` as
+    check_model returns it; a remote model is checked by its worker. Raises JobError (exit 2) naming the fix."""
+    if quantization in ("none", "auto") or model is None or is_url(model) or is_hub_id(model):
+        return
+    from engine.loading.hf_folder import is_hf_folder, read_hf_config
+
+    if os.path.isdir(model):
+        if not is_hf_folder(model):
+            return  # `tokenmill quantize` writes no MoE folder
+        cfg = read_hf_config(model)
+        arch, experts = cfg.architecture, cfg.num_experts
+    else:
+        try:
+            arch = gguf_metadata(model, {"general.architecture"}).get("general.architecture", "llama")
+            experts = gguf_metadata(model, {f"{arch}.expert_count"}).get(f"{arch}.expert_count") or 0
+        except (OSError, ValueError) as e:
+            raise JobError(f"--model {model}: cannot read its GGUF header ({e}); give a complete GGUF file") from e
+    if experts:
+        raise JobError(f"--quantization {quantization}: --model is a mixture-of-experts model ({arch}, {experts} "
+                       "experts), whose experts tokenmill does not quantize yet; use --quantization none (or auto)")

@@ -290,3 +290,22 @@ def test_quantization_of_experts(moe_families, prompt_ids, tmp_path: Path) -> No
         none, auto = (m.model.compute_logits(forward_sequence(m.model, ids))
                       for m in (load_model(str(path), torch.float32, cpu, quantization=q) for q in ("none", "auto")))
     torch.testing.assert_close(auto, none)
+
+
+def test_cli_refuses_int4_of_experts_before_work(moe_families, gsm8k_questions, tmp_path: Path) -> None:
+    """`tokenmill run --quantization int4` of a MoE folder or GGUF exits 2 naming it, and writes nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"question": gsm8k_questions[:2]}), data)
+    for model in moe_families["qwen3_moe"][1:]:
+        out = tmp_path / f"out-{model.name}"
+        result = CliRunner().invoke(app, ["run", str(data), str(out), "--prompt-column", "question", "--model",
+                                          str(model), "--quantization", "int4"], env={"COLUMNS": "200"})
+        assert result.exit_code == 2, result.output
+        assert "mixture-of-experts model (qwen3" in " ".join(result.output.split())
+        assert not out.exists() or not any(out.iterdir())
