@@ -156,3 +156,14 @@ def test_packed_and_fused_experts_equal_stacked(dtype: torch.dtype) -> None:
     torch.testing.assert_close(packed, want, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="freed when they were packed"):
         block.experts.stacked()
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok must be in \[1, num_experts=8\], got 9"),
+    ({"num_experts_per_tok": 0}, r"num_experts_per_tok must be in \[1, num_experts=8\], got 0"),
+    ({"moe_intermediate_size": 0}, r"moe_intermediate_size must be >= 1"),
+    ({"router": "sigmoid"}, r"router must be one of \('softmax_topk', 'topk_softmax'\), got 'sigmoid'"),
+])
+def test_bad_expert_shape_is_an_error(change: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**_cfg("softmax_topk", False).__dict__, **change})

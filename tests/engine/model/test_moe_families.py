@@ -52,9 +52,10 @@ def _hf_config(family: str, vocab: int):
 
 
 def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
-                   expert_type: object = None) -> None:
+                   expert_type: object = None, weights_norm: bool | None = None) -> None:
     """The HF folder's model as llama.cpp's converter writes it (F32, or the stacked gate/up expert tensors in
-    `expert_type`, a gguf.GGMLQuantizationType), with the tokenizer fields of `tokenizer_gguf`."""
+    `expert_type`, a gguf.GGMLQuantizationType), with the tokenizer fields of `tokenizer_gguf`; `weights_norm`:
+    an `{arch}.expert_weights_norm` field (the converter writes none for these families)."""
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -83,6 +84,8 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if weights_norm is not None:
+        w.add_expert_weights_norm(weights_norm)
     for name, value, vtype, sub in _tokenizer_fields(tokenizer_gguf):
         w.add_key_value(name, value, vtype, sub_type=sub)
     tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
@@ -210,12 +213,18 @@ def test_config_fields(moe_families) -> None:
 
 
 def test_quantized_gguf_experts(moe_families, gguf_path: str, prompt_ids, tmp_path: Path) -> None:
-    """Q8_0 gate/up expert tensors (block-quantized 3-D tensors) load dequantized and stay close to the F32 file."""
+    """Q8_0 gate/up expert tensors (block-quantized 3-D tensors) load dequantized and stay close to the F32 file; an
+    expert_weights_norm field overrides llama.cpp's default renormalisation of the architecture."""
+    from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.loader import load_gguf_model
     from engine.model.sequence_forward import forward_sequence
 
     _, folder, path = moe_families["qwen3_moe"]
     q8 = tmp_path / "q8.gguf"
+    write_moe_gguf(q8, "qwen3_moe", folder, gguf_path, expert_type=gguf.GGMLQuantizationType.Q8_0,
+                   weights_norm=False)
+    assert read_gguf_config(open_gguf(str(path))).norm_topk_prob
+    assert not read_gguf_config(open_gguf(str(q8))).norm_topk_prob
     write_moe_gguf(q8, "qwen3_moe", folder, gguf_path, expert_type=gguf.GGMLQuantizationType.Q8_0)
     ids = torch.tensor(prompt_ids[1])
     with torch.no_grad():
