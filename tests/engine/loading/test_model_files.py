@@ -30,7 +30,7 @@ from engine.loading.model_files import (
 )
 from engine.text.tokenizer import _gguf_tokenizer_cache
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CPU = EngineConfig(device="cpu", dtype="float32")
 
 

@@ -32,7 +32,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NUM_PROMPTS = 16
 MAX_TOKENS = 32
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
