@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, gguf_file
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loading import gguf_file
 from engine.loading.loader import load_gguf_model
 from engine.loading.weights_cache import weights_cache_dir
 
