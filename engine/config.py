@@ -18,6 +18,8 @@ from schemas.engine_choices import (
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activation: SwiGLU, or GeGLU with tanh-approximate GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: How a mixture-of-experts router turns its logits into the top-k experts' weights (engine.layers.moe.route).
+ROUTERS = ("softmax_topk", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,15 @@ class ModelConfig:
             post_feedforward_layernorm after it: Gemma 2/3); False: Llama's pre-norm blocks.
         rope_local_theta: the RoPE base of the "sliding_attention" layers, with no RoPE scaling (Gemma 3's
             rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
+        num_experts: experts of each layer's sparse MLP block (engine.layers.moe; Qwen3-MoE, Qwen2-MoE, Mixtral);
+            0 = a dense SwiGLU MLP of intermediate_size.
+        num_experts_per_tok: experts each token runs (top-k), 1 <= k <= num_experts when num_experts > 0.
+        moe_intermediate_size: SwiGLU width of one expert.
+        router: "softmax_topk" (softmax over every expert, then the top k; Qwen2/3-MoE) or "topk_softmax" (the
+            top k logits, then a softmax over those k; Mixtral).
+        norm_topk_prob: with "softmax_topk", divide the k weights by their sum (Qwen3-MoE's norm_topk_prob).
+        shared_expert_intermediate_size: width of a shared expert every token runs, its output scaled by
+            sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0 = none.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -162,6 +173,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    router: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
@@ -185,6 +202,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1 (tokens), got "
                              f"{self.sliding_window!r}")
         self._check_variants()
+        if self.num_experts:
+            self._check_experts()
 
     def _check_variants(self) -> None:
         """The fields of the Gemma / Phi variants: Raises ValueError naming a bad value."""
@@ -211,6 +230,19 @@ class ModelConfig:
     def layer_is_local(self, layer: int) -> bool:
         """Whether layer `layer` takes the local RoPE table (rope_local_theta set and a sliding layer)."""
         return self.rope_local_theta is not None and self.layer_window(layer) is not None
+
+    def _check_experts(self) -> None:
+        """Raises ValueError for an inconsistent mixture-of-experts shape."""
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                             f"{self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"ModelConfig.router must be one of {ROUTERS}, got {self.router!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError("ModelConfig.shared_expert_intermediate_size must be >= 0, got "
+                             f"{self.shared_expert_intermediate_size}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:

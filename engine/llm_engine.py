@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -14,6 +15,7 @@ from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.layers.attention import paged_attention_ref
 from engine.loading.open_model import open_model
+from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
 from engine.output_builder import OutputBuilder, SampleGroups
 from engine.outputs import RequestOutput
@@ -26,6 +28,8 @@ from engine.text.prompts import Prompt, prompt_problem
 from engine.text.tokenizer import Tokenizer
 from engine.worker.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
+
+log = logging.getLogger(__name__)
 
 # Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, jobs.model_commands,
 # pipeline.shard_requests); their homes are engine.worker.device and engine.text.prompts.
@@ -63,6 +67,7 @@ class LLMEngine:
         self.dtype = dtype
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         self.quantization_loaded = quantization_loaded
+        log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
@@ -90,7 +95,10 @@ class LLMEngine:
                 raise ValueError(SOFTCAP_UNSUPPORTED)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
+                                  # a MoE step reads its experts' row counts on the host (engine.layers.moe):
+                                  # not capturable in a CUDA graph
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
+                                               and not model_config.num_experts
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))

@@ -203,14 +203,17 @@ def job_schema() -> None:
 
 
 @app.command()
-def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False
+def doctor(as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+           model: Annotated[str | None, typer.Option(help="A model (as `run --model` takes it) whose family and "
+                                                          "shape to report; default: the default model.")] = None
            ) -> None:
-    """What this machine is (CPU model and features, cores, memory, GPUs, versions, which kernels build and run) and
-    what the engine's defaults pick on it (device, dtype, attention) and why. Paste it into a bug report. The first
-    run on a machine builds the C++ kernels (about 15 s)."""
+    """What this machine is (CPU model and features, cores, memory, GPUs, versions, which kernels build and run),
+    what the engine's defaults pick on it (device, dtype, attention) and why, and the model's family (for a
+    mixture-of-experts model its experts, total and active per token). Paste it into a bug report. The first run on
+    a machine builds the C++ kernels (about 15 s)."""
     from jobs.doctor import machine_report
 
-    report = machine_report()
+    report = machine_report(model)
     if as_json:
         print(json.dumps(report))
         return

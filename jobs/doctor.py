@@ -44,14 +44,32 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def machine_report() -> dict[str, Any]:
-    """The machine and the engine's default choices on it, as a JSON-ready dict.
+def model_report(model: str | None) -> dict[str, Any]:
+    """The family and shape of `model` (a local GGUF file or model folder, a URL or hub id as --model takes it;
+    None: the default model), from its header only: {path, family, summary, experts, experts_active} (experts None
+    for a dense model), or {path, error} when it cannot be read or tokenmill does not run it. Never raises."""
+    from engine.loading.model_files import default_model_path, local_model_path
+    from engine.loading.quantized import read_model_config
+    from engine.model.architectures import describe
+
+    try:
+        path = default_model_path() if model is None else local_model_path(model)
+        cfg = read_model_config(path)
+    except (OSError, ValueError) as e:
+        return {"path": model or "default", "error": str(e)}
+    return {"path": path, "family": cfg.architecture, "summary": describe(cfg),
+            "experts": cfg.num_experts or None, "experts_active": cfg.num_experts_per_tok or None}
+
+
+def machine_report(model: str | None = None) -> dict[str, Any]:
+    """The machine and the engine's default choices on it, and the family of `model` (model_report; None = the
+    default model), as a JSON-ready dict.
 
     Keys: cpu {model, features (of CPU_FEATURES, present ones), cores, threads_for_torch, omp_wait_policy},
     memory_gib {total, available, available_to_process}, gpus [{name, memory_gib}], versions {python, torch,
     transformers, tokenizers, gguf, triton, tokenmill}, kernels {cpp_kernels, onednn, bf16_packing, int8_gemm,
     int8_weight_bits}, defaults {device, dtype, dtype_reason, attention_backend, cpu_kv_cache_gib,
-    cpu_kv_cache_reason, default_model, small_batch_kernel}.
+    cpu_kv_cache_reason, default_model, small_batch_kernel}, model (model_report).
     Never raises for a missing piece: it is reported as such.
     """
     import psutil
@@ -66,7 +84,7 @@ def machine_report() -> dict[str, Any]:
     from engine.worker.device import cpu_kv_budget_bytes, memory_available_bytes
     from engine.worker.model_runner import select_attention
 
-    model, flags = _cpuinfo()
+    cpu_model, flags = _cpuinfo()
     mem = psutil.virtual_memory()
     gpus = [{"name": torch.cuda.get_device_name(i),
              "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
@@ -89,8 +107,8 @@ def machine_report() -> dict[str, Any]:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     int8 = int8_available()
-    return {
-        "cpu": {"model": model, "features": [f for f in CPU_FEATURES if f in flags], "cores": cores,
+    report = {
+        "cpu": {"model": cpu_model, "features": [f for f in CPU_FEATURES if f in flags], "cores": cores,
                 "threads_for_torch": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins at barriers)"),
                 "torch_capability": torch.backends.cpu.get_cpu_capability()},
@@ -109,7 +127,9 @@ def machine_report() -> dict[str, Any]:
                                             "a worker sizes it after its model loads; --kv-cache-gib fixes it",
                      "default_model": default_model,
                      "small_batch_kernel": _small_batch_kernel(device, dtype)},
+        "model": model_report(model),
     }
+    return report
 
 
 def _small_batch_kernel(device: Any, dtype: Any) -> str:

@@ -71,8 +71,8 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 def checked_spec(spec: JobSpec) -> JobSpec:
     """The spec with OUTPUT and a local model made absolute, after jobs.preflight's checks of both, of
-    --max-model-len against the model and of a CUDA --device here. Raises JobError (exit 2) naming the problem and
-    the fix, or the object store of INPUT or the model not answering."""
+    --max-model-len and --quantization against the model and of a CUDA --device here. Raises JobError (exit 2)
+    naming the problem and the fix, or the object store of INPUT or the model not answering."""
     check_store(spec.input, "INPUT")
     check_store(spec.model, "--model")
     model = check_model(spec.model)
@@ -80,6 +80,7 @@ def checked_spec(spec: JobSpec) -> JobSpec:
     check_device(e.device, spec.cluster.scheduler)
     check_quantization(model, e.quantization)
     check_max_model_len(model, e.device, e.dtype, e.max_model_len, e.kv_cache_gib)
+    check_quantization(model, e.quantization)
     return spec.model_copy(update={"output": check_output(spec.output), "model": model})
 
 

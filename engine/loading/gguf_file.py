@@ -22,7 +22,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
 from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
-from engine.model.architectures import ARCHITECTURES, get_architecture, hf_to_gguf_names, supported
+from engine.model.architectures import get_architecture, gguf_architecture, hf_to_gguf_names
 from engine.model.tensor_names import EMBEDDING, check_tensor_names, fuse_names, model_param_names, split_fused
 from engine.quant.qparams import Int4Weight
 from engine.quant.state import LM_HEAD, is_linear_weight
@@ -98,10 +98,7 @@ def read_gguf_config(reader: object) -> ModelConfig:
     Raises ValueError for an architecture we do not run (listing those we do) or a RoPE scaling we do not implement.
     """
     arch = str(_field(reader, "general.architecture"))
-    entry = get_architecture(arch)
-    if arch != entry.gguf_arch:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill runs {supported()} "
-                         f"(GGUF: {', '.join(a.gguf_arch for a in ARCHITECTURES)})")
+    entry = gguf_architecture(arch, bool(_field(reader, f"{arch}.expert_count", 0)))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     vocab = _field(reader, f"{arch}.vocab_size")
@@ -141,6 +138,7 @@ def read_gguf_config(reader: object) -> ModelConfig:
         rope_scaling=_gguf_rope_scaling(reader, arch, tensors, max_pos),
         eos_token_ids=stops,
         sliding_window=int(window) if window else None,
+        **_gguf_experts(reader, arch, entry),
     ), **fields})
 
 
@@ -158,6 +156,28 @@ def _warn_mistral_without_window(name: str, basename: str) -> None:
                 "it runs with full attention. Where the Hugging Face config has a window (Mistral 7B v0.1: 4096 "
                 "tokens), sequences longer than the window differ from Hugging Face's; load the Hugging Face folder "
                 "to keep it", name or basename)
+
+
+def _gguf_experts(reader: object, arch: str, entry: Any) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from `{arch}.expert_*` metadata ({} for a dense entry), as llama.cpp
+    reads them: the expert width from expert_feed_forward_length (else feed_forward_length, as Mixtral's files
+    have), the renormalisation from expert_weights_norm (else llama.cpp's default for the architecture,
+    Architecture.gguf_norm_topk). Raises ValueError for a gating function other than softmax or shared experts the
+    family has not."""
+    if entry.router is None:
+        return {}
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
+        raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not implemented; tokenmill runs softmax routers")
+    shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0) if entry.shared_expert else 0
+    if entry.shared_expert and not shared:
+        raise ValueError(f"GGUF {arch} file lacks {arch}.expert_shared_feed_forward_length")
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    width = _field(reader, f"{arch}.expert_feed_forward_length") or _field(reader, f"{arch}.feed_forward_length")
+    return dict(num_experts=int(_field(reader, f"{arch}.expert_count")),
+                num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0)),
+                moe_intermediate_size=int(width), router=entry.router, shared_expert_intermediate_size=shared,
+                norm_topk_prob=entry.router == "softmax_topk" and bool(entry.gguf_norm_topk if norm is None else norm))
 
 
 def _factors(tensor: Any) -> tuple[float, ...]:

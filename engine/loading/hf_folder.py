@@ -6,8 +6,10 @@ Format: https://huggingface.co/docs/safetensors (read with the `safetensors` pac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,9 +67,7 @@ def hf_weight_files(path: str) -> list[str]:
     return files
 
 
-def _hf_param_name(key: str) -> str:
-    """Our parameter name of an HF checkpoint key: "model.layers.0..." -> "layers.0...", "lm_head.weight" kept."""
-    return key.removeprefix("model.")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
 
 def hf_quant_format(path: str) -> QuantFormat | None:
@@ -76,12 +76,32 @@ def hf_quant_format(path: str) -> QuantFormat | None:
     return read_quant_format(json.loads(Path(path, HF_CONFIG_FILE).read_text()), path)
 
 
-def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
-    """{our parameter name: (file, checkpoint key)} of an HF folder, from the safetensors headers only, checked
-    against `cfg`'s architecture (a quantized folder's layers count as "<module>.weight", their file and key those of
-    the layer's first tensor; a family with fused projections, Phi-3, keeps its fused names: qkv_proj, gate_up_proj).
-    Raises ValueError naming an unknown or missing tensor (check_tensor_names), an unsupported quantization_config,
-    or GPTQ-style tensors without one."""
+def _hf_param_name(key: str, renames: tuple[tuple[str, str], ...] = ()) -> tuple[str, int | None]:
+    """(our parameter name, expert index or None) of an HF checkpoint key: "model.layers.0..." -> "layers.0...",
+    "lm_head.weight" kept, the architecture's renames applied (Architecture.hf_renames), and one expert's weight
+    ("layers.0.mlp.experts.5.up_proj.weight") named by the stacked parameter it is row 5 of
+    ("layers.0.mlp.experts.up_proj.weight")."""
+    name = key.removeprefix("model.")
+    for old, new in renames:
+        name = name.replace(old, new)
+    m = _EXPERT_KEY.search(name)
+    if m is None:
+        return name, None
+    return f"{name[:m.start()]}.experts.{name[m.end():]}", int(m.group(1))
+
+
+def _quantized_param_name(key: str) -> str:
+    """Our parameter name of a quantized HF folder's checkpoint key (no experts: refused in hf_tensor_index)."""
+    return _hf_param_name(key)[0]
+
+
+def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, str], ...]]:
+    """{our parameter name: ((file, checkpoint key), ...)} of an HF folder, from the safetensors headers only, checked
+    against `cfg`'s architecture: one key per parameter, or for a mixture-of-experts layer's stacked expert weight
+    the num_experts keys of experts 0, 1, ... in order. A quantized folder's layers count as "<module>.weight", their
+    file and key those of the layer's first tensor; a family with fused projections (Phi-3) keeps its fused names
+    (qkv_proj, gate_up_proj). Raises ValueError naming an unknown or missing tensor (check_tensor_names) or expert, an
+    unsupported quantization_config, GPTQ-style tensors without one, or a quantized mixture-of-experts folder."""
     from safetensors import safe_open
 
     fmt = hf_quant_format(path)
@@ -91,12 +111,32 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[str, str]]:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if not key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
                     keys[key] = file
-    if fmt is None:
-        refuse_unmarked_quantized(keys, path)
-        out = {_hf_param_name(key): (file, key) for key, file in keys.items()}
-    else:
-        out = {_hf_param_name(key): (keys.get(key, ""), key) for key in param_names(keys, fmt)}
-    check_tensor_names(out, cfg, path, fused=get_architecture(cfg.architecture).fused_projections)
+    fused = get_architecture(cfg.architecture).fused_projections
+    if fmt is not None:
+        if cfg.num_experts:
+            raise ValueError(f"{path}: a {fmt.describe()} mixture-of-experts folder ({cfg.architecture}) is not "
+                             "supported yet; use the unquantized model (or its GGUF)")
+        out = {_quantized_param_name(key): ((keys.get(key, ""), key),) for key in param_names(keys, fmt)}
+        check_tensor_names(out, cfg, path, fused=fused)
+        return out
+    refuse_unmarked_quantized(keys, path)
+    renames = get_architecture(cfg.architecture).hf_renames
+    plain: dict[str, tuple[str, str]] = {}
+    experts: dict[str, dict[int, tuple[str, str]]] = {}
+    for key, file in keys.items():
+        name, expert = _hf_param_name(key, renames)
+        if expert is None:
+            plain[name] = (file, key)
+        else:
+            experts.setdefault(name, {})[expert] = (file, key)
+    out = {name: (where,) for name, where in plain.items()}
+    for name, parts in experts.items():
+        if cfg.num_experts and sorted(parts) != list(range(cfg.num_experts)):
+            odd = sorted(set(parts) ^ set(range(cfg.num_experts)))
+            raise ValueError(f"{path}: {name} has experts {sorted(parts)[:4]}... ({len(parts)}), not 0..."
+                             f"{cfg.num_experts - 1} as config.json says (first odd one: {odd[0]})")
+        out[name] = tuple(parts[e] for e in range(cfg.num_experts))
+    check_tensor_names(out, cfg, path, fused=fused)
     return out
 
 
@@ -121,7 +161,7 @@ def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
     hf_tensor_index(path, cfg)
     report = QuantReport(fmt.describe())
     tied = f"{LM_HEAD}.weight" if cfg.tie_word_embeddings else None
-    items = iter_quantized_state(hf_weight_files(path), fmt, _hf_param_name, dtype, keep, report,
+    items = iter_quantized_state(hf_weight_files(path), fmt, _quantized_param_name, dtype, keep, report,
                                  skip=lambda name: name == tied)
     return items, report
 
@@ -129,19 +169,24 @@ def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
     from the safetensors files (a quantized folder's layers dequantized exactly: iter_hf_quantized_state; fused
-    Q/K/V and gate/up split into their parts: engine.model.tensor_names.split_fused); every name checked before the
-    first is read. Raises ValueError as hf_tensor_index."""
+    Q/K/V and gate/up split into their parts: engine.model.tensor_names.split_fused; a mixture-of-experts layer's
+    per-expert weights stacked into one [E, out, in]); every name checked before the first is read. Raises
+    ValueError as hf_tensor_index."""
+    import torch
     from safetensors import safe_open
 
     if hf_quant_format(path) is not None:
         yield from iter_hf_quantized_state(path, cfg, dtype, keep=None)[0]
         return
     index = hf_tensor_index(path, cfg)
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name, (file, key) in index.items():
-        if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight"):
-            by_file.setdefault(file, []).append((name, key))
-    for file, items in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name, key in items:
-                yield from split_fused(name, f.get_tensor(key).to(dtype), cfg)
+    with contextlib.ExitStack() as stack:  # every file open once (a layer's experts may span shards)
+        files = {file: stack.enter_context(safe_open(file, framework="pt"))
+                 for file in dict.fromkeys(file for parts in index.values() for file, _ in parts)}
+        for name, parts in index.items():
+            if cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight":
+                continue
+            if len(parts) == 1 and ".experts." not in name:
+                file, key = parts[0]
+                yield from split_fused(name, files[file].get_tensor(key).to(dtype), cfg)
+            else:  # a stacked expert weight [E, out, in]
+                yield name, torch.stack([files[file].get_tensor(key).to(dtype) for file, key in parts])

@@ -32,6 +32,14 @@ PRESETS: dict[str, ModelConfig] = {
                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
                             max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
                             architecture="qwen3", qk_norm=True, eos_token_ids=(151645, 151643)),
+    # Qwen/Qwen3-30B-A3B: Qwen3's attention (q/k norms, head_dim 128), 48 sparse layers of 128 experts of width
+    # 768, top-8 with norm_topk_prob (about 3B of its 30B parameters active per token).
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                                 num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                                 architecture="qwen3_moe", qk_norm=True, eos_token_ids=(151645, 151643),
+                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                 router="softmax_topk", norm_topk_prob=True),
     # HuggingFaceTB/SmolLM2-135M-Instruct, the default model's shape.
     "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,

@@ -7,7 +7,8 @@ quantization modes (EngineConfig.quantization):
             saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact (act-order
             ones with their input permuted) and a W8A8 folder's INT8 layers as stored on the CPU
             (engine.loading.hf_quantized; the others dequantized exactly, and the load report says which and why:
-            LoadedModel.quantization_loaded); everything else in the compute dtype.
+            LoadedModel.quantization_loaded); everything else in the compute dtype (a mixture-of-experts model's
+            experts too).
     "int4"  "auto", plus every other projection weight quantized at `group_size` on load (refused for an already
             quantized HF folder: it would quantize twice).
     "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection as INT8 per output channel, activations
@@ -37,7 +38,7 @@ from engine.loading.hf_folder import (
 from engine.loading.hf_quantized import KeepStored, check_quantization_mode
 from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
-from engine.loading.tokenmill_folder import is_model_folder, read_folder, save_folder
+from engine.loading.tokenmill_folder import is_model_folder, read_folder, read_folder_config, save_folder
 from engine.model.decoder import LlamaModel
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
 from engine.quant.qparams import Int4Weight
@@ -51,6 +52,15 @@ QUANTIZATION_MODES = QUANTIZATIONS  # schemas.engine_choices, EngineConfig.quant
 log = logging.getLogger(__name__)
 
 
+def check_experts_quantization(cfg: ModelConfig, quantization: str) -> None:
+    """Raises ValueError when `quantization` ("int4", "int8", or "int4/int8 folder" for `tokenmill quantize`) would
+    have to quantize a mixture-of-experts model's experts (engine.layers.moe): not implemented, and quantizing only
+    the attention would leave most of the weights as they were."""
+    if cfg.num_experts and quantization not in ("none", "auto"):
+        raise ValueError(f"{quantization} quantization of a mixture-of-experts model ({cfg.architecture}, "
+                         f"{cfg.num_experts} experts) is not implemented; run it with quantization none (or auto)")
+
+
 @dataclass
 class LoadedModel:
     """A filled model with its shape, tokenizer, the count of INT4 modules (0 = plain) and, for an already quantized
@@ -61,6 +71,18 @@ class LoadedModel:
     tokenizer: Tokenizer
     num_int4_modules: int
     quantization_loaded: str | None = None
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a local GGUF file, HF folder or tokenmill folder, from its header or config only (no
+    weights read). Raises ValueError (unsupported architecture or field, broken file) or OSError."""
+    if is_hf_folder(path):
+        return read_hf_config(path)
+    if os.path.isdir(path):
+        return read_folder_config(path)
+    from engine.loading.gguf_file import open_gguf
+
+    return read_gguf_config(open_gguf(path))
 
 
 def read_state(path: str, quantization: str, group_size: int, plain_dtype: torch.dtype = torch.float32,
@@ -84,6 +106,7 @@ def read_model_state(path: str, quantization: str, group_size: int, plain_dtype:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if is_hf_folder(path):
         cfg = read_hf_config(path)
+        check_experts_quantization(cfg, quantization)
         fmt = hf_quant_format(path)
         if fmt is not None:
             check_quantization_mode(fmt, quantization, path)
@@ -103,12 +126,15 @@ def read_model_state(path: str, quantization: str, group_size: int, plain_dtype:
     if os.path.isdir(path):
         cfg, state, _ = read_folder(path)
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
-        return (*read_gguf_state(path, torch.float32), None)
+        cfg, state = read_gguf_state(path, torch.float32)
+        check_experts_quantization(cfg, quantization)
+        return cfg, state, None
     else:
         from engine.loading.gguf_file import open_gguf
 
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
+        check_experts_quantization(cfg, quantization)
         state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
         return cfg, dequantize_state_dict(state, torch.float32), None
@@ -201,8 +227,9 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     off) (defaults: the best measured on SmolLM2-135M, bench/README.md); the embedding (and a tied LM head) stays
     round-to-nearest.
     Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
-    Raises ValueError for bits other than 4 or 16, a bad group size or method, gptq without calibration text, or
-    an already quantized HF folder at bits 4 (check_quantization_mode: never quantized twice)."""
+    Raises ValueError for bits other than 4 or 16, a bad group size or method, gptq without calibration text, an
+    already quantized HF folder at bits 4 (check_quantization_mode: never quantized twice), or a mixture-of-experts
+    model (check_experts_quantization)."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
     if method not in QUANTIZE_METHODS:
@@ -230,6 +257,7 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
         items = iter_gguf_state(reader, cfg, native_int4=False)
+    check_experts_quantization(cfg, f"tokenmill quantize --bits {bits}")
     state: QuantizedState = {}
     for name, w in items:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -247,6 +275,7 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
 
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     cfg, llama = loaded.config, loaded.model
+    check_experts_quantization(cfg, "tokenmill quantize --method gptq")
     calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
     state: QuantizedState = dict(quantize_weights(llama, group_size, include_embedding, calibration=calibration,
                                                   act_order=act_order, damp=damp, tune_epochs=tune_epochs,

@@ -76,6 +76,22 @@ def save_folder(out_dir: str, cfg: ModelConfig, state: QuantizedState, hf_tokeni
     return meta
 
 
+def read_folder_config(path: str) -> ModelConfig:
+    """The ModelConfig of a model folder (its JSON config only). Raises as read_folder."""
+    return _read_meta(path)[0]
+
+
+def _read_meta(path: str) -> tuple[ModelConfig, dict[str, Any]]:
+    if not is_model_folder(path):
+        raise FileNotFoundError(f"{path} is not a tokenmill model folder (no {CONFIG_FILE}); write one with "
+                                "`tokenmill quantize --output DIR` or pass a GGUF file")
+    meta = json.loads(Path(path, CONFIG_FILE).read_text())
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path} has format version {meta['format_version']}; this tokenmill reads up to "
+                         f"{FORMAT_VERSION}: upgrade tokenmill")
+    return ModelConfig.from_dict(meta["model_config"]), meta
+
+
 def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]:
     """(ModelConfig, state with Int4Weight per INT4 module, the JSON config) of a model folder, on the CPU.
 
@@ -84,14 +100,7 @@ def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]
     """
     from safetensors.torch import load_file
 
-    if not is_model_folder(path):
-        raise FileNotFoundError(f"{path} is not a tokenmill model folder (no {CONFIG_FILE}); write one with "
-                                "`tokenmill quantize --output DIR` or pass a GGUF file")
-    meta = json.loads(Path(path, CONFIG_FILE).read_text())
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {meta['format_version']}; this tokenmill reads up to "
-                         f"{FORMAT_VERSION}: upgrade tokenmill")
-    cfg = ModelConfig.from_dict(meta["model_config"])
+    cfg, meta = _read_meta(path)
     tensors = load_file(str(Path(path, WEIGHTS_FILE)))
     quant = meta["quantization"]
     state: QuantizedState = {}

@@ -8,7 +8,8 @@ Everything downstream (engine.model.decoder, the quantized paths, the weights ca
 fields
 (qkv_bias, qk_norm, rope_scaling, sliding_window, ...), never a family name.
 
-Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine/model/test_families.py).
+Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine/model/test_families.py; the
+mixture-of-experts families: tests/engine/model/test_moe_families.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ _MATH_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "us
                 "residual_multiplier", "attention_multiplier", "query_pre_attn_scalar", "logit_scale",
                 "use_qk_norm", "no_rope_layers", "qk_layernorm", "use_parallel_residual")
 
+#: config.json fields of the mixture-of-experts families that `moe_from_hf` reads (or checks are trivial), and those
+#: that only matter in training.
+_MOE_FIELDS = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "norm_topk_prob", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                         "qkv_bias", "router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
+
 log = logging.getLogger(__name__)
 
 
@@ -71,6 +78,13 @@ class Architecture:
         rope_types: the rope_scaling types its configs may set (None: those of _COMMON_ROPE).
         gguf_fields: more ModelConfig fields of its GGUF metadata: called with `get(key without "{arch}.",
             default)` and the keywords layers, hidden, heads, head_dim (engine.model.family_fields).
+        router: None for a dense MLP; else the family's mixture-of-experts router (ModelConfig.router,
+            engine.layers.moe), its expert fields read by `moe_from_hf` / the GGUF reader.
+        shared_expert: each MoE layer also has Qwen2-MoE's gated shared expert.
+        gguf_norm_topk: whether llama.cpp renormalises the top-k weights of this GGUF architecture when the file has
+            no `{arch}.expert_weights_norm` (its qwen3moe graph does, qwen2moe's does not).
+        hf_renames: (old, new) substrings of HF checkpoint keys renamed to our parameter names (Mixtral's
+            block_sparse_moe / w1 w2 w3 -> mlp / gate_proj down_proj up_proj).
     """
 
     name: str
@@ -86,6 +100,10 @@ class Architecture:
     fused_projections: bool = False
     rope_types: tuple[str, ...] | None = None
     gguf_fields: Callable[..., dict[str, Any]] | None = None
+    router: str | None = None
+    shared_expert: bool = False
+    gguf_norm_topk: bool = False
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
 
 def _mistral_window(config: dict[str, Any]) -> int | None:
@@ -146,6 +164,20 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("phi3", ("phi3",), "phi3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
                  refused=(("hidden_act", _SILU),), window=_mistral_window, fused_projections=True,
                  rope_types=("default", "longrope")),
+    # Qwen3-MoE (Qwen3-30B-A3B, -235B-A22B): Qwen3's attention, softmax-then-top-k routing, norm_topk_prob.
+    Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
+                 refused=(("attention_bias", (False, None)), ("hidden_act", _SILU)), window=_qwen_window,
+                 router="softmax_topk", gguf_norm_topk=True),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, softmax-then-top-k, a gated shared expert.
+    Architecture("qwen2_moe", ("qwen2_moe",), "qwen2moe", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(("qkv_bias", (True, None)), ("hidden_act", _SILU)), window=_qwen_window,
+                 router="softmax_topk", shared_expert=True, gguf_norm_topk=False),
+    # Mixtral 8x7B / 8x22B: Mistral's attention, top-k-then-softmax routing; llama.cpp writes it as "llama" with
+    # expert tensors (after the dense llama entry, which a GGUF "llama" file without experts gets).
+    Architecture("mixtral", ("mixtral",), "llama", gguf_permuted_qk=True, qkv_bias=False, qk_norm=False,
+                 refused=(("hidden_act", _SILU),), window=_mistral_window, router="topk_softmax",
+                 hf_renames=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                             (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
 )
 
 
@@ -162,6 +194,30 @@ def get_architecture(name: str) -> Architecture:
         if name == a.name or name in a.hf_model_types or name == a.gguf_arch:
             return a
     raise ValueError(f"architecture {name!r} is not supported; tokenmill runs {supported()}")
+
+
+def gguf_architecture(gguf_arch: str, has_experts: bool) -> Architecture:
+    """The entry of a GGUF file's `general.architecture`: the mixture-of-experts entry when the file has experts
+    (`{arch}.expert_count` > 0; llama.cpp writes Mixtral as "llama"), else the dense one.
+
+    Raises ValueError naming the architecture (and whether it had experts) when no entry runs it."""
+    for a in ARCHITECTURES:
+        if a.gguf_arch == gguf_arch and (a.router is not None) == has_experts:
+            return a
+    known = any(a.gguf_arch == gguf_arch for a in ARCHITECTURES)
+    kind = (" with experts" if has_experts else " without experts") if known else ""
+    raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}{kind}; tokenmill runs {supported()} (GGUF: "
+                     f"{', '.join(dict.fromkeys(a.gguf_arch for a in ARCHITECTURES))})")
+
+
+def describe(cfg: ModelConfig) -> str:
+    """One line naming a model's family and shape, for `tokenmill doctor` and the engine's load log: "qwen3_moe,
+    48 layers, hidden 2048, 128 experts (8 active per token)"."""
+    text = f"{cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}"
+    if cfg.num_experts:
+        text += f", {cfg.num_experts} experts ({cfg.num_experts_per_tok} active per token"
+        text += ", plus a shared expert)" if cfg.shared_expert_intermediate_size else ")"
+    return text
 
 
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -237,12 +293,15 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         if field in config and config[field] not in allowed:
             raise ValueError(f"config.json sets {field}={config[field]!r}, which tokenmill does not implement for "
                              f"{model_type} (it runs {field} in {list(allowed)})")
+    read = _MOE_FIELDS if arch.router is not None else frozenset()
     changes_math = sorted(k for k in _MATH_FIELDS
-                          if k not in arch.reads and config.get(k) not in (None, False, 0, 1, 1.0, [], {}))
+                          if k not in arch.reads and k not in read
+                          and config.get(k) not in (None, False, 0, 1, 1.0, [], {}))
     if changes_math:
         raise ValueError(f"config.json sets {changes_math} (= {[config[k] for k in changes_math]}), which tokenmill "
                          f"does not implement for {model_type}")
-    unknown = sorted(k for k in config if k not in _IGNORED_FIELDS and not k.endswith("_token_id"))
+    moe = moe_from_hf(config, arch)
+    unknown = sorted(k for k in config if k not in _IGNORED_FIELDS and k not in read and not k.endswith("_token_id"))
     if unknown:
         log.warning("config.json fields %s are not read by tokenmill (%s); check they do not change the output",
                     unknown, model_type)
@@ -262,10 +321,41 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         bos_token_id=int(bos) if isinstance(bos, int) else None, eos_token_id=stop[0] if stop else None,
         architecture=str(model_type), qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, rope_scaling=scaling,
-        eos_token_ids=stop, sliding_window=arch.window(config))
+        eos_token_ids=stop, sliding_window=arch.window(config), **moe)
     if arch.fields is not None:
         fields.update(arch.fields(config))
     return ModelConfig(**fields)
+
+
+def moe_from_hf(config: dict[str, Any], arch: Architecture) -> dict[str, Any]:
+    """The mixture-of-experts fields of ModelConfig (num_experts, num_experts_per_tok, moe_intermediate_size, router,
+    norm_topk_prob, shared_expert_intermediate_size) of a config.json dict; {} for a dense family.
+
+    Raises ValueError naming a field whose value tokenmill does not implement: dense MLP layers among the sparse
+    ones (`decoder_sparse_step` other than 1, a non-empty `mlp_only_layers`), or a missing expert count."""
+    if arch.router is None:
+        return {}
+    model_type = config.get("model_type")
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if not experts or not config.get("num_experts_per_tok"):
+        raise ValueError(f"config.json of {model_type} lacks num_experts / num_experts_per_tok")
+    step = config.get("decoder_sparse_step", 1)
+    if step not in (1, None):
+        raise ValueError(f"config.json sets decoder_sparse_step={step!r} (dense MLP layers between the sparse ones), "
+                         f"which tokenmill does not implement for {model_type}; it runs every layer sparse (1)")
+    if config.get("mlp_only_layers"):
+        raise ValueError(f"config.json sets mlp_only_layers={config['mlp_only_layers']!r} (dense MLP layers), which "
+                         f"tokenmill does not implement for {model_type}; it runs every layer sparse ([])")
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    if arch.shared_expert and shared < 1:
+        raise ValueError(f"config.json of {model_type} lacks shared_expert_intermediate_size")
+    if not arch.shared_expert and shared:
+        raise ValueError(f"config.json sets shared_expert_intermediate_size={shared}, which tokenmill does not "
+                         f"implement for {model_type}")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(config["num_experts_per_tok"]),
+                moe_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+                router=arch.router, shared_expert_intermediate_size=shared,
+                norm_topk_prob=arch.router == "softmax_topk" and bool(config.get("norm_topk_prob", False)))
 
 
 def hf_to_gguf_names(arch: Architecture, param_names: list[str], num_layers: int) -> dict[str, str]:

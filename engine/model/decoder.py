@@ -2,7 +2,8 @@
 
 Architecture: Touvron et al., "LLaMA" (2023): pre-norm RMSNorm (Zhang & Sennrich, 2019), rotary position embeddings
 (Su et al., RoFormer, 2021; the rotate-half form of HF transformers), grouped-query attention (Ainslie et al., 2023),
-SwiGLU MLP (Shazeer, 2020). Parameter names follow HF transformers' LlamaForCausalLM without the "model." prefix.
+SwiGLU MLP (Shazeer, 2020), or a sparse mixture-of-experts block of them (engine.layers.moe) where
+ModelConfig.num_experts > 0. Parameter names follow HF transformers' LlamaForCausalLM without the "model." prefix.
 The norm and RoPE live in engine.layers.rms_norm and engine.layers.rope.
 
 The variants of other families are ModelConfig fields: Gemma 2/3 (Gemma Team, "Gemma 2", 2024; "Gemma 3", 2025):
@@ -22,6 +23,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
 from engine.layers.attention import AttentionMetadata, paged_attention_ref, write_kv
+from engine.layers.moe import SparseMoE
 from engine.layers.rms_norm import RMSNorm, fused_ops
 from engine.layers.rope import RotaryEmbedding, apply_rope
 
@@ -148,15 +150,16 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), or GeGLU with cfg.hidden_act "gelu_pytorch_tanh" (gelu, tanh form);
-    after `fuse()`, gate and up are one gate_up_proj GEMM."""
+    after `fuse()`, gate and up are one gate_up_proj GEMM. Its width is `intermediate_size` (default
+    cfg.intermediate_size; a MoE's shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
+        self.intermediate_size = width = intermediate_size or cfg.intermediate_size
         self.silu = cfg.hidden_act == "silu"
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None
 
     def fuse(self) -> bool:
@@ -185,9 +188,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals; with cfg.sandwich_norms (Gemma) the attention output is
-    normalized (post_attention_layernorm) before its residual add, the MLP's input by pre_feedforward_layernorm and
-    its output by post_feedforward_layernorm before that residual add."""
+    """Pre-norm attention and MLP blocks with residuals; the MLP is a SparseMoE block when cfg.num_experts > 0.
+    With cfg.sandwich_norms (Gemma) the attention output is normalized (post_attention_layernorm) before its
+    residual add, the MLP's input by pre_feedforward_layernorm and its output by post_feedforward_layernorm before
+    that residual add."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -195,7 +199,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE
+        if cfg.num_experts:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoE(cfg, MLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset) if cfg.sandwich_norms else None
 

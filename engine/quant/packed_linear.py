@@ -39,6 +39,7 @@ from torch import nn
 
 from engine.kernels import cpu_kernels
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
+from engine.layers.moe import GroupedExperts
 from engine.quant.state import set_module
 from schemas import settings
 
@@ -150,8 +151,9 @@ def pack_linears(model: nn.Module) -> int:
     tied LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`)
     come along; a bias is kept and added after the GEMM,
     engine.quant.state.set_module). Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack
-    bf16 (`can_pack`). Fuse projections first (they are packed as
-    they stand). Returns the number replaced (0 when oneDNN is missing)."""
+    bf16 (`can_pack`). A mixture-of-experts block's experts (engine.layers.moe.GroupedExperts) get one PackedLinear
+    per expert for gate/up and for down (their stacked weights freed). Fuse projections first (they are packed as
+    they stand). Returns the number of modules replaced (experts count one per block; 0 when oneDNN is missing)."""
     if not packing_available():
         return 0
     names = [name for name, m in model.named_modules()
@@ -160,4 +162,17 @@ def pack_linears(model: nn.Module) -> int:
     for name in names:
         module = model.get_submodule(name)
         set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module)))
-    return len(names)
+    return len(names) + sum(pack_experts(m) for m in model.modules() if isinstance(m, GroupedExperts))
+
+
+def pack_experts(experts: GroupedExperts) -> bool:
+    """Give each expert of `experts` a PackedLinear of its fused gate/up [2I, hidden] and of its down [hidden, I]
+    weight (GroupedExperts.set_gemms), when they are CPU weights oneDNN packs (`can_pack`). Returns whether it
+    packed (False when already packed or not packable)."""
+    if experts.gemms is not None:
+        return False
+    gate_up, down = experts.stacked()
+    if gate_up.device.type != "cpu" or gate_up.dtype not in PACKED_DTYPES or not can_pack(gate_up.dtype):
+        return False
+    experts.set_gemms([PackedLinear(w) for w in gate_up.detach()], [PackedLinear(w) for w in down.detach()])
+    return True

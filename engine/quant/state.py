@@ -28,10 +28,12 @@ QuantizedState = dict[str, "torch.Tensor | Int4Weight | Int8Weight"]
 
 
 def is_linear_weight(name: str) -> bool:
-    """True for the weight of a decoder projection (fused or not) or the LM head (HF names without "model.")."""
+    """True for the weight of a decoder projection (fused or not) or the LM head (HF names without "model."). A
+    mixture-of-experts layer's stacked expert weights ("layers.0.mlp.experts.gate_proj.weight", [E, out, in];
+    engine.layers.moe) are not: the INT4/INT8 paths and the GGUF block kernels take 2-D projections only."""
     module = name.removesuffix(".weight")
-    return name.endswith(".weight") and (module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES
-                                         or module == LM_HEAD)
+    return name.endswith(".weight") and ".experts." not in name and (
+        module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES or module == LM_HEAD)
 
 
 class AddBias(nn.Module):

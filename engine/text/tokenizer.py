@@ -60,9 +60,10 @@ def _gguf_tokenizer_cache(path: str) -> Path:
     return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-# GGUF `general.architecture` values whose transformers model_type is the same name (transformers'
-# load_gguf_checkpoint renames none of them): the architectures tokenmill runs (engine.model.architectures).
-_GGUF_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# GGUF `general.architecture` -> the transformers model_type load_gguf_checkpoint gives it (it renames qwen2moe and
+# qwen3moe): the architectures tokenmill runs (engine.model.architectures).
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                     "qwen3moe": "qwen3_moe"}
 
 
 def _build_gguf_tokenizer(path: str) -> Any:
@@ -72,9 +73,9 @@ def _build_gguf_tokenizer(path: str) -> Any:
     AutoTokenizer reads the file's whole config (transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint,
     gguf's GGUFReader over every metadata value) only to learn the model_type, whose entry in its tokenizer table
     (TOKENIZER_MAPPING_NAMES; TokenizersBackend when absent) is the class it then loads with the same
-    `from_pretrained(folder, gguf_file=name)`. For a file of an architecture in `_GGUF_MODEL_TYPES` the model_type is
-    `general.architecture` itself, so the class is looked up directly. The full AutoTokenizer path runs instead
-    wherever AutoTokenizer would decide otherwise: another architecture, a llama file named like a Mistral model
+    `from_pretrained(folder, gguf_file=name)`. For a file of an architecture in `_GGUF_MODEL_TYPES` the model_type
+    follows from `general.architecture` alone, so the class is looked up directly. The full AutoTokenizer path runs
+    instead wherever AutoTokenizer would decide otherwise: another architecture, a llama file named like a Mistral model
     (load_gguf_checkpoint calls those "mistral"), a Mistral-format class, or a tokenizer_config.json beside the file
     (AutoTokenizer reads the class from it).
 
@@ -105,7 +106,7 @@ def _build_gguf_tokenizer(path: str) -> Any:
     cls = None
     if arch in _GGUF_MODEL_TYPES and "mistral" not in model_name.lower() \
             and not os.path.exists(os.path.join(folder, "tokenizer_config.json")):
-        class_name = TOKENIZER_MAPPING_NAMES.get(arch)
+        class_name = TOKENIZER_MAPPING_NAMES.get(_GGUF_MODEL_TYPES[arch])
         cls = TokenizersBackend if class_name is None else tokenizer_class_from_name(class_name)
         if cls is not None and cls.__name__ == "MistralCommonBackend":
             cls = None

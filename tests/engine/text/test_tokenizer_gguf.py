@@ -148,14 +148,15 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_an_error(tmp_path: Path, mon
 
 def test_every_architecture_tokenmill_runs_takes_the_direct_path() -> None:
     """The architectures of engine.model.architectures get the direct build, under a name transformers knows as a
-    model_type (a new architecture must be checked against transformers' GGUF config reader and added)."""
+    model_type (a new architecture must be checked against transformers' GGUF config reader and added; it renames
+    qwen2moe / qwen3moe to qwen2_moe / qwen3_moe)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     from engine.model.architectures import ARCHITECTURES
     from engine.text.tokenizer import _GGUF_MODEL_TYPES
 
     assert {a.gguf_arch for a in ARCHITECTURES} <= set(_GGUF_MODEL_TYPES)
-    assert set(_GGUF_MODEL_TYPES) <= set(CONFIG_MAPPING_NAMES)
+    assert set(_GGUF_MODEL_TYPES.values()) <= set(CONFIG_MAPPING_NAMES)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999])

@@ -1,0 +1,203 @@
+"""The sparse mixture-of-experts MLP block: a router picks each token's top-k experts (SwiGLU MLPs), and the token's
+output is the weighted sum of theirs (Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated
+Mixture-of-Experts Layer", 2017; Fedus et al., Switch Transformer, 2021; Jiang et al., "Mixtral of Experts", 2024;
+Qwen2-MoE's shared expert: Qwen team, "Qwen1.5-MoE", 2024).
+
+Routers (ModelConfig.router), as HF transformers' modeling_qwen3_moe / modeling_qwen2_moe / modeling_mixtral compute
+them:
+    "softmax_topk"  p = softmax(logits) over every expert, the k largest p, optionally divided by their sum
+                    (norm_topk_prob; Qwen3-MoE, Qwen2-MoE).
+    "topk_softmax"  the k largest logits, then a softmax over those k (Mixtral; equal to softmax_topk with the
+                    renormalisation up to rounding).
+Without the renormalisation the two orders give different weights (softmax_topk's k weights sum to less than 1).
+
+Experts run grouped, never per token and never every expert on every token: the step's (token, slot) rows are
+sorted by expert (a stable sort, so each expert's rows keep token order), and each expert with rows gathers its
+block of token rows, multiplies it once (gate/up, SiLU-and-mul, down), weights it and adds it into the tokens'
+outputs (index_add_), expert after expert in increasing order: each token's sum starts at zero and adds its experts
+in HF transformers' order, so fp32 sums round alike. Every block is small (an expert's rows), so the gathers, weights
+and adds run in cache, not over the whole step's T * k rows. On the CPU each expert's GEMMs run on oneDNN-packed
+weights once engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
+matmuls on the stacked weights.
+
+Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
+mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
+[E, hidden, I], mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, hidden].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.rms_norm import fused_ops
+
+
+def route(logits: torch.Tensor, top_k: int, router: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and their weights.
+
+    Args:
+        logits: router logits [T, E] (any float dtype; the softmax runs in fp32).
+        top_k: experts per token, 1 <= top_k <= E.
+        router: "softmax_topk" or "topk_softmax" (module docstring).
+        renormalize: with "softmax_topk", divide the k weights by their sum (ignored by "topk_softmax", whose weights
+            sum to 1 already).
+    Returns:
+        (weights fp32 [T, k], expert ids int64 [T, k]), each row's ids in increasing order (weights alike). Ties
+        between equal logits go as torch.topk breaks them (as HF transformers', which calls the same op).
+    Raises:
+        ValueError for an unknown router.
+    """
+    if router == "softmax_topk":
+        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif router == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        raise ValueError(f"unknown MoE router {router!r}; tokenmill runs softmax_topk and topk_softmax")
+    ids, pos = ids.sort(dim=-1)
+    return weights.gather(-1, pos), ids
+
+
+class ExpertWeights(nn.Module):
+    """One projection of every expert, stacked: weight [E, out_features, in_features] (a module so that its
+    parameter is named "<projection>.weight", as llama.cpp's converter names the stacked tensor)."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> ExpertWeights:
+        """The module holding `weight` [E, out, in] itself (no copy)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        return module
+
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts, down(silu(gate(x)) * up(x)), their weights stacked (ExpertWeights); after `fuse()` gate and
+    up are one gate_up_proj [E, 2I, hidden].
+
+    forward(x [T, hidden], ids int64 [T, k], weights [T, k] of x's dtype) -> [T, hidden]: sum_j weights[t, j] *
+    expert_{ids[t, j]}(x[t]), the rows grouped by expert (module docstring). ids within a row must be distinct and
+    increasing (`route` returns them so).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size)
+        self.up_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size)
+        self.down_proj: ExpertWeights | None = ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.gate_up_proj: ExpertWeights | None = None
+        self.gemms: tuple[Sequence[Gemm], Sequence[Gemm]] | None = None
+
+    def fuse(self) -> bool:
+        """Stack gate_proj and up_proj into one gate_up_proj (one GEMM per expert instead of two). Returns whether it
+        fused (False when already fused or packed)."""
+        if self.gate_up_proj is not None or self.gate_proj is None:
+            return False
+        self.gate_up_proj = ExpertWeights.of(torch.cat([self.gate_proj.weight.detach(),
+                                                        self.up_proj.weight.detach()], dim=1))
+        self.gate_proj = self.up_proj = None
+        return True
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, hidden], down [E, hidden, I]) weights, fusing first. Raises ValueError once packed (the
+        stacked copies are freed then)."""
+        self.fuse()
+        if self.gate_up_proj is None or self.down_proj is None:
+            raise ValueError("the experts' stacked weights were freed when they were packed (set_gemms)")
+        return self.gate_up_proj.weight, self.down_proj.weight
+
+    def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module]) -> None:
+        """Serve expert e with gate_up[e] (x [M, hidden] -> [M, 2I]) and down[e] ([M, I] -> [M, hidden]), e.g.
+        oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears), and free the stacked weights.
+        Raises ValueError unless there are num_experts of each."""
+        if len(gate_up) != self.num_experts or len(down) != self.num_experts:
+            raise ValueError(f"set_gemms needs {self.num_experts} modules of each kind, got {len(gate_up)} and "
+                             f"{len(down)}")
+        self.packed_gate_up, self.packed_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.gemms = (self.packed_gate_up, self.packed_down)
+        self.gate_proj = self.up_proj = self.gate_up_proj = self.down_proj = None
+
+    def _gemm_pair(self, e: int) -> tuple[Gemm, Gemm]:
+        if self.gemms is not None:
+            return self.gemms[0][e], self.gemms[1][e]
+        if self.gate_up_proj is not None:
+            gu, down = self.gate_up_proj.weight[e], self.down_proj.weight[e]
+            return (lambda x: F.linear(x, gu)), (lambda x: F.linear(x, down))
+        g, u, down = self.gate_proj.weight[e], self.up_proj.weight[e], self.down_proj.weight[e]
+        return (lambda x: torch.cat((F.linear(x, g), F.linear(x, u)), dim=-1)), (lambda x: F.linear(x, down))
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up_fn, down_fn = self._gemm_pair(e)
+        gate_up = gate_up_fn(x)
+        ops = fused_ops(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return down_fn(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return down_fn(F.silu(gate) * up)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) rows grouped by expert, token order kept
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, row_weights = order // k, weights.reshape(-1)[order, None]
+        y = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):  # increasing expert order: each token's sum in HF's order
+            if n:
+                idx = tokens[start:start + n]
+                out = self._expert(e, x.index_select(0, idx))
+                y.index_add_(0, idx, out.mul_(row_weights[start:start + n]))
+                start += n
+        return y
+
+
+class SparseMoE(nn.Module):
+    """The sparse MLP block of a mixture-of-experts layer: x [T, hidden] -> [T, hidden].
+
+    Args:
+        cfg: ModelConfig with num_experts > 0 (num_experts_per_tok, moe_intermediate_size, router, norm_topk_prob).
+        shared_expert: the dense SwiGLU MLP every token also runs (Qwen2-MoE), gated by
+            sigmoid(shared_expert_gate(x)) [T, 1]; None for none.
+    Raises ValueError when cfg has no experts.
+    """
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        if cfg.num_experts < 1:
+            raise ValueError("SparseMoE needs ModelConfig.num_experts >= 1")
+        self.top_k, self.router, self.renormalize = cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared_expert is not None else None
+
+    def fuse(self) -> bool:
+        """Fuse the experts' gate/up (GroupedExperts.fuse) and the shared expert's. Returns whether anything
+        fused."""
+        fused = self.experts.fuse()
+        if self.shared_expert is not None:
+            fused = bool(self.shared_expert.fuse()) or fused
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.router, self.renormalize)
+        y = self.experts(x, ids, weights.to(x.dtype))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
