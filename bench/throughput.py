@@ -135,6 +135,11 @@ def main() -> None:
     ap.add_argument("--sync-steps", action="store_true",
                     help="EngineConfig.async_scheduling=False: the synchronous step loop (the before of the async A/B)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", default="none", choices=["none", "auto", "int4"],
+                    help="how --model's weights are held (EngineConfig.quantization; 'auto' keeps a GPTQ/AWQ/GGUF "
+                         "4-bit checkpoint INT4)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="tokens per sequence (default 4096 for --preset, else the model's context)")
     ap.add_argument("--hf-static-w2", action="store_true",
                     help="on cuda, also run HF's static batch on w2 (skipped by default: about 6 minutes on an H100)")
     args = ap.parse_args()
@@ -145,7 +150,7 @@ def main() -> None:
     preset = args.preset or ("llama-3.1-8b" if cuda and args.model is None else None)
     dtype = "bfloat16" if cuda else "float32"
     cfg = EngineConfig(device=args.device, dtype=dtype, max_num_seqs=args.max_num_seqs or (512 if cuda else 64),
-                       max_model_len=4096 if preset else None,
+                       max_model_len=args.max_model_len or (4096 if preset else None), quantization=args.quantization,
                        async_scheduling=False if args.sync_steps else None)
 
     torch.manual_seed(0)

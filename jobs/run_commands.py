@@ -23,6 +23,7 @@ from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, load_job_spec
 if TYPE_CHECKING:
     from rich.progress import Progress
 
+    from engine.worker.memory_fit import MemoryFit
     from jobs.summary import JobSummary
 
 
@@ -134,8 +135,10 @@ def _warn_ids(summary: JobSummary) -> None:
                   "the input a unique id column (--id-column)")
 
 
-def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None) -> None:
-    """Forecast the job (jobs.forecast) and print it: a table, or one JSON line."""
+def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None,
+                    fit: MemoryFit | None = None) -> None:
+    """Forecast the job (jobs.forecast) and print it: a table, or one JSON line; `fit` (the preflight's memory
+    numbers, jobs.model_fit) in both."""
     from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
     from jobs.interrupt import run_or_exit_on_signal
 
@@ -151,7 +154,8 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
             raise
         raise failure from e
     if as_json:
-        print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict()}))
+        memory = {} if fit is None else {"memory": fit.as_dict()}
+        print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict(), **memory}))
         return
     t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
     tpd = fc.tokens_per_dollar
@@ -165,6 +169,13 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
                                  f"{fc.mean_output_tokens_observed:.1f} output tokens per row, "
                                  f"{fc.calibration_s:.1f} s")]:
         t.add_row(k, v)
+    if fit is not None:
+        gib = 1 << 30
+        t.add_row("model on the device", f"{fit.model_bytes / gib:.2f} GiB of {fit.memory_bytes / gib:.2f} GiB "
+                                         f"usable on {fit.device}")
+        t.add_row("KV cache", f"{fit.kv_bytes_per_token / 1024:.1f} KiB per token; pool {fit.kv_pool_bytes / gib:.2f}"
+                              f" GiB = {fit.pool_tokens:,} tokens = {fit.sequences:,} sequences of --max-model-len "
+                              f"{fit.max_model_len:,} at once")
     out.print(t)
 
 
@@ -174,14 +185,17 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     the job's forecast instead and write nothing. `set_by`: the options whose values came from environment
     variables (jobs.options.options_set_by_env), named in errors."""
     from jobs.interrupt import ClientInterrupt
-    from jobs.spec import checked_spec, run_spec  # Dask, the engine, torch: only when a job runs
+    from jobs.spec import checked_spec, run_spec, spec_fit  # Dask, the engine, torch: only when a job runs
 
     try:
         spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
+        fit = spec_fit(spec, spec.model)
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e
+    if fit is not None and not as_json:
+        err.print(fit.line())
     if dry_run:
-        return _print_forecast(spec, as_json, set_by)
+        return _print_forecast(spec, as_json, set_by, fit)
     reporter = Reporter()
     interrupt = ClientInterrupt(spec.output)
     try:

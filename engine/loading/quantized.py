@@ -3,7 +3,7 @@ quantization, and write quantized folders (what `tokenmill quantize` runs).
 
 quantization modes (EngineConfig.quantization):
     "none"  every weight dequantized to the compute dtype (INT4 folders too): the reference path.
-    "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1 projections natively (group 32), INT4 folders as
+    "auto"  weights stored as INT4 stay INT4: GGUF Q4_0/Q4_1/Q4_K projections natively (group 32), INT4 folders as
             saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact (act-order
             ones with their input permuted) and a W8A8 folder's INT8 layers as stored on the CPU
             (engine.loading.hf_quantized; the others dequantized exactly, and the load report says which and why:

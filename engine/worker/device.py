@@ -128,12 +128,10 @@ def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch
     than max_num_seqs requests of max_model_len tokens could hold. Raises ValueError when not even one block fits."""
     per_block = kv_block_bytes(model_config, config.block_size, dtype)
     if device.type == "cuda":
+        from engine.worker.memory_fit import cuda_kv_budget_bytes
+
         free, total = torch.cuda.mem_get_info(device)
-        used_elsewhere = total - free
-        budget = int(total * config.gpu_memory_utilization) - used_elsewhere
-        # Keep room for activations and logits of the largest step.
-        budget -= config.max_num_batched_tokens * model_config.vocab_size * 4
-        budget -= per_block  # the scratch block of CUDA graphs' padded rows
+        budget = cuda_kv_budget_bytes(total, free, config, model_config.vocab_size, per_block)
     else:
         budget = cpu_kv_budget_bytes(config)
     if budget < per_block:

@@ -14,11 +14,13 @@ from engine.loading.model_files import default_model_path
 from engine.text.tokenizer import Tokenizer
 from jobs.cli import app
 from jobs.openai_batch import CHAT_URL
+from jobs.preflight import model_context
 
 runner = CliRunner()
 
 
-def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Path, data_dir: Path) -> None:
+def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Path, data_dir: Path,
+                                                                   tiny_model: str) -> None:
     rows = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(600, 10)
     src = tmp_path / "in.parquet"
     pq.write_table(rows, src)
@@ -41,6 +43,12 @@ def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Pat
     assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and set(fc["decode_step_s"]) == {"6", "10"}
     assert fc["cost_usd"] == fc["device_s"] / 3600 * 3.0
     assert fc["tokens_per_dollar"] == fc["output_tokens"] / fc["cost_usd"]
+    # The preflight's memory numbers (jobs.model_fit) of the job's model: KV bytes per token, the sequences held.
+    mem, shape = fc["memory"], model_context(tiny_model)
+    size = {"bfloat16": 2, "float32": 4}[fc["dtype"]]
+    assert mem["device"] == "cpu" and mem["kv_bytes_per_token"] == 2 * shape["layers"] * shape["kv_heads"] * \
+        shape["head_dim"] * size
+    assert mem["model_bytes"] > 0 and mem["sequences"] == mem["pool_tokens"] // mem["max_model_len"] >= 1
 
 
 def test_dry_run_of_a_batch_file_stages_nothing_and_leaves_error_rows_out(tmp_path: Path,
@@ -57,6 +65,8 @@ def test_dry_run_of_a_batch_file_stages_nothing_and_leaves_error_rows_out(tmp_pa
     assert "nothing written" in res.stdout and "device-hours" in res.stdout
     assert "│ rows / shards" in res.stdout and "│ 6 / 1" in res.stdout
     assert "(15)" in res.stdout  # output tokens at most: the rows' own max_tokens 3 x 5; the broken row: none
+    assert "│ model on the device" in res.stdout and "KiB per token" in res.stdout
+    assert "concurrent sequences of --max-model-len" in res.stderr  # the preflight's line, before the work
 
 
 def test_the_forecast_costs_one_resident_engine_per_worker_not_one_per_shard() -> None:

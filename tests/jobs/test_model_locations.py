@@ -69,6 +69,7 @@ def test_a_missing_url_or_hub_id_is_refused_before_the_job(s3: FlakyS3, gsm8k_fo
     assert "is not a GGUF file" in message and "PAR1" in message
     assert sum(counter.gets.values()) == gets + 1  # the 4 bytes of the magic number, not the object
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # online, a hub id is downloaded (engine/loading/test_hub_download.py)
     monkeypatch.chdir(tmp_path)
     message = _one_line_exit_2([*args, "Qwen/Qwen2.5-7B-Instruct"], out)
     assert "'Qwen/Qwen2.5-7B-Instruct' is not a local path and not in the Hugging Face cache" in message

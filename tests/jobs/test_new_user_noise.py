@@ -26,7 +26,8 @@ from typer.testing import CliRunner, Result
 from engine import LLMEngine
 from jobs.cli import app
 from jobs.control import cancel_job
-from jobs.preflight import gguf_metadata, model_context
+from jobs.gguf_header import gguf_metadata
+from jobs.preflight import model_context
 from jobs.run_commands import this_run
 from jobs.summary import JobSummary
 from pipeline.config import RunConfig

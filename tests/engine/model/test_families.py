@@ -193,19 +193,9 @@ def gguf_parses() -> dict:
     quantized paths). A parse of an unchanged file is the same each time and the loaders only read it, so the
     engine's open_gguf returns the first parse of a (path, size, mtime) again: what is loaded from it is unchanged.
     Returns the parses, by that key."""
-    from engine.loading import gguf_file
+    from gguf_models import parsing_each_gguf_once
 
-    parse, parsed = gguf_file.open_gguf, {}
-
-    def open_once(path: str):
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-        if key not in parsed:
-            parsed[key] = parse(path)
-        return parsed[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf_file, "open_gguf", open_once)
+    with parsing_each_gguf_once() as parsed:
         yield parsed
 
 

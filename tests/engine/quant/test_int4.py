@@ -87,8 +87,43 @@ def test_gguf_q4_blocks_map_exactly() -> None:
         w = gguf_q4_to_int4(raw, qtype.name, (16, 128))
         assert w.group_size == 32
         np.testing.assert_array_equal(w.dequantize().numpy(), dequantize(raw, qtype))
-    with pytest.raises(ValueError, match="Q4_0, Q4_1"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q4_K"):
         gguf_q4_to_int4(raw, "Q8_0", (16, 128))
+
+
+def test_gguf_q4_k_maps_to_group_32_int4() -> None:
+    """A Q4_K super-block is eight 32-weight groups w = (d sc) q - dmin m: the same integers at scale d sc, zero
+    8 d sc - dmin m (engine.loading.gguf_int4). Equal to gguf-py's weights wherever that zero is exact in fp32
+    (checked in float64: every group with |zero| < 1, as in trained models); elsewhere the zero's one rounding moves
+    a weight by about one ulp of the zero."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf_models import random_tensor
+
+    n, k = 96, 1024
+    raw = random_tensor(GGMLQuantizationType.Q4_K, n, k, 0.1, np.random.default_rng(4))
+    big = raw.reshape(-1, 144)[::4]  # every fourth super-block: weights up to about +-30 and tiny mins, so zeros
+    big[:, 0:2] = np.full(len(big), 0.06, np.float16).view(np.uint8).reshape(-1, 2)  # of 5 + 24 bits fp32 rounds
+    big[:, 2:4] = np.full(len(big), 3e-7, np.float16).view(np.uint8).reshape(-1, 2)
+    w = gguf_q4_to_int4(raw, "Q4_K", (n, k))
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K))
+    got = w.dequantize()
+    assert w.group_size == 32 and got.shape == want.shape == (n, k)
+    from gguf.quants import Q4_K
+
+    sb = raw.reshape(-1, 144)
+    d = sb[:, 0:2].copy().view(np.float16).astype(np.float64)
+    dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float64)
+    sc, m = Q4_K.get_scale_min(sb[:, 4:16])
+    exact_zero = torch.from_numpy((8 * d * sc - dmin * m).reshape(n, k // 32)) == w.zeros.double()
+    exact = exact_zero.repeat_interleave(32, dim=1)
+    assert 0.5 < exact.float().mean().item() < 1  # both cases occur
+    small = w.zeros.abs().repeat_interleave(32, dim=1) < 1
+    assert exact[small].all()
+    assert torch.equal(got[exact], want[exact])  # as numbers: gguf-py's -0 (d < 0, q = 0, m = 0) is +0 here
+    # elsewhere: half an ulp of the zero, plus the two results' own roundings of nearby numbers
+    bound = torch.finfo(torch.float32).eps * (w.zeros.abs().repeat_interleave(32, dim=1) + want.abs())
+    assert ((got - want).abs() <= bound).all()
 
 
 @pytest.fixture(scope="module")

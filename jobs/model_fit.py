@@ -1,0 +1,146 @@
+"""The preflight's fit check (issue 42): a local model against the memory of the device the job's workers use on this
+machine, from the model's header alone (GGUF tensor infos, config.json, tokenmill_model.json): the weights' bytes on
+the device as --quantization will hold them, the KV cache's bytes per token, the KV pool that remains and the
+sequences of --max-model-len it holds (engine.worker.memory_fit). A model that cannot hold one such sequence is exit
+2 before any work, naming those numbers and the ways out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+
+from engine.config import EngineConfig
+from engine.worker.device import CPU_KV_MEMORY_SHARE
+from engine.worker.memory_fit import (
+    GIB,
+    MemoryFit,
+    cuda_kv_budget_bytes,
+    kv_bytes_per_token,
+    model_tensors,
+    weight_bytes,
+)
+from jobs.errors import JobError
+from jobs.gguf_header import gguf_tensor_infos
+
+# GGUF names of the tensors the engine holds as linear weights (engine.quant.state.is_linear_weight), and the ggml
+# type ids it keeps INT4 under --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
+_GGUF_LINEAR = re.compile(r"^(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|output)\.weight$")
+_GGUF_NATIVE_INT4 = {2: 32, 3: 32, 12: 32}
+
+
+def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[int, int | None]], int,
+                                                                      list[tuple[int, int | None]] | None]:
+    """(numel, INT4 group or None) per weight of the model at `path` as `quantization` holds it, its vocabulary
+    size, and the same list under --quantization int4 (None when that is the mode already)."""
+    from engine.loading.hf_folder import is_hf_folder, read_hf_config
+    from engine.loading.model_files import TOKENMILL_CONFIG_FILE
+    from engine.quant.state import is_linear_weight
+
+    entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear weight, INT4 group as stored)
+    if os.path.isdir(path):
+        if is_hf_folder(path):
+            from engine.loading.hf_quantized import read_quant_format
+
+            cfg = read_hf_config(path)
+            with open(os.path.join(path, "config.json")) as f:
+                fmt = read_quant_format(json.load(f), path)
+            group = (fmt.group_size if fmt.group_size > 0 else 128) if fmt is not None and fmt.bits == 4 else None
+            int4_modules: set[str] | None = None  # every linear weight, when group
+        else:
+            from engine.config import ModelConfig
+
+            with open(os.path.join(path, TOKENMILL_CONFIG_FILE)) as f:
+                meta = json.load(f)
+            cfg = ModelConfig.from_dict(meta["model_config"])
+            quant = meta.get("quantization") or {}
+            group, int4_modules = quant.get("group_size"), set(quant.get("modules", {}))
+        vocab = cfg.vocab_size
+        for name, numel in model_tensors(cfg):
+            linear = is_linear_weight(name)
+            int4 = group is not None and (linear if int4_modules is None else name.removesuffix(".weight")
+                                          in int4_modules)
+            entries.append((numel, linear, group if int4 else None))
+    else:
+        infos = gguf_tensor_infos(path) or []
+        hidden = next((n for name, n, _ in infos if name == "output_norm.weight"), 1)
+        vocab = next((n for name, n, _ in infos if name == "token_embd.weight"), 0) // hidden
+        for name, numel, kind in infos:
+            if name != "rope_freqs.weight":
+                linear = bool(_GGUF_LINEAR.match(name))
+                entries.append((numel, linear, _GGUF_NATIVE_INT4.get(kind) if linear else None))
+
+    def held(mode: str) -> list[tuple[int, int | None]]:
+        if mode in ("none", "int8"):
+            return [(n, None) for n, _, _ in entries]
+        return [(n, stored or (group_size if mode == "int4" and linear else None)) for n, linear, stored in entries]
+
+    return held(quantization), vocab, None if quantization == "int4" else held("int4")
+
+
+def _cuda_memory(index: int) -> tuple[int, int, str]:
+    """(free, total bytes, name) of CUDA device `index`, from nvidia-smi where present (no CUDA context in this
+    client process, whose workers need the memory), else torch (free taken as total: no other process counted)."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, f"--id={index}", "--query-gpu=memory.total,memory.used,name",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30,
+                                 check=True).stdout.strip().splitlines()[0]
+            total, used, name = (x.strip() for x in out.split(",", 2))
+            return (int(total) - int(used)) << 20, int(total) << 20, name
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return props.total_memory, props.total_memory, props.name
+
+
+def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> MemoryFit:
+    """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`: jobs.preflight.model_context's
+    layers, kv_heads, head_dim and context) under `config` on the device config.device resolves to here."""
+    from engine.worker.device import memory_available_bytes, resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    tensors, vocab, _ = _weights(model, config.quantization, config.int4_group_size)
+    model_bytes = weight_bytes(tensors, dtype, device.type)
+    per_token = kv_bytes_per_token(shape["layers"], shape["kv_heads"], shape["head_dim"], dtype)
+    max_len = min(config.max_model_len or shape["context"], shape["context"])
+    if device.type == "cuda":
+        free, total, name = _cuda_memory(device.index or 0)
+        memory = int(total * config.gpu_memory_utilization) - (total - free)
+        pool = cuda_kv_budget_bytes(total, free, config, vocab, per_token * config.block_size, model_bytes)
+        where = f"{device} ({name}, {total / GIB:.1f} GiB, gpu_memory_utilization {config.gpu_memory_utilization})"
+    else:
+        memory = memory_available_bytes()
+        pool = config.kv_cache_memory_bytes if config.kv_cache_memory_bytes is not None else int(
+            CPU_KV_MEMORY_SHARE * (memory - model_bytes))
+        if model_bytes > memory:
+            pool = min(pool, memory - model_bytes)
+        where = "cpu"
+    return MemoryFit(where, memory, model_bytes, per_token, pool, max_len, config.block_size)
+
+
+def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | None) -> MemoryFit | None:
+    """model_fit of a local model (None for `shape` None: a model at a URL, checked by its worker), or JobError
+    (exit 2) when it cannot hold one sequence of --max-model-len: the numbers and the ways out."""
+    from engine.loading.model_files import default_model_path
+
+    if shape is None or not shape.get("layers"):
+        return None
+    path = default_model_path() if model is None else model
+    fit = model_fit(path, config, shape)
+    _, _, int4 = _weights(path, config.quantization, config.int4_group_size)
+    from engine.worker.device import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    int4_bytes = None if int4 is None else weight_bytes(int4, resolve_dtype(config.dtype, device), device.type)
+    name = "the default model (SmolLM2-135M-Instruct)" if model is None else f"--model {os.path.basename(path)}"
+    if (line := fit.refusal(name, int4_bytes)) is not None:
+        raise JobError(line)
+    return fit

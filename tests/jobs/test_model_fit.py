@@ -1,0 +1,124 @@
+"""The preflight's fit check (jobs.model_fit, issue 42): model bytes on the device, KV bytes per token, the KV pool
+left and the sequences of --max-model-len it holds, from the model's header alone; a model that cannot hold one
+sequence is exit 2 naming the numbers and the ways out. A GPU is simulated where the test needs one (its memory as
+nvidia-smi would report it): the arithmetic is what is tested, not the card."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engine import EngineConfig
+from jobs.cli import app
+from jobs.errors import JobError
+from jobs.model_fit import check_fit, model_fit
+from jobs.preflight import model_context
+
+GIB = 1 << 30
+# Llama-3.1-70B's config.json (meta-llama/Llama-3.1-70B-Instruct), the shape that needs INT4 on one GPU.
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192},
+             "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+             "torch_dtype": "bfloat16"}
+LLAMA_70B_PARAMS = 128256 * 8192 * 2 + 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192) + 8192
+
+
+def _gpu(monkeypatch: pytest.MonkeyPatch, gib: int, name: str) -> None:
+    """This machine as one with an idle CUDA card of `gib` GiB."""
+    import engine.worker.device
+    import jobs.model_fit
+
+    monkeypatch.setattr(engine.worker.device, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(jobs.model_fit, "_cuda_memory", lambda index: (gib * GIB, gib * GIB, name))
+
+
+@pytest.fixture
+def llama_70b(tmp_path: Path) -> str:
+    """A folder with Llama-3.1-70B's config.json (the fit check reads no weights)."""
+    folder = tmp_path / "Llama-3.1-70B-Instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    (folder / "model.safetensors").write_bytes(b"")
+    return str(folder)
+
+
+def test_the_numbers_of_the_default_model_are_the_loaded_ones(real_engine, gguf_path: str) -> None:
+    """fp32 on the CPU: the weights' bytes the check states are the bytes of the loaded model's tensors (before the
+    engine's CPU kernels repack them), the KV bytes per token the engine's pool's."""
+    from engine.loading.loader import load_gguf_model
+
+    fit = check_fit(gguf_path, EngineConfig(device="cpu", dtype="float32", max_model_len=4096),
+                    model_context(gguf_path))
+    _, model = load_gguf_model(gguf_path, torch.float32, torch.device("cpu"))
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    assert fit.model_bytes == sum(tensors.values())
+    cache = real_engine.runner.kv_caches
+    pool_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in cache)
+    assert fit.kv_bytes_per_token == pool_bytes // (real_engine.num_kv_blocks * real_engine.block_size)
+    assert fit.sequences == fit.pool_tokens // 4096 >= 1
+    assert f"{fit.sequences:,} concurrent sequences of --max-model-len 4,096" in fit.line()
+
+
+def test_a_70b_in_bf16_is_refused_on_an_80_gib_gpu_with_the_ways_out(llama_70b: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpu(monkeypatch, 80, "NVIDIA H100 80GB HBM3")
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=8192)
+    fit = model_fit(llama_70b, config, model_context(llama_70b))
+    assert fit.model_bytes == LLAMA_70B_PARAMS * 2 and fit.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2  # 320 KiB
+    assert fit.memory_bytes == int(80 * GIB * 0.9) and fit.kv_pool_bytes < 0 and fit.sequences == 0
+    with pytest.raises(JobError) as e:
+        check_fit(llama_70b, config, model_context(llama_70b))
+    line = str(e.value)
+    assert "\n" not in line
+    assert line.startswith("--model Llama-3.1-70B-Instruct does not fit one sequence of --max-model-len 8,192 tokens "
+                           "on cuda:0 (NVIDIA H100 80GB HBM3, 80.0 GiB, gpu_memory_utilization 0.9): 72.00 GiB "
+                           "usable, the weights take 131.42 GiB, the KV cache 320.0 KiB per token")
+    assert "Ways out: --quantization int4 (weights about " in line and "a device with at least" in line
+
+
+def test_int4_of_a_70b_fits_a_141_gib_gpu_and_says_how_many_sequences(llama_70b: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT4 weights count as the engine holds them on CUDA: two packed copies of 0.5 byte per weight plus bf16
+    scales and zeros per group (engine.worker.memory_fit.INT4_CUDA_COPIES); the embedding stays bf16."""
+    from engine.worker.memory_fit import INT4_CUDA_COPIES
+
+    _gpu(monkeypatch, 141, "NVIDIA H200")
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=8192, quantization="int4",
+                          int4_group_size=128)
+    fit = check_fit(llama_70b, config, model_context(llama_70b))
+    embedding = 128256 * 8192
+    linear = LLAMA_70B_PARAMS - embedding - 8192 * (2 * 80 + 1)  # all but the embedding and the norms
+    want = embedding * 2 + 8192 * 161 * 2 + INT4_CUDA_COPIES * (linear // 2 + linear // 128 * 4)
+    assert fit.model_bytes == want
+    per_seq = 8192 * fit.kv_bytes_per_token
+    assert fit.sequences == fit.kv_pool_bytes // per_seq >= 1
+    assert fit.kv_pool_bytes == int(141 * GIB * 0.9) - want - 2048 * 128256 * 4 - 16 * fit.kv_bytes_per_token
+
+
+def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_questions: list[str], gguf_path: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with less memory available than the model's weights: exit 2, one line, OUTPUT never created."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import engine.worker.device
+
+    monkeypatch.setattr(engine.worker.device, "memory_available_bytes", lambda: 300 << 20)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"question": gsm8k_questions[:2]}), src)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["run", str(src), str(out), "--prompt-column", "question", "--device", "cpu",
+                                   "--dtype", "float32", "--kv-cache-gib", "0.5", "--max-model-len", "2048",
+                                   "--model", gguf_path])
+    assert res.exit_code == 2, res.output
+    line = " ".join(res.stderr.split())  # rich wraps the line at the terminal's width
+    assert ("--model SmolLM2-135M-Instruct.Q4_1.gguf does not fit one sequence of --max-model-len 2,048 tokens on cpu: "
+            "0.29 GiB usable, the weights take 0.50 GiB") in line and "Ways out: --quantization int4" in line
+    assert not out.exists()
