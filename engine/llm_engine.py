@@ -26,7 +26,7 @@ from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
 from engine.text.prompts import Prompt, prompt_problem
 from engine.text.tokenizer import Tokenizer
-from engine.worker.device import cpu_has_native_bf16, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.device import cpu_has_native_bf16, device_name, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class LLMEngine:
         self.model_name = model_name
         self.device = device
         self.dtype = dtype
-        self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.device_name = device_name(device)
         self.quantization_loaded = quantization_loaded
         log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)

@@ -1,7 +1,9 @@
 """What a job will cost before it runs (`tokenmill run ... --dry-run`): rows, tokens, device-hours and USD.
 
 The forecast plans the job's shards from its input as a first start would (pipeline.manifest.build_manifest: it lists
-and reads footers, writes nothing), tokenizes the rows of its first shard, loads the job's engine here (same model,
+and reads footers, writes nothing), tokenizes the rows of its first shard with a row that can run (rows that are
+null, empty or request errors are error rows: no device time; a job with no other row loads no engine and is
+forecast at 0 device-seconds, as it runs: pipeline.shard), loads the job's engine here (same model,
 device, dtype, quantization, threads per worker) and measures it in a short calibration on a sample of those rows:
 
 1. the sample with the job's own sampling (per-row values included): the observed mean output tokens per row, the
@@ -42,6 +44,8 @@ from pipeline.input import Shard
 from pipeline.manifest import build_manifest
 from pipeline.row_options import row_sampling_params
 from pipeline.shard import ShardRows, generate_rows, read_shard
+from pipeline.shard_engine import EngineFacts
+from pipeline.shard_requests import row_requests
 from schemas.job_spec import JobSpec
 
 SAMPLE_ROWS = 16
@@ -57,7 +61,8 @@ class Forecast:
 
     `input_tokens` is exact when the first shard holds every row, else its mean per row times the rows;
     `output_tokens` is the expected count (the calibration sample's mean per row), `output_tokens_max` the bound
-    from max_tokens. `device_s` is the expected device-seconds billed for the whole job (no preemptions).
+    from max_tokens. `device_s` is the expected device-seconds billed for the whole job (no preemptions). `note`:
+    what the figures cannot say (a job none of whose rows can run), else "".
     """
 
     rows: int
@@ -76,6 +81,7 @@ class Forecast:
     dtype: str
     model: str
     calibration_s: float
+    note: str = ""
 
     @property
     def device_hours(self) -> float:
@@ -154,8 +160,30 @@ def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
         shards = manifest.shards()
         if not shards:
             raise JobError(f"{spec.input} holds no rows")
-        first = read_shard(shards[0], manifest.prompt_column, cfg.id_column)
-    return _calibrate(spec, cfg, shards, first, sample_rows)
+        column = manifest.prompt_column
+        messages = column == cfg.messages_column != cfg.prompt_column
+        skipped = 0  # rows of the leading shards none of whose rows can run (error rows: no device time)
+        for shard in shards:
+            first = read_shard(shard, column, cfg.id_column, messages=messages)
+            if row_requests(first, cfg).runnable:
+                break
+            skipped += len(first.ids)
+        else:
+            return _nothing_runs(spec, cfg, shards)
+    return _calibrate(spec, cfg, shards, first, sample_rows, skipped)
+
+
+def _nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecast:
+    """The forecast of a job none of whose rows can run (every one null, empty, a request error or out-of-range
+    sampling values): each becomes an error row, no shard loads an engine (pipeline.shard), nothing is billed."""
+    rows = sum(s.num_rows for s in shards)
+    facts = EngineFacts.planned(spec.model, engine_config(spec), None)
+    return Forecast(
+        rows=rows, shards=len(shards), input_tokens=0, output_tokens=0, output_tokens_max=0, sample_rows=0,
+        mean_output_tokens_observed=0.0, prefill_tokens_per_s=0.0, decode_step_s={}, warmup_s=0.0, device_s=0.0,
+        price_per_hour_usd=spec.price_per_hour, device=facts.device, dtype=facts.dtype, model=facts.model,
+        calibration_s=0.0, note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request "
+                                "errors; the results' error column will say why); no engine loads, nothing is billed")
 
 
 @dataclass(frozen=True)
@@ -204,7 +232,10 @@ def job_device_s(shard_rows: list[int], m: WorkerModel, step_s: Callable[[int], 
     return total
 
 
-def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardRows, sample_rows: int) -> Forecast:
+def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardRows, sample_rows: int,
+               skipped: int = 0) -> Forecast:
+    """Calibrate the engine on `first` (the first shard with a row that can run, after `skipped` rows of shards
+    with none) and forecast the job's `shards` from it (module docstring)."""
     econf = engine_config(spec)
     if spec.cluster.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
         torch.set_num_threads(default_torch_threads(spec.cluster.workers))
@@ -221,7 +252,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     if not runnable:
         raise JobError("no row of the first shard can run (all empty, too long, or request errors); nothing to "
                        "forecast")
-    mean_in = sum(lengths) / len(lengths)
+    mean_in = sum(lengths) / (len(lengths) + skipped)
     sample = runnable[:: max(1, len(runnable) // sample_rows)][:sample_rows]
     rows = first.take(sample)
     outs = generate_rows(engine, rows, cfg)
@@ -238,7 +269,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         return d0 if b1 == b0 else d0 + (d1 - d0) * (batch - b0) / (b1 - b0)
 
     max_out = [_sampling_of(first, cfg, k).max_tokens for k in runnable]
-    ok = len(runnable) / len(lengths)  # the share of rows that run (the rest are error rows: no device time)
+    ok = len(runnable) / (len(lengths) + skipped)  # the share of rows that run (error rows: no device time)
     device_s = job_device_s([s.num_rows for s in shards], WorkerModel(
         workers=spec.cluster.workers, max_num_seqs=econf.max_num_seqs, warmup_s=warmup_s, run_share=ok,
         mean_input_tokens=mean_in, mean_output_tokens=mean_out, prefill_tokens_per_s=prefill_rate), step_s)

@@ -19,6 +19,7 @@ from distributed.core import Status
 from engine import EngineConfig
 from jobs.process_env import set_omp_wait_policy
 from pipeline.model_pin import ModelPin, ModelPinError, fingerprint_model
+from pipeline.shard_engine import EngineFacts
 
 if TYPE_CHECKING:  # the engine (torch) loads on the worker only: the client pickles the plugin and never computes
     from engine import LLMEngine
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 class EnginePlugin(WorkerPlugin):
     """Loads the model once per worker and keeps it there for every shard the worker runs.
 
-    The load (seconds to minutes) starts in a background thread at `setup`, off the worker's event loop, so
-    heartbeats go on; `get()` from a task waits for it. The plugin is named after what it loads (model, engine
+    The load (seconds to minutes) starts at the first `get()` (or `loop()`, `loaded_model()`), in the task thread
+    that asks first, off the worker's event loop, so heartbeats go on; other tasks asking meanwhile wait for it. A
+    worker whose shards never need it (every row an error row: pipeline.shard) never loads it; `loads` counts the
+    loads (0 or 1) and each is logged. The plugin is named after what it loads (model, engine
     config, threads) and idempotent: registering the same engine again on a long-lived cluster keeps the resident
     one instead of loading it twice; `register_engine` removes engines of other configs first, so a worker never
     holds two.
@@ -73,11 +76,13 @@ class EnginePlugin(WorkerPlugin):
         self._model: ModelPin | None = None
         self._error: BaseException | None = None
         self._loaded = threading.Event()
+        self._load_lock = threading.Lock()
+        self._closed = False
+        self.loads = 0  # engine loads started on this worker: 0 until a shard has a row to run, then 1
         self.loaded_cpu_s: float | None = None
         # An auto-sized CPU KV pool stays within the worker's memory limit too (Dask pauses a worker at 80% of it):
         # several workers on one machine each see the machine's free memory.
         self._memory_limit: int | None = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-        threading.Thread(target=self._load, name="tokenmill-engine-load", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:
         # A closing worker (its process is about to exit): abort what is left in the engine and wait for the step
@@ -89,7 +94,17 @@ class EnginePlugin(WorkerPlugin):
         if self._loop is not None:
             closing = getattr(worker, "status", None) in (Status.closing, Status.closed, Status.failed)
             self._loop.close(timeout_s=TEARDOWN_JOIN_S if closing else 0, abort=closing)
+        self._closed = True  # no load starts after this (one in progress ends on its own thread)
         self._engine, self._loop = None, None
+
+    def _load_once(self) -> None:
+        """Load the engine in this thread unless it is loaded or loading (then wait for that load)."""
+        with self._load_lock:
+            if self._loaded.is_set() or self._closed:
+                return
+            self.loads += 1
+            log.info("loading the model %s on this worker (a shard has rows to run)", self.model or "(default)")
+            self._load()
 
     def _load(self) -> None:
         from engine import LLMEngine
@@ -116,8 +131,9 @@ class EnginePlugin(WorkerPlugin):
             self._loaded.set()
 
     def get(self) -> LLMEngine:
-        """The loaded engine (waits for the load). Raises RuntimeError (chained to the cause) if the load failed."""
-        self._loaded.wait()
+        """The loaded engine (loads it at the first call; waits for a load in progress). Raises RuntimeError (chained
+        to the cause) if the load failed."""
+        self._load_once()
         if self._error is not None:
             raise RuntimeError(f"the engine failed to load on this worker: {self._error}") from self._error
         if self._engine is None:
@@ -126,7 +142,7 @@ class EnginePlugin(WorkerPlugin):
         return self._engine
 
     def loop(self) -> EngineLoop:
-        """The worker's resident engine loop over the loaded engine (waits for the load; made and started at the
+        """The worker's resident engine loop over the loaded engine (loads it as `get` does; made and started at the
         first call, its step thread running `torch_threads`): every shard task of the worker submits to it.
         Raises RuntimeError as `get` does."""
         from engine.loop.engine_loop import EngineLoop
@@ -146,12 +162,18 @@ class EnginePlugin(WorkerPlugin):
             torch.set_num_threads(self.torch_threads)
 
     def loaded_model(self) -> ModelPin:
-        """The fingerprint of the model this worker loaded, taken at its load (waits for the load). Raises
+        """The fingerprint of the model this worker loaded, taken at its load (loads it as `get` does). Raises
         RuntimeError as `get` does."""
         self.get()
         if self._model is None:
             raise RuntimeError("the engine was unloaded (its plugin was removed); run the job again")
         return self._model
+
+
+    def facts(self, model_pin: ModelPin | None) -> EngineFacts:
+        """What the rows and accounting of a shard that needs no engine say (pipeline.shard_engine.EngineFacts.planned:
+        this plugin's model and config, the job's pinned fingerprint `model_pin`), found without loading it."""
+        return EngineFacts.planned(self.model, self.engine_config, model_pin.fingerprint if model_pin else None)
 
 
 def register_engine(client: Client, plugin: EnginePlugin) -> str:

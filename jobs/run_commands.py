@@ -80,6 +80,7 @@ class Reporter:
 def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
+        _warn_no_row_ran(summary)
         _warn_ids(summary)
         _note_repinned(summary)
         _note_model(summary)
@@ -101,6 +102,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
     out.print(t)
     for shard_id, error in summary.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+    _warn_no_row_ran(summary)
     _warn_ids(summary)
     _note_repinned(summary)
     _note_model(summary)
@@ -125,6 +127,14 @@ def _note_repinned(summary: JobSummary) -> None:
     for url in summary.repinned:
         err.print(f"note: {url} changed (or was removed) before any of its rows were committed; the job re-pinned it "
                   "as it is now (a new revision under OUTPUT/_manifest/)")
+
+
+def _warn_no_row_ran(summary: JobSummary) -> None:
+    """Warn on stderr when the job's committed rows are all error rows (all null, say): nothing ran."""
+    if summary.rows_error and not summary.rows_ok:
+        err.print(f"[yellow]warning:[/yellow] no row ran: all {summary.rows_error:,} committed rows are error rows "
+                  "(the results' error column says why for each); shards with no row to run load no engine and "
+                  "bill 0 device-seconds")
 
 
 def _warn_ids(summary: JobSummary) -> None:
@@ -159,7 +169,7 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
         return
     t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
     tpd = fc.tokens_per_dollar
-    for k, v in [("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", f"{fc.input_tokens:,}"),
+    for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", f"{fc.input_tokens:,}"),
                  ("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})"),
                  ("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
                                   f"{fc.dtype})"),
@@ -167,7 +177,8 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
                  ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
                  ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} prefill tok/s, "
                                  f"{fc.mean_output_tokens_observed:.1f} output tokens per row, "
-                                 f"{fc.calibration_s:.1f} s")]:
+                                 f"{fc.calibration_s:.1f} s" if fc.sample_rows else "none: no engine loaded")]
+                + ([("note", fc.note)] if fc.note else [])):
         t.add_row(k, v)
     if fit is not None:
         gib = 1 << 30

@@ -83,7 +83,8 @@ class JobSummary:
         self.shards_ok += 1
         for k in ("rows", "rows_ok", "rows_error"):
             setattr(self, k, getattr(self, k) + int(row[k]))
-        self.device_s += float(row.get("device_s_billed") or row["wall_s"])
+        billed = row.get("device_s_billed")  # 0.0 for a shard that needed no engine; None before the column
+        self.device_s += float(row["wall_s"] if billed is None else billed)
         self.attempts += int(row.get("attempts") or 1)
         add_accounting(self, row)
 

@@ -21,9 +21,10 @@ from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelChanged, ModelPin, check_model_pin
 from pipeline.record import ShardRecord
 from pipeline.shard import ShardError, ShardInterrupted, run_shard
+from pipeline.shard_engine import LazyEngine
 from pipeline.storage import NoSpaceLeft
 
-if TYPE_CHECKING:  # torch: the task runs on the worker, whose plugin loaded the engine; the client only submits it
+if TYPE_CHECKING:  # torch: the task runs on the worker, whose plugin loads the engine; the client only submits it
     from engine.loop.engine_loop import EngineLoop
 
 PROGRESS_TOPIC = "tokenmill-progress"
@@ -71,8 +72,11 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
     the worker loaded it, before any row runs), in both cases with a failed attempt recorded, or the file cannot be
     read (run_shard's ShardError), or OUTPUT's device is full, or the store refused a write (AccessDenied: the
     object, the operation and the credential); ShardStopped when a cancel stopped it (its finished
-    rows committed). Rows carry the loaded model's fingerprint. Raises what _run_shard_task raises otherwise
-    (WorkerPreempted when its worker's stop signal stopped it; an engine that failed to load: RuntimeError).
+    rows committed). Rows carry the loaded model's fingerprint. A shard with no row to run (every row an error row:
+    null, empty, a request error) never loads the engine: its rows and accounting name the model the worker would
+    load, with the pin's fingerprint, and it bills 0 device-seconds (pipeline.shard_engine). Raises what
+    _run_shard_task raises otherwise (WorkerPreempted when its worker's stop signal stopped it; an engine that
+    failed to load: RuntimeError).
     """
     try:
         if pinned is not None and (error := pinned.changed()) is not None:
@@ -96,15 +100,21 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(f"ModelChanged: {error}")
 
 
-def _checked_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> tuple[EngineLoop, str]:
-    """This worker's resident engine loop (every shard of the worker shares its batch) and the fingerprint of the
-    model it loaded (waits for the load), after checking that model against the job's `model_pin` (None: no
-    check). Raises ModelChanged, or RuntimeError when the load failed."""
+def _lazy_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> LazyEngine:
+    """This worker's resident engine loop (every shard of the worker shares its batch), loaded only when the shard
+    has a row to run (pipeline.shard.run_shard): its load returns the loop and the fingerprint of the model it
+    loaded (waits for the load), after checking that model against the job's `model_pin` (None: no check); a shard
+    that never loads it names the model its plugin would load, with the pin's fingerprint. The load raises
+    ModelChanged, or RuntimeError when it failed."""
     plugin = engine_plugin(plugin_name)
-    loaded = plugin.loaded_model()
-    if model_pin is not None:
-        check_model_pin(model_pin, loaded, output_url)
-    return plugin.loop(), loaded.fingerprint
+
+    def load() -> tuple[EngineLoop, str | None]:
+        loaded = plugin.loaded_model()
+        if model_pin is not None:
+            check_model_pin(model_pin, loaded, output_url)
+        return plugin.loop(), loaded.fingerprint
+
+    return LazyEngine(load, lambda: plugin.facts(model_pin))
 
 
 def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, plugin_name: str,
@@ -112,8 +122,9 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
                     model_pin: ModelPin | None = None) -> dict[str, Any]:
     """shard_task's run of the shard. Polls this worker's stop signal (SIGTERM, spot notice;
     jobs.plugin.PreemptionPlugin) besides the ones run_shard watches itself (OUTPUT/_CANCEL). Reports progress as
-    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. The model the worker loaded is
-    checked against `model_pin` before any row runs (ModelChanged); rows and accounting carry its fingerprint.
+    worker events on PROGRESS_TOPIC, tagged with `run_id` and the shard id. The engine loads when the shard has a
+    row to run (_lazy_engine); the model the worker loaded is checked against `model_pin` before any row runs
+    (ModelChanged); rows and accounting carry its fingerprint.
     Returns the shard's accounting row.
     Raises WorkerPreempted when this worker's stop signal stopped the shard (its finished rows committed), and what
     run_shard raises: ShardInterrupted (a cancel), ShardError (unreadable input), storage errors after retries.
@@ -136,9 +147,8 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
 
     preemption = get_preemption()
     if preemption is None:
-        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
-        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress, pinned=pinned,
-                         model_fingerprint=fingerprint)
+        return run_shard(_lazy_engine(plugin_name, model_pin, output_url), shard, prompt_column, output_url, cfg,
+                         progress=progress, pinned=pinned)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -148,11 +158,9 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     preemption.shard_started()
     interrupted = False
     try:
-        engine, fingerprint = _checked_engine(plugin_name, model_pin, output_url)
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
-        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned,
-                         model_fingerprint=fingerprint)
+        return run_shard(_lazy_engine(plugin_name, model_pin, output_url), shard, prompt_column, output_url, cfg,
+                         progress=progress, should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself

@@ -16,8 +16,11 @@ Earlier attempts are billed from their records (pipeline.attempts, pipeline.chec
 Shards share a worker's engine (engine.loop.engine_loop: several shards' rows in one batch). An attempt's own
 device-seconds (`device_s`, and `device_s` in its end record) are therefore not its wall time but its fair share
 (engine.loop.clock.DeviceClock): each engine step's seconds split by the tokens each shard computed in that step
-(prefill chunks and decodes), plus the wall time in which the engine ran no step at all (reading the shard,
-committing, idle) split equally among the shards in it. Shards that overlap for T seconds are billed T in all. A
+(prefill chunks and decodes), plus the wall time in which the engine ran no step at all (committing, other
+shards reading their rows, idle) split equally among the shards in it. An attempt is billed from its claim, made
+once its rows are read and it holds the engine (pipeline.shard.run_shard); one with no row to run (every row an error
+row found before any engine, or every row committed already) holds no engine and is billed 0 device-seconds.
+Shards that overlap for T seconds are billed T in all. A
 killed attempt, which cannot write its share, is still billed from its records' wall times as above (an
 overestimate when it shared the engine).
 """

@@ -17,19 +17,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from engine.loop.clock import DeviceClock
-from pipeline.accounting import accounting_row, quantization_label
+from pipeline.accounting import accounting_row
 from pipeline.checkpoint import Checkpointer, completion_tokens
 from pipeline.config import RunConfig
-from pipeline.input import Shard
+from pipeline.input import InputChanged, Shard
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.record import Attempt, ShardRecord
-from pipeline.shard_requests import ProgressFn, RowFn, generate_rows
+from pipeline.shard_engine import EngineFacts, LazyEngine, NoDeviceClock
+from pipeline.shard_requests import ProgressFn, RowFn, RowRequests, generate_rows, row_requests
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
 from schemas import RESULTS_SCHEMA
 
@@ -64,26 +66,30 @@ class ShardInterrupted(RuntimeError):
                 "attempt; run it again to resume")
 
 
-def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig, *,
-              progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
+def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_column: str, output_url: str,
+              cfg: RunConfig, *, progress: ProgressFn | None = None, should_stop: Callable[[], bool] | None = None,
               watch_notices: bool = True, pinned: tuple[int, str] | None = None,
               model_fingerprint: str | None = None) -> dict[str, Any]:
     """Run one shard end to end under `output_url`, resuming from committed checkpoints; return its accounting row
     (schemas.ACCOUNTING_SCHEMA fields: tokens, seconds, USD). `engine`: the worker's resident engine loop
     (engine.loop.engine_loop.EngineLoop: the shard's rows share its batch with other shards running at the same time,
     and its device-seconds are its share of the steps plus the time the engine ran no step while it ran;
-    DeviceClock, pipeline.accounting), or an engine this caller holds alone (one `generate` call; billed its wall
-    time).
+    DeviceClock, pipeline.accounting), an engine this caller holds alone (one `generate` call; billed its wall
+    time), or a LazyEngine (pipeline.shard_engine), loaded only when a row is left to run: a shard whose rows are
+    all error rows found before any engine (null, empty, a request error from the input, bad per-row sampling
+    values) or all committed already finishes without it, billed 0 device-seconds, its rows and accounting naming
+    the engine the job would have run (LazyEngine.facts).
 
-    Each run claims the shard's next attempt number. Rows already in committed parts are not generated again; the
+    The shard's rows are read first; then, holding the engine, each run claims the shard's next attempt number (the
+    engine's load and the read are not billed). Rows already in committed parts are not generated again; the
     others are, and every `cfg.checkpoint_rows` finished rows or `cfg.checkpoint_seconds` seconds (whichever first)
     they are committed as a part. When every row is committed the results (the parts merged in row order, one row
     per input row) are committed, then the accounting. A crash between any two commits loses at most one checkpoint
     interval; a rerun of a finished shard returns its committed accounting and writes nothing; when results are
     committed but not the accounting, the rerun only bills them. `progress` gets (rows, output tokens) for rows this
     run finishes (not rows resumed from checkpoints). `model_fingerprint` (pipeline.model_pin: the model `engine`
-    loaded, which the caller checked against the job's pin; None when the job pinned none) goes into every row this
-    run generates and into the accounting.
+    loaded, which the caller checked against the job's pin; None when the job pinned none; a LazyEngine brings its
+    own) goes into every row this run generates and into the accounting.
 
     Stopping: the engine polls `should_stop` (e.g. a StopSignal with install_sigterm_handler) and a StopSignal from
     the environment (notice file, notice URL, OUTPUT/_CANCEL; pipeline.preemption; watch_notices=False leaves the
@@ -94,8 +100,9 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
     `pinned`: the input file's (size, version) as the job pinned it; the rows are read from exactly that version.
 
     Raises ShardError when the input cannot be read and InputChanged when it is no longer the pinned version (both
-    after writing a failed-attempt record with the error), ShardInterrupted when stopped, and what the store raises
-    when a commit fails after retries (NoSpaceLeft for a full local disk).
+    after writing a failed-attempt record with the error), ShardInterrupted when stopped, what a LazyEngine's load
+    raises (nothing recorded: its caller records it), and what the store raises when a commit fails after retries
+    (NoSpaceLeft for a full local disk).
     """
     from engine.loop.engine_loop import EngineLoop
 
@@ -106,17 +113,61 @@ def run_shard(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, 
         if notice.check_now():  # cancelled or noticed before it started: claim nothing
             done = len(record.committed_rows())
             raise ShardInterrupted(done, max(0, shard.num_rows - done))
+        work = None if record.results_committed else _ShardWork.read(record, shard, prompt_column, cfg, pinned)
+        if isinstance(engine, LazyEngine):
+            if work is not None and work.requests.runnable:
+                runner, fingerprint = engine.load()
+                facts = EngineFacts.of(_engine_of(runner), fingerprint)
+            else:
+                runner, facts = None, engine.facts()
+        else:
+            runner, facts = engine, EngineFacts.of(_engine_of(engine), model_fingerprint)
         t0 = time.monotonic()
-        with DeviceClock(engine.idle if isinstance(engine, EngineLoop) else None) as clock:
+        clock = (NoDeviceClock() if runner is None
+                 else DeviceClock(runner.idle if isinstance(runner, EngineLoop) else None))
+        with clock:
             attempt = record.claim(cfg.heartbeat_seconds)
             try:
-                return _run_attempt(engine, shard, prompt_column, cfg, attempt, t0, clock, progress, notice,
-                                    should_stop, pinned, model_fingerprint)
+                return _run_attempt(runner, facts, work, shard, cfg, attempt, t0, clock, progress, notice,
+                                    should_stop)
             except ShardInterrupted:
                 raise
             except Exception as e:
                 attempt.fail(f"{type(e).__name__}: {e}", clock.close())
                 raise
+
+
+def _engine_of(runner: LLMEngine | EngineLoop) -> LLMEngine:
+    from engine.loop.engine_loop import EngineLoop
+
+    return runner.engine if isinstance(runner, EngineLoop) else runner
+
+
+@dataclass(frozen=True)
+class _ShardWork:
+    """A shard's rows, those of them left to generate (`todo`: their positions, in order; `pending`: those rows)
+    and their requests (indices into `todo`: pipeline.shard_requests.row_requests)."""
+
+    rows: ShardRows
+    todo: list[int]
+    pending: ShardRows
+    requests: RowRequests
+
+    @classmethod
+    def read(cls, record: ShardRecord, shard: Shard, prompt_column: str, cfg: RunConfig,
+             pinned: tuple[int, str] | None) -> _ShardWork:
+        """Read the shard's rows (read_shard) and its committed rows. A read that fails (ShardError, InputChanged)
+        is recorded as a failed attempt, then raised."""
+        try:
+            rows = read_shard(shard, prompt_column, cfg.id_column,
+                              messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
+        except (ShardError, InputChanged) as e:
+            record.record_failure(f"{type(e).__name__}: {e}")
+            raise
+        done = record.committed_rows()
+        todo = [k for k in range(len(rows.ids)) if k not in done]
+        pending = rows.take(todo)
+        return cls(rows, todo, pending, row_requests(pending, cfg))
 
 
 def _results(merged: pa.Table, shard: Shard) -> pa.Table:
@@ -127,37 +178,29 @@ def _results(merged: pa.Table, shard: Shard) -> pa.Table:
     return table.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
 
 
-def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: str, cfg: RunConfig, attempt: Attempt,
-                 t0: float, clock: DeviceClock, progress: ProgressFn | None, notice: StopSignal,
-                 should_stop: Callable[[], bool] | None, pinned: tuple[int, str] | None = None,
-                 model_fingerprint: str | None = None) -> dict[str, Any]:
-    from engine.loop.engine_loop import EngineLoop
-
-    loop = engine
-    engine = loop.engine if isinstance(loop, EngineLoop) else loop
+def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: _ShardWork | None, shard: Shard,
+                 cfg: RunConfig, attempt: Attempt, t0: float, clock: DeviceClock, progress: ProgressFn | None,
+                 notice: StopSignal, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
     record = attempt.record
     wall_s, generated_tokens = 0.0, 0
-    if record.results_committed:
+    if work is None:
         # An earlier attempt committed the results and died before the accounting: bill what is committed.
         results = record.results()
         kv = record.merged().column("kv_preemptions")
         rows_resumed = results.num_rows
     else:
-        rows = read_shard(shard, prompt_column, cfg.id_column,
-                          messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
-        done = record.committed_rows()
-        todo = [k for k in range(len(rows.ids)) if k not in done]
+        rows, todo = work.rows, work.todo
         rows_resumed = len(rows.ids) - len(todo)
-        ckpt = attempt.checkpointer(engine.model_name, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
-                                    started=t0, model_fingerprint=model_fingerprint)
+        ckpt = attempt.checkpointer(facts.model, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
+                                    started=t0, model_fingerprint=facts.model_fingerprint)
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())
 
         t_gen = time.perf_counter()
         with attempt.heartbeat(every_s=cfg.heartbeat_seconds, started=t0, last_sign=lambda: ckpt.last_commit):
-            outputs = generate_rows(loop, rows.take(todo), cfg, progress,
-                                    on_row=lambda j, out: ckpt.add(todo[j], out), should_stop=stop, clock=clock)
+            outputs = generate_rows(loop, work.pending, cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
+                                    should_stop=stop, clock=clock, requests=work.requests)
         wall_s = time.perf_counter() - t_gen
         generated_tokens = sum(completion_tokens(o) for o in outputs)
         aborted = sum(o.finish_reason == "abort" for o in outputs)
@@ -178,10 +221,9 @@ def _run_attempt(engine: LLMEngine | EngineLoop, shard: Shard, prompt_column: st
         shard_id=shard.shard_id, attempt=attempt.number, input_path=shard.url, row_start=shard.row_start,
         results=results, wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s,
         earlier=attempt.bill_earlier(cfg.checkpoint_seconds), rows_resumed=rows_resumed,
-        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=engine.device_name,
-        dtype=str(engine.dtype).removeprefix("torch."),
-        quantization=quantization_label(engine.config.quantization, getattr(engine, "quantization_loaded", None)),
-        model=engine.model_name, price_per_hour_usd=cfg.price_per_hour_usd, model_fingerprint=model_fingerprint)
+        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=facts.device, dtype=facts.dtype,
+        quantization=facts.quantization, model=facts.model, price_per_hour_usd=cfg.price_per_hour_usd,
+        model_fingerprint=facts.model_fingerprint)
     attempt.finish(row)
     return row
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine import RequestOutput, SamplingParams
@@ -29,27 +30,23 @@ def _row_seed(seed: int | None, row_key: str) -> int | None:
     return None if seed is None else (seed * 1_000_003 + zlib.crc32(row_key.encode())) % (1 << 31)
 
 
-def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfig, progress: ProgressFn | None = None,
-                  *, on_row: RowFn | None = None, should_stop: Callable[[], bool] | None = None,
-                  clock: DeviceClock | None = None) -> list[RequestOutput]:
-    """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
-    out-of-range per-row sampling values) become error outputs; the others run each with the job's sampling and its
-    own values put in (pipeline.row_options): submitted to `engine` when it is a resident engine loop
-    (engine.loop.engine_loop: other shards' rows may share its batch), else as one `LLMEngine.generate` call on an
-    engine this caller holds alone.
+@dataclass(frozen=True)
+class RowRequests:
+    """A shard's rows as requests, found before any engine: the error of each row that cannot run (null, empty, a
+    request error from the input, out-of-range per-row sampling values; indices into the rows), and the rows that
+    can, each with its SamplingParams (the job's, its own values put in). A row that is too long for the model is
+    found by the engine when it tokenizes it, so it is among `runnable` here."""
 
-    `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes,
-    in the calling thread (never on the engine's step thread): the checkpoint hook. `should_stop` is polled by the
-    loop before every step: once it returns True, this shard's unfinished rows come back with finish_reason "abort"
-    (and are not passed to `on_row` or `progress`); other shards' rows go on. When `on_row` or `progress` raises (a
-    checkpoint commit that failed after its retries), this shard's rows are stopped the same way, so the engine is
-    left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
-    it (engine.loop.clock.DeviceClock).
-    """
-    from engine.llm_engine import prompt_problem
-    from engine.loop.engine_loop import EngineLoop
+    errors: dict[int, str]
+    runnable: list[int]
+    params: list[SamplingParams]
 
-    outputs: dict[int, RequestOutput] = {}
+
+def row_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
+    """The requests of `rows` under the job's `cfg` (RowRequests): no engine, no tokenizer."""
+    from engine.text.prompts import prompt_problem
+
+    errors: dict[int, str] = {}
     runnable: list[int] = []
     params: list[SamplingParams] = []
     for k, prompt in enumerate(rows.prompts):
@@ -62,11 +59,42 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
             except ValueError as e:
                 problem = f"this row's own sampling values: {e}"
         if problem:
-            outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
-            if on_row:
-                on_row(k, outputs[k])
+            errors[k] = problem
         else:
             runnable.append(k)
+    return RowRequests(errors, runnable, params)
+
+
+def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
+                  progress: ProgressFn | None = None, *, on_row: RowFn | None = None,
+                  should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
+                  requests: RowRequests | None = None) -> list[RequestOutput]:
+    """One RequestOutput per row, in row order. Bad rows (null, empty, too long, a request error from the input,
+    out-of-range per-row sampling values) become error outputs; the others run each with the job's sampling and its
+    own values put in (pipeline.row_options): submitted to `engine` when it is a resident engine loop
+    (engine.loop.engine_loop: other shards' rows may share its batch), else as one `LLMEngine.generate` call on an
+    engine this caller holds alone. `requests`: row_requests(rows, cfg) when the caller has it already. `engine`
+    may be None when no row can run (every one an error row): nothing is generated.
+
+    `on_row(k, output)` is called once per finished row k (an index into `rows`), bad rows first, as it finishes,
+    in the calling thread (never on the engine's step thread): the checkpoint hook. `should_stop` is polled by the
+    loop before every step: once it returns True, this shard's unfinished rows come back with finish_reason "abort"
+    (and are not passed to `on_row` or `progress`); other shards' rows go on. When `on_row` or `progress` raises (a
+    checkpoint commit that failed after its retries), this shard's rows are stopped the same way, so the engine is
+    left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
+    it (engine.loop.clock.DeviceClock). Raises ValueError when `engine` is None and a row can run.
+    """
+    from engine.loop.engine_loop import EngineLoop
+
+    requests = requests or row_requests(rows, cfg)
+    runnable, params = requests.runnable, requests.params
+    if engine is None and runnable:
+        raise ValueError(f"{len(runnable)} rows can run but no engine was given")
+    outputs: dict[int, RequestOutput] = {}
+    for k, problem in requests.errors.items():
+        outputs[k] = RequestOutput(rows.ids[k], [], [], "", "error", error=problem)
+        if on_row:
+            on_row(k, outputs[k])
     if progress and outputs:
         progress(len(outputs), 0)
 
@@ -78,11 +106,13 @@ def generate_rows(engine: LLMEngine | EngineLoop, rows: ShardRows, cfg: RunConfi
             progress(1, completion_tokens(out))
 
     prompts, ids = [rows.prompts[k] for k in runnable], [str(k) for k in runnable]
-    if isinstance(engine, EngineLoop):
+    if not runnable:
+        generated: list[RequestOutput] = []
+    elif isinstance(engine, EngineLoop):
         generated = engine.submit(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
                                   allow_special_tokens=cfg.allow_special_tokens, should_stop=should_stop,
                                   clock=clock).run(lambda j, out: on_output(runnable[j], out))
-    else:
+    elif engine is not None:  # None with rows to run was refused above
         # An exception in on_output (a failed checkpoint commit) stops the engine, which drops the rest of the batch.
         generated = engine.generate(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
                                     allow_special_tokens=cfg.allow_special_tokens,

@@ -45,7 +45,8 @@ _ROW_FIELDS = [
     pa.field("model", pa.string(), nullable=False, metadata={"doc": "model file name"}),
     pa.field("model_fingerprint", pa.string(), metadata={
         "doc": "sha256:<hex> of the model's files (sizes and hashes or ETags; pipeline.model_pin) that the engine "
-               "which generated the row had loaded; null for rows of a job started before models were pinned"}),
+               "which generated the row had loaded (the job's pinned model for the error rows of a shard with no "
+               "row to run, which loads no engine); null for rows of a job started before models were pinned"}),
     pa.field("logprobs", LOGPROBS_TYPE, metadata={"doc": _LOGPROBS_DOC}),
     pa.field("valid", pa.bool_(), metadata={"doc": _VALID_DOC}),
     pa.field("samples", SAMPLES_TYPE, metadata={
@@ -97,7 +98,8 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("device_s", pa.float64(), nullable=False,
              metadata={"doc": "device-seconds of this attempt, from claiming it to committing the results: its share "
                               "of the engine's steps (by tokens computed, where shards shared the engine) plus the "
-                              "time the engine ran no step; see pipeline.accounting"}),
+                              "time the engine ran no step; 0 for an attempt with no row to run (every row an error "
+                              "row found before any engine): it loads no engine; see pipeline.accounting"}),
     pa.field("device_s_lost", pa.float64(), nullable=False,
              metadata={"doc": "device-seconds of earlier attempts after their last commit (work no commit kept); "
                               "an estimate, see pipeline.accounting"}),

@@ -125,6 +125,13 @@ def check_model_url(url: str) -> None:
     _head(fs, f"{root}/{configs[0]}", 1)
 
 
+def url_model_name(url: str) -> str:
+    """The base name of the model at `url` (its last path segment; "model" for a bucket's root): the name of its
+    local copy (fetch_model), hence the engine's model name, known without listing or copying anything."""
+    _, root = fsspec.core.url_to_fs(url)
+    return posixpath.basename(root.rstrip("/")) or "model"
+
+
 def fetch_model(url: str) -> str:
     """Local path of the model at `url` (a GGUF file or a model folder), copied once per machine into
     `cache_root()/models/<model_cache_key>/<name>` (module docstring: atomic, locked, resumed after a kill).
@@ -136,7 +143,7 @@ def fetch_model(url: str) -> str:
 
     fs, root, is_folder, objects = list_model_objects(url)
     key = model_cache_key(url, objects)
-    name = posixpath.basename(root) or "model"
+    name = url_model_name(url)
     models = cache_root() / MODELS_DIR
     target = models / key / name
     if target.exists():

@@ -12,6 +12,7 @@ import torch
 from engine.config import ModelConfig
 from engine.loading.hf_folder import hf_quant_format
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
+from engine.loading.model_files import is_url, url_model_name
 from engine.model.decoder import LlamaModel
 from engine.text.tokenizer import Tokenizer
 
@@ -35,7 +36,7 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     int4_group_size; engine.loading.quantized's modes). Raises FileNotFoundError (no such model), ValueError
     (unsupported architecture, bad mode, broken file)."""
     path = resolve_model_path(model)
-    name = os.path.basename(os.path.normpath(path))
+    name = _path_name(path)
     if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
         cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
         return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name)
@@ -47,3 +48,17 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded)
     cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
     return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name)
+
+
+def _path_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))
+
+
+def model_name(model: str | None) -> str:
+    """The name `open_model` (hence LLMEngine.model_name) gives `model`, found without loading or copying it: a URL's
+    last path segment, a local file's or folder's base name, a hub id's snapshot folder (or its one GGUF) in the
+    local cache, the default model's file name. Raises FileNotFoundError as resolve_model_path does (a local path
+    or hub id that is not there)."""
+    if model is not None and is_url(model):
+        return url_model_name(model)
+    return _path_name(resolve_model_path(model))

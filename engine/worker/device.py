@@ -43,6 +43,11 @@ def resolve_device(device: str) -> torch.device:
     return d
 
 
+def device_name(device: torch.device) -> str:
+    """What accounting calls `device`: "cpu", or the CUDA device's name (e.g. "NVIDIA H100 80GB HBM3")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16: Intel Sapphire Rapids and later, AMD
     Zen 4 and later), so oneDNN's bf16 GEMMs run at 2-4x the fp32 rate; elsewhere bf16 is emulated and slower."""

@@ -88,7 +88,9 @@ def test_a_closing_workers_teardown_aborts_and_joins_the_engine_loop(tiny_model:
     for status, reason, max_tokens in ((Status.closing, "abort", 4000), (Status.running, "length", 6)):
         plugin = EnginePlugin(tiny_model, EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
         plugin.setup(worker=None)
+        assert plugin.loads == 0  # nothing loads until a shard has a row to run (jobs.task, pipeline.shard)
         loop = plugin.loop()
+        assert plugin.get() is loop.engine and plugin.loads == 1  # loaded once, then resident
         sub = loop.submit(gsm8k_questions[:4], SamplingParams(max_tokens=max_tokens))
         deadline = time.monotonic() + 60
         while loop.engine.step_stats.num_steps < 2 and time.monotonic() < deadline:

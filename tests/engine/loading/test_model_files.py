@@ -28,6 +28,7 @@ from engine.loading.model_files import (
     model_cache_key,
     resolve_model_path,
 )
+from engine.loading.open_model import model_name
 from engine.text.tokenizer import _gguf_tokenizer_cache
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,6 +68,9 @@ def test_model_folder_at_s3_url_loads_once_and_generates_as_local(
     prompts = gsm8k_questions[:2]
     assert _greedy(engine, prompts) == _greedy(tiny_engine, prompts)
     assert engine.model_name == "tiny"  # the copy keeps the URL's name (the accounting's `model`)
+    # ... which a shard with no row to run names without loading or copying anything (pipeline.shard_engine)
+    assert model_name(url) == model_name(url.rstrip("/") + "/") == "tiny"
+    assert model_name(tiny_model.rstrip("/") + "/") == tiny_engine.model_name
     weights = f"{s3.bucket}/models/tiny/model.safetensors"
     assert counter.gets[weights] == 1
     path = resolve_model_path(url)  # a second load on this machine lists the folder and copies nothing
