@@ -98,6 +98,12 @@ def grouped_gemm_ops(x: torch.Tensor) -> ModuleType | None:
     return triton_moe_ops()
 
 
+def experts_capturable(dtype: torch.dtype) -> bool:
+    """Whether a MoE step with CUDA activations of `dtype` can be captured in a CUDA graph: the grouped-GEMM path
+    serves it (no host sync; grouped_gemm_ops). Else the per-expert loop reads its row counts on the host."""
+    return dtype in TRITON_MOE_DTYPES and triton_moe_ops() is not None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, down(silu(gate(x)) * up(x)), their weights stacked (ExpertWeights); after `fuse()` gate and
     up are one gate_up_proj [E, 2I, hidden].

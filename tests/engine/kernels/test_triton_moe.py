@@ -1,5 +1,5 @@
 """The Triton grouped-GEMM MoE experts (engine.kernels.triton_moe) vs the per-expert torch path they replace on CUDA
-(engine.layers.moe.GroupedExperts on the CPU).
+(engine.layers.moe.GroupedExperts on the CPU), and on CUDA a MoE engine with them and CUDA graphs against the loop.
 
 Without a CUDA device the kernel runs in Triton's interpreter on CPU tensors; TRITON_INTERPRET=1 is set at module
 import, before triton decorates the kernel (as test_triton_fused.py does). Shapes stay tiny and odd (hidden and
@@ -30,7 +30,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 HIDDEN, INTER, EXPERTS, TOP_K = 24, 20, 6, 2
 UNUSED = 4  # the expert no token is routed to
-SMALL = Blocks(m=4, n=16, k=16, warps=1, stages=1)
+SMALL = Blocks(m=4, n=16, k=16, warps=1, stages=1) if INTERPRET else Blocks(m=16, n=16, k=16, warps=1, stages=1)
+# (compiled tl.dot needs blocks of 16 or more)
 
 
 @pytest.fixture(autouse=True)
@@ -129,6 +130,38 @@ def test_grouped_gemm_ops_serve_cuda_activations_only() -> None:
         with torch.no_grad():
             assert grouped_gemm_ops(torch.zeros(2, 4, device="cuda", dtype=torch.bfloat16)) is triton_moe
         assert grouped_gemm_ops(torch.zeros(2, 4, device="cuda")) is None  # autograd on
+
+
+@pytest.mark.gpu
+def test_moe_engine_greedy_is_token_identical_to_the_torch_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen3-MoE shape (random weights, 8 experts, top-2) on CUDA in fp32: greedy output with the grouped
+    GEMMs and CUDA graphs equals the per-expert torch loop's without graphs (TOKENMILL_TRITON_MOE=0), token for
+    token."""
+    import dataclasses
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.loading.presets import preset_config
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 is set: the engine on CUDA needs compiled kernels")
+    cfg = dataclasses.replace(preset_config("tiny-smollm2"), architecture="qwen3_moe", qk_norm=True, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=48, router="softmax_topk",
+                              norm_topk_prob=True)
+    prompts = [[(7 * i + 3 * j) % 4000 + 10 for j in range(5 + 3 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outputs = {}
+    try:
+        for switch in ("0", "1"):
+            monkeypatch.setenv("TOKENMILL_TRITON_MOE", switch)
+            triton_moe.triton_moe_ops.cache_clear()
+            eng = LLMEngine.from_config(cfg, EngineConfig(device="cuda", dtype="float32", max_num_seqs=16))
+            outputs[switch] = [o.output_token_ids for o in eng.generate(prompts, params)]
+            assert (eng.runner.graphs is not None) == (switch == "1")
+            del eng
+    finally:
+        triton_moe.triton_moe_ops.cache_clear()
+    assert outputs["1"] == outputs["0"]
+    assert len({tuple(o) for o in outputs["1"]}) > 1
 
 
 # Compiles the kernel for sm_90 in a fresh process (no TRITON_INTERPRET), as test_triton_fused.py does: the
