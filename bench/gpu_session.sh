@@ -21,7 +21,7 @@
 # PRESET picks the throughput step's model shape (engine.loading.presets: llama-3.1-8b (default), qwen2.5-7b,
 # mistral-7b-v0.3, qwen3-8b), e.g. run(command="PRESET=qwen3-8b STEPS=throughput bash bench/gpu_session.sh", ...).
 # THROUGHPUT_ARGS replaces the throughput step's '--workload both' (e.g. '--workload w1 --skip-hf': ours alone).
-# STEPS (default: all but big_gptq) picks the steps; STEPS=big_gptq writes and runs the synthetic 70B GPTQ
+# STEPS (default: all but big_gptq and moe_loop) picks the steps; STEPS=big_gptq writes and runs the synthetic 70B GPTQ
 # checkpoint (bench/big_checkpoint.py: about 1 minute to write 39 GB; the load and w1 not timed yet). Each step has its own time limit so one slow step cannot eat the others;
 # the table prints last.
 set -uo pipefail
@@ -45,7 +45,7 @@ then  # put the default model back together, and check it is the file bench/gpu_
     fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-STEPS=${STEPS:-gpu_tests kernels fused throughput throughput_sync int4_tests int4_sweep int4_engine profile profile_sync profile_unfused profile_int4}
+STEPS=${STEPS:-gpu_tests kernels fused throughput throughput_sync int4_tests int4_sweep int4_engine profile profile_sync profile_unfused profile_int4 moe}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -58,7 +58,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 }
 
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_gpu.py \
-    tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py --durations=10
+    tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py \
+    tests/engine/kernels/test_triton_moe.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/quant/test_int4.py \
     tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py \
     tests/engine/quant/test_gemlite_tuning.py --durations=10
@@ -85,6 +86,15 @@ from engine import EngineConfig; c = EngineConfig(device=\"cuda\", quantization=
 print(model_fit(\"$d\", c, model_context(\"$d\")).line())"
     python3 -m bench.throughput --device cuda --model "$d" --quantization auto --workload w1 --skip-hf \
         --max-model-len 4096 ${BIG_ARGS:-} || { echo "big_gptq: $s did not load or run here (see above)"; exit 2; }'
+# Issue 43/44's MoE step: w1 (ours alone) on the Qwen3-30B-A3B shape (random bf16 weights, 61 GB: 128 experts, 8
+# active, ~3.3B active parameters), the experts as Triton grouped GEMMs (engine.kernels.triton_moe) with CUDA graphs,
+# beside the dense Llama-3.1-8B w1 of the same step; moe_loop is its before (TOKENMILL_TRITON_MOE=0: the per-expert
+# torch loop, no CUDA graphs). Needs the joined GGUF (its tokenizer counts the prompts): after call 2, e.g.
+#   4. run(command="STEPS='moe moe_loop' bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=540)
+step moe 330 bash -c 'python3 -m bench.throughput --device cuda --workload w1 --skip-hf --preset llama-3.1-8b &&
+    python3 -m bench.throughput --device cuda --workload w1 --skip-hf --preset qwen3-30b-a3b'
+step moe_loop 200 env TOKENMILL_TRITON_MOE=0 python3 -m bench.throughput --device cuda --workload w1 --skip-hf \
+    --preset qwen3-30b-a3b
 # GemLite's configs as tuned at engine load on this GPU (engine.quant.gemlite_int4), to read or carry later
 GEMLITE_CACHE=$(python3 -c "from engine.text.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
 [ -n "$GEMLITE_CACHE" ] && [ -d "$GEMLITE_CACHE" ] && cp -r "$GEMLITE_CACHE" "$OUT/"

@@ -14,6 +14,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.core.step_stats import StepStats
 from engine.layers.attention import paged_attention_ref
+from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
@@ -95,10 +96,10 @@ class LLMEngine:
                 raise ValueError(SOFTCAP_UNSUPPORTED)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
-                                  # a MoE step reads its experts' row counts on the host (engine.layers.moe):
-                                  # not capturable in a CUDA graph
+                                  # a MoE step is capturable on the grouped-GEMM path only (the torch loop
+                                  # reads its experts' row counts on the host; engine.layers.moe)
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
-                                               and not model_config.num_experts
+                                               and (not model_config.num_experts or experts_capturable(dtype))
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))

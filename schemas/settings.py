@@ -17,6 +17,7 @@ WEIGHTS_CACHE = "TOKENMILL_WEIGHTS_CACHE"  # 0: never cache a GGUF's dequantized
 CACHE_DIR = "TOKENMILL_CACHE_DIR"  # tokenmill's cache folder (engine.text.tokenizer.cache_root)
 CPU_KERNELS = "TOKENMILL_CPU_KERNELS"  # 0: no C++ CPU kernels (engine.kernels.cpu_kernels)
 TRITON_FUSED = "TOKENMILL_TRITON_FUSED"  # 0: no fused Triton kernels (engine.kernels.triton_fused)
+TRITON_MOE = "TOKENMILL_TRITON_MOE"  # 0: MoE experts on CUDA run the torch loop (engine.kernels.triton_moe)
 GGUF_KERNEL = "TOKENMILL_GGUF_KERNEL"  # 0: no small-batch GGUF block kernel (engine.quant.packed_linear)
 # pipeline
 SPOT_NOTICE_FILE = "TOKENMILL_SPOT_NOTICE_FILE"  # a file whose appearance is a spot notice (pipeline.preemption)

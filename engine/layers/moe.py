@@ -18,7 +18,9 @@ outputs (index_add_), expert after expert in increasing order: each token's sum 
 in HF transformers' order, so fp32 sums round alike. Every block is small (an expert's rows), so the gathers, weights
 and adds run in cache, not over the whole step's T * k rows. On the CPU each expert's GEMMs run on oneDNN-packed
 weights once engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
-matmuls on the stacked weights.
+matmuls on the stacked weights. On CUDA (fp32/fp16/bf16, autograd off, Triton installed) the stacked experts run as
+two grouped-GEMM launches instead (engine.kernels.triton_moe.fused_experts): no per-expert loop and no host sync, so
+a MoE decode step can be captured in a CUDA graph (`grouped_gemm_ops`).
 
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
@@ -28,12 +30,15 @@ mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
+from engine.kernels.triton_moe import triton_moe_ops
 from engine.layers.rms_norm import fused_ops
 
 
@@ -83,6 +88,20 @@ class ExpertWeights(nn.Module):
 
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def grouped_gemm_ops(x: torch.Tensor) -> ModuleType | None:
+    """engine.kernels.triton_moe when its grouped GEMMs can serve activation `x`: a CUDA tensor of fp32/fp16/bf16
+    with autograd off, and Triton available (triton_moe_ops). None otherwise: the per-expert torch loop runs."""
+    if x.device.type != "cuda" or x.dtype not in TRITON_MOE_DTYPES or torch.is_grad_enabled():
+        return None
+    return triton_moe_ops()
+
+
+def experts_capturable(dtype: torch.dtype) -> bool:
+    """Whether a MoE step with CUDA activations of `dtype` can be captured in a CUDA graph: the grouped-GEMM path
+    serves it (no host sync; grouped_gemm_ops). Else the per-expert loop reads its row counts on the host."""
+    return dtype in TRITON_MOE_DTYPES and triton_moe_ops() is not None
 
 
 class GroupedExperts(nn.Module):
@@ -151,6 +170,10 @@ class GroupedExperts(nn.Module):
         return down_fn(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ops = grouped_gemm_ops(x) if self.gemms is None else None
+        if ops is not None:
+            gate_up, down = self.stacked()
+            return ops.fused_experts(x, gate_up, down, ids, weights)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) rows grouped by expert, token order kept
