@@ -42,7 +42,8 @@ def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
 
-def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, gsm8k_questions: list[str]) -> None:
+def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, gsm8k_questions: list[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = gsm8k_questions[:5], gsm8k_questions[5:10]
     alone_a = loop.engine.generate(a, PARAMS)
     alone_b = loop.engine.generate(b, PARAMS)
@@ -50,9 +51,24 @@ def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, 
     seen: dict[str, list[tuple[int, str, str]]] = {"a": [], "b": []}
     results: dict[str, list[RequestOutput]] = {}
 
+    # The loop steps only once both submissions are queued: on a busy machine the first could otherwise finish
+    # before the second thread submits, and no step would hold rows of both (the test makes its own timing).
+    both_in, submitted, lock = threading.Event(), [0], threading.Lock()
+    real_step = loop.engine.step
+
+    def gated_step() -> list:
+        both_in.wait(timeout=120)
+        return real_step()
+
+    monkeypatch.setattr(loop.engine, "step", gated_step)
+
     def submitter(name: str, prompts: list[str]) -> None:
         # Both use ids "0".."4": ids need only be unique within a submission.
         sub = loop.submit(prompts, PARAMS, clock=clocks[name])
+        with lock:
+            submitted[0] += 1
+            if submitted[0] == 2:
+                both_in.set()
         results[name] = sub.run(lambda i, out: seen[name].append((i, out.request_id, threading.current_thread().name)))
 
     clocks = {"a": loop.clock(), "b": loop.clock()}
