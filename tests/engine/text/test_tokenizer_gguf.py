@@ -106,7 +106,7 @@ def _write_gguf(path: Path, arch: str = "llama", name: str = "SmolLM2", tokenize
     return str(path)
 
 
-@pytest.mark.parametrize("arch,name,beside", [("gemma3", "Gemma 3", None), ("llama", "Mistral-7B-Instruct", None),
+@pytest.mark.parametrize("arch,name,beside", [("gemma", "Gemma", None), ("llama", "Mistral-7B-Instruct", None),
                                               ("llama", "SmolLM2", "tokenizer_config.json")])
 def test_files_auto_tokenizer_treats_otherwise_take_its_path(arch: str, name: str, beside: str | None,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
