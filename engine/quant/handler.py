@@ -61,14 +61,25 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
             (v.dequantize(dtype) if isinstance(v, Int4Weight) else v) for k, v in state.items()}
 
 
+def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
+    """(numel, INT4 group size or None) of each weight build_model makes of `state` (a tied LM head left out; INT4
+    ones at their padded width), as engine.worker.memory_fit.weight_bytes takes them."""
+    tied = {LM_HEAD, f"{LM_HEAD}.weight"} if cfg.tie_word_embeddings else set()
+    return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
+            (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
+            for name, w in state.items() if name not in tied]
+
+
 def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, dequant_min_rows: int | None | str = "auto") -> LlamaModel:
+                max_positions: int | None = None, dequant_min_rows: int | None | str = "auto", *,
+                int4_layout: str = "dual") -> LlamaModel:
     """A LlamaModel on `device` from a (possibly partly) quantized state dict.
 
     Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
     replace their nn.Linear / nn.Embedding, plain tensors are cast to
     `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
-    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter.
+    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. int4_layout:
+    the Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear).
     Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
     """
     with torch.device("meta"):
@@ -96,7 +107,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         elif isinstance(old, nn.Embedding):
             new = Int4Embedding(w, dtype, device)
         else:
-            new = Int4Linear(w, dtype, device, dequant_min_rows)
+            new = Int4Linear(w, dtype, device, dequant_min_rows, layout=int4_layout)
         set_module(model, name, new)
         del state[name]
     fill_model(model, state, dtype, device)
