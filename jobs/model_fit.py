@@ -42,6 +42,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     from engine.quant.state import is_linear_weight
 
     entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear weight, INT4 group as stored)
+    tied_head: list[tuple[int, int | None]] = []  # an INT4 embedding's tied LM head: an Int4Linear of its own
     if os.path.isdir(path):
         if is_hf_folder(path):
             from engine.loading.hf_quantized import read_quant_format
@@ -65,6 +66,8 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
             int4 = group is not None and (linear if int4_modules is None else name.removesuffix(".weight")
                                           in int4_modules)
             entries.append((numel, linear, group if int4 else None))
+            if int4 and cfg.tie_word_embeddings and name == "embed_tokens.weight":
+                tied_head.append((numel, group))
     else:
         infos = gguf_tensor_infos(path) or []
         hidden = next((n for name, n, _ in infos if name == "output_norm.weight"), 1)
@@ -77,7 +80,8 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     def held(mode: str) -> list[tuple[int, int | None]]:
         if mode in ("none", "int8"):
             return [(n, None) for n, _, _ in entries]
-        return [(n, stored or (group_size if mode == "int4" and linear else None)) for n, linear, stored in entries]
+        return [(n, stored or (group_size if mode == "int4" and linear else None))
+                for n, linear, stored in entries] + tied_head
 
     return held(quantization), vocab, None if quantization == "int4" else held("int4")
 

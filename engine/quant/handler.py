@@ -62,12 +62,24 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
 
 
 def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
-    """(numel, INT4 group size or None) of each weight build_model makes of `state` (a tied LM head left out; INT4
-    ones at their padded width), as engine.worker.memory_fit.weight_bytes takes them."""
-    tied = {LM_HEAD, f"{LM_HEAD}.weight"} if cfg.tie_word_embeddings else set()
+    """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
+    width, as engine.worker.memory_fit.weight_bytes takes them: a tied LM head left out (it shares the embedding's
+    parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed copies)."""
     return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
             (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
-            for name, w in state.items() if name not in tied]
+            for w in _tied(cfg, state).values()]
+
+
+def _tied(cfg: ModelConfig, state: QuantizedState) -> QuantizedState:
+    """A copy of `state` as build_model fills the model: for tied embeddings, no LM head of its own, except an INT4
+    embedding's (the same Int4Weight under LM_HEAD)."""
+    state = dict(state)
+    if cfg.tie_word_embeddings:
+        state.pop(f"{LM_HEAD}.weight", None)
+        state.pop(LM_HEAD, None)
+        if isinstance(state.get(EMBEDDING), Int4Weight):
+            state[LM_HEAD] = state[EMBEDDING]
+    return state
 
 
 def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, device: torch.device,
@@ -84,12 +96,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
     """
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-    state = dict(state)
-    if cfg.tie_word_embeddings:
-        state.pop(f"{LM_HEAD}.weight", None)
-        state.pop(LM_HEAD, None)
-        if isinstance(state.get(EMBEDDING), Int4Weight):
-            state[LM_HEAD] = state[EMBEDDING]
+    state = _tied(cfg, state)
     for name, w in list(state.items()):
         if not isinstance(w, Int4Weight | Int8Weight):
             continue
