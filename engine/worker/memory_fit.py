@@ -177,6 +177,6 @@ class MemoryFit:
                 f"({self.sequence_bytes / GIB:.3f} GiB per sequence), leaving {self.kv_pool_bytes / GIB:.2f} GiB "
                 f"({self.pool_tokens:,} tokens). Ways out: {'; '.join(ways)}")
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, int | str | None]:
         """JSON-ready numbers, with pool_tokens and sequences."""
         return {**asdict(self), "pool_tokens": self.pool_tokens, "sequences": self.sequences}
