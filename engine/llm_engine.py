@@ -20,6 +20,7 @@ from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
 from engine.output_builder import OutputBuilder, SampleGroups
 from engine.outputs import RequestOutput
+from engine.quant.int4_linear import release_int4_sources
 from engine.quant.packed_linear import pack_linears
 from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
 from engine.sample.logits_processors import LogitsProcessors
@@ -28,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.text.prompts import Prompt, prompt_problem
 from engine.text.tokenizer import Tokenizer
 from engine.worker.device import cpu_has_native_bf16, device_name, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.memory_fit import int4_layout_chooser
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class LLMEngine:
         self.quantization_loaded = quantization_loaded
         log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
+        release_int4_sources(model)  # INT4 portable weights: kept for the fusion only
         if device.type == "cpu":
             pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
         else:
@@ -134,8 +137,9 @@ class LLMEngine:
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        opened = open_model(model, dtype, device, quantization=config.quantization,
-                            group_size=config.int4_group_size, max_positions=config.max_model_len)
+        opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
+                            group_size=config.int4_group_size, max_positions=config.max_model_len,
+                            int4_layout=int4_layout_chooser(config, device, dtype))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
                    opened.quantization_loaded)
 

@@ -18,6 +18,7 @@ from engine.worker.device import CPU_KV_MEMORY_SHARE
 from engine.worker.memory_fit import (
     GIB,
     MemoryFit,
+    choose_int4_layout,
     cuda_kv_budget_bytes,
     kv_bytes_per_token,
     model_tensors,
@@ -41,6 +42,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     from engine.quant.state import is_linear_weight
 
     entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear weight, INT4 group as stored)
+    tied_head: list[tuple[int, int | None]] = []  # an INT4 embedding's tied LM head: an Int4Linear of its own
     if os.path.isdir(path):
         if is_hf_folder(path):
             from engine.loading.hf_quantized import read_quant_format
@@ -64,6 +66,8 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
             int4 = group is not None and (linear if int4_modules is None else name.removesuffix(".weight")
                                           in int4_modules)
             entries.append((numel, linear, group if int4 else None))
+            if int4 and cfg.tie_word_embeddings and name == "embed_tokens.weight":
+                tied_head.append((numel, group))
     else:
         infos = gguf_tensor_infos(path) or []
         hidden = next((n for name, n, _ in infos if name == "output_norm.weight"), 1)
@@ -76,7 +80,8 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     def held(mode: str) -> list[tuple[int, int | None]]:
         if mode in ("none", "int8"):
             return [(n, None) for n, _, _ in entries]
-        return [(n, stored or (group_size if mode == "int4" and linear else None)) for n, linear, stored in entries]
+        return [(n, stored or (group_size if mode == "int4" and linear else None))
+                for n, linear, stored in entries] + tied_head
 
     return held(quantization), vocab, None if quantization == "int4" else held("int4")
 
@@ -108,22 +113,27 @@ def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> Memory
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tensors, vocab, _ = _weights(model, config.quantization, config.int4_group_size)
-    model_bytes = weight_bytes(tensors, dtype, device.type)
     per_token = kv_bytes_per_token(shape["layers"], shape["kv_heads"], shape["head_dim"], dtype)
     max_len = min(config.max_model_len or shape["context"], shape["context"])
+    layout = None
     if device.type == "cuda":
         free, total, name = _cuda_memory(device.index or 0)
+        if any(group is not None for _, group in tensors):  # the engine's own choice, from the same numbers
+            layout = choose_int4_layout(tensors, dtype, total, free, config, vocab, per_token * config.block_size,
+                                        max_len)
+        model_bytes = weight_bytes(tensors, dtype, device.type, layout or "dual")
         memory = int(total * config.gpu_memory_utilization) - (total - free)
         pool = cuda_kv_budget_bytes(total, free, config, vocab, per_token * config.block_size, model_bytes)
         where = f"{device} ({name}, {total / GIB:.1f} GiB, gpu_memory_utilization {config.gpu_memory_utilization})"
     else:
+        model_bytes = weight_bytes(tensors, dtype, device.type)
         memory = memory_available_bytes()
         pool = config.kv_cache_memory_bytes if config.kv_cache_memory_bytes is not None else int(
             CPU_KV_MEMORY_SHARE * (memory - model_bytes))
         if model_bytes > memory:
             pool = min(pool, memory - model_bytes)
         where = "cpu"
-    return MemoryFit(where, memory, model_bytes, per_token, pool, max_len, config.block_size)
+    return MemoryFit(where, memory, model_bytes, per_token, pool, max_len, config.block_size, layout)
 
 
 def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | None) -> MemoryFit | None:
@@ -139,7 +149,9 @@ def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | N
     from engine.worker.device import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
-    int4_bytes = None if int4 is None else weight_bytes(int4, resolve_dtype(config.dtype, device), device.type)
+    # the ways out name INT4's smallest bytes: one packed copy (the layout the engine picks where two do not fit)
+    int4_bytes = None if int4 is None else weight_bytes(int4, resolve_dtype(config.dtype, device), device.type,
+                                                        "single")
     name = "the default model (SmolLM2-135M-Instruct)" if model is None else f"--model {os.path.basename(path)}"
     if (line := fit.refusal(name, int4_bytes)) is not None:
         raise JobError(line)

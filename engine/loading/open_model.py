@@ -5,6 +5,7 @@ LLMEngine.from_model loads its weights and tokenizer with."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,11 +31,12 @@ class OpenedModel(NamedTuple):
 
 
 def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
-               group_size: int = 128, max_positions: int | None = None) -> OpenedModel:
+               group_size: int = 128, max_positions: int | None = None,
+               int4_layout: str | Callable[[ModelConfig, list[tuple[int, int | None]]], str] = "dual") -> OpenedModel:
     """Load `model` (a GGUF path or fsspec URL, a Hugging Face model folder, a tokenmill folder; None = the default
     SmolLM2-135M-Instruct Q4_1) onto `device` in `dtype` with the given quantization (EngineConfig.quantization,
-    int4_group_size; engine.loading.quantized's modes). Raises FileNotFoundError (no such model), ValueError
-    (unsupported architecture, bad mode, broken file)."""
+    int4_group_size; engine.loading.quantized's modes; int4_layout: as engine.loading.quantized.load_model).
+    Raises FileNotFoundError (no such model), ValueError (unsupported architecture, bad mode, broken file)."""
     path = resolve_model_path(model)
     name = _path_name(path)
     if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
@@ -44,7 +46,7 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         from engine.loading.quantized import load_model
 
         loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
-                            max_positions=max_positions)
+                            max_positions=max_positions, int4_layout=int4_layout)
         return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded)
     cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
     return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name)

@@ -40,7 +40,7 @@ from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
 from engine.loading.tokenmill_folder import is_model_folder, read_folder, read_folder_config, save_folder
 from engine.model.decoder import LlamaModel
-from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict
+from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict, held_tensors
 from engine.quant.qparams import Int4Weight
 from engine.quant.quantize import quantize_weights
 from engine.quant.state import LM_HEAD, QuantizedState
@@ -64,13 +64,15 @@ def check_experts_quantization(cfg: ModelConfig, quantization: str) -> None:
 @dataclass
 class LoadedModel:
     """A filled model with its shape, tokenizer, the count of INT4 modules (0 = plain) and, for an already quantized
-    HF folder, the one-line account of how its layers were loaded (QuantReport.summary(); None for other models)."""
+    HF folder, the one-line account of how its layers were loaded (QuantReport.summary(); None for other models),
+    and the INT4 modules' layout on CUDA ("dual" or "single"; None without INT4 modules)."""
 
     config: ModelConfig
     model: LlamaModel
     tokenizer: Tokenizer
     num_int4_modules: int
     quantization_loaded: str | None = None
+    int4_layout: str | None = None
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -177,12 +179,15 @@ def stored_kernels(device: torch.device) -> KeepStored:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
                group_size: int = 128, max_positions: int | None = None,
-               dequant_min_rows: int | None | str = "auto") -> LoadedModel:
+               dequant_min_rows: int | None | str = "auto",
+               int4_layout: str | Callable[[ModelConfig, list[tuple[int, int | None]]], str] = "dual") -> LoadedModel:
     """Load a GGUF file / URL, a tokenmill folder, an HF folder (quantized or not), or None (the default SmolLM2
     model) onto `device`.
 
-    dtype: compute dtype of activations and plain weights. Raises FileNotFoundError (no such model) and ValueError
-    (bad mode, unsupported architecture, broken file, a quantized folder asked to be quantized again).
+    dtype: compute dtype of activations and plain weights. int4_layout: the INT4 modules' layout on CUDA ("dual" or
+    "single"), or a function of the model's shape and weights (numel, INT4 group or None) that picks it
+    (engine.worker.memory_fit.int4_layout_chooser). Raises FileNotFoundError (no such model) and ValueError (bad
+    mode, unsupported architecture, broken file, a quantized folder asked to be quantized again).
     """
     path = resolve_model_path(model)
     if os.path.isdir(path) and not is_model_folder(path) and not is_hf_folder(path):
@@ -193,7 +198,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
                          "'auto' or 'int4'")
     cfg, state, loaded = read_model_state(path, quantization, group_size, plain_dtype=dtype, device=device)
     n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
-    llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows)
+    layout = None
+    if n_int4:  # the INT4 modules' layout: given, or chosen for this model (engine.worker.memory_fit)
+        layout = int4_layout if isinstance(int4_layout, str) else int4_layout(cfg, held_tensors(cfg, state))
+        if device.type == "cuda":
+            log.info("INT4 layout %s: %s packed copies of each INT4 weight on %s", layout,
+                     "two (tinygemm for small batches beside GemLite)" if layout == "dual" else "one (GemLite)", device)
+    llama = build_model(cfg, state, dtype, device, max_positions, dequant_min_rows, int4_layout=layout or "dual")
     tokenizer = Tokenizer.from_model_path(path)
     if quantization == "int8" and loaded is None:  # a W8A8 folder's INT8 layers are its stored ones
         from engine.quant.int8_linear import quantize_model_int8
@@ -203,7 +214,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         calibration = torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device)
         smooth_model(llama, calibration)
         quantize_model_int8(llama)
-    return LoadedModel(cfg, llama, tokenizer, n_int4, loaded)
+    return LoadedModel(cfg, llama, tokenizer, n_int4, loaded, layout)
 
 
 QUANTIZE_METHODS = ("rtn", "gptq")

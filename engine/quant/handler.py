@@ -61,24 +61,42 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
             (v.dequantize(dtype) if isinstance(v, Int4Weight) else v) for k, v in state.items()}
 
 
-def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, dequant_min_rows: int | None | str = "auto") -> LlamaModel:
-    """A LlamaModel on `device` from a (possibly partly) quantized state dict.
+def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
+    """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
+    width, as engine.worker.memory_fit.weight_bytes takes them: a tied LM head left out (it shares the embedding's
+    parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed copies)."""
+    return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
+            (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
+            for w in _tied(cfg, state).values()]
 
-    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
-    replace their nn.Linear / nn.Embedding, plain tensors are cast to
-    `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
-    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter.
-    Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
-    """
-    with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+
+def _tied(cfg: ModelConfig, state: QuantizedState) -> QuantizedState:
+    """A copy of `state` as build_model fills the model: for tied embeddings, no LM head of its own, except an INT4
+    embedding's (the same Int4Weight under LM_HEAD)."""
     state = dict(state)
     if cfg.tie_word_embeddings:
         state.pop(f"{LM_HEAD}.weight", None)
         state.pop(LM_HEAD, None)
         if isinstance(state.get(EMBEDDING), Int4Weight):
             state[LM_HEAD] = state[EMBEDDING]
+    return state
+
+
+def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, device: torch.device,
+                max_positions: int | None = None, dequant_min_rows: int | None | str = "auto", *,
+                int4_layout: str = "dual") -> LlamaModel:
+    """A LlamaModel on `device` from a (possibly partly) quantized state dict.
+
+    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
+    replace their nn.Linear / nn.Embedding, plain tensors are cast to
+    `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
+    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. int4_layout:
+    the Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear).
+    Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+    state = _tied(cfg, state)
     for name, w in list(state.items()):
         if not isinstance(w, Int4Weight | Int8Weight):
             continue
@@ -96,7 +114,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         elif isinstance(old, nn.Embedding):
             new = Int4Embedding(w, dtype, device)
         else:
-            new = Int4Linear(w, dtype, device, dequant_min_rows)
+            new = Int4Linear(w, dtype, device, dequant_min_rows, layout=int4_layout)
         set_module(model, name, new)
         del state[name]
     fill_model(model, state, dtype, device)

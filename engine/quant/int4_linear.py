@@ -7,10 +7,11 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
   (CUDA_TINYGEMM_MAX_ROWS), GemLite's A16W4 Triton kernels above (engine.quant.gemlite_int4: the layout mapping,
   why GemLite, and its kernel configs), and from dequant_min_rows (CUDA_GEMLITE_DEQUANT_MIN_ROWS: long prefill
   chunks) GemLite's packed weight dequantized to the activation dtype and the dense GEMM. Two packed copies (0.5
-  byte per weight each) while tinygemm is kept; tinygemm_max_rows=0 drops it (the dequantize path reads GemLite's
-  copy). GemLite's configs are tuned and its kernels compiled at engine load (prepare_int4_kernels), not in the
-  first steps. Without gemlite (or too old) a warning is logged once and the scheme below serves; gemlite=True
-  makes that an ImportError instead.
+  byte per weight each) while tinygemm is kept (layout "dual"); layout "single" (or tinygemm_max_rows=0) drops it
+  and GemLite serves every M below dequant_min_rows (the dequantize path reads GemLite's copy). The engine picks
+  the layout per model: engine.worker.memory_fit.choose_int4_layout. GemLite's configs are tuned and its kernels
+  compiled at engine load (prepare_int4_kernels), not in the first steps. Without gemlite (or too old) a warning is
+  logged once and the scheme below serves; gemlite=True makes that an ImportError instead.
 - CUDA without gemlite (or fp32 activations, or gemlite=False), M < dequant_min_rows: tinygemm
   `_weight_int4pack_mm`. Takes bf16 activations only (others are cast in and back out), the weight from
   `_convert_weight_to_int4pack(uint8 [N, Kp/2], innerKTiles)` (int32 [N/8, Kp/(16*innerKTiles), 32,
@@ -19,7 +20,7 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
 - CUDA without gemlite, M >= dequant_min_rows: dequantize the portable copy to bf16 and call the dense GEMM;
   tinygemm is built for small M and falls far behind tensor-core GEMMs at large M (torchao's hqq README: 4.6x
   slower than a fused dequant GEMM at M=512 on an A6000). Costs a second copy (0.5 byte per weight);
-  dequant_min_rows=None drops it.
+  dequant_min_rows=None (or layout "single") drops it.
 - CPU, bf16 activations: `_weight_int4pack_mm_for_cpu`, whose pack op takes int32 [N, Kp] (not uint8) and whose
   scales_and_zeros must have the activations' dtype. Measured here (torch 2.13, 2 cores): N=1536, K=576, M=8:
   0.05 ms vs 0.18 ms for an fp32 GEMM.
@@ -59,12 +60,16 @@ CUDA_TINYGEMM_MAX_ROWS = 8
 #: and 1536), so this is the smallest M measured to gain.
 CUDA_GEMLITE_DEQUANT_MIN_ROWS = 2048
 
+#: Int4Linear's layouts on CUDA: "dual" = tinygemm's packed copy beside GemLite's (or beside the dequantize path's
+#: without GemLite), "single" = one packed copy (engine.worker.memory_fit counts them: INT4_CUDA_COPIES).
+INT4_LAYOUTS = ("dual", "single")
+
 _FALLBACK_LOGGED: set[str] = set()
 
 
 def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: int | None | str,
                      dequant_min_rows: int | None | str, gemlite: bool | None,
-                     gemlite_reason: str | None) -> tuple[bool, int | None, int | None]:
+                     gemlite_reason: str | None, layout: str = "dual") -> tuple[bool, int | None, int | None]:
     """Which kernels an Int4Linear on CUDA builds: (use GemLite, tinygemm_max_rows, dequant_min_rows).
 
     With GemLite: tinygemm for M <= tinygemm_max_rows ("auto" = CUDA_TINYGEMM_MAX_ROWS; 0 or None = never, and
@@ -73,8 +78,12 @@ def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: i
     (False, None, dequant_min_rows) as before ("auto" = CUDA_DEQUANT_MIN_ROWS; 0 when N % 8). gemlite: None = use
     it when `gemlite_reason` (engine.quant.gemlite_int4.gemlite_unavailable_reason()) is None, else log the reason
     once and fall back; True = required (ImportError with the reason; ValueError for fp32 activations, which
-    GemLite does not serve here); False = never.
+    GemLite does not serve here); False = never. layout "single" keeps one packed copy: no tinygemm with GemLite,
+    and without it either tinygemm or the dequantize path, never both (tinygemm where N % 8 == 0).
     """
+    if layout not in INT4_LAYOUTS:
+        raise ValueError(f"INT4 layout must be one of {INT4_LAYOUTS}, got {layout!r}")
+    single = layout == "single"
     use = False
     if dtype not in GEMLITE_DTYPES:
         if gemlite is True:
@@ -89,10 +98,12 @@ def cuda_kernel_plan(dtype: torch.dtype, out_features: int, tinygemm_max_rows: i
             log.warning("INT4 on CUDA without GemLite: %s; using tinygemm below %s rows and dequantize + bf16 GEMM "
                         "above (slower than bf16 at large batch)", gemlite_reason, CUDA_DEQUANT_MIN_ROWS)
     if use:
-        rows = CUDA_TINYGEMM_MAX_ROWS if tinygemm_max_rows == "auto" else (tinygemm_max_rows or 0)
+        rows = 0 if single else CUDA_TINYGEMM_MAX_ROWS if tinygemm_max_rows == "auto" else (tinygemm_max_rows or 0)
         dequant = CUDA_GEMLITE_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
         return True, 0 if out_features % 8 else rows, dequant
     rows = CUDA_DEQUANT_MIN_ROWS if dequant_min_rows == "auto" else dequant_min_rows
+    if single and rows != 0:
+        rows = None
     return False, None, 0 if out_features % 8 else rows
 
 
@@ -129,9 +140,11 @@ def _inner_k_tiles(kp: int) -> int:
     return next(t for t in (8, 4, 2) if kp % (16 * t) == 0)
 
 
-def scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """tinygemm's qScaleAndZeros: `dtype` [Kp / G, N, 2] with [..., 0] = scale and [..., 1] = zero (gpt-fast)."""
-    return torch.stack((weight.scales, weight.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+def scales_and_zeros(weight: Int4Weight, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """tinygemm's qScaleAndZeros: `dtype` [Kp / G, N, 2] with [..., 0] = scale and [..., 1] = zero (gpt-fast), on
+    `device` (default: the weight's; only the scales and zeros move there)."""
+    s, z = weight.scales.to(device), weight.zeros.to(device)
+    return torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
 class _Dequantizer:
@@ -169,17 +182,21 @@ class Int4Linear(nn.Module):
             required, False = never (see cuda_kernel_plan). Ignored on CPU.
         tinygemm_max_rows: on CUDA with GemLite, rows M up to which tinygemm serves; "auto" =
             CUDA_TINYGEMM_MAX_ROWS, 0 = GemLite at every M (one packed copy).
+        layout: on CUDA, "dual" (the kernels above) or "single" (one packed copy: cuda_kernel_plan). Ignored on CPU.
+    `source` is the portable weight, kept (on the host, as given) for concat until release_source(): the engine
+    releases it once the projections are fused (release_int4_sources), so only the packed forms stay.
     forward: x [..., K] -> [..., N] (with the weight's in_perm, x's features gathered in that order first: one
     index_select). Raises ValueError on construction for a device other than cpu/cuda, and as cuda_kernel_plan.
     """
 
     def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str,
                  dequant_min_rows: int | None | str = "auto", *, gemlite: bool | None = None,
-                 tinygemm_max_rows: int | None | str = "auto") -> None:
+                 tinygemm_max_rows: int | None | str = "auto", layout: str = "dual") -> None:
         super().__init__()
         device = torch.device(device)
-        self.source, self.dtype, self.device, self.dequant_min_rows_arg = weight, dtype, device, dequant_min_rows
-        self.gemlite_arg, self.tinygemm_max_rows_arg = gemlite, tinygemm_max_rows
+        self.source: Int4Weight | None = weight
+        self.dtype, self.device, self.dequant_min_rows_arg = dtype, device, dequant_min_rows
+        self.gemlite_arg, self.tinygemm_max_rows_arg, self.layout = gemlite, tinygemm_max_rows, layout
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.padded_in_features, self.group_size = weight.padded_in_features, weight.group_size
         self.in_perm = None if weight.in_perm is None else weight.in_perm.to(device)  # act-order: x's features
@@ -200,14 +217,14 @@ class Int4Linear(nn.Module):
         elif device.type == "cuda":
             use_gemlite, tiny_rows, rows = cuda_kernel_plan(
                 dtype, weight.out_features, tinygemm_max_rows, dequant_min_rows, gemlite,
-                None if gemlite is False or dtype not in GEMLITE_DTYPES else gemlite_unavailable_reason())
+                None if gemlite is False or dtype not in GEMLITE_DTYPES else gemlite_unavailable_reason(), layout)
             if use_gemlite:
                 self.gemlite = GemLiteInt4(weight, dtype, device)
                 self.tinygemm_max_rows, self.dequant_min_rows = tiny_rows, rows
             if (tiny_rows if use_gemlite else rows != 0):
                 qw = weight.qweight.to(device).contiguous()
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(qw, _inner_k_tiles(self.padded_in_features))
-                self.scales_and_zeros = scales_and_zeros(weight.to(device), torch.bfloat16)
+                self.scales_and_zeros = scales_and_zeros(weight, torch.bfloat16, device)
             if not use_gemlite:
                 if rows is not None:
                     self.dequantizer = _Dequantizer(weight, dtype, device)
@@ -219,19 +236,27 @@ class Int4Linear(nn.Module):
     def concat(cls, modules: list[Int4Linear]) -> Int4Linear | None:
         """One Int4Linear whose output is the concatenation of `modules`' outputs (their weights stacked along N,
         as engine.model.decoder.concat_linears asks), or None when their input width, group size, scale dtype,
-        activation dtype, device or input order (in_perm) differ. The originals are not changed."""
+        activation dtype, device, layout or input order (in_perm) differ, or when one has released its source. The
+        portable weights are joined where they are (the host, as loaded): no device copy of them. The originals
+        are not changed."""
         first = modules[0]
         srcs = [m.source for m in modules]
+        if any(s is None for s in srcs) or any(m.layout != first.layout for m in modules):
+            return None
         if any((s.in_features, s.group_size, s.scales.dtype) != (first.source.in_features, first.source.group_size,
                                                                   first.source.scales.dtype) for s in srcs) or any(
                 (m.dtype, m.device) != (first.dtype, first.device) for m in modules) or not _same_order(srcs):
             return None
-        weight = Int4Weight(torch.cat([s.qweight.to(first.device) for s in srcs]),
-                            torch.cat([s.scales.to(first.device) for s in srcs]),
-                            torch.cat([s.zeros.to(first.device) for s in srcs]), first.in_features,
-                            first.group_size, first.source.in_perm)
+        where = first.source.qweight.device
+        weight = Int4Weight(*(torch.cat([getattr(s, part).to(where) for s in srcs])
+                              for part in ("qweight", "scales", "zeros")), first.in_features, first.group_size,
+                            first.source.in_perm)
         return cls(weight, first.dtype, first.device, first.dequant_min_rows_arg, gemlite=first.gemlite_arg,
-                   tinygemm_max_rows=first.tinygemm_max_rows_arg)
+                   tinygemm_max_rows=first.tinygemm_max_rows_arg, layout=first.layout)
+
+    def release_source(self) -> None:
+        """Drop the portable weight (`source`): the packed forms serve every forward; concat refuses afterwards."""
+        self.source = None
 
     def kernel_for(self, m: int) -> str:
         """"tinygemm", "gemlite" or "dequant": the kernel a forward with `m` rows will use."""
@@ -270,7 +295,18 @@ class Int4Linear(nn.Module):
         kept = (("tinygemm", self.packed), ("gemlite", self.gemlite), ("dequant", self.dequantizer))
         k = "+".join(name for name, obj in kept if obj is not None)
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"kernel={k}, dequant_min_rows={self.dequant_min_rows}, tinygemm_max_rows={self.tinygemm_max_rows}")
+                f"layout={self.layout}, kernel={k}, dequant_min_rows={self.dequant_min_rows}, "
+                f"tinygemm_max_rows={self.tinygemm_max_rows}")
+
+
+def release_int4_sources(model: nn.Module) -> int:
+    """Release the portable weight of every Int4Linear of `model` (Int4Linear.release_source), once its
+    projections are fused: 0.5 byte per weight plus scales and zeros of host memory each (about 37 GB for a 70B).
+    Returns how many were released."""
+    mods = [m for m in model.modules() if isinstance(m, Int4Linear) and m.source is not None]
+    for m in mods:
+        m.release_source()
+    return len(mods)
 
 
 def _same_order(weights: list[Int4Weight]) -> bool:

@@ -8,38 +8,68 @@ model to find out. The KV pool's formula is the engine's own (engine.worker.devi
 `cuda_kv_budget_bytes`), with the weights counted as they will be held:
 
 - plain weights: numel x the run dtype's size (a tied LM head shares the embedding);
-- INT4 weights: 0.5 byte per weight plus a bf16 scale and zero per group, on CUDA twice (INT4_CUDA_COPIES: the
-  engine keeps tinygemm's packed copy beside GemLite's or the dequantize path's, engine.quant.int4_linear), on the
-  CPU once.
+- INT4 weights: 0.5 byte per weight plus a bf16 scale and zero per group, times the packed copies the engine keeps:
+  on CUDA two under the "dual" layout (tinygemm's for small M beside GemLite's, or beside the dequantize path's
+  portable copy without GemLite; engine.quant.int4_linear) and one under "single" (GemLite's only; tinygemm's only
+  without GemLite), on the CPU one. choose_int4_layout picks the layout per model and device, for the engine at load
+  and for the preflight alike, so both count the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 
-#: Packed copies of each INT4 weight the engine keeps on CUDA by default (engine.quant.int4_linear: tinygemm's for
-#: small M beside GemLite's, or beside the portable copy its dequantize path reads).
-INT4_CUDA_COPIES = 2
+#: Packed copies of each INT4 weight on CUDA per layout (engine.quant.int4_linear.Int4Linear's tinygemm_max_rows:
+#: "dual" = tinygemm's copy for M <= 8 beside GemLite's, "single" = GemLite's alone at every M).
+INT4_CUDA_COPIES = {"dual": 2, "single": 1}
+#: "dual" is chosen only when its second copy leaves at least this share of the KV pool that one copy leaves (or
+#: all the pool the engine can use: max_num_seqs sequences of max_model_len). What the second copy buys: tinygemm at
+#: M <= 8, 16% faster than (untuned) GemLite per layer on an H200 (bench/README.md "INT4 with GemLite": 64.2 vs
+#: 76.5 us at M 1, 154.4 vs 178.0 at M 8); what it costs: KV blocks, i.e. concurrent sequences at every M.
+INT4_DUAL_MIN_KV_SHARE = 0.9
 GIB = 1 << 30
 
+#: The INT4 layout of a model from its shape and its weights as weight_bytes takes them (int4_layout_chooser).
+Int4LayoutChooser = Callable[[ModelConfig, list[tuple[int, int | None]]], str]
 
-def int4_bytes(numel: int, group_size: int, device_type: str) -> int:
+
+def int4_bytes(numel: int, group_size: int, device_type: str, layout: str = "dual") -> int:
     """Device bytes of an INT4 weight of `numel` weights at `group_size`: packed nibbles plus bf16 scale and zero
-    per group, times the copies the engine keeps on `device_type` ("cuda" or "cpu")."""
+    per group, times the copies the engine keeps on `device_type` ("cuda" or "cpu") under `layout` ("dual" or
+    "single", INT4_CUDA_COPIES; the CPU keeps one whatever the layout)."""
     one = numel // 2 + numel // group_size * 2 * 2
-    return one * (INT4_CUDA_COPIES if device_type == "cuda" else 1)
+    return one * (INT4_CUDA_COPIES[layout] if device_type == "cuda" else 1)
 
 
-def weight_bytes(tensors: Iterable[tuple[int, int | None]], dtype: torch.dtype, device_type: str) -> int:
+def weight_bytes(tensors: Iterable[tuple[int, int | None]], dtype: torch.dtype, device_type: str,
+                 layout: str = "dual") -> int:
     """Device bytes of a model's weights: `tensors` = (numel, INT4 group size or None for a plain tensor in
-    `dtype`) per weight the model holds (a tied LM head left out)."""
+    `dtype`) per weight the model holds (a tied LM head left out), INT4 ones as int4_bytes under `layout`."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(numel * size if group is None else int4_bytes(numel, group, device_type) for numel, group in tensors)
+    return sum(numel * size if group is None else int4_bytes(numel, group, device_type, layout)
+               for numel, group in tensors)
+
+
+def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype, total: int, free: int,
+                       config: EngineConfig, vocab_size: int, per_block: int, max_model_len: int) -> str:
+    """The INT4 layout the engine uses for a model of `tensors` (as weight_bytes) on a CUDA device of `total` bytes
+    with `free` free before loading: "dual" when the KV pool left with two packed copies (cuda_kv_budget_bytes) is
+    at least INT4_DUAL_MIN_KV_SHARE of the pool one copy leaves, or already holds the most the engine uses
+    (config.max_num_seqs sequences of `max_model_len` tokens, `per_block` bytes per KV block of config.block_size
+    tokens); else "single" (GemLite alone: 0.5 byte per weight less, e.g. a Llama-3.1-70B fits an 80 GB H100).
+    A model without INT4 weights gets "dual" (nothing to choose)."""
+    if all(group is None for _, group in tensors):
+        return "dual"
+    pools = {layout: cuda_kv_budget_bytes(total, free, config, vocab_size, per_block,
+                                          weight_bytes(tensors, dtype, "cuda", layout)) for layout in INT4_CUDA_COPIES}
+    usable = config.max_num_seqs * -(-max_model_len // config.block_size) * per_block
+    dual, single = pools["dual"], pools["single"]
+    return "dual" if dual >= per_block and (dual >= INT4_DUAL_MIN_KV_SHARE * single or dual >= usable) else "single"
 
 
 def model_tensors(cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -52,6 +82,22 @@ def model_tensors(cfg: ModelConfig) -> list[tuple[str, int]]:
         model = LlamaModel(cfg, 1)
     return [(name, p.numel()) for name, p in model.state_dict().items()
             if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight")]
+
+
+def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Int4LayoutChooser:
+    """What LLMEngine.from_model hands the loader before it reads a model: on CUDA, choose_int4_layout over the
+    device's memory as it is now (before any weight is loaded) for the model's shape and weights; on the CPU,
+    "dual" (one copy there whatever the layout)."""
+    if device.type != "cuda":
+        return lambda cfg, tensors: "dual"
+    free, total = torch.cuda.mem_get_info(device)
+
+    def choose(cfg: ModelConfig, tensors: list[tuple[int, int | None]]) -> str:
+        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * config.block_size
+        return choose_int4_layout(tensors, dtype, total, free, config, cfg.vocab_size, per_block, max_len)
+
+    return choose
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -76,7 +122,8 @@ class MemoryFit:
     device: where it runs, in words; memory_bytes: what the engine may use there (CUDA: gpu_memory_utilization x
     the card less other processes' use; CPU: memory available); model_bytes: the weights there; kv_bytes_per_token:
     K and V of one token, all layers; kv_pool_bytes: what is left for the KV cache (negative: not even the weights
-    fit); max_model_len: the longest sequence asked for; block_size: tokens per KV block."""
+    fit); max_model_len: the longest sequence asked for; block_size: tokens per KV block; int4_layout: on CUDA with
+    INT4 weights, the layout counted ("dual" or "single": choose_int4_layout), else None."""
 
     device: str
     memory_bytes: int
@@ -85,6 +132,7 @@ class MemoryFit:
     kv_pool_bytes: int
     max_model_len: int
     block_size: int
+    int4_layout: str | None = None
 
     @property
     def pool_tokens(self) -> int:
@@ -104,8 +152,9 @@ class MemoryFit:
 
     def line(self) -> str:
         """One line stating the numbers."""
+        int4 = f" (INT4 layout {self.int4_layout})" if self.int4_layout else ""
         return (f"memory on {self.device}: {self.memory_bytes / GIB:.2f} GiB usable, model {self.model_bytes / GIB:.2f}"
-                f" GiB, KV {self.kv_bytes_per_token / 1024:.1f} KiB per token, KV pool "
+                f" GiB{int4}, KV {self.kv_bytes_per_token / 1024:.1f} KiB per token, KV pool "
                 f"{max(self.kv_pool_bytes, 0) / GIB:.2f} GiB = {self.pool_tokens:,} tokens = {self.sequences:,} "
                 f"concurrent sequences of --max-model-len {self.max_model_len:,}")
 
@@ -128,6 +177,6 @@ class MemoryFit:
                 f"({self.sequence_bytes / GIB:.3f} GiB per sequence), leaving {self.kv_pool_bytes / GIB:.2f} GiB "
                 f"({self.pool_tokens:,} tokens). Ways out: {'; '.join(ways)}")
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, int | str | None]:
         """JSON-ready numbers, with pool_tokens and sequences."""
         return {**asdict(self), "pool_tokens": self.pool_tokens, "sequences": self.sequences}

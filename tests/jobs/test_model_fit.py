@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from engine import EngineConfig
+from engine.worker.memory_fit import INT4_DUAL_MIN_KV_SHARE
 from jobs.cli import app
 from jobs.errors import JobError
 from jobs.model_fit import check_fit, model_fit
@@ -83,23 +84,74 @@ def test_a_70b_in_bf16_is_refused_on_an_80_gib_gpu_with_the_ways_out(llama_70b: 
     assert "Ways out: --quantization int4 (weights about " in line and "a device with at least" in line
 
 
-def test_int4_of_a_70b_fits_a_141_gib_gpu_and_says_how_many_sequences(llama_70b: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """INT4 weights count as the engine holds them on CUDA: two packed copies of 0.5 byte per weight plus bf16
-    scales and zeros per group (engine.worker.memory_fit.INT4_CUDA_COPIES); the embedding stays bf16."""
-    from engine.worker.memory_fit import INT4_CUDA_COPIES
+def _int4_bytes(cfg: dict, copies: int) -> int:
+    """Device bytes of `cfg`'s weights under --quantization int4 g128 on CUDA: the embedding and the norms in bf16,
+    every projection and the (untied) LM head 0.5 byte per weight plus a bf16 scale and zero per group of 128, times
+    the packed copies."""
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * cfg["intermediate_size"]) + vocab * h
+    return vocab * h * 2 + h * (2 * layers + 1) * 2 + copies * (linear // 2 + linear // 128 * 4)
 
-    _gpu(monkeypatch, 141, "NVIDIA H200")
+
+@pytest.mark.parametrize("gib, name", [(80, "NVIDIA H100 80GB HBM3"), (141, "NVIDIA H200")])
+def test_int4_of_a_70b_holds_one_packed_copy_and_fits_an_h100(llama_70b: str, monkeypatch: pytest.MonkeyPatch,
+                                                              gib: int, name: str) -> None:
+    """INT4 weights count as the engine holds them on CUDA (engine.worker.memory_fit.choose_int4_layout): a 70B
+    takes one packed copy ("single", GemLite alone), since a second would leave 0.28 GiB of KV on an 80 GiB H100
+    (912 tokens: not one sequence) and 62% of the one-copy pool on a 141 GiB H200 (under INT4_DUAL_MIN_KV_SHARE)."""
+    _gpu(monkeypatch, gib, name)
     config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=8192, quantization="int4",
                           int4_group_size=128)
     fit = check_fit(llama_70b, config, model_context(llama_70b))
-    embedding = 128256 * 8192
-    linear = LLAMA_70B_PARAMS - embedding - 8192 * (2 * 80 + 1)  # all but the embedding and the norms
-    want = embedding * 2 + 8192 * 161 * 2 + INT4_CUDA_COPIES * (linear // 2 + linear // 128 * 4)
-    assert fit.model_bytes == want
-    per_seq = 8192 * fit.kv_bytes_per_token
-    assert fit.sequences == fit.kv_pool_bytes // per_seq >= 1
-    assert fit.kv_pool_bytes == int(141 * GIB * 0.9) - want - 2048 * 128256 * 4 - 16 * fit.kv_bytes_per_token
+    assert fit.int4_layout == "single" and fit.model_bytes == _int4_bytes(LLAMA_70B, 1)
+    assert fit.kv_pool_bytes == int(gib * GIB * 0.9) - fit.model_bytes - 2048 * 128256 * 4 - 16 * fit.kv_bytes_per_token
+    assert fit.sequences == fit.kv_pool_bytes // (8192 * fit.kv_bytes_per_token) >= (13 if gib == 80 else 35)
+    assert "(INT4 layout single)" in fit.line()
+    dual = int(gib * GIB * 0.9) - _int4_bytes(LLAMA_70B, 2) - 2048 * 128256 * 4 - 16 * fit.kv_bytes_per_token
+    assert dual < INT4_DUAL_MIN_KV_SHARE * fit.kv_pool_bytes
+
+
+def test_int4_keeps_two_copies_where_the_second_costs_little_kv(llama_70b: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8B shape on an H100 keeps tinygemm's copy beside GemLite's ("dual": the second copy takes 6% of the KV
+    pool); a 70B on an H200 does too when the pool with both still holds every sequence the engine may run at once
+    (max_num_seqs x max_model_len)."""
+    llama_8b = {**LLAMA_70B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32}
+    Path(llama_70b, "config.json").write_text(json.dumps(llama_8b))
+    _gpu(monkeypatch, 80, "NVIDIA H100 80GB HBM3")
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, quantization="int4")
+    fit = model_fit(llama_70b, config, model_context(llama_70b))
+    assert fit.int4_layout == "dual" and fit.model_bytes == _int4_bytes(llama_8b, 2)
+    Path(llama_70b, "config.json").write_text(json.dumps(LLAMA_70B))
+    _gpu(monkeypatch, 141, "NVIDIA H200")
+    few = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, quantization="int4", max_num_seqs=8)
+    fit = model_fit(llama_70b, few, model_context(llama_70b))
+    assert fit.int4_layout == "dual" and fit.model_bytes == _int4_bytes(LLAMA_70B, 2)
+    assert fit.kv_pool_bytes >= 8 * 4096 * fit.kv_bytes_per_token
+
+
+def test_the_fit_check_counts_the_weights_the_engine_loads(gguf_path: str) -> None:
+    """The weights the engine's INT4 layout choice sees at load (engine.loading.quantized.load_model's int4_layout
+    chooser: numel and INT4 group per weight) are the ones the fit check counts from the GGUF header, and the
+    layout chosen is the one every Int4Linear gets."""
+    from engine.loading.quantized import load_model
+    from engine.quant.int4_linear import Int4Linear
+    from jobs.model_fit import _weights
+
+    seen: list[list[tuple[int, int | None]]] = []
+
+    def choose(cfg: object, tensors: list[tuple[int, int | None]]) -> str:
+        seen.append(tensors)
+        return "single"
+
+    loaded = load_model(gguf_path, torch.float32, torch.device("cpu"), quantization="auto", int4_layout=choose)
+    assert len(seen) == 1 and loaded.int4_layout == "single"
+    assert sorted(seen[0], key=str) == sorted(_weights(gguf_path, "auto", 128)[0], key=str)
+    mods = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+    assert len(mods) == loaded.num_int4_modules == sum(g is not None for _, g in seen[0]) == 210
+    assert {m.layout for m in mods} == {"single"}
 
 
 def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_questions: list[str], gguf_path: str,

@@ -134,6 +134,21 @@ def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
         cuda_kernel_plan(torch.float32, 4096, "auto", "auto", True, ok)
 
 
+def test_cuda_kernel_plan_of_the_single_layout() -> None:
+    """Layout "single" keeps one packed copy: GemLite at every M below the dequantize crossover (no tinygemm), and
+    without gemlite tinygemm alone (no dequantize path's copy) unless N rules tinygemm out; an unknown layout is an
+    error naming the layouts."""
+    ok, missing = None, "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
+    single = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok, "single")
+    assert single == (True, 0, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
+    assert gemlite_kernel_for(1, *single[1:]) == "gemlite"
+    assert cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, missing, "single") == (False, None, None)
+    assert cuda_kernel_plan(torch.float32, 4096, "auto", 0, None, ok, "single") == (False, None, 0)
+    assert cuda_kernel_plan(torch.float32, 4100, "auto", "auto", None, ok, "single") == (False, None, 0)
+    with pytest.raises(ValueError, match=r"\('dual', 'single'\)"):
+        cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok, "one")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 8, 32, 128, 512, 2048])
 def test_int4_linear_on_cuda_uses_gemlite_above_the_crossover(_gemlite_on_cpu: None, m: int) -> None:
@@ -159,6 +174,31 @@ def test_int4_linear_on_cuda_uses_gemlite_above_the_crossover(_gemlite_on_cpu: N
         codes = unpack_uint4(q.qweight).view(512, -1, 128).float()
         terms = (codes * deq.scales.float()[..., None]).abs() + deq.mins.float()[..., None].abs()
         assert ((y - ref).abs() <= error_bound(x.float(), terms.view(512, -1), ref, torch.bfloat16, 4.0)).all()
+
+
+@pytest.mark.gpu
+def test_int4_linear_single_layout_on_cuda_holds_one_copy(_gemlite_on_cpu: None) -> None:
+    """On a GPU, layout "single": no tinygemm copy, GemLite at M 1 and 8 within the derived bound of the dequantized
+    reference; the fused module (concat) joins the portable weights on the host, not on the GPU, and has none once
+    released."""
+    from engine.quant.int4_linear import Int4Linear, release_int4_sources
+
+    q = int4_weight(512, 1024, 128, seed=3)
+    lin = Int4Linear(q, torch.bfloat16, "cuda", layout="single")
+    assert lin.packed is None and lin.dequantizer is None and lin.gemlite is not None
+    deq = _Dequantizer(q, torch.bfloat16, torch.device("cpu"))
+    w = deq.rows(None, torch.bfloat16).float()
+    for m in (1, 8):
+        assert lin.kernel_for(m) == "gemlite"
+        x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        ref = x.float() @ w.t()
+        y = lin(x.cuda()).float().cpu()
+        assert ((y - ref).abs() <= error_bound(x.float(), w, ref, torch.bfloat16)).all()
+    fused = Int4Linear.concat([lin, Int4Linear(int4_weight(256, 1024, 128, seed=4), torch.bfloat16, "cuda",
+                                               layout="single")])
+    assert fused.layout == "single" and fused.packed is None and fused.source.qweight.device.type == "cpu"
+    assert release_int4_sources(torch.nn.Sequential(fused)) == 1 and fused.source is None
+    assert Int4Linear.concat([fused, fused]) is None
 
 
 def test_gemlite_kernel_for_each_m() -> None:

@@ -18,7 +18,7 @@ from engine.loading.quantized import load_model, quantize_to_folder
 from engine.loading.tokenmill_folder import folder_bytes, read_folder
 from engine.model.perplexity import perplexity, text_token_ids
 from engine.model.sequence_forward import forward_sequence
-from engine.quant.int4_linear import Int4Linear
+from engine.quant.int4_linear import Int4Linear, release_int4_sources
 from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
 from engine.quant.quantize import quantize_model
 
@@ -167,6 +167,12 @@ def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instr
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
     kind = torch.nn.Linear if quantization == "none" else Int4Linear
     assert isinstance(attn.qkv_proj, kind) and isinstance(mlp.gate_up_proj, kind)
+    if kind is Int4Linear:  # the joined portable weight stays where the parts' were; released, it cannot fuse again
+        assert attn.qkv_proj.source.qweight.device == attn.qkv_proj.source.scales.device == CPU
+        assert release_int4_sources(copy.deepcopy(fused)) == 4 * unfused.config.num_layers
+        head = copy.deepcopy(attn.qkv_proj)
+        head.release_source()
+        assert Int4Linear.concat([head, attn.qkv_proj]) is None
     assert attn.qkv_proj.out_features == (unfused.config.num_heads + 2 * unfused.config.num_kv_heads) * 64
     for i, prompt in enumerate(alpaca_instructions[:2]):
         ids = ref.tokenizer.encode(prompt)
@@ -199,6 +205,8 @@ def test_quantize_save_load_generate(gguf_path: str, int4_g128: tuple[Path, dict
     config = EngineConfig(device="cpu", dtype="bfloat16", quantization="auto", num_kv_blocks=64)
     engine = LLMEngine.from_model(str(int4_dir), config)
     assert engine.model_name == "int4"
+    int4 = [m for m in engine.runner.model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 30 * 4 + 1 and all(m.source is None for m in int4)  # fused, then the portable copies freed
     out = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.finish_reason in ("stop", "length") and out.output_token_ids and out.text.strip()
     plain = LLMEngine.from_model(str(bf16_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64))
