@@ -144,6 +144,24 @@ def test_mxfp4_folder_matches_hf(gpt_oss, prompt_ids) -> None:
     assert ours != _ours(str(folder), prompt_ids)
 
 
+def test_unpacked_experts_match_hf_logits(gpt_oss, prompt_ids) -> None:
+    """The experts' torch path (stacked weights with their biases, as on CUDA or without oneDNN; the engine above
+    runs oneDNN-packed ones with the biases added after), unfused and fused, gives HF's logits."""
+    from engine.loading.loader import load_hf_model
+    from engine.model.sequence_forward import forward_sequence
+
+    model, folder, _, _ = gpt_oss
+    ids = torch.tensor(prompt_ids[0])
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+        _, ours = load_hf_model(str(folder), torch.float32, torch.device("cpu"))
+        for fused in (False, True):
+            if fused:
+                assert ours.fuse_projections() > 0
+            assert ours.layers[0].mlp.experts.gemms is None
+            torch.testing.assert_close(ours.compute_logits(forward_sequence(ours, ids)), want, rtol=1e-4, atol=1e-4)
+
+
 def test_attention_sinks_kernel_matches_reference() -> None:
     """The C++ kernel's sinks equal the torch reference's on decodes and prefill chunks, with and without a window;
     sinks change the output, and without them the kernel is unchanged."""
