@@ -102,8 +102,7 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
-        architecture: the family's registry name (engine.model.architectures: "llama", "qwen2", "qwen3"), for summaries;
-            the model and kernels read the fields below, never this.
+        architecture: the family's registry name (engine.model.architectures), for summaries; the model never reads it.
         qkv_bias: q_proj/k_proj/v_proj carry a bias (Qwen2).
         qk_norm: per-head RMSNorm of queries and keys before RoPE (q_norm / k_norm, [head_dim]; Qwen3).
         rope_scaling: RopeScaling, or None for plain RoPE (a dict, as JSON holds it, is converted).
@@ -140,6 +139,9 @@ class ModelConfig:
         norm_topk_prob: with "softmax_topk", divide the k weights by their sum (Qwen3-MoE's norm_topk_prob).
         shared_expert_intermediate_size: width of a shared expert every token runs, its output scaled by
             sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0 = none.
+        attention_sinks / o_bias: a learned logit per head in its softmax's denominator (engine.layers.attention),
+            a bias on o_proj (gpt-oss). expert_bias: the router and every expert projection carry biases (gpt-oss).
+        swiglu_limit / swiglu_alpha: the experts' clamped SwiGLU (gpt-oss; engine.layers.moe); None: SwiGLU.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -179,6 +181,11 @@ class ModelConfig:
     router: str = "softmax_topk"
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    attention_sinks: bool = False
+    o_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
@@ -216,7 +223,7 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented; tokenmill runs {HIDDEN_ACTS}")
         for name in ("embedding_scale", "query_pre_attn_scalar", "attn_logit_softcapping",
-                     "final_logit_softcapping", "rope_local_theta"):
+                     "final_logit_softcapping", "rope_local_theta", "swiglu_limit"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be None or > 0, got {value!r}")

@@ -11,7 +11,8 @@ included: HF transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_w
 Models may give each layer its own window (Gemma: sliding and global layers); a step keeps one BatchPlan per window.
 
 Soft-capping (Gemma 2; Gemma Team, "Gemma 2", 2024): with `softcap=c` each scaled score s becomes c * tanh(s / c)
-before the mask and the softmax, as HF transformers' eager Gemma 2 attention computes it.
+before the mask and the softmax, as HF transformers' eager Gemma 2 attention computes it. Attention sinks (gpt-oss):
+with `sinks` [num_heads] each head's softmax denominator has one more term (engine.layers.eager_attention).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import cpu_has_avx512, cpu_ops
+from engine.layers.eager_attention import check_sinks, eager_attention
 
 
 @dataclass
@@ -225,22 +227,17 @@ def check_softcap(softcap: float | None) -> None:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-          softcap: float | None, gqa: bool = False) -> torch.Tensor:
-    """torch's scaled_dot_product_attention, or with `softcap` its eager form with the scores capped (fp32
-    softmax, as HF's eager attention): q [..., H, Lq, D], k/v [..., Hkv, L, D] (Hkv = H, or with `gqa` any divisor
-    of H), mask additive, broadcast to [..., H, Lq, L]."""
-    if softcap is None:
+          softcap: float | None, gqa: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, or with `softcap` or `sinks` (shaped to broadcast against the scores)
+    the eager form (engine.layers.eager_attention): q [..., H, Lq, D], k/v [..., Hkv, L, D] (Hkv = H, or with `gqa`
+    any divisor of H), mask additive, broadcast to [..., H, Lq, L]."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    if gqa and k.shape[-3] != q.shape[-3]:
-        group = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap + mask
-    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    return eager_attention(q, k, v, mask, scale, softcap=softcap, sinks=sinks, gqa=gqa)
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan,
-                    scale: float, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The decode rows of `plan` through one SDPA call: [Bd, num_heads, head_dim]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -251,12 +248,13 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # GQA without copies: the `group` query heads of one KV head are that head's queries, all at the same
     # position, so they share the padding mask: [B, Hkv, group, D] against [B, Hkv, L, D].
     group = num_heads // num_kv_heads
-    return _sdpa(qd.view(b, num_kv_heads, group, head_dim), k, v, plan.decode_mask, scale, softcap).reshape(
-        b, num_heads, head_dim)
+    sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)  # query head h = (h // group, h % group)
+    return _sdpa(qd.view(b, num_kv_heads, group, head_dim), k, v, plan.decode_mask, scale, softcap,
+                 sinks=sinks).reshape(b, num_heads, head_dim)
 
 
 def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan, scale: float,
-                     out: torch.Tensor, softcap: float | None = None) -> None:
+                     out: torch.Tensor, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """The prefill rows of `plan` through one SDPA call over the padded chunks, written into `out` [T, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_seqs = plan.prefill_mask.shape[0]
@@ -265,14 +263,15 @@ def _attend_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qp = qp.view(num_seqs, plan.max_q_len, num_heads, head_dim).transpose(1, 2)  # [P, H, Lq, D]
     k = _gather(k_cache, plan.prefill_block_ids, num_seqs, q.dtype)
     v = _gather(v_cache, plan.prefill_block_ids, num_seqs, q.dtype)
-    o = _sdpa(qp, k, v, plan.prefill_mask, scale, softcap, gqa=True)
+    o = _sdpa(qp, k, v, plan.prefill_mask, scale, softcap, gqa=True,
+              sinks=None if sinks is None else sinks.view(1, num_heads, 1, 1))
     o = o.transpose(1, 2).reshape(num_seqs * plan.max_q_len, num_heads, head_dim)
     out.index_copy_(0, plan.prefill_rows, o.index_select(0, plan.prefill_pad_index))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, *, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over each request's cached keys and values (the torch path: tests,
     and the oracle of the CPU and GPU kernels).
 
@@ -281,23 +280,24 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     h // (num_heads // num_kv_heads) (Ainslie et al., "GQA", 2023). At most two calls of torch's
     scaled_dot_product_attention per layer (BatchPlan): all decode rows together, all prefill chunks together.
     sliding_window: W >= 1 limits each query to its last W keys (see the module docstring), by the masks; None:
-    full causal. softcap: c > 0 caps the scores (module docstring; the eager form of SDPA). Raises ValueError on an
-    invalid window or cap.
+    full causal. softcap: c > 0 caps the scores (module docstring; the eager form of SDPA). sinks: [num_heads]
+    logits in each head's softmax denominator (module docstring). Raises ValueError on an invalid window, cap or sinks.
     """
     check_sliding_window(sliding_window)
     check_softcap(softcap)
+    check_sinks(sinks, q.shape[1])
     plan = meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window)
     if plan.prefill_rows is None and isinstance(plan.decode_rows, slice) and plan.decode_rows.stop == q.shape[0]:
-        return _attend_decodes(q, k_cache, v_cache, plan, scale, softcap)  # decode only: the decode output is all
+        return _attend_decodes(q, k_cache, v_cache, plan, scale, softcap, sinks)  # decode only: all of the output
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        o = _attend_decodes(q, k_cache, v_cache, plan, scale, softcap)
+        o = _attend_decodes(q, k_cache, v_cache, plan, scale, softcap, sinks)
         if isinstance(plan.decode_rows, slice):
             out[plan.decode_rows] = o
         else:
             out.index_copy_(0, plan.decode_rows, o)
     if plan.prefill_rows is not None:
-        _attend_prefills(q, k_cache, v_cache, plan, scale, out, softcap)
+        _attend_prefills(q, k_cache, v_cache, plan, scale, out, softcap, sinks)
     return out
 
 
@@ -311,8 +311,8 @@ CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024 if cpu_has_avx512() else 0
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float, *, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`paged_attention_ref`'s contract on the CPU, in a C++ kernel (engine/kernels/csrc/cpu_kernels.cpp) that reads
     each
     context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
@@ -320,23 +320,26 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
     `paged_attention_ref` when the kernels are not built (engine.kernels.cpu_kernels). With `sliding_window` the kernel
     skips the whole KV blocks before a row's window and masks the rest of the boundary block; with `softcap` it caps
-    each score before the softmax. Raises ValueError on an invalid window or cap.
+    each score before the softmax; with `sinks` it adds exp(sinks[h]) to each head's denominator. Raises
+    ValueError on an invalid window, cap or sinks.
     """
     check_sliding_window(sliding_window)
     check_softcap(softcap)
-    ops = cpu_ops()
+    check_sinks(sinks, q.shape[1])
+    ops, extra = cpu_ops(), {"softcap": softcap} | ({"sinks": sinks} if sinks is not None else {})
     if ops is None:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **extra)
     window, cap = sliding_window or 0, softcap or 0.0  # the kernel's "no window", "no cap"
+    sink_arg = {} if sinks is None else {"sinks": sinks.float().contiguous()}  # the kernel's "no sinks": None
     if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   scale, window, cap)
+                                   scale, window, cap, **sink_arg)
     nd = meta.num_leading_decodes()
     if nd <= 0:
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **extra)
     out = torch.empty_like(q)
     out[:nd] = ops.paged_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                   meta.query_start_loc[:nd + 1], scale, window, cap)
+                                   meta.query_start_loc[:nd + 1], scale, window, cap, **sink_arg)
     _attend_prefills(q, k_cache, v_cache, meta.batch_plan(k_cache.shape[1], q.dtype, sliding_window), scale, out,
-                     softcap)
+                     softcap, sinks)
     return out

@@ -10,6 +10,9 @@ them:
     "topk_softmax"  the k largest logits, then a softmax over those k (Mixtral; equal to softmax_topk with the
                     renormalisation up to rounding).
 Without the renormalisation the two orders give different weights (softmax_topk's k weights sum to less than 1).
+gpt-oss (OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025; HF transformers' modeling_gpt_oss) routes with
+"topk_softmax" over logits that carry a bias (ModelConfig.expert_bias: the router and every expert projection have
+biases) and runs its experts' clamped SwiGLU (ModelConfig.swiglu_limit, `clamped_swiglu`).
 
 Experts run grouped, never per token and never every expert on every token: the step's (token, slot) rows are
 sorted by expert (a stable sort, so each expert's rows keep token order), and each expert with rows gathers its
@@ -24,7 +27,8 @@ a MoE decode step can be captured in a CUDA graph (`grouped_gemm_ops`).
 
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
-[E, hidden, I], mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, hidden].
+[E, hidden, I], mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, hidden]; with biases
+mlp.gate.bias [E] and mlp.experts.{gate,up,down}_proj.bias [E, out].
 """
 
 from __future__ import annotations
@@ -70,20 +74,30 @@ def route(logits: torch.Tensor, top_k: int, router: str, renormalize: bool) -> t
     return weights.gather(-1, pos), ids
 
 
-class ExpertWeights(nn.Module):
-    """One projection of every expert, stacked: weight [E, out_features, in_features] (a module so that its
-    parameter is named "<projection>.weight", as llama.cpp's converter names the stacked tensor)."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's SwiGLU variant, as HF transformers' GptOssExperts computes it: the gate clamped above at `limit`,
+    the up projection to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). gate, up [M, I] -> [M, I]."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
+
+class ExpertWeights(nn.Module):
+    """One projection of every expert, stacked: weight [E, out_features, in_features] and, with `bias`, bias
+    [E, out_features] (a module so that its parameters are named "<projection>.weight" / ".bias", as llama.cpp's
+    converter names the stacked tensors)."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> ExpertWeights:
-        """The module holding `weight` [E, out, in] itself (no copy)."""
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> ExpertWeights:
+        """The module holding `weight` [E, out, in] (and `bias` [E, out]) itself (no copy)."""
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module.weight = nn.Parameter(weight, requires_grad=False)
+        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         return module
 
 
@@ -106,29 +120,35 @@ def experts_capturable(dtype: torch.dtype) -> bool:
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts, down(silu(gate(x)) * up(x)), their weights stacked (ExpertWeights); after `fuse()` gate and
-    up are one gate_up_proj [E, 2I, hidden].
+    up are one gate_up_proj [E, 2I, hidden]. With `bias` each projection adds its expert's bias; with
+    `swiglu_limit` the experts run `clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)` instead (gpt-oss).
 
     forward(x [T, hidden], ids int64 [T, k], weights [T, k] of x's dtype) -> [T, hidden]: sum_j weights[t, j] *
     expert_{ids[t, j]}(x[t]), the rows grouped by expert (module docstring). ids within a row must be distinct and
     increasing (`route` returns them so).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.gate_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size)
-        self.up_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size)
-        self.down_proj: ExpertWeights | None = ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.gate_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size, bias)
+        self.up_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size, bias)
+        self.down_proj: ExpertWeights | None = ExpertWeights(num_experts, hidden_size, intermediate_size, bias)
         self.gate_up_proj: ExpertWeights | None = None
         self.gemms: tuple[Sequence[Gemm], Sequence[Gemm]] | None = None
+        self.packed_biases: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I], down [E, hidden])
 
     def fuse(self) -> bool:
         """Stack gate_proj and up_proj into one gate_up_proj (one GEMM per expert instead of two). Returns whether it
         fused (False when already fused or packed)."""
         if self.gate_up_proj is not None or self.gate_proj is None:
             return False
+        bias = None if self.gate_proj.bias is None else torch.cat([self.gate_proj.bias.detach(),
+                                                                    self.up_proj.bias.detach()], dim=1)
         self.gate_up_proj = ExpertWeights.of(torch.cat([self.gate_proj.weight.detach(),
-                                                        self.up_proj.weight.detach()], dim=1))
+                                                        self.up_proj.weight.detach()], dim=1), bias)
         self.gate_proj = self.up_proj = None
         return True
 
@@ -142,27 +162,45 @@ class GroupedExperts(nn.Module):
 
     def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module]) -> None:
         """Serve expert e with gate_up[e] (x [M, hidden] -> [M, 2I]) and down[e] ([M, I] -> [M, hidden]), e.g.
-        oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears), and free the stacked weights.
-        Raises ValueError unless there are num_experts of each."""
+        oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears; they add no bias: the experts'
+        biases are kept and added after them), and free the stacked weights. Raises ValueError unless there are
+        num_experts of each."""
         if len(gate_up) != self.num_experts or len(down) != self.num_experts:
             raise ValueError(f"set_gemms needs {self.num_experts} modules of each kind, got {len(gate_up)} and "
                              f"{len(down)}")
+        self.fuse()
+        if self.gate_up_proj is not None and self.gate_up_proj.bias is not None:
+            self.packed_biases = (self.gate_up_proj.bias.detach(), self.down_proj.bias.detach())
         self.packed_gate_up, self.packed_down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.gemms = (self.packed_gate_up, self.packed_down)
         self.gate_proj = self.up_proj = self.gate_up_proj = self.down_proj = None
 
     def _gemm_pair(self, e: int) -> tuple[Gemm, Gemm]:
         if self.gemms is not None:
-            return self.gemms[0][e], self.gemms[1][e]
+            if self.packed_biases is None:
+                return self.gemms[0][e], self.gemms[1][e]
+            gu_fn, down_fn = self.gemms[0][e], self.gemms[1][e]
+            gu_b, down_b = self.packed_biases[0][e], self.packed_biases[1][e]
+            return (lambda x: gu_fn(x) + gu_b), (lambda x: down_fn(x) + down_b)
+
+        def bias(m: ExpertWeights) -> torch.Tensor | None:
+            return None if m.bias is None else m.bias[e]
+
         if self.gate_up_proj is not None:
             gu, down = self.gate_up_proj.weight[e], self.down_proj.weight[e]
-            return (lambda x: F.linear(x, gu)), (lambda x: F.linear(x, down))
+            gu_b, down_b = bias(self.gate_up_proj), bias(self.down_proj)
+            return (lambda x: F.linear(x, gu, gu_b)), (lambda x: F.linear(x, down, down_b))
         g, u, down = self.gate_proj.weight[e], self.up_proj.weight[e], self.down_proj.weight[e]
-        return (lambda x: torch.cat((F.linear(x, g), F.linear(x, u)), dim=-1)), (lambda x: F.linear(x, down))
+        g_b, u_b, down_b = bias(self.gate_proj), bias(self.up_proj), bias(self.down_proj)
+        return ((lambda x: torch.cat((F.linear(x, g, g_b), F.linear(x, u, u_b)), dim=-1)),
+                (lambda x: F.linear(x, down, down_b)))
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate_up_fn, down_fn = self._gemm_pair(e)
         gate_up = gate_up_fn(x)
+        if self.swiglu_limit is not None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return down_fn(clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha))
         ops = fused_ops(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
             return down_fn(ops.silu_and_mul(gate_up))
@@ -194,7 +232,8 @@ class SparseMoE(nn.Module):
     """The sparse MLP block of a mixture-of-experts layer: x [T, hidden] -> [T, hidden].
 
     Args:
-        cfg: ModelConfig with num_experts > 0 (num_experts_per_tok, moe_intermediate_size, router, norm_topk_prob).
+        cfg: ModelConfig with num_experts > 0 (num_experts_per_tok, moe_intermediate_size, router, norm_topk_prob,
+            expert_bias, swiglu_limit, swiglu_alpha).
         shared_expert: the dense SwiGLU MLP every token also runs (Qwen2-MoE), gated by
             sigmoid(shared_expert_gate(x)) [T, 1]; None for none.
     Raises ValueError when cfg has no experts.
@@ -205,8 +244,9 @@ class SparseMoE(nn.Module):
         if cfg.num_experts < 1:
             raise ValueError("SparseMoE needs ModelConfig.num_experts >= 1")
         self.top_k, self.router, self.renormalize = cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias,
+                                      cfg.swiglu_limit, cfg.swiglu_alpha)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared_expert is not None else None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
+from engine.loading.gpt_oss_tensors import StackedExpertReader, stacked_expert_index
 from engine.loading.hf_quantized import (
     KeepStored,
     QuantFormat,
@@ -130,6 +131,8 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
         else:
             experts.setdefault(name, {})[expert] = (file, key)
     out = {name: (where,) for name, where in plain.items()}
+    if get_architecture(cfg.architecture).hf_stacked_experts:  # gpt-oss: stacked, transposed, maybe MXFP4
+        out = stacked_expert_index(out, path)
     for name, parts in experts.items():
         if cfg.num_experts and sorted(parts) != list(range(cfg.num_experts)):
             odd = sorted(set(parts) ^ set(range(cfg.num_experts)))
@@ -170,8 +173,9 @@ def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
     """(name, CPU tensor in `dtype`) per parameter of an HF folder (a tied LM head left out), one tensor at a time
     from the safetensors files (a quantized folder's layers dequantized exactly: iter_hf_quantized_state; fused
     Q/K/V and gate/up split into their parts: engine.model.tensor_names.split_fused; a mixture-of-experts layer's
-    per-expert weights stacked into one [E, out, in]); every name checked before the first is read. Raises
-    ValueError as hf_tensor_index."""
+    per-expert weights stacked into one [E, out, in]; gpt-oss's stacked, interleaved and MXFP4 experts through
+    engine.loading.gpt_oss_tensors); every name checked before the first is read. Raises ValueError as
+    hf_tensor_index."""
     import torch
     from safetensors import safe_open
 
@@ -182,10 +186,13 @@ def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
     with contextlib.ExitStack() as stack:  # every file open once (a layer's experts may span shards)
         files = {file: stack.enter_context(safe_open(file, framework="pt"))
                  for file in dict.fromkeys(file for parts in index.values() for file, _ in parts)}
+        stacked = StackedExpertReader(files, dtype) if get_architecture(cfg.architecture).hf_stacked_experts else None
         for name, parts in index.items():
             if cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight":
                 continue
-            if len(parts) == 1 and ".experts." not in name:
+            if stacked is not None and ".experts." in name:
+                yield name, stacked.read(name, parts)
+            elif len(parts) == 1 and ".experts." not in name:
                 file, key = parts[0]
                 yield from split_fused(name, files[file].get_tensor(key).to(dtype), cfg)
             else:  # a stacked expert weight [E, out, in]

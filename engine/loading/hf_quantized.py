@@ -70,6 +70,8 @@ def read_quant_format(config: dict[str, Any], source: str) -> QuantFormat | None
     if q is None:
         return None
     method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts, dequantized exactly as read (engine.loading.gpt_oss_tensors)
     if method not in SUPPORTED_METHODS:
         raise ValueError(f"{source}: quantization_config.quant_method is {q.get('quant_method')!r}, which tokenmill "
                          f"does not read; supported: {', '.join(SUPPORTED_METHODS)} (or give the unquantized model)")

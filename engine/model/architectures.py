@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ModelConfig, RopeScaling
-from engine.model.family_fields import gemma2_fields, gemma3_fields, gemma_gguf_fields
+from engine.model.family_fields import gemma2_fields, gemma3_fields, gemma_gguf_fields, gpt_oss_fields
 
 #: config.json fields that describe training, serialization or the HF runtime, not the math of inference.
 _IGNORED_FIELDS = frozenset({
@@ -38,6 +38,9 @@ _IGNORED_FIELDS = frozenset({
     "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",
     "use_bidirectional_attention", "cache_implementation", "original_max_position_embeddings", "resid_pdrop",
     "embd_pdrop", "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
+    # gpt-oss: read by gpt_oss_fields; OpenAI's own names of num_experts_per_tok and the original context (unread by
+    # HF transformers too)
+    "swiglu_limit", "swiglu_alpha", "experts_per_token", "initial_context_length",
 })
 _SILU = ("silu", "swish")
 #: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.
@@ -85,6 +88,10 @@ class Architecture:
             no `{arch}.expert_weights_norm` (its qwen3moe graph does, qwen2moe's does not).
         hf_renames: (old, new) substrings of HF checkpoint keys renamed to our parameter names (Mixtral's
             block_sparse_moe / w1 w2 w3 -> mlp / gate_proj down_proj up_proj).
+        hf_stacked_experts: its HF checkpoints hold each layer's experts stacked and transposed, gate and up
+            interleaved in one gate_up_proj, dense or as MXFP4 blocks and scales (gpt-oss:
+            engine.loading.gpt_oss_tensors).
+        gguf_refused: why its GGUF files are refused (None: they are read).
     """
 
     name: str
@@ -104,6 +111,8 @@ class Architecture:
     shared_expert: bool = False
     gguf_norm_topk: bool = False
     hf_renames: tuple[tuple[str, str], ...] = ()
+    hf_stacked_experts: bool = False
+    gguf_refused: str | None = None
 
 
 def _mistral_window(config: dict[str, Any]) -> int | None:
@@ -178,6 +187,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  refused=(("hidden_act", _SILU),), window=_mistral_window, router="topk_softmax",
                  hf_renames=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
                              (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
+    # gpt-oss 20b / 120b: attention sinks, q/k/v/o biases, alternating sliding windows, YaRN, top-k-then-softmax
+    # routing over biased logits, biased experts with a clamped SwiGLU, MXFP4 experts (dequantized on load).
+    Architecture("gpt_oss", ("gpt_oss",), "gpt-oss", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(), window=_no_window, fields=gpt_oss_fields, router="topk_softmax",
+                 hf_renames=((".mlp.router.", ".mlp.gate."),), hf_stacked_experts=True,
+                 gguf_refused="tokenmill does not read gpt-oss GGUF files yet; use the HF folder (MXFP4 experts are "
+                              "dequantized exactly on load)"),
 )
 
 
@@ -203,6 +219,8 @@ def gguf_architecture(gguf_arch: str, has_experts: bool) -> Architecture:
     Raises ValueError naming the architecture (and whether it had experts) when no entry runs it."""
     for a in ARCHITECTURES:
         if a.gguf_arch == gguf_arch and (a.router is not None) == has_experts:
+            if a.gguf_refused:
+                raise ValueError(f"GGUF architecture {gguf_arch!r}: {a.gguf_refused}")
             return a
     known = any(a.gguf_arch == gguf_arch for a in ARCHITECTURES)
     kind = (" with experts" if has_experts else " without experts") if known else ""

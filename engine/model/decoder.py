@@ -8,7 +8,8 @@ The norm and RoPE live in engine.layers.rms_norm and engine.layers.rope.
 
 The variants of other families are ModelConfig fields: Gemma 2/3 (Gemma Team, "Gemma 2", 2024; "Gemma 3", 2025):
 sandwich norms of (1 + weight), GeGLU with tanh GELU, the embedding scale, query_pre_attn_scalar, soft-capped
-attention and final logits, per-layer sliding/global attention, a local RoPE base for the sliding layers.
+attention and final logits, per-layer sliding/global attention, a local RoPE base for the sliding layers. gpt-oss
+(OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card", 2025): attention sinks, an o_proj bias, MoE biases and clamped SwiGLU.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from engine.layers.rope import RotaryEmbedding, apply_rope
 
 class AttentionFn(Protocol):
     """A paged attention function (engine.layers.attention.paged_attention_ref's contract): (q, k_cache, v_cache, meta,
-    scale, *, sliding_window, softcap) -> [T, num_heads, head_dim]. softcap is passed only when a model sets it."""
+    scale, *, sliding_window, softcap, sinks) -> [T, num_heads, head_dim]. softcap and sinks are passed only when a
+    model sets them."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, *, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
+                 scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
@@ -78,6 +81,7 @@ class Attention(nn.Module):
     With cfg.qkv_bias the three carry a bias (Qwen2); with cfg.qk_norm queries and keys go through a per-head
     RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3, Gemma 3). `layer` is the layer's index (its
     window: cfg.layer_window); scores scale by cfg.query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5.
+    With cfg.attention_sinks each head has a sink logit (`sinks` [num_heads]), with cfg.o_bias o_proj a bias (gpt-oss).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
@@ -90,7 +94,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         offset = cfg.norm_weight_offset
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
@@ -120,7 +125,7 @@ class Attention(nn.Module):
                     and cos.dtype == qkv.dtype == k_cache.dtype):
                 q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass (C++ or Triton)
                 return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                               **self.attn_kwargs).reshape(t, h * d)
+                               **self._attn_kwargs()).reshape(t, h * d)
             qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
             if self.q_norm is not None:
                 qk = torch.cat((self._head_norm(self.q_norm, qk[:, :h]), self._head_norm(self.k_norm, qk[:, h:])), 1)
@@ -135,7 +140,11 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, hkv, d)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                       **self.attn_kwargs).reshape(t, self.num_heads * self.head_dim)
+                       **self._attn_kwargs()).reshape(t, self.num_heads * self.head_dim)
+
+    def _attn_kwargs(self) -> dict[str, object]:
+        """The attention function's optional keywords this layer sets (softcap, sinks); {} for Llama's."""
+        return self.attn_kwargs if self.sinks is None else {**self.attn_kwargs, "sinks": self.sinks}
 
     @staticmethod
     def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

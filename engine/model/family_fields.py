@@ -1,5 +1,6 @@
 """Readers of the config fields of the families whose math goes beyond Llama's: Gemma 2, Gemma 3 text (soft-capping,
-the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), from a Hugging
+the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), gpt-oss
+(attention sinks, biases, clamped SwiGLU, alternating windows), from a Hugging
 Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the ModelConfig
 fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError naming the field.
 
@@ -103,3 +104,22 @@ def gemma_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: in
     else:
         out["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
     return out
+
+
+def gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss (HF GptOssConfig, modeling_gpt_oss): attention sinks, biases on q/k/v/o (attention_bias, default
+    true), on the router and on every expert projection, the experts' clamped SwiGLU (swiglu_limit 7.0,
+    swiglu_alpha 1.702 by default) and sliding layers alternating with full ones (`layer_types`, by default every
+    even layer sliding). Raises ValueError for attention_bias false or sliding layers without a window."""
+    if config.get("attention_bias", True) is not True:
+        raise ValueError(f"config.json sets attention_bias={config['attention_bias']!r}; tokenmill runs gpt_oss with "
+                         "its q/k/v/o biases (true)")
+    types = _layer_types(config, 2)
+    window = config.get("sliding_window")
+    if "sliding_attention" in types and not window:
+        raise ValueError("config.json has sliding_attention layers but no sliding_window")
+    limit, alpha = float(config.get("swiglu_limit", 7.0)), float(config.get("swiglu_alpha", 1.702))
+    if not limit > 0:
+        raise ValueError(f"config.json sets swiglu_limit={limit}; tokenmill runs gpt_oss's clamp with a limit > 0")
+    return dict(layer_types=types, sliding_window=int(window) if "sliding_attention" in types else None,
+                attention_sinks=True, o_bias=True, expert_bias=True, swiglu_limit=limit, swiglu_alpha=alpha)

@@ -101,6 +101,9 @@ class ModelRunner:
         self.attn_fn: AttentionFn = attn_fn or paged_attention_ref
         if cuda_graphs and (device.type != "cuda" or self.attn_fn is paged_attention_ref):
             raise ValueError("CUDA graphs need a CUDA device and the Triton attention backend; set enforce_eager")
+        if cfg.attention_sinks and self.attn_fn not in (paged_attention_ref, paged_attention_cpu):
+            raise ValueError(f"{cfg.architecture}'s attention sinks run on the torch and cpu attention backends only "
+                             "(the Triton kernels do not implement them); set attention_backend='torch' or 'cpu'")
         self.block_size = block_size
         self.device = device
         shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -307,17 +307,18 @@ inline float hsum8(__m256 v) {
 }
 
 // exp_scores16 below, 8 lanes at a time.
-inline float exp_scores16(float* sh, int64_t padded) {
+inline float exp_scores16(float* sh, int64_t padded, float sink = -std::numeric_limits<float>::infinity()) {
   __m256 mv = _mm256_loadu_ps(sh);
   for (int64_t t = 8; t < padded; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + t), mv);
-  const __m256 mx = _mm256_set1_ps(hmax8(mv));
+  const float m = std::max(hmax8(mv), sink);
+  const __m256 mx = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t t = 0; t < padded; t += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mx));
     _mm256_storeu_ps(sh + t, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return hsum8(sum);
+  return sink == -std::numeric_limits<float>::infinity() ? hsum8(sum) : hsum8(sum) + std::exp(sink - m);
 }
 
 // silu(g) * u over n fp32 lanes (the tail, n % 8, in scalar code).
@@ -395,19 +396,20 @@ inline float quantize_row_avx2(const float* x, uint8_t* q, int64_t cols) {
   return scale;
 }
 #else
-inline float exp_scores16(float* sh, int64_t padded) {
+// With a sink (gpt-oss's attention sinks; -inf = none) the maximum and the sum take exp(sink) as one more score.
+inline float exp_scores16(float* sh, int64_t padded, float sink = -std::numeric_limits<float>::infinity()) {
   v16 mv = load16(sh);
   for (int64_t t = 16; t < padded; t += 16) {
     mv = vmax16(load16(sh + t), mv);
   }
-  const float mx = hmax16(mv);
+  const float mx = std::max(hmax16(mv), sink);
   v16 sum = {};
   for (int64_t t = 0; t < padded; t += 16) {
     const v16 e = exp16(load16(sh + t) - mx);
     __builtin_memcpy(sh + t, &e, sizeof(e));
     sum += e;
   }
-  return hsum16(sum);
+  return sink == -std::numeric_limits<float>::infinity() ? hsum16(sum) : hsum16(sum) + std::exp(sink - mx);
 }
 #endif
 
@@ -482,7 +484,7 @@ template <typename T>
 void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* v_cache, const int32_t* table,
                      int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group, float scale,
                      float softcap, int64_t lo, int64_t lim, float* qf, std::vector<float>& scores, float* kbuf,
-                     float* acc, T* out) {
+                     float* acc, T* out, const float* sinks) {
   const int64_t num_heads = num_kv_heads * group, row = num_kv_heads * head_dim;
   const int64_t n = lim - lo, padded = (n + 15) / 16 * 16;
   if (static_cast<int64_t>(scores.size()) < num_heads * padded) scores.resize(num_heads * padded);
@@ -525,7 +527,7 @@ void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* 
     float* sh = scores.data() + h * padded;
     softcap_scores(sh, n, softcap);
     for (int64_t t = n; t < padded; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-    inv[h] = 1.f / exp_scores16(sh, padded);
+    inv[h] = 1.f / exp_scores16(sh, padded, sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
   }
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
@@ -554,7 +556,7 @@ void attend_row_avx2(const T* q, int64_t q_stride_h, const T* k_cache, const T* 
 constexpr bool kAvx2Rows = false;
 template <typename T>
 void attend_row_avx2(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, float,
-                     float, int64_t, int64_t, float*, std::vector<float>&, float*, float*, T*) {}
+                     float, int64_t, int64_t, float*, std::vector<float>&, float*, float*, T*, const float*) {}
 #endif
 
 // One work item: query rows [row_begin, row_end) of request `seq`, at most kRowsPerItem of them.
@@ -571,12 +573,14 @@ constexpr int64_t kRowsPerItem = 8;
 // i - window < t <= i only (Mistral; HF transformers' sliding_window_overlay): the item starts at the KV block that
 // holds its first row's first key, so whole blocks before every row's window are never read, and the keys of that
 // block before a row's window are masked (probability exactly 0). With softcap > 0 (Gemma 2) each scaled score s
-// becomes softcap * tanh(s / softcap) before the softmax.
+// becomes softcap * tanh(s / softcap) before the softmax. With sinks (gpt-oss; nullptr = none) head h's softmax
+// denominator also holds exp(sinks[h]), a key of value zero.
 template <typename T>
 void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
                       int64_t block_size, int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
                       int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
-                      int64_t num_seqs, int64_t group, float scale, int64_t window, float softcap, T* out) {
+                      int64_t num_seqs, int64_t group, float scale, int64_t window, float softcap, T* out,
+                      const float* sinks = nullptr) {
   const int64_t num_heads = num_kv_heads * group;
   const int64_t row = num_kv_heads * head_dim;  // elements per token slot in the cache: every KV head's columns
   const bool vectorized = head_dim % 16 == 0;
@@ -603,7 +607,7 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
             attend_row_avx2(q + (item.row_begin + j) * q_stride_t, q_stride_h, k_cache, v_cache,
                             block_tables + b * table_stride, block_size, num_kv_heads, head_dim, group, scale,
                             softcap, lo[j], lim[j], qf.data(), scores, kf.data(), acc.data(),
-                            out + (item.row_begin + j) * num_heads * head_dim);
+                            out + (item.row_begin + j) * num_heads * head_dim, sinks);
           continue;
         }
       }
@@ -674,7 +678,8 @@ void attention_kernel(const T* q, int64_t q_stride_t, int64_t q_stride_h, const 
           softcap_scores(sh + wj, lj - wj, softcap);
           for (int64_t t = 0; t < wj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
           for (int64_t t = lj; t < pj; ++t) sh[t] = -std::numeric_limits<float>::infinity();
-          const float inv = 1.f / exp_scores16(sh, pj);
+          const float inv =
+              1.f / exp_scores16(sh, pj, sinks ? sinks[h] : -std::numeric_limits<float>::infinity());
           for (int64_t t = 0; t < wj; ++t) sh[t] = 0.f;
           for (int64_t t = wj; t < lj; ++t) sh[t] *= inv;
         }
@@ -1319,10 +1324,12 @@ std::vector<at::Tensor> quantize_rows_u8(const at::Tensor& x) {
 // q [T, H, D] (last dim contiguous), caches [num_blocks, block_size, Hkv, D] contiguous, block_tables int32 [B, W],
 // seq_lens int32 [B] (>= the request's query rows), query_start_loc int32 [B + 1] (prefix sums of the query rows,
 // starting at 0 and ending at T), window: the sliding window in keys (0 = none), softcap: the scores' soft cap (0 =
-// none). Returns [T, H, D] in q's dtype.
+// none), sinks: fp32 [H] logits in each head's softmax denominator (gpt-oss; None = none). Returns [T, H, D] in q's
+// dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                              const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
+                              const at::Tensor& query_start_loc, double scale, int64_t window, double softcap,
+                              const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 keys (0 = no sliding window)");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0 = no soft-capping)");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim");
@@ -1345,13 +1352,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(qsl[b + 1] > qsl[b] && lens[b] >= qsl[b + 1] - qsl[b] &&
                     (lens[b] + block_size - 1) / block_size <= block_tables.size(1),
                 "every request needs >= 1 query row, seq_len >= its rows, and its blocks in the table");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                    sinks->size(0) == num_heads, "sinks must be fp32 contiguous [num_heads]");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   auto out = at::empty({q.size(0), num_heads, head_dim}, q.options());
   TM_DISPATCH(q.scalar_type(), "paged_attention", [&] {
     attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
                                v_cache.data_ptr<scalar_t>(), block_size, num_kv_heads, head_dim,
                                block_tables.data_ptr<int32_t>(), block_tables.stride(0), lens, qsl, num_seqs,
                                num_heads / num_kv_heads, static_cast<float>(scale), window,
-                               static_cast<float>(softcap), out.data_ptr<scalar_t>());
+                               static_cast<float>(softcap), out.data_ptr<scalar_t>(), sink_ptr);
   });
   return out;
 }
@@ -1447,7 +1460,8 @@ at::Tensor gguf_linear_portable(const at::Tensor& x, const at::Tensor& qs, const
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"), py::arg("window"), py::arg("softcap") = 0.0);
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("window"), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x)");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of Q and K from a fused QKV, K/V written to the paged cache");

@@ -1,0 +1,217 @@
+"""gpt-oss (`gpt_oss`) runs exactly as HF transformers does from a Hugging Face folder, unquantized and with MXFP4
+experts, and what tokenmill does not implement of it is an error before any work (issue 43).
+
+A tiny random-weight model built by HF transformers from GptOssConfig (fp32, eager attention): 2 layers (the first
+sliding with a window of 16 tokens, shorter than every prompt, the second full), 4 query / 2 KV heads, YaRN, 8
+experts of which 2 per token, a SwiGLU clamp of 2.0 (so it bites), random biases and sinks; saved with
+save_pretrained beside the real SmolLM2 tokenizer. The MXFP4 folder holds the same model with its expert weights as
+`_blocks` / `_scales` in OpenAI's published layout (written by `quantize_mxfp4` below, round to nearest on the FP4
+grid, one power of two per 32 values) and `quantization_config.quant_method` "mxfp4"; transformers itself loads that
+folder (dequantizing on the CPU) as the reference. Greedy tokens on real prompts equal HF's (teacher-forced argmax at
+every position, and HF's own `generate` on the first prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_families import FP32, MAX_TOKENS, _hf_argmax, _hf_greedy, _ours
+
+transformers = pytest.importorskip("transformers")
+
+NUM_PROMPTS = 4
+WINDOW = 16
+FP4_GRID = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 of w [..., K] (K % 32 == 0) as OCP MX v1.0 defines it: per 32 values the E8M0 scale 2 ** (floor(log2
+    amax) - 2), each value / scale rounded to the nearest FP4 E2M1 value (clamped to +-6). Returns (blocks uint8
+    [..., K / 32, 16], two codes a byte, the earlier one in the low nibble; scales uint8 [..., K / 32], biased by
+    127)."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -126))) - 2
+    scaled = groups / torch.exp2(exp)[..., None]
+    idx = (scaled.abs()[..., None] - FP4_GRID).abs().argmin(-1)
+    codes = (idx | (((scaled < 0) & (idx > 0)).long() << 3)).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4_folder(src: Path, dst: Path) -> None:
+    """A copy of the HF folder `src` whose expert weights are MXFP4 blocks and scales, as OpenAI's checkpoints store
+    them: `<proj>_blocks` [E, out, in / 32, 16] of the weight transposed back to [E, out, in]."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    out = {}
+    for key, t in load_file(src / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[f"{key}_blocks"], out[f"{key}_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
+        else:
+            out[key] = t
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _config(vocab: int):
+    return transformers.GptOssConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
+        max_position_embeddings=2048, swiglu_limit=2.0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def hf_tok(gguf_path: str):
+    from engine.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf_path).hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory, hf_tok) -> tuple[object, Path, object, Path]:
+    """(HF model, its folder, HF's model of the MXFP4 folder, the MXFP4 folder)."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(43)
+    model = transformers.AutoModelForCausalLM.from_config(_config(len(hf_tok)), dtype=torch.float32).eval()
+    with torch.no_grad():  # a scale that gives varied greedy text and routing; biases, sinks and norms random too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.15)
+    folder, mx_folder = root / "gpt_oss", root / "gpt_oss_mxfp4"
+    model.save_pretrained(folder)
+    hf_tok.save_pretrained(folder)
+    write_mxfp4_folder(folder, mx_folder)
+    mx_model = transformers.AutoModelForCausalLM.from_pretrained(
+        mx_folder, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    return model, folder, mx_model, mx_folder
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
+    texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
+    return [hf_tok.encode(hf_tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                     tokenize=False), add_special_tokens=False) for t in texts]
+
+
+def test_greedy_matches_hf_from_folder(gpt_oss, prompt_ids) -> None:
+    """Both CPU attention paths (the C++ kernel and the torch reference) give HF's greedy tokens on prompts longer
+    than the window."""
+    from dataclasses import replace
+
+    model, folder, _, _ = gpt_oss
+    assert min(len(p) for p in prompt_ids) > 2 * WINDOW
+    ours = _ours(str(folder), prompt_ids, replace(FP32, attention_backend="cpu"))
+    assert all(len(r) == MAX_TOKENS for r in ours)
+    assert all(len(set(r)) >= 4 for r in ours), "degenerate random model: raise the init scale"
+    assert _hf_argmax(model, prompt_ids, ours) == ours
+    assert _hf_greedy(model, prompt_ids[:1]) == ours[:1]
+    assert _ours(str(folder), prompt_ids, replace(FP32, attention_backend="torch")) == ours
+
+
+def test_mxfp4_folder_matches_hf(gpt_oss, prompt_ids) -> None:
+    """The MXFP4 experts dequantize exactly as transformers' own dequantize does, and the MXFP4 folder's greedy
+    tokens equal those of HF's model of that folder (and differ from the unquantized model's: the blocks are read)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.loading.gpt_oss_tensors import dequantize_mxfp4
+
+    model, folder, mx_model, mx_folder = gpt_oss
+    tensors = load_file(mx_folder / "model.safetensors")
+    for proj in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.1.mlp.experts.{proj}"
+        blocks, scales = tensors[f"{key}_blocks"], tensors[f"{key}_scales"]
+        want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(dequantize_mxfp4(blocks, scales).transpose(1, 2), want)
+        assert torch.equal(mx_model.get_parameter(key), want)
+    ours = _ours(str(mx_folder), prompt_ids)
+    assert _hf_argmax(mx_model, prompt_ids, ours) == ours
+    assert ours != _ours(str(folder), prompt_ids)
+
+
+def test_unpacked_experts_match_hf_logits(gpt_oss, prompt_ids) -> None:
+    """The experts' torch path (stacked weights with their biases, as on CUDA or without oneDNN; the engine above
+    runs oneDNN-packed ones with the biases added after), unfused and fused, gives HF's logits."""
+    from engine.loading.loader import load_hf_model
+    from engine.model.sequence_forward import forward_sequence
+
+    model, folder, _, _ = gpt_oss
+    ids = torch.tensor(prompt_ids[0])
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+        _, ours = load_hf_model(str(folder), torch.float32, torch.device("cpu"))
+        for fused in (False, True):
+            if fused:
+                assert ours.fuse_projections() > 0
+            assert ours.layers[0].mlp.experts.gemms is None
+            torch.testing.assert_close(ours.compute_logits(forward_sequence(ours, ids)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_attention_sinks_kernel_matches_reference() -> None:
+    """The C++ kernel's sinks equal the torch reference's on decodes and prefill chunks, with and without a window;
+    sinks change the output, and without them the kernel is unchanged."""
+    from attention_steps import make_step
+
+    from engine.kernels.cpu_kernels import cpu_ops
+    from engine.layers.attention import paged_attention_cpu, paged_attention_ref
+
+    if cpu_ops() is None:
+        pytest.skip("the CPU kernels do not build here")
+    q, k_cache, v_cache, meta = make_step([1, 1, 9, 30], [40, 17, 9, 50], 8, 2, 16, torch.float32)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(1)) * 2
+    for window in (None, 20):
+        want = paged_attention_ref(q, k_cache, v_cache, meta, 0.125, sliding_window=window, sinks=sinks)
+        got = paged_attention_cpu(q, k_cache, v_cache, meta, 0.125, sliding_window=window, sinks=sinks)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        plain = paged_attention_cpu(q, k_cache, v_cache, meta, 0.125, sliding_window=window)
+        assert not torch.allclose(plain, got, atol=1e-3)
+        torch.testing.assert_close(plain, paged_attention_ref(q, k_cache, v_cache, meta, 0.125, sliding_window=window),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_attention_ref(q, k_cache, v_cache, meta, 0.125, sinks=sinks[:4])
+
+
+def test_config_fields_and_refusals(gpt_oss) -> None:
+    """config.json's gpt-oss fields reach ModelConfig; what tokenmill does not run is an error naming it."""
+    from engine.config import ModelConfig
+    from engine.loading.hf_folder import read_hf_config
+    from engine.loading.hf_quantized import read_quant_format
+    from engine.model.architectures import config_from_hf, describe, gguf_architecture
+    from engine.model.decoder import LlamaModel
+    from engine.worker.model_runner import ModelRunner
+
+    _, folder, _, mx_folder = gpt_oss
+    cfg = read_hf_config(str(folder))
+    assert (cfg.attention_sinks, cfg.o_bias, cfg.expert_bias, cfg.qkv_bias) == (True, True, True, True)
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.router, cfg.num_experts, cfg.num_experts_per_tok) == (
+        2.0, 1.702, "topk_softmax", 8, 2)
+    assert cfg.layer_types == ("sliding_attention", "full_attention") and cfg.sliding_window == WINDOW
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.truncate is False
+    assert read_hf_config(str(mx_folder)) == cfg
+    assert describe(cfg).startswith("gpt_oss, 2 layers, hidden 64, 8 experts (2 active")
+    raw = json.loads((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf({**raw, "attention_bias": False})
+    with pytest.raises(ValueError, match="mxfp4"):  # MXFP4 is read for gpt-oss's experts only
+        read_quant_format({"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}}, "x")
+    with pytest.raises(ValueError, match="gpt-oss GGUF"):
+        gguf_architecture("gpt-oss", True)
+    small = ModelConfig(**{**cfg.__dict__, "vocab_size": 32})
+    with pytest.raises(ValueError, match="attention sinks"):  # e.g. the Triton kernels: refused before any step
+        ModelRunner(LlamaModel(small, 8), small, 4, 16, torch.device("cpu"), torch.float32,
+                    attn_fn=lambda *a, **k: None)
