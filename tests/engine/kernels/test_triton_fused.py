@@ -194,22 +194,22 @@ def test_the_dispatcher_keeps_the_cpu_path_and_switches_off(monkeypatch: pytest.
         triton_fused.triton_fused_ops.cache_clear()
 
 
-def tiny_config() -> ModelConfig:
+def tiny_config(rotary_dim: int | None = None) -> ModelConfig:
     """Two layers, hidden 48 (not a power of two), GQA 3/1 heads of 16, SwiGLU width 80."""
     return ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=3,
-                       num_kv_heads=1, head_dim=16)
+                       num_kv_heads=1, head_dim=16, rotary_dim=rotary_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch,
-                                                             dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "rotary_dim"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 12)])
+def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                             rotary_dim: int | None) -> None:
     """The call sites (engine/model/decoder.py, engine/layers/rms_norm.py) hand their tensors to the Triton ops as they
-    do to the
-    C++ ones: a fused-projection model's hidden states and KV cache after one prefill equal the torch path's."""
+    do to the C++ ones: a fused-projection model's hidden states and KV cache after one prefill equal the torch
+    path's, with full and partial rotary (12 of 16 dims)."""
     import engine.layers.rms_norm
     import engine.model.decoder
 
-    cfg = tiny_config()
+    cfg = tiny_config(rotary_dim)
     torch.manual_seed(0)
     model = LlamaModel(cfg, 64)
     with torch.no_grad():
