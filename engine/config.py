@@ -128,6 +128,8 @@ class ModelConfig:
         sandwich_norms: each block also normalizes its attention output and its MLP output before the residual
             add (post_attention_layernorm on the attention output, pre_feedforward_layernorm before the MLP,
             post_feedforward_layernorm after it: Gemma 2/3); False: Llama's pre-norm blocks.
+        rotary_dim: RoPE rotates the first rotary_dim dims of each head (rotate-half within them) and passes the rest
+            through (HF's partial_rotary_factor: rotary_dim = int(head_dim * factor); Phi-4-mini); None: all of them.
         rope_local_theta: the RoPE base of the "sliding_attention" layers, with no RoPE scaling (Gemma 3's
             rope_local_base_freq); None: every layer uses rope_theta and rope_scaling.
         num_experts: experts of each layer's sparse MLP block (engine.layers.moe; Qwen3-MoE, Qwen2-MoE, Mixtral);
@@ -175,6 +177,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     rope_local_theta: float | None = None
+    rotary_dim: int | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -220,6 +223,9 @@ class ModelConfig:
                              f"{self.layer_types}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window is None")
+        if self.rotary_dim is not None and not (2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim must be even, in [2, head_dim={self.head_dim}], got "
+                             f"{self.rotary_dim!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented; tokenmill runs {HIDDEN_ACTS}")
         for name in ("embedding_scale", "query_pre_attn_scalar", "attn_logit_softcapping",

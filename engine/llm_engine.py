@@ -92,11 +92,6 @@ class LLMEngine:
                                    eos_token_id=self.eos_token_id, max_model_len=self.max_model_len,
                                    eos_token_ids=model_config.eos_token_ids)
         attn_fn = select_attention(config.attention_backend, device)
-        if model_config.attn_logit_softcapping:  # before any work: the Triton kernels would refuse every step
-            from engine.layers.triton_attention import SOFTCAP_UNSUPPORTED, paged_attention_triton
-
-            if attn_fn is paged_attention_triton:
-                raise ValueError(SOFTCAP_UNSUPPORTED)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
                                   # a MoE step is capturable on the grouped-GEMM path only (the torch loop

@@ -13,6 +13,11 @@ Sliding window (Mistral; Jiang et al., "Mistral 7B", 2023): with USE_WINDOW the 
 i - window < j <= i only (HF transformers' `sliding_window_overlay`); the key loops start at the tile holding the
 earliest key a program's queries can see, so whole tiles before the window are never read.
 
+Soft-capping (Gemma 2; Gemma Team, "Gemma 2: Improving Open Language Models at a Practical Size", 2024): with SOFTCAP
+each scaled score s becomes c * tanh(s / c) before the mask and the softmax. The kernels hold scores in base-2 units
+(s * log2(e)), and c * tanh(s / c) * log2(e) = c' * tanh(s * log2(e) / c') with c' = c * log2(e), so they take
+`softcap_log2e` = c' and cap the base-2 score directly (`_softcap`).
+
 Cache layout (see engine/layers/attention.py): k_cache, v_cache [num_blocks, PAGE_SIZE, num_kv_heads, head_dim]; key t
 of
 request b sits in page block_tables[b, t // PAGE_SIZE] at offset t % PAGE_SIZE.
@@ -47,18 +52,31 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask, scale_log2e,
+def _softcap(s, softcap_log2e):
+    """c' * tanh(s / c') elementwise (fp32), tanh from exp2: tanh(|x|) = (1 - e) / (1 + e) with e = 2^(-2 log2(e)
+    |x|) in (0, 1], so nothing overflows for any finite or infinite s, and the sign put back."""
+    x = s / softcap_log2e
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return softcap_log2e * tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask, scale_log2e, softcap_log2e,
                  k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
                  stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                  PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr,
-                 EMPTY_ROWS: tl.constexpr):
+                 EMPTY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr):
     """One step of the online softmax (FlashAttention-2, base 2) over the key tile at positions n: returns the
     updated (m_i, l_i, acc) of the q rows. visible: [rows, BLOCK_N] (or broadcastable) keys each row may see.
     EMPTY_ROWS: a row may see no key of the tile while its max is still -inf (a sliding window); its max is then
-    taken as 0 so alpha and p are 0, not NaN."""
+    taken as 0 so alpha and p are 0, not NaN. SOFTCAP: scores are capped to softcap_log2e * tanh(s / softcap_log2e)
+    (base-2 units) after the scale, before the mask."""
     k = _load_kv_tile(k_cache_ptr, block_tables_ptr, b, kvh, n, n_mask, offs_d, d_mask,
                       stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
     s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, BF16_WORKAROUND) * scale_log2e
+    if SOFTCAP:
+        s = _softcap(s, softcap_log2e)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     if EMPTY_ROWS:
@@ -76,7 +94,7 @@ def _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask, s
 @triton.jit
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2e, window,
+    scale_log2e, softcap_log2e, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -86,6 +104,7 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One query token per request. Grid (B, num_kv_heads, NUM_SPLITS).
 
@@ -130,10 +149,11 @@ def paged_decode_kernel(
         n = tile * BLOCK_N + offs_n
         n_mask = (n < seq_len) & (n >= key_lo)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n_mask[None, :], b, kvh, n, n_mask, offs_d, d_mask,
-                                     scale_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+                                     scale_log2e, softcap_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                     stride_bt,
                                      stride_kb, stride_ks, stride_kh, stride_kd,
                                      stride_vb, stride_vs, stride_vh, stride_vd,
-                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, False)
+                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, False, SOFTCAP)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -196,7 +216,7 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2e, num_requests, window,
+    scale_log2e, softcap_log2e, num_requests, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -205,6 +225,7 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BF16_WORKAROUND: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Varlen causal attention, queries at the end of each context. Grid (T // BLOCK_Q + B, num_kv_heads).
 
@@ -257,10 +278,11 @@ def paged_prefill_kernel(
         if USE_WINDOW:
             visible = visible & (n[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, visible, b, kvh, n, n_mask, offs_d, d_mask,
-                                     scale_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+                                     scale_log2e, softcap_log2e, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                                     stride_bt,
                                      stride_kb, stride_ks, stride_kh, stride_kd,
                                      stride_vb, stride_vs, stride_vh, stride_vd,
-                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, USE_WINDOW)
+                                     PAGE_SIZE, DOT_PRECISION, BF16_WORKAROUND, USE_WINDOW, SOFTCAP)
 
     if USE_WINDOW:  # padded rows (not stored) may have seen no key at all
         l_i = tl.where(l_i > 0.0, l_i, 1.0)

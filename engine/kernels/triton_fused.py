@@ -138,7 +138,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     dtype) of the Q and K heads of a fused QKV, with K (rotated) and V stored into the paged cache at
     slot_mapping (engine.layers.attention.write_kv's layout). One kernel.
 
-    qkv: [T, (num_heads + 2 Hkv) * D] with contiguous rows; cos, sin: contiguous [T, D] of qkv's dtype; k_cache,
+    qkv: [T, (num_heads + 2 Hkv) * D] with contiguous rows; cos, sin: contiguous [T, R] of qkv's dtype, R <= D even
+    (the first R dims of each head rotate, the others are copied: partial rotary, HF's Phi-3 form); k_cache,
     v_cache: contiguous [num_blocks, block_size, Hkv, D] of qkv's dtype; slot_mapping: int64 [T] (a negative slot
     writes nothing: a padded row). Returns the rotated Q, a new [T, num_heads, D]. Raises ValueError on shapes,
     dtypes or devices it does not serve.
@@ -157,9 +158,11 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                          f"with contiguous rows, got {tuple(qkv.shape)} strides {qkv.stride()}")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
-    if cos.shape != (tokens, head_dim) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"cos and sin must be contiguous [{tokens}, {head_dim}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+    rot = cos.shape[1]
+    if (cos.shape[0] != tokens or not 2 <= rot <= head_dim or rot % 2 or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"cos and sin must be contiguous [{tokens}, R], R <= {head_dim} even, got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"k_cache and v_cache must be contiguous, of one shape; got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
@@ -170,5 +173,6 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         block_h = min(ROPE_MAX_BLOCK_H, _next_pow2(heads))
         _kernels().rope_write_kv_kernel[(tokens, -(-heads // block_h))](
             qkv, cos, sin, slot_mapping, q, k_cache, v_cache, qkv.stride(0), num_heads, num_kv_heads,
-            HEAD_DIM=head_dim, HALF_PAD=_next_pow2(head_dim // 2), BLOCK_H=block_h, num_warps=4)
+            HEAD_DIM=head_dim, ROT_DIM=rot, HALF_PAD=_next_pow2(rot // 2), PASS_PAD=_next_pow2(head_dim - rot),
+            BLOCK_H=block_h, num_warps=4)
     return q

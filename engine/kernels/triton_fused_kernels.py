@@ -59,15 +59,17 @@ def silu_and_mul_kernel(gate_up_ptr, out_ptr, inter, stride_r, stride_c, BLOCK: 
 
 @triton.jit
 def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr, stride_qkv,
-                         num_heads, num_kv_heads, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         num_heads, num_kv_heads, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                         HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (t, j) owns heads j * BLOCK_H ... of token t's fused QKV row [(H + 2 Hkv) * HEAD_DIM]: Q heads are
     rotated into q [T, H, HEAD_DIM], K heads rotated and V heads copied into the caches [slots, Hkv, HEAD_DIM] at
     slot_mapping[t] (skipped when that is negative). RoPE as the torch path: x * cos + rotate_half(x) * sin, each
-    product and the sum rounded to the dtype; cos/sin are contiguous [T, HEAD_DIM]."""
+    product and the sum rounded to the dtype, over the first ROT_DIM dims of a head (HALF_PAD >= ROT_DIM / 2 lanes);
+    with ROT_DIM < HEAD_DIM (partial rotary) the other dims are copied (PASS_PAD >= HEAD_DIM - ROT_DIM lanes).
+    cos/sin are contiguous [T, ROT_DIM]."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    half = HEAD_DIM // 2
+    half = ROT_DIM // 2
     d = tl.arange(0, HALF_PAD)
     d_mask = d < half
     qk_heads = num_heads + num_kv_heads
@@ -76,8 +78,8 @@ def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr
     x1 = tl.load(row, mask=m, other=0.0)
     x2 = tl.load(row + half, mask=m, other=0.0)
     dtype = x1.dtype
-    cs = cos_ptr + t * HEAD_DIM + d
-    sn = sin_ptr + t * HEAD_DIM + d
+    cs = cos_ptr + t * ROT_DIM + d
+    sn = sin_ptr + t * ROT_DIM + d
     c1 = tl.load(cs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cs + half, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sn, mask=d_mask, other=0.0).to(tl.float32)[None, :]
@@ -101,3 +103,12 @@ def rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr
     tl.store(k_cache_ptr + kv_dst + half, y2, mask=cached & is_k)
     tl.store(v_cache_ptr + kv_dst, y1, mask=cached & is_v)
     tl.store(v_cache_ptr + kv_dst + half, y2, mask=cached & is_v)
+    if ROT_DIM < HEAD_DIM:  # partial rotary: the dims past ROT_DIM of every head are copied
+        e = ROT_DIM + tl.arange(0, PASS_PAD)
+        pm = (h < qk_heads + num_kv_heads)[:, None] & (e < HEAD_DIM)[None, :]
+        xp = tl.load(qkv_ptr + t * stride_qkv + h[:, None].to(tl.int64) * HEAD_DIM + e[None, :], mask=pm, other=0.0)
+        tl.store(q_ptr + (t * num_heads + h[:, None]) * HEAD_DIM + e[None, :], xp, mask=pm & is_q)
+        kv_pass = (slot * num_kv_heads + kv_head) * HEAD_DIM + e[None, :]
+        cached_pass = pm & ((h.to(tl.int64) * 0 + slot) >= 0)[:, None]
+        tl.store(k_cache_ptr + kv_pass, xp, mask=cached_pass & is_k)
+        tl.store(v_cache_ptr + kv_pass, xp, mask=cached_pass & is_v)

@@ -17,14 +17,15 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
     """RoPE inverse frequencies (fp32) and the attention factor that multiplies cos/sin, exactly as HF transformers'
     `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) computes them for cfg.rope_scaling.
 
-    Returns inv_freq [head_dim / 2], or with "dynamic" scaling and `positions` (int64 [P]), [P, head_dim / 2]: the
+    Returns inv_freq [R / 2] (R = cfg.rotary_dim or head_dim: the rotated dims, HF's partial_rotary_factor), or with
+    "dynamic" scaling and `positions` (int64 [P]), [P, head_dim / 2]: the
     frequencies transformers uses for a sequence that ends at each position (its dynamic NTK recomputes them from the
     current length, max(position + 1, max_position_embeddings)). llama3 with GGUF `rope_freqs` divides the unscaled
     frequencies by those factors (llama.cpp's form of the same formula). longrope divides them by the long factors
     when `max_positions` (the engine's context) exceeds the original context, else by the short ones
     (engine.config.RopeScaling says why).
     """
-    dim, base, rs = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+    dim, base, rs = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base ** exponents)
     if rs is None:
@@ -92,8 +93,8 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, [max_positions, head_dim] each, looked up by position (int64 [T]); the frequencies
-    and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling)."""
+    """cos/sin tables for RoPE, [max_positions, R] each (R = cfg.rotary_dim or head_dim), looked up by position
+    (int64 [T]); the frequencies and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -117,5 +118,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: [T, heads, head_dim] by cos/sin: [T, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    """Rotate x: [T, heads, head_dim] by cos/sin: [T, R], R <= head_dim: the first R dims of each head rotate
+    (rotate-half within them), the others pass through (partial rotary, as HF's Phi-3 apply_rotary_pos_emb)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    x_rot = x[..., :rot]
+    return torch.cat((x_rot * cos[:, None, :] + _rotate_half(x_rot) * sin[:, None, :], x[..., rot:]), dim=-1)

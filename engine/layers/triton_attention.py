@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, check_sliding_window
+from engine.layers.attention import AttentionMetadata, check_sliding_window, check_softcap
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, block_n: int = DECODE_BLOCK_N, *,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Paged decode attention: one query token per request.
 
     q: [B, H, D] (fp32/fp16/bf16; any strides); k_cache, v_cache: [num_blocks, block_size, Hkv, D];
@@ -148,11 +148,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     already written to the cache); scale: softmax scale (usually D**-0.5). Returns [B, H, D] in q's dtype.
     num_splits: split-K runs per context (None: `decode_num_splits`); block_n: keys per tile (power of 2, >= 16).
     sliding_window: W >= 1 reads only the last W keys of each context (the tiles holding them); None: all of them.
+    softcap: c > 0 caps each scaled score s to c * tanh(s / c) before the softmax (Gemma 2); None: no cap.
     Raises ValueError on unsupported inputs. Sources: PagedAttention (Kwon et al., SOSP 2023), FlashAttention-2
     (Dao, 2023), Flash-Decoding (Dao et al., 2023).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
     batch, num_heads, head_dim = q.shape
@@ -177,13 +179,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out
     kernels.paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or 0,
+        scale * _LOG2E, (softcap or 1.0) * _LOG2E, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         num_heads,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(q.dtype), BF16_WORKAROUND=_bf16_workaround(q.dtype),
-        USE_WINDOW=sliding_window is not None, num_warps=4, num_stages=2,
+        USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         kernels.paged_decode_reduce_kernel[(batch, num_heads)](
@@ -196,7 +198,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, block_m: int = PREFILL_BLOCK_M,
-                            block_n: int = PREFILL_BLOCK_N, *, sliding_window: int | None = None) -> torch.Tensor:
+                            block_n: int = PREFILL_BLOCK_N, *, sliding_window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Paged varlen causal attention for prefill, chunked prefill and mixed prefill/decode steps.
 
     q: [T, H, D], the step's queries flattened; query_start_loc: int32 [B + 1] prefix sums of the per-request
@@ -205,11 +208,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     from k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written). Returns [T, H, D] in
     q's dtype. block_m: (token, head) rows per tile, block_n: keys per tile (powers of 2, >= 16). sliding_window:
     W >= 1 limits each query to its last W keys (whole key tiles before a query tile's windows are skipped); None:
-    full causal. Raises ValueError on unsupported inputs. Sources: PagedAttention (Kwon et al., SOSP 2023),
+    full causal. softcap: c > 0 caps each scaled score s to c * tanh(s / c) before the mask and softmax (Gemma 2);
+    None: no cap. Raises ValueError on unsupported inputs. Sources: PagedAttention (Kwon et al., SOSP 2023),
     FlashAttention-2 (Dao, 2023).
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     check_sliding_window(sliding_window)
+    check_softcap(softcap)
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {size}")
@@ -229,18 +234,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_tokens // block_q + batch, num_kv_heads)
     _kernels().paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, batch, sliding_window or 0,
+        scale * _LOG2E, (softcap or 1.0) * _LOG2E, batch, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(q.dtype), BF16_WORKAROUND=_bf16_workaround(q.dtype),
-        USE_WINDOW=sliding_window is not None, num_warps=4, num_stages=2,
+        USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, num_warps=4, num_stages=2,
     )
     return out
-
-
-SOFTCAP_UNSUPPORTED = ("the Triton attention kernels do not implement attention logit soft-capping "
-                       "(attn_logit_softcapping, Gemma 2); run with attention_backend='torch'")
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -251,16 +252,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Same contract as `engine.layers.attention.paged_attention_ref`: q [T, num_heads, head_dim]; k_cache, v_cache
     [num_blocks, block_size, num_kv_heads, head_dim] already holding this step's K/V; returns [T, num_heads, head_dim]
     in q's dtype, softmax accumulated in fp32; `sliding_window` W >= 1 limits each query to its last W keys (None:
-    full causal; an int, so a captured CUDA graph bakes it in). Decode-only steps take the split-K decode kernel,
-    others the varlen prefill kernel. Reads only device tensors of `meta` (no host sync; CUDA-graph safe for
-    decode). Raises ValueError on unsupported inputs, soft-capping among them (`softcap`, Gemma 2: the kernels do
-    not cap scores; LLMEngine refuses such a model with this backend before any work). Sources: PagedAttention (Kwon et
-    al., SOSP 2023), FlashAttention-2 (Dao, 2023).
+    full causal; an int, so a captured CUDA graph bakes it in); `softcap` c > 0 caps each scaled score s to
+    c * tanh(s / c) before the mask and softmax (Gemma 2; None: no cap; a float, baked into a captured graph too).
+    Decode-only steps take the split-K decode kernel, others the varlen prefill kernel. Reads only device tensors of
+    `meta` (no host sync; CUDA-graph safe for decode). Raises ValueError on unsupported inputs. Sources:
+    PagedAttention (Kwon et al., SOSP 2023), FlashAttention-2 (Dao, 2023), Gemma 2 (Gemma Team, 2024).
     """
-    if softcap is not None:
-        raise ValueError(SOFTCAP_UNSUPPORTED)
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, softcap=softcap)
     return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                   scale, sliding_window=sliding_window)
+                                   scale, sliding_window=sliding_window, softcap=softcap)

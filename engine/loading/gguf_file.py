@@ -149,7 +149,9 @@ def read_gguf_config(reader: object) -> ModelConfig:
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
     tensors = {t.name: t for t in reader.tensors}  # type: ignore[attr-defined]
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if not head_dim and "partial_rotary_factor" not in entry.reads:  # else rope.dimension_count is the rotated part
+        head_dim = _field(reader, f"{arch}.rope.dimension_count")
     max_pos = int(_field(reader, f"{arch}.context_length", 2048))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     stops = tuple(dict.fromkeys(int(i) for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id"),

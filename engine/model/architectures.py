@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ModelConfig, RopeScaling
-from engine.model.family_fields import gemma2_fields, gemma3_fields, gemma_gguf_fields, gpt_oss_fields
+from engine.model.family_fields import (
+    gemma2_fields,
+    gemma3_fields,
+    gemma_gguf_fields,
+    gpt_oss_fields,
+    phi3_fields,
+    phi3_gguf_fields,
+)
 
 #: config.json fields that describe training, serialization or the HF runtime, not the math of inference.
 _IGNORED_FIELDS = frozenset({
@@ -47,7 +54,7 @@ _SILU = ("silu", "swish")
 _MATH_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "use_mrope", "rope_interleaved",
                 "attn_logit_softcapping", "final_logit_softcapping", "logits_scaling", "embedding_multiplier",
                 "residual_multiplier", "attention_multiplier", "query_pre_attn_scalar", "logit_scale",
-                "use_qk_norm", "no_rope_layers", "qk_layernorm", "use_parallel_residual")
+                "use_qk_norm", "no_rope_layers", "qk_layernorm", "use_parallel_residual", "partial_rotary_factor")
 
 #: config.json fields of the mixture-of-experts families that `moe_from_hf` reads (or checks are trivial), and those
 #: that only matter in training.
@@ -172,7 +179,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # Phi-3 / Phi-3.5 / Phi-4 (dense): fused qkv_proj and gate_up_proj, LongRoPE (rope_scaling type longrope / su).
     Architecture("phi3", ("phi3",), "phi3", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
                  refused=(("hidden_act", _SILU),), window=_mistral_window, fused_projections=True,
-                 rope_types=("default", "longrope")),
+                 rope_types=("default", "longrope"), reads=("partial_rotary_factor",), fields=phi3_fields,
+                 gguf_fields=phi3_gguf_fields),
     # Qwen3-MoE (Qwen3-30B-A3B, -235B-A22B): Qwen3's attention, softmax-then-top-k routing, norm_topk_prob.
     Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
                  refused=(("attention_bias", (False, None)), ("hidden_act", _SILU)), window=_qwen_window,
@@ -247,7 +255,7 @@ _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_positio
 _COMMON_ROPE = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
-def rope_from_hf(config: dict[str, Any], rope_types: tuple[str, ...] = _COMMON_ROPE
+def rope_from_hf(config: dict[str, Any], rope_types: tuple[str, ...] = _COMMON_ROPE, partial_rotary: bool = False
                  ) -> tuple[float, RopeScaling | None]:
     """(rope_theta, RopeScaling or None) of a config.json dict: the old layout (`rope_theta` + `rope_scaling`) or
     transformers 5's `rope_parameters` (by layer type, as Gemma 3's: the full-attention layers' entry). Defaults as
@@ -255,7 +263,7 @@ def rope_from_hf(config: dict[str, Any], rope_types: tuple[str, ...] = _COMMON_R
     longrope's factor = max / original when missing; Phi-3's "su" is longrope).
 
     Raises ValueError for a rope type not in `rope_types` or an unknown key, or a partial rotary factor other
-    than 1."""
+    than 1 unless `partial_rotary` (the family reads it: engine.model.family_fields.phi3_fields)."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     if "full_attention" in params or "sliding_attention" in params:  # by layer type; the local one: family_fields
         params = dict(params.get("full_attention") or {})
@@ -264,8 +272,9 @@ def rope_from_hf(config: dict[str, Any], rope_types: tuple[str, ...] = _COMMON_R
     if unknown:
         raise ValueError(f"rope_scaling has fields {unknown} tokenmill does not implement")
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} is not implemented (only full-width RoPE)")
+    if partial not in (None, 1, 1.0) and not partial_rotary:
+        raise ValueError(f"partial_rotary_factor {partial} is not implemented for {config.get('model_type')} "
+                         "(only full-width RoPE)")
     kind = params.get("rope_type", params.get("type", "default"))
     kind = "longrope" if kind == "su" else kind
     if kind not in rope_types:
@@ -323,7 +332,7 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
     if unknown:
         log.warning("config.json fields %s are not read by tokenmill (%s); check they do not change the output",
                     unknown, model_type)
-    theta, scaling = rope_from_hf(config, arch.rope_types or _COMMON_ROPE)
+    theta, scaling = rope_from_hf(config, arch.rope_types or _COMMON_ROPE, "partial_rotary_factor" in arch.reads)
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     eos = _ids(config.get("eos_token_id"))

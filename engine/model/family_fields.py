@@ -1,12 +1,13 @@
 """Readers of the config fields of the families whose math goes beyond Llama's: Gemma 2, Gemma 3 text (soft-capping,
-the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), gpt-oss
-(attention sinks, biases, clamped SwiGLU, alternating windows), from a Hugging
-Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the ModelConfig
-fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError naming the field.
+the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), Phi-3's
+partial rotary (Phi-4-mini) and gpt-oss (attention sinks, biases, clamped SwiGLU, alternating windows), from a
+Hugging Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the
+ModelConfig fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError
+naming the field.
 
-Sources: HF transformers' Gemma2Config / Gemma3TextConfig (defaults, `layer_types`, `rope_parameters`), llama.cpp's
-convert_hf_to_gguf.py (Gemma2Model, Gemma3Model) and llama-model.cpp (what a GGUF leaves implicit: the attention
-scale, Gemma 3's local RoPE base and layer pattern).
+Sources: HF transformers' Gemma2Config / Gemma3TextConfig / Phi3Config (defaults, `layer_types`, `rope_parameters`),
+llama.cpp's convert_hf_to_gguf.py (Gemma2Model, Gemma3Model, Phi3MiniModel) and llama-model.cpp (what a GGUF leaves
+implicit: the attention scale, Gemma 3's local RoPE base and layer pattern).
 """
 
 from __future__ import annotations
@@ -123,3 +124,26 @@ def gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json sets swiglu_limit={limit}; tokenmill runs gpt_oss's clamp with a limit > 0")
     return dict(layer_types=types, sliding_window=int(window) if "sliding_attention" in types else None,
                 attention_sinks=True, o_bias=True, expert_bias=True, swiglu_limit=limit, swiglu_alpha=alpha)
+
+
+def phi3_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's partial rotary of a config.json dict (Phi-4-mini: partial_rotary_factor 0.75, at the top level or in
+    transformers 5's rope_parameters): rotary_dim = int(head_dim * factor), as HF's Phi3RotaryEmbedding; {} when
+    the factor is 1. Raises ValueError for a factor outside (0, 1]."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise ValueError(f"config.json partial_rotary_factor {factor!r} must be a number in (0, 1]")
+    if factor == 1:
+        return {}
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    return {"rotary_dim": int(head_dim * factor)}
+
+
+def phi3_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: int, heads: int,
+                     head_dim: int) -> dict[str, Any]:
+    """Phi-3's partial rotary of GGUF metadata: llama.cpp's converter writes the rotated dims as
+    `rope.dimension_count` (int(factor * hidden) // heads) and no key_length, so head_dim is hidden / heads there;
+    {} when it rotates every dim."""
+    rot = get("rope.dimension_count", None)
+    return {} if rot is None or int(rot) == head_dim else {"rotary_dim": int(rot)}

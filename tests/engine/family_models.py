@@ -1,8 +1,9 @@
 """Tiny random-weight models of the Gemma 2, Gemma 3 text and Phi-3 families, built by HF transformers from each
 family's own config class with its special fields switched on (small sliding windows that the chat-templated
-prompts cross, strong soft-caps, a local and a global RoPE base, LongRoPE past a short original context), saved as
-HF folders beside the real SmolLM2 tokenizer and written as GGUF in the layout llama.cpp's convert_hf_to_gguf.py
-writes (Gemma's norms stored as 1 + weight; Phi-3's fused attn_qkv / ffn_up and its rope_factors_long / _short).
+prompts cross, strong soft-caps, a local and a global RoPE base, LongRoPE past a short original context, and as
+"phi4mini" Phi-4-mini's partial rotary), saved as HF folders beside the real SmolLM2 tokenizer and written as GGUF
+in the layout llama.cpp's convert_hf_to_gguf.py writes (Gemma's norms stored as 1 + weight; Phi-3's fused
+attn_qkv / ffn_up, its rope_factors_long / _short, the rotated dims as rope.dimension_count and no key_length).
 Used by tests/engine/model/test_gemma.py and test_phi3.py.
 """
 
@@ -17,8 +18,8 @@ import torch
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
-SEEDS = {"gemma2": 21, "gemma3_text": 1, "phi3": 25}
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "phi4mini": "phi3"}
+SEEDS = {"gemma2": 21, "gemma3_text": 1, "phi3": 25, "phi4mini": 7}
 WINDOW = 24  # tokens: shorter than every chat-templated prompt, so the sliding layers must apply it
 
 
@@ -48,6 +49,16 @@ def hf_config(family: str, vocab: int):
                                        rope_scaling={"type": "longrope",
                                                      "short_factor": [1.0 + 0.2 * i for i in range(half)],
                                                      "long_factor": [1.5 + 0.7 * i for i in range(half)]})
+    if family == "phi4mini":
+        # Phi-4-mini's shape of the family: partial rotary (12 of 16 dims rotate), LongRoPE factors for those 12,
+        # tied embeddings, no window
+        half = 16 * 3 // 4 // 2
+        return transformers.Phi3Config(vocab_size=vocab, num_hidden_layers=2, sliding_window=None,
+                                       original_max_position_embeddings=32, tie_word_embeddings=True, **SHAPE,
+                                       partial_rotary_factor=0.75,
+                                       rope_scaling={"type": "longrope",
+                                                     "short_factor": [1.0 + 0.3 * i for i in range(half)],
+                                                     "long_factor": [1.2 + 0.8 * i for i in range(half)]})
     raise AssertionError(family)
 
 
@@ -104,8 +115,9 @@ def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if GGUF_ARCH[family] != "phi3":  # llama.cpp's Phi3MiniModel writes no key_length: head_dim is hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_sliding_window(cfg.sliding_window or 0)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
@@ -118,9 +130,10 @@ def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    if family == "phi3":
+    if GGUF_ARCH[family] == "phi3":  # rope.dimension_count: the rotated dims, int(factor * hidden) // heads
         orig = rope["original_max_position_embeddings"]
-        w.add_rope_dimension_count(head_dim)
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                                   // cfg.num_attention_heads)
         w.add_rope_scaling_orig_ctx_len(orig)
         scale = cfg.max_position_embeddings / orig
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))

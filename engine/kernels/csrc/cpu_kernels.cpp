@@ -769,13 +769,13 @@ void rms_norm_kernel(const T* x, int64_t x_stride, const T* residual, T* sum_out
 template <typename T>
 void rope_cache_kernel(const T* qkv, int64_t qkv_stride, const T* cos, const T* sin, const int64_t* slots,
                        T* q_out, T* k_cache, T* v_cache, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim) {
-  const int64_t half = head_dim / 2;
+                       int64_t head_dim, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(head_dim), s(head_dim), x(head_dim), y(head_dim);
+    std::vector<float> c(rotary_dim), s(rotary_dim), x(head_dim), y(head_dim);
     for (int64_t t = begin; t < end; ++t) {
-      load_row(cos + t * head_dim, c.data(), head_dim);
-      load_row(sin + t * head_dim, s.data(), head_dim);
+      load_row(cos + t * rotary_dim, c.data(), rotary_dim);
+      load_row(sin + t * rotary_dim, s.data(), rotary_dim);
       const T* row = qkv + t * qkv_stride;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         load_row(row + h * head_dim, x.data(), head_dim);
@@ -783,6 +783,7 @@ void rope_cache_kernel(const T* qkv, int64_t qkv_stride, const T* cos, const T* 
           y[i] = x[i] * c[i] - x[i + half] * s[i];
           y[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
+        std::copy(x.begin() + rotary_dim, x.end(), y.begin() + rotary_dim);  // partial rotary: the rest pass through
         T* dst = h < num_heads ? q_out + (t * num_heads + h) * head_dim
                                : k_cache + (slots[t] * num_kv_heads + (h - num_heads)) * head_dim;
         store_row(y.data(), dst, head_dim);
@@ -1271,8 +1272,9 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
   return {out, sum};
 }
 
-// qkv [T, (H + 2 Hkv) D] (rows may be strided), cos/sin [T, D] of qkv's dtype, slot_mapping int64 [T], caches
-// [blocks, block_size, Hkv, D] contiguous. Writes K (rotated) and V into the caches; returns rotated Q [T, H, D].
+// qkv [T, (H + 2 Hkv) D] (rows may be strided), cos/sin [T, R] of qkv's dtype (R <= D even: the first R dims of each
+// head rotate, the rest pass through; HF's partial rotary), slot_mapping int64 [T], caches [blocks, block_size, Hkv,
+// D] contiguous. Writes K (rotated) and V into the caches; returns rotated Q [T, H, D].
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slot_mapping, int64_t num_heads) {
@@ -1280,9 +1282,10 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "qkv must be [T, (H + 2 Hkv) D] with contiguous rows");
   TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == tokens && cos.size(1) == head_dim &&
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == tokens &&
+              cos.size(1) >= 2 && cos.size(1) <= head_dim && cos.size(1) % 2 == 0 &&
               cos.scalar_type() == qkv.scalar_type() && sin.sizes() == cos.sizes() &&
-              sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, D] of qkv's dtype, contiguous");
+              sin.scalar_type() == qkv.scalar_type(), "cos/sin must be [T, R <= D, even] of qkv's dtype, contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
               v_cache.scalar_type() == qkv.scalar_type(), "caches must be contiguous, of qkv's dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
@@ -1292,7 +1295,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
     rope_cache_kernel<scalar_t>(qkv.data_ptr<scalar_t>(), qkv.stride(0), cos.data_ptr<scalar_t>(),
                                 sin.data_ptr<scalar_t>(), slot_mapping.data_ptr<int64_t>(), q.data_ptr<scalar_t>(),
                                 k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), tokens, num_heads,
-                                num_kv_heads, head_dim);
+                                num_kv_heads, head_dim, cos.size(1));
   });
   return q;
 }

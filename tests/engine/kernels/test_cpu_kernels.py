@@ -157,6 +157,13 @@ def test_fused_elementwise_kernels_compute_the_decoder_ops(ops: object, dtype: t
     rotated = apply_rope(qk, cos, sin)
     torch.testing.assert_close(q, rotated[:, :heads], **tol)
     torch.testing.assert_close(k_cache.view(-1, kv_heads, head_dim)[slots], rotated[:, heads:], **tol)
+    # partial rotary (Phi-4-mini): the first 3/4 of each head rotate, the rest pass through unchanged
+    rot = head_dim * 3 // 4 // 2 * 2
+    part = ops.rope_write_kv(qkv, cos[:, :rot].contiguous(), sin[:, :rot].contiguous(), k_cache, v_cache, slots, heads)
+    rotated = apply_rope(qk, cos[:, :rot], sin[:, :rot])
+    torch.testing.assert_close(part, rotated[:, :heads], **tol)
+    torch.testing.assert_close(k_cache.view(-1, kv_heads, head_dim)[slots], rotated[:, heads:], **tol)
+    assert torch.equal(part[..., rot:], qk[:, :heads, rot:]) and not torch.equal(part[..., :rot], qk[:, :heads, :rot])
     v = qkv[:, (heads + kv_heads) * head_dim:].reshape(rows, kv_heads, head_dim)
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots], v)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)

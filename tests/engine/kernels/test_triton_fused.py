@@ -121,8 +121,8 @@ def test_silu_and_mul_matches_the_torch_path(dtype: torch.dtype, tokens: int, in
 
 
 def rope_tables(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [T, D] of RoPE at positions 3, 10, 17, ... (base 10000), as engine.layers.rope.RotaryEmbedding builds
-    them."""
+    """cos/sin [T, head_dim] of RoPE at positions 3, 10, 17, ... (base 10000), as engine.layers.rope.RotaryEmbedding
+    builds them (head_dim: the rotated dims, R)."""
     positions = torch.arange(tokens).float() * 7 + 3
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     emb = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
@@ -130,16 +130,17 @@ def rope_tables(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "num_heads", "num_kv_heads", "head_dim"),
-                         [(1, 3, 1, 16), (5, 4, 2, 12), (3, 16, 8, 8)])
+@pytest.mark.parametrize(("tokens", "num_heads", "num_kv_heads", "head_dim", "rotary_dim"),
+                         [(1, 3, 1, 16, 16), (5, 4, 2, 12, 12), (3, 16, 8, 8, 8), (4, 4, 2, 16, 12), (2, 3, 1, 24, 18)])
 def test_rope_write_kv_matches_the_torch_path(dtype: torch.dtype, tokens: int, num_heads: int, num_kv_heads: int,
-                                              head_dim: int) -> None:
-    """head_dim 12: half of it (6) pads to 8 lanes; 16 + 2 * 8 heads: two programs of 16 heads per token. A slot
-    of -1 (the last token when T > 1) writes nothing; every other cache slot keeps what it held."""
+                                              head_dim: int, rotary_dim: int) -> None:
+    """head_dim 12: half of it (6) pads to 8 lanes; 16 + 2 * 8 heads: two programs of 16 heads per token; rotary_dim
+    < head_dim: partial rotary (Phi-4-mini's 0.75), the last dims copied (6 of 24 pad to 8 lanes). A slot of -1 (the
+    last token when T > 1) writes nothing; every other cache slot keeps what it held."""
     torch.manual_seed(tokens * num_heads)
     h, hkv, d = num_heads, num_kv_heads, head_dim
     qkv = randn(tokens, (h + 2 * hkv) * d, dtype=dtype, scale=2.0)
-    cos, sin = rope_tables(tokens, d, dtype)
+    cos, sin = rope_tables(tokens, rotary_dim, dtype)
     k_cache, v_cache = randn(3, 4, hkv, d, dtype=dtype), randn(3, 4, hkv, d, dtype=dtype)
     slots = torch.randperm(12)[:tokens]
     if tokens > 1:
@@ -193,22 +194,22 @@ def test_the_dispatcher_keeps_the_cpu_path_and_switches_off(monkeypatch: pytest.
         triton_fused.triton_fused_ops.cache_clear()
 
 
-def tiny_config() -> ModelConfig:
+def tiny_config(rotary_dim: int | None = None) -> ModelConfig:
     """Two layers, hidden 48 (not a power of two), GQA 3/1 heads of 16, SwiGLU width 80."""
     return ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=3,
-                       num_kv_heads=1, head_dim=16)
+                       num_kv_heads=1, head_dim=16, rotary_dim=rotary_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch,
-                                                             dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "rotary_dim"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 12)])
+def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                             rotary_dim: int | None) -> None:
     """The call sites (engine/model/decoder.py, engine/layers/rms_norm.py) hand their tensors to the Triton ops as they
-    do to the
-    C++ ones: a fused-projection model's hidden states and KV cache after one prefill equal the torch path's."""
+    do to the C++ ones: a fused-projection model's hidden states and KV cache after one prefill equal the torch
+    path's, with full and partial rotary (12 of 16 dims)."""
     import engine.layers.rms_norm
     import engine.model.decoder
 
-    cfg = tiny_config()
+    cfg = tiny_config(rotary_dim)
     torch.manual_seed(0)
     model = LlamaModel(cfg, 64)
     with torch.no_grad():
@@ -292,8 +293,10 @@ for dt in ("bf16", "fp32"):
         compile_kernel(K.rms_norm_kernel, ptrs, dict(HAS_RESIDUAL=residual, BLOCK=128, stride_xc=1), num_warps=1)
     compile_kernel(K.silu_and_mul_kernel, ptrs, dict(BLOCK=1024, stride_c=1))
     compile_kernel(K.silu_and_mul_kernel, ptrs, dict(BLOCK=64))
-    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=128, HALF_PAD=64, BLOCK_H=16))
-    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=80, HALF_PAD=64, BLOCK_H=16))
+    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=128, ROT_DIM=128, HALF_PAD=64, PASS_PAD=1, BLOCK_H=16))
+    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=80, ROT_DIM=80, HALF_PAD=64, PASS_PAD=1, BLOCK_H=16))
+    # partial rotary, Phi-4-mini's head: 72 of 96 dims rotate
+    compile_kernel(K.rope_write_kv_kernel, ptrs, dict(HEAD_DIM=96, ROT_DIM=72, HALF_PAD=64, PASS_PAD=32, BLOCK_H=16))
 print("compiled")
 """
 

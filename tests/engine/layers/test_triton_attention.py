@@ -278,9 +278,9 @@ from engine.kernels import triton_attention_kernels as K
 for dt in ("bf16", "fp32"):
     ptrs = {p: "*" + dt for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     ptrs.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", part_acc_ptr="*fp32",
-                part_m_ptr="*fp32", part_l_ptr="*fp32", scale_log2e="fp32")
+                part_m_ptr="*fp32", part_l_ptr="*fp32", scale_log2e="fp32", softcap_log2e="fp32")
     common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_D=128, BLOCK_N=64, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
-                  BF16_WORKAROUND=False, USE_WINDOW=False)
+                  BF16_WORKAROUND=False, USE_WINDOW=False, SOFTCAP=False)
     for splits in (1, 4):
         compile_kernel(K.paged_decode_kernel, ptrs, dict(common, GROUP=4, BLOCK_H=16, NUM_SPLITS=splits))
     compile_kernel(K.paged_decode_reduce_kernel, ptrs, dict(HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128))
@@ -290,6 +290,10 @@ for dt in ("bf16", "fp32"):
     if dt == "bf16":  # the sliding-window variants (Mistral): split-K decode and the prefill kernel
         compile_kernel(K.paged_decode_kernel, ptrs, dict(common, GROUP=4, BLOCK_H=16, NUM_SPLITS=4, USE_WINDOW=True))
         compile_kernel(K.paged_prefill_kernel, ptrs, dict(common, GROUP=3, BLOCK_M=64, BLOCK_Q=21, USE_WINDOW=True))
+        for window in (False, True):  # soft-capped (Gemma 2's global and sliding layers)
+            capped = dict(common, USE_WINDOW=window, SOFTCAP=True)
+            compile_kernel(K.paged_decode_kernel, ptrs, dict(capped, GROUP=4, BLOCK_H=16, NUM_SPLITS=4))
+            compile_kernel(K.paged_prefill_kernel, ptrs, dict(capped, GROUP=3, BLOCK_M=64, BLOCK_Q=21))
 print("compiled")
 """
 

@@ -13,14 +13,19 @@ HF's own `generate` gives the same tokens on the first prompt.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+if not torch.cuda.is_available():  # before anything imports the Triton kernels: they run interpreted on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
@@ -150,18 +155,27 @@ def test_softcapped_paged_attention_matches_dense_oracle() -> None:
             attention.paged_attention_ref(q, kc, vc, meta, scale, softcap=bad)
 
 
-def test_triton_refuses_softcap_before_work(gemmas, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton kernels do not cap scores: a Gemma 2 engine on that backend fails at construction, naming the
-    fix, and the kernel entry refuses a cap too."""
-    import engine.llm_engine as llm_engine
+def test_gemma2_on_the_triton_backend_matches_hf(gemmas, family_prompts) -> None:
+    """Gemma 2 (soft-capped attention on every layer, sliding windows on every other one) through the whole engine on
+    the Triton kernels: chunked prefill (chunks of 40 tokens, longer than the 24-token window) and decode, greedy
+    tokens equal to HF's. Without CUDA the kernels run in Triton's interpreter (set at this module's import), so
+    fewer prompts and tokens than the parity test above."""
+    pytest.importorskip("triton")
+    from family_models import hf_argmax
+    from triton_testing import skip_without_a_backend
+
     from engine.layers.triton_attention import paged_attention_triton
 
-    monkeypatch.setattr(llm_engine, "select_attention", lambda backend, device: paged_attention_triton)
-    with pytest.raises(ValueError, match="soft-capping.*attention_backend='torch'"):
-        LLMEngine.from_model(str(gemmas["gemma2"][1]), FP32)
-    with pytest.raises(ValueError, match="soft-capping"):
-        paged_attention_triton(torch.zeros(1, 4, 16), torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, 2, 16), None,
-                               0.25, softcap=50.0)
+    skip_without_a_backend("engine.kernels.triton_attention_kernels", "paged_decode_kernel")
+    cfg = EngineConfig(device="cpu" if INTERPRET else "cuda", dtype="float32", num_kv_blocks=128, block_size=8,
+                       max_num_batched_tokens=40, attention_backend="triton", enforce_eager=True)
+    engine = LLMEngine.from_model(str(gemmas["gemma2"][1]), cfg)
+    assert engine.runner.attn_fn is paged_attention_triton
+    prompts = family_prompts[:3]
+    assert min(len(p) for p in prompts) > 40
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ours = [o.output_token_ids for o in outs]
+    assert hf_argmax(gemmas["gemma2"][0], prompts, ours) == ours
 
 
 @pytest.mark.parametrize(("family", "change", "match"), [

@@ -174,8 +174,8 @@ def test_quantized_loads_split_alike(phi3, family_prompts, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
-     r"partial_rotary_factor 0\.75"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}},
+     r"partial_rotary_factor 1\.5 must be a number in \(0, 1\]"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      r"rope_scaling type 'yarn' is not implemented for phi3"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu'"),
@@ -190,6 +190,52 @@ def test_unsupported_phi3_config_is_an_error(change: dict, match: str, phi3, tmp
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
         check_hf_folder(str(bad))
+
+
+@pytest.fixture(scope="module")
+def phi4mini(tmp_path_factory: pytest.TempPathFactory, family_tok, tok_fields) -> tuple:
+    """Phi-4-mini's partial rotary (partial_rotary_factor 0.75: 12 of 16 dims rotate) with LongRoPE and tied
+    embeddings: (HF model fp32, HF folder, GGUF file)."""
+    from family_models import build_hf, save_folder, write_gguf
+
+    root = tmp_path_factory.mktemp("phi4mini")
+    model = build_hf("phi4mini", len(family_tok))
+    folder = save_folder(model, root / "phi4mini", family_tok)
+    write_gguf(root / "phi4mini.gguf", "phi4mini", model, tok_fields)
+    return model, folder, root / "phi4mini.gguf"
+
+
+def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy tokens of the partial-rotary model equal HF's, from the folder and the GGUF, through the C++ fused
+    RoPE-and-KV-write kernel and through the torch path (fused ops off); the config reads rotary_dim 12 from both."""
+    from family_models import hf_argmax, hf_generate
+
+    import engine.model.decoder as decoder
+    from engine.loading.gguf_file import open_gguf, read_gguf_config
+    from engine.loading.hf_folder import read_hf_config
+
+    model, folder, path = phi4mini
+    for cfg in (read_hf_config(str(folder)), read_gguf_config(open_gguf(str(path)))):
+        assert (cfg.head_dim, cfg.rotary_dim, len(cfg.rope_scaling.long_factor)) == (16, 12, 6)
+    prompts = family_prompts[:8]
+    ours = _ours(str(folder), prompts)
+    assert all(len(set(r)) >= 4 for r in ours), "degenerate random model: change the init"
+    assert hf_argmax(model, prompts, ours) == ours
+    assert hf_generate(model, prompts[:1], MAX_TOKENS) == ours[:1]
+    assert _ours(str(path), prompts) == ours
+    monkeypatch.setattr(decoder, "fused_ops", lambda x: None)
+    assert _ours(str(folder), prompts[:4]) == ours[:4]
+
+
+def test_partial_rotary_is_refused_where_the_family_does_not_read_it() -> None:
+    from engine.model.architectures import config_from_hf
+
+    llama = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        config_from_hf({**llama, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is not implemented for llama"):
+        config_from_hf({**llama, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
 
 
 def test_unfused_tensor_in_a_phi3_folder_is_an_error(phi3, tmp_path: Path) -> None:
