@@ -1,7 +1,8 @@
 """Readers of the config fields of the families whose math goes beyond Llama's: Gemma 2, Gemma 3 text (soft-capping,
 the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), from a Hugging
 Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the ModelConfig
-fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError naming the field.
+fields it sets (engine.model.hf_config and engine.loading.gguf_file merge them); what it does not implement is a
+ValueError naming the field.
 
 Sources: HF transformers' Gemma2Config / Gemma3TextConfig (defaults, `layer_types`, `rope_parameters`), llama.cpp's
 convert_hf_to_gguf.py (Gemma2Model, Gemma3Model) and llama-model.cpp (what a GGUF leaves implicit: the attention

@@ -366,7 +366,7 @@ def test_rope_inv_freq_matches_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.layers.rope import rope_inv_freq
-    from engine.model.architectures import config_from_hf
+    from engine.model.hf_config import config_from_hf
 
     scalings = [{"rope_type": "linear", "factor": 4.0},
                 {"rope_type": "dynamic", "factor": 2.0},

@@ -101,7 +101,7 @@ def test_longrope_frequencies_match_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.layers.rope import rope_inv_freq
-    from engine.model.architectures import config_from_hf
+    from engine.model.hf_config import config_from_hf
 
     for attention_factor in (None, 1.3):
         rs = {"type": "su", "original_max_position_embeddings": 4096,
