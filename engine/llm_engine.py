@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -18,11 +17,12 @@ from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
-from engine.output_builder import OutputBuilder, SampleGroups
+from engine.offline_batch import generate_batch
+from engine.output_builder import OutputBuilder
 from engine.outputs import RequestOutput
 from engine.quant.int4_linear import release_int4_sources
 from engine.quant.packed_linear import pack_linears
-from engine.request_builder import CHILD_SEP, RequestBuilder, lpt_key
+from engine.request_builder import RequestBuilder, lpt_key
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
@@ -320,50 +320,9 @@ class LLMEngine:
         requests on the same prompt (_make_requests) and comes back, once all n finished, as one output with
         `samples`; a structured output whose constraint does not compile is an error output like a bad prompt.
         An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
-        Raises ValueError when the lengths of prompts, params and ids differ.
+        Raises ValueError when the lengths of prompts, params and ids differ; RuntimeError while an EngineLoop runs
+        this engine. The batch runs over the step API (engine.offline_batch.generate_batch).
         """
-        if self.has_unfinished:
-            raise RuntimeError("generate called while this engine runs other requests (an engine.loop.engine_loop."
-                               "EngineLoop owns it): submit to that loop instead")
-        start = time.perf_counter()
-        prepared = self.make_requests(prompts, sampling_params, request_ids=request_ids,
-                                      use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
-        outputs: list[RequestOutput | None] = [None] * len(prepared)
-        owner: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, samples of that prompt)
-        requests: list[Request] = []
-        for i, item in enumerate(prepared):
-            if isinstance(item, RequestOutput):
-                outputs[i] = item
-                if on_output:
-                    on_output(item)
-                continue
-            requests.extend(item)
-            owner.update((req.request_id, (i, len(item))) for req in item)
-        ids = [o.request_id if isinstance(o, RequestOutput) else
-               o[0].request_id if len(o) == 1 else o[0].request_id.rsplit(CHILD_SEP, 1)[0] for o in prepared]
-        self.add_requests(requests)
-        samples = SampleGroups()
-        try:
-            while self.has_unfinished:
-                if should_stop is not None and should_stop():
-                    for out in self.abort_all():
-                        i = owner[out.request_id][0]
-                        out.request_id = ids[i]
-                        outputs[i] = out
-                    break
-                for req in self.step():
-                    i, num_samples = owner[req.request_id]
-                    out = self.output_of(req, start)
-                    if num_samples > 1:  # one of n samples: the prompt's output once all n are in
-                        out = samples.add(i, num_samples, out, ids[i])
-                        if out is None:
-                            continue
-                    outputs[i] = out
-                    if on_output:
-                        on_output(out)
-        except BaseException:
-            # A failed step or callback: leave the engine as it was before the call (no request left queued, every
-            # block freed), so the next generate on this long-lived engine starts clean.
-            self.abort_all()
-            raise
-        return [o for o in outputs if o is not None]
+        return generate_batch(self, prompts, sampling_params, request_ids=request_ids,
+                              use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,
+                              on_output=on_output, should_stop=should_stop)

@@ -26,7 +26,8 @@ from engine.loading.hf_quantized import (
     refuse_unmarked_quantized,
 )
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
-from engine.model.architectures import config_from_hf, get_architecture
+from engine.model.architectures import get_architecture
+from engine.model.hf_config import config_from_hf
 from engine.model.tensor_names import LM_HEAD, check_tensor_names, split_fused
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def is_hf_folder(path: str) -> bool:
 
 def read_hf_config(path: str) -> ModelConfig:
     """ModelConfig of the HF folder at `path`: config.json through its architecture's registry entry, plus
-    generation_config.json's stop tokens (engine.model.architectures.config_from_hf). Raises ValueError as that does."""
+    generation_config.json's stop tokens (engine.model.hf_config.config_from_hf). Raises ValueError as that does."""
     config = json.loads(Path(path, HF_CONFIG_FILE).read_text())
     gen_path = Path(path, "generation_config.json")
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None

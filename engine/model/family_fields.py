@@ -2,7 +2,8 @@
 the extra norms, the embedding scale, per-layer sliding/global attention, Gemma 3's two RoPE bases), Phi-3's
 partial rotary (Phi-4-mini) and gpt-oss (attention sinks, biases, clamped SwiGLU, alternating windows), from a
 Hugging Face `config.json` dict or from GGUF metadata as llama.cpp's converter writes it. Each returns the
-ModelConfig fields it sets (engine.model.architectures merges them); what it does not implement is a ValueError
+ModelConfig fields it sets (engine.model.hf_config and engine.loading.gguf_file merge
+them); what it does not implement is a ValueError
 naming the field.
 
 Sources: HF transformers' Gemma2Config / Gemma3TextConfig / Phi3Config (defaults, `layer_types`, `rope_parameters`),

@@ -149,7 +149,7 @@ def test_a_q4_k_gguf_runs_small_steps_on_its_super_blocks(gguf_path: str, alpaca
     written as llama.cpp lays them out) keeps them as blocks, and its greedy tokens are the packed GEMMs'."""
     import gguf
     import transformers
-    from test_families import write_gguf
+    from llama_family_models import write_gguf
 
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -15,175 +15,32 @@ EPYC).
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-ROOT = Path(__file__).resolve().parents[3]
+from llama_family_models import (  # noqa: E402  (tests/engine, on sys.path through tests/engine/conftest.py)
+    FAMILIES,
+    FP32,
+    MAX_TOKENS,
+    build_family,
+    copy_folder,
+    edit_config,
+    hf_argmax,
+    hf_greedy,
+    our_greedy,
+    write_gguf,
+)
+
 NUM_PROMPTS = 16
-MAX_TOKENS = 32
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-
-
-def _hf_config(family: str, vocab: int):
-    """The family's HF config with its special fields on."""
-    if family == "llama":
-        return transformers.LlamaConfig(vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=False, **SHAPE,
-                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 64})
-    if family == "qwen2":
-        return transformers.Qwen2Config(vocab_size=vocab, rope_theta=1e6, tie_word_embeddings=True,
-                                        use_sliding_window=False, **SHAPE,
-                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                      "original_max_position_embeddings": 64})
-    if family == "qwen3":
-        return transformers.Qwen3Config(vocab_size=vocab, rope_theta=1e6, head_dim=32, tie_word_embeddings=False,
-                                        use_sliding_window=False, **SHAPE)
-    if family == "mistral":
-        # A window shorter than every chat-templated prompt: the attention paths must apply it
-        # (engine.layers.attention).
-        return transformers.MistralConfig(vocab_size=vocab, rope_theta=1e6, sliding_window=24, head_dim=16,
-                                          tie_word_embeddings=False, **SHAPE,
-                                          rope_scaling={"rope_type": "linear", "factor": 2.0})
-    raise AssertionError(family)
-
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute: rotate-half Q/K rows to interleaved pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama3_rope_factors(cfg) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3's rope_freqs."""
-    rs = cfg.rope_parameters
-    dim = cfg.hidden_size // cfg.num_attention_heads
-    freqs = 1.0 / (rs["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    old, low, high, factor = (rs["original_max_position_embeddings"], rs["low_freq_factor"],
-                              rs["high_freq_factor"], rs["factor"])
-    out = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-_TOKENIZER_FIELDS: dict[str, list] = {}
-
-
-def _tokenizer_fields(tokenizer_gguf: str) -> list:
-    """(key, value, type, sub_type) of every tokenizer.* field of a GGUF file (read once: seconds)."""
-    if tokenizer_gguf not in _TOKENIZER_FIELDS:
-        reader = gguf.GGUFReader(tokenizer_gguf)
-        _TOKENIZER_FIELDS[tokenizer_gguf] = [
-            (name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-            for name, f in reader.fields.items() if name.startswith("tokenizer.")]
-    return _TOKENIZER_FIELDS[tokenizer_gguf]
-
-
-def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[str, np.ndarray] | None = None,
-               quantized: dict[str, tuple[np.ndarray, object]] | None = None) -> None:
-    """The model as llama.cpp's converter writes it (F32 tensors), with the tokenizer fields of `tokenizer_gguf`;
-    `quantized` (GGUF name -> (raw bytes [N, row bytes], gguf.GGMLQuantizationType)) replaces those tensors."""
-    cfg = model.config
-    arch = GGUF_ARCH[family]
-    w = gguf.GGUFWriter(str(path), arch)
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
-    if getattr(cfg, "sliding_window", None):
-        w.add_sliding_window(cfg.sliding_window)
-    rs = cfg.rope_parameters
-    if rs.get("rope_type") in ("linear", "yarn"):
-        kind = gguf.RopeScalingType.LINEAR if rs["rope_type"] == "linear" else gguf.RopeScalingType.YARN
-        w.add_rope_scaling_type(kind)
-        w.add_rope_scaling_factor(rs["factor"])
-        if rs["rope_type"] == "yarn":
-            w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
-    for name, value, vtype, sub in _tokenizer_fields(tokenizer_gguf):
-        w.add_key_value(name, value, vtype, sub_type=sub)
-    tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], cfg.num_hidden_layers)
-    tensors = {}
-    if rs.get("rope_type") == "llama3":
-        tensors["rope_freqs.weight"] = _llama3_rope_factors(cfg)
-    for name, t in model.state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        a = t.detach().float().numpy()
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            a = _permute(a, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            a = _permute(a, kv)
-        tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
-    tensors.update(extra or {})
-    for name, a in tensors.items():
-        if quantized and name in quantized:
-            raw, qtype = quantized[name]
-            w.add_tensor(name, np.ascontiguousarray(raw, dtype=np.uint8), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def build_family(root: Path, family: str, gguf_path: str, hf_tok) -> tuple[object, Path, Path]:
-    """(HF model fp32, HF folder, GGUF file) of a tiny random model of `family`."""
-    cfg = _hf_config(family, len(hf_tok))
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[family])
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # a scale that gives varied greedy text; biases and q/k norms random so they matter
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.15)
-    folder = root / family
-    model.save_pretrained(folder)
-    hf_tok.save_pretrained(folder)
-    gen = {"eos_token_id": [2, 0], "bos_token_id": 1} if family == "llama" else {"eos_token_id": 2}
-    (folder / "generation_config.json").write_text(json.dumps(gen))
-    path = root / f"{family}.gguf"
-    write_gguf(path, family, model, gguf_path)
-    return model, folder, path
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -219,46 +76,16 @@ def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str
                                                      tokenize=False), add_special_tokens=False) for t in texts]
 
 
-def _hf_argmax(model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
-    """HF's greedy choice at each position of `outputs` given its prompt and the output tokens before it (one
-    forward per prompt). Equals `outputs` exactly when HF's greedy generation of MAX_TOKENS (no EOS stop) does."""
-    out = []
-    with torch.no_grad():
-        for ids, seq in zip(prompt_ids, outputs, strict=True):
-            out.append(model(torch.tensor([ids + seq])).logits[0, len(ids) - 1:-1].argmax(-1).tolist())
-    return out
-
-
-def _hf_greedy(model, prompt_ids: list[list[int]]) -> list[list[int]]:
-    gen = transformers.GenerationConfig(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            seq = model.generate(torch.tensor([ids]), generation_config=gen)[0, len(ids):].tolist()
-            out.append(seq)
-    return out
-
-
-FP32 = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=16,
-                    max_num_batched_tokens=512)
-
-
-def _ours(model: str, prompt_ids: list[list[int]], config: EngineConfig = FP32) -> list[list[int]]:
-    engine = LLMEngine.from_model(model, config)
-    outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    return [o.output_token_ids for o in outs]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_from_folder_and_gguf(family: str, families, prompt_ids) -> None:
     model, folder, path = families[family]
-    ours = _ours(str(folder), prompt_ids)
+    ours = our_greedy(str(folder), prompt_ids)
     assert all(len(r) == MAX_TOKENS for r in ours)
     assert all(len(set(r)) >= 4 for r in ours), "degenerate random model: raise the init scale"
     assert len({t for r in ours for t in r}) > 60
-    assert _hf_argmax(model, prompt_ids, ours) == ours
-    assert _hf_greedy(model, prompt_ids[:1]) == ours[:1]
-    assert _ours(str(path), prompt_ids) == ours
+    assert hf_argmax(model, prompt_ids, ours) == ours
+    assert hf_greedy(model, prompt_ids[:1]) == ours[:1]
+    assert our_greedy(str(path), prompt_ids) == ours
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -366,7 +193,7 @@ def test_rope_inv_freq_matches_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.layers.rope import rope_inv_freq
-    from engine.model.architectures import config_from_hf
+    from engine.model.hf_config import config_from_hf
 
     scalings = [{"rope_type": "linear", "factor": 4.0},
                 {"rope_type": "dynamic", "factor": 2.0},
@@ -393,24 +220,12 @@ def test_rope_inv_freq_matches_transformers() -> None:
 
 # ---- never silently wrong ---------------------------------------------------------------------------------------
 
-def _copy(folder: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "model"
-    shutil.copytree(folder, out)
-    return out
-
-
-def _edit_config(folder: Path, **changes: object) -> None:
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(changes)
-    (folder / "config.json").write_text(json.dumps(cfg))
-
-
 def test_extra_tensor_is_an_error(families, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from engine.loading.hf_folder import check_hf_folder
 
-    bad = _copy(families["qwen2"][1], tmp_path)
+    bad = copy_folder(families["qwen2"][1], tmp_path)
     tensors = load_file(bad / "model.safetensors")
     tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
@@ -441,8 +256,8 @@ def test_extra_gguf_tensor_is_an_error(families, gguf_path: str, tmp_path: Path)
 def test_unsupported_config_is_an_error(change: dict, match: str, families, tmp_path: Path) -> None:
     from engine.loading.hf_folder import check_hf_folder
 
-    bad = _copy(families["llama"][1], tmp_path)
-    _edit_config(bad, rope_parameters=None, **change)
+    bad = copy_folder(families["llama"][1], tmp_path)
+    edit_config(bad, rope_parameters=None, **change)
     with pytest.raises(ValueError, match=match):
         check_hf_folder(str(bad))
 
@@ -450,18 +265,18 @@ def test_unsupported_config_is_an_error(change: dict, match: str, families, tmp_
 def test_qwen_per_layer_window_is_an_error(families, tmp_path: Path) -> None:
     from engine.loading.hf_folder import read_hf_config
 
-    folder = _copy(families["qwen2"][1], tmp_path)
-    _edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)
+    folder = copy_folder(families["qwen2"][1], tmp_path)
+    edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)
     with pytest.raises(ValueError, match="sliding window on some layers only"):
         read_hf_config(str(folder))
-    _edit_config(folder, max_window_layers=0)
+    edit_config(folder, max_window_layers=0)
     assert read_hf_config(str(folder)).sliding_window == 16
 
 
 def test_nan_weights_are_an_error(families, tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    bad = _copy(families["qwen3"][1], tmp_path)
+    bad = copy_folder(families["qwen3"][1], tmp_path)
     tensors = load_file(bad / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
@@ -477,36 +292,4 @@ def test_sharded_folder_loads(families, prompt_ids, tmp_path: Path) -> None:
     assert (out / "model.safetensors.index.json").is_file()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(folder / f, out / f)
-    assert _ours(str(out), prompt_ids[:4]) == _ours(str(folder), prompt_ids[:4])
-
-
-def test_cli_refuses_bad_folder_before_work(families, gsm8k_questions, tmp_path: Path) -> None:
-    """`tokenmill run --model DIR` with an unknown architecture exits 2 naming it, and writes nothing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    bad = _copy(families["llama"][1], tmp_path)
-    _edit_config(bad, model_type="falcon")
-    data = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"question": gsm8k_questions[:2]}), data)
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(data), str(out), "--prompt-column",
-                           "question", "--model", str(bad)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "'falcon' is not supported" in proc.stderr + proc.stdout
-    assert not out.exists() or not any(out.iterdir())
-
-
-def test_max_model_len_is_checked_against_an_hf_folder_context(families) -> None:
-    """`--max-model-len` is bounded by a Hugging Face folder's own context (config.json), before any work."""
-    from jobs.errors import JobError
-    from jobs.preflight import check_max_model_len, model_context
-
-    model, folder, _ = families["qwen3"]
-    shape = model_context(str(folder))
-    assert shape == {"context": model.config.max_position_embeddings, "layers": model.config.num_hidden_layers,
-                     "kv_heads": model.config.num_key_value_heads, "head_dim": model.config.head_dim}
-    check_max_model_len(str(folder), "cpu", "float32", shape["context"], 1.0)
-    with pytest.raises(JobError, match=f"more than the context of qwen3, {shape['context']} tokens"):
-        check_max_model_len(str(folder), "cpu", "float32", shape["context"] + 1, 1.0)
+    assert our_greedy(str(out), prompt_ids[:4]) == our_greedy(str(folder), prompt_ids[:4])

@@ -191,8 +191,9 @@ def test_config_fields_and_refusals(gpt_oss) -> None:
     from engine.config import ModelConfig
     from engine.loading.hf_folder import read_hf_config
     from engine.loading.hf_quantized import read_quant_format
-    from engine.model.architectures import config_from_hf, describe, gguf_architecture
+    from engine.model.architectures import describe, gguf_architecture
     from engine.model.decoder import LlamaModel
+    from engine.model.hf_config import config_from_hf
     from engine.worker.model_runner import ModelRunner
 
     _, folder, _, mx_folder = gpt_oss

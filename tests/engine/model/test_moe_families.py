@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_families import FP32, MAX_TOKENS, _hf_argmax, _hf_greedy, _ours, _permute, _tokenizer_fields
+from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy, permute, tokenizer_fields
 
 from engine import LLMEngine
 
@@ -86,7 +86,7 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
         w.add_sliding_window(cfg["sliding_window"])
     if weights_norm is not None:
         w.add_expert_weights_norm(weights_norm)
-    for name, value, vtype, sub in _tokenizer_fields(tokenizer_gguf):
+    for name, value, vtype, sub in tokenizer_fields(tokenizer_gguf):
         w.add_key_value(name, value, vtype, sub_type=sub)
     tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
     tensors, per_expert = {}, {}
@@ -97,9 +97,9 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
             continue
         a = t.numpy()
         if arch == "llama" and name.endswith("q_proj.weight"):
-            a = _permute(a, heads)
+            a = permute(a, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
-            a = _permute(a, kv)
+            a = permute(a, kv)
         tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
     for (bid, block, proj), parts in per_expert.items():
         merged = (f"layers.{bid}.feed_forward.experts.{proj}" if block == "block_sparse_moe"
@@ -161,12 +161,12 @@ def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_hf_from_folder_and_gguf(family: str, moe_families, prompt_ids) -> None:
     model, folder, path = moe_families[family]
-    ours = _ours(str(folder), prompt_ids)
+    ours = our_greedy(str(folder), prompt_ids)
     assert all(len(r) == MAX_TOKENS for r in ours)
     assert all(len(set(r)) >= 4 for r in ours), "degenerate random model: raise the init scale"
-    assert _hf_argmax(model, prompt_ids, ours) == ours
-    assert _hf_greedy(model, prompt_ids[:1]) == ours[:1]
-    assert _ours(str(path), prompt_ids) == ours
+    assert hf_argmax(model, prompt_ids, ours) == ours
+    assert hf_greedy(model, prompt_ids[:1]) == ours[:1]
+    assert our_greedy(str(path), prompt_ids) == ours
 
 
 def test_routing_uses_several_experts(moe_families, prompt_ids) -> None:

@@ -101,7 +101,7 @@ def test_longrope_frequencies_match_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.layers.rope import rope_inv_freq
-    from engine.model.architectures import config_from_hf
+    from engine.model.hf_config import config_from_hf
 
     for attention_factor in (None, 1.3):
         rs = {"type": "su", "original_max_position_embeddings": 4096,
@@ -228,7 +228,7 @@ def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch:
 
 
 def test_partial_rotary_is_refused_where_the_family_does_not_read_it() -> None:
-    from engine.model.architectures import config_from_hf
+    from engine.model.hf_config import config_from_hf
 
     llama = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                  num_attention_heads=4)

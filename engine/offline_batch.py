@@ -1,0 +1,97 @@
+"""The offline batch of LLMEngine.generate: every prompt's requests queued up front, stepped to the end, and the
+outputs in the order of the prompts. It drives the engine through its step API only (make_requests, add_requests,
+step, output_of, abort_all), as engine.loop.engine_loop.EngineLoop does for requests that come over time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from engine.core.request import Request
+from engine.output_builder import SampleGroups
+from engine.outputs import RequestOutput
+from engine.request_builder import CHILD_SEP
+from engine.sampling_params import SamplingParams
+from engine.text.prompts import Prompt
+
+
+class StepEngine(Protocol):
+    """The part of engine.llm_engine.LLMEngine that `generate_batch` uses (documented there)."""
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    def make_requests(self, prompts: Sequence[Prompt],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
+                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]: ...
+
+    def add_requests(self, requests: Sequence[Request]) -> None: ...
+
+    def step(self) -> Iterable[Request]: ...
+
+    def output_of(self, req: Request, start: float) -> RequestOutput: ...
+
+    def abort_all(self) -> list[RequestOutput]: ...
+
+
+def generate_batch(
+    engine: StepEngine,
+    prompts: Sequence[Prompt],
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    request_ids: Sequence[str] | None = None,
+    use_chat_template: bool = True,
+    allow_special_tokens: bool = False,
+    on_output: Callable[[RequestOutput], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[RequestOutput]:
+    """`engine.generate(...)`: engine.llm_engine.LLMEngine.generate documents the arguments, the order of admission,
+    error and abort outputs, n > 1 samples and the exceptions (ValueError for lengths that differ; RuntimeError when
+    the engine already runs requests). On any exception every unfinished request is aborted before it propagates."""
+    if engine.has_unfinished:
+        raise RuntimeError("generate called while this engine runs other requests (an engine.loop.engine_loop."
+                           "EngineLoop owns it): submit to that loop instead")
+    start = time.perf_counter()
+    prepared = engine.make_requests(prompts, sampling_params, request_ids=request_ids,
+                                    use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
+    outputs: list[RequestOutput | None] = [None] * len(prepared)
+    owner: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, samples of that prompt)
+    requests: list[Request] = []
+    for i, item in enumerate(prepared):
+        if isinstance(item, RequestOutput):
+            outputs[i] = item
+            if on_output:
+                on_output(item)
+            continue
+        requests.extend(item)
+        owner.update((req.request_id, (i, len(item))) for req in item)
+    ids = [o.request_id if isinstance(o, RequestOutput) else
+           o[0].request_id if len(o) == 1 else o[0].request_id.rsplit(CHILD_SEP, 1)[0] for o in prepared]
+    engine.add_requests(requests)
+    samples = SampleGroups()
+    try:
+        while engine.has_unfinished:
+            if should_stop is not None and should_stop():
+                for out in engine.abort_all():
+                    i = owner[out.request_id][0]
+                    out.request_id = ids[i]
+                    outputs[i] = out
+                break
+            for req in engine.step():
+                i, num_samples = owner[req.request_id]
+                out = engine.output_of(req, start)
+                if num_samples > 1:  # one of n samples: the prompt's output once all n are in
+                    out = samples.add(i, num_samples, out, ids[i])
+                    if out is None:
+                        continue
+                outputs[i] = out
+                if on_output:
+                    on_output(out)
+    except BaseException:
+        # A failed step or callback: leave the engine as it was before the call (no request left queued, every
+        # block freed), so the next generate on this long-lived engine starts clean.
+        engine.abort_all()
+        raise
+    return [o for o in outputs if o is not None]
