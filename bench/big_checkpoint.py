@@ -1,8 +1,8 @@
 """Write a synthetic GPTQ checkpoint of a real big shape (Llama-3.1-70B, Qwen2.5-72B) for the one-GPU 70B run of
 issue 42: random integers and scales in the GPTQ format, shard by shard, never a bf16 copy of a quantized layer.
 
-    python bench/big_checkpoint.py /tmp/big-gptq --shape llama-3.1-70b      # about 39 GB on disk
-    python bench/big_checkpoint.py /tmp/tiny-gptq --shape tiny              # what the tests write
+    python -m bench.big_checkpoint /tmp/big-gptq --shape llama-3.1-70b      # about 39 GB on disk
+    python -m bench.big_checkpoint /tmp/tiny-gptq --shape tiny              # what the tests write
 
 Format (AutoGPTQ / GPTQModel `QuantLinear.pack`, `quant_method: gptq`, checkpoint format v1; what
 engine.loading.gptq_awq reads): bits 4, group_size 128, sym, desc_act false. Per projection of out_features N and

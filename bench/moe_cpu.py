@@ -13,26 +13,22 @@ expert width 384 (Qwen3-30B-A3B: 2048, 768), 64 experts, top-8 (Qwen3: 128, top-
 memory as in a model (--layers copies cycled; 4 layers of the default shape are 300 MB of fp32).
 
 Usage:
-    python bench/moe_cpu.py                                  # bf16 and fp32, T = 32, 128, 512, 2048
-    python bench/moe_cpu.py --dtype bfloat16 --tokens 512 --experts 128 --hidden 2048 --inter 768
+    python -m bench.moe_cpu                                  # bf16 and fp32, T = 32, 128, 512, 2048
+    python -m bench.moe_cpu --dtype bfloat16 --tokens 512 --experts 128 --hidden 2048 --inter 768
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.config import ModelConfig  # noqa: E402
-from engine.kernels.cpu_kernels import cpu_ops  # noqa: E402
-from engine.layers.moe import SparseMoE  # noqa: E402
-from engine.layers.rms_norm import fused_ops  # noqa: E402
-from engine.quant.packed_linear import PackedLinear, can_pack, pack_linears  # noqa: E402
+from engine.config import ModelConfig
+from engine.kernels.cpu_kernels import cpu_ops
+from engine.layers.moe import SparseMoE
+from engine.layers.rms_norm import fused_ops
+from engine.quant.packed_linear import PackedLinear, can_pack, pack_linears
 
 
 def moe_blocks(args: argparse.Namespace, dtype: torch.dtype) -> list[SparseMoE]:
