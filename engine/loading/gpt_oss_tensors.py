@@ -16,9 +16,10 @@ number times a power of two: exact in fp32 and bf16.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch only where tensors are read: the CLI's preflight imports hf_folder, and the client never
+    import torch  # loads torch (tests/jobs/test_cli_imports.py)
 
 #: The 16 FP4 E2M1 values by code (sign bit 3, then 2 exponent bits and 1 mantissa bit): OCP MX v1.0, section 5.3.3.
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -29,8 +30,8 @@ _E8M0_BIAS = 127
 _PROJECTIONS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """MXFP4 values as `dtype` (exact for fp32 and bf16).
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """MXFP4 values as `dtype` (default fp32; exact for fp32 and bf16).
 
     Args:
         blocks: uint8 [..., G, 16]: 32 FP4 E2M1 codes per group, two per byte, the low nibble the earlier value.
@@ -40,6 +41,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     Raises:
         ValueError when the dtypes or shapes do not fit.
     """
+    import torch
+
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 2 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
@@ -48,7 +51,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], MXFP4_BLOCK)
     values = torch.ldexp(lut[codes.long()], scales.to(torch.int32)[..., None] - _E8M0_BIAS)
-    return values.reshape(*blocks.shape[:-2], -1).to(dtype)
+    return values.reshape(*blocks.shape[:-2], -1).to(torch.float32 if dtype is None else dtype)
 
 
 def stacked_expert_index(index: dict[str, tuple[tuple[str, str], ...]], source: str

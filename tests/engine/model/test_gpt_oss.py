@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_families import FP32, MAX_TOKENS, _hf_argmax, _hf_greedy, _ours
+from family_models import hf_argmax as _hf_argmax
+from llama_family_models import FP32, MAX_TOKENS
+from llama_family_models import hf_greedy as _hf_greedy
+from llama_family_models import our_greedy as _ours
 
 transformers = pytest.importorskip("transformers")
 
