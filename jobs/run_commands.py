@@ -77,9 +77,12 @@ class Reporter:
             self._line()  # the last state, so log readers see where the job ended
 
 
-def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
+def _print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFit | None = None) -> None:
+    """The job's summary on stdout (a table, or one JSON object), then its warnings and notes on stderr; `fit`: the
+    preflight's memory fit of this machine's workers (jobs.model_fit), a row of the table / "memory" in the JSON."""
     if as_json:
-        print(json.dumps({"event": "summary", "output": output, **summary.as_dict()}))
+        memory = {} if fit is None else {"memory": fit.line()}
+        print(json.dumps({"event": "summary", "output": output, **summary.as_dict(), **memory}))
         _warn_no_row_ran(summary)
         _warn_ids(summary)
         _note_repinned(summary)
@@ -97,6 +100,7 @@ def _print_summary(summary: JobSummary, output: str, as_json: bool) -> None:
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
                                    f"({summary.device_s_lost:.1f} device-seconds lost)"),
         ("dtype / quantization", ran_in(summary.dtypes, summary.quantizations)),
+        *([] if fit is None else [("memory (preflight)", fit.line().removeprefix("memory "))]),
     ]:
         t.add_row(k, v)
     out.print(t)
@@ -203,8 +207,6 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
         fit = spec_fit(spec, spec.model)
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e
-    if fit is not None and not as_json:
-        err.print(fit.line())
     if dry_run:
         return _print_forecast(spec, as_json, set_by, fit)
     reporter = Reporter()
@@ -229,7 +231,7 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
-    _print_summary(summary, spec.output, as_json)
+    _print_summary(summary, spec.output, as_json, fit)
     if interrupt.signum is not None and (summary.stopped or summary.cancelled):
         interrupt.lift()
         err.print(f"interrupted by {interrupt.name}: the running shards committed their finished rows and stopped "

@@ -61,9 +61,11 @@ def _gguf_tokenizer_cache(path: str) -> Path:
 
 
 # GGUF `general.architecture` -> the transformers model_type load_gguf_checkpoint gives it (it renames qwen2moe and
-# qwen3moe, and gemma3 to gemma3_text): the architectures tokenmill runs (engine.model.architectures).
+# qwen3moe, gemma3 to gemma3_text and gpt-oss to gpt_oss): the architectures tokenmill runs
+# (engine.model.architectures).
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                     "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+                     "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3",
+                     "gpt-oss": "gpt_oss"}
 
 
 def _build_gguf_tokenizer(path: str) -> Any:
