@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,12 +43,15 @@ def _wait(what: str, found: object) -> None:
     raise AssertionError(f"no {what} after {WAIT_S:g} s: the hold never began ({found})")
 
 
-def held_pid(claim: Path) -> int:
-    """The pid of the worker process that holds (it writes the claim file as the hold begins); waits for it."""
+def held_pid(claim: Path, process: subprocess.Popen | None = None) -> int:
+    """The pid of the worker process that holds (it writes the claim file as the hold begins); waits for it, or
+    fails once `process` (the run whose workers hold) has exited."""
     deadline = time.monotonic() + WAIT_S
     while not claim.exists():
         if time.monotonic() > deadline:
             _wait("claim file", claim)
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run exited ({process.returncode}) before any shard was held")
         time.sleep(0.02)
     return int(claim.read_text())
 
