@@ -56,10 +56,12 @@ def held_pid(claim: Path, process: subprocess.Popen | None = None) -> int:
     return int(claim.read_text())
 
 
-def held_attempts(out: Path, claim: Path, shards: int = 1) -> tuple[int, list[tuple[str, int]]]:
+def held_attempts(out: Path, claim: Path, shards: int = 1,
+                  process: subprocess.Popen | None = None) -> tuple[int, list[tuple[str, int]]]:
     """Wait until a worker holds and `shards` of its attempts under the local OUTPUT `out` (start records with its
-    pid) have each committed a checkpoint part; return (its pid, [(shard id, attempt number)])."""
-    pid = held_pid(claim)
+    pid) have each committed a checkpoint part; return (its pid, [(shard id, attempt number)]). Fails once
+    `process` (the run whose workers hold) has exited."""
+    pid = held_pid(claim, process)
     deadline = time.monotonic() + WAIT_S
     while True:
         held = []
@@ -76,4 +78,6 @@ def held_attempts(out: Path, claim: Path, shards: int = 1) -> tuple[int, list[tu
             return pid, held
         if time.monotonic() > deadline:
             _wait(f"{shards} committed parts of held attempts", held)
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run exited ({process.returncode}) before its held shards committed a part")
         time.sleep(0.02)
