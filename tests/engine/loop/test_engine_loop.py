@@ -50,9 +50,16 @@ def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, 
     seen: dict[str, list[tuple[int, str, str]]] = {"a": [], "b": []}
     results: dict[str, list[RequestOutput]] = {}
 
+    b_submitted = threading.Event()
+
     def submitter(name: str, prompts: list[str]) -> None:
-        # Both use ids "0".."4": ids need only be unique within a submission.
-        sub = loop.submit(prompts, PARAMS, clock=clocks[name])
+        # Both use ids "0".."4": ids need only be unique within a submission. a's should_stop (polled by the step
+        # thread before every step) holds the loop until b has submitted: the two share steps however the threads
+        # are scheduled (a's 12 tokens could all be generated before a starved thread b submits).
+        hold = (lambda: not b_submitted.wait(120)) if name == "a" else None
+        sub = loop.submit(prompts, PARAMS, clock=clocks[name], should_stop=hold)
+        if name == "b":
+            b_submitted.set()
         results[name] = sub.run(lambda i, out: seen[name].append((i, out.request_id, threading.current_thread().name)))
 
     clocks = {"a": loop.clock(), "b": loop.clock()}
