@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import hold_shard_preload
@@ -43,25 +42,25 @@ def _wait(what: str, found: object) -> None:
     raise AssertionError(f"no {what} after {WAIT_S:g} s: the hold never began ({found})")
 
 
-def held_pid(claim: Path, process: subprocess.Popen | None = None) -> int:
+def held_pid(claim: Path, running: Callable[[], bool] | None = None) -> int:
     """The pid of the worker process that holds (it writes the claim file as the hold begins); waits for it, or
-    fails once `process` (the run whose workers hold) has exited."""
+    fails once `running()` (whether the run whose workers should hold goes on) is False."""
     deadline = time.monotonic() + WAIT_S
     while not claim.exists():
         if time.monotonic() > deadline:
             _wait("claim file", claim)
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the run exited ({process.returncode}) before any shard was held")
+        if running is not None and not running():
+            raise AssertionError("the run ended before any shard was held")
         time.sleep(0.02)
     return int(claim.read_text())
 
 
 def held_attempts(out: Path, claim: Path, shards: int = 1,
-                  process: subprocess.Popen | None = None) -> tuple[int, list[tuple[str, int]]]:
+                  running: Callable[[], bool] | None = None) -> tuple[int, list[tuple[str, int]]]:
     """Wait until a worker holds and `shards` of its attempts under the local OUTPUT `out` (start records with its
     pid) have each committed a checkpoint part; return (its pid, [(shard id, attempt number)]). Fails once
-    `process` (the run whose workers hold) has exited."""
-    pid = held_pid(claim, process)
+    `running()` (whether the run whose workers should hold goes on) is False."""
+    pid = held_pid(claim, running)
     deadline = time.monotonic() + WAIT_S
     while True:
         held = []
@@ -78,6 +77,6 @@ def held_attempts(out: Path, claim: Path, shards: int = 1,
             return pid, held
         if time.monotonic() > deadline:
             _wait(f"{shards} committed parts of held attempts", held)
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the run exited ({process.returncode}) before its held shards committed a part")
+        if running is not None and not running():
+            raise AssertionError(f"the run ended before its held shards committed a part ({held})")
         time.sleep(0.02)

@@ -14,8 +14,8 @@ restarted or another worker runs through.
 
 How: EngineLoop.submit gets a `should_stop` (polled by the loop's step thread before every step) that, once the
 hold begins, returns only when the shard's own one says stop. Finished rows are counted per submission from
-LLMEngine.step, in that same thread, so the count is never behind the engine. Nothing is patched until Dask calls
-`dask_setup`: a test may import this module (for `arm`) without changing its own process.
+LLMEngine.step, in that same thread, so the count is never behind the engine. Nothing is patched until the
+process is armed: a test may import this module (for `arm`) without changing its own process.
 
 Environment (read by dask_setup): HOLD_SHARD_CLAIM (the claim file; unset: not armed), HOLD_SHARD_AFTER_ROWS
 (default 2), HOLD_SHARD_SHARDS (default 1).
@@ -42,6 +42,7 @@ _holder: list[bool] = []  # [whether this process holds], once decided per armin
 def arm(claim: str, after_rows: int = 2, shards: int = 1) -> None:
     """Arm this process (see the module docstring): hold once `shards` shards submitted from now on have each
     finished `after_rows` rows, if this process is the first to write its pid to the file `claim`."""
+    _install()
     with _lock:
         _armed.clear()
         _armed.update(claim=claim, after_rows=after_rows, shards=shards)
@@ -135,8 +136,9 @@ def _install() -> None:
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask's preload hook: install the wrappers; arm from the environment when HOLD_SHARD_CLAIM is set."""
-    _install()
+    """Dask's preload hook: arm from the environment when HOLD_SHARD_CLAIM names a claim not yet taken. Otherwise
+    nothing: the engine is not imported before the worker registers (a worker restarted after the hold, e.g. by
+    the nanny after a SIGTERM, starts as fast as without the preload), and `arm` installs the wrappers later."""
     claim = os.environ.get("HOLD_SHARD_CLAIM")
-    if claim:
+    if claim and not os.path.exists(claim):
         arm(claim, int(os.environ.get("HOLD_SHARD_AFTER_ROWS", "2")), int(os.environ.get("HOLD_SHARD_SHARDS", "1")))

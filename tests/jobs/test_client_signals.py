@@ -62,7 +62,8 @@ def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
     reader.start()
     try:
-        held_pid(claim, proc)  # rows are being generated, and the shard cannot finish before the signal
+        # Rows are being generated, and the shard cannot finish before the signal.
+        held_pid(claim, lambda: proc.poll() is None)
         proc.send_signal(signum)
         proc.wait(timeout=WAIT_S)
     finally:

@@ -93,7 +93,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
         first = subprocess.Popen(_cli(*args), env={**env, **preload_env(tmp_path / "hold-claim", after_rows=1)},
                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        held_attempts(out, tmp_path / "hold-claim", process=first)  # its first row is committed
+        held_attempts(out, tmp_path / "hold-claim", running=lambda: first.poll() is None)  # its first row is committed
         cancel_job(str(out), "test")
         first.wait(timeout=WAIT_S)
     finally:

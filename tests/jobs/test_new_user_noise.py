@@ -143,7 +143,7 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
 
         read_until("dashboard")  # A's cluster is up: its dashboard port is taken
         b = _tokenmill(["run", str(short_in), str(tmp_path / "b"), *common, "--max-tokens", "4"], env, tmp_path)
-        held_pid(claim, a)  # A's shard is held after its first row: the cancel lands mid-shard
+        held_pid(claim, lambda: a.poll() is None)  # A's shard is held after its first row: the cancel lands mid-shard
         assert a.poll() is None, "job A finished before job B: the jobs did not overlap"
         cancel_job(str(tmp_path / "a"))
         _, rest = a.communicate(timeout=WAIT_S)

@@ -46,9 +46,10 @@ def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_
     cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=ROWS_PER_SHARD, checkpoint_rows=1)
     out, claim = tmp_path / "out", tmp_path / "hold-claim"
     sent: list[tuple[set[int], list[str]]] = []
+    job_ended = threading.Event()
 
     def terminate_when_both_held() -> None:
-        pid, held = held_attempts(out, claim, shards=2)
+        pid, held = held_attempts(out, claim, shards=2, running=lambda: not job_ended.is_set())
         sent.append(({pid}, [shard_id for shard_id, _ in held]))
         os.kill(pid, signal.SIGTERM)
 
@@ -58,6 +59,7 @@ def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_
         for name, value in preload_env(claim, after_rows=1, shards=2).items():
             mp.setenv(name, value)  # the worker processes' environment: dask_setup arms from it
         summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, workers=1, shard_slots=2)
+    job_ended.set()
     watcher.join()
     assert sent, "the two shards were never both in flight with a commit"
     pids, stopped = sent[0]

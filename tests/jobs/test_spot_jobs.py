@@ -78,14 +78,14 @@ def _accounting(out: Path) -> dict[str, dict]:
 def _when_held(out: Path, claim: Path, act: Callable[[str, int, int], None]) -> threading.Thread:
     """Start a thread that waits until a worker holds a shard that committed a part (held_shard.held_attempts),
     then calls act(shard id, attempt, worker pid) once. `thread.acted` holds the shard id (None if it never
-    happened)."""
+    happened); set `thread.job_ended` once the job returned (a job that ended without a hold ends the wait)."""
     def watch() -> None:
-        pid, [(shard_id, attempt)] = held_attempts(out, claim)
-        act(shard_id, attempt, pid)
-        thread.acted = shard_id  # type: ignore[attr-defined]
+        pid, held = held_attempts(out, claim, running=lambda: not thread.job_ended.is_set())  # type: ignore[attr-defined]
+        act(*held[0], pid)
+        thread.acted = held[0][0]  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=watch, daemon=True)
-    thread.acted = None  # type: ignore[attr-defined]
+    thread.acted, thread.job_ended = None, threading.Event()  # type: ignore[attr-defined]
     thread.start()
     return thread
 
@@ -121,6 +121,7 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     with armed(client, tmp_path / "hold-claim"):
         killer = _when_held(out, tmp_path / "hold-claim", kill)
         summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, scheduler_address=addr)
+        killer.job_ended.set()
         killer.join()
     killed = killer.acted
     assert killed is not None, "no shard was caught mid-run"
@@ -170,6 +171,7 @@ def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tm
         terminator = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, pid: os.kill(pid, signal.SIGTERM))
         summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
                           scheduler_address=client.scheduler.address)
+        terminator.job_ended.set()
         terminator.join()
     stopped = terminator.acted
     assert stopped is not None, "no shard was caught mid-run"
@@ -232,6 +234,7 @@ def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalClu
     with armed(client, tmp_path / "hold-claim"):
         canceller = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, _p: cancel_job(str(out), "test"))
         res = runner.invoke(app, args)
+        canceller.job_ended.set()
         canceller.join()
     assert canceller.acted is not None
     assert res.exit_code == 4, res.output
