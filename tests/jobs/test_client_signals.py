@@ -3,10 +3,10 @@ rows: the shards commit and stop, the lease is released, the message says what t
 143; the same command run again (no --resume, no wait for a lease to expire) finishes the job with every row exactly
 once.
 
-The runs use the tiny random-weight model (tests/jobs/conftest.py) at 256 tokens a row: about as long a row as the
-real model's 16 tokens (a second of one core on the 2-core AVX2 EPYC, twice the 0.5 s progress interval and five
-times the 0.2 s stop poll), so a signal after the first progress line lands with rows left as it did, without the
-real model's load in each of the four runs' workers."""
+The runs use the tiny random-weight model (tests/jobs/conftest.py). Each interrupted run makes its own timing: its
+worker loads hold_shard_preload.py (held_shard.preload_env), which holds the engine once the shard has finished a
+row, and the signal goes out once the hold has begun: it always lands with rows left, however fast or loaded the
+machine is."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from held_shard import held_pid, preload_env
 
 from jobs.control import job_status
 from jobs.lease import Lease
@@ -26,7 +28,7 @@ from jobs.lease import Lease
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0
 ROWS = 8  # three interrupted runs commit at least one row each and leave some
-MAX_TOKENS = 256  # the tiny model never ends a row early (never_eos): each row is this many decode steps
+MAX_TOKENS = 16
 SIGHUP_AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
                              "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
@@ -39,27 +41,36 @@ def rows(tmp_path: Path, data_dir: Path) -> Path:
 
 
 def _args(rows: Path, out: Path) -> list[str]:
-    # One shard, one row at a time, each row committed as it finishes: a signal after the first progress line
-    # always lands with rows left to do (rows of MAX_TOKENS: module docstring).
+    # One shard, one row at a time, each row committed as it finishes.
     return [sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column", "question",
             "--max-tokens", str(MAX_TOKENS), "--rows-per-shard", str(ROWS), "--checkpoint-rows", "1",
             "--max-num-seqs", "1", "--device", "cpu", "--json"]
 
 
 def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
-    """Start `tokenmill run`, send it `signum` once rows are being generated; return its stderr once it exited
-    with 128 + signum and said how to go on."""
+    """Start `tokenmill run`, its worker armed to hold the shard after its first finished row; send it `signum`
+    once the hold has begun; return its stderr once it exited with 128 + signum and said how to go on."""
     # As from a terminal: SIGHUP at its default disposition in the child. A test process started under nohup (or by a
     # runner that ignores SIGHUP) passes SIG_IGN down through exec, and `tokenmill run` rightly leaves an ignored
     # SIGHUP alone (jobs.interrupt); SIG_DFL set before exec survives it.
-    proc = subprocess.Popen([sys.executable, "-c", SIGHUP_AS_FROM_A_TERMINAL, *_args(rows, out)[1:]], env=env,
-                            cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    claim = out.parent / f"hold-claim-{signal.Signals(signum).name}"
+    proc = subprocess.Popen([sys.executable, "-c", SIGHUP_AS_FROM_A_TERMINAL, *_args(rows, out)[1:]],
+                            env={**env, **preload_env(claim, after_rows=1)}, cwd=out.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
-    for line in proc.stderr:  # the first progress line: rows are being generated
-        if line.startswith('{"event": "progress"'):
-            break
-    proc.send_signal(signum)
-    _, stderr = proc.communicate(timeout=WAIT_S)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        # Rows are being generated, and the shard cannot finish before the signal.
+        held_pid(claim, lambda: proc.poll() is None)
+        proc.send_signal(signum)
+        proc.wait(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join()
+    stderr = "".join(lines)
     assert proc.returncode == 128 + signum, stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr and "Run the same command again" in stderr
     # No worker aborted at exit by a daemon thread still in torch (engine.loop.engine_loop's atexit hook, the plugin's

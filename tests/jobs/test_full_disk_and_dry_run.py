@@ -77,29 +77,40 @@ def test_a_full_local_disk_is_one_line_and_the_rerun_after_freeing_space_complet
     assert (out / "_SUCCESS").exists()
 
 
-def _maps(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return ""
+# `tokenmill ARGS` whose engine's first step (the forecast's, the model loaded) creates the file READY and never
+# ends: `python -c HELD_FORECAST READY ARGS`. The test's own timing: the dry run is mid-calibration at the signal
+# and cannot finish before it, however fast or loaded the machine is.
+HELD_FORECAST = """
+import runpy, sys, time
+from engine.llm_engine import LLMEngine
+
+def held_step(self, *args, **kwargs):
+    open(ready, "w").close()
+    while True:
+        time.sleep(1)
+
+ready, sys.argv = sys.argv[1], ["tokenmill", *sys.argv[2:]]
+LLMEngine.step = held_step
+runpy.run_module("jobs.cli", run_name="__main__")
+"""
 
 
 def test_ctrl_c_during_a_dry_run_exits_130_at_once(rows: Path, tmp_path: Path, tiny_model: str) -> None:
-    """SIGINT while the forecast calibrates (the model loaded, 4096-token rows to generate: minutes of work): exit
-    130 without finishing it, one line, no traceback, nothing written."""
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column",
-                             "question", "--max-tokens", "4096", "--device", "cpu", "--dry-run", "--model",
-                             tiny_model], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path,
+    """SIGINT while the forecast calibrates (the model loaded, its engine in a step that never ends): exit 130
+    without finishing it, one line, no traceback, nothing written."""
+    out, ready = tmp_path / "out", tmp_path / "calibrating"
+    # OMP_WAIT_POLICY as the CLI sets it before torch loads (jobs.process_env): HELD_FORECAST imports the engine first.
+    proc = subprocess.Popen([sys.executable, "-c", HELD_FORECAST, str(ready), "run", str(rows), str(out),
+                             "--prompt-column", "question", "--max-tokens", "16", "--device", "cpu", "--dry-run",
+                             "--model", tiny_model],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE"), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    weights = str(Path(tiny_model) / "model.safetensors")
     deadline = time.monotonic() + 300
-    while weights not in _maps(proc.pid):  # the forecast has loaded the engine: it is calibrating
+    while not ready.exists():  # the forecast has loaded the engine and is in its first step
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    time.sleep(1.0)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)  # the forecast alone would take minutes here
+    stdout, stderr = proc.communicate(timeout=60)  # the held step never ends: only the signal ends the run
     assert proc.returncode == 130, stderr
     assert stderr.strip() == "interrupted by SIGINT: the dry run stopped; it wrote nothing"
     assert stdout == "" and not out.exists()

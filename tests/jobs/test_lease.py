@@ -7,9 +7,11 @@ import contextlib
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import jobs.lease
 from jobs.errors import EXIT_LEASE_HELD
 from jobs.lease import Lease, LeaseHeld, newest_record
 
@@ -37,10 +39,21 @@ def test_an_expired_lease_is_taken_over_and_its_old_holder_learns_it_lost(tmp_pa
     assert newest_record(out).holder == "next"
 
 
-def test_the_holder_renews_in_the_background_and_releases_at_the_end(tmp_path: Path) -> None:
+def test_the_holder_renews_in_the_background_and_releases_at_the_end(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the test's own clock (jobs.lease's time.time): lease time passes only when the test moves it, and each
+    move waits for the renewal thread's next record, so a renewal thread starved by a busy machine never lets the
+    lease expire under the test. The renewals run on their real ttl/3 timer."""
     out = str(tmp_path / "out")
+    now = [time.time()]
+    monkeypatch.setattr(jobs.lease, "time", SimpleNamespace(time=lambda: now[0]))
     with Lease(out, ttl_s=0.6, holder="busy") as lease:
-        time.sleep(1.5)  # > 2 TTLs: only renewal keeps it
+        for _ in range(3):  # 3 x 0.5 s > 2 TTLs: only renewal keeps it
+            now[0] += 0.5  # less than a TTL: the newest record is still live
+            guard = time.monotonic() + 120  # a hang guard only
+            while newest_record(out).acquired_at != now[0]:  # a renewal made at the new time
+                assert time.monotonic() < guard, "the lease was not renewed"
+                time.sleep(0.01)
         newest = newest_record(out)
         assert newest.holder == "busy" and newest.active() and newest.seq >= 3
         with pytest.raises(LeaseHeld):

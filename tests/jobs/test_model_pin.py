@@ -9,13 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from gsm8k_rows import write_gsm8k
+from held_shard import held_attempts, preload_env
 from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
@@ -88,18 +87,19 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
             "--rows-per-shard", "4", "--checkpoint-rows", "1", "--max-num-seqs", "1", "--device", "cpu",
             "--dtype", "float32", "--workers", "1", "--json"]
 
-    def cancel_after_first_commit() -> None:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and not list(out.glob("checkpoints/*/*.commit")):
-            time.sleep(0.05)
+    # The run's worker holds the shard after its first row (hold_shard_preload.py): the cancel always lands mid-job.
+    log = tmp_path / "first.stderr"
+    with log.open("w") as stderr:
+        first = subprocess.Popen(_cli(*args), env={**env, **preload_env(tmp_path / "hold-claim", after_rows=1)},
+                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        held_attempts(out, tmp_path / "hold-claim", running=lambda: first.poll() is None)  # its first row is committed
         cancel_job(str(out), "test")
-
-    canceller = threading.Thread(target=cancel_after_first_commit, daemon=True)
-    canceller.start()
-    first = subprocess.run(_cli(*args), env=env, cwd=tmp_path, capture_output=True,
-                           text=True, timeout=WAIT_S)
-    canceller.join()
-    assert first.returncode == 4, first.stderr[-3000:]  # cancelled, its first rows committed
+        first.wait(timeout=WAIT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 4, log.read_text()[-3000:]  # cancelled, its first rows committed
     pin = json.loads((out / "_manifest" / "model.json").read_text())
     assert pin["model"] == str(model) and pin["resolved"] == str(model)
     assert pin["files"][0]["size"] == model.stat().st_size

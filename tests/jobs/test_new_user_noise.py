@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from held_shard import held_pid, preload_env
 from typer.testing import CliRunner, Result
 
 from engine import LLMEngine
@@ -116,17 +117,19 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
     "Compute Failed ... ShardInterrupted" traceback on stderr (an interrupted shard is an outcome, not an error).
 
     B starts once A's cluster is up (A's dashboard line: its port is taken), while A's worker loads, instead of after
-    A's first row: the clusters overlap all the same, and A is not generating rows beside all of B's run. A is
-    cancelled after its first progress line, as before: mid-shard."""
+    A's first row: the clusters overlap all the same, and A is not generating rows beside all of B's run. A's worker
+    holds its shard after the first row until the cancel (hold_shard_preload.py): A cannot finish first, and the
+    cancel lands mid-shard, however fast or loaded the machine is."""
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"])
     long_in, short_in = tmp_path / "long.parquet", tmp_path / "short.parquet"
-    pq.write_table(table.slice(0, 400), long_in)
+    pq.write_table(table.slice(0, 8), long_in)
     pq.write_table(table.slice(400, 2), short_in)
     env = _env(TOKENMILL_STOP_POLL_S="0.2")
     common = ["--prompt-column", "question", "--device", "cpu", "--max-num-seqs", "1", "--json"]
+    claim = tmp_path / "hold-claim"
     a = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(long_in), str(tmp_path / "a"), *common,
-                          "--max-tokens", "256", "--checkpoint-rows", "1"], env=env, cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--max-tokens", "16", "--checkpoint-rows", "1"], env={**env, **preload_env(claim, 1)},
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert a.stderr is not None
         a_err = []
@@ -141,7 +144,7 @@ def test_a_cancel_is_quiet_and_two_jobs_on_one_machine_share_it(tmp_path: Path, 
 
         read_until("dashboard")  # A's cluster is up: its dashboard port is taken
         b = _tokenmill(["run", str(short_in), str(tmp_path / "b"), *common, "--max-tokens", "4"], env, tmp_path)
-        read_until("progress")  # A is generating rows: the cancel lands mid-shard
+        held_pid(claim, lambda: a.poll() is None)  # A's shard is held after its first row: the cancel lands mid-shard
         assert a.poll() is None, "job A finished before job B: the jobs did not overlap"
         cancel_job(str(tmp_path / "a"))
         _, rest = a.communicate(timeout=WAIT_S)

@@ -8,12 +8,13 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
+import dask
 import pyarrow.parquet as pq
 import pytest
 from gsm8k_rows import write_gsm8k
+from held_shard import PRELOAD, held_attempts, preload_env
 
 from engine import EngineConfig
 from jobs.cluster import ClusterOptions
@@ -21,11 +22,10 @@ from jobs.errors import JobError
 from jobs.plugin import MAX_SHARD_SLOTS, shard_slots
 from jobs.runner import run_job
 from pipeline.config import RunConfig
-from pipeline.layout import end_path, parse_part, start_path
+from pipeline.layout import end_path
 
 ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
 ROWS_PER_SHARD = 12
-WAIT_S = 600.0  # generous: a loaded CI box; the test never asserts on time
 
 
 def test_slots_keep_the_batch_full_while_a_shard_drains() -> None:
@@ -39,34 +39,27 @@ def test_slots_keep_the_batch_full_while_a_shard_drains() -> None:
 
 
 def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_path: Path) -> None:
+    """The worker loads hold_shard_preload.py, armed to let both shards into its engine before the first step and
+    to hold the engine once each has finished a row: the SIGTERM always finds both shards in flight, each with a
+    committed part, however fast or loaded the machine is."""
     ids = write_gsm8k(data_dir, tmp_path / "in", 800, 2 * ROWS_PER_SHARD)
-    cfg = RunConfig(prompt_column="question", max_tokens=48, rows_per_shard=ROWS_PER_SHARD, checkpoint_rows=1)
-    out = tmp_path / "out"
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=ROWS_PER_SHARD, checkpoint_rows=1)
+    out, claim = tmp_path / "out", tmp_path / "hold-claim"
     sent: list[tuple[set[int], list[str]]] = []
+    job_ended = threading.Event()
 
-    def terminate_when_both_committed() -> None:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline and not sent:
-            rows_done: dict[str, int] = {}
-            for m in out.glob("checkpoints/*/a001-*.commit"):
-                parsed = parse_part(m.name)
-                if parsed is not None:
-                    rows_done[m.parent.name] = rows_done.get(m.parent.name, 0) + parsed[2]
-            # Each shard has a commit and still rows that have not started (more than the max_num_seqs in flight
-            # could finish before the signal lands): a shard on its last rows would rightly finish, not stop.
-            running = [s for s, n in rows_done.items() if 1 <= n <= ROWS_PER_SHARD - ENGINE.max_num_seqs - 2
-                       and not (out / "results" / f"{s}.parquet").exists()]
-            if len(running) == 2:
-                pids = {json.loads(Path(start_path(str(out), s, 1)).read_text())["pid"] for s in running}
-                sent.append((pids, running))
-                for pid in pids:
-                    os.kill(pid, signal.SIGTERM)
-                return
-            time.sleep(0.02)
+    def terminate_when_both_held() -> None:
+        pid, held = held_attempts(out, claim, shards=2, running=lambda: not job_ended.is_set())
+        sent.append(({pid}, [shard_id for shard_id, _ in held]))
+        os.kill(pid, signal.SIGTERM)
 
-    watcher = threading.Thread(target=terminate_when_both_committed, daemon=True)
+    watcher = threading.Thread(target=terminate_when_both_held, daemon=True)
     watcher.start()
-    summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, workers=1, shard_slots=2)
+    with pytest.MonkeyPatch.context() as mp, dask.config.set({"distributed.worker.preload": [str(PRELOAD)]}):
+        for name, value in preload_env(claim, after_rows=1, shards=2).items():
+            mp.setenv(name, value)  # the worker processes' environment: dask_setup arms from it
+        summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, workers=1, shard_slots=2)
+    job_ended.set()
     watcher.join()
     assert sent, "the two shards were never both in flight with a commit"
     pids, stopped = sent[0]

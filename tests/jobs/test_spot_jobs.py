@@ -3,9 +3,9 @@ cancel. Real GSM8K rows, the tiny random-weight model (tests/jobs/conftest.py), 
 processes for the module, reached by its scheduler address as a real cluster would be (engines stay resident across
 the jobs).
 
-The kill and the cancel must land while a shard still has rows to run: they run LONG_ROW_TOKENS tokens a row, about
-as long a row as the real model's 16 tokens (a second of one core on the 2-core AVX2 EPYC), so they land as they
-did with the real model, and the module's workers load one small model instead of the real one three times."""
+The kill, the SIGTERM and the cancel must land while a shard still has rows to run: the workers load
+hold_shard_preload.py, and the first worker to finish two rows of a shard holds its engine until the shard is told
+to stop (held_shard.py), so they land mid-shard however fast or loaded the machine is."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from distributed import Client, LocalCluster
 from gsm8k_rows import write_gsm8k
+from held_shard import PRELOAD, WAIT_S, armed, held_attempts
 from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
@@ -42,18 +43,17 @@ from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
 ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
-WAIT_S = 600.0  # generous: a loaded CI box; the tests never assert on time
-LONG_ROW_TOKENS = 256  # the tiny model never ends a row early (never_eos): each row is this many decode steps
 
 
 @contextlib.contextmanager
 def two_workers() -> Iterator[tuple[LocalCluster, Client]]:
     """Two single-threaded worker processes under nannies (a killed worker is restarted) with run_job's settings
-    (CLUSTER_CONFIG: shards outlive dead workers; no worker profiler); cancel markers polled every 0.2 s."""
+    (CLUSTER_CONFIG: shards outlive dead workers; no worker profiler), hold_shard_preload.py loaded (armed by
+    held_shard.armed); cancel markers polled every 0.2 s."""
     with pytest.MonkeyPatch.context() as mp, dask.config.set(CLUSTER_CONFIG):
         mp.setenv("TOKENMILL_STOP_POLL_S", "0.2")
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
-                          silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+                          silence_logs=logging.ERROR, preload=[str(PRELOAD)]) as cluster, Client(cluster) as client:
             yield cluster, client
 
 
@@ -75,54 +75,54 @@ def _accounting(out: Path) -> dict[str, dict]:
     return {r["shard_id"]: r for r in pq.read_table(out / "accounting").to_pylist()}
 
 
-def _when_a_shard_checkpoints(out: Path, client: Client, act: Callable[[str, int], None]) -> threading.Thread:
-    """Start a thread that waits until a shard still running on a worker has committed a checkpoint part, then
-    calls act(shard_id, worker pid) once. `thread.acted` holds the shard id (None if it never happened)."""
+def _when_held(out: Path, claim: Path, act: Callable[[str, int, int], None]) -> threading.Thread:
+    """Start a thread that waits until a worker holds a shard that committed a part (held_shard.held_attempts),
+    then calls act(shard id, attempt, worker pid) once. `thread.acted` holds the shard id (None if it never
+    happened); set `thread.job_ended` once the job returned (a job that ended without a hold ends the wait)."""
     def watch() -> None:
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            for marker in sorted(out.glob("checkpoints/*/*.commit")):
-                shard_id = marker.parent.name
-                if (out / "results" / f"{shard_id}.parquet").exists():
-                    continue
-                for addr, keys in client.processing().items():
-                    if any(f"shard-{shard_id}-" in str(k) for k in keys):
-                        pid = client.run(os.getpid, workers=[addr])[addr]
-                        act(shard_id, pid)
-                        thread.acted = shard_id  # type: ignore[attr-defined]
-                        return
-            time.sleep(0.05)
+        pid, held = held_attempts(out, claim, running=lambda: not thread.job_ended.is_set())  # type: ignore[attr-defined]
+        act(*held[0], pid)
+        thread.acted = held[0][0]  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=watch, daemon=True)
-    thread.acted = None  # type: ignore[attr-defined]
+    thread.acted, thread.job_ended = None, threading.Event()  # type: ignore[attr-defined]
     thread.start()
     return thread
 
 
 def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], data_dir: Path,
                                        tmp_path: Path) -> None:
-    """The worker running a shard is SIGKILLed a second after the shard's first checkpoint: the shard runs again on a
-    worker, resumes from the checkpoint, and its results equal an undisturbed run's (a job of that shard's rows,
-    run afterwards: the other shard was never disturbed). The killed attempt is
-    billed from its start to its last sign of life (its heartbeats after the checkpoint), never past the kill.
+    """The worker running a shard is SIGKILLed once the shard, held after its first rows, has left a sign of life
+    (a heartbeat) after its last checkpoint: the shard runs again on a worker, resumes from the checkpoint, and its
+    results equal an undisturbed run's (a job of that shard's rows, run afterwards: the other shard was never
+    disturbed). The killed attempt is billed from its start to its last sign of life, never past the kill.
     Before: the time from its last checkpoint to the next attempt's start (worker restart included), capped at
     --checkpoint-seconds, whatever it ran."""
     _, client = cluster
     ids = write_gsm8k(data_dir, tmp_path / "in", 400, 24)
-    cfg = RunConfig(prompt_column="question", max_tokens=LONG_ROW_TOKENS, rows_per_shard=12, checkpoint_rows=2,
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2,
                     heartbeat_seconds=0.2)
     addr = client.scheduler.address
     out = tmp_path / "out"
+    fs, root = output_fs(str(out))
     killed_at: list[float] = []
 
-    def kill(_shard: str, pid: int) -> None:
-        time.sleep(1.0)  # rows go on: heartbeats, maybe another part
+    def kill(shard: str, attempt: int, pid: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:  # the held attempt's heartbeat after its last part, then the kill
+            kept = max(read_record(fs, p.marker)["elapsed_s"] for p in committed_parts(fs, root, shard)
+                       if p.attempt == attempt)
+            if list_attempts(fs, root, shard).alive.get(attempt, 0.0) > kept:
+                break
+            time.sleep(0.02)
         os.kill(pid, signal.SIGKILL)
         killed_at.append(time.time())
 
-    killer = _when_a_shard_checkpoints(out, client, kill)
-    summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, scheduler_address=addr)
-    killer.join()
+    with armed(client, tmp_path / "hold-claim"):
+        killer = _when_held(out, tmp_path / "hold-claim", kill)
+        summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE, scheduler_address=addr)
+        killer.job_ended.set()
+        killer.join()
     killed = killer.acted
     assert killed is not None, "no shard was caught mid-run"
     assert summary.shards_ok == 2 and not summary.failed and (out / "_SUCCESS").is_file()
@@ -144,7 +144,6 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     assert summary.attempts >= 3 and summary.preemptions >= 1
 
     # The bill of the killed attempt, from its own records.
-    fs, root = output_fs(str(out))
     listing = list_attempts(fs, root, killed)
     earlier = [a for a in listing.started if a < acct["attempt"]]
     assert len(earlier) == 1 and earlier[0] not in listing.ended  # the killed one: no end record
@@ -168,10 +167,11 @@ def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tm
     # The cluster's close: the SIGTERMed worker has left the scheduler and no longer listens; its nanny's drain
     # (run_job registers DrainNannyPlugin on a cluster it reaches by address) gives up connecting to it after
     # DRAIN_CONNECT_S, not Dask's 30 s connect timeout.
-    with two_workers() as (_, client):
-        terminator = _when_a_shard_checkpoints(out, client, lambda _shard, pid: os.kill(pid, signal.SIGTERM))
+    with two_workers() as (_, client), armed(client, tmp_path / "hold-claim"):
+        terminator = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, pid: os.kill(pid, signal.SIGTERM))
         summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
                           scheduler_address=client.scheduler.address)
+        terminator.job_ended.set()
         terminator.join()
     stopped = terminator.acted
     assert stopped is not None, "no shard was caught mid-run"
@@ -227,13 +227,15 @@ def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalClu
     _, client = cluster
     ids = write_gsm8k(data_dir, tmp_path / "in", 700, 24)
     out = tmp_path / "out"
-    args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", str(LONG_ROW_TOKENS),
+    args = ["run", str(tmp_path / "in"), str(out), "--prompt-column", "question", "--max-tokens", "16",
             "--rows-per-shard", "8", "--checkpoint-rows", "2", "--max-num-seqs", "2", "--kv-cache-gib", "0.25",
             "--device", "cpu", "--scheduler", client.scheduler.address, "--json"]
     runner = CliRunner()
-    canceller = _when_a_shard_checkpoints(out, client, lambda _s, _p: cancel_job(str(out), "test"))
-    res = runner.invoke(app, args)
-    canceller.join()
+    with armed(client, tmp_path / "hold-claim"):
+        canceller = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, _p: cancel_job(str(out), "test"))
+        res = runner.invoke(app, args)
+        canceller.job_ended.set()
+        canceller.join()
     assert canceller.acted is not None
     assert res.exit_code == 4, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])

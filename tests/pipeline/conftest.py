@@ -57,13 +57,6 @@ def waves(engine: LLMEngine) -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def real_waves(real_engine: LLMEngine) -> LLMEngine:
-    """The real model limited to 4 rows at a time, for stops polled on a clock (a notice file, a cancel marker):
-    the tiny model can finish a shard between two polls. The session's real model (its weights shared)."""
-    return real_engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
-
-
-@pytest.fixture(scope="session")
 def reference(waves: LLMEngine, shard: Shard, tmp_path_factory: pytest.TempPathFactory) -> pa.Table:
     """The shard's results from one undisturbed run (one checkpoint at the end)."""
     out = str(tmp_path_factory.mktemp("reference"))

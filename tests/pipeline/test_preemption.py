@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,6 +36,7 @@ from pipeline.shard import ShardInterrupted, run_shard
 from pipeline.storage import output_fs
 
 REPO = Path(__file__).resolve().parents[2]
+HANG_GUARD_S = 120.0  # only so that a broken test ends: every wait here ends on an event
 
 
 def _end_record(out: str, shard: Shard, attempt: int) -> dict:
@@ -135,19 +137,33 @@ def test_sigterm_commits_finished_rows_and_the_process_exits_cleanly(
 
 
 @pytest.mark.parametrize("source", ["notice_file", "cancel_marker"])
-def test_notice_file_and_cancel_marker_stop_the_shard(real_waves: LLMEngine, shard: Shard, tmp_path: Path,
+def test_notice_file_and_cancel_marker_stop_the_shard(waves: LLMEngine, shard: Shard, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch, source: str) -> None:
-    waves = real_waves  # stops polled every 0.05 s: the real model's pace (tests/pipeline/conftest.py)
+    """The notice or the marker appears after the fifth row; the progress callback (in the engine's own thread)
+    holds the engine until run_shard's StopSignal has seen it, so rows are in flight at the stop however fast the
+    engine runs."""
     out = str(tmp_path / "out")
     notice = tmp_path / "spot-notice"
     monkeypatch.setenv(NOTICE_FILE_ENV, str(notice))
     monkeypatch.setenv(POLL_ENV, "0.05")
+    signals: list[StopSignal] = []  # the StopSignal run_shard watches the environment with
+    from_env = StopSignal.from_env
+
+    def recorded(output_url: str | None = None, *, notices: bool = True) -> StopSignal:
+        signals.append(from_env(output_url, notices=notices))
+        return signals[-1]
+
+    monkeypatch.setattr(StopSignal, "from_env", recorded)
     finished = [0]
 
     def progress(rows: int, tokens: int) -> None:
         finished[0] += rows
         if finished[0] >= 5:  # the null row and the first wave
             (notice if source == "notice_file" else tmp_path / "out" / "_CANCEL").touch()
+            guard = time.monotonic() + HANG_GUARD_S
+            while not signals[-1].is_set():  # is_set polls the file; the marker is watched from its thread
+                assert time.monotonic() < guard, "the stop was never seen"
+                time.sleep(0.01)
 
     with pytest.raises(ShardInterrupted) as stopped:
         run_shard(waves, shard, "question", out, shard_cfg(), progress=progress)
@@ -180,9 +196,11 @@ def test_a_shard_cancelled_before_it_starts_says_all_its_rows_are_left(waves: LL
 
 class _NoticeServer(BaseHTTPRequestHandler):
     answer: tuple[int, str] = (404, "")
+    answered = 0  # GETs answered since the test last set it to 0
 
     def do_GET(self) -> None:  # http.server's name
         status, body = type(self).answer
+        type(self).answered += 1
         self.send_response(status)
         self.end_headers()
         self.wfile.write(body.encode())
@@ -202,9 +220,15 @@ def notice_url() -> Iterator[str]:
 def test_notice_url_200_means_stop_and_404_or_false_do_not(notice_url: str) -> None:
     for answer, stops in [((404, "Not Found"), False), ((200, "FALSE"), False),
                           ((200, '{"action": "terminate", "time": "2026-11-23T09:30:00Z"}'), True)]:
-        _NoticeServer.answer = answer
+        _NoticeServer.answer, _NoticeServer.answered = answer, 0
         with StopSignal(notice_url=notice_url, poll_s=0.02) as stop:
-            assert stop.wait(0.5) is stops, answer  # polled from its thread
+            if stops:
+                assert stop.wait(HANG_GUARD_S), answer  # polled from its thread
+            guard = time.monotonic() + HANG_GUARD_S
+            while not stops and _NoticeServer.answered < 2:  # asked again: the thread has read the first answer
+                assert time.monotonic() < guard, "the notice URL was never polled twice"
+                time.sleep(0.01)
+            assert stop.is_set() is stops, answer
         assert stop.reason == (f"spot notice ({notice_url})" if stops else None)
     with StopSignal(notice_url="http://127.0.0.1:9/refused", poll_s=0.02) as unreachable:
         assert unreachable.wait(0.2) is False  # not on a cloud VM: no notice, no crash

@@ -42,8 +42,7 @@ def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
 
-def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, gsm8k_questions: list[str],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, gsm8k_questions: list[str]) -> None:
     a, b = gsm8k_questions[:5], gsm8k_questions[5:10]
     alone_a = loop.engine.generate(a, PARAMS)
     alone_b = loop.engine.generate(b, PARAMS)
@@ -51,24 +50,16 @@ def test_two_submitters_share_steps_and_get_their_own_outputs(loop: EngineLoop, 
     seen: dict[str, list[tuple[int, str, str]]] = {"a": [], "b": []}
     results: dict[str, list[RequestOutput]] = {}
 
-    # The loop steps only once both submissions are queued: on a busy machine the first could otherwise finish
-    # before the second thread submits, and no step would hold rows of both (the test makes its own timing).
-    both_in, submitted, lock = threading.Event(), [0], threading.Lock()
-    real_step = loop.engine.step
-
-    def gated_step() -> list:
-        both_in.wait(timeout=120)
-        return real_step()
-
-    monkeypatch.setattr(loop.engine, "step", gated_step)
+    b_submitted = threading.Event()
 
     def submitter(name: str, prompts: list[str]) -> None:
-        # Both use ids "0".."4": ids need only be unique within a submission.
-        sub = loop.submit(prompts, PARAMS, clock=clocks[name])
-        with lock:
-            submitted[0] += 1
-            if submitted[0] == 2:
-                both_in.set()
+        # Both use ids "0".."4": ids need only be unique within a submission. a's should_stop (polled by the step
+        # thread before every step) holds the loop until b has submitted: the two share steps however the threads
+        # are scheduled (a's 12 tokens could all be generated before a starved thread b submits).
+        hold = (lambda: not b_submitted.wait(120)) if name == "a" else None
+        sub = loop.submit(prompts, PARAMS, clock=clocks[name], should_stop=hold)
+        if name == "b":
+            b_submitted.set()
         results[name] = sub.run(lambda i, out: seen[name].append((i, out.request_id, threading.current_thread().name)))
 
     clocks = {"a": loop.clock(), "b": loop.clock()}
