@@ -12,9 +12,10 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.worker.device import CPU_KV_MEMORY_SHARE
+from engine.worker.host import CPU_KV_MEMORY_SHARE, cpu_flags_native_bf16, memory_available_bytes, nvidia_smi_gpus
 from engine.worker.memory_fit import (
     GIB,
     MemoryFit,
@@ -27,10 +28,44 @@ from engine.worker.memory_fit import (
 from jobs.errors import JobError
 from jobs.gguf_header import gguf_tensor_infos
 
-# GGUF names of the tensors the engine holds as linear weights (engine.quant.state.is_linear_weight), and the ggml
-# type ids it keeps INT4 under --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
+# GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight), and the
+# ggml type ids it keeps INT4 under --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
 _GGUF_LINEAR = re.compile(r"^(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|output)\.weight$")
 _GGUF_NATIVE_INT4 = {2: 32, 3: 32, 12: 32}
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device as the client names it: type "cpu" or "cuda", and the CUDA index (None: the current one); str() as
+    torch.device's."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+def resolve_device(device: str) -> Device:
+    """The device engine.worker.device.resolve_device picks for `device`, decided without torch (this client never
+    imports it): "auto" is cuda when nvidia-smi lists a GPU, else cpu; an explicit name as given ("cuda:1").
+    Raises ValueError when cuda is asked for and nvidia-smi lists no GPU."""
+    if device == "auto":
+        return Device("cuda" if nvidia_smi_gpus() else "cpu")
+    kind, _, index = device.partition(":")
+    if kind == "cuda" and not nvidia_smi_gpus():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
+    return Device(kind, int(index) if index else None)
+
+
+def resolve_dtype(dtype: str, device: Device) -> str:
+    """The run dtype's name engine.worker.device.resolve_dtype picks: an explicit name as given; "auto" is bfloat16
+    on CUDA and on a CPU with native bf16 (engine.worker.host.cpu_flags_native_bf16: the flags torch's probes
+    read), else float32."""
+    if dtype != "auto":
+        return dtype
+    native = device.type == "cuda" or (device.type == "cpu" and cpu_flags_native_bf16())
+    return "bfloat16" if native else "float32"
 
 
 def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[int, int | None]], int,
@@ -39,7 +74,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     size, and the same list under --quantization int4 (None when that is the mode already)."""
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.loading.model_files import TOKENMILL_CONFIG_FILE
-    from engine.quant.state import is_linear_weight
+    from engine.model.tensor_names import is_linear_weight
 
     entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear weight, INT4 group as stored)
     tied_head: list[tuple[int, int | None]] = []  # an INT4 embedding's tied LM head: an Int4Linear of its own
@@ -108,8 +143,6 @@ def _cuda_memory(index: int) -> tuple[int, int, str]:
 def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> MemoryFit:
     """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`: jobs.preflight.model_context's
     layers, kv_heads, head_dim and context) under `config` on the device config.device resolves to here."""
-    from engine.worker.device import memory_available_bytes, resolve_device, resolve_dtype
-
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tensors, vocab, _ = _weights(model, config.quantization, config.int4_group_size)
@@ -146,8 +179,6 @@ def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | N
     path = default_model_path() if model is None else model
     fit = model_fit(path, config, shape)
     _, _, int4 = _weights(path, config.quantization, config.int4_group_size)
-    from engine.worker.device import resolve_device, resolve_dtype
-
     device = resolve_device(config.device)
     # the ways out name INT4's smallest bytes: one packed copy (the layout the engine picks where two do not fit)
     int4_bytes = None if int4 is None else weight_bytes(int4, resolve_dtype(config.dtype, device), device.type,

@@ -9,6 +9,66 @@ from engine.config import ModelConfig
 
 EMBEDDING = "embed_tokens"  # the token embedding's module name (HF, without "model.")
 LM_HEAD = "lm_head"  # the LM head's module name; its weight is left out of a model file when tied to EMBEDDING
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
+
+
+def is_linear_weight(name: str) -> bool:
+    """True for the weight of a decoder projection (fused or not) or the LM head (HF names without "model."). A
+    mixture-of-experts layer's stacked expert weights ("layers.0.mlp.experts.gate_proj.weight", [E, out, in];
+    engine.layers.moe) are not: the INT4/INT8 paths and the GGUF block kernels take 2-D projections only."""
+    module = name.removesuffix(".weight")
+    return name.endswith(".weight") and ".experts." not in name and (
+        module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES or module == LM_HEAD)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name (HF, without "model.") -> shape of every parameter engine.model.decoder.LlamaModel holds for shape
+    `cfg`, a tied LM head left out: the same names and shapes as that model's state_dict, from the config alone (no
+    torch: the CLI's fit check, jobs.model_fit). tests/engine/model/test_tensor_names.py holds the two equal."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (cfg.vocab_size, h)}
+
+    def linear(name: str, n_in: int, n_out: int, bias: bool = False) -> None:
+        shapes[f"{name}.weight"] = (n_out, n_in)
+        if bias:
+            shapes[f"{name}.bias"] = (n_out,)
+
+    def mlp(prefix: str, width: int) -> None:
+        linear(f"{prefix}.gate_proj", h, width)
+        linear(f"{prefix}.up_proj", h, width)
+        linear(f"{prefix}.down_proj", width, h)
+
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        if cfg.attention_sinks:
+            shapes[f"{p}.self_attn.sinks"] = (cfg.num_heads,)
+        linear(f"{p}.self_attn.q_proj", h, cfg.num_heads * hd, cfg.qkv_bias)
+        linear(f"{p}.self_attn.k_proj", h, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        linear(f"{p}.self_attn.v_proj", h, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        linear(f"{p}.self_attn.o_proj", cfg.num_heads * hd, h, cfg.o_bias)
+        if cfg.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if cfg.num_experts:
+            e, width = cfg.num_experts, cfg.moe_intermediate_size
+            linear(f"{p}.mlp.gate", h, e, cfg.expert_bias)
+            for name, out, n_in in (("gate_proj", width, h), ("up_proj", width, h), ("down_proj", h, width)):
+                shapes[f"{p}.mlp.experts.{name}.weight"] = (e, out, n_in)
+                if cfg.expert_bias:
+                    shapes[f"{p}.mlp.experts.{name}.bias"] = (e, out)
+            if cfg.shared_expert_intermediate_size:
+                mlp(f"{p}.mlp.shared_expert", cfg.shared_expert_intermediate_size)
+                linear(f"{p}.mlp.shared_expert_gate", h, 1)
+        else:
+            mlp(f"{p}.mlp", cfg.intermediate_size)
+        if cfg.sandwich_norms:
+            shapes[f"{p}.pre_feedforward_layernorm.weight"] = shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
+    shapes["norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        linear(LM_HEAD, h, cfg.vocab_size)
+    return shapes
 
 
 def model_param_names(cfg: ModelConfig) -> list[str]:

@@ -1,7 +1,7 @@
 """Names and helpers every INT4/INT8 layer shares: which parameters are projections, the quantized state dict type
 and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
-module but the INT4 weight type (engine.quant.qparams, itself a leaf), the parameter names EMBEDDING and LM_HEAD
-(engine.model.tensor_names, re-exported here) and, for AddBias.concat, engine.model.decoder (which
+module but the INT4 weight type (engine.quant.qparams, itself a leaf), the parameter names EMBEDDING and LM_HEAD and
+is_linear_weight (engine.model.tensor_names, re-exported here) and, for AddBias.concat, engine.model.decoder (which
 imports nothing of engine.quant), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on
 each other.
 
@@ -15,25 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.tensor_names import EMBEDDING, LM_HEAD
+from engine.model.tensor_names import EMBEDDING, FUSED_MODULES, LINEAR_MODULES, LM_HEAD, is_linear_weight
 from engine.quant.qparams import Int4Weight, Int8Weight
 
 __all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_linear_weight",
            "set_module"]
 
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
-
 QuantizedState = dict[str, "torch.Tensor | Int4Weight | Int8Weight"]
-
-
-def is_linear_weight(name: str) -> bool:
-    """True for the weight of a decoder projection (fused or not) or the LM head (HF names without "model."). A
-    mixture-of-experts layer's stacked expert weights ("layers.0.mlp.experts.gate_proj.weight", [E, out, in];
-    engine.layers.moe) are not: the INT4/INT8 paths and the GGUF block kernels take 2-D projections only."""
-    module = name.removesuffix(".weight")
-    return name.endswith(".weight") and ".experts." not in name and (
-        module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES or module == LM_HEAD)
 
 
 class AddBias(nn.Module):

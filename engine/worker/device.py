@@ -12,23 +12,21 @@ import functools
 import logging
 import math
 import mmap
-from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes
+
+__all__ = ["CPU_KV_MEMORY_SHARE", "cpu_has_native_bf16", "cpu_kv_budget_bytes", "cpu_zeros", "device_name",
+           "kv_block_bytes", "memory_available_bytes", "num_kv_blocks", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Share of the memory available to the process (memory_available_bytes) that the KV pool takes on the CPU when
-# kv_cache_memory_bytes is None ("auto"). The pool's pages are mapped as blocks are first used (cpu_zeros), so the
-# share is a ceiling, not what a small batch holds; half leaves the rest for activations, logits and the page cache.
-CPU_KV_MEMORY_SHARE = 0.5
-_CGROUP = Path("/sys/fs/cgroup")
 PAGE = 4096  # bytes
 
 
@@ -72,29 +70,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 @functools.cache
 def _warn_once(message: str) -> None:
     log.warning(message)
-
-
-def _cgroup_headroom_bytes() -> int | None:
-    """Bytes this process's cgroup may still take (a container's memory limit: cgroup v2 memory.max - memory.current,
-    or v1 memory.limit_in_bytes - memory.usage_in_bytes); None without a limit or cgroup files."""
-    for limit, usage in ((_CGROUP / "memory.max", _CGROUP / "memory.current"),
-                         (_CGROUP / "memory" / "memory.limit_in_bytes", _CGROUP / "memory" / "memory.usage_in_bytes")):
-        try:
-            cap, used = limit.read_text().strip(), usage.read_text().strip()
-        except OSError:
-            continue
-        if cap == "max" or not cap.isdigit() or not used.isdigit() or int(cap) >= 1 << 60:  # v1's "no limit"
-            return None
-        return max(int(cap) - int(used), 0)
-    return None
-
-
-def memory_available_bytes() -> int:
-    """Bytes of RAM this process can still take: the OS's available memory (psutil: MemAvailable on Linux), or less
-    where a container's cgroup limit leaves less (Kubernetes' resources.limits.memory)."""
-    available = psutil.virtual_memory().available
-    headroom = _cgroup_headroom_bytes()
-    return available if headroom is None else min(available, headroom)
 
 
 def cpu_kv_budget_bytes(config: EngineConfig) -> int:

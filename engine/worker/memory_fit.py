@@ -17,12 +17,15 @@ model to find out. The KV pool's formula is the engine's own (engine.worker.devi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 #: Packed copies of each INT4 weight on CUDA per layout (engine.quant.int4_linear.Int4Linear's tinygemm_max_rows:
 #: "dual" = tinygemm's copy for M <= 8 beside GemLite's, "single" = GemLite's alone at every M).
@@ -33,9 +36,21 @@ INT4_CUDA_COPIES = {"dual": 2, "single": 1}
 #: 76.5 us at M 1, 154.4 vs 178.0 at M 8); what it costs: KV blocks, i.e. concurrent sequences at every M.
 INT4_DUAL_MIN_KV_SHARE = 0.9
 GIB = 1 << 30
+#: Bytes per element of each run dtype, by name (what torch's element_size gives): the fit check runs in the CLI's
+#: client, which never imports torch (issue 31).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 #: The INT4 layout of a model from its shape and its weights as weight_bytes takes them (int4_layout_chooser).
 Int4LayoutChooser = Callable[[ModelConfig, list[tuple[int, int | None]]], str]
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a run dtype: a torch.dtype (torch.float32, ...) or its name ("float32", "bfloat16",
+    "float16": DTYPE_BYTES). Raises ValueError for another dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"no run dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
 
 
 def int4_bytes(numel: int, group_size: int, device_type: str, layout: str = "dual") -> int:
@@ -46,16 +61,17 @@ def int4_bytes(numel: int, group_size: int, device_type: str, layout: str = "dua
     return one * (INT4_CUDA_COPIES[layout] if device_type == "cuda" else 1)
 
 
-def weight_bytes(tensors: Iterable[tuple[int, int | None]], dtype: torch.dtype, device_type: str,
+def weight_bytes(tensors: Iterable[tuple[int, int | None]], dtype: torch.dtype | str, device_type: str,
                  layout: str = "dual") -> int:
     """Device bytes of a model's weights: `tensors` = (numel, INT4 group size or None for a plain tensor in
-    `dtype`) per weight the model holds (a tied LM head left out), INT4 ones as int4_bytes under `layout`."""
-    size = torch.empty((), dtype=dtype).element_size()
+    `dtype`: a torch.dtype or its name, dtype_bytes) per weight the model holds (a tied LM head left out), INT4 ones as
+    int4_bytes under `layout`."""
+    size = dtype_bytes(dtype)
     return sum(numel * size if group is None else int4_bytes(numel, group, device_type, layout)
                for numel, group in tensors)
 
 
-def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype, total: int, free: int,
+def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype | str, total: int, free: int,
                        config: EngineConfig, vocab_size: int, per_block: int, max_model_len: int) -> str:
     """The INT4 layout the engine uses for a model of `tensors` (as weight_bytes) on a CUDA device of `total` bytes
     with `free` free before loading: "dual" when the KV pool left with two packed copies (cuda_kv_budget_bytes) is
@@ -74,14 +90,10 @@ def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype
 
 def model_tensors(cfg: ModelConfig) -> list[tuple[str, int]]:
     """(name, numel) of every weight of a model of shape `cfg` (HF names without "model."; a tied LM head left out),
-    built on the meta device: no memory."""
-    from engine.model.decoder import LlamaModel
-    from engine.model.tensor_names import LM_HEAD
+    from the config alone (engine.model.tensor_names.param_shapes: no torch, no memory)."""
+    from engine.model.tensor_names import param_shapes
 
-    with torch.device("meta"):
-        model = LlamaModel(cfg, 1)
-    return [(name, p.numel()) for name, p in model.state_dict().items()
-            if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight")]
+    return [(name, math.prod(shape)) for name, shape in param_shapes(cfg).items()]
 
 
 def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Int4LayoutChooser:
@@ -90,6 +102,8 @@ def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch
     "dual" (one copy there whatever the layout)."""
     if device.type != "cuda":
         return lambda cfg, tensors: "dual"
+    import torch
+
     free, total = torch.cuda.mem_get_info(device)
 
     def choose(cfg: ModelConfig, tensors: list[tuple[int, int | None]]) -> str:
@@ -100,9 +114,9 @@ def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch
     return choose
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """KV cache bytes one token takes across all layers (K and V)."""
-    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
+    """KV cache bytes one token takes across all layers (K and V), in `dtype` (a torch.dtype or its name)."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
 def cuda_kv_budget_bytes(total: int, free: int, config: EngineConfig, vocab_size: int, per_block: int,

@@ -33,10 +33,9 @@ LLAMA_70B_PARAMS = 128256 * 8192 * 2 + 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 +
 
 def _gpu(monkeypatch: pytest.MonkeyPatch, gib: int, name: str) -> None:
     """This machine as one with an idle CUDA card of `gib` GiB."""
-    import engine.worker.device
     import jobs.model_fit
 
-    monkeypatch.setattr(engine.worker.device, "resolve_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(jobs.model_fit, "resolve_device", lambda device: jobs.model_fit.Device("cuda", 0))
     monkeypatch.setattr(jobs.model_fit, "_cuda_memory", lambda index: (gib * GIB, gib * GIB, name))
 
 
@@ -160,9 +159,9 @@ def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_quest
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import engine.worker.device
+    import jobs.model_fit
 
-    monkeypatch.setattr(engine.worker.device, "memory_available_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(jobs.model_fit, "memory_available_bytes", lambda: 300 << 20)
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"question": gsm8k_questions[:2]}), src)
     out = tmp_path / "out"
@@ -174,3 +173,25 @@ def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_quest
     assert ("--model SmolLM2-135M-Instruct.Q4_1.gguf does not fit one sequence of --max-model-len 2,048 tokens on cpu: "
             "0.29 GiB usable, the weights take 0.50 GiB") in line and "Ways out: --quantization int4" in line
     assert not out.exists()
+
+
+def test_the_client_resolves_device_and_dtype_as_the_engine_does() -> None:
+    """The client decides without torch (nvidia-smi, /proc/cpuinfo's flags) what the engine decides with it: the
+    same device, the same run dtype, the same element sizes."""
+    from engine.worker.device import cpu_has_native_bf16
+    from engine.worker.device import resolve_device as engine_device
+    from engine.worker.device import resolve_dtype as engine_dtype
+    from engine.worker.host import cpu_flags_native_bf16
+    from engine.worker.memory_fit import dtype_bytes
+    from jobs.model_fit import resolve_device, resolve_dtype
+
+    assert cpu_flags_native_bf16() == cpu_has_native_bf16()
+    for name in ("auto", "cpu"):
+        ours, theirs = resolve_device(name), engine_device(name)
+        assert (ours.type, ours.index, str(ours)) == (theirs.type, theirs.index, str(theirs))
+        for dtype in ("auto", "float32", "bfloat16", "float16"):
+            torch_dtype = engine_dtype(dtype, theirs)
+            assert resolve_dtype(dtype, ours) == str(torch_dtype).removeprefix("torch.")
+            assert dtype_bytes(resolve_dtype(dtype, ours)) == dtype_bytes(torch_dtype) == torch_dtype.itemsize
+    with pytest.raises(ValueError, match="no run dtype 'int8'"):
+        dtype_bytes(torch.int8)

@@ -15,6 +15,7 @@ import torch
 from engine import EngineConfig
 from engine.config import ModelConfig
 from engine.worker import device as dev
+from engine.worker import host
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64: 46,080 bytes of fp32 K and V per token.
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -52,21 +53,21 @@ def test_cgroup_v2_headroom(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lim
                             expected: int | None) -> None:
     (tmp_path / "memory.max").write_text(limit)
     (tmp_path / "memory.current").write_text(usage)
-    monkeypatch.setattr(dev, "_CGROUP", tmp_path)
-    assert dev._cgroup_headroom_bytes() == expected
+    monkeypatch.setattr(host, "_CGROUP", tmp_path)
+    assert host._cgroup_headroom_bytes() == expected
     if expected is not None:
-        assert dev.memory_available_bytes() == min(expected, psutil.virtual_memory().available)
+        assert host.memory_available_bytes() == min(expected, psutil.virtual_memory().available)
 
 
 def test_cgroup_v1_headroom_and_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dev, "_CGROUP", tmp_path)
-    assert dev._cgroup_headroom_bytes() is None
+    monkeypatch.setattr(host, "_CGROUP", tmp_path)
+    assert host._cgroup_headroom_bytes() is None
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text(str(2 << 30))
     (tmp_path / "memory" / "memory.usage_in_bytes").write_text(str(512 << 20))
-    assert dev._cgroup_headroom_bytes() == (2 << 30) - (512 << 20)
+    assert host._cgroup_headroom_bytes() == (2 << 30) - (512 << 20)
     (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")  # v1's "no limit"
-    assert dev._cgroup_headroom_bytes() is None
+    assert host._cgroup_headroom_bytes() is None
 
 
 def _resident_bytes(tensor: torch.Tensor) -> int:
