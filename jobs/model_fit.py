@@ -171,10 +171,16 @@ def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> Memory
 
 def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | None) -> MemoryFit | None:
     """model_fit of a local model (None for `shape` None: a model at a URL, checked by its worker), or JobError
-    (exit 2) when it cannot hold one sequence of --max-model-len: the numbers and the ways out."""
+    (exit 2) when it cannot hold one sequence of --max-model-len: the numbers and the ways out. None too for an
+    explicit --device cuda where nvidia-smi lists no GPU (a container without it): the client cannot read the card's
+    memory without torch, and whether CUDA is there at all is the engine's to say when it loads."""
     from engine.loading.model_files import default_model_path
 
     if shape is None or not shape.get("layers"):
+        return None
+    try:
+        resolve_device(config.device)
+    except ValueError:  # CUDA asked for where nvidia-smi lists no GPU: the engine checks it when it loads
         return None
     path = default_model_path() if model is None else model
     fit = model_fit(path, config, shape)
