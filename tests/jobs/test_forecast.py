@@ -66,7 +66,7 @@ def test_dry_run_of_a_batch_file_stages_nothing_and_leaves_error_rows_out(tmp_pa
     assert "│ rows / shards" in res.stdout and "│ 6 / 1" in res.stdout
     assert "(15)" in res.stdout  # output tokens at most: the rows' own max_tokens 3 x 5; the broken row: none
     assert "│ model on the device" in res.stdout and "KiB per token" in res.stdout
-    assert "concurrent sequences of --max-model-len" in res.stderr  # the preflight's line, before the work
+    assert "sequences of" in res.stdout and "at once" in res.stdout  # the fit, in the table (stderr: errors only)
 
 
 def test_the_forecast_costs_one_resident_engine_per_worker_not_one_per_shard() -> None:

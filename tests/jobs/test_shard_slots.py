@@ -64,7 +64,9 @@ def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_
     assert sent, "the two shards were never both in flight with a commit"
     pids, stopped = sent[0]
     assert len(pids) == 1  # one worker process: both shards shared its engine
-    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 2
+    # Both shards' interruptions are checked below from their end records; the client's count can miss one whose
+    # report raced the worker's restart, so it only has to see the signal at all.
+    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
     rows = pq.read_table(out / "results").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every id exactly once
     for shard_id in stopped:  # both stopped through the drain path, each with its finished rows committed
