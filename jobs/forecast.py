@@ -51,8 +51,11 @@ from schemas.job_spec import JobSpec
 SAMPLE_ROWS = 16
 CALIBRATION_STEPS = 8  # K: decode steps timed per batch size
 # Seconds a shard adds to its worker's engine time (reading it, its checkpoint, results and accounting commits, less
-# what other shards' steps overlap): issue 45's 32-row jobs, (19.2 - 15.8) s / 31 more shards, CPU.
-SHARED_SHARD_OVERHEAD_S = 0.11
+# what other shards' steps overlap), measured: 128 GSM8K rows x 32 tokens, `python -m bench.forecast --rows-per-shard
+# 1 / 1000` (AVX512-BF16 EPYC, 2026-11-27): the actual 20.2 - 11.2 s less the 8.2 s the smaller batch explains, over
+# 127 more shards = 0.006 s; 0.02 keeps room for an object store's slower commits (bench/README.md). The 0.11 this
+# replaced came from a loaded machine's two jobs of 32 rows and forecast 1 row per shard 1.6x the actual.
+SHARED_SHARD_OVERHEAD_S = 0.02
 
 
 @dataclass(frozen=True)
