@@ -178,3 +178,11 @@ def hf_generate(model, prompt_ids: list[list[int]], max_tokens: int) -> list[lis
     gen = transformers.GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         return [model.generate(torch.tensor([ids]), generation_config=gen)[0, len(ids):].tolist() for ids in prompt_ids]
+
+
+def chat_prompt_ids(tok, gsm8k_questions: list[str], alpaca_instructions: list[str], n: int) -> list[list[int]]:
+    """Token ids of n real chat-templated prompts (n // 2 GSM8K questions, n // 2 AlpacaEval instructions) under the
+    HF tokenizer `tok`'s chat template, with the generation prompt."""
+    texts = gsm8k_questions[:n // 2] + alpaca_instructions[:n // 2]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False), add_special_tokens=False) for t in texts]

@@ -157,14 +157,10 @@ def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[
     w.close()
 
 
-def build_family(root: Path, family: str, gguf_path: str, hf_tok) -> tuple[object, Path, Path]:
-    """(HF model fp32, HF folder, GGUF file) of a tiny random model of `family`."""
-    import transformers
-
-    cfg = hf_config(family, len(hf_tok))
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[family])
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # a scale that gives varied greedy text; biases and q/k norms random so they matter
+def randomize(model) -> None:
+    """Random weights at a scale that gives varied greedy text (and routing): norms around 1, biases and q/k norms
+    random so they matter, every other weight N(0, 0.15)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
@@ -172,6 +168,16 @@ def build_family(root: Path, family: str, gguf_path: str, hf_tok) -> tuple[objec
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.15)
+
+
+def build_family(root: Path, family: str, gguf_path: str, hf_tok) -> tuple[object, Path, Path]:
+    """(HF model fp32, HF folder, GGUF file) of a tiny random model of `family`."""
+    import transformers
+
+    cfg = hf_config(family, len(hf_tok))
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[family])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    randomize(model)
     folder = root / family
     model.save_pretrained(folder)
     hf_tok.save_pretrained(folder)

@@ -23,8 +23,13 @@ def tok_fields(gguf_path: str) -> list:
 
 
 @pytest.fixture(scope="session")
+def hf_tok(family_tok):
+    """The same tokenizer under the name the Llama-family, MoE and gpt-oss tests use."""
+    return family_tok
+
+
+@pytest.fixture(scope="session")
 def family_prompts(family_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
-    texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
-    return [family_tok.encode(family_tok.apply_chat_template([{"role": "user", "content": t}],
-                                                             add_generation_prompt=True, tokenize=False),
-                              add_special_tokens=False) for t in texts]
+    from family_models import chat_prompt_ids
+
+    return chat_prompt_ids(family_tok, gsm8k_questions, alpaca_instructions, NUM_PROMPTS)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from family_models import chat_prompt_ids
 
 from engine import LLMEngine, SamplingParams
 
@@ -57,13 +58,6 @@ def gguf_parses() -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf_path: str):
-    from engine.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(gguf_path).hf_tokenizer
-
-
-@pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
     root = tmp_path_factory.mktemp("families")
     return {f: build_family(root, f, gguf_path, hf_tok) for f in FAMILIES}
@@ -71,9 +65,7 @@ def families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -
 
 @pytest.fixture(scope="module")
 def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
-    texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
-    return [hf_tok.encode(hf_tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                     tokenize=False), add_special_tokens=False) for t in texts]
+    return chat_prompt_ids(hf_tok, gsm8k_questions, alpaca_instructions, NUM_PROMPTS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

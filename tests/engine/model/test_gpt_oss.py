@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_models import chat_prompt_ids
 from family_models import hf_argmax as _hf_argmax
 from llama_family_models import FP32, MAX_TOKENS
 from llama_family_models import hf_greedy as _hf_greedy
@@ -74,13 +75,6 @@ def _config(vocab: int):
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf_path: str):
-    from engine.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(gguf_path).hf_tokenizer
-
-
-@pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory, hf_tok) -> tuple[object, Path, object, Path]:
     """(HF model, its folder, HF's model of the MXFP4 folder, the MXFP4 folder)."""
     root = tmp_path_factory.mktemp("gpt_oss")
@@ -106,9 +100,7 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory, hf_tok) -> tuple[object, P
 
 @pytest.fixture(scope="module")
 def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
-    texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
-    return [hf_tok.encode(hf_tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                     tokenize=False), add_special_tokens=False) for t in texts]
+    return chat_prompt_ids(hf_tok, gsm8k_questions, alpaca_instructions, NUM_PROMPTS)
 
 
 def test_greedy_matches_hf_from_folder(gpt_oss, prompt_ids) -> None:

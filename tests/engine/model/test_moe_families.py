@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy, permute, tokenizer_fields
+from family_models import chat_prompt_ids
+from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy, permute, randomize, tokenizer_fields
 
 from engine import LLMEngine
 
@@ -119,13 +120,6 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf_path: str):
-    from engine.text.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(gguf_path).hf_tokenizer
-
-
-@pytest.fixture(scope="module")
 def moe_families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
     """{family: (HF model fp32, HF folder, GGUF file)}."""
     root = tmp_path_factory.mktemp("moe")
@@ -134,14 +128,7 @@ def moe_families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_to
         torch.manual_seed(10 + seed)
         model = transformers.AutoModelForCausalLM.from_config(_hf_config(family, len(hf_tok)),
                                                               dtype=torch.float32).eval()
-        with torch.no_grad():  # a scale that gives varied greedy text and routing; biases and norms random too
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
-                elif name.endswith("bias"):
-                    p.normal_(0.0, 0.5)
-                else:
-                    p.normal_(0.0, 0.15)
+        randomize(model)
         folder = root / family
         model.save_pretrained(folder)
         hf_tok.save_pretrained(folder)
@@ -153,9 +140,7 @@ def moe_families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_to
 
 @pytest.fixture(scope="module")
 def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
-    texts = gsm8k_questions[:NUM_PROMPTS // 2] + alpaca_instructions[:NUM_PROMPTS // 2]
-    return [hf_tok.encode(hf_tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                     tokenize=False), add_special_tokens=False) for t in texts]
+    return chat_prompt_ids(hf_tok, gsm8k_questions, alpaca_instructions, NUM_PROMPTS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
