@@ -13,6 +13,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.decoder import LlamaModel
 from engine.model.fill import fill_model
+from engine.model.tensor_names import is_expert_weight
+from engine.quant.experts import pop_int4_experts, set_int4_experts
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.int8_linear import Int8Linear
 from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, quantize_int4
@@ -38,8 +40,11 @@ class Int4QuantHandler:
         self.scale_dtype = scale_dtype
 
     def wants(self, name: str) -> bool:
-        """Whether parameter `name` gets quantized."""
-        return is_linear_weight(name) or (self.include_embedding and name == f"{EMBEDDING}.weight")
+        """Whether parameter `name` gets quantized: a projection, a mixture-of-experts block's stacked expert
+        projection (quantized one expert at a time into a stacked Int4Weight; its router stays as it is), the
+        embedding when asked."""
+        return (is_linear_weight(name) or is_expert_weight(name)
+                or (self.include_embedding and name == f"{EMBEDDING}.weight"))
 
     def quantize_state_dict(self, state: dict[str, torch.Tensor | Int4Weight]) -> QuantizedState:
         """A new state dict with every wanted weight as an Int4Weight under its module name; weights that already
@@ -63,9 +68,10 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
 
 def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
     """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
-    width, as engine.worker.memory_fit.weight_bytes takes them: a tied LM head left out (it shares the embedding's
-    parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed copies)."""
-    return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
+    width (stacked INT4 experts: all their experts' weights), as engine.worker.memory_fit.weight_bytes takes them: a
+    tied LM head left out (it shares the embedding's parameter) unless the embedding is INT4 (then the head is an
+    Int4Linear with its own packed copies)."""
+    return [(w.numel, w.group_size) if isinstance(w, Int4Weight) else
             (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
             for w in _tied(cfg, state).values()]
 
@@ -90,13 +96,15 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
     Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
     replace their nn.Linear / nn.Embedding, plain tensors are cast to
     `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
-    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. int4_layout:
-    the Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear).
+    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. A mixture-of-
+    experts block with stacked INT4 experts gets one module per expert (engine.quant.experts). int4_layout: the
+    Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear, engine.quant.experts).
     Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
     """
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
     state = _tied(cfg, state)
+    experts = pop_int4_experts(model, state)
     for name, w in list(state.items()):
         if not isinstance(w, Int4Weight | Int8Weight):
             continue
@@ -118,4 +126,5 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         set_module(model, name, new)
         del state[name]
     fill_model(model, state, dtype, device)
+    set_int4_experts(model, experts, dtype, device, int4_layout)
     return model
