@@ -27,17 +27,18 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              tie_word_embeddings=False)
 
 
-def hf_config(family: str, vocab: int, tie: bool = False):
+def hf_config(family: str, vocab: int, tie: bool = False, width: int = 48):
     """The family's HF config (module docstring); `tie`: tied embeddings (a plain LM head under INT4 on load, whose
-    round-to-nearest fit of 49k rows would cost seconds)."""
+    round-to-nearest fit of 49k rows would cost seconds); `width`: the Qwen experts' moe_intermediate_size (48: a
+    down projection whose input is not whole groups of 32)."""
     import transformers
 
     shape = dict(SHAPE, tie_word_embeddings=tie)
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=48, head_dim=32,
+        return transformers.Qwen3MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=width, head_dim=32,
                                            norm_topk_prob=True, rope_theta=1e6, **shape)
     if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=48,
+        return transformers.Qwen2MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=width,
                                            shared_expert_intermediate_size=80, rope_theta=1e6, **shape)
     if family == "mixtral":
         return transformers.MixtralConfig(vocab_size=vocab, num_local_experts=8, sliding_window=24, rope_theta=1e6,
@@ -107,14 +108,15 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
 
 
 
-def build_moe_families(root: Path, gguf_path: str, hf_tok, tie: bool = False) -> dict[str, tuple]:
-    """{family: (HF model fp32, HF folder, GGUF file F32)} of the tiny models (module docstring), under `root`."""
+def build_moe_families(root: Path, gguf_path: str, hf_tok, tie: bool = False, width: int = 48) -> dict[str, tuple]:
+    """{family: (HF model fp32, HF folder, GGUF file F32)} of the tiny models (module docstring; `tie`, `width`: as
+    hf_config), under `root`."""
     import transformers
 
     out = {}
     for seed, family in enumerate(FAMILIES):
         torch.manual_seed(10 + seed)
-        model = transformers.AutoModelForCausalLM.from_config(hf_config(family, len(hf_tok), tie),
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(family, len(hf_tok), tie, width),
                                                               dtype=torch.float32).eval()
         randomize(model)
         folder = root / family
