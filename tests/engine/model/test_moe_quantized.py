@@ -240,3 +240,44 @@ def test_int4_experts_in_bf16_follow_fp32() -> None:
             outs[dtype] = experts(x.to(dtype), ids, weights.to(dtype)).float()
     cos = torch.nn.functional.cosine_similarity(outs[torch.bfloat16], outs[torch.float32], dim=-1)
     assert cos.min().item() > 0.999
+
+
+@pytest.mark.gpu
+def test_int4_experts_on_cuda(moe, prompt_ids) -> None:
+    """On CUDA the stacked INT4 weights stay on the device (GroupedExperts.int4_experts: the grouped kernel's
+    operand) and the per-expert loop runs without CUDA graphs: in fp32 under layout "single" (dequantize over views of
+    the stacked weights) greedy tokens are HF's on the dequantized weights; in bf16 "dual" serves small row counts
+    by tinygemm, "single" by the dequantize path, and both blocks' outputs agree within bf16 rounding."""
+    from engine.layers.moe import route
+    from engine.loading.quantized import read_model_state
+    from engine.quant.handler import build_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cuda = torch.device("cuda")
+    model, folder, _ = moe["qwen3_moe"]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 64, generator=gen).to(cuda)
+    weights, ids = route(torch.randn(24, 8, generator=gen).to(cuda), 2, "softmax_topk", True)
+    block_out = {}
+    for dtype, layout in ((torch.float32, "single"), (torch.bfloat16, "dual"), (torch.bfloat16, "single")):
+        cfg, state, _ = read_model_state(str(folder), "int4", GROUP, dtype, cuda)
+        built = build_model(cfg, state, dtype, cuda, int4_layout=layout)
+        held = loaded_weights(built)
+        engine = LLMEngine(built, cfg, None, EngineConfig(device="cuda", dtype=str(dtype).removeprefix("torch."),
+                                                          num_kv_blocks=256, max_num_seqs=8), "moe", cuda, dtype)
+        experts = engine.runner.model.layers[0].mlp.experts
+        gate_up, down = experts.int4_experts()
+        assert gate_up.qweight.is_cuda and down.qweight.shape[0] == 8 and engine.runner.graphs is None
+        assert experts.gemms[0][0].kernel_for(1) == ("tinygemm" if layout == "dual" else "dequant")
+        outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        ours = [o.output_token_ids for o in outs]
+        with torch.no_grad():
+            block_out[(dtype, layout)] = experts(x.to(dtype), ids, weights.to(dtype)).float()
+        if dtype == torch.float32:
+            reference = hf_holding(model, {k: v.cpu() for k, v in held.items()})
+            assert hf_argmax(reference, prompt_ids, ours) == ours
+    for layout in ("dual", "single"):
+        cos = torch.nn.functional.cosine_similarity(block_out[(torch.bfloat16, layout)],
+                                                    block_out[(torch.float32, "single")], dim=-1)
+        assert cos.min().item() > 0.999, layout
