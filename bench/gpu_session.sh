@@ -45,7 +45,7 @@ then  # put the default model back together, and check it is the file bench/gpu_
     fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-STEPS=${STEPS:-gpu_tests kernels fused throughput throughput_sync int4_tests int4_sweep int4_engine profile profile_sync profile_unfused profile_int4 moe}
+STEPS=${STEPS:-gpu_tests kernels fused throughput throughput_sync int4_tests int4_sweep int4_engine profile profile_sync profile_unfused profile_int4 moe moe_int4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 
@@ -59,7 +59,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAM
 
 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/worker/test_gpu.py \
     tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py \
-    tests/engine/kernels/test_triton_moe.py --durations=10
+    tests/engine/kernels/test_triton_moe.py tests/engine/kernels/test_triton_moe_int4.py --durations=10
 step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/quant/test_int4.py \
     tests/engine/quant/test_int4_calibration.py tests/engine/quant/test_gemlite_int4.py \
     tests/engine/quant/test_gemlite_tuning.py --durations=10
@@ -98,6 +98,13 @@ step moe 330 bash -c 'python3 -m bench.throughput --device cuda --workload w1 --
     python3 -m bench.throughput --device cuda --workload w1 --skip-hf --preset qwen3-30b-a3b'
 step moe_loop 200 env TOKENMILL_TRITON_MOE=0 python3 -m bench.throughput --device cuda --workload w1 --skip-hf \
     --preset qwen3-30b-a3b
+# Issue 43/44's INT4 experts: one Qwen3-30B-A3B MoE layer's experts (hidden 2048, 128 experts of width 768, top-8,
+# g128), the INT4 grouped GEMMs (engine.kernels.triton_moe_int4) vs the bf16 ones on the same weights dequantized,
+# T = 1, 32, 256, 2048, in CUDA graphs. No model files or wheels needed (not run yet; estimated under a minute: two
+# random layers quantized on the GPU, eight kernel compiles). E.g. alone:
+#   5. run(command="STEPS=moe_int4 bash bench/gpu_session.sh", timeout_s=240)
+# Smoke run of the script on a CPU: TRITON_INTERPRET=1 python -m bench.moe_int4 --device cpu --tiny
+step moe_int4 180 python3 -m bench.moe_int4
 # GemLite's configs as tuned at engine load on this GPU (engine.quant.gemlite_int4), to read or carry later
 GEMLITE_CACHE=$(python3 -c "from engine.text.tokenizer import cache_root; print(cache_root() / 'gemlite')" 2>/dev/null)
 [ -n "$GEMLITE_CACHE" ] && [ -d "$GEMLITE_CACHE" ] && cp -r "$GEMLITE_CACHE" "$OUT/"
