@@ -29,8 +29,8 @@ Quantized experts (quantization int4 / int8, GGUF Q4 expert tensors under auto, 
 folders: engine.quant.experts) run as per-expert modules too (`set_gemms`): each expert's Int4Linear (W4A16, the dense
 layers' INT4 module) or Int8Linear (W8A8, CPU), on every device, so such a step is not captured in a CUDA graph
 (`experts_capturable`). The router stays in the compute dtype. INT4 experts keep their stacked weights
-(`int4_experts`: engine.quant.qparams.Int4Weight, qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]) on a
-CUDA device, the operand a grouped W4A16 kernel takes in place of the loop.
+(`int4_experts`: engine.quant.stacked_int4.StackedInt4, qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]) on a
+CUDA device, the operand engine.kernels.triton_moe_int4.fused_experts_int4 takes in place of the loop.
 
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
@@ -198,7 +198,7 @@ class GroupedExperts(nn.Module):
         stacked weights: oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears), or INT4 / INT8
         modules (engine.quant.experts). The modules add no bias: the experts' biases, the stacked weights' or
         `biases` = (gate_up [E, 2I], down [E, hidden]) where those are gone already, are kept and added after them.
-        `int4`: the stacked INT4 weights the modules were built from (engine.quant.qparams.Int4Weight with qweight
+        `int4`: the stacked INT4 weights the modules were built from (engine.quant.stacked_int4.StackedInt4: qweight
         uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]), as (gate_up, down), None for a projection that is not
         INT4: kept on the device for grouped INT4 kernels (`int4_experts`). Raises ValueError unless there are
         num_experts of each."""
@@ -215,9 +215,10 @@ class GroupedExperts(nn.Module):
         self.gate_proj = self.up_proj = self.gate_up_proj = self.down_proj = None
 
     def int4_experts(self) -> tuple[Any, Any] | None:
-        """The stacked INT4 weights the experts run from, (gate_up, down) (engine.quant.qparams.Int4Weight: qweight
-        uint8 [E, N, Kp/2], element 2j in the high nibble; scales and zeros [E, N, Kp/G]; w = (q - 8) * scale + zero;
-        N = 2I for gate_up, rows [gate; up] per expert), None for a projection that is not INT4; None when the
+        """The stacked INT4 weights the experts run from, (gate_up, down): engine.quant.stacked_int4.StackedInt4,
+        qweight uint8 [E, N, Kp/2] (element 2j in the high nibble), scales and zeros [E, N, Kp/G], w = (q - 8) *
+        scale + zero, N = 2I for gate_up (rows [gate; up] per expert); what
+        engine.kernels.triton_moe_int4.fused_experts_int4 takes. None for a projection that is not INT4; None when the
         experts are not INT4, or on the CPU once engine.quant.int4_linear.release_int4_sources dropped them (each
         expert's own Int4Linear serves it there)."""
         return self.int4

@@ -27,6 +27,7 @@ from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
 from engine.model.architectures import get_architecture, gguf_architecture, hf_to_gguf_names
 from engine.model.tensor_names import EMBEDDING, check_tensor_names, fuse_names, model_param_names, split_fused
 from engine.quant.qparams import Int4Weight
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import LM_HEAD, is_expert_weight, is_linear_weight
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,7 @@ def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
 
 
 def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
-                    keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+                    keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight | StackedInt4]]:
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
     dequantized by `dequantize_tensor`) under their HF parameter names; with `native_int4`, the 4-bit projection
     weights gguf_int4.NATIVE_INT4_TYPES map exactly (Q4_0, Q4_1, Q4_K) instead as
@@ -313,7 +314,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
     `keep_blocks`, each projection, LM head or tied embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
     raw blocks (engine.kernels.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
     CPU's small-batch kernel reads those (engine.quant.packed_linear). A mixture-of-experts layer's stacked experts
-    [E, N, K] alike: Int4Weight [E, N, Kp/2] (native_int4), blocks of [E * N, K] (keep_blocks)."""
+    [E, N, K] alike: StackedInt4 [E, N, Kp/2] (native_int4), blocks of [E * N, K] (keep_blocks)."""
     names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
     for t in reader.tensors:
         name = names.get(t.name)

@@ -274,14 +274,15 @@ def stack_experts(items: Iterator[tuple[str, Any]], num_experts: int, dtype: tor
                   report: QuantReport) -> Iterator[tuple[str, Any]]:
     """`items` (iter_quantized_state's, our names) with a mixture-of-experts layer's per-expert entries
     ("layers.0.mlp.experts.3.gate_proj", an Int4Weight, or "...experts.3.gate_proj.weight", a tensor) stacked once all
-    `num_experts` of a projection have come: one stacked Int4Weight [E, N, Kp/2] under "layers.0.mlp.experts.gate_proj"
-    when every expert was kept INT4 alike (engine.quant.experts serves it), else every expert dequantized exactly into
+    `num_experts` of a projection have come: one StackedInt4 [E, N, Kp/2] under "layers.0.mlp.experts.gate_proj" when
+    every expert was kept INT4 alike (engine.quant.experts serves it), else every expert dequantized exactly into
     one [E, N, K] tensor in `dtype` under "...gate_proj.weight" (`report` then lists them as dequantized, with why:
     INT8 experts have no W8A8 expert kernel). Other entries pass through. Raises ValueError when a projection lacks
     experts at the end."""
     import torch
 
     from engine.quant.qparams import Int4Weight
+    from engine.quant.stacked_int4 import StackedInt4
 
     pending: dict[str, dict[int, Any]] = {}
     for name, value in items:
@@ -299,10 +300,10 @@ def stack_experts(items: Iterator[tuple[str, Any]], num_experts: int, dtype: tor
         del pending[param]
         if all(isinstance(p, Int4Weight) for p in parts):
             try:
-                yield param.removesuffix(".weight"), Int4Weight.stack(parts)
+                yield param.removesuffix(".weight"), StackedInt4.from_weights(parts)
                 continue
-            except ValueError as e:
-                why = str(e).split(";")[0]
+            except ValueError:  # shapes, group sizes or scale dtypes that differ between experts
+                why = "experts of one projection stored in different INT4 forms"
         else:
             kinds = {type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)}
             why = ("INT8 experts (no W8A8 expert kernel)" if "Int8Weight" in kinds else

@@ -45,6 +45,7 @@ from engine.model.decoder import LlamaModel
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict, held_tensors
 from engine.quant.qparams import Int4Weight
 from engine.quant.quantize import quantize_weights
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import LM_HEAD, QuantizedState
 from engine.text.tokenizer import Tokenizer
 from schemas.engine_choices import QUANTIZATIONS
@@ -66,9 +67,10 @@ def check_experts_quantization(cfg: ModelConfig, method: str) -> None:
 
 @dataclass
 class LoadedModel:
-    """A filled model with its shape, tokenizer, the count of INT4 modules (0 = plain) and, for an already quantized
-    HF folder, the one-line account of how its layers were loaded (QuantReport.summary(); None for other models),
-    and the INT4 modules' layout on CUDA ("dual" or "single"; None without INT4 modules)."""
+    """A filled model with its shape, tokenizer, the count of INT4 weights (0 = plain; a StackedInt4 of experts counts
+    one) and, for an already quantized HF folder, the one-line account of how its layers were loaded
+    (QuantReport.summary(); None for other models), and the INT4 modules' layout on CUDA ("dual" or "single"; None
+    without INT4 modules)."""
 
     config: ModelConfig
     model: LlamaModel
@@ -197,7 +199,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
                          "'auto' or 'int4'")
     cfg, state, loaded = read_model_state(path, quantization, group_size, plain_dtype=dtype, device=device)
-    n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
+    n_int4 = sum(isinstance(v, Int4Weight | StackedInt4) for v in state.values())
     layout = None
     if n_int4:  # the INT4 modules' layout: given, or chosen for this model (engine.worker.memory_fit)
         layout = int4_layout if isinstance(int4_layout, str) else int4_layout(cfg, held_tensors(cfg, state))

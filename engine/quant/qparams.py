@@ -15,9 +15,6 @@ Portable format (what is saved to disk; device layouts are built from it at load
              (the order `_convert_weight_to_int4pack` takes since torch 2.5);
     scales, zeros: [N, Kp / group_size], bf16 on disk;
     Kp = K rounded up to a multiple of group_size; the padding columns quantize zeros and meet zero activations.
-A mixture-of-experts projection holds its E experts stacked in the same format with a leading expert dimension:
-qweight uint8 [E, N, Kp / 2], scales and zeros [E, N, Kp / group_size] (Int4Weight.num_experts; `expert(e)` is
-expert e's 2-D weight, views of the stacked tensors; engine.quant.experts serves them).
 """
 
 from __future__ import annotations
@@ -61,20 +58,16 @@ def unpack_uint4(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int4Weight:
-    """One linear (or embedding) weight in the portable INT4 format (see the module docstring), or one projection of
-    E experts stacked along a leading dimension.
+    """One linear (or embedding) weight in the portable INT4 format (see the module docstring).
 
     Attributes:
-        qweight: uint8 [N, Kp / 2], or [E, N, Kp / 2] for stacked experts.
-        scales, zeros: float [N, Kp / group_size] ([E, N, Kp / group_size]) (bf16 on disk; fp32 when loaded from GGUF,
-            so Q4 stays exact).
+        qweight: uint8 [N, Kp / 2].
+        scales, zeros: float [N, Kp / group_size] (bf16 on disk; fp32 when loaded from GGUF, so Q4 stays exact).
         in_features: K, the unpadded input width (Kp - K padding columns are ignored).
         group_size: input features per (scale, zero) group.
-        in_perm: None, or int64 [K] ([E, K]: each expert's own): the input feature each column holds (column j
-            multiplies x[..., in_perm[j]]): a GPTQ act-order checkpoint's columns sorted by group, so that its groups
-            are contiguous runs (engine.loading.quant_groups). Int4Linear gathers x's features in this order before
-            its GEMM.
-    Raises ValueError (at construction) when the parts' dtypes or shapes do not fit together.
+        in_perm: None, or int64 [K]: the input feature each column holds (column j multiplies x[..., in_perm[j]]):
+            a GPTQ act-order checkpoint's columns sorted by group, so that its groups are contiguous runs
+            (engine.loading.quant_groups). Int4Linear gathers x's features in this order before its GEMM.
     """
 
     qweight: torch.Tensor
@@ -86,61 +79,26 @@ class Int4Weight:
 
     def __post_init__(self) -> None:
         kp = padded_in_features(self.in_features, self.group_size)
-        lead = tuple(self.qweight.shape[:-1])
-        if self.qweight.dtype != torch.uint8 or self.qweight.dim() not in (2, 3) or self.qweight.shape[-1] != kp // 2:
-            raise ValueError(f"qweight must be uint8 [N, {kp // 2}] (or [E, N, {kp // 2}] for stacked experts) for "
-                             f"in_features {self.in_features} and group size {self.group_size}; got "
-                             f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        n = self.qweight.shape[0]
+        if self.qweight.dtype != torch.uint8 or tuple(self.qweight.shape) != (n, kp // 2):
+            raise ValueError(f"qweight must be uint8 [{n}, {kp // 2}] for in_features {self.in_features} and group "
+                             f"size {self.group_size}; got {self.qweight.dtype} {tuple(self.qweight.shape)}")
         for name in ("scales", "zeros"):
             t = getattr(self, name)
-            if tuple(t.shape) != (*lead, kp // self.group_size):
-                raise ValueError(f"{name} must be {[*lead, kp // self.group_size]}, got {tuple(t.shape)}")
-        if self.in_perm is not None and (self.in_perm.dtype != torch.int64 or tuple(self.in_perm.shape) != (
-                *lead[:-1], self.in_features)):
-            raise ValueError(f"in_perm must be int64 {[*lead[:-1], self.in_features]}, got {self.in_perm.dtype} "
+            if tuple(t.shape) != (n, kp // self.group_size):
+                raise ValueError(f"{name} must be [{n}, {kp // self.group_size}], got {tuple(t.shape)}")
+        if self.in_perm is not None and (self.in_perm.dtype != torch.int64
+                                         or tuple(self.in_perm.shape) != (self.in_features,)):
+            raise ValueError(f"in_perm must be int64 [{self.in_features}], got {self.in_perm.dtype} "
                              f"{tuple(self.in_perm.shape)}")
 
     @property
-    def num_experts(self) -> int | None:
-        """E for stacked experts ([E, N, Kp / 2]), None for one weight."""
-        return self.qweight.shape[0] if self.qweight.dim() == 3 else None
-
-    @property
     def out_features(self) -> int:
-        return self.qweight.shape[-2]
+        return self.qweight.shape[0]
 
     @property
     def padded_in_features(self) -> int:
-        return self.qweight.shape[-1] * 2
-
-    @property
-    def numel(self) -> int:
-        """Weights held, padding columns included (E * N * Kp for stacked experts)."""
-        return self.qweight.numel() * 2
-
-    def expert(self, e: int) -> Int4Weight:
-        """Expert e's weight [N, K] of stacked experts: views of the stacked tensors (no copy). Raises ValueError for
-        a weight that is not stacked."""
-        if self.num_experts is None:
-            raise ValueError("expert(e) takes stacked experts' weights ([E, N, Kp / 2]); this one is 2-D")
-        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.in_features, self.group_size,
-                          None if self.in_perm is None else self.in_perm[e])
-
-    @classmethod
-    def stack(cls, parts: list[Int4Weight]) -> Int4Weight:
-        """The experts `parts` (2-D weights, expert e at index e) as one stacked weight (copies). Raises ValueError
-        when they differ in shape, group size, scale dtype or in having an input order (in_perm)."""
-        first = parts[0]
-        key = (tuple(first.qweight.shape), first.in_features, first.group_size, first.scales.dtype,
-               first.in_perm is None)
-        odd = next((e for e, p in enumerate(parts) if p.num_experts is not None or (
-            tuple(p.qweight.shape), p.in_features, p.group_size, p.scales.dtype, p.in_perm is None) != key), None)
-        if odd is not None:
-            raise ValueError(f"expert {odd}'s INT4 weight differs from expert 0's in shape, group size, scale dtype "
-                             "or input order; the experts of one projection stack only alike")
-        return cls(torch.stack([p.qweight for p in parts]), torch.stack([p.scales for p in parts]),
-                   torch.stack([p.zeros for p in parts]), first.in_features, first.group_size,
-                   None if first.in_perm is None else torch.stack([p.in_perm for p in parts]))
+        return self.qweight.shape[1] * 2
 
     def to(self, device: torch.device | str | None = None, scale_dtype: torch.dtype | None = None) -> Int4Weight:
         """A copy on `device` with scales and zeros in `scale_dtype` (None keeps them)."""
@@ -155,10 +113,8 @@ class Int4Weight:
                           self.group_size, self.in_perm)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as `dtype` [N, K] ([E, N, K] for stacked experts): (q - 8) * scale + zero, computed in fp32
-        (padding columns dropped), its columns in the input's order (in_perm undone)."""
-        if self.num_experts is not None:
-            return torch.stack([self.expert(e).dequantize(dtype) for e in range(self.num_experts)])
+        """The weight as `dtype` [N, K]: (q - 8) * scale + zero, computed in fp32 (padding columns dropped), its
+        columns in the input's order (in_perm undone)."""
         n, g = self.out_features, self.group_size
         q = unpack_uint4(self.qweight).view(n, -1, g).float()
         w = ((q - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]).view(n, -1)[:, :self.in_features]
@@ -231,21 +187,17 @@ def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
 
 def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16,
                   method: str = "mse", mse_steps: int = 11) -> Int4Weight:
-    """Asymmetric group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`), or of stacked
-    experts w [E, N, K] one expert at a time (a stacked Int4Weight; temporaries of one expert's size).
+    """Asymmetric group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`).
 
     method: "minmax" = scale (max - min) / 15 and min as in gpt-fast; "mse" (default) = the squared-error fit of
     `_mse_fit` (llama.cpp make_qkx2_quants): on SmolLM2-135M at group 128 it measured +51% perplexity against
     +72% for min-max (20k AlpacaEval tokens, bench/README.md). Scales and zeros are rounded to `scale_dtype`
     first and q is computed against the rounded values, so the stored (q, scale, zero) triple is the best for what
     the kernel will actually read. Groups of equal values get scale 1e-6 / 15 (gpt-fast's clamp).
-    Raises ValueError for a bad group size or method, or a weight that is not 2-D or 3-D.
+    Raises ValueError for a bad group size or method, or a weight that is not 2-D.
     """
-    if w.dim() == 3:
-        return Int4Weight.stack([quantize_int4(x, group_size, scale_dtype, method, mse_steps) for x in w])
     if w.dim() != 2:
-        raise ValueError(f"quantize_int4 takes a 2-D weight [N, K] (or stacked experts [E, N, K]), got shape "
-                         f"{tuple(w.shape)}")
+        raise ValueError(f"quantize_int4 takes a 2-D weight [N, K], got shape {tuple(w.shape)}")
     if method not in ("minmax", "mse"):
         raise ValueError(f"method must be 'minmax' or 'mse', got {method!r}")
     n, k = w.shape

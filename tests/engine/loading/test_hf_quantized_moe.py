@@ -102,7 +102,7 @@ def _reference_experts(reference, layer: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("case", [c for c in CASES if "w8a8" not in c])
 def test_int4_experts_load_as_stored_and_match_hf(case: str, moe_folders, prompt_ids) -> None:
     from engine.loading.quantized import read_state
-    from engine.quant.qparams import Int4Weight
+    from engine.quant.stacked_int4 import StackedInt4
 
     folder, reference = moe_folders[case]
     _, plain = read_state(str(folder), "none", 128)
@@ -111,7 +111,7 @@ def test_int4_experts_load_as_stored_and_match_hf(case: str, moe_folders, prompt
         for proj, want in _reference_experts(reference, layer).items():
             name = f"layers.{layer}.mlp.experts.{proj}"
             assert torch.equal(plain[f"{name}.weight"], want), name
-            assert isinstance(auto[name], Int4Weight) and auto[name].num_experts == 8, name
+            assert isinstance(auto[name], StackedInt4) and auto[name].num_experts == 8, name
             assert torch.equal(auto[name].dequantize(), want), name
             assert (auto[name].in_perm is not None) == ("actorder" in case), name
         assert torch.equal(auto[f"layers.{layer}.mlp.gate.weight"], reference.model.layers[layer].mlp.gate.weight)

@@ -26,6 +26,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loading.quantized import load_model, quantize_to_folder, read_state
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.qparams import Int4Weight
+from engine.quant.stacked_int4 import StackedInt4
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
@@ -124,7 +125,7 @@ def test_gguf_q4_experts_stay_int4_bit_equal_to_gguf(moe, gguf_path: str, prompt
     write_moe_gguf(path, "mixtral", folder, gguf_path, expert_type=T.Q4_0, down_type=T.Q4_1)
     _, state = read_state(str(path), "auto", GROUP)
     for name, want in _gguf_experts(path).items():
-        assert isinstance(state[name], Int4Weight) and state[name].num_experts == 8, name
+        assert isinstance(state[name], StackedInt4) and state[name].num_experts == 8, name
         assert torch.equal(state[name].dequantize(), torch.from_numpy(want)), name
     loaded = load_model(str(path), torch.float32, CPU, quantization="auto")
     ours, weights, _ = _generate(loaded, prompt_ids)
@@ -161,7 +162,7 @@ def test_gguf_block_experts_serve_the_small_batch_kernel(moe, gguf_path: str, pr
 
 
 def test_q4_k_experts_map_exactly() -> None:
-    """Stacked Q4_K experts (llama.cpp's Q4_K_M gate/up) map to a stacked Int4Weight whose experts are the 2-D
+    """Stacked Q4_K experts (llama.cpp's Q4_K_M gate/up) map to a StackedInt4 whose experts are the 2-D
     mapping of their rows, equal to gguf-py's weights (small zeros, as in trained models: engine.loading.gguf_int4)."""
     from gguf_models import random_tensor
 
@@ -196,11 +197,12 @@ def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: st
         fit = model_fit(str(model), EngineConfig(device="cpu", dtype="float32", quantization=mode,
                                                  int4_group_size=GROUP), model_context(str(model)))
         # the header-only count leaves out INT4's padding columns (K rounded up to the group: 48 -> 64 here)
-        held = [(w.numel // w.padded_in_features * w.in_features, w.group_size) if isinstance(w, Int4Weight) else
+        held = [(w.num_experts * w.out_features * w.in_features, w.group_size) if isinstance(w, StackedInt4) else
+                (w.out_features * w.in_features, w.group_size) if isinstance(w, Int4Weight) else
                 (w.numel(), None) for w in state.values()]
         assert fit.model_bytes == weight_bytes(held, "float32", "cpu"), (model, mode)
         assert weight_bytes(held_tensors(cfg, state), "float32", "cpu") - fit.model_bytes < 0.01 * fit.model_bytes
-        int4 = {name for name, w in state.items() if isinstance(w, Int4Weight) and w.num_experts}
+        int4 = {name for name, w in state.items() if isinstance(w, StackedInt4)}
         assert len(int4) == (4 if mode == "auto" else 6), (model, mode)
 
 
@@ -228,8 +230,8 @@ def test_int4_experts_in_bf16_follow_fp32() -> None:
     from engine.quant.qparams import quantize_int4
 
     gen = torch.Generator().manual_seed(0)
-    gate_up = quantize_int4(torch.randn(8, 192, 64, generator=gen) * 0.1, GROUP)
-    down = quantize_int4(torch.randn(8, 64, 96, generator=gen) * 0.1, GROUP)
+    gate_up, down = (StackedInt4.from_weights([quantize_int4(w, GROUP) for w in torch.randn(shape, generator=gen)
+                                               * 0.1]) for shape in ((8, 192, 64), (8, 64, 96)))
     x = torch.randn(40, 64, generator=gen)
     weights, ids = route(torch.randn(40, 8, generator=gen), 2, "softmax_topk", True)
     outs = {}
