@@ -1,5 +1,5 @@
-"""GGUF files: the config from their metadata and the tensors under our parameter names (Q/K rows un-permuted),
-through the architecture registry; every tensor placed or an error.
+"""GGUF files: the config from their metadata (engine.loading.gguf_config) and the tensors under our parameter names
+(Q/K rows un-permuted), through the architecture registry; every tensor placed or an error.
 
 GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (read with the `gguf` package's GGUFReader;
 ggml lists shapes fastest-dimension first, the reverse of torch, and `gguf.quants.dequantize` returns arrays in
@@ -9,9 +9,7 @@ torch order).
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,15 +20,14 @@ import torch
 from engine.config import ModelConfig
 from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
+from engine.loading.gguf_config import gguf_name_map
+from engine.loading.gguf_config import read_gguf_config as read_gguf_config  # NOTE: re-exported (loader, quantized)
 from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
-from engine.loading.gguf_rope import ROPE_TENSORS, gguf_rope_scaling
 from engine.loading.gpt_oss_tensors import dequantize_gguf_mxfp4
-from engine.model.architectures import get_architecture, gguf_architecture, hf_to_gguf_names
-from engine.model.tensor_names import EMBEDDING, check_tensor_names, fuse_names, model_param_names, split_fused
+from engine.model.architectures import get_architecture
+from engine.model.tensor_names import EMBEDDING, split_fused
 from engine.quant.qparams import Int4Weight
-from engine.quant.state import LM_HEAD, is_linear_weight
-
-log = logging.getLogger(__name__)
+from engine.quant.state import is_linear_weight
 
 
 def open_gguf(path: str) -> Any:
@@ -133,145 +130,6 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _field(reader: object, key: str, default: object = None) -> object:
-    f = reader.fields.get(key)  # type: ignore[attr-defined]
-    return default if f is None else f.contents()
-
-
-def _arch_field(reader: object, arch: str, key: str, default: object) -> object:
-    """The metadata value `{arch}.{key}`, or `default`."""
-    return _field(reader, f"{arch}.{key}", default)
-
-
-def _token_ids(reader: object, texts: tuple[str, ...]) -> list[int]:
-    """The ids of the tokens spelled `texts` in the file's vocabulary (`tokenizer.ggml.tokens`), those it has."""
-    if not texts:
-        return []
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    return [i for i, token in enumerate(tokens) if token in texts]  # type: ignore[attr-defined]
-
-
-def read_gguf_config(reader: object) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...) through the
-    architecture's registry entry (engine.model.architectures): QKV bias and q/k norms by family, RoPE scaling from
-    `{arch}.rope.scaling.*` or, for Llama 3, the `rope_freqs.weight` factors llama.cpp's converter writes, every stop
-    token (EOS, EOT, EOM ids, and the family's end-of-generation tokens by text: Architecture.gguf_stop_tokens).
-
-    Raises ValueError for an architecture we do not run (listing those we do) or a RoPE scaling, expert router or
-    family field (engine.model.family_fields) we do not implement, naming it.
-    """
-    arch = str(_field(reader, "general.architecture"))
-    entry = gguf_architecture(arch, bool(_field(reader, f"{arch}.expert_count", 0)))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
-    tensors = {t.name: t for t in reader.tensors}  # type: ignore[attr-defined]
-    head_dim = _field(reader, f"{arch}.attention.key_length")
-    if not head_dim and "partial_rotary_factor" not in entry.reads:  # else rope.dimension_count is the rotated part
-        head_dim = _field(reader, f"{arch}.rope.dimension_count")
-    max_pos = int(_field(reader, f"{arch}.context_length", 2048))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    stops = tuple(dict.fromkeys(int(i) for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id"),
-                                                 _field(reader, "tokenizer.ggml.eom_token_id"),
-                                                 *_token_ids(reader, entry.gguf_stop_tokens)) if i is not None))
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    if arch == "llama" and not window:
-        _warn_mistral_without_window(str(_field(reader, "general.name") or ""),
-                                     str(_field(reader, "general.basename") or ""))
-    get = functools.partial(_arch_field, reader, arch)
-    fields = {} if entry.gguf_fields is None else entry.gguf_fields(
-        get, layers=int(_field(reader, f"{arch}.block_count")), hidden=hidden, heads=heads,
-        head_dim=int(head_dim) if head_dim else hidden // heads)
-    return ModelConfig(**{**dict(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(head_dim) if head_dim else hidden // heads,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
-        architecture=entry.name,
-        qkv_bias=entry.qkv_bias,
-        qk_norm=entry.qk_norm,
-        rope_scaling=gguf_rope_scaling(get, tensors, max_pos, entry.gguf_yarn_truncate),
-        eos_token_ids=stops,
-        sliding_window=int(window) if window else None,
-        **_gguf_experts(reader, arch, entry),
-    ), **fields})
-
-
-@functools.cache
-def _warn_mistral_without_window(name: str, basename: str) -> None:
-    """Warn, once per model name, when a llama GGUF names a Mistral model but has no sliding-window key.
-
-    llama.cpp's convert_hf_to_gguf.py writes Mistral as architecture "llama" without `llama.attention.sliding_window`,
-    so such a file runs with full attention. Only the name in its metadata (general.name / general.basename) says
-    it came from Mistral: whether its Hugging Face config had a window (Mistral 7B v0.1: 4096; v0.2 and later: none)
-    is not in the file, so the warning says what follows in either case."""
-    if not re.search(r"mistral", f"{name} {basename}", re.IGNORECASE):
-        return
-    log.warning("the GGUF %r names a Mistral model but holds no sliding window (llama.cpp's converter writes none): "
-                "it runs with full attention. Where the Hugging Face config has a window (Mistral 7B v0.1: 4096 "
-                "tokens), sequences longer than the window differ from Hugging Face's; load the Hugging Face folder "
-                "to keep it", name or basename)
-
-
-def _gguf_experts(reader: object, arch: str, entry: Any) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields from `{arch}.expert_*` metadata ({} for a dense entry), as llama.cpp
-    reads them: the expert width from expert_feed_forward_length (else feed_forward_length, as Mixtral's files
-    have), the renormalisation from expert_weights_norm (else llama.cpp's default for the architecture,
-    Architecture.gguf_norm_topk). Raises ValueError for a gating function the family's router does not compute
-    (Architecture.gguf_gating), a scale of the experts' weights (expert_weights_scale other than 0 or 1) or shared
-    experts the family has not."""
-    if entry.router is None:
-        return {}
-    gating = _field(reader, f"{arch}.expert_gating_func")
-    if gating not in entry.gguf_gating:
-        raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not implemented for {entry.name}; its router "
-                         f"({entry.router}) is llama.cpp's expert_gating_func {entry.gguf_gating[-1]}")
-    scale = _field(reader, f"{arch}.expert_weights_scale")
-    if scale not in (None, 0, 1):  # llama.cpp multiplies the routing weights by it unless 0 or 1
-        raise ValueError(f"GGUF {arch}.expert_weights_scale={scale} is not implemented; tokenmill scales the "
-                         "experts' routing weights by 1")
-    shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0) if entry.shared_expert else 0
-    if entry.shared_expert and not shared:
-        raise ValueError(f"GGUF {arch} file lacks {arch}.expert_shared_feed_forward_length")
-    norm = _field(reader, f"{arch}.expert_weights_norm")
-    width = _field(reader, f"{arch}.expert_feed_forward_length") or _field(reader, f"{arch}.feed_forward_length")
-    return dict(num_experts=int(_field(reader, f"{arch}.expert_count")),
-                num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0)),
-                moe_intermediate_size=int(width), router=entry.router, shared_expert_intermediate_size=shared,
-                norm_topk_prob=entry.router == "softmax_topk" and bool(entry.gguf_norm_topk if norm is None else norm))
-
-
-def gguf_name_map(reader: Any, cfg: ModelConfig) -> dict[str, str]:
-    """{GGUF tensor name: our parameter name} for every tensor of the file but the RoPE factors (`rope_freqs`,
-    `rope_factors_*`: read into cfg.rope_scaling), checked: Raises ValueError naming a tensor the architecture does
-    not place, or a missing one. Families with fused projections (Phi-3) map attn_qkv / ffn_up to their fused
-    names (qkv_proj, gate_up_proj: split when read)."""
-    entry = get_architecture(cfg.architecture)
-    names = model_param_names(cfg) + ([] if cfg.tie_word_embeddings else [f"{LM_HEAD}.weight"])
-    table = hf_to_gguf_names(entry, fuse_names(names) if entry.fused_projections else names, cfg.num_layers)
-    out = {}
-    for t in reader.tensors:
-        if t.name in ROPE_TENSORS:
-            continue
-        if t.name not in table:
-            raise ValueError(f"GGUF tensor {t.name!r} is not part of the {cfg.architecture} architecture as tokenmill "
-                             "runs it; tokenmill would drop it and compute something else")
-        out[t.name] = table[t.name]
-    check_tensor_names(out.values(), cfg, "the GGUF file", fused=entry.fused_projections)
-    return out
 
 
 def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:

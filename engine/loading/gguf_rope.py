@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from engine.config import RopeScaling
 
 #: Phi-3's LongRoPE factors (llama.cpp's rope_factors_long / rope_factors_short), read into cfg.rope_scaling.
@@ -26,6 +24,7 @@ _YARN_LLAMA_CPP_KEYS = {"yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_l
 
 def _factors(tensor: Any) -> tuple[float, ...]:
     """The values of a 1-D GGUF tensor (RoPE factors), as floats."""
+    import numpy as np
     from gguf.quants import dequantize
 
     return tuple(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist())

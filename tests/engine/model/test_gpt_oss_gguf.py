@@ -162,16 +162,19 @@ def test_mxfp4_dequantizes_bit_equal_to_gguf_py(gpt_oss, monkeypatch: pytest.Mon
 def test_gguf_config_equals_the_hf_folder(gpt_oss, hf_tok) -> None:
     """The GGUF's config is the HF folder's: sliding layers and window, YaRN (truncate false), experts, sinks, biases,
     the clamped SwiGLU; eps as float32 (GGUF stores it so); the stop tokens add <|endoftext|> (by text, as
-    gpt-oss's generation_config does)."""
+    gpt-oss's generation_config does). The CLI's header-only reader gives the same config and tensor names."""
     from dataclasses import replace
 
-    from engine.loading.gguf_file import gguf_name_map, open_gguf, read_gguf_config
+    from engine.loading.gguf_config import gguf_name_map, read_gguf_config
+    from engine.loading.gguf_file import open_gguf
     from engine.loading.hf_folder import read_hf_config
+    from jobs.gguf_header import GGUFHeader
 
     want = read_hf_config(str(gpt_oss["folder"]))
     for kind in ("f32", "mxfp4"):
-        reader = open_gguf(str(gpt_oss[kind]))
+        reader, header = open_gguf(str(gpt_oss[kind])), GGUFHeader(str(gpt_oss[kind]))
         got = read_gguf_config(reader)
+        assert read_gguf_config(header) == got and gguf_name_map(header, got) == gguf_name_map(reader, got)
         assert got.eos_token_ids == (*want.eos_token_ids, hf_tok.convert_tokens_to_ids("<|endoftext|>"))
         assert got.rms_norm_eps == float(np.float32(want.rms_norm_eps))
         assert replace(got, eos_token_ids=want.eos_token_ids, rms_norm_eps=want.rms_norm_eps) == want
@@ -205,13 +208,34 @@ def _variant(path: Path, folder: Path, metadata: dict | None = None, **changes: 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_what_is_not_implemented_is_refused_before_reading(case: str, gpt_oss, tmp_path: Path) -> None:
     """A key or tensor the converter (or llama.cpp) can write whose math tokenmill does not run is a ValueError
-    naming it, from the metadata and tensor names alone."""
-    from engine.loading.gguf_file import gguf_name_map, open_gguf, read_gguf_config
+    naming it, from the metadata and tensor names alone: where the engine loads the file and in the CLI's check of
+    its header (jobs.preflight: exit 2 before the job)."""
+    from engine.loading.gguf_config import gguf_name_map, read_gguf_config
+    from engine.loading.gguf_file import open_gguf
+    from jobs.gguf_header import GGUFHeader
 
     variant, words = REFUSED[case]
-    reader = open_gguf(str(_variant(tmp_path / f"{case}.gguf", gpt_oss["folder"], **variant)))
-    with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("[", r"\[")):
-        gguf_name_map(reader, read_gguf_config(reader))
+    path = str(_variant(tmp_path / f"{case}.gguf", gpt_oss["folder"], **variant))
+    for reader in (open_gguf(path), GGUFHeader(path)):
+        with pytest.raises(ValueError, match=words.replace(".", r"\.").replace("[", r"\[")):
+            gguf_name_map(reader, read_gguf_config(reader))
+
+
+def test_the_cli_refuses_such_a_file_before_the_job(gpt_oss, gsm8k_questions: list[str], tmp_path: Path) -> None:
+    """`tokenmill run --model FILE.gguf` with a key tokenmill does not run exits 2 naming it and writes nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from jobs.cli import app
+
+    path = _variant(tmp_path / "scaled.gguf", gpt_oss["folder"], {"expert_weights_scale": 2.5})
+    pq.write_table(pa.table({"question": gsm8k_questions[:2]}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "in.parquet"), str(out), "--prompt-column", "question",
+                                   "--model", str(path)])
+    assert res.exit_code == 2, res.output
+    assert "gpt-oss.expert_weights_scale=2.5 is not implemented" in res.stderr and not out.exists()
 
 
 @pytest.mark.parametrize(("period", "types"), [(1, ("full_attention",) * 2), (3, ("sliding_attention",) * 2)])
