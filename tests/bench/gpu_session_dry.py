@@ -111,7 +111,7 @@ def dry_run(tmp: Path, env: dict[str, str]) -> tuple[dict[str, list[dict]], str]
         raise AssertionError(f"the dry run exited {proc.returncode}:\n{output}")
     logs = tmp / "logs"
     with tarfile.open(out / "logs.tgz") as tar:
-        tar.extractall(logs, filter="data")
+        tar.extractall(logs, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     calls = {}
     for log in logs.glob("*.log"):
         calls[log.stem] = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
