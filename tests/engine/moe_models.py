@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from family_models import add_tensors_and_write
+from family_models import finish_gguf
 from llama_family_models import permute, randomize, tokenizer_fields
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -103,8 +103,13 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
                   else f"model.layers.{bid}.mlp.experts.{proj}")
         tensors[tmap.get_name(f"{merged}.weight", try_suffixes=(".weight",))] = np.stack(
             [parts[e] for e in range(experts)])
-    add_tensors_and_write(w, tensors, lambda name: expert_type if name.endswith(("gate_exps.weight", "up_exps.weight"))
-                          else down_type if name.endswith("down_exps.weight") else None)
+    def kind(name: str) -> object:
+        return (expert_type if name.endswith(("gate_exps.weight", "up_exps.weight")) else
+                down_type if name.endswith("down_exps.weight") else None)
+
+    finish_gguf(w, {name: (a, gguf.GGMLQuantizationType.F32) if kind(name) is None else
+                    (gguf.quants.quantize(np.ascontiguousarray(a, np.float32), kind(name)), kind(name))
+                    for name, a in tensors.items()})
 
 
 
