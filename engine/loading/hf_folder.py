@@ -164,8 +164,8 @@ def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
     """(iterator, report) over a quantized HF folder's parameters (engine.loading.hf_quantized.iter_quantized_state:
     INT4 / INT8 as stored where `keep` holds them exactly, else dequantized exactly to `dtype`; keep None: all
     dequantized; a tied LM head left out; a mixture-of-experts layer's per-expert layers stacked: stack_experts); the
-    report fills as the iterator runs. Names are checked before the first
-    tensor is read. Raises ValueError as hf_tensor_index, and for a folder without quantization_config."""
+    report fills as the iterator runs. Names are checked before the first tensor is read. Raises ValueError as
+    hf_tensor_index, and for a folder without quantization_config."""
     fmt = hf_quant_format(path)
     if fmt is None:
         raise ValueError(f"{path} has no quantization_config")
