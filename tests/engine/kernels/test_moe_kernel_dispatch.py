@@ -87,9 +87,9 @@ def _block(biased: bool) -> GroupedExperts:
 def test_int4_stacks_alone_run_the_grouped_kernel_as_the_loop(kernel_calls: list[str], biased: bool) -> None:
     gate_up, down, biases = _stacks(1)
     biases = biases if biased else None
-    loop = _block(biased)  # each expert's Int4Linear (fp32: dequantize-then-GEMM) in the per-expert loop
-    loop.set_gemms(expert_modules(gate_up, torch.float32, DEVICE), expert_modules(down, torch.float32, DEVICE),
-                   biases=biases)
+    loop = _block(biased)  # each expert's Int4Linear in the per-expert loop: fp32 dequantize-then-GEMM ("single"; on
+    # CUDA "dual" would run tinygemm, whose activations are bf16)
+    loop.set_gemms(*(expert_modules(w, torch.float32, DEVICE, "single") for w in (gate_up, down)), biases=biases)
     grouped = _block(biased)
     grouped.set_int4(gate_up, down, biases=biases)
     assert grouped.gemms is None and grouped.int4_experts() == (gate_up, down)
@@ -161,3 +161,26 @@ def test_grouped_int4_experts_are_counted_once() -> None:
         assert weight_bytes(held, "bfloat16", "cuda", layout, grouped_experts=True) == one + 2000
     assert weight_bytes(held, "bfloat16", "cuda", "dual", grouped_experts=False) == 2 * (n // 2 + n // group * 4) + 2000
     assert weight_bytes(held, "bfloat16", "cpu", grouped_experts=True) == n // 2 + n // group * 4 + 2000
+
+
+def test_quantize_experts_keeps_biases_and_quantizes_expert_by_expert() -> None:
+    """engine.quant.experts.quantize_experts (what quantize_model does to a MoE model's experts): the numbers
+    quantize_int4 gives each expert, biases kept; on the CPU each expert's Int4Linear serves the loop."""
+    from engine.quant.experts import quantize_experts
+
+    model = nn.Module()
+    model.experts = _block(True)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in model.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    plain = {n: p.detach().clone() for n, p in model.experts.named_parameters()}
+    assert quantize_experts(model, GROUP) == 1 and model.experts.gemms is not None
+    gate_up, down = model.experts.int4_experts()
+    want = StackedInt4.from_weights([quantize_int4(w, GROUP) for w in plain["down_proj.weight"]])
+    assert all(torch.equal(getattr(down, f), getattr(want, f)) for f in ("qweight", "scales", "zeros"))
+    torch.testing.assert_close(gate_up.dequantize(), torch.cat([plain["gate_proj.weight"], plain["up_proj.weight"]],
+                                                                1), atol=0.1, rtol=0)
+    biases = model.experts.packed_biases
+    assert torch.equal(biases[0], torch.cat([plain["gate_proj.bias"], plain["up_proj.bias"]], 1))
+    assert torch.equal(biases[1], plain["down_proj.bias"])
