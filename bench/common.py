@@ -16,8 +16,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from schemas import settings
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +82,22 @@ def cuda_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def triton_device(name: str, smoke: str) -> torch.device:
+    """torch.device(name) for a benchmark of Triton kernels: CUDA when a device is there, else any device under
+    TRITON_INTERPRET=1 (the interpreter: a smoke run). Raises SystemExit naming the problem and `smoke`, the
+    smoke-run flags (e.g. "--device cpu --tiny"), otherwise."""
+    import os
+
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda needs a CUDA device; for a smoke run: TRITON_INTERPRET=1 ... {smoke}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"--device {name}: the Triton kernels run off CUDA only under TRITON_INTERPRET=1")
+    return device
 
 
 def new_parser(doc: str | None, *, threads: int | None | bool = False) -> argparse.ArgumentParser:

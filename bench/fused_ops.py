@@ -21,13 +21,12 @@ On the CPU (TRITON_INTERPRET=1, --device cpu) the times are the interpreter's: a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import cuda_ms, median_s, new_parser
+from bench.common import cuda_ms, median_s, new_parser, triton_device
 from engine.config import ModelConfig
 from engine.layers.attention import write_kv
 from engine.layers.rms_norm import RMSNorm
@@ -127,11 +126,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="timings per measurement (the median is printed)")
     ap.add_argument("--eager", action="store_true", help="time eager launches instead of a CUDA graph")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA device; TRITON_INTERPRET=1 ... --device cpu for a smoke run")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit(f"--device {args.device}: the Triton kernels run off CUDA only under TRITON_INTERPRET=1")
+    device = triton_device(args.device, "--device cpu")
     from engine.kernels import triton_fused
 
     if triton_fused.triton_fused_ops() is None:

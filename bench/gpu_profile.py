@@ -12,8 +12,8 @@ counted and named):
 - GPU idle: the step's wall time minus the union of its kernel intervals (host work between and inside steps:
   scheduling, input preparation, the sampled-token copy back, Python);
 - graph bucket padding: the rows a captured bucket computes beyond the step's batch (bucket - n) over the bucket.
-Under the table, the top 10 kernels of "other" and of "GEMM" by time (ms and calls per step, names cut to 100
-characters): what is left to fuse or tune.
+Above the table (so that the table is the run's last lines), the top 10 kernels of "other" and of "GEMM" by time (ms
+and calls per step, names cut to 100 characters): what is left to fuse or tune.
 On the CPU (--device cpu, a smoke run on a small model) "kernels" are the profiled ops' self CPU time (our C++
 kernels are pybind calls the profiler does not see: they fall in the last row), attention and sampling told apart
 by profiler ranges around the attention function and the sampler.
@@ -229,6 +229,8 @@ def main() -> None:
     by_kind, busy, by_name = kernel_times(prof, cuda)
     wall_us = window_wall * 1e6
     device_name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
+    for kind in ("other", "GEMM"):  # first: the step table below is the run's last lines (what a log's tail shows)
+        print_top_kernels(by_name, kind, window_steps)
     print(f"\ndevice={device_name} torch={torch.__version__} model={engine.model_name} quantization="
           f"{args.quantization} requests={args.num_prompts} max_tokens={args.max_tokens} "
           f"decode steps profiled={profiled} (after {args.skip_steps})"
@@ -244,8 +246,6 @@ def main() -> None:
     print(f"{'graph bucket padding (rows)':<34} {padded / profiled:>9.1f} {padded / max(rows, 1):>10.1%}")
     print(f"batch (mean rows per decode step): {(rows - padded) / profiled:.1f}; whole run: {out_tokens} output "
           f"tokens in {total_s:.2f} s ({out_tokens / total_s:.1f} tok/s, profiled steps included)")
-    for kind in ("other", "GEMM"):
-        print_top_kernels(by_name, kind, window_steps)
 
 
 if __name__ == "__main__":

@@ -89,10 +89,11 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
     each an Int4Linear pinned to that kernel (a kernel Int4Linear would not run at that M on this device, e.g.
     dequant for bf16 on the CPU, is left out: 0 in the table). GemLite's start-up cost is printed per set-up and
     shape: `tune_s` (ours: tune_gemlite before timing) and `first_call_ms` per M (gemlite's own set-ups tune there).
-    One JSON line per (shape, M), then a table of the layer totals (the sum over the shapes) and the crossovers:
-    the largest M at which tinygemm beats our GemLite (engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS), the
-    smallest from which dequantize + GEMM does (CUDA_GEMLITE_DEQUANT_MIN_ROWS) and where the best INT4 kernel is
-    at or below dense. Returns that tinygemm crossover (None when GemLite did not run)."""
+    One JSON line per (shape, M, kernel) as it is timed (a sweep cut short keeps them), then a table of the layer
+    totals (the sum over the shapes) and the crossovers: the largest M at which tinygemm beats our GemLite
+    (engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS), the smallest from which dequantize + GEMM does
+    (CUDA_GEMLITE_DEQUANT_MIN_ROWS) and where the best INT4 kernel is at or below dense. Returns that tinygemm
+    crossover (None when GemLite did not run)."""
     from engine.quant.gemlite_int4 import gemlite_unavailable_reason
     from engine.quant.gemlite_tuning import tune_gemlite
     from engine.quant.int4_linear import Int4Linear
@@ -104,20 +105,19 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
     setups = [s for s in GEMLITE_SETUPS if gemlite_ok and (s != "gemlite_max" or gemlite_max_rows)]
     kernels = ["dense", "tinygemm", "dequant", *setups]
     totals = {m: dict.fromkeys(kernels, 0.0) for m in rows}
-    table: dict[tuple[str, int], dict[str, object]] = {}
     weights = {}
 
     def timed(kernel: str, name: str, m: int, fn: object) -> None:
-        row = table.setdefault((name, m), {"shape": name, "N": shapes[name][0], "K": shapes[name][1], "M": m})
+        row: dict[str, object] = {"shape": name, "N": shapes[name][0], "K": shapes[name][1], "M": m, "kernel": kernel}
         if kernel.startswith("gemlite"):
             t = time.perf_counter()
             fn()  # type: ignore[operator]
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            row[f"{kernel}_first_call_ms"] = round((time.perf_counter() - t) * 1e3, 1)
-        us, how = _time_us(fn, dev)
-        row[f"{kernel}_us"], row["timing"] = us, how
-        totals[m][kernel] += us
+            row["first_call_ms"] = round((time.perf_counter() - t) * 1e3, 1)
+        row["us"], row["timing"] = _time_us(fn, dev)
+        totals[m][kernel] += row["us"]  # type: ignore[operator]
+        emit(**row)  # as it is taken: a sweep cut short by its step's time limit keeps its rows
 
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=dev, dtype=dtype) * 0.02
@@ -146,8 +146,6 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
                 x = torch.randn(m, k, device=dev, dtype=dtype)
                 timed(setup, name, m, lambda x=x, mod=mod: mod(x))
             del mod
-    for row in table.values():
-        emit(**row)
     print(f"\nlayer totals (us, sum over {', '.join(shapes)}; g{group_size}, {dtype}, {_device_name(dev)}):")
     print(f"{'M':>6} " + " ".join(f"{k:>15}" for k in kernels) + f" {'best int4':>15} {'vs dense':>8}")
     for m in rows:

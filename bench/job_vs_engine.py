@@ -3,6 +3,7 @@
 Usage:
     python -m bench.job_vs_engine --rows 256 --max-tokens 64
     python -m bench.job_vs_engine --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96   # issue 45 item 8
+    python -m bench.job_vs_engine ... --job-env GOMP_SPINCOUNT=10000 --job-env OMP_WAIT_POLICY=PASSIVE
 
 Runs `tokenmill run` (a subprocess, as a user would: embedded LocalCluster, one worker, one shard, default engine
 settings, chat template, greedy) on --rows GSM8K test questions from row --start (one shard, or --rows-per-shard
@@ -10,7 +11,9 @@ rows each) into a fresh OUTPUT, then, in this process, `LLMEngine.generate` on t
 SamplingParams and the intra-op threads the job's one worker runs (jobs.plugin.default_torch_threads). Run it on a
 quiet machine: another process's CPU load moves the two runs apart. Prints output tokens, seconds and output
 tok/s of both, and the job's rate over the engine's twice: by the job's billed device-seconds (what the bill says)
-and by its wall time from the command's start (cluster start and model load included).
+and by its wall time from the command's start (cluster start and model load included). Each --job-env (KEY=VALUE
+pairs joined by commas; "-" for none) runs one more job with those variables added to its environment (e.g. OpenMP's
+spin settings), all before the one engine-alone run they are compared with.
 """
 
 from __future__ import annotations
@@ -36,22 +39,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--start", type=int, default=0, help="first GSM8K row")
     ap.add_argument("--rows-per-shard", type=int, default=None, help="default: all rows in one shard")
+    ap.add_argument("--job-env", action="append", default=None,
+                    help="KEY=VALUE[,KEY=VALUE...] for one job run ('-': none); repeat for more runs")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="job-vs-engine-"))
     data = tmp / "in.parquet"
     pq.write_table(pq.read_table(data_file("gsm8k_test.parquet"), columns=["id", "question"]).slice(
         args.start, args.rows), data)
 
-    out = tmp / "out"
-    cmd = [sys.executable, "-m", "jobs.cli", "run", str(data), str(out), "--prompt-column", "question",
-           "--rows-per-shard", str(args.rows_per_shard or args.rows), "--max-tokens", str(args.max_tokens),
-           "--workers", "1", "--json"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
-    job_wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"tokenmill run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    jobs = [(env, *run_job(data, tmp / f"out{i}", args, env)) for i, env in enumerate(args.job_env or ["-"])]
 
     import torch
 
@@ -68,17 +64,35 @@ def main() -> None:
     engine_s = time.perf_counter() - t0
     engine_tokens = sum(o.num_output_tokens for o in outs)
 
-    job_tokens = summary["output_tokens"]
     engine_rate = engine_tokens / engine_s
-    rows = [("engine alone (LLMEngine.generate)", engine_tokens, engine_s, engine_rate),
-            ("tokenmill run, billed device-seconds", job_tokens, summary["device_s"], job_tokens / summary["device_s"]),
-            ("tokenmill run, wall from the command's start", job_tokens, job_wall, job_tokens / job_wall)]
+    rows = [("engine alone (LLMEngine.generate)", engine_tokens, engine_s, engine_rate)]
+    for env, summary, job_wall in jobs:
+        job_tokens, label = summary["output_tokens"], "" if env == "-" else f" ({env})"
+        rows += [(f"tokenmill run{label}, billed device-seconds", job_tokens, summary["device_s"],
+                  job_tokens / summary["device_s"]),
+                 (f"tokenmill run{label}, wall from the command's start", job_tokens, job_wall,
+                  job_tokens / job_wall)]
     print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, dtype {engine.dtype}, "
           f"threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print("| measure | output tokens | seconds | output tok/s | vs engine alone |")
     print("|---|---|---|---|---|")
     for name, tokens, seconds, rate in rows:
         print(f"| {name} | {tokens:,} | {seconds:.2f} | {rate:.1f} | {rate / engine_rate:.0%} |")
+
+
+def run_job(data: Path, out: Path, args: object, env: str) -> tuple[dict, float]:
+    """`tokenmill run` on `data` into `out` with the extra environment `env` ("-" or KEY=VALUE,...): (its JSON
+    summary, its wall seconds from the command's start). Exits when the job fails."""
+    cmd = [sys.executable, "-m", "jobs.cli", "run", str(data), str(out), "--prompt-column", "question",
+           "--rows-per-shard", str(args.rows_per_shard or args.rows), "--max-tokens", str(args.max_tokens),
+           "--workers", "1", "--json"]
+    extra = {} if env == "-" else dict(pair.split("=", 1) for pair in env.split(","))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False, env={**os.environ, **extra})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"tokenmill run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
 
 
 if __name__ == "__main__":

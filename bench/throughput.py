@@ -94,6 +94,14 @@ def run_hf_generate_batch(model: torch.nn.Module, prompt_ids: list[list[int]], m
     return time.perf_counter() - t0, sum(len(o.generated_tokens) for o in outs.values())
 
 
+def active_parameters(model: torch.nn.Module, cfg: ModelConfig) -> float:
+    """Parameters one token computes with: all of `model`'s, but of a mixture-of-experts model's experts (parameters
+    named *.experts.*) only num_experts_per_tok of num_experts, the share the router sends it to (the compute roof
+    counts 2 FLOP per active parameter per token)."""
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    return sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
+
+
 def roofs(device: torch.device) -> tuple[float, float]:
     """Measured bf16 matmul FLOP/s (8192^3) and device copy bytes/s (1 GiB), the roofs of this run."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -185,7 +193,7 @@ def main() -> None:
         rows.append((w, "tokenmill", s, tok, tok + prompt_tokens))
         print(f"{w} tokenmill: {tok} output tokens in {s:.2f} s ({tok / s:.1f} tok/s)", flush=True)
     info = (engine.device, engine.device_name, engine.model_name, engine.model_config,
-            sum(p.numel() for p in engine.runner.model.parameters()))
+            active_parameters(engine.runner.model, engine.model_config))
     device, device_name, model_name, model_config, num_params = info
     del engine, tokenizer_engine
     gc.collect()
@@ -229,7 +237,8 @@ def main() -> None:
         params = num_params
         compute_roof = flops / (2 * params)
         print(f"\nroofs: bf16 matmul {flops / 1e12:.0f} TFLOP/s -> {compute_roof:,.0f} tok/s at "
-              f"2 x {params / 1e9:.2f}e9 FLOP/token; copy {bw / 1e9:.0f} GB/s")
+              f"2 x {params / 1e9:.2f}e9 FLOP/token{' (active)' if model_config.num_experts else ''}; copy "
+              f"{bw / 1e9:.0f} GB/s")
         for w, name, s, tok, _ in rows:
             if name == "tokenmill":
                 print(f"{w}: tokenmill at {tok / s / compute_roof:.1%} of the compute roof")

@@ -1,8 +1,9 @@
-"""A GGUF file's header read without gguf.GGUFReader: the metadata values asked for and the tensors' names, element
-counts and types, for the client's checks before a job (jobs.preflight, jobs.model_fit). GGUFReader parses every
-field, seconds for a 49k-token vocabulary; this reads a few KiB (the keys asked for), or skips over the values to
-the tensor infos. Format: the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian,
-version 2 and 3: uint64 counts and string lengths).
+"""A GGUF file's header read without gguf.GGUFReader: the metadata values asked for, the tensors' names, element
+counts and types, and the whole header as engine.loading.gguf_config reads a config from it (GGUFHeader), for the
+client's checks before a job (jobs.preflight, jobs.model_fit). GGUFReader parses every field, seconds for a 49k-token
+vocabulary; this reads a few KiB (the keys asked for), or skips over the arrays' values to the tensor infos. Format:
+the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian, version 2 and 3: uint64
+counts and string lengths).
 """
 
 from __future__ import annotations
@@ -78,39 +79,107 @@ def _unpack(f: IO[bytes], fmt: str) -> Any:
     return struct.unpack(fmt, data)[0]
 
 
-def gguf_tensor_infos(path: str) -> list[tuple[str, int, int]] | None:
-    """(name, element count, ggml type id) of every tensor of the GGUF file at `path`, from its header (every
-    metadata value skipped over, not parsed), or None for a header this scan does not follow (an array of arrays,
-    a value type newer than the spec). Raises ValueError for a file that is not GGUF v2/v3 or whose header is cut
-    short."""
-    with open(path, "rb") as f:
-        magic, version = f.read(4), _unpack(f, "<I")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
-        n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
-        for _ in range(n_kv):
-            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)  # the key
-            kind = _unpack(f, "<I")
-            if kind == _GGUF_ARRAY:
-                elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
-                if elem == _GGUF_STRING:
-                    for _ in range(count):
-                        f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
-                elif elem in _GGUF_SCALARS:
-                    f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
+class Unfollowed(ValueError):
+    """A header this scan does not follow (an array of arrays, a value type newer than the spec)."""
+
+
+class _Field:
+    """A metadata value as gguf.GGUFReader's ReaderField offers it to engine.loading.gguf_config: `contents()`, and
+    for an array `data` as long as the array. An array is parsed on `contents()` only (a vocabulary: 49k-200k
+    strings)."""
+
+    def __init__(self, value: Any = None, array: tuple[str, int, int, int] | None = None) -> None:
+        self._value, self._array = value, array  # array: (path, offset of its first element, element type, count)
+
+    @property
+    def data(self) -> range:
+        return range(self._array[3] if self._array else 1)
+
+    def contents(self) -> Any:
+        if self._array is None:
+            return self._value
+        path, offset, elem, count = self._array
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if elem == _GGUF_STRING:
+                return [_read_str(f) for _ in range(count)]
+            fmt = "<" + _GGUF_SCALARS[elem]
+            return [v for (v,) in struct.iter_unpack(fmt, f.read(count * struct.calcsize(fmt)))]
+
+
+class _Tensor:
+    """A tensor as gguf.GGUFReader's ReaderTensor offers it to engine.loading.gguf_config: `name`, `n_elements`,
+    `type_id` (ggml's), `tensor_type` (gguf.GGMLQuantizationType) and `data` (its raw bytes as uint8, read on use:
+    the RoPE factor tensors)."""
+
+    def __init__(self, path: str, name: str, dims: list[int], type_id: int, start: int) -> None:
+        self.path, self.name, self.dims, self.type_id, self._start = path, name, dims, type_id, start
+        self.n_elements = math.prod(dims)
+
+    @property
+    def tensor_type(self) -> Any:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.type_id)
+
+    @property
+    def data(self) -> Any:
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES
+
+        block, size = GGML_QUANT_SIZES[self.tensor_type]
+        return np.fromfile(self.path, dtype=np.uint8, count=self.n_elements // block * size, offset=self._start)
+
+
+class GGUFHeader:
+    """A GGUF file's header read without gguf.GGUFReader (whose parse of every field takes seconds for a large
+    vocabulary), with the `fields` and `tensors` engine.loading.gguf_config reads a config and tensor names from:
+    scalars and strings parsed, arrays skipped over and parsed on `contents()` only, tensor infos by name with their
+    data read on use. Format: the GGUF spec (little-endian, version 2 and 3; data aligned to `general.alignment`,
+    default 32). Raises ValueError for a file that is not GGUF v2/v3, whose header is cut short, or that this scan
+    does not follow (an array of arrays, a value type newer than the spec)."""
+
+    def __init__(self, path: str) -> None:
+        self.fields: dict[str, _Field] = {}
+        infos = []
+        with open(path, "rb") as f:
+            magic, version = f.read(4), _unpack(f, "<I")
+            if magic != b"GGUF" or version not in (2, 3):
+                raise ValueError(f"{path} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+            n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
+            for _ in range(n_kv):
+                key, kind = _read_str(f), _unpack(f, "<I")
+                if kind == _GGUF_ARRAY:
+                    elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
+                    self.fields[key] = _Field(array=(path, f.tell(), elem, count))
+                    if elem == _GGUF_STRING:
+                        for _ in range(count):
+                            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+                    elif elem in _GGUF_SCALARS:
+                        f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
+                    else:
+                        raise Unfollowed(f"{path}: metadata {key} is an array of type {elem}, which this scan does "
+                                          "not follow")
+                elif kind == _GGUF_STRING or kind in _GGUF_SCALARS:
+                    self.fields[key] = _Field(_read_str(f) if kind == _GGUF_STRING
+                                              else _unpack(f, "<" + _GGUF_SCALARS[kind]))
                 else:
-                    return None
-            elif kind == _GGUF_STRING:
-                f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
-            elif kind in _GGUF_SCALARS:
-                f.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), os.SEEK_CUR)
-            else:
-                return None
-        out = []
-        for _ in range(n_tensors):
-            name = _read_str(f)
-            dims = [_unpack(f, "<Q") for _ in range(_unpack(f, "<I"))]
-            kind = _unpack(f, "<I")
-            _unpack(f, "<Q")  # offset of the data
-            out.append((name, math.prod(dims), kind))
-    return out
+                    raise Unfollowed(f"{path}: metadata {key} has value type {kind}, which this scan does not follow")
+            for _ in range(n_tensors):
+                name = _read_str(f)
+                dims = [_unpack(f, "<Q") for _ in range(_unpack(f, "<I"))]
+                infos.append((name, dims, _unpack(f, "<I"), _unpack(f, "<Q")))
+            align = int(self.fields["general.alignment"].contents()) if "general.alignment" in self.fields else 32
+            data_start = -(-f.tell() // align) * align
+        self.tensors = [_Tensor(path, name, dims, kind, data_start + offset) for name, dims, kind, offset in infos]
+
+
+def gguf_tensor_infos(path: str) -> list[tuple[str, int, int]] | None:
+    """(name, element count, ggml type id) of every tensor of the GGUF file at `path`, from its header (GGUFHeader:
+    the metadata values skipped over, not parsed), or None for a header this scan does not follow (an array of
+    arrays, a value type newer than the spec). Raises ValueError for a file that is not GGUF v2/v3 or whose header
+    is cut short."""
+    try:
+        return [(t.name, t.n_elements, t.type_id) for t in GGUFHeader(path).tensors]
+    except Unfollowed:
+        return None

@@ -125,7 +125,25 @@ def check_model(model: str | None) -> str | None:
         raise JobError(f"--model {path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); give a "
                        ".gguf model file (e.g. from Hugging Face, or llama.cpp's convert_hf_to_gguf.py), or a folder "
                        "written by `tokenmill quantize`")
+    _check_gguf(path)
     return path
+
+
+def _check_gguf(path: str) -> None:
+    """Refuse a GGUF file that tokenmill does not run exactly, from its header alone (jobs.gguf_header.GGUFHeader, a
+    tenth of a second for a 49k-token vocabulary): its architecture, the metadata its family reads and every tensor
+    name (engine.loading.gguf_config, what the engine checks again when it loads the file). A header the scan does
+    not follow is left to the engine. Raises JobError (exit 2) naming what the file sets."""
+    from engine.loading.gguf_config import gguf_name_map, read_gguf_config
+    from jobs.gguf_header import GGUFHeader, Unfollowed
+
+    try:
+        header = GGUFHeader(path)
+        gguf_name_map(header, read_gguf_config(header))
+    except Unfollowed:
+        return
+    except (ValueError, KeyError, TypeError) as e:
+        raise JobError(f"--model {path}: {e}") from e
 
 
 def model_context(model: str | None) -> dict[str, int] | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from family_models import finish_gguf
 
 gguf = __import__("gguf")
 T = gguf.GGMLQuantizationType
@@ -123,15 +124,7 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], tokenizer:
     w.add_vocab_size(vocab)
     for name, value, vtype, sub in tokenizer:
         w.add_key_value(name, value, vtype, sub_type=sub)
-    for name, (a, qtype) in tensors.items():
-        if qtype == T.F32:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, tensors)
 
 
 @contextmanager

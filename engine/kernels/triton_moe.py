@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -102,7 +103,13 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_pairs, block_expert, padded_end[-1:]
 
 
-def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None) -> None:
+#: One grouped-GEMM launch: (a, out, row_weights or None, align_pairs' tensors, a_row_div, blocks) -> None, writing
+#: out [T * k, N] (`_grouped_gemm`'s arguments less the weight).
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                        tuple[torch.Tensor, torch.Tensor, torch.Tensor], int, Blocks], None]
+
+
+def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None) -> None:
     """Raise ValueError unless t has `dim` dims, dtype `dtype` (when given) and a device the kernel runs on."""
     if t.dim() != dim:
         raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
@@ -144,19 +151,40 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     Raises:
         ValueError for a shape, dtype or device the kernel does not serve, naming the tensor.
     """
-    _check("x", x, 2, None)
-    if x.dtype not in DTYPES:
-        raise ValueError(f"x dtype {x.dtype} not served by the Triton MoE kernel; want one of {DTYPES}")
-    for name, t, dim, dtype in (("gate_up", gate_up, 3, x.dtype), ("down", down, 3, x.dtype),
-                                ("ids", ids, 2, torch.int64), ("weights", weights, 2, x.dtype)):
-        _check(name, t, dim, dtype)
-    tokens, hidden = x.shape
+    check_routing(x, ids, weights)
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        check_tensor(name, t, 3, x.dtype)
+    hidden = x.shape[1]
     num_experts, two_inter = gate_up.shape[0], gate_up.shape[1]
     if gate_up.shape[2] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
         raise ValueError(f"expert weights gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit "
                          f"hidden {hidden}: want [E, 2I, {hidden}] and [E, {hidden}, I]")
-    if ids.shape[0] != tokens or weights.shape != ids.shape:
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{tokens}, k]")
+
+    def gemm(w: torch.Tensor) -> GroupedGemm:
+        return lambda a, out, row_weights, aligned, a_row_div, b: _grouped_gemm(a, w, out, row_weights, aligned,
+                                                                                a_row_div, b)
+
+    return run_experts(x, ids, weights, num_experts, two_inter, gemm(gate_up), gemm(down), blocks)
+
+
+def check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """Raise ValueError unless x is [T, hidden] of a served dtype (DTYPES) on the kernel's device, ids int64 [T, k]
+    and weights [T, k] of x's dtype, beside it."""
+    check_tensor("x", x, 2, None)
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not served by the Triton MoE kernel; want one of {DTYPES}")
+    for name, t, dtype in (("ids", ids, torch.int64), ("weights", weights, x.dtype)):
+        check_tensor(name, t, 2, dtype)
+    if ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{x.shape[0]}, k]")
+
+
+def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, two_inter: int,
+                gate_up: GroupedGemm, down: GroupedGemm, blocks: Blocks | None = None) -> torch.Tensor:
+    """Steps 1-5 of the module docstring with the two launches `gate_up` (x -> [T * k, 2I]) and `down` ([T * k, I]
+    -> [T * k, hidden], times the routing weights): the dense kernel's and engine.kernels.triton_moe_int4's.
+    Inputs as fused_experts takes them, checked (check_routing); returns [T, hidden] of x's dtype."""
+    tokens, hidden = x.shape
     top_k = ids.shape[1]
     pairs = tokens * top_k
     if pairs == 0:
@@ -164,10 +192,10 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     blocks = blocks or blocks_for(pairs, num_experts)
     aligned = align_pairs(ids, num_experts, blocks.m)
     h = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, h, None, aligned, top_k, blocks)
+    gate_up(x, h, None, aligned, top_k, blocks)
     act = _silu_and_mul(h)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, down, out, weights.reshape(-1).contiguous(), aligned, 1, blocks)
+    down(act, out, weights.reshape(-1).contiguous(), aligned, 1, blocks)
     return out.view(tokens, top_k, hidden).sum(dim=1)
 
 

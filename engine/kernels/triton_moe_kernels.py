@@ -1,7 +1,8 @@
 """The Triton kernel of the mixture-of-experts block on the GPU: one grouped GEMM over every expert's rows at once.
 
 Imported only by engine/kernels/triton_moe.py, lazily, because importing this module imports triton. The row
-alignment, launch wrappers and input checks live there; this module holds the `@triton.jit` body only.
+alignment, launch wrappers and input checks live there; this module holds the `@triton.jit` bodies only (its
+block_of_pairs and store_rows serve engine/kernels/triton_moe_int4_kernels.py too).
 
 The form is the standard fused-MoE one (vLLM's fused_moe, SGLang's; Gale et al., "MegaBlocks: Efficient Sparse
 Training with Mixture-of-Experts", 2022, for grouping the rows by expert): the step's (token, slot) pairs are sorted
@@ -33,20 +34,10 @@ def grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, bloc
     used entries. BF16_WORKAROUND (Triton 3.9's interpreter only) upcasts bf16 operands before tl.dot. Program (m, n) in
     row-major order. Accumulates in fp32 (IEEE: full fp32 products, not TF32), rounds
     to c's dtype, then multiplies by the weight and rounds again (the torch path's out.mul_(weights))."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    padded_total = tl.load(padded_total_ptr)
-    if pid_m * BLOCK_M >= padded_total:
+    past_total, pairs, row_ok, a_rows, expert, offs_n, col_ok = block_of_pairs(
+        sorted_pairs_ptr, block_expert_ptr, padded_total_ptr, N, num_pairs, A_ROW_DIV, BLOCK_M, BLOCK_N)
+    if past_total:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_m)
-    row_ok = pairs < num_pairs
-    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_block = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_block = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
@@ -63,6 +54,32 @@ def grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, bloc
             acc = tl.dot(a, b, acc)
         a_block += BLOCK_K * stride_ak
         b_block += BLOCK_K * stride_bk
+    store_rows(acc, c_ptr, weights_ptr, pairs, row_ok, offs_n, col_ok, stride_cm, stride_cn, MUL_WEIGHT)
+
+
+@triton.jit
+def block_of_pairs(sorted_pairs_ptr, block_expert_ptr, padded_total_ptr, N, num_pairs, A_ROW_DIV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile, program (m, n) in row-major order: (past_total: its block m lies past the padded total
+    and it has nothing to do, pairs [BLOCK_M] ids, row_ok [BLOCK_M] (False on padding), a_rows [BLOCK_M] int64 =
+    pair // A_ROW_DIV (0 on padding), the block's expert int64, offs_n [BLOCK_N] output columns, col_ok [BLOCK_N]:
+    offs_n < N)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    return pid_m * BLOCK_M >= tl.load(padded_total_ptr), pairs, row_ok, a_rows, expert, offs_n, offs_n < N
+
+
+@triton.jit
+def store_rows(acc, c_ptr, weights_ptr, pairs, row_ok, offs_n, col_ok, stride_cm, stride_cn,
+               MUL_WEIGHT: tl.constexpr):
+    """Round the fp32 tile acc [BLOCK_M, BLOCK_N] to c's dtype, times weights[pair] (then rounded again) when
+    MUL_WEIGHT, and store it at the pairs' rows of c (padding rows and columns past N are not stored)."""
     out = acc.to(c_ptr.dtype.element_ty)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0)

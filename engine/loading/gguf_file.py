@@ -1,5 +1,5 @@
-"""GGUF files: the config from their metadata and the tensors under our parameter names (Q/K rows un-permuted),
-through the architecture registry; every tensor placed or an error.
+"""GGUF files: the config from their metadata (engine.loading.gguf_config) and the tensors under our parameter names
+(Q/K rows un-permuted), through the architecture registry; every tensor placed or an error.
 
 GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (read with the `gguf` package's GGUFReader;
 ggml lists shapes fastest-dimension first, the reverse of torch, and `gguf.quants.dequantize` returns arrays in
@@ -9,9 +9,7 @@ torch order).
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,16 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ModelConfig
 from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
+from engine.loading.gguf_config import gguf_name_map
+from engine.loading.gguf_config import read_gguf_config as read_gguf_config  # NOTE: re-exported (loader, quantized)
 from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
-from engine.model.architectures import get_architecture, gguf_architecture, hf_to_gguf_names
-from engine.model.tensor_names import EMBEDDING, check_tensor_names, fuse_names, model_param_names, split_fused
+from engine.loading.gpt_oss_tensors import dequantize_gguf_mxfp4
+from engine.model.architectures import get_architecture
+from engine.model.tensor_names import EMBEDDING, split_fused
 from engine.quant.qparams import Int4Weight
-from engine.quant.state import LM_HEAD, is_linear_weight
-
-log = logging.getLogger(__name__)
+from engine.quant.state import is_linear_weight
 
 
 def open_gguf(path: str) -> Any:
@@ -82,36 +81,41 @@ _DEQUANT_CHUNK = 1 << 20
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """A GGUFReader tensor of any type gguf-py reads (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K, IQ*)
-    as float32 [rows, row length] (torch order; 1-D tensors stay 1-D), by `gguf.quants.dequantize` over chunks of
-    rows, run on a few threads (numpy releases the GIL in its array operations). Bit-equal to one
-    `dequantize(tensor.data, tensor.tensor_type)` call: ggml types quantize rows block by block, and gguf-py
-    dequantizes each block on its own. Measured (AMD EPYC, 1 thread, 4096 x 4096): Q4_K 0.44 s whole vs 0.11 s in
-    1M-weight chunks, Q5_K 0.53 vs 0.18 s, Q6_K 0.24 vs 0.14 s.
+    """A GGUFReader tensor of any type gguf-py reads (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K, IQ*,
+    MXFP4) as float32 in torch order ([rows, row length]; 1-D tensors stay 1-D, a mixture-of-experts layer's stacked
+    experts [E, rows, row length]), by `gguf.quants.dequantize` (MXFP4: engine.loading.gpt_oss_tensors'
+    bit-equal `dequantize_gguf_mxfp4`, 2.5x faster) over chunks of rows, run on a few threads (numpy releases the GIL
+    in its array operations). Bit-equal to one `dequantize(tensor.data, tensor.tensor_type)` call: ggml types
+    quantize rows block by block, and gguf-py dequantizes each block on its own. Measured (AMD EPYC, 1 thread, 4096 x
+    4096): Q4_K 0.44 s whole vs 0.11 s in 1M-weight chunks, Q5_K 0.53 vs 0.18 s, Q6_K 0.24 vs 0.14 s.
 
     Raises ValueError naming the tensor and its type when gguf-py cannot dequantize that type.
     """
-    from gguf.quants import dequantize
-
-    data, qtype = tensor.data, tensor.tensor_type
+    data = tensor.data
     row_len = int(tensor.shape[0])  # ggml order: the row length first
     per_chunk = max(1, _DEQUANT_CHUNK // row_len)
-    if data.ndim < 2 or data.shape[0] <= per_chunk:
-        return _dequantize_one(tensor, data)
-    out = np.empty((data.shape[0], row_len), dtype=np.float32)
-    out[:per_chunk] = _dequantize_one(tensor, data[:per_chunk])  # an unreadable type fails here, on one thread
+    if data.ndim < 2:
+        return _dequantize_rows(tensor, data)
+    rows = data.reshape(-1, data.shape[-1])  # stacked experts: their rows one after another
+    if rows.shape[0] <= per_chunk:
+        return _dequantize_rows(tensor, rows).reshape(*data.shape[:-1], row_len)
+    out = np.empty((rows.shape[0], row_len), dtype=np.float32)
+    out[:per_chunk] = _dequantize_rows(tensor, rows[:per_chunk])  # an unreadable type fails here, on one thread
 
     def fill(start: int) -> None:
-        out[start:start + per_chunk] = dequantize(data[start:start + per_chunk], qtype)
+        out[start:start + per_chunk] = _dequantize_rows(tensor, rows[start:start + per_chunk])
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        list(pool.map(fill, range(per_chunk, data.shape[0], per_chunk)))
-    return out
+        list(pool.map(fill, range(per_chunk, rows.shape[0], per_chunk)))
+    return out.reshape(*data.shape[:-1], row_len)
 
 
-def _dequantize_one(tensor: Any, data: np.ndarray) -> np.ndarray:
+def _dequantize_rows(tensor: Any, data: np.ndarray) -> np.ndarray:
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    if tensor.tensor_type == GGMLQuantizationType.MXFP4:
+        return dequantize_gguf_mxfp4(data)
     try:
         return np.asarray(dequantize(data, tensor.tensor_type), dtype=np.float32)
     except NotImplementedError:
@@ -126,168 +130,6 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _field(reader: object, key: str, default: object = None) -> object:
-    f = reader.fields.get(key)  # type: ignore[attr-defined]
-    return default if f is None else f.contents()
-
-
-def read_gguf_config(reader: object) -> ModelConfig:
-    """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...) through the
-    architecture's registry entry (engine.model.architectures): QKV bias and q/k norms by family, RoPE scaling from
-    `{arch}.rope.scaling.*` or, for Llama 3, the `rope_freqs.weight` factors llama.cpp's converter writes, every stop
-    token (EOS, EOT, EOM ids).
-
-    Raises ValueError for an architecture we do not run (listing those we do) or a RoPE scaling we do not implement.
-    """
-    arch = str(_field(reader, "general.architecture"))
-    entry = gguf_architecture(arch, bool(_field(reader, f"{arch}.expert_count", 0)))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)  # type: ignore[attr-defined]
-    tensors = {t.name: t for t in reader.tensors}  # type: ignore[attr-defined]
-    head_dim = _field(reader, f"{arch}.attention.key_length")
-    if not head_dim and "partial_rotary_factor" not in entry.reads:  # else rope.dimension_count is the rotated part
-        head_dim = _field(reader, f"{arch}.rope.dimension_count")
-    max_pos = int(_field(reader, f"{arch}.context_length", 2048))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    stops = tuple(dict.fromkeys(int(i) for i in (eos, _field(reader, "tokenizer.ggml.eot_token_id"),
-                                                 _field(reader, "tokenizer.ggml.eom_token_id")) if i is not None))
-    window = _field(reader, f"{arch}.attention.sliding_window")
-    if arch == "llama" and not window:
-        _warn_mistral_without_window(str(_field(reader, "general.name") or ""),
-                                     str(_field(reader, "general.basename") or ""))
-    fields = {} if entry.gguf_fields is None else entry.gguf_fields(
-        lambda key, default: _field(reader, f"{arch}.{key}", default),
-        layers=int(_field(reader, f"{arch}.block_count")), hidden=hidden, heads=heads,
-        head_dim=int(head_dim) if head_dim else hidden // heads)
-    return ModelConfig(**{**dict(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(head_dim) if head_dim else hidden // heads,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos,
-        architecture=entry.name,
-        qkv_bias=entry.qkv_bias,
-        qk_norm=entry.qk_norm,
-        rope_scaling=_gguf_rope_scaling(reader, arch, tensors, max_pos),
-        eos_token_ids=stops,
-        sliding_window=int(window) if window else None,
-        **_gguf_experts(reader, arch, entry),
-    ), **fields})
-
-
-@functools.cache
-def _warn_mistral_without_window(name: str, basename: str) -> None:
-    """Warn, once per model name, when a llama GGUF names a Mistral model but has no sliding-window key.
-
-    llama.cpp's convert_hf_to_gguf.py writes Mistral as architecture "llama" without `llama.attention.sliding_window`,
-    so such a file runs with full attention. Only the name in its metadata (general.name / general.basename) says
-    it came from Mistral: whether its Hugging Face config had a window (Mistral 7B v0.1: 4096; v0.2 and later: none)
-    is not in the file, so the warning says what follows in either case."""
-    if not re.search(r"mistral", f"{name} {basename}", re.IGNORECASE):
-        return
-    log.warning("the GGUF %r names a Mistral model but holds no sliding window (llama.cpp's converter writes none): "
-                "it runs with full attention. Where the Hugging Face config has a window (Mistral 7B v0.1: 4096 "
-                "tokens), sequences longer than the window differ from Hugging Face's; load the Hugging Face folder "
-                "to keep it", name or basename)
-
-
-def _gguf_experts(reader: object, arch: str, entry: Any) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields from `{arch}.expert_*` metadata ({} for a dense entry), as llama.cpp
-    reads them: the expert width from expert_feed_forward_length (else feed_forward_length, as Mixtral's files
-    have), the renormalisation from expert_weights_norm (else llama.cpp's default for the architecture,
-    Architecture.gguf_norm_topk). Raises ValueError for a gating function other than softmax or shared experts the
-    family has not."""
-    if entry.router is None:
-        return {}
-    gating = _field(reader, f"{arch}.expert_gating_func")
-    if gating not in (None, 1):  # gguf.ExpertGatingFuncType.SOFTMAX
-        raise ValueError(f"GGUF {arch}.expert_gating_func={gating} is not implemented; tokenmill runs softmax routers")
-    shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0) if entry.shared_expert else 0
-    if entry.shared_expert and not shared:
-        raise ValueError(f"GGUF {arch} file lacks {arch}.expert_shared_feed_forward_length")
-    norm = _field(reader, f"{arch}.expert_weights_norm")
-    width = _field(reader, f"{arch}.expert_feed_forward_length") or _field(reader, f"{arch}.feed_forward_length")
-    return dict(num_experts=int(_field(reader, f"{arch}.expert_count")),
-                num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 0)),
-                moe_intermediate_size=int(width), router=entry.router, shared_expert_intermediate_size=shared,
-                norm_topk_prob=entry.router == "softmax_topk" and bool(entry.gguf_norm_topk if norm is None else norm))
-
-
-def _factors(tensor: Any) -> tuple[float, ...]:
-    """The values of a 1-D GGUF tensor (RoPE factors), as floats."""
-    from gguf.quants import dequantize
-
-    return tuple(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist())
-
-
-def _gguf_rope_scaling(reader: object, arch: str, tensors: dict[str, Any], max_pos: int) -> RopeScaling | None:
-    """RoPE scaling of GGUF metadata: `rope_freqs.weight` (Llama 3's per-frequency factors), `rope_factors_long` /
-    `rope_factors_short` (Phi-3's LongRoPE, with `rope.scaling.original_context_length` and `.attn_factor`), or
-    `{arch}.rope.scaling.type` linear / yarn with its factor, original context and yarn betas."""
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    rope_freqs = tensors.get("rope_freqs.weight")
-    if rope_freqs is not None or ROPE_FACTORS[0] in tensors:
-        if kind not in (None, "none"):
-            raise ValueError(f"GGUF has both RoPE factor tensors and rope.scaling.type {kind!r}; tokenmill cannot "
-                             "tell which RoPE scaling the model was trained with")
-        if rope_freqs is not None:
-            return RopeScaling(rope_type="llama3", freq_factors=_factors(rope_freqs))
-        if ROPE_FACTORS[1] not in tensors:
-            raise ValueError(f"GGUF has {ROPE_FACTORS[0]} without {ROPE_FACTORS[1]}; convert the model again")
-        original = int(_field(reader, f"{arch}.rope.scaling.original_context_length") or max_pos)
-        return RopeScaling(rope_type="longrope", factor=max_pos / original, original_max_position_embeddings=original,
-                           attention_factor=_field(reader, f"{arch}.rope.scaling.attn_factor"),
-                           long_factor=_factors(tensors[ROPE_FACTORS[0]]),
-                           short_factor=_factors(tensors[ROPE_FACTORS[1]]))
-    if kind in (None, "none"):
-        return None
-    if kind not in ("linear", "yarn"):
-        raise ValueError(f"GGUF rope.scaling.type {kind!r} is not implemented; tokenmill runs linear, yarn and "
-                         "Llama 3's rope_freqs")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length") or max_pos
-    return RopeScaling(rope_type=kind, factor=factor, original_max_position_embeddings=int(original),
-                       beta_fast=_field(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
-                       beta_slow=_field(reader, f"{arch}.rope.scaling.yarn_beta_slow"),
-                       attention_factor=_field(reader, f"{arch}.rope.scaling.attn_factor"))
-
-
-#: Phi-3's LongRoPE factors (llama.cpp's rope_factors_long / rope_factors_short), read into cfg.rope_scaling.
-ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-_ROPE_TENSORS = ("rope_freqs.weight", *ROPE_FACTORS)
-
-
-def gguf_name_map(reader: Any, cfg: ModelConfig) -> dict[str, str]:
-    """{GGUF tensor name: our parameter name} for every tensor of the file but the RoPE factors (`rope_freqs`,
-    `rope_factors_*`: read into cfg.rope_scaling), checked: Raises ValueError naming a tensor the architecture does
-    not place, or a missing one. Families with fused projections (Phi-3) map attn_qkv / ffn_up to their fused
-    names (qkv_proj, gate_up_proj: split when read)."""
-    entry = get_architecture(cfg.architecture)
-    names = model_param_names(cfg) + ([] if cfg.tie_word_embeddings else [f"{LM_HEAD}.weight"])
-    table = hf_to_gguf_names(entry, fuse_names(names) if entry.fused_projections else names, cfg.num_layers)
-    out = {}
-    for t in reader.tensors:
-        if t.name in _ROPE_TENSORS:
-            continue
-        if t.name not in table:
-            raise ValueError(f"GGUF tensor {t.name!r} is not part of the {cfg.architecture} architecture as tokenmill "
-                             "runs it; tokenmill would drop it and compute something else")
-        out[t.name] = table[t.name]
-    check_tensor_names(out.values(), cfg, "the GGUF file", fused=entry.fused_projections)
-    return out
 
 
 def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:

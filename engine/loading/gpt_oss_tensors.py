@@ -12,19 +12,30 @@ FP4 E2M1 values (low nibble first), and `<proj>_scales` uint8 [E, out, in / 32],
 per 32 values. Those are already [E, out, in], our layout; transformers dequantizes them the same way
 (integrations/mxfp4.py, convert_moe_packed_tensors) before transposing to its own. Every value is a small dyadic
 number times a power of two: exact in fp32 and bf16.
+
+llama.cpp's GGUF files hold the same values as ggml's MXFP4 type (`gguf.GGMLQuantizationType.MXFP4`, written by
+convert_hf_to_gguf.py's GptOssModel from those blocks and scales, gate and up rows taken apart): 17 bytes per 32
+values, the E8M0 scale byte first, then 16 bytes whose low nibbles hold values 0..15 and high nibbles values 16..31;
+ggml multiplies twice the FP4 value by half the scale (`dequantize_gguf_mxfp4`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch only where tensors are read: the CLI's preflight imports hf_folder, and the client never
-    import torch  # loads torch (tests/jobs/test_cli_imports.py)
+if TYPE_CHECKING:  # torch and numpy only where tensors are read: the CLI's preflight imports hf_folder, and the
+    import numpy as np  # client never loads torch (tests/jobs/test_cli_imports.py)
+    import torch
 
 #: The 16 FP4 E2M1 values by code (sign bit 3, then 2 exponent bits and 1 mantissa bit): OCP MX v1.0, section 5.3.3.
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # values per E8M0 scale
 _E8M0_BIAS = 127
+
+#: ggml's MXFP4 values by code: twice FP4_E2M1, as integers (so code 8, FP4's -0, is +0 there; ggml-common.h
+#: kvalues_mxfp4, gguf-py's MXFP4.kvalues).
+GGUF_MXFP4_KVALUES = tuple(int(2 * v) for v in FP4_E2M1)
+GGUF_MXFP4_BLOCK_BYTES = 1 + MXFP4_BLOCK // 2
 
 #: Checkpoint suffixes of a layer's stacked experts -> (our projection, interleaved part or None, kind).
 _PROJECTIONS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
@@ -52,6 +63,31 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], MXFP4_BLOCK)
     values = torch.ldexp(lut[codes.long()], scales.to(torch.int32)[..., None] - _E8M0_BIAS)
     return values.reshape(*blocks.shape[:-2], -1).to(torch.float32 if dtype is None else dtype)
+
+
+def dequantize_gguf_mxfp4(data: np.ndarray) -> np.ndarray:
+    """ggml MXFP4 blocks (a GGUF tensor's data, uint8 [..., G * 17]) as float32 [..., G * 32], bit for bit what
+    gguf-py's `gguf.quants.dequantize(data, GGMLQuantizationType.MXFP4)` returns (half the E8M0 scale, built from
+    its bits as ggml's ggml_e8m0_to_fp32_half does, times the doubled FP4 value: one fp32 product, so the same
+    bits, +0 for code 8 and, for scale byte 255 (E8M0's NaN), 2 ** 127 times the doubled value: inf from 2 up), about
+    2.5x faster (measured: 1024 x 2880 weights, AMD EPYC, 1 thread, 0.02 s against 0.05 s).
+
+    Raises ValueError when the dtype or the last dimension does not fit. Source: ggml-quants.c
+    dequantize_row_mxfp4; OCP MX v1.0 (E8M0, FP4 E2M1)."""
+    import numpy as np
+
+    if data.dtype != np.uint8 or data.ndim < 1 or data.shape[-1] % GGUF_MXFP4_BLOCK_BYTES:
+        raise ValueError(f"MXFP4 data is uint8 [..., G * {GGUF_MXFP4_BLOCK_BYTES}], got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    blocks = data.reshape(-1, GGUF_MXFP4_BLOCK_BYTES)
+    e = blocks[:, :1].astype(np.uint32)
+    # NOTE: scale bytes 0 and 1 give fp32 subnormals (2 ** -128, 2 ** -127), the others (e - 1) as the exponent
+    half_scale = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).view(np.float32)
+    qs = blocks[:, 1:]
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=1)  # values 0..15, then 16..31
+    with np.errstate(over="ignore"):  # scale byte 255 (E8M0's NaN) gives inf, as in ggml
+        values = np.asarray(GGUF_MXFP4_KVALUES, dtype=np.float32)[codes] * half_scale
+    return values.reshape(*data.shape[:-1], data.shape[-1] // GGUF_MXFP4_BLOCK_BYTES * MXFP4_BLOCK)
 
 
 def stacked_expert_index(index: dict[str, tuple[tuple[str, str], ...]], source: str

@@ -24,6 +24,7 @@ from engine.model.family_fields import (
     gemma3_fields,
     gemma_gguf_fields,
     gpt_oss_fields,
+    gpt_oss_gguf_fields,
     phi3_fields,
     phi3_gguf_fields,
 )
@@ -65,7 +66,12 @@ class Architecture:
         hf_stacked_experts: its HF checkpoints hold each layer's experts stacked and transposed, gate and up
             interleaved in one gate_up_proj, dense or as MXFP4 blocks and scales (gpt-oss:
             engine.loading.gpt_oss_tensors).
-        gguf_refused: why its GGUF files are refused (None: they are read).
+        gguf_gating: the `{arch}.expert_gating_func` values of its GGUF files that mean its router (absent: None;
+            llama.cpp's enum: 1 softmax over every expert's logit, 3 softmax over the selected experts' logits).
+        gguf_yarn_truncate: whether YaRN's correction range is rounded to whole dims (HF's rope_scaling `truncate`)
+            for its GGUF files, which do not say (llama.cpp always rounds): the family's own configs decide.
+        gguf_stop_tokens: end-of-generation tokens of its vocabulary, by text, beyond the file's EOS / EOT / EOM ids
+            (its HF generation_config's eos_token_id list; llama.cpp marks them by text too).
     """
 
     name: str
@@ -86,7 +92,9 @@ class Architecture:
     gguf_norm_topk: bool = False
     hf_renames: tuple[tuple[str, str], ...] = ()
     hf_stacked_experts: bool = False
-    gguf_refused: str | None = None
+    gguf_gating: tuple[int | None, ...] = (None, 1)
+    gguf_yarn_truncate: bool = True
+    gguf_stop_tokens: tuple[str, ...] = ()
 
 
 def _mistral_window(config: dict[str, Any]) -> int | None:
@@ -163,12 +171,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  hf_renames=((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
                              (".w2.weight", ".down_proj.weight"), (".w3.weight", ".up_proj.weight"))),
     # gpt-oss 20b / 120b: attention sinks, q/k/v/o biases, alternating sliding windows, YaRN, top-k-then-softmax
-    # routing over biased logits, biased experts with a clamped SwiGLU, MXFP4 experts (dequantized on load).
+    # routing over biased logits, biased experts with a clamped SwiGLU, MXFP4 experts (dequantized exactly on load).
+    # Every gpt-oss config sets YaRN's truncate false (OpenAI's reference does not round), which its GGUF cannot say;
+    # its stop tokens are <|return|>, <|call|> and <|endoftext|> (generation_config.json).
     Architecture("gpt_oss", ("gpt_oss",), "gpt-oss", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
                  refused=(), window=_no_window, fields=gpt_oss_fields, router="topk_softmax",
                  hf_renames=((".mlp.router.", ".mlp.gate."),), hf_stacked_experts=True,
-                 gguf_refused="tokenmill does not read gpt-oss GGUF files yet; use the HF folder (MXFP4 experts are "
-                              "dequantized exactly on load)"),
+                 gguf_fields=gpt_oss_gguf_fields, gguf_gating=(None, 3), gguf_yarn_truncate=False,
+                 gguf_stop_tokens=("<|return|>", "<|call|>", "<|endoftext|>")),
 )
 
 
@@ -194,8 +204,6 @@ def gguf_architecture(gguf_arch: str, has_experts: bool) -> Architecture:
     Raises ValueError naming the architecture (and whether it had experts) when no entry runs it."""
     for a in ARCHITECTURES:
         if a.gguf_arch == gguf_arch and (a.router is not None) == has_experts:
-            if a.gguf_refused:
-                raise ValueError(f"GGUF architecture {gguf_arch!r}: {a.gguf_refused}")
             return a
     known = any(a.gguf_arch == gguf_arch for a in ARCHITECTURES)
     kind = (" with experts" if has_experts else " without experts") if known else ""
@@ -228,5 +236,7 @@ def hf_to_gguf_names(arch: Architecture, param_names: list[str], num_layers: int
         gname = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise ValueError(f"the gguf package has no {arch.gguf_arch} tensor name for {name}")
+        if not name.endswith((".weight", ".bias")):  # NOTE: the converter names every tensor with a suffix:
+            gname += ".weight"  # gpt-oss's attention `sinks` are written as `blk.N.attn_sinks.weight`
         out[gname] = name
     return out

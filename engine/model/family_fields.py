@@ -7,8 +7,9 @@ them); what it does not implement is a ValueError
 naming the field.
 
 Sources: HF transformers' Gemma2Config / Gemma3TextConfig / Phi3Config (defaults, `layer_types`, `rope_parameters`),
-llama.cpp's convert_hf_to_gguf.py (Gemma2Model, Gemma3Model, Phi3MiniModel) and llama-model.cpp (what a GGUF leaves
-implicit: the attention scale, Gemma 3's local RoPE base and layer pattern).
+llama.cpp's convert_hf_to_gguf.py (Gemma2Model, Gemma3Model, Phi3MiniModel, GptOssModel) and llama-model.cpp (what a
+GGUF leaves implicit: the attention scale, Gemma 3's local RoPE base and layer pattern, gpt-oss's layer pattern and
+SwiGLU clamp).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 GELU_TANH = "gelu_pytorch_tanh"
+#: The clamped SwiGLU of gpt-oss's experts (HF GptOssConfig's defaults; llama.cpp's constants for every gpt-oss GGUF,
+#: which stores neither: llama-graph.cpp LLM_FFN_SWIGLU_OAI_MOE).
+GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 7.0, 1.702
 #: Gemma 3's defaults when config.json leaves them out (transformers' Gemma3TextConfig.default_theta, pattern 6).
 GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA, GEMMA3_PATTERN = 1_000_000.0, 10_000.0, 6
 
@@ -120,11 +124,40 @@ def gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:
     window = config.get("sliding_window")
     if "sliding_attention" in types and not window:
         raise ValueError("config.json has sliding_attention layers but no sliding_window")
-    limit, alpha = float(config.get("swiglu_limit", 7.0)), float(config.get("swiglu_alpha", 1.702))
+    limit = float(config.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT))
+    alpha = float(config.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA))
     if not limit > 0:
         raise ValueError(f"config.json sets swiglu_limit={limit}; tokenmill runs gpt_oss's clamp with a limit > 0")
     return dict(layer_types=types, sliding_window=int(window) if "sliding_attention" in types else None,
                 attention_sinks=True, o_bias=True, expert_bias=True, swiglu_limit=limit, swiglu_alpha=alpha)
+
+
+def gpt_oss_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: int, heads: int,
+                        head_dim: int) -> dict[str, Any]:
+    """gpt-oss's fields of GGUF metadata as llama.cpp reads them (llama-model.cpp, LLM_ARCH_OPENAI_MOE): the window
+    `attention.sliding_window` (required) on the layers `attention.sliding_window_pattern` (a period p, default 2)
+    marks: layer i slides when i % p < p - 1 (p = 2: the even layers, as HF's default `layer_types`); sinks, biases
+    and the clamped SwiGLU with llama.cpp's fixed limit 7.0 and alpha 1.702.
+
+    Raises ValueError naming a key whose value tokenmill does not implement: no window, a per-layer pattern array,
+    or a sliding layers' RoPE base (`rope.freq_base_swa`) other than the full layers'."""
+    window = get("attention.sliding_window", None)
+    if not window:
+        raise ValueError("GGUF gpt-oss file lacks gpt-oss.attention.sliding_window (llama.cpp requires it); "
+                         "convert the model again")
+    period = get("attention.sliding_window_pattern", 2)
+    if isinstance(period, bool) or not isinstance(period, int) or period < 0:
+        raise ValueError(f"GGUF gpt-oss.attention.sliding_window_pattern={period!r} is not implemented; tokenmill "
+                         "(as llama.cpp) reads one period for gpt-oss")
+    base, swa_base = get("rope.freq_base", None), get("rope.freq_base_swa", None)
+    if swa_base is not None and swa_base != base:
+        raise ValueError(f"GGUF gpt-oss.rope.freq_base_swa={swa_base} differs from rope.freq_base={base}; tokenmill "
+                         "runs gpt-oss with one RoPE base for every layer")
+    types = tuple("sliding_attention" if period == 0 or i % period < period - 1 else "full_attention"
+                  for i in range(layers))
+    return dict(layer_types=types, sliding_window=int(window) if "sliding_attention" in types else None,
+                attention_sinks=True, o_bias=True, expert_bias=True, swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+                swiglu_alpha=GPT_OSS_SWIGLU_ALPHA)
 
 
 def phi3_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str, fuse
 
     Raises ValueError naming the first unknown tensor and the architecture (a tensor we would otherwise drop), or
     the missing ones."""
-    expected = set(fuse_names(model_param_names(cfg)) if fused else model_param_names(cfg))
+    expected = set(fuse_names(param_shapes(cfg)) if fused else param_shapes(cfg))
     names = set(names)
     if cfg.tie_word_embeddings:
         names.discard(f"{LM_HEAD}.weight")

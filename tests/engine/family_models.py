@@ -149,12 +149,21 @@ def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str
         if family.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0
         tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
-    for name, a in tensors.items():
-        if any(part in name for part in q4_0):
-            qtype = gguf.GGMLQuantizationType.Q4_0
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qtype), raw_dtype=qtype)
-        else:
+    q4, f32 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
+    finish_gguf(w, {name: (gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), q4), q4)
+                       if any(part in name for part in q4_0) else (a, f32) for name, a in tensors.items()})
+
+
+def finish_gguf(w, tensors: dict[str, tuple[np.ndarray, object]]) -> None:
+    """Add `tensors` ({GGUF name: (array, ggml type)}: F32 ones as float32 arrays, any other type as its raw bytes
+    uint8 [..., row bytes]) to the gguf.GGUFWriter `w` and write its file."""
+    import gguf
+
+    for name, (a, qtype) in tensors.items():
+        if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

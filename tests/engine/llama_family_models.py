@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from family_models import hf_argmax, hf_generate
+from family_models import finish_gguf, hf_argmax, hf_generate
 from family_models import tokenizer_fields as read_tokenizer_fields
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -145,26 +145,18 @@ def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[
             a = permute(a, kv)
         tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
     tensors.update(extra or {})
-    for name, a in tensors.items():
-        if quantized and name in quantized:
-            raw, qtype = quantized[name]
-            w.add_tensor(name, np.ascontiguousarray(raw, dtype=np.uint8), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, {name: (quantized or {}).get(name) or (a, gguf.GGMLQuantizationType.F32)
+                    for name, a in tensors.items()})
 
 
 def randomize(model) -> None:
-    """Random weights at a scale that gives varied greedy text (and routing): norms around 1, biases and q/k norms
-    random so they matter, every other weight N(0, 0.15)."""
+    """Random weights at a scale that gives varied greedy text (and routing): norms around 1, biases, attention sinks
+    and q/k norms random so they matter, every other weight N(0, 0.15)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
+            elif name.endswith(("bias", "sinks")):
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.15)

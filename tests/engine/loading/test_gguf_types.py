@@ -119,7 +119,7 @@ def test_auto_keeps_q4_k_projections_int4(files, reference, prompt_ids) -> None:
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.BF16,
-                                   T.F32], ids=lambda t: t.name)
+                                   T.F32, T.MXFP4], ids=lambda t: t.name)
 def test_dequantize_tensor_in_chunks_is_gguf_py_bit_for_bit(qtype, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """engine.loading.gguf_file.dequantize_tensor (row chunks on threads) against one gguf-py call, for a tensor

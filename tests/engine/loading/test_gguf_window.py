@@ -1,5 +1,5 @@
 """A Mistral GGUF from llama.cpp's converter (architecture llama, no sliding-window key) runs with full attention:
-engine.loading.gguf_file warns once per model name, only for files whose metadata names Mistral."""
+engine.loading.gguf_config warns once per model name, only for files whose metadata names Mistral."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.loading import gguf_file
+from engine.loading import gguf_config, gguf_file
 
 
 def _write(path: Path, name: str, window: int | None) -> str:
@@ -38,12 +38,12 @@ def _write(path: Path, name: str, window: int | None) -> str:
 ])
 def test_a_mistral_gguf_without_its_window_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                                  name: str, window: int | None, warns: bool) -> None:
-    gguf_file._warn_mistral_without_window.cache_clear()
+    gguf_config._warn_mistral_without_window.cache_clear()
     path = _write(tmp_path / "m.gguf", name, window)
-    with caplog.at_level(logging.WARNING, logger=gguf_file.__name__):
+    with caplog.at_level(logging.WARNING, logger=gguf_config.__name__):
         configs = [gguf_file.read_gguf_config(gguf_file.open_gguf(path)) for _ in range(2)]
     assert all(c.sliding_window == window for c in configs)
-    warned = [r.getMessage() for r in caplog.records if r.name == gguf_file.__name__]
+    warned = [r.getMessage() for r in caplog.records if r.name == gguf_config.__name__]
     assert len(warned) == int(warns), warned  # once, though the file was read twice
     if warns:
         assert name in warned[0] and "full attention" in warned[0] and "4096" in warned[0]

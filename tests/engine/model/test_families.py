@@ -100,12 +100,15 @@ def test_config_fields(families) -> None:
     """Each family's special fields reach ModelConfig, from both formats; generation_config's EOS list too. The GGUFs
     are read as the engine reads them (engine.loading.gguf_file.open_gguf: gguf.GGUFReader's fields, parsed about 3x
     faster;
-    test_weights_cache.py checks that the fields are the same)."""
+    test_weights_cache.py checks that the fields are the same), and the CLI's header-only reader gives the same
+    config (jobs.gguf_header.GGUFHeader: Llama 3's rope_freqs read from the file's data)."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.hf_folder import read_hf_config
+    from jobs.gguf_header import GGUFHeader
 
     hf = {f: read_hf_config(str(families[f][1])) for f in FAMILIES}
     gg = {f: read_gguf_config(open_gguf(str(families[f][2]))) for f in FAMILIES}
+    assert {f: read_gguf_config(GGUFHeader(str(families[f][2]))) for f in FAMILIES} == gg
     assert hf["llama"].rope_scaling.rope_type == "llama3" and hf["llama"].eos_token_ids == (2, 0)
     assert gg["llama"].rope_scaling.freq_factors is not None
     assert hf["qwen2"].qkv_bias and gg["qwen2"].qkv_bias and hf["qwen2"].tie_word_embeddings

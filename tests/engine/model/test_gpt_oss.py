@@ -1,26 +1,27 @@
 """gpt-oss (`gpt_oss`) runs exactly as HF transformers does from a Hugging Face folder, unquantized and with MXFP4
 experts, and what tokenmill does not implement of it is an error before any work (issue 43).
 
-A tiny random-weight model built by HF transformers from GptOssConfig (fp32, eager attention): 2 layers (the first
-sliding with a window of 16 tokens, shorter than every prompt, the second full), 4 query / 2 KV heads, YaRN, 8
-experts of which 2 per token, a SwiGLU clamp of 2.0 (so it bites), random biases and sinks; saved with
-save_pretrained beside the real SmolLM2 tokenizer. The MXFP4 folder holds the same model with its expert weights as
-`_blocks` / `_scales` in OpenAI's published layout (written by `quantize_mxfp4` below, round to nearest on the FP4
-grid, one power of two per 32 values) and `quantization_config.quant_method` "mxfp4"; transformers itself loads that
-folder (dequantizing on the CPU) as the reference. Greedy tokens on real prompts equal HF's (teacher-forced argmax at
+A tiny random-weight model built by HF transformers from GptOssConfig (tests/engine/gpt_oss_models.py: fp32, eager
+attention): 2 layers (the first sliding with a window of 16 tokens, shorter than every prompt, the second full), 4
+query / 2 KV heads, YaRN, 8 experts of which 2 per token, a SwiGLU clamp of 2.0 (so it bites), random biases and
+sinks; saved with save_pretrained beside the real SmolLM2 tokenizer. The MXFP4 folder holds the same model with its
+expert weights as `_blocks` / `_scales` in OpenAI's published layout (gpt_oss_models.quantize_mxfp4: round to
+nearest on the FP4 grid, one power of two per 32 values) and `quantization_config.quant_method` "mxfp4";
+transformers itself loads that folder (dequantizing on the CPU) as the reference. Its GGUF files:
+test_gpt_oss_gguf.py. Greedy tokens on real prompts equal HF's (teacher-forced argmax at
 every position, and HF's own `generate` on the first prompt).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from family_models import chat_prompt_ids
 from family_models import hf_argmax as _hf_argmax
+from gpt_oss_models import WINDOW, build_gpt_oss, write_mxfp4_folder
 from llama_family_models import FP32, MAX_TOKENS
 from llama_family_models import hf_greedy as _hf_greedy
 from llama_family_models import our_greedy as _ours
@@ -28,66 +29,13 @@ from llama_family_models import our_greedy as _ours
 transformers = pytest.importorskip("transformers")
 
 NUM_PROMPTS = 4
-WINDOW = 16
-FP4_GRID = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0))
-
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 of w [..., K] (K % 32 == 0) as OCP MX v1.0 defines it: per 32 values the E8M0 scale 2 ** (floor(log2
-    amax) - 2), each value / scale rounded to the nearest FP4 E2M1 value (clamped to +-6). Returns (blocks uint8
-    [..., K / 32, 16], two codes a byte, the earlier one in the low nibble; scales uint8 [..., K / 32], biased by
-    127)."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    exp = torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -126))) - 2
-    scaled = groups / torch.exp2(exp)[..., None]
-    idx = (scaled.abs()[..., None] - FP4_GRID).abs().argmin(-1)
-    codes = (idx | (((scaled < 0) & (idx > 0)).long() << 3)).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
-
-
-def write_mxfp4_folder(src: Path, dst: Path) -> None:
-    """A copy of the HF folder `src` whose expert weights are MXFP4 blocks and scales, as OpenAI's checkpoints store
-    them: `<proj>_blocks` [E, out, in / 32, 16] of the weight transposed back to [E, out, in]."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    out = {}
-    for key, t in load_file(src / "model.safetensors").items():
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out[f"{key}_blocks"], out[f"{key}_scales"] = quantize_mxfp4(t.transpose(1, 2).contiguous())
-        else:
-            out[key] = t
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-
-
-def _config(vocab: int):
-    return transformers.GptOssConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
-        num_key_value_heads=2, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-        max_position_embeddings=2048, swiglu_limit=2.0, bos_token_id=1, eos_token_id=2,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
-        attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory, hf_tok) -> tuple[object, Path, object, Path]:
     """(HF model, its folder, HF's model of the MXFP4 folder, the MXFP4 folder)."""
     root = tmp_path_factory.mktemp("gpt_oss")
-    torch.manual_seed(43)
-    model = transformers.AutoModelForCausalLM.from_config(_config(len(hf_tok)), dtype=torch.float32).eval()
-    with torch.no_grad():  # a scale that gives varied greedy text and routing; biases, sinks and norms random too
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.5)
-            else:
-                p.normal_(0.0, 0.15)
+    model = build_gpt_oss(len(hf_tok), swiglu_limit=2.0, seed=43)
     folder, mx_folder = root / "gpt_oss", root / "gpt_oss_mxfp4"
     model.save_pretrained(folder)
     hf_tok.save_pretrained(folder)
@@ -205,8 +153,7 @@ def test_config_fields_and_refusals(gpt_oss) -> None:
         config_from_hf({**raw, "attention_bias": False})
     with pytest.raises(ValueError, match="mxfp4"):  # MXFP4 is read for gpt-oss's experts only
         read_quant_format({"model_type": "llama", "quantization_config": {"quant_method": "mxfp4"}}, "x")
-    with pytest.raises(ValueError, match="gpt-oss GGUF"):
-        gguf_architecture("gpt-oss", True)
+    assert gguf_architecture("gpt-oss", True).name == "gpt_oss"  # its GGUF files: test_gpt_oss_gguf.py
     small = ModelConfig(**{**cfg.__dict__, "vocab_size": 32})
     with pytest.raises(ValueError, match="attention sinks"):  # e.g. the Triton kernels: refused before any step
         ModelRunner(LlamaModel(small, 8), small, 4, 16, torch.device("cpu"), torch.float32,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_models import chat_prompt_ids
+from family_models import chat_prompt_ids, finish_gguf
 from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy, permute, randomize, tokenizer_fields
 
 from engine import LLMEngine
@@ -107,16 +107,9 @@ def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
                   else f"model.layers.{bid}.mlp.experts.{proj}")
         tensors[tmap.get_name(f"{merged}.weight", try_suffixes=(".weight",))] = np.stack(
             [parts[e] for e in range(experts)])
-    for name, a in tensors.items():
-        if expert_type is not None and name.endswith(("gate_exps.weight", "up_exps.weight")):
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), expert_type),
-                         raw_dtype=expert_type)
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w, {name: (gguf.quants.quantize(np.ascontiguousarray(a, np.float32), expert_type), expert_type)
+                       if expert_type is not None and name.endswith(("gate_exps.weight", "up_exps.weight"))
+                       else (a, gguf.GGMLQuantizationType.F32) for name, a in tensors.items()})
 
 
 @pytest.fixture(scope="module")

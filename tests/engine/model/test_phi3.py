@@ -78,13 +78,16 @@ def test_logits_close_to_hf(phi3, family_prompts) -> None:
 
 
 def test_config_fields(phi3) -> None:
-    """LongRoPE's factors, original context and attention factor, and the window, from both formats."""
+    """LongRoPE's factors, original context and attention factor, and the window, from both formats (the GGUF's the
+    same through the CLI's header-only reader)."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.hf_folder import read_hf_config
+    from jobs.gguf_header import GGUFHeader
 
     model, folder, path, _ = phi3
     rope = model.config.rope_parameters
     hf, gg = read_hf_config(str(folder)), read_gguf_config(open_gguf(str(path)))
+    assert read_gguf_config(GGUFHeader(str(path))) == gg
     for cfg in (hf, gg):
         rs = cfg.rope_scaling
         assert (rs.rope_type, rs.original_max_position_embeddings, rs.factor) == ("longrope", 32, 2048 / 32)
