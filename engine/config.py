@@ -236,7 +236,7 @@ class EngineConfig:
             template) across requests instead of recomputing them.
         quantization: how weights are held (engine.loading.quantized): "none" = all dequantized to `dtype` (the
             reference path); "auto" = weights stored as INT4 stay INT4 (GGUF Q4_0/Q4_1/Q4_K natively, INT4 folders);
-            "int4" = "auto" plus every other projection quantized to INT4 on load (W4A16, group-wise);
+            "int4" = "auto" plus every other projection (experts too) quantized to INT4 on load (W4A16, group-wise);
             "int8" = W8A8 on the CPU (int8 weights per channel, int8 activations per token; oneDNN).
         int4_group_size: input features per scale/zero group when quantizing on load (32, 64, 128 or 256).
         attention_backend: "auto" (the Triton kernels on CUDA when triton imports; on CPU the C++ decode kernel,

@@ -20,6 +20,7 @@ from engine.model.decoder import LlamaModel
 from engine.offline_batch import generate_batch
 from engine.output_builder import OutputBuilder
 from engine.outputs import RequestOutput
+from engine.quant.experts import describe_experts
 from engine.quant.int4_linear import release_int4_sources
 from engine.quant.packed_linear import pack_linears
 from engine.request_builder import RequestBuilder, lpt_key
@@ -81,6 +82,8 @@ class LLMEngine:
             # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
             # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
+        if model_config.num_experts:
+            log.info("model %s: %s", model_name, describe_experts(model))  # INT4 / INT8 / plain, per projection
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype)
         limit = model_config.max_position_embeddings
@@ -97,7 +100,7 @@ class LLMEngine:
                                   # a MoE step is capturable on the grouped-GEMM path only (the torch loop
                                   # reads its experts' row counts on the host; engine.layers.moe)
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
-                                               and (not model_config.num_experts or experts_capturable(dtype))
+                                               and (not model_config.num_experts or experts_capturable(dtype, model))
                                                and attn_fn is not paged_attention_ref),
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))

@@ -28,9 +28,11 @@ from engine.worker.memory_fit import (
 from jobs.errors import JobError
 from jobs.gguf_header import gguf_tensor_infos
 
-# GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight), and the
-# ggml type ids it keeps INT4 under --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
-_GGUF_LINEAR = re.compile(r"^(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|output)\.weight$")
+# GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight; a shared
+# expert's _shexp) or stacked expert projections (is_expert_weight: _exps), and the ggml type ids it keeps INT4 under
+# --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
+_GGUF_LINEAR = re.compile(r"^(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)|output)"
+                          r"\.weight$")
 _GGUF_NATIVE_INT4 = {2: 32, 3: 32, 12: 32}
 
 
@@ -74,9 +76,9 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
     size, and the same list under --quantization int4 (None when that is the mode already)."""
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.loading.model_files import TOKENMILL_CONFIG_FILE
-    from engine.model.tensor_names import is_linear_weight
+    from engine.model.tensor_names import is_expert_weight, is_linear_weight
 
-    entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear weight, INT4 group as stored)
+    entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear or expert weight, INT4 group as stored)
     tied_head: list[tuple[int, int | None]] = []  # an INT4 embedding's tied LM head: an Int4Linear of its own
     if os.path.isdir(path):
         if is_hf_folder(path):
@@ -97,7 +99,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
             group, int4_modules = quant.get("group_size"), set(quant.get("modules", {}))
         vocab = cfg.vocab_size
         for name, numel in model_tensors(cfg):
-            linear = is_linear_weight(name)
+            linear = is_linear_weight(name) or is_expert_weight(name)
             int4 = group is not None and (linear if int4_modules is None else name.removesuffix(".weight")
                                           in int4_modules)
             entries.append((numel, linear, group if int4 else None))

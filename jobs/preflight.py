@@ -246,34 +246,21 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
 
 
 def check_quantization(model: str | None, quantization: str) -> None:
-    """Raise JobError (exit 2), before any work, when --quantization int4 / int8 cannot apply to the local model:
-    an already quantized Hugging Face folder would be quantized a second time (int4 on any, int8 on all but W8A8
-    ones: engine.loading.hf_quantized.check_quantization_mode; the message names its quant_method and the modes to
-    use, auto or none), or a mixture-of-experts model, whose experts are not quantized yet
-    (engine.loading.quantized.check_experts_quantization). `model` as check_model returns it; a URL or hub id is
-    checked by the engine when it loads."""
+    """Raise JobError (exit 2), before any work, when --quantization int4 / int8 cannot apply to the local model: an
+    already quantized Hugging Face folder would be quantized a second time (int4 on any, int8 on all but W8A8 ones:
+    engine.loading.hf_quantized.check_quantization_mode; the message names its quant_method and the modes to use,
+    auto or none). A mixture-of-experts model's experts are quantized like its other projections
+    (engine.quant.experts). `model` as check_model returns it; a URL or hub id is checked by the engine when it
+    loads."""
     if quantization in ("none", "auto") or model is None or is_url(model) or is_hub_id(model):
         return
-    from engine.loading.hf_folder import hf_quant_format, is_hf_folder, read_hf_config
+    from engine.loading.hf_folder import hf_quant_format, is_hf_folder
     from engine.loading.hf_quantized import check_quantization_mode
 
-    if os.path.isdir(model):
-        if not is_hf_folder(model):
-            return  # `tokenmill quantize` writes no MoE folder
+    if os.path.isdir(model) and is_hf_folder(model):
         try:
             fmt = hf_quant_format(model)
             if fmt is not None:
                 check_quantization_mode(fmt, quantization, model)
         except ValueError as e:
             raise JobError(f"--quantization {quantization}: {e}") from e
-        cfg = read_hf_config(model)
-        arch, experts = cfg.architecture, cfg.num_experts
-    else:
-        try:
-            arch = gguf_metadata(model, {"general.architecture"}).get("general.architecture", "llama")
-            experts = gguf_metadata(model, {f"{arch}.expert_count"}).get(f"{arch}.expert_count") or 0
-        except (OSError, ValueError) as e:
-            raise JobError(f"--model {model}: cannot read its GGUF header ({e}); give a complete GGUF file") from e
-    if experts:
-        raise JobError(f"--quantization {quantization}: --model is a mixture-of-experts model ({arch}, {experts} "
-                       "experts), whose experts tokenmill does not quantize yet; use --quantization none (or auto)")

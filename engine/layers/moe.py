@@ -25,6 +25,13 @@ matmuls on the stacked weights. On CUDA (fp32/fp16/bf16, autograd off, Triton in
 two grouped-GEMM launches instead (engine.kernels.triton_moe.fused_experts): no per-expert loop and no host sync, so
 a MoE decode step can be captured in a CUDA graph (`grouped_gemm_ops`).
 
+Quantized experts (quantization int4 / int8, GGUF Q4 expert tensors under auto, GPTQ / AWQ / compressed-tensors
+folders: engine.quant.experts) run as per-expert modules too (`set_gemms`): each expert's Int4Linear (W4A16, the dense
+layers' INT4 module) or Int8Linear (W8A8, CPU), on every device, so such a step is not captured in a CUDA graph
+(`experts_capturable`). The router stays in the compute dtype. INT4 experts keep their stacked weights
+(`int4_experts`: engine.quant.stacked_int4.StackedInt4, qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]) on a
+CUDA device, the operand engine.kernels.triton_moe_int4.fused_experts_int4 takes in place of the loop.
+
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
 [E, hidden, I], mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight [1, hidden]; with biases
@@ -35,12 +42,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
 from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
 from engine.kernels.triton_moe import triton_moe_ops
 from engine.layers.rms_norm import fused_ops
@@ -112,10 +121,29 @@ def grouped_gemm_ops(x: torch.Tensor) -> ModuleType | None:
     return triton_moe_ops()
 
 
-def experts_capturable(dtype: torch.dtype) -> bool:
+def experts_capturable(dtype: torch.dtype, model: nn.Module | None = None) -> bool:
     """Whether a MoE step with CUDA activations of `dtype` can be captured in a CUDA graph: the grouped-GEMM path
-    serves it (no host sync; grouped_gemm_ops). Else the per-expert loop reads its row counts on the host."""
+    serves it (no host sync; grouped_gemm_ops), for every expert block of `model` (when given): none may run per-expert
+    modules (GroupedExperts.set_gemms: INT4 / INT8 experts). Else the per-expert loop reads its row counts on the
+    host."""
+    if model is not None and any(m.gemms is not None for m in model.modules() if isinstance(m, GroupedExperts)):
+        return False
     return dtype in TRITON_MOE_DTYPES and triton_moe_ops() is not None
+
+
+def _fuse_blocks(gate: GGUFBlocks | None, up: GGUFBlocks | None, num_experts: int) -> GGUFBlocks | None:
+    """The GGUF blocks of the fused gate_up [E, 2I, hidden] (rows [gate; up] per expert) from those of gate and up
+    ([E * I, hidden] each), or None when either has none or their types differ."""
+    if gate is None or up is None or gate.type_name != up.type_name:
+        return None
+
+    def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        if a is None or b is None:
+            return None
+        per_expert = [t.view(num_experts, -1, *t.shape[1:]) for t in (a, b)]
+        return torch.cat(per_expert, dim=1).flatten(0, 1)
+
+    return GGUFBlocks(gate.type_name, join(gate.qs, up.qs), join(gate.scales, up.scales), join(gate.mins, up.mins))
 
 
 class GroupedExperts(nn.Module):
@@ -139,6 +167,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj: ExpertWeights | None = None
         self.gemms: tuple[Sequence[Gemm], Sequence[Gemm]] | None = None
         self.packed_biases: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I], down [E, hidden])
+        self.int4: tuple[Any, Any] | None = None  # stacked INT4 (gate_up, down): set_gemms, int4_experts
 
     def fuse(self) -> bool:
         """Stack gate_proj and up_proj into one gate_up_proj (one GEMM per expert instead of two). Returns whether it
@@ -149,6 +178,9 @@ class GroupedExperts(nn.Module):
                                                                     self.up_proj.bias.detach()], dim=1)
         self.gate_up_proj = ExpertWeights.of(torch.cat([self.gate_proj.weight.detach(),
                                                         self.up_proj.weight.detach()], dim=1), bias)
+        blocks = _fuse_blocks(gguf_blocks_of(self.gate_proj), gguf_blocks_of(self.up_proj), self.num_experts)
+        if blocks is not None:
+            set_gguf_blocks(self.gate_up_proj, blocks)
         self.gate_proj = self.up_proj = None
         return True
 
@@ -160,20 +192,36 @@ class GroupedExperts(nn.Module):
             raise ValueError("the experts' stacked weights were freed when they were packed (set_gemms)")
         return self.gate_up_proj.weight, self.down_proj.weight
 
-    def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module]) -> None:
-        """Serve expert e with gate_up[e] (x [M, hidden] -> [M, 2I]) and down[e] ([M, I] -> [M, hidden]), e.g.
-        oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears; they add no bias: the experts'
-        biases are kept and added after them), and free the stacked weights. Raises ValueError unless there are
+    def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module], *,
+                  biases: tuple[torch.Tensor, torch.Tensor] | None = None, int4: tuple[Any, Any] | None = None) -> None:
+        """Serve expert e with gate_up[e] (x [M, hidden] -> [M, 2I]) and down[e] ([M, I] -> [M, hidden]) and free the
+        stacked weights: oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears), or INT4 / INT8
+        modules (engine.quant.experts). The modules add no bias: the experts' biases, the stacked weights' or
+        `biases` = (gate_up [E, 2I], down [E, hidden]) where those are gone already, are kept and added after them.
+        `int4`: the stacked INT4 weights the modules were built from (engine.quant.stacked_int4.StackedInt4: qweight
+        uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]), as (gate_up, down), None for a projection that is not
+        INT4: kept on the device for grouped INT4 kernels (`int4_experts`). Raises ValueError unless there are
         num_experts of each."""
         if len(gate_up) != self.num_experts or len(down) != self.num_experts:
             raise ValueError(f"set_gemms needs {self.num_experts} modules of each kind, got {len(gate_up)} and "
                              f"{len(down)}")
         self.fuse()
-        if self.gate_up_proj is not None and self.gate_up_proj.bias is not None:
-            self.packed_biases = (self.gate_up_proj.bias.detach(), self.down_proj.bias.detach())
+        if biases is None and self.gate_up_proj is not None and self.gate_up_proj.bias is not None:
+            biases = (self.gate_up_proj.bias.detach(), self.down_proj.bias.detach())
+        self.packed_biases = biases
         self.packed_gate_up, self.packed_down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.gemms = (self.packed_gate_up, self.packed_down)
+        self.int4 = int4
         self.gate_proj = self.up_proj = self.gate_up_proj = self.down_proj = None
+
+    def int4_experts(self) -> tuple[Any, Any] | None:
+        """The stacked INT4 weights the experts run from, (gate_up, down): engine.quant.stacked_int4.StackedInt4,
+        qweight uint8 [E, N, Kp/2] (element 2j in the high nibble), scales and zeros [E, N, Kp/G], w = (q - 8) *
+        scale + zero, N = 2I for gate_up (rows [gate; up] per expert); what
+        engine.kernels.triton_moe_int4.fused_experts_int4 takes. None for a projection that is not INT4; None when the
+        experts are not INT4, or on the CPU once engine.quant.int4_linear.release_int4_sources dropped them (each
+        expert's own Int4Linear serves it there)."""
+        return self.int4
 
     def _gemm_pair(self, e: int) -> tuple[Gemm, Gemm]:
         if self.gemms is not None:

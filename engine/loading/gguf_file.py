@@ -9,6 +9,7 @@ torch order).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,8 @@ from engine.loading.gpt_oss_tensors import dequantize_gguf_mxfp4
 from engine.model.architectures import get_architecture
 from engine.model.tensor_names import EMBEDDING, split_fused
 from engine.quant.qparams import Int4Weight
-from engine.quant.state import is_linear_weight
+from engine.quant.stacked_int4 import StackedInt4
+from engine.quant.state import is_expert_weight, is_linear_weight
 
 
 def open_gguf(path: str) -> Any:
@@ -146,24 +148,26 @@ def unpermute_qk(name: str, w: Any, cfg: ModelConfig) -> Any:
 
 
 def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
-                    keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+                    keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight | StackedInt4]]:
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
     dequantized by `dequantize_tensor`) under their HF parameter names; with `native_int4`, the 4-bit projection
     weights gguf_int4.NATIVE_INT4_TYPES map exactly (Q4_0, Q4_1, Q4_K) instead as
     Int4Weight under their module name (packed rows and scales un-permuted alike; engine.loading.gguf_int4). With
     `keep_blocks`, each projection, LM head or tied embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
     raw blocks (engine.kernels.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
-    CPU's small-batch kernel reads those (engine.quant.packed_linear)."""
+    CPU's small-batch kernel reads those (engine.quant.packed_linear). A mixture-of-experts layer's stacked experts
+    [E, N, K] alike: StackedInt4 [E, N, Kp/2] (native_int4), blocks of [E * N, K] (keep_blocks)."""
     names = gguf_name_map(reader, cfg)  # every tensor placed, before any is read
     for t in reader.tensors:
         name = names.get(t.name)
         if name is None:  # RoPE factors, already in cfg.rope_scaling
             continue
-        shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None  # ggml: fastest dimension first
-        if native_int4 and is_linear_weight(name) and is_native_int4(t.tensor_type.name):
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
+        experts = is_expert_weight(name)  # [E, N, K]: its blocks as those of [E * N, K]
+        if native_int4 and (is_linear_weight(name) or experts) and is_native_int4(t.tensor_type.name):
             w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
             for part, rows in split_fused(name.removesuffix(".weight"), w, cfg):
-                yield part, rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg))
+                yield part, rows if experts else rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg))
             continue
         w = np.asarray(dequantize_tensor(t), dtype=np.float32)
         if cfg.norm_weight_offset and name.endswith("norm.weight"):
@@ -172,7 +176,10 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
             yield part, torch.from_numpy(np.array(unpermute_qk(part, rows, cfg), dtype=np.float32, copy=True))
         # The embedding's blocks only serve a tied LM head (an untied embedding is a lookup, never a GEMM).
         if keep_blocks and t.tensor_type.name in GGUF_BLOCK_TYPES and (
-                is_linear_weight(name) or (cfg.tie_word_embeddings and name == f"{EMBEDDING}.weight")):
-            blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, shape)
+                is_linear_weight(name) or experts or (cfg.tie_word_embeddings and name == f"{EMBEDDING}.weight")):
+            blocks = GGUFBlocks.from_raw(t.data, t.tensor_type.name, (math.prod(shape[:-1]), shape[-1]))
+            if experts:
+                yield from blocks.to_state(name.removesuffix(".weight")).items()
+                continue
             for part, rows in split_fused(name.removesuffix(".weight"), blocks, cfg):
                 yield from rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg)).to_state(part).items()

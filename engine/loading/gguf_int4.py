@@ -24,6 +24,7 @@ import torch
 
 from engine.kernels.gguf_blocks import GGUFBlocks
 from engine.quant.qparams import Int4Weight
+from engine.quant.stacked_int4 import StackedInt4
 
 GGUF_GROUP_SIZE = 32
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -34,12 +35,20 @@ def is_native_int4(tensor_type_name: str) -> bool:
     return tensor_type_name in NATIVE_INT4_TYPES
 
 
-def gguf_q4_to_int4(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Weight:
+def gguf_q4_to_int4(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Int4Weight | StackedInt4:
     """Int4Weight (group 32, fp32 scales/zeros) from the raw bytes of a Q4_0/Q4_1/Q4_K tensor.
 
-    raw: the GGUFReader tensor's `data` (uint8, any shape holding the tensor's blocks); shape: (N, K) in torch order.
-    Raises ValueError for other types or when K is not a multiple of 32 (256 for Q4_K).
+    raw: the GGUFReader tensor's `data` (uint8, any shape holding the tensor's blocks); shape: (N, K) in torch order,
+    or (E, N, K) for a mixture-of-experts layer's stacked experts (llama.cpp's ffn_{gate,up,down}_exps: each expert's
+    rows run on from the previous one's, so its blocks are rows e * N ... (e + 1) * N - 1): then a StackedInt4
+    [E, N, Kp/2] (views of one mapping of [E * N, K]). Raises ValueError for other types or when K is not a multiple
+    of 32 (256 for Q4_K).
     """
+    if len(shape) == 3:
+        e, n, k = shape
+        w = gguf_q4_to_int4(raw, type_name, (e * n, k))
+        return StackedInt4(w.qweight.view(e, n, -1), w.scales.view(e, n, -1), w.zeros.view(e, n, -1), k,
+                           GGUF_GROUP_SIZE)
     if type_name not in NATIVE_INT4_TYPES:
         raise ValueError(f"{type_name} is not a 4-bit GGUF type this loader maps natively "
                          f"({', '.join(NATIVE_INT4_TYPES)}); load it dequantized with quantization='none' or "

@@ -24,6 +24,7 @@ from engine.loading.hf_quantized import (
     param_names,
     read_quant_format,
     refuse_unmarked_quantized,
+    stack_experts,
 )
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
 from engine.model.architectures import get_architecture
@@ -92,9 +93,17 @@ def _hf_param_name(key: str, renames: tuple[tuple[str, str], ...] = ()) -> tuple
     return f"{name[:m.start()]}.experts.{name[m.end():]}", int(m.group(1))
 
 
-def _quantized_param_name(key: str) -> str:
-    """Our parameter name of a quantized HF folder's checkpoint key (no experts: refused in hf_tensor_index)."""
-    return _hf_param_name(key)[0]
+def _quantized_name(key: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """Our name of a quantized HF folder's checkpoint key or quantized module (e.g.
+    "model.layers.0.block_sparse_moe.experts.3.w1" -> "layers.0.mlp.experts.3.gate_proj"): the "model." prefix
+    dropped and the architecture's renames applied (to a module name as to its ".weight"), an expert's index kept
+    (stack_experts stacks them)."""
+    name = key.removeprefix("model.")
+    plain, module = name, f"{name}.weight"
+    for old, new in renames:
+        plain, module = plain.replace(old, new), module.replace(old, new)
+    module = module.removesuffix(".weight")
+    return module if module != plain else plain
 
 
 def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, str], ...]]:
@@ -103,7 +112,8 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
     the num_experts keys of experts 0, 1, ... in order. A quantized folder's layers count as "<module>.weight", their
     file and key those of the layer's first tensor; a family with fused projections (Phi-3) keeps its fused names
     (qkv_proj, gate_up_proj). Raises ValueError naming an unknown or missing tensor (check_tensor_names) or expert, an
-    unsupported quantization_config, GPTQ-style tensors without one, or a quantized mixture-of-experts folder."""
+    unsupported quantization_config, GPTQ-style tensors without one, or a quantized gpt-oss folder other than its
+    MXFP4 one."""
     from safetensors import safe_open
 
     fmt = hf_quant_format(path)
@@ -113,26 +123,22 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if not key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
                     keys[key] = file
-    fused = get_architecture(cfg.architecture).fused_projections
-    if fmt is not None:
-        if cfg.num_experts:
-            raise ValueError(f"{path}: a {fmt.describe()} mixture-of-experts folder ({cfg.architecture}) is not "
-                             "supported yet; use the unquantized model (or its GGUF)")
-        out = {_quantized_param_name(key): ((keys.get(key, ""), key),) for key in param_names(keys, fmt)}
-        check_tensor_names(out, cfg, path, fused=fused)
-        return out
-    refuse_unmarked_quantized(keys, path)
-    renames = get_architecture(cfg.architecture).hf_renames
+    arch = get_architecture(cfg.architecture)
+    if fmt is None:
+        refuse_unmarked_quantized(keys, path)
+    elif arch.hf_stacked_experts:
+        raise ValueError(f"{path}: a {fmt.describe()} {cfg.architecture} folder is not read (its stacked experts "
+                         "are read from the MXFP4 or unquantized checkpoint only); use one of those")
     plain: dict[str, tuple[str, str]] = {}
     experts: dict[str, dict[int, tuple[str, str]]] = {}
-    for key, file in keys.items():
-        name, expert = _hf_param_name(key, renames)
+    for key in (list(keys) if fmt is None else param_names(keys, fmt)):
+        name, expert = _hf_param_name(key, arch.hf_renames)
         if expert is None:
-            plain[name] = (file, key)
+            plain[name] = (keys.get(key, ""), key)
         else:
-            experts.setdefault(name, {})[expert] = (file, key)
+            experts.setdefault(name, {})[expert] = (keys.get(key, ""), key)
     out = {name: (where,) for name, where in plain.items()}
-    if get_architecture(cfg.architecture).hf_stacked_experts:  # gpt-oss: stacked, transposed, maybe MXFP4
+    if arch.hf_stacked_experts:  # gpt-oss: stacked, transposed, maybe MXFP4
         out = stacked_expert_index(out, path)
     for name, parts in experts.items():
         if cfg.num_experts and sorted(parts) != list(range(cfg.num_experts)):
@@ -140,7 +146,7 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
             raise ValueError(f"{path}: {name} has experts {sorted(parts)[:4]}... ({len(parts)}), not 0..."
                              f"{cfg.num_experts - 1} as config.json says (first odd one: {odd[0]})")
         out[name] = tuple(parts[e] for e in range(cfg.num_experts))
-    check_tensor_names(out, cfg, path, fused=fused)
+    check_tensor_names(out, cfg, path, fused=arch.fused_projections)
     return out
 
 
@@ -157,17 +163,19 @@ def iter_hf_quantized_state(path: str, cfg: ModelConfig, dtype: torch.dtype,
                             keep: KeepStored | None) -> tuple[Iterator[tuple[str, Any]], QuantReport]:
     """(iterator, report) over a quantized HF folder's parameters (engine.loading.hf_quantized.iter_quantized_state:
     INT4 / INT8 as stored where `keep` holds them exactly, else dequantized exactly to `dtype`; keep None: all
-    dequantized; a tied LM head left out); the report fills as the iterator runs. Names are checked before the first
-    tensor is read. Raises ValueError as hf_tensor_index, and for a folder without quantization_config."""
+    dequantized; a tied LM head left out; a mixture-of-experts layer's per-expert layers stacked: stack_experts); the
+    report fills as the iterator runs. Names are checked before the first tensor is read. Raises ValueError as
+    hf_tensor_index, and for a folder without quantization_config."""
     fmt = hf_quant_format(path)
     if fmt is None:
         raise ValueError(f"{path} has no quantization_config")
     hf_tensor_index(path, cfg)
     report = QuantReport(fmt.describe())
     tied = f"{LM_HEAD}.weight" if cfg.tie_word_embeddings else None
-    items = iter_quantized_state(hf_weight_files(path), fmt, _quantized_param_name, dtype, keep, report,
-                                 skip=lambda name: name == tied)
-    return items, report
+    renames = get_architecture(cfg.architecture).hf_renames
+    items = iter_quantized_state(hf_weight_files(path), fmt, lambda key: _quantized_name(key, renames), dtype, keep,
+                                 report, skip=lambda name: name == tied)
+    return (stack_experts(items, cfg.num_experts, dtype, report) if cfg.num_experts else items), report
 
 
 def iter_hf_state(path: str, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

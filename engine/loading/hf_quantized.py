@@ -10,7 +10,10 @@ Methods read (engine.loading.gptq_awq, engine.loading.compressed_tensors; the ar
 A layer goes to the INT4 kernels with its integers and scales as stored when that is exact
 (IntGroupWeight.int4_plan; act-order layers with their input features permuted once at load), a W8A8 layer to the
 CPU's INT8 kernel (IntGroupWeight.to_int8), else it is dequantized exactly; `QuantReport` says which layers took
-which way and why. Modes that would quantize such a folder a second time are refused (check_quantization_mode).
+which way and why. A mixture-of-experts folder's per-expert layers (model.layers.0.mlp.experts.3.gate_proj.qweight ...)
+go the same ways one by one and are then stacked per projection (stack_experts): INT4 as stored when every expert of
+the projection is, else dequantized exactly; its router and shared expert are read as the checkpoint stores them.
+Modes that would quantize such a folder a second time are refused (check_quantization_mode).
 Imports nothing of engine.loading.hf_folder (which imports this module), and torch only where tensors are read: the
 CLI's preflight checks a folder's config and tensor names through it.
 """
@@ -18,6 +21,7 @@ CLI's preflight checks a folder's config and tensor names through it.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -148,13 +152,16 @@ class QuantReport:
 
     def summary(self) -> str:
         """One line, e.g. "gptq 4-bit, group 128: 14 layers INT4 as stored (14 act-order, input permuted at load),
-        2 dequantized exactly (8-bit ...: 2)"."""
+        2 dequantized exactly (8-bit ...: 2)"; a mixture-of-experts folder's experts count one layer per expert and
+        projection ("... 56 layers INT4 as stored (48 of them experts' projections) ...")."""
         reasons: dict[str, int] = {}
         for why in self.dequantized.values():
             reasons[why] = reasons.get(why, 0) + 1
         detail = "; ".join(f"{why}: {n}" for why, n in sorted(reasons.items()))
-        parts = [f"{len(self.int4)} layers INT4 as stored" + (
-            f" ({len(self.permuted)} act-order, input permuted at load)" if self.permuted else "")]
+        notes = [f"{n} {what}" for n, what in ((sum(".experts." in name for name in self.int4),
+                                                 "of them experts' projections"),
+                                                (len(self.permuted), "act-order, input permuted at load")) if n]
+        parts = [f"{len(self.int4)} layers INT4 as stored" + (f" ({'; '.join(notes)})" if notes else "")]
         if self.int8:
             parts = [f"{len(self.int8)} layers INT8 as stored (W8A8)"] + (parts if self.int4 else [])
         parts.append(f"{len(self.dequantized)} dequantized exactly" + (f" ({detail})" if detail else ""))
@@ -258,3 +265,56 @@ def iter_quantized_state(files: list[str], fmt: QuantFormat, param_name: Callabl
             report.dequantized[name] = why
             w = layer.dequantize() if isinstance(layer, IntGroupWeight) else layer
             yield f"{name}.weight", w.to(dtype)
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def stack_experts(items: Iterator[tuple[str, Any]], num_experts: int, dtype: torch.dtype,
+                  report: QuantReport) -> Iterator[tuple[str, Any]]:
+    """`items` (iter_quantized_state's, our names) with a mixture-of-experts layer's per-expert entries
+    ("layers.0.mlp.experts.3.gate_proj", an Int4Weight, or "...experts.3.gate_proj.weight", a tensor) stacked once all
+    `num_experts` of a projection have come: one StackedInt4 [E, N, Kp/2] under "layers.0.mlp.experts.gate_proj" when
+    every expert was kept INT4 alike (engine.quant.experts serves it), else every expert dequantized exactly into
+    one [E, N, K] tensor in `dtype` under "...gate_proj.weight" (`report` then lists them as dequantized, with why:
+    INT8 experts have no W8A8 expert kernel). Other entries pass through. Raises ValueError when a projection lacks
+    experts at the end."""
+    import torch
+
+    from engine.quant.qparams import Int4Weight
+    from engine.quant.stacked_int4 import StackedInt4
+
+    pending: dict[str, dict[int, Any]] = {}
+    for name, value in items:
+        m = _EXPERT_INDEX.search(name)
+        if m is None:
+            yield name, value
+            continue
+        stacked = f"{name[:m.start()]}.experts.{name[m.end():]}"
+        param = stacked if isinstance(value, torch.Tensor) else f"{stacked}.weight"
+        group = pending.setdefault(param, {})
+        group[int(m.group(1))] = value
+        if len(group) < num_experts:
+            continue
+        parts = [group[e] for e in range(num_experts)]
+        del pending[param]
+        if all(isinstance(p, Int4Weight) for p in parts):
+            try:
+                yield param.removesuffix(".weight"), StackedInt4.from_weights(parts)
+                continue
+            except ValueError:  # shapes, group sizes or scale dtypes that differ between experts
+                why = "experts of one projection stored in different INT4 forms"
+        else:
+            kinds = {type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)}
+            why = ("INT8 experts (no W8A8 expert kernel)" if "Int8Weight" in kinds else
+                   "experts of one projection stored in different forms")
+        for e, p in enumerate(parts):
+            if not isinstance(p, torch.Tensor):
+                module = stacked.removesuffix(".weight").replace(".experts.", f".experts.{e}.", 1)
+                for kept in (report.int4, report.int8, report.permuted):
+                    if module in kept:
+                        kept.remove(module)
+                report.dequantized[module] = why
+        yield param, torch.stack([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts])
+    if pending:
+        raise ValueError(f"{next(iter(pending))} lacks experts: the checkpoint holds fewer than {num_experts}")

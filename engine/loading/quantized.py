@@ -7,13 +7,15 @@ quantization modes (EngineConfig.quantization):
             saved, GPTQ/AWQ/compressed-tensors HF folders' 4-bit layers as stored where that is exact (act-order
             ones with their input permuted) and a W8A8 folder's INT8 layers as stored on the CPU
             (engine.loading.hf_quantized; the others dequantized exactly, and the load report says which and why:
-            LoadedModel.quantization_loaded); everything else in the compute dtype (a mixture-of-experts model's
-            experts too).
-    "int4"  "auto", plus every other projection weight quantized at `group_size` on load (refused for an already
-            quantized HF folder: it would quantize twice).
+            LoadedModel.quantization_loaded); everything else in the compute dtype. A mixture-of-experts model's
+            experts alike, per projection of all its experts (engine.quant.experts: GGUF ffn_*_exps tensors in
+            those types, a folder's per-expert layers); its router stays in the compute dtype.
+    "int4"  "auto", plus every other projection weight quantized at `group_size` on load, a mixture-of-experts
+            model's experts one at a time (refused for an already quantized HF folder: it would quantize twice).
     "int8"  W8A8 on the CPU (engine.quant.int8_linear): every projection as INT8 per output channel, activations
-            quantized per token at run time; loaded as "none", then fused, smoothed and quantized. A W8A8 HF folder
-            keeps its stored INT8 instead ("auto"); other quantized HF folders are refused.
+            quantized per token at run time, a mixture-of-experts model's experts per expert; loaded as "none",
+            then fused, smoothed and quantized. A W8A8 HF folder keeps its stored INT8 instead ("auto"); other
+            quantized HF folders are refused.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from engine.model.decoder import LlamaModel
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict, held_tensors
 from engine.quant.qparams import Int4Weight
 from engine.quant.quantize import quantize_weights
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import LM_HEAD, QuantizedState
 from engine.text.tokenizer import Tokenizer
 from schemas.engine_choices import QUANTIZATIONS
@@ -52,20 +55,22 @@ QUANTIZATION_MODES = QUANTIZATIONS  # schemas.engine_choices, EngineConfig.quant
 log = logging.getLogger(__name__)
 
 
-def check_experts_quantization(cfg: ModelConfig, quantization: str) -> None:
-    """Raises ValueError when `quantization` ("int4", "int8", or "int4/int8 folder" for `tokenmill quantize`) would
-    have to quantize a mixture-of-experts model's experts (engine.layers.moe): not implemented, and quantizing only
-    the attention would leave most of the weights as they were."""
-    if cfg.num_experts and quantization not in ("none", "auto"):
-        raise ValueError(f"{quantization} quantization of a mixture-of-experts model ({cfg.architecture}, "
-                         f"{cfg.num_experts} experts) is not implemented; run it with quantization none (or auto)")
+def check_experts_quantization(cfg: ModelConfig, method: str) -> None:
+    """Raises ValueError when `tokenmill quantize --method gptq` would have to calibrate a mixture-of-experts
+    model's experts (engine.layers.moe): GPTQ per expert (a Hessian per expert from the tokens routed to it) is not
+    implemented; round-to-nearest (--method rtn, the default) quantizes them, as quantization int4 does on load."""
+    if cfg.num_experts and method == "gptq":
+        raise ValueError(f"tokenmill quantize --method gptq of a mixture-of-experts model ({cfg.architecture}, "
+                         f"{cfg.num_experts} experts) is not implemented; use --method rtn, or run the model with "
+                         "quantization int4 (each expert quantized on load)")
 
 
 @dataclass
 class LoadedModel:
-    """A filled model with its shape, tokenizer, the count of INT4 modules (0 = plain) and, for an already quantized
-    HF folder, the one-line account of how its layers were loaded (QuantReport.summary(); None for other models),
-    and the INT4 modules' layout on CUDA ("dual" or "single"; None without INT4 modules)."""
+    """A filled model with its shape, tokenizer, the count of INT4 weights (0 = plain; a StackedInt4 of experts counts
+    one) and, for an already quantized HF folder, the one-line account of how its layers were loaded
+    (QuantReport.summary(); None for other models), and the INT4 modules' layout on CUDA ("dual" or "single"; None
+    without INT4 modules)."""
 
     config: ModelConfig
     model: LlamaModel
@@ -108,7 +113,6 @@ def read_model_state(path: str, quantization: str, group_size: int, plain_dtype:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     if is_hf_folder(path):
         cfg = read_hf_config(path)
-        check_experts_quantization(cfg, quantization)
         fmt = hf_quant_format(path)
         if fmt is not None:
             check_quantization_mode(fmt, quantization, path)
@@ -129,14 +133,12 @@ def read_model_state(path: str, quantization: str, group_size: int, plain_dtype:
         cfg, state, _ = read_folder(path)
     elif quantization in ("none", "int8"):  # every weight dequantized: what the weights cache holds (fp32 entry)
         cfg, state = read_gguf_state(path, torch.float32)
-        check_experts_quantization(cfg, quantization)
         return cfg, state, None
     else:
         from engine.loading.gguf_file import open_gguf
 
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
-        check_experts_quantization(cfg, quantization)
         state = dict(iter_gguf_state(reader, cfg, native_int4=True))
     if quantization in ("none", "int8"):
         return cfg, dequantize_state_dict(state, torch.float32), None
@@ -197,7 +199,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         raise ValueError(f"quantization='int8' runs on the CPU (oneDNN), not {device.type}; on a GPU use "
                          "'auto' or 'int4'")
     cfg, state, loaded = read_model_state(path, quantization, group_size, plain_dtype=dtype, device=device)
-    n_int4 = sum(isinstance(v, Int4Weight) for v in state.values())
+    n_int4 = sum(isinstance(v, Int4Weight | StackedInt4) for v in state.values())
     layout = None
     if n_int4:  # the INT4 modules' layout: given, or chosen for this model (engine.worker.memory_fit)
         layout = int4_layout if isinstance(int4_layout, str) else int4_layout(cfg, held_tensors(cfg, state))
@@ -239,8 +241,8 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
     round-to-nearest.
     Use calibration text that is not your evaluation text. on_layer / on_tune_step: progress callbacks.
     Raises ValueError for bits other than 4 or 16, a bad group size or method, gptq without calibration text, an
-    already quantized HF folder at bits 4 (check_quantization_mode: never quantized twice), or a mixture-of-experts
-    model (check_experts_quantization)."""
+    already quantized HF folder at bits 4 (check_quantization_mode: never quantized twice), or gptq of a
+    mixture-of-experts model (check_experts_quantization; rtn quantizes its experts one at a time)."""
     if bits not in (4, 16):
         raise ValueError(f"bits must be 4 (INT4) or 16 (bf16), got {bits}")
     if method not in QUANTIZE_METHODS:
@@ -268,7 +270,6 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         reader = open_gguf(path)
         cfg = read_gguf_config(reader)
         items = iter_gguf_state(reader, cfg, native_int4=False)
-    check_experts_quantization(cfg, f"tokenmill quantize --bits {bits}")
     state: QuantizedState = {}
     for name, w in items:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -284,9 +285,9 @@ def _gptq_to_folder(path: str, out_dir: str, group_size: int, include_embedding:
                     on_tune_step: Callable[[int, int, float], None] | None) -> dict[str, Any]:
     from engine.quant.calibration import calibration_batch
 
+    check_experts_quantization(read_model_config(path), "gptq")
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     cfg, llama = loaded.config, loaded.model
-    check_experts_quantization(cfg, "tokenmill quantize --method gptq")
     calibration = calibration_batch(loaded.tokenizer, sources, samples, seq_len)
     state: QuantizedState = dict(quantize_weights(llama, group_size, include_embedding, calibration=calibration,
                                                   act_order=act_order, damp=damp, tune_epochs=tune_epochs,

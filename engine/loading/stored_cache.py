@@ -7,7 +7,8 @@ Entry (engine.loading.weights_cache: one folder per key, written atomically; TOK
 keyed by the folder's weight files and config (path, size, modification time), the dtype of its plain tensors, what
 the load keeps as stored (engine.loading.hf_quantized.KeepStored: it differs between a CPU and a GPU), torch's version
 and the cache format. Its safetensors file holds plain tensors by name and, per kept module X:
-    INT4   X.qweight (uint8 [N, Kp/2]), X.scales, X.zeros (fp32 [N, Kp/G]) and, act-order, X.in_perm (int64 [K])
+    INT4   X.qweight (uint8 [N, Kp/2]), X.scales, X.zeros (fp32 [N, Kp/G]) and, act-order, X.in_perm (int64 [K]);
+           a mixture-of-experts block's projection stacked over its E experts ([E, ...] each: StackedInt4)
     INT8   X.int8 (int8 [N, K]) and X.int8_scale (fp32 [N])
 and in its header "tokenmill_int4" (JSON {X: [in_features, group_size]}), "tokenmill_int8" (JSON [X, ...]) and
 "tokenmill_report" (the load report's line).
@@ -30,6 +31,7 @@ from engine.loading.weights_cache import (
     write_weights_cache,
 )
 from engine.quant.qparams import Int4Weight, Int8Weight
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import QuantizedState
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def encode_state(state: QuantizedState, report: str) -> tuple[dict[str, torch.Te
     int4: dict[str, list[int]] = {}
     int8: list[str] = []
     for name, v in state.items():
-        if isinstance(v, Int4Weight):
+        if isinstance(v, Int4Weight | StackedInt4):
             int4[name] = [v.in_features, v.group_size]
             tensors.update({f"{name}.qweight": v.qweight, f"{name}.scales": v.scales, f"{name}.zeros": v.zeros})
             if v.in_perm is not None:
@@ -61,7 +63,8 @@ def decode_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tupl
     state: QuantizedState = {}
     for name, (in_features, group_size) in json.loads(meta["tokenmill_int4"]).items():
         parts = [tensors.pop(f"{name}.{p}") for p in ("qweight", "scales", "zeros")]
-        state[name] = Int4Weight(*parts, in_features, group_size, tensors.pop(f"{name}.in_perm", None))
+        kind = StackedInt4 if parts[0].dim() == 3 else Int4Weight
+        state[name] = kind(*parts, in_features, group_size, tensors.pop(f"{name}.in_perm", None))
     for name in json.loads(meta["tokenmill_int8"]):
         state[name] = Int8Weight(tensors.pop(f"{name}.int8"), tensors.pop(f"{name}.int8_scale"))
     state.update(tensors)

@@ -5,7 +5,9 @@ Layout:
                             "quantization": {"bits": 4, "group_size": G, "scheme": ..., "modules": {...}} | {"bits":
                             16}, "source": "<file it came from>"}
     model.safetensors      plain tensors by HF name (bf16); each INT4 module X as X.qweight (uint8 [N, Kp/2]),
-                            X.scales and X.zeros (bf16 [N, Kp/G]) in the portable format of engine.quant.qparams
+                            X.scales and X.zeros (bf16 [N, Kp/G]) in the portable format of engine.quant.qparams;
+                            a mixture-of-experts block's projection stacked over its E experts (uint8 [E, N, Kp/2],
+                            bf16 [E, N, Kp/G]: engine.quant.stacked_int4.StackedInt4)
     tokenizer.json, tokenizer_config.json, chat_template.jinja   (HF save_pretrained)
 """
 
@@ -22,6 +24,7 @@ import torch
 from engine.config import ModelConfig
 from engine.loading.model_files import TOKENMILL_CONFIG_FILE
 from engine.quant.qparams import Int4Weight
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import QuantizedState
 
 CONFIG_FILE = TOKENMILL_CONFIG_FILE
@@ -52,7 +55,7 @@ def save_folder(out_dir: str, cfg: ModelConfig, state: QuantizedState, hf_tokeni
     tensors: dict[str, torch.Tensor] = {}
     modules: dict[str, int] = {}
     for name, v in state.items():
-        if isinstance(v, Int4Weight):
+        if isinstance(v, Int4Weight | StackedInt4):
             if v.in_perm is not None:
                 raise ValueError(f"{name}: INT4 weights with permuted input features (act-order) have no place in a "
                                  "tokenmill folder; run the quantized checkpoint itself")
@@ -93,7 +96,8 @@ def _read_meta(path: str) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]:
-    """(ModelConfig, state with Int4Weight per INT4 module, the JSON config) of a model folder, on the CPU.
+    """(ModelConfig, state with Int4Weight per INT4 module (StackedInt4 for stacked experts), the JSON config) of a
+    model folder, on the CPU.
 
     Raises FileNotFoundError when the folder lacks tokenmill_model.json, ValueError for a newer format version
     or a broken INT4 module.
@@ -106,7 +110,8 @@ def read_folder(path: str) -> tuple[ModelConfig, QuantizedState, dict[str, Any]]
     state: QuantizedState = {}
     for name, in_features in quant.get("modules", {}).items():
         parts = [tensors.pop(f"{name}.{p}") for p in _PARTS]
-        state[name] = Int4Weight(*parts, in_features=in_features, group_size=quant["group_size"])
+        kind = StackedInt4 if parts[0].dim() == 3 else Int4Weight
+        state[name] = kind(*parts, in_features=in_features, group_size=quant["group_size"])
     state.update(tensors)
     return cfg, state, meta
 

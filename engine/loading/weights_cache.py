@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 #: Bumped whenever what a weights-cache entry holds changes (its key includes it). 3: fp32 entries also hold the
-#: raw GGUF blocks of the block-quantized weights (engine.loading.loader.read_gguf_state).
-WEIGHTS_CACHE_FORMAT = 3
+#: raw GGUF blocks of the block-quantized weights (engine.loading.loader.read_gguf_state); 4: a mixture-of-experts
+#: model's stacked expert weights' blocks too.
+WEIGHTS_CACHE_FORMAT = 4
 
 
 def weights_cache_dir(path: str, dtype: torch.dtype, files: list[str] | None = None, variant: str = "") -> Path:

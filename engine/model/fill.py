@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
+from engine.layers.moe import ExpertWeights
 from engine.model.decoder import LlamaModel
 from engine.model.tensor_names import EMBEDDING, LM_HEAD
 
@@ -50,12 +51,13 @@ def pop_gguf_blocks(state: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
 
 
 def attach_gguf_blocks(model: LlamaModel, blocks: dict[str, GGUFBlocks]) -> int:
-    """Give each plain nn.Linear the GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM
-    head, which multiplies by the same matrix). Modules already replaced (INT4) are skipped. Returns how many."""
+    """Give each plain nn.Linear, and each mixture-of-experts block's stacked expert projection (ExpertWeights), the
+    GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM head, which multiplies by the same
+    matrix). Modules already replaced (INT4) are skipped. Returns how many."""
     attached = 0
     for prefix, b in blocks.items():
         name = LM_HEAD if prefix == EMBEDDING and model.config.tie_word_embeddings else prefix
         module = model.get_submodule(name) if name != EMBEDDING else None
-        if type(module) is nn.Linear and set_gguf_blocks(module, b):
+        if (type(module) is nn.Linear or isinstance(module, ExpertWeights)) and set_gguf_blocks(module, b):
             attached += 1
     return attached

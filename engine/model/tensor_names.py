@@ -22,6 +22,19 @@ def is_linear_weight(name: str) -> bool:
         module.rsplit(".", 1)[-1] in LINEAR_MODULES + FUSED_MODULES or module == LM_HEAD)
 
 
+#: A mixture-of-experts layer's stacked expert projections (engine.layers.moe.GroupedExperts; gate_up after fusing).
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def is_expert_weight(name: str) -> bool:
+    """True for a mixture-of-experts layer's stacked expert projection weight, e.g.
+    "layers.0.mlp.experts.gate_proj.weight" [E, out, in] (not its bias): what the INT4 paths quantize per expert
+    (engine.quant.experts) where is_linear_weight's 2-D projections are quantized whole."""
+    module = name.removesuffix(".weight")
+    owner, _, last = module.rpartition(".")
+    return name.endswith(".weight") and owner.endswith(".experts") and last in EXPERT_MODULES
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name (HF, without "model.") -> shape of every parameter engine.model.decoder.LlamaModel holds for shape
     `cfg`, a tied LM head left out: the same names and shapes as that model's state_dict, from the config alone (no

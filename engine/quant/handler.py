@@ -13,9 +13,12 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.decoder import LlamaModel
 from engine.model.fill import fill_model
+from engine.model.tensor_names import is_expert_weight
+from engine.quant.experts import pop_int4_experts, set_int4_experts
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.int8_linear import Int8Linear
 from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, quantize_int4
+from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module
 
 
@@ -38,16 +41,23 @@ class Int4QuantHandler:
         self.scale_dtype = scale_dtype
 
     def wants(self, name: str) -> bool:
-        """Whether parameter `name` gets quantized."""
-        return is_linear_weight(name) or (self.include_embedding and name == f"{EMBEDDING}.weight")
+        """Whether parameter `name` gets quantized: a projection, a mixture-of-experts block's stacked expert
+        projection (quantized one expert at a time into a StackedInt4; its router stays as it is), the embedding
+        when asked."""
+        return (is_linear_weight(name) or is_expert_weight(name)
+                or (self.include_embedding and name == f"{EMBEDDING}.weight"))
 
     def quantize_state_dict(self, state: dict[str, torch.Tensor | Int4Weight]) -> QuantizedState:
-        """A new state dict with every wanted weight as an Int4Weight under its module name; weights that already
-        are Int4Weight (e.g. GGUF Q4 loaded natively) are kept as they are. Tensors are not copied."""
+        """A new state dict with every wanted weight as an Int4Weight under its module name (stacked experts
+        [E, out, in] as a StackedInt4, one expert at a time: temporaries of one expert's size); weights that already
+        are INT4 (e.g. GGUF Q4 loaded natively) are kept as they are. Tensors are not copied."""
         out: QuantizedState = {}
         for name, t in state.items():
-            if isinstance(t, Int4Weight):
+            if isinstance(t, Int4Weight | StackedInt4):
                 out[name] = t
+            elif self.wants(name) and t.dim() == 3:
+                out[name.removesuffix(".weight")] = StackedInt4.from_weights(
+                    [quantize_int4(w, self.group_size, self.scale_dtype) for w in t])
             elif self.wants(name):
                 out[name.removesuffix(".weight")] = quantize_int4(t, self.group_size, self.scale_dtype)
             else:
@@ -56,16 +66,19 @@ class Int4QuantHandler:
 
 
 def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Plain state dict (HF parameter names) with every Int4Weight dequantized to `dtype`."""
-    return {(f"{k}.weight" if isinstance(v, Int4Weight) else k):
-            (v.dequantize(dtype) if isinstance(v, Int4Weight) else v) for k, v in state.items()}
+    """Plain state dict (HF parameter names) with every Int4Weight (and StackedInt4: [E, N, K]) dequantized to
+    `dtype`."""
+    return {(f"{k}.weight" if isinstance(v, Int4Weight | StackedInt4) else k):
+            (v.dequantize(dtype) if isinstance(v, Int4Weight | StackedInt4) else v) for k, v in state.items()}
 
 
 def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
     """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
-    width, as engine.worker.memory_fit.weight_bytes takes them: a tied LM head left out (it shares the embedding's
-    parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed copies)."""
+    width (a StackedInt4: all its experts' weights), as engine.worker.memory_fit.weight_bytes takes them: a
+    tied LM head left out (it shares the embedding's parameter) unless the embedding is INT4 (then the head is an
+    Int4Linear with its own packed copies)."""
     return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
+            (w.qweight.numel() * 2, w.group_size) if isinstance(w, StackedInt4) else
             (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
             for w in _tied(cfg, state).values()]
 
@@ -90,13 +103,15 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
     Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
     replace their nn.Linear / nn.Embedding, plain tensors are cast to
     `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
-    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. int4_layout:
-    the Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear).
+    embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. A mixture-of-
+    experts block with StackedInt4 experts gets one module per expert (engine.quant.experts). int4_layout: the
+    Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear, engine.quant.experts).
     Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
     """
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
     state = _tied(cfg, state)
+    experts = pop_int4_experts(model, state)
     for name, w in list(state.items()):
         if not isinstance(w, Int4Weight | Int8Weight):
             continue
@@ -118,4 +133,5 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         set_module(model, name, new)
         del state[name]
     fill_model(model, state, dtype, device)
+    set_int4_experts(model, experts, dtype, device, int4_layout)
     return model

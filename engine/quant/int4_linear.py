@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.moe import GroupedExperts
 from engine.quant.gemlite_int4 import GEMLITE_DTYPES, GemLiteInt4, gemlite_unavailable_reason
 from engine.quant.gemlite_tuning import GemLiteTuning
 from engine.quant.qparams import Int4Weight, unpack_uint4
@@ -301,11 +302,17 @@ class Int4Linear(nn.Module):
 
 def release_int4_sources(model: nn.Module) -> int:
     """Release the portable weight of every Int4Linear of `model` (Int4Linear.release_source), once its
-    projections are fused: 0.5 byte per weight plus scales and zeros of host memory each (about 37 GB for a 70B).
-    Returns how many were released."""
+    projections are fused: 0.5 byte per weight plus scales and zeros of host memory each (about 37 GB for a 70B);
+    and the stacked INT4 weights of its CPU expert blocks (GroupedExperts.int4: the CPU has no grouped INT4 kernel;
+    each expert's Int4Linear holds what it reads; CUDA blocks keep theirs, engine.quant.experts). Returns how many
+    Int4Linear were released."""
     mods = [m for m in model.modules() if isinstance(m, Int4Linear) and m.source is not None]
     for m in mods:
         m.release_source()
+    for m in model.modules():
+        if isinstance(m, GroupedExperts) and m.int4 is not None and any(
+                w is not None and w.qweight.device.type == "cpu" for w in m.int4):
+            m.int4 = None
     return len(mods)
 
 

@@ -145,10 +145,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model_int8(model: nn.Module) -> int:
-    """Replace, in place, every decoder projection by an Int8Linear. The LM head and the embedding stay in the
-    compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M 0.35 points of perplexity
-    for 6% of throughput; bench/README.md). Fuse the projections first (LlamaModel.fuse_projections) to get the
-    serving layout. Returns the number of replaced modules. Raises ValueError as Int8Linear."""
+    """Replace, in place, every decoder projection by an Int8Linear, and give every mixture-of-experts block's
+    experts one Int8Linear per expert for gate/up and for down (GroupedExperts.set_gemms; the router and a shared
+    expert's gate stay in the compute dtype, a shared expert is quantized as a dense MLP). The LM head and the
+    embedding stay in the compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M 0.35
+    points of perplexity for 6% of throughput; bench/README.md). Fuse the projections first
+    (LlamaModel.fuse_projections) to get the serving layout. Returns the number of replaced modules (an expert block
+    counts one). Raises ValueError as Int8Linear."""
+    from engine.layers.moe import GroupedExperts
     from engine.quant.state import LM_HEAD, is_linear_weight, set_module
 
     dtype = model.embed_tokens.weight.dtype
@@ -156,4 +160,9 @@ def quantize_model_int8(model: nn.Module) -> int:
              if type(m) is nn.Linear and is_linear_weight(f"{name}.weight") and name != LM_HEAD]
     for name in names:
         set_module(model, name, Int8Linear(model.get_submodule(name).weight, dtype))
-    return len(names)
+    blocks = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.gemms is None]
+    for experts in blocks:
+        gate_up, down = experts.stacked()
+        experts.set_gemms([Int8Linear(w, dtype) for w in gate_up.detach()],
+                          [Int8Linear(w, dtype) for w in down.detach()])
+    return len(names) + len(blocks)

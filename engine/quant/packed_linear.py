@@ -167,12 +167,19 @@ def pack_linears(model: nn.Module) -> int:
 
 def pack_experts(experts: GroupedExperts) -> bool:
     """Give each expert of `experts` a PackedLinear of its fused gate/up [2I, hidden] and of its down [hidden, I]
-    weight (GroupedExperts.set_gemms), when they are CPU weights oneDNN packs (`can_pack`). Returns whether it
-    packed (False when already packed or not packable)."""
+    weight (GroupedExperts.set_gemms), when they are CPU weights oneDNN packs (`can_pack`), with its rows of the
+    stacked weights' GGUF blocks where they have some (fp32: the small-batch kernel, as for a dense projection).
+    Returns whether it packed (False when already packed or not packable)."""
     if experts.gemms is not None:
         return False
     gate_up, down = experts.stacked()
     if gate_up.device.type != "cpu" or gate_up.dtype not in PACKED_DTYPES or not can_pack(gate_up.dtype):
         return False
-    experts.set_gemms([PackedLinear(w) for w in gate_up.detach()], [PackedLinear(w) for w in down.detach()])
+
+    def packed(module: nn.Module) -> list[PackedLinear]:
+        blocks, rows = gguf_blocks_of(module), module.weight.shape[1]
+        return [PackedLinear(w, None if blocks is None else blocks.map_rows(lambda x, a=e * rows: x[a:a + rows]))
+                for e, w in enumerate(module.weight.detach())]
+
+    experts.set_gemms(packed(experts.gate_up_proj), packed(experts.down_proj))
     return True

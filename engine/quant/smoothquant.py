@@ -6,7 +6,9 @@ weight range w_j = max|W[:, j]|, the smoothing factor s_j = a_j^alpha / w_j^(1 -
 W[:, j] * s_j: the product is unchanged, and per-token INT8 activations no longer spend their range on a few
 outlier channels. The division by s is folded into what produces x, so nothing is added at run time:
 - the fused QKV and gate/up projections: into the RMSNorm gains before them;
-- down_proj: into the up half of gate_up_proj (silu(gate) * up is linear in up).
+- down_proj: into the up half of gate_up_proj (silu(gate) * up is linear in up);
+- a mixture-of-experts block's input: into the norm before it, every expert's gate/up and a shared expert's, the
+  router and the shared expert's gate (smooth_model).
 o_proj is left as it is (its input mixes heads that share V rows under GQA), and so is the LM head, which stays in the
 compute dtype (engine.quant.int8_linear). alpha = 0.5, the paper's default, measured best here (bench/README.md).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.moe import SparseMoE
 from engine.model.decoder import LlamaModel
 from engine.model.sequence_forward import forward_sequence
 
@@ -91,24 +94,62 @@ def _divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
 def smooth_model(model: LlamaModel, token_ids: torch.Tensor, alpha: float = 0.5) -> None:
     """Apply SmoothQuant in place to a fused model (LlamaModel.fuse_projections) with plain nn.Linear weights;
     the model computes the same function (up to rounding) afterwards. token_ids: int64 [n] calibration tokens.
+    A mixture-of-experts block (engine.layers.moe.SparseMoE) is smoothed at its input: one factor per channel from
+    the block's input and every weight that reads it (each expert's gate/up, a shared expert's), multiplied into
+    those and into the router and the shared expert's gate (which stay in the compute dtype: the product is the same
+    function); a shared expert's down as a dense MLP's. The experts' down projections are not smoothed (their
+    inputs differ per expert: a factor per expert, from the tokens routed to it, is not implemented).
     Raises ValueError when the projections are not fused plain nn.Linear layers."""
     for layer in model.layers:
-        if not (isinstance(layer.self_attn.qkv_proj, nn.Linear) and isinstance(layer.mlp.gate_up_proj, nn.Linear)):
+        mlps = [layer.mlp.shared_expert] if isinstance(layer.mlp, SparseMoE) else [layer.mlp]
+        if not (isinstance(layer.self_attn.qkv_proj, nn.Linear) and all(
+                m is None or isinstance(m.gate_up_proj, nn.Linear) for m in mlps)) or (
+                isinstance(layer.mlp, SparseMoE) and layer.mlp.experts.gate_up_proj is None):
             raise ValueError("smooth_model needs fused nn.Linear projections: call fuse_projections() first, on "
                              "a model loaded with quantization='none'")
-    names = [f"layers.{i}.{m}" for i in range(len(model.layers))
-             for m in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    names = []
+    for i, layer in enumerate(model.layers):
+        names.append(f"layers.{i}.self_attn.qkv_proj")
+        if isinstance(layer.mlp, SparseMoE):
+            names.append(f"layers.{i}.mlp")
+            if layer.mlp.shared_expert is not None:
+                names.append(f"layers.{i}.mlp.shared_expert.down_proj")
+        else:
+            names += [f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
     stats = input_channel_maxima(model, token_ids, names)
-    inter = model.config.intermediate_size
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         s = _factors(stats[f"layers.{i}.self_attn.qkv_proj"], attn.qkv_proj.weight, alpha)
         _divide_norm(layer.input_layernorm, s)
         attn.qkv_proj.weight.mul_(s.to(attn.qkv_proj.weight.dtype))
-        s = _factors(stats[f"layers.{i}.mlp.gate_up_proj"], mlp.gate_up_proj.weight, alpha)
         # the MLP's input norm: pre_feedforward_layernorm in sandwich-norm blocks (Gemma)
-        _divide_norm(layer.pre_feedforward_layernorm or layer.post_attention_layernorm, s)
+        norm = layer.pre_feedforward_layernorm or layer.post_attention_layernorm
+        if isinstance(mlp, SparseMoE):
+            _smooth_moe(mlp, norm, stats, f"layers.{i}.mlp", alpha)
+            continue
+        s = _factors(stats[f"layers.{i}.mlp.gate_up_proj"], mlp.gate_up_proj.weight, alpha)
+        _divide_norm(norm, s)
         mlp.gate_up_proj.weight.mul_(s.to(mlp.gate_up_proj.weight.dtype))
-        s = _factors(stats[f"layers.{i}.mlp.down_proj"], mlp.down_proj.weight, alpha)
-        mlp.gate_up_proj.weight[inter:].div_(s[:, None].to(mlp.gate_up_proj.weight.dtype))
-        mlp.down_proj.weight.mul_(s.to(mlp.down_proj.weight.dtype))
+        _smooth_down(mlp, stats[f"layers.{i}.mlp.down_proj"], alpha)
+
+
+def _smooth_down(mlp: nn.Module, act_max: torch.Tensor, alpha: float) -> None:
+    """SmoothQuant of a fused SwiGLU MLP's down_proj, its factor divided out of the up half of gate_up_proj."""
+    s = _factors(act_max, mlp.down_proj.weight, alpha)
+    mlp.gate_up_proj.weight[mlp.intermediate_size:].div_(s[:, None].to(mlp.gate_up_proj.weight.dtype))
+    mlp.down_proj.weight.mul_(s.to(mlp.down_proj.weight.dtype))
+
+
+def _smooth_moe(moe: SparseMoE, norm: nn.Module, stats: dict[str, torch.Tensor], name: str, alpha: float) -> None:
+    """SmoothQuant of a mixture-of-experts block's input (smooth_model says which weights), and its shared expert's
+    down_proj."""
+    experts, shared = moe.experts, moe.shared_expert
+    gate_up = experts.gate_up_proj.weight
+    readers = [gate_up.reshape(-1, gate_up.shape[-1])] + ([shared.gate_up_proj.weight] if shared is not None else [])
+    s = _factors(stats[name], torch.cat([w.detach().float() for w in readers]), alpha)
+    _divide_norm(norm, s)
+    for w in [gate_up, moe.gate.weight] + ([] if shared is None else [shared.gate_up_proj.weight,
+                                                                      moe.shared_expert_gate.weight]):
+        w.mul_(s.to(w.dtype))
+    if shared is not None:
+        _smooth_down(shared, stats[f"{name}.shared_expert.down_proj"], alpha)

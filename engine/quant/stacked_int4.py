@@ -7,8 +7,10 @@ Act-order checkpoints (GPTQ desc_act: Int4Weight.in_perm, column j multiplies x[
 keeps one permutation per expert (the identity for an expert without one) and the kernel gathers the activations'
 columns in that order, as Int4Linear gathers x's features.
 
-Imports qparams only. engine.layers imports it; the kernel does not (engine.quant imports engine.kernels) and reads
-its fields (engine.kernels.triton_moe_int4.Int4Experts names them).
+Imports qparams only. The loaders build them (a state dict's stacked experts: engine.quant.state), engine.quant.experts
+hands them to engine.layers.moe.GroupedExperts (which holds them without importing this module: engine.quant imports
+engine.layers); the kernel does not import it either (engine.quant imports engine.kernels) and reads its fields
+(engine.kernels.triton_moe_int4.Int4Experts names them).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Names and helpers every INT4/INT8 layer shares: which parameters are projections, the quantized state dict type
 and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
-module but the INT4 weight type (engine.quant.qparams, itself a leaf), the parameter names EMBEDDING and LM_HEAD and
-is_linear_weight (engine.model.tensor_names, re-exported here) and, for AddBias.concat, engine.model.decoder (which
-imports nothing of engine.quant), so the handler, GPTQ, the tuning and the INT8 path all depend on it and never on
-each other.
+module but the INT4 weight types (engine.quant.qparams, a leaf, and engine.quant.stacked_int4, which imports only
+it), the parameter names EMBEDDING and LM_HEAD, is_linear_weight and is_expert_weight (engine.model.tensor_names,
+re-exported here) and, for AddBias.concat, engine.model.decoder (which imports nothing of engine.quant), so the
+handler, GPTQ, the tuning and the INT8 path all depend on it and never on each other.
 
 A quantized state dict maps a *module* name (e.g. "layers.0.self_attn.q_proj") to an Int4Weight and every other
-parameter name (e.g. "norm.weight") to a plain tensor. On disk each Int4Weight X becomes three tensors, X.qweight,
-X.scales and X.zeros (engine.loading.tokenmill_folder).
+parameter name (e.g. "norm.weight") to a plain tensor; a mixture-of-experts block's projection (e.g.
+"layers.0.mlp.experts.gate_proj") to a StackedInt4 [E, N, Kp/2] (engine.quant.stacked_int4). On disk each INT4 weight
+X becomes three tensors, X.qweight, X.scales and X.zeros (engine.loading.tokenmill_folder).
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.tensor_names import EMBEDDING, FUSED_MODULES, LINEAR_MODULES, LM_HEAD, is_linear_weight
+from engine.model.tensor_names import (
+    EMBEDDING,
+    FUSED_MODULES,
+    LINEAR_MODULES,
+    LM_HEAD,
+    is_expert_weight,
+    is_linear_weight,
+)
 from engine.quant.qparams import Int4Weight, Int8Weight
+from engine.quant.stacked_int4 import StackedInt4
 
-__all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_linear_weight",
-           "set_module"]
+__all__ = ["EMBEDDING", "FUSED_MODULES", "LINEAR_MODULES", "LM_HEAD", "QuantizedState", "AddBias", "is_expert_weight",
+           "is_linear_weight", "set_module"]
 
-QuantizedState = dict[str, "torch.Tensor | Int4Weight | Int8Weight"]
+QuantizedState = dict[str, "torch.Tensor | Int4Weight | StackedInt4 | Int8Weight"]
 
 
 class AddBias(nn.Module):

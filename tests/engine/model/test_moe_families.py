@@ -1,28 +1,24 @@
 """The mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral; engine.layers.moe) run exactly as HF transformers
 does, from a Hugging Face folder and from GGUF, and what tokenmill does not implement of them is an error before any
-work (issue 43).
+work (issue 43). Their INT4 and INT8 experts: test_moe_quantized.py.
 
-Per family: a tiny random-weight model built by HF transformers from the family's config class (2 layers, hidden 64,
-8 experts, top-2; Qwen3-MoE with norm_topk_prob and q/k norms, Qwen2-MoE with its gated shared expert and QKV bias,
-Mixtral with a sliding window shorter than the prompts), saved with save_pretrained (per-expert tensors, as real
-checkpoints hold them) beside the real SmolLM2 tokenizer, and written as GGUF in the layout llama.cpp's
-convert_hf_to_gguf.py writes (experts stacked into blk.N.ffn_{gate,up,down}_exps, the router as ffn_gate_inp,
-Mixtral as "llama" with permuted Q/K). Greedy tokens on real prompts equal HF's (teacher-forced argmax at every
-position, and HF's own `generate` on the first prompt; test_families.py says why that is HF's greedy output).
+Per family: a tiny random-weight model built by HF transformers from the family's config class, saved as an HF folder
+and written as GGUF as llama.cpp's converter writes it (tests/engine/moe_models.py). Greedy tokens on real prompts
+equal HF's (teacher-forced argmax at every position, and HF's own `generate` on the first prompt; test_families.py
+says why that is HF's greedy output).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from family_models import chat_prompt_ids, finish_gguf
-from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy, permute, randomize, tokenizer_fields
+from family_models import chat_prompt_ids
+from llama_family_models import FP32, MAX_TOKENS, hf_argmax, hf_greedy, our_greedy
+from moe_models import FAMILIES, build_moe_families, write_moe_gguf
 
 from engine import LLMEngine
 
@@ -32,103 +28,12 @@ gguf = pytest.importorskip("gguf")
 NUM_PROMPTS = 8
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router", "norm_topk_prob",
               "shared_expert_intermediate_size")
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
-             tie_word_embeddings=False)
-
-
-def _hf_config(family: str, vocab: int):
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=48, head_dim=32,
-                                           norm_topk_prob=True, rope_theta=1e6, **SHAPE)
-    if family == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(vocab_size=vocab, num_experts=8, moe_intermediate_size=48,
-                                           shared_expert_intermediate_size=80, rope_theta=1e6, **SHAPE)
-    if family == "mixtral":
-        return transformers.MixtralConfig(vocab_size=vocab, num_local_experts=8, sliding_window=24, rope_theta=1e6,
-                                          **SHAPE)
-    raise AssertionError(family)
-
-
-def write_moe_gguf(path: Path, family: str, folder: Path, tokenizer_gguf: str,
-                   expert_type: object = None, weights_norm: bool | None = None) -> None:
-    """The HF folder's model as llama.cpp's converter writes it (F32, or the stacked gate/up expert tensors in
-    `expert_type`, a gguf.GGMLQuantizationType), with the tokenizer fields of `tokenizer_gguf`; `weights_norm`:
-    an `{arch}.expert_weights_norm` field (the converter writes none for these families)."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((folder / "config.json").read_text())
-    arch = GGUF_ARCH[family]
-    heads, kv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    experts = cfg.get("num_experts") or cfg["num_local_experts"]
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_expert_count(experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if cfg.get("moe_intermediate_size"):
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if cfg.get("shared_expert_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if cfg.get("sliding_window"):
-        w.add_sliding_window(cfg["sliding_window"])
-    if weights_norm is not None:
-        w.add_expert_weights_norm(weights_norm)
-    for name, value, vtype, sub in tokenizer_fields(tokenizer_gguf):
-        w.add_key_value(name, value, vtype, sub_type=sub)
-    tmap = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], layers)
-    tensors, per_expert = {}, {}
-    for name, t in load_file(folder / "model.safetensors").items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name)
-        if m:  # the converter stacks a layer's experts per projection
-            per_expert.setdefault((int(m[1]), m[2], m[4]), {})[int(m[3])] = t.numpy()
-            continue
-        a = t.numpy()
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            a = permute(a, heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            a = permute(a, kv)
-        tensors[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = a
-    for (bid, block, proj), parts in per_expert.items():
-        merged = (f"layers.{bid}.feed_forward.experts.{proj}" if block == "block_sparse_moe"
-                  else f"model.layers.{bid}.mlp.experts.{proj}")
-        tensors[tmap.get_name(f"{merged}.weight", try_suffixes=(".weight",))] = np.stack(
-            [parts[e] for e in range(experts)])
-    finish_gguf(w, {name: (gguf.quants.quantize(np.ascontiguousarray(a, np.float32), expert_type), expert_type)
-                       if expert_type is not None and name.endswith(("gate_exps.weight", "up_exps.weight"))
-                       else (a, gguf.GGMLQuantizationType.F32) for name, a in tensors.items()})
 
 
 @pytest.fixture(scope="module")
 def moe_families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
     """{family: (HF model fp32, HF folder, GGUF file)}."""
-    root = tmp_path_factory.mktemp("moe")
-    out = {}
-    for seed, family in enumerate(FAMILIES):
-        torch.manual_seed(10 + seed)
-        model = transformers.AutoModelForCausalLM.from_config(_hf_config(family, len(hf_tok)),
-                                                              dtype=torch.float32).eval()
-        randomize(model)
-        folder = root / family
-        model.save_pretrained(folder)
-        hf_tok.save_pretrained(folder)
-        path = root / f"{family}.gguf"
-        write_moe_gguf(path, family, folder, gguf_path)
-        out[family] = (model, folder, path)
-    return out
+    return build_moe_families(tmp_path_factory.mktemp("moe"), gguf_path, hf_tok)
 
 
 @pytest.fixture(scope="module")
@@ -259,40 +164,16 @@ def test_doctor_names_family_and_experts(moe_families) -> None:
         "mixtral, 2 layers, hidden 64, 8 experts (2 active per token)")
 
 
-def test_quantization_of_experts(moe_families, prompt_ids, tmp_path: Path) -> None:
-    """INT4/INT8 of experts is not implemented: an error naming it, before any work; "auto" runs the experts as
-    stored (F32 here), the same logits as "none"."""
-    from engine.loading.quantized import load_model, quantize_to_folder
+def test_auto_runs_plain_experts_as_stored(moe_families, prompt_ids) -> None:
+    """quantization "auto" runs F32 experts as stored: the same logits as "none" (INT4 and INT8 experts:
+    test_moe_quantized.py)."""
+    from engine.loading.quantized import load_model
     from engine.model.sequence_forward import forward_sequence
 
-    _, folder, path = moe_families["qwen2_moe"]
+    _, _, path = moe_families["qwen2_moe"]
     cpu = torch.device("cpu")
-    for model, mode in ((folder, "int4"), (path, "int4"), (path, "int8")):
-        with pytest.raises(ValueError, match=f"{mode} quantization of a mixture-of-experts model \\(qwen2_moe, 8"):
-            load_model(str(model), torch.float32, cpu, quantization=mode)
-    with pytest.raises(ValueError, match="tokenmill quantize --bits 4 quantization of a mixture-of-experts"):
-        quantize_to_folder(str(folder), str(tmp_path / "q4"), bits=4)
     ids = torch.tensor(prompt_ids[2])
     with torch.no_grad():
         none, auto = (m.model.compute_logits(forward_sequence(m.model, ids))
                       for m in (load_model(str(path), torch.float32, cpu, quantization=q) for q in ("none", "auto")))
     torch.testing.assert_close(auto, none)
-
-
-def test_cli_refuses_int4_of_experts_before_work(moe_families, gsm8k_questions, tmp_path: Path) -> None:
-    """`tokenmill run --quantization int4` of a MoE folder or GGUF exits 2 naming it, and writes nothing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from typer.testing import CliRunner
-
-    from jobs.cli import app
-
-    data = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"question": gsm8k_questions[:2]}), data)
-    for model in moe_families["qwen3_moe"][1:]:
-        out = tmp_path / f"out-{model.name}"
-        result = CliRunner().invoke(app, ["run", str(data), str(out), "--prompt-column", "question", "--model",
-                                          str(model), "--quantization", "int4"], env={"COLUMNS": "200"})
-        assert result.exit_code == 2, result.output
-        assert "mixture-of-experts model (qwen3" in " ".join(result.output.split())
-        assert not out.exists() or not any(out.iterdir())
