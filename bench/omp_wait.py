@@ -12,6 +12,7 @@ Usage:
     python -m bench.omp_wait                                   # 2 busy processes, default vs PASSIVE vs 1 thread
     python -m bench.omp_wait --noise 0 --prompts 64            # a quiet machine: what PASSIVE costs there
     python -m bench.omp_wait --settings default,PASSIVE,spin=1000
+    python -m bench.omp_wait --noise 0 --settings default,PASSIVE,PASSIVE+idle   # + one SCHED_IDLE spinner per CPU
 
 Each run: the default model (SmolLM2-135M GGUF), the first --prompts AlpacaEval instructions in the chat template,
 --max-tokens forced tokens, greedy, one `generate`; reports wall seconds, CPU seconds of the process and output
@@ -56,6 +57,8 @@ def environment(setting: str) -> tuple[dict[str, str], int]:
         return env, 0
     if setting == "1-thread":
         return env, 1
+    if setting.endswith("+idle"):  # a SCHED_IDLE spinner per CPU beside it (run): the CPUs never go idle
+        setting = setting.removesuffix("+idle")
     if setting.startswith("spin="):
         env["GOMP_SPINCOUNT"] = setting.removeprefix("spin=")
         return env, 0
@@ -69,6 +72,9 @@ def run(setting: str, args: argparse.Namespace) -> dict:
     data = ROOT.parent / "shared" / "data" / "alpaca_eval.parquet"
     code = RUN.format(root=str(ROOT), threads=threads, data=str(data), n=args.prompts, max_tokens=args.max_tokens)
     noise = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.noise)]
+    if setting.endswith("+idle"):
+        idle = "import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass"
+        noise += [subprocess.Popen([sys.executable, "-c", idle]) for _ in range(os.cpu_count() or 1)]
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                               timeout=args.timeout)

@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from engine import EngineConfig
 from jobs.control import cancel_record
-from jobs.errors import EXIT_NO_SPACE, JobError
+from jobs.errors import EXIT_FAILED_SHARDS, EXIT_NO_SPACE, JobError
 from jobs.lease import Lease
+from jobs.local_workers import WorkerKeeper
 from jobs.plugin import (
     MAX_SHARD_SLOTS,
     NANNY_CLOSING,
@@ -139,7 +140,8 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                    opts: ClusterOptions) -> None:
     """Run the shards `todo` as Dask tasks, with the engine `model` (`engine_config`) resident per worker, on the
     cluster at opts.scheduler_address, or on a LocalCluster of opts.workers processes started (under
-    CLUSTER_CONFIG, its dashboard on a free local port, printed once: say_dashboard) and closed here. Each shard's
+    CLUSTER_CONFIG, its dashboard on a free local port, printed once: say_dashboard; a worker it loses for good is
+    replaced, jobs.local_workers, up to MAX_LOST_WORKERS, then JobError exit 1) and closed here. Each shard's
     outcome goes into run.summary and run.progress: a failed shard never stops the others; an interrupted one is
     submitted again, up to MAX_INTERRUPTIONS times; a cancel drops the queued ones; a lost lease stops the waiting.
     Returns when every shard has an outcome. Each worker runs opts.shard_slots shards at once (auto: enough to
@@ -175,7 +177,8 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                     pinned_fingerprint=run.model_pin.fingerprint if run.model_pin else None))
                 client.subscribe_topic(PROGRESS_TOPIC, run.progress.event)
                 try:
-                    _gather(client, todo, run, plugin_name, resources, own_cluster=cluster is not None)
+                    _gather(client, todo, run, plugin_name, resources,
+                            keeper=WorkerKeeper(cluster, opts.workers) if cluster is not None else None)
                 finally:
                     client.unsubscribe_topic(PROGRESS_TOPIC)
         finally:
@@ -231,10 +234,11 @@ def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
 
 
 def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str, resources: dict[str, float] | None, *,
-            own_cluster: bool) -> None:
+            keeper: WorkerKeeper | None) -> None:
     """Submit the shards and fold their outcomes into run.summary, resubmitting interrupted ones. A worker that
-    reports WorkerPreempted is restarted (our LocalCluster: its process is all there is) or retired (a real
-    cluster: the machine is going away) before its shard is submitted again."""
+    reports WorkerPreempted is restarted (our LocalCluster, kept at its worker count by `keeper`: its process is all
+    there is) or retired (a real cluster, keeper None: the machine is going away) before its shard is submitted
+    again. Raises JobError (exit 1) when the keeper gives up replacing lost workers (the shards left are stopped)."""
     output_url, summary, progress, lease = run.output_url, run.summary, run.progress, run.lease
     run_id = progress.run_id
     futures: dict[Future, tuple[Shard, int]] = {}
@@ -248,14 +252,15 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
 
     done_watching = threading.Event()
 
-    def watch_lease() -> None:
+    def watch() -> None:
         # A lost lease: stop waiting for shards (their commits stay valid; the new holder skips what they commit).
+        # Our LocalCluster's lost workers are replaced; once the keeper gives up, stop waiting too.
         while not done_watching.wait(1.0):
-            if lease.lost.is_set():
+            if lease.lost.is_set() or (keeper is not None and keeper.check() is not None):
                 client.cancel(list(futures))
                 return
 
-    watcher = threading.Thread(target=watch_lease, name="tokenmill-lease-watch", daemon=True)
+    watcher = threading.Thread(target=watch, name="tokenmill-run-watch", daemon=True)
     watcher.start()
     pending = as_completed([submit(s, 0) for s in todo])
     cancelled_queue = False
@@ -272,7 +277,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
             except (ShardInterrupted, WorkerPreempted) as e:  # a cancel comes as ShardStopped, a preemption raised
                 summary.interruptions += 1
                 if isinstance(e, WorkerPreempted) and e.reason != NANNY_CLOSING:  # a closing nanny does it itself
-                    _take_out(client, e.worker, own_cluster)
+                    _take_out(client, e.worker, restart=keeper is not None)
                 if cancel_record(output_url) is not None:
                     summary.cancelled = True
                     summary.stopped[shard.shard_id] = f"cancelled: {e}"
@@ -303,6 +308,8 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
     finally:
         done_watching.set()
         watcher.join()
+    if keeper is not None and keeper.gave_up is not None:
+        raise JobError(keeper.gave_up, exit_code=EXIT_FAILED_SHARDS)
 
 
 def fail_shard(run: RunContext, shard_id: str, error: str) -> None:

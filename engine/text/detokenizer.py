@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -38,12 +39,22 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-@functools.lru_cache(maxsize=8)
+_TABLE_LOCK = threading.Lock()
+
+
 def byte_level_table(tokenizer: Any) -> tuple[bytes, ...] | None:
     """For a tokenizer whose Hugging Face backend decodes with the ByteLevel decoder alone: the bytes each token id
     contributes to a decode with special tokens skipped (b"" for special tokens), as the `tokenizers` ByteLevel
     decoder maps them (a character of the byte alphabet is its byte, any other character its UTF-8 bytes). None for
-    other tokenizers (SentencePiece, WordPiece, ...) and for objects without a `hf_tokenizer.backend_tokenizer`."""
+    other tokenizers (SentencePiece, WordPiece, ...) and for objects without a `hf_tokenizer.backend_tokenizer`.
+    Built once per tokenizer (cached): the shards of a worker that start at once wait for the first build instead of
+    each building it beside the engine's steps."""
+    with _TABLE_LOCK:
+        return _byte_level_table(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_level_table(tokenizer: Any) -> tuple[bytes, ...] | None:
     backend = getattr(getattr(tokenizer, "hf_tokenizer", None), "backend_tokenizer", None)
     if backend is None:
         return None

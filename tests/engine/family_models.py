@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf_models import finish_gguf  # tests/gguf_models.py; the family writers take it from here
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -152,22 +153,6 @@ def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str
     q4, f32 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.F32
     finish_gguf(w, {name: (gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), q4), q4)
                        if any(part in name for part in q4_0) else (a, f32) for name, a in tensors.items()})
-
-
-def finish_gguf(w, tensors: dict[str, tuple[np.ndarray, object]]) -> None:
-    """Add `tensors` ({GGUF name: (array, ggml type)}: F32 ones as float32 arrays, any other type as its raw bytes
-    uint8 [..., row bytes]) to the gguf.GGUFWriter `w` and write its file."""
-    import gguf
-
-    for name, (a, qtype) in tensors.items():
-        if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
-        else:
-            w.add_tensor(name, np.ascontiguousarray(a), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def hf_argmax(model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:

@@ -45,7 +45,7 @@ def _gather_raising(error: BaseException, client: Client, data_dir: Path, tmp_pa
     with Lease(out) as lease:
         run = RunContext(out, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
                          JobProgress(f"errors-{tmp_path.name}", None), lease)
-        _gather(client, manifest.shards(), run, "unused", None, own_cluster=False)
+        _gather(client, manifest.shards(), run, "unused", None, keeper=None)
     return summary
 
 

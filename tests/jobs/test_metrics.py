@@ -24,6 +24,7 @@ from jobs.summary import JobSummary
 
 runner = CliRunner()
 PUSHGATEWAY = shutil.which("prometheus-pushgateway")
+READY_WAIT_S = 120.0  # a hang guard only: the server is ready in well under a second when the machine is quiet
 
 
 def _free_port() -> int:
@@ -43,7 +44,8 @@ def pushgateway(tmp_path: Path) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(100):
+        deadline = time.monotonic() + READY_WAIT_S
+        while True:
             try:
                 with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as r:
                     if r.status == 200:
@@ -51,9 +53,9 @@ def pushgateway(tmp_path: Path) -> Iterator[str]:
             except OSError:
                 if proc.poll() is not None:
                     pytest.fail(f"prometheus-pushgateway exited: {proc.stderr.read().decode()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"prometheus-pushgateway did not become ready in {READY_WAIT_S:g} s")
                 time.sleep(0.1)
-        else:
-            pytest.fail("prometheus-pushgateway did not become ready in 10 s")
         yield url
     finally:
         proc.terminate()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from gguf_models import MIXES, tokenizer_fields, write_tiny_llama
 from gsm8k_rows import write_gsm8k
 from held_shard import held_attempts, preload_env
 from typer.testing import CliRunner
@@ -64,13 +65,23 @@ def _pinned_job(tiny_model: str, data_dir: Path, tmp_path: Path,
     return model, inp, out, cfg, manifest, pin
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama GGUF (tests/gguf_models.py: 2 layers of width 256, Q4_K_M's tensor types, random weights) with the
+    real model's tokenizer and chat template: a single-file model as a user's `--model model.gguf` is, which
+    workers load in a fraction of the real one's time (these tests check pins, not text)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_llama(path, MIXES["Q4_K_M"], tokenizer_fields(gguf_path))
+    return path
+
+
 def _cli(*args: str) -> list[str]:
     """`tokenmill ARGS` in a child process."""
     return [sys.executable, "-m", "jobs.cli", *args]
 
 
 def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finishes(
-        gguf_path: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_gguf: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's scenario: `tokenmill run --model model.gguf`, cancelled after its first commit; model.gguf is
     rewritten (same name, same size, other bytes); `--resume` exits 2 with one line naming the file, its old and new
     size and hash and the two ways out, and writes nothing. With the model restored, `--resume` finishes, and every
@@ -78,7 +89,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     Before: exit 0, _SUCCESS, the later rows from the other model."""
     ids = write_gsm8k(data_dir, tmp_path / "in", 500, 8)
     model = tmp_path / "model.gguf"
-    shutil.copyfile(gguf_path, model)  # never the shared model file: this test rewrites it
+    shutil.copyfile(tiny_gguf, model)  # a copy: this test rewrites it
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENMILL_STOP_POLL_S="0.2", TOKENMILL_CACHE_DIR=str(tmp_path / "c"),
                TOKENMILL_WEIGHTS_CACHE="0")
@@ -122,7 +133,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     assert "Restore the model" in line and "new OUTPUT" in line
     assert _files(out) == before  # nothing written: no lease, no attempt, no rows
 
-    shutil.copyfile(gguf_path, model)
+    shutil.copyfile(tiny_gguf, model)
     done = subprocess.run(_cli(*args, "--resume"), env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Every tensor type of llama.cpp's Q4_K_M, Q5_K_M, Q6_K, Q8_0, F16 and BF16 files loads exactly (issue 42): the
 weights equal gguf-py's `gguf.quants.dequantize` bit for bit, greedy tokens on 16 real prompts x 32 tokens equal
 those of the same model stored dequantized (F32 GGUF), and `quantization="auto"` keeps Q4_K projections INT4 (no
-requantizing) with the same greedy tokens. The files: tests/engine/gguf_models.py (tiny Llama, SmolLM2's
+requantizing) with the same greedy tokens. The files: tests/gguf_models.py (tiny Llama, SmolLM2's
 tokenizer)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 gguf = pytest.importorskip("gguf")
-import gguf_models  # noqa: E402  (tests/engine, on sys.path through tests/engine/conftest.py)
+import gguf_models  # noqa: E402  (tests/, on sys.path through tests/conftest.py)
 
 T = gguf.GGMLQuantizationType
 NUM_PROMPTS, MAX_TOKENS = 16, 32

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from family_models import finish_gguf
 
 gguf = __import__("gguf")
 T = gguf.GGMLQuantizationType
@@ -63,6 +62,20 @@ def random_tensor(qtype: object, rows: int, cols: int, std: float, rng: np.rando
         return gguf.quants.quantize(w, qtype)
     except NotImplementedError:
         raise ValueError(f"no writer for GGUF type {qtype!r}") from None
+
+
+def finish_gguf(w, tensors: dict[str, tuple[np.ndarray, object]]) -> None:
+    """Add `tensors` ({GGUF name: (array, ggml type)}: F32 ones as float32 arrays, any other type as its raw bytes
+    uint8 [..., row bytes]) to the gguf.GGUFWriter `w` and write its file."""
+    for name, (a, qtype) in tensors.items():
+        if qtype == T.F32:
+            w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def tokenizer_fields(tokenizer_gguf: str) -> list[tuple]:
