@@ -16,15 +16,16 @@
 #   2. run(command="STEPS='gpu_tests throughput profile profile_unfused profile_sync' BUDGET_S=300 \
 #          bash bench/gpu_session.sh", carry=[".gpu", ".gpu_b"], timeout_s=320)
 #      Joins the GGUF (checks its sha256); the engine-level GPU tests (greedy output on CUDA token-identical to the
-#      reference: CUDA graphs, async scheduling, fused ops, Triton attention, MoE grouped GEMMs), w1 tok/s with the
-#      roof (the w1 target), the decode-step profile and its befores on the same card: the fused ops off
-#      (TOKENMILL_TRITON_FUSED=0), synchronous scheduling.
+#      reference: CUDA graphs, async scheduling, fused ops, Triton attention, MoE grouped GEMMs bf16 and INT4), w1
+#      tok/s with the roof (the w1 target), the decode-step profile and its befores on the same card: the fused ops
+#      off (TOKENMILL_TRITON_FUSED=0), synchronous scheduling.
 #   If time is left (budget_left_s over about 120: BUDGET_S = budget_left_s - 60, timeout_s = BUDGET_S + 20):
-#   3. run(command="STEPS='kernel_tests moe moe_int4 throughput_sync throughput_unfused kernels int4_tests \
-#          int4_engine profile_int4 moe_loop' BUDGET_S=240 bash bench/gpu_session.sh", carry=[".gpu"], timeout_s=260)
+#   3. run(command="STEPS='kernel_tests moe moe_int4 moe_int4_engine throughput_sync throughput_unfused kernels \
+#          int4_tests int4_engine profile_int4 moe_loop' BUDGET_S=240 bash bench/gpu_session.sh", carry=[".gpu"],
+#          timeout_s=260)
 #      The Triton kernels against torch on CUDA, the Qwen3-30B-A3B shape's w1 (MoE on the Triton grouped GEMMs; the
-#      dense w1 is call 2's throughput), its INT4 experts, the clean tok/s befores, the attention kernels, the INT4
-#      tests and the INT4 vs bf16 engine by batch.
+#      dense w1 is call 2's throughput), its INT4 experts (the kernel alone, then the engine), the clean tok/s
+#      befores, the attention kernels, the INT4 tests and the INT4 vs bf16 engine by batch.
 # BUDGET_S: the seconds this call may take: each step gets at most what is left of it (less 25 s for the summary)
 # and a step with under 30 s left is skipped, so the table always prints before the run's timeout_s. Steps run in
 # STEPS's order (an unknown name stops the script before any work); STEPS unset: all but big_gptq and moe_loop.
@@ -49,12 +50,13 @@ step() {  # step NAME SECONDS COMMAND...: define a step (its command as the shel
 # The tests marked gpu: greedy output on CUDA token-identical to the reference for every kernel path (issue 44's third
 # target; est. 90 s). kernel_tests: the Triton kernels against torch on CUDA (the H200 run: test_gpu.py and
 # test_triton_attention.py together 90 s; est. 150 s), without the sm_90 compile checks: here they compile for real.
-step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/worker/test_gpu.py \
+step gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/worker/test_gpu.py \
     tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py \
-    tests/engine/kernels/test_triton_moe.py --durations=10
+    tests/engine/kernels/test_triton_moe.py tests/engine/model/test_moe_int4_cuda.py --durations=10
 step kernel_tests 240 python3 -m pytest -q -p no:cacheprovider -m "not gpu" -k "not sm90" \
     tests/engine/layers/test_triton_attention.py tests/engine/kernels/test_triton_fused.py \
-    tests/engine/kernels/test_triton_moe.py tests/engine/kernels/test_triton_moe_int4.py --durations=10
+    tests/engine/kernels/test_triton_moe.py tests/engine/kernels/test_triton_moe_int4.py \
+    tests/engine/kernels/test_moe_kernel_dispatch.py --durations=10
 # w1 (512 AlpacaEval prompts x 256 tokens, Llama-3.1-8B shape, random bf16), ours alone, with the bf16 roof measured
 # in the same run (seen: ~40 s a run); _sync and _unfused are the befores of async scheduling and of the fused ops.
 step throughput 120 python3 -m bench.throughput --device cuda ${THROUGHPUT_ARGS:---workload w1 --skip-hf} \
@@ -87,6 +89,10 @@ step moe_int4 120 python3 -m bench.moe_int4
 # parameters), the experts as Triton grouped GEMMs with CUDA graphs (est. 120 s); the dense figure beside it is the
 # throughput step's. moe_loop is its before (TOKENMILL_TRITON_MOE=0: the per-expert torch loop, no CUDA graphs).
 step moe 240 python3 -m bench.throughput --device cuda --workload w1 --skip-hf --preset qwen3-30b-a3b
+# The same w1 with the random weights INT4 g128 (bench.throughput's preset_engine: round-to-nearest on the GPU; the
+# experts held once, as the stacks the grouped INT4 kernel runs, in CUDA graphs; est. 240 s).
+step moe_int4_engine 240 python3 -m bench.throughput --device cuda --workload w1 --skip-hf --preset qwen3-30b-a3b \
+    --quantization int4
 step moe_loop 240 env TOKENMILL_TRITON_MOE=0 python3 -m bench.throughput --device cuda --workload w1 --skip-hf \
     --preset qwen3-30b-a3b
 # Issue 42's one-GPU big model, a lease of its own: a synthetic GPTQ checkpoint of BIG_SHAPE (llama-3.1-70b, ~39 GB
@@ -106,7 +112,7 @@ print(model_fit(\"$d\", c, model_context(\"$d\")).line())"
         --max-model-len 4096 ${BIG_ARGS:-} || { echo "big_gptq: $s did not load or run here (see above)"; exit 2; }'
 
 STEPS=${STEPS:-int4_sweep fused gpu_tests throughput profile profile_unfused profile_sync kernel_tests moe moe_int4 \
-throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4}
+moe_int4_engine throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4}
 for name in $STEPS; do
     [ -n "${LIMIT[$name]:-}" ] || { echo "unknown step '$name' in STEPS; the steps: ${NAMES[*]}" >&2; exit 2; }
 done

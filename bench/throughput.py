@@ -4,6 +4,9 @@ Usage:
     python -m bench.throughput --num-prompts 64 --workload both           # CPU, the default SmolLM2 GGUF, fp32
     python -m bench.throughput --device cuda                                # GPU: llama-3.1-8b shape, random bf16,
                                                                             # 512 requests, W1 and W2, HF beside it
+    python -m bench.throughput --device cuda --workload w1 --skip-hf --preset qwen3-30b-a3b --quantization int4
+                                                                            # the random weights INT4 g128 (MoE
+                                                                            # experts on the grouped INT4 kernel)
 Prints output tokens/s of both and the ratio. EOS is ignored (ignore_eos for ours, min_new_tokens for HF) so both do
 the same work, as in vLLM's throughput benchmark. Workloads:
     w1: every request generates --max-tokens tokens.
@@ -14,6 +17,7 @@ the same work, as in vLLM's throughput benchmark. Workloads:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -95,11 +99,39 @@ def run_hf_generate_batch(model: torch.nn.Module, prompt_ids: list[list[int]], m
 
 
 def active_parameters(model: torch.nn.Module, cfg: ModelConfig) -> float:
-    """Parameters one token computes with: all of `model`'s, but of a mixture-of-experts model's experts (parameters
-    named *.experts.*) only num_experts_per_tok of num_experts, the share the router sends it to (the compute roof
-    counts 2 FLOP per active parameter per token)."""
+    """Parameters one token computes with: all of `model`'s (INT4 weights included: Int4Linear, the grouped INT4
+    kernel's expert stacks), but of a mixture-of-experts model's experts (named *.experts.*) only num_experts_per_tok
+    of num_experts, the share the router sends it to (the compute roof counts 2 FLOP per active parameter per
+    token)."""
+    from engine.layers.moe import GroupedExperts
+    from engine.quant.int4_linear import Int4Linear
+
     share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
-    return sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
+    total = sum(p.numel() * (share if ".experts." in name else 1.0) for name, p in model.named_parameters())
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            total += m.in_features * m.out_features * (share if ".experts." in name else 1.0)
+        elif isinstance(m, GroupedExperts) and m.gemms is None and m.int4 is not None:
+            total += share * sum(w.num_experts * w.out_features * w.in_features for w in m.int4)
+    return total
+
+
+def preset_engine(preset: str, cfg: EngineConfig) -> LLMEngine:
+    """An engine over random weights of `preset`; under cfg.quantization "int4" they are quantized round-to-nearest
+    at g128 (engine.quant.quantize.quantize_model: the projections, and a mixture-of-experts model's experts as
+    stacks the grouped INT4 kernel runs on CUDA), in an eager engine with a 16-block KV pool first so quantizing has
+    room, then with cfg's pool (as bench/gpu_profile.py does)."""
+    if cfg.quantization != "int4":
+        return LLMEngine.from_config(preset, cfg)
+    from engine.quant.quantize import quantize_model
+
+    engine = LLMEngine.from_config(preset, dataclasses.replace(cfg, num_kv_blocks=16, enforce_eager=True))
+    quantize_model(engine.runner.model, 128)
+    engine.runner.kv_caches = []
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return engine.with_config(cfg)
 
 
 def roofs(device: torch.device) -> tuple[float, float]:
@@ -145,7 +177,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quantization", default="none", choices=["none", "auto", "int4"],
                     help="how --model's weights are held (EngineConfig.quantization; 'auto' keeps a GPTQ/AWQ/GGUF "
-                         "4-bit checkpoint INT4)")
+                         "4-bit checkpoint INT4); with --preset, int4 quantizes the random weights (preset_engine)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="tokens per sequence (default 4096 for --preset, else the model's context)")
     ap.add_argument("--hf-static-w2", action="store_true",
@@ -168,7 +200,7 @@ def main() -> None:
         from engine.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(default_model_path())  # AlpacaEval prompt lengths, counted as in the data doc
-        engine = LLMEngine.from_config(preset, cfg)
+        engine = preset_engine(preset, cfg)
     else:
         path = resolve_model_path(args.model)
         engine = tokenizer_engine = LLMEngine.from_model(path, cfg)

@@ -70,15 +70,17 @@ def resolve_dtype(dtype: str, device: Device) -> str:
     return "bfloat16" if native else "float32"
 
 
-def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[int, int | None]], int,
-                                                                      list[tuple[int, int | None]] | None]:
-    """(numel, INT4 group or None) per weight of the model at `path` as `quantization` holds it, its vocabulary
-    size, and the same list under --quantization int4 (None when that is the mode already)."""
+def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple], int, list[tuple] | None]:
+    """(numel, INT4 group or None) per weight of the model at `path` as `quantization` holds it, a stacked expert
+    projection's INT4 as (numel, group, True, bytes per scale: 4 as GGUF and quantized HF folders store them, 2 for
+    tokenmill's bf16) (engine.worker.memory_fit.HeldWeight's fields), its vocabulary size, and the same list under
+    --quantization int4 (None when that is the mode already)."""
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.loading.model_files import TOKENMILL_CONFIG_FILE
     from engine.model.tensor_names import is_expert_weight, is_linear_weight
 
-    entries: list[tuple[int, bool, int | None]] = []  # (numel, a linear or expert weight, INT4 group as stored)
+    # (numel, a linear or expert weight, INT4 group as stored, a stacked expert projection, bytes per stored scale)
+    entries: list[tuple[int, bool, int | None, bool, int]] = []
     tied_head: list[tuple[int, int | None]] = []  # an INT4 embedding's tied LM head: an Int4Linear of its own
     if os.path.isdir(path):
         if is_hf_folder(path):
@@ -89,6 +91,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
                 fmt = read_quant_format(json.load(f), path)
             group = (fmt.group_size if fmt.group_size > 0 else 128) if fmt is not None and fmt.bits == 4 else None
             int4_modules: set[str] | None = None  # every linear weight, when group
+            scale_bytes = 4  # engine.loading.quant_groups: fp32 scales and zeros, exact
         else:
             from engine.config import ModelConfig
 
@@ -97,12 +100,13 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
             cfg = ModelConfig.from_dict(meta["model_config"])
             quant = meta.get("quantization") or {}
             group, int4_modules = quant.get("group_size"), set(quant.get("modules", {}))
+            scale_bytes = 2  # bf16 (engine.loading.tokenmill_folder)
         vocab = cfg.vocab_size
         for name, numel in model_tensors(cfg):
             linear = is_linear_weight(name) or is_expert_weight(name)
             int4 = group is not None and (linear if int4_modules is None else name.removesuffix(".weight")
                                           in int4_modules)
-            entries.append((numel, linear, group if int4 else None))
+            entries.append((numel, linear, group if int4 else None, is_expert_weight(name), scale_bytes))
             if int4 and cfg.tie_word_embeddings and name == "embed_tokens.weight":
                 tied_head.append((numel, group))
     else:
@@ -112,13 +116,17 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple[
         for name, numel, kind in infos:
             if name != "rope_freqs.weight":
                 linear = bool(_GGUF_LINEAR.match(name))
-                entries.append((numel, linear, _GGUF_NATIVE_INT4.get(kind) if linear else None))
+                entries.append((numel, linear, _GGUF_NATIVE_INT4.get(kind) if linear else None, "_exps." in name, 4))
 
-    def held(mode: str) -> list[tuple[int, int | None]]:
+    def held(mode: str) -> list[tuple]:
         if mode in ("none", "int8"):
-            return [(n, None) for n, _, _ in entries]
-        return [(n, stored or (group_size if mode == "int4" and linear else None))
-                for n, linear, stored in entries] + tied_head
+            return [(n, None) for n, *_ in entries]
+        out = []
+        for n, linear, stored, experts, scale_bytes in entries:
+            group = stored or (group_size if mode == "int4" and linear else None)
+            # quantized here: bf16 scales (engine.quant.handler.Int4QuantHandler)
+            out.append((n, group, True, scale_bytes if stored else 2) if experts and group else (n, group))
+        return out + tied_head
 
     return held(quantization), vocab, None if quantization == "int4" else held("int4")
 
@@ -153,7 +161,7 @@ def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> Memory
     layout = None
     if device.type == "cuda":
         free, total, name = _cuda_memory(device.index or 0)
-        if any(group is not None for _, group in tensors):  # the engine's own choice, from the same numbers
+        if any(t[1] is not None for t in tensors):  # the engine's own choice, from the same numbers
             layout = choose_int4_layout(tensors, dtype, total, free, config, vocab, per_token * config.block_size,
                                         max_len)
         model_bytes = weight_bytes(tensors, dtype, device.type, layout or "dual")

@@ -259,10 +259,10 @@ def _rows_shape(weight: torch.Tensor) -> tuple[int, int]:
 
 def set_gguf_blocks(module: nn.Module, blocks: GGUFBlocks) -> bool:
     """Record `blocks` as the raw form of `module.weight` (an fp32 [N, K] weight of the same shape, or stacked experts
-    [E, N, K] of blocks [E * N, K]: engine.layers.moe.ExpertWeights), with the weight's version counter and storage:
-    a later change of the weight (SmoothQuant's in-place scaling, GPTQ's `weight.data = ...`) makes `gguf_blocks_of`
-    drop them rather than multiply by stale numbers. Returns False (nothing recorded) when the shapes or dtype do not
-    match."""
+    [E, N, K] of blocks [E * N, K]: engine.layers.expert_weights.ExpertWeights), with the weight's version counter
+    and storage: a later change of the weight (SmoothQuant's in-place scaling, GPTQ's `weight.data = ...`) makes
+    `gguf_blocks_of` drop them rather than multiply by stale numbers. Returns False (nothing recorded) when the shapes
+    or dtype do not match."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or _rows_shape(weight) != blocks.shape:
         return False

@@ -11,6 +11,9 @@ per-expert loop: sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e 
     3. SiLU-and-mul ([T * k, I]; the fused Triton op where it serves, else torch).
     4. down: one launch, [T * k, hidden], each row multiplied by its routing weight.
     5. the sum over each token's k rows.
+Experts with biases and another activation (gpt-oss: per-expert gate_up and down biases, the clamped SwiGLU) take
+them as arguments (run_experts): each row's bias gathered by its expert and added after its GEMM, the activation a
+torch callable in place of step 3.
 Expert blocks past the used total return at once (the grid is sized by the worst case). No expert's weight is read
 unless it has rows; experts with no rows cost nothing.
 
@@ -107,6 +110,10 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int
 #: out [T * k, N] (`_grouped_gemm`'s arguments less the weight).
 GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None,
                         tuple[torch.Tensor, torch.Tensor, torch.Tensor], int, Blocks], None]
+#: The experts' biases, (gate_up [E, 2I], down [E, hidden]) of the activations' dtype (run_experts).
+Biases = tuple[torch.Tensor, torch.Tensor]
+#: The experts' activation [T * k, 2I] -> [T * k, I] in place of SiLU-and-mul (run_experts).
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None) -> None:
@@ -136,7 +143,8 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, row_weigh
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
+                  weights: torch.Tensor, blocks: Blocks | None = None, *, biases: Biases | None = None,
+                  activation: Activation | None = None) -> torch.Tensor:
     """The experts' weighted sum for every token (module docstring), in two grouped-GEMM launches.
 
     Args:
@@ -146,6 +154,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
         ids: int64 [T, k] expert ids in [0, E) (engine.layers.moe.route).
         weights: [T, k] routing weights, x's dtype.
         blocks: the launch shape; default `blocks_for(T * k, E)`.
+        biases, activation: the experts' biases and activation in place of SiLU-and-mul (run_experts).
     Returns:
         [T, hidden] of x's dtype: each token's k weighted expert outputs summed in slot order.
     Raises:
@@ -164,7 +173,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
         return lambda a, out, row_weights, aligned, a_row_div, b: _grouped_gemm(a, w, out, row_weights, aligned,
                                                                                 a_row_div, b)
 
-    return run_experts(x, ids, weights, num_experts, two_inter, gemm(gate_up), gemm(down), blocks)
+    return run_experts(x, ids, weights, num_experts, two_inter, gemm(gate_up), gemm(down), blocks, biases=biases,
+                       activation=activation)
 
 
 def check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -179,11 +189,29 @@ def check_routing(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> 
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [{x.shape[0]}, k]")
 
 
+def check_biases(biases: Biases | None, x: torch.Tensor, num_experts: int, two_inter: int) -> None:
+    """Raise ValueError unless `biases` is None or (gate_up [E, 2I], down [E, hidden]) of x's dtype on its device."""
+    if biases is None:
+        return
+    for name, t, shape in (("gate_up bias", biases[0], (num_experts, two_inter)),
+                           ("down bias", biases[1], (num_experts, x.shape[1]))):
+        check_tensor(name, t, 2, x.dtype)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} is {list(t.shape)}, want {list(shape)} (experts x output features)")
+
+
 def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int, two_inter: int,
-                gate_up: GroupedGemm, down: GroupedGemm, blocks: Blocks | None = None) -> torch.Tensor:
+                gate_up: GroupedGemm, down: GroupedGemm, blocks: Blocks | None = None, *,
+                biases: Biases | None = None, activation: Activation | None = None) -> torch.Tensor:
     """Steps 1-5 of the module docstring with the two launches `gate_up` (x -> [T * k, 2I]) and `down` ([T * k, I]
     -> [T * k, hidden], times the routing weights): the dense kernel's and engine.kernels.triton_moe_int4's.
-    Inputs as fused_experts takes them, checked (check_routing); returns [T, hidden] of x's dtype."""
+    Inputs as fused_experts takes them, checked (check_routing, check_biases); returns [T, hidden] of x's dtype.
+
+    biases: (gate_up [E, 2I], down [E, hidden]) of x's dtype, each (token, slot) row's expert's gathered and added
+    after its GEMM (gpt-oss): the down rows get theirs before the routing weight, as the per-expert loop's
+    (down(a) + b) * w (the down launch then multiplies no weight in). activation: [T * k, 2I] -> [T * k, I] in place
+    of SiLU-and-mul (gpt-oss's clamped SwiGLU); None = SiLU-and-mul. No host sync either way."""
+    check_biases(biases, x, num_experts, two_inter)
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     pairs = tokens * top_k
@@ -193,9 +221,15 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_e
     aligned = align_pairs(ids, num_experts, blocks.m)
     h = torch.empty(pairs, two_inter, dtype=x.dtype, device=x.device)
     gate_up(x, h, None, aligned, top_k, blocks)
-    act = _silu_and_mul(h)
+    flat = ids.reshape(-1)
+    if biases is not None:
+        h += biases[0].index_select(0, flat)
+    act = _silu_and_mul(h) if activation is None else activation(h)
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    down(act, out, weights.reshape(-1).contiguous(), aligned, 1, blocks)
+    row_weights = weights.reshape(-1).contiguous()
+    down(act, out, None if biases is not None else row_weights, aligned, 1, blocks)
+    if biases is not None:
+        out.add_(biases[1].index_select(0, flat)).mul_(row_weights[:, None])
     return out.view(tokens, top_k, hidden).sum(dim=1)
 
 

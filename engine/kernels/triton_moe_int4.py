@@ -25,7 +25,16 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.kernels.triton_moe import Blocks, GroupedGemm, check_routing, check_tensor, run_experts, triton_moe_ops
+from engine.kernels.triton_moe import (
+    Activation,
+    Biases,
+    Blocks,
+    GroupedGemm,
+    check_routing,
+    check_tensor,
+    run_experts,
+    triton_moe_ops,
+)
 
 
 @runtime_checkable
@@ -86,7 +95,8 @@ def _check_weight(name: str, w: Int4Experts, experts: int, out_features: int, in
 
 
 def fused_experts_int4(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts, ids: torch.Tensor,
-                       weights: torch.Tensor, blocks: Blocks | None = None) -> torch.Tensor:
+                       weights: torch.Tensor, blocks: Blocks | None = None, *, biases: Biases | None = None,
+                       activation: Activation | None = None) -> torch.Tensor:
     """The experts' weighted sum for every token (module docstring), in two grouped INT4 GEMM launches.
 
     Args:
@@ -97,6 +107,8 @@ def fused_experts_int4(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts,
         weights: [T, k] routing weights, x's dtype.
         blocks: the launch shape; default triton_moe.blocks_for(T * k, E). Its BLOCK_K is cut to each weight's
             group size where larger (int4_blocks).
+        biases: (gate_up [E, 2I], down [E, hidden]) of x's dtype, or None; activation: in place of SiLU-and-mul, or
+            None (triton_moe.run_experts: gpt-oss's experts).
     Returns:
         [T, hidden] of x's dtype: each token's k weighted expert outputs summed in slot order.
     Raises:
@@ -116,7 +128,8 @@ def fused_experts_int4(x: torch.Tensor, gate_up: Int4Experts, down: Int4Experts,
     if blocks is not None:  # name a bad BLOCK_K before any work
         for w in (gate_up, down):
             int4_blocks(blocks, w.group_size)
-    return run_experts(x, ids, weights, num_experts, two_inter, gemm(gate_up), gemm(down), blocks)
+    return run_experts(x, ids, weights, num_experts, two_inter, gemm(gate_up), gemm(down), blocks, biases=biases,
+                       activation=activation)
 
 
 def _grouped_gemm_int4(a: torch.Tensor, w: Int4Experts, out: torch.Tensor, row_weights: torch.Tensor | None,

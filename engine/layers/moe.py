@@ -23,14 +23,19 @@ and adds run in cache, not over the whole step's T * k rows. On the CPU each exp
 weights once engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
 matmuls on the stacked weights. On CUDA (fp32/fp16/bf16, autograd off, Triton installed) the stacked experts run as
 two grouped-GEMM launches instead (engine.kernels.triton_moe.fused_experts): no per-expert loop and no host sync, so
-a MoE decode step can be captured in a CUDA graph (`grouped_gemm_ops`).
+a MoE decode step can be captured in a CUDA graph (`grouped_kernels`, `experts_capturable`). Biased experts with the
+clamped SwiGLU (gpt-oss) run there too: each (token, slot) row's expert biases gathered and added after its GEMM
+(the down bias before the routing weight, as the loop adds it), the activation in torch between the launches.
 
 Quantized experts (quantization int4 / int8, GGUF Q4 expert tensors under auto, GPTQ / AWQ / compressed-tensors
-folders: engine.quant.experts) run as per-expert modules too (`set_gemms`): each expert's Int4Linear (W4A16, the dense
-layers' INT4 module) or Int8Linear (W8A8, CPU), on every device, so such a step is not captured in a CUDA graph
-(`experts_capturable`). The router stays in the compute dtype. INT4 experts keep their stacked weights
-(`int4_experts`: engine.quant.stacked_int4.StackedInt4, qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]) on a
-CUDA device, the operand engine.kernels.triton_moe_int4.fused_experts_int4 takes in place of the loop.
+folders: engine.quant.experts; the router stays in the compute dtype) run as follows. INT4 experts on CUDA with
+Triton (both projections INT4) are held once, as the stacked weights (`set_int4`, `int4_experts`:
+engine.quant.stacked_int4.StackedInt4, qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G]), and run as the
+grouped W4A16 kernel's two launches (engine.kernels.triton_moe_int4.fused_experts_int4, biases and activation as
+above): no host sync, so MoE INT4 decode is captured in CUDA graphs. Elsewhere (the CPU; CUDA without Triton or
+with TOKENMILL_TRITON_MOE=0; INT8 experts; a projection that is not INT4) each expert runs its own module
+(`set_gemms`: Int4Linear, Int8Linear or nn.Linear) in the per-expert loop, which reads its row counts on the host
+(no CUDA graphs).
 
 Parameter names follow llama.cpp's converter for the stacked experts and HF transformers for the rest:
 mlp.gate.weight [E, hidden] (router), mlp.experts.{gate,up}_proj.weight [E, I, hidden], mlp.experts.down_proj.weight
@@ -49,9 +54,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
+from engine.kernels.gguf_blocks import gguf_blocks_of, set_gguf_blocks
 from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
 from engine.kernels.triton_moe import triton_moe_ops
+from engine.kernels.triton_moe_int4 import triton_moe_int4_ops
+from engine.layers.expert_weights import ExpertWeights, fuse_gate_up_blocks
 from engine.layers.rms_norm import fused_ops
 
 
@@ -90,60 +97,31 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: fl
     return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class ExpertWeights(nn.Module):
-    """One projection of every expert, stacked: weight [E, out_features, in_features] and, with `bias`, bias
-    [E, out_features] (a module so that its parameters are named "<projection>.weight" / ".bias", as llama.cpp's
-    converter names the stacked tensors)."""
-
-    def __init__(self, num_experts: int, out_features: int, in_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> ExpertWeights:
-        """The module holding `weight` [E, out, in] (and `bias` [E, out]) itself (no copy)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.weight = nn.Parameter(weight, requires_grad=False)
-        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        return module
-
-
 Gemm = Callable[[torch.Tensor], torch.Tensor]
 
 
+def grouped_kernels_serve(x: torch.Tensor) -> bool:
+    """Whether the Triton grouped GEMMs may take activation `x`: a CUDA tensor of fp32/fp16/bf16 with autograd off
+    (the tests patch this to run the kernels in Triton's interpreter on CPU tensors)."""
+    return x.device.type == "cuda" and x.dtype in TRITON_MOE_DTYPES and not torch.is_grad_enabled()
+
+
 def grouped_gemm_ops(x: torch.Tensor) -> ModuleType | None:
-    """engine.kernels.triton_moe when its grouped GEMMs can serve activation `x`: a CUDA tensor of fp32/fp16/bf16
-    with autograd off, and Triton available (triton_moe_ops). None otherwise: the per-expert torch loop runs."""
-    if x.device.type != "cuda" or x.dtype not in TRITON_MOE_DTYPES or torch.is_grad_enabled():
-        return None
-    return triton_moe_ops()
+    """engine.kernels.triton_moe when its grouped GEMMs can serve activation `x` (grouped_kernels_serve) and Triton
+    is available (triton_moe_ops). None otherwise: the per-expert torch loop runs."""
+    return triton_moe_ops() if grouped_kernels_serve(x) else None
 
 
 def experts_capturable(dtype: torch.dtype, model: nn.Module | None = None) -> bool:
-    """Whether a MoE step with CUDA activations of `dtype` can be captured in a CUDA graph: the grouped-GEMM path
-    serves it (no host sync; grouped_gemm_ops), for every expert block of `model` (when given): none may run per-expert
-    modules (GroupedExperts.set_gemms: INT4 / INT8 experts). Else the per-expert loop reads its row counts on the
-    host."""
-    if model is not None and any(m.gemms is not None for m in model.modules() if isinstance(m, GroupedExperts)):
+    """Whether a MoE step with CUDA activations of `dtype` can be captured in a CUDA graph: the grouped kernels
+    serve every expert block of `model` (when given; GroupedExperts.grouped_kernels: plain stacked experts on
+    engine.kernels.triton_moe, INT4 ones on engine.kernels.triton_moe_int4), so no host sync. A block that runs
+    per-expert modules (INT8, packed or mixed INT4 / plain experts, or INT4 without Triton) makes it False: the
+    per-expert loop reads its row counts on the host."""
+    if dtype not in TRITON_MOE_DTYPES or triton_moe_ops() is None:
         return False
-    return dtype in TRITON_MOE_DTYPES and triton_moe_ops() is not None
-
-
-def _fuse_blocks(gate: GGUFBlocks | None, up: GGUFBlocks | None, num_experts: int) -> GGUFBlocks | None:
-    """The GGUF blocks of the fused gate_up [E, 2I, hidden] (rows [gate; up] per expert) from those of gate and up
-    ([E * I, hidden] each), or None when either has none or their types differ."""
-    if gate is None or up is None or gate.type_name != up.type_name:
-        return None
-
-    def join(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-        if a is None or b is None:
-            return None
-        per_expert = [t.view(num_experts, -1, *t.shape[1:]) for t in (a, b)]
-        return torch.cat(per_expert, dim=1).flatten(0, 1)
-
-    return GGUFBlocks(gate.type_name, join(gate.qs, up.qs), join(gate.scales, up.scales), join(gate.mins, up.mins))
+    return model is None or all(m.grouped_kernels(dtype) is not None for m in model.modules()
+                                if isinstance(m, GroupedExperts))
 
 
 class GroupedExperts(nn.Module):
@@ -159,7 +137,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False,
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.gate_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size, bias)
         self.up_proj: ExpertWeights | None = ExpertWeights(num_experts, intermediate_size, hidden_size, bias)
@@ -167,7 +145,7 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj: ExpertWeights | None = None
         self.gemms: tuple[Sequence[Gemm], Sequence[Gemm]] | None = None
         self.packed_biases: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up [E, 2I], down [E, hidden])
-        self.int4: tuple[Any, Any] | None = None  # stacked INT4 (gate_up, down): set_gemms, int4_experts
+        self.int4: tuple[Any, Any] | None = None  # stacked INT4 (gate_up, down): set_gemms, set_int4, int4_experts
 
     def fuse(self) -> bool:
         """Stack gate_proj and up_proj into one gate_up_proj (one GEMM per expert instead of two). Returns whether it
@@ -178,7 +156,7 @@ class GroupedExperts(nn.Module):
                                                                     self.up_proj.bias.detach()], dim=1)
         self.gate_up_proj = ExpertWeights.of(torch.cat([self.gate_proj.weight.detach(),
                                                         self.up_proj.weight.detach()], dim=1), bias)
-        blocks = _fuse_blocks(gguf_blocks_of(self.gate_proj), gguf_blocks_of(self.up_proj), self.num_experts)
+        blocks = fuse_gate_up_blocks(gguf_blocks_of(self.gate_proj), gguf_blocks_of(self.up_proj), self.num_experts)
         if blocks is not None:
             set_gguf_blocks(self.gate_up_proj, blocks)
         self.gate_proj = self.up_proj = None
@@ -189,7 +167,8 @@ class GroupedExperts(nn.Module):
         stacked copies are freed then)."""
         self.fuse()
         if self.gate_up_proj is None or self.down_proj is None:
-            raise ValueError("the experts' stacked weights were freed when they were packed (set_gemms)")
+            raise ValueError("the experts' stacked weights were freed when they were packed or quantized (set_gemms, "
+                             "set_int4)")
         return self.gate_up_proj.weight, self.down_proj.weight
 
     def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module], *,
@@ -205,13 +184,34 @@ class GroupedExperts(nn.Module):
         if len(gate_up) != self.num_experts or len(down) != self.num_experts:
             raise ValueError(f"set_gemms needs {self.num_experts} modules of each kind, got {len(gate_up)} and "
                              f"{len(down)}")
+        self._drop_stacked(biases)
+        self.packed_gate_up, self.packed_down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.gemms = (self.packed_gate_up, self.packed_down)
+        self.int4 = int4
+
+    def set_int4(self, gate_up: Any, down: Any, *, biases: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Serve the experts from stacked INT4 weights alone (engine.quant.stacked_int4.StackedInt4: gate_up
+        [E, 2I, hidden], rows [gate; up] per expert, and down [E, hidden, I] once dequantized) on the grouped W4A16
+        kernel (engine.kernels.triton_moe_int4.fused_experts_int4; `grouped_kernels`): no per-expert module, one copy
+        of the weights. Frees the stacked weights; `biases` as set_gemms'. Where the kernel does not serve a
+        forward (autograd on, a CPU tensor) the per-expert loop dequantizes each expert's weights in turn (exact,
+        slow). Raises ValueError when the weights do not fit the block's shape."""
+        want = ((self.num_experts, 2 * self.intermediate_size, self.hidden_size),
+                (self.num_experts, self.hidden_size, self.intermediate_size))
+        for name, w, shape in (("gate_up", gate_up, want[0]), ("down", down, want[1])):
+            if (w.num_experts, w.out_features, w.in_features) != shape:
+                raise ValueError(f"INT4 {name} experts are [{w.num_experts}, {w.out_features}, {w.in_features}], "
+                                 f"the block wants {list(shape)}")
+        self._drop_stacked(biases)
+        self.gemms = None
+        self.int4 = (gate_up, down)
+
+    def _drop_stacked(self, biases: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Free the stacked weights, keeping their biases (or `biases`, where they are gone already)."""
         self.fuse()
         if biases is None and self.gate_up_proj is not None and self.gate_up_proj.bias is not None:
             biases = (self.gate_up_proj.bias.detach(), self.down_proj.bias.detach())
         self.packed_biases = biases
-        self.packed_gate_up, self.packed_down = nn.ModuleList(gate_up), nn.ModuleList(down)
-        self.gemms = (self.packed_gate_up, self.packed_down)
-        self.int4 = int4
         self.gate_proj = self.up_proj = self.gate_up_proj = self.down_proj = None
 
     def int4_experts(self) -> tuple[Any, Any] | None:
@@ -223,11 +223,27 @@ class GroupedExperts(nn.Module):
         expert's own Int4Linear serves it there)."""
         return self.int4
 
-    def _gemm_pair(self, e: int) -> tuple[Gemm, Gemm]:
-        if self.gemms is not None:
+    def grouped_kernels(self, dtype: torch.dtype) -> ModuleType | None:
+        """The kernels module that serves this block for CUDA activations of `dtype` with autograd off:
+        engine.kernels.triton_moe for plain stacked experts, engine.kernels.triton_moe_int4 for INT4 ones (both
+        projections INT4: `int4_experts`), each with the experts' biases and clamped SwiGLU where they have them;
+        None where the per-expert loop runs (per-expert modules alone: INT8, packed, a projection not INT4; Triton
+        missing or TOKENMILL_TRITON_MOE=0; a dtype the kernels do not take)."""
+        if dtype not in TRITON_MOE_DTYPES:
+            return None
+        if self.int4 is not None:
+            return triton_moe_int4_ops() if all(w is not None for w in self.int4) else None
+        return triton_moe_ops() if self.gemms is None else None
+
+    def _gemm_pair(self, e: int, dtype: torch.dtype) -> tuple[Gemm, Gemm]:
+        if self.gemms is not None or self.int4 is not None:
+            if self.gemms is not None:
+                gu_fn, down_fn = self.gemms[0][e], self.gemms[1][e]
+            else:  # set_int4's stacks alone, outside the kernel: expert e's weights dequantized
+                gu_w, down_w = (w.expert(e).dequantize(dtype) for w in self.int4)
+                gu_fn, down_fn = (lambda x: F.linear(x, gu_w)), (lambda x: F.linear(x, down_w))
             if self.packed_biases is None:
-                return self.gemms[0][e], self.gemms[1][e]
-            gu_fn, down_fn = self.gemms[0][e], self.gemms[1][e]
+                return gu_fn, down_fn
             gu_b, down_b = self.packed_biases[0][e], self.packed_biases[1][e]
             return (lambda x: gu_fn(x) + gu_b), (lambda x: down_fn(x) + down_b)
 
@@ -243,12 +259,16 @@ class GroupedExperts(nn.Module):
         return ((lambda x: torch.cat((F.linear(x, g, g_b), F.linear(x, u, u_b)), dim=-1)),
                 (lambda x: F.linear(x, down, down_b)))
 
+    def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """clamped_swiglu of gate_up [M, 2I] (gate columns, then up) -> [M, I]."""
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up_fn, down_fn = self._gemm_pair(e)
+        gate_up_fn, down_fn = self._gemm_pair(e, x.dtype)
         gate_up = gate_up_fn(x)
         if self.swiglu_limit is not None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return down_fn(clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha))
+            return down_fn(self._clamped_swiglu(gate_up))
         ops = fused_ops(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
             return down_fn(ops.silu_and_mul(gate_up))
@@ -256,10 +276,15 @@ class GroupedExperts(nn.Module):
         return down_fn(F.silu(gate) * up)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ops = grouped_gemm_ops(x) if self.gemms is None else None
+        ops = self.grouped_kernels(x.dtype) if grouped_kernels_serve(x) else None
         if ops is not None:
+            activation = None if self.swiglu_limit is None else self._clamped_swiglu
+            if self.int4 is not None:
+                return ops.fused_experts_int4(x, *self.int4, ids, weights, biases=self.packed_biases,
+                                              activation=activation)
             gate_up, down = self.stacked()
-            return ops.fused_experts(x, gate_up, down, ids, weights)
+            biases = None if self.gate_up_proj.bias is None else (self.gate_up_proj.bias, self.down_proj.bias)
+            return ops.fused_experts(x, gate_up, down, ids, weights, biases=biases, activation=activation)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) rows grouped by expert, token order kept

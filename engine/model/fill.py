@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
-from engine.layers.moe import ExpertWeights
+from engine.layers.expert_weights import ExpertWeights
 from engine.model.decoder import LlamaModel
 from engine.model.tensor_names import EMBEDDING, LM_HEAD
 

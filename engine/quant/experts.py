@@ -1,26 +1,28 @@
-"""Quantized mixture-of-experts experts (engine.layers.moe.GroupedExperts): each expert's fused gate/up and its down
-projection served by the dense layers' INT4 module (engine.quant.int4_linear.Int4Linear) over its slice of the
-projection's stacked INT4 weight (engine.quant.stacked_int4.StackedInt4: qweight uint8 [E, N, Kp/2], scales and zeros
-[E, N, Kp/G], in_perm None or [E, K]), handed to GroupedExperts.set_gemms one module per expert. The router
-(mlp.gate) and a shared expert's gate stay in the compute dtype, as in vLLM; a shared expert is a dense MLP and is
-quantized as one.
+"""Quantized mixture-of-experts experts (engine.layers.moe.GroupedExperts): the projections' stacked INT4 weights
+(engine.quant.stacked_int4.StackedInt4: qweight uint8 [E, N, Kp/2], scales and zeros [E, N, Kp/G], in_perm None or
+[E, K]) served on CUDA by the grouped W4A16 kernel alone (GroupedExperts.set_int4), elsewhere each expert's fused
+gate/up and its down projection by the dense layers' INT4 module (engine.quant.int4_linear.Int4Linear) over its slice
+of the stacked weight, handed to GroupedExperts.set_gemms one module per expert. The router (mlp.gate) and a shared
+expert's gate stay in the compute dtype, as in vLLM; a shared expert is a dense MLP and is quantized as one.
 
 The stacked weights come from every path the dense layers' INT4 weights come from: quantized on load
 (engine.quant.handler.Int4QuantHandler, round-to-nearest with the MSE scale fit, one expert at a time), a GGUF file's
 Q4_0 / Q4_1 / Q4_K expert tensors mapped exactly (engine.loading.gguf_int4), a GPTQ / AWQ / compressed-tensors
 folder's per-expert layers as stored (engine.loading.hf_quantized) or a tokenmill INT4 folder.
 
-Kernels per device (what each expert's Int4Linear builds):
+Kernels per device (`grouped_int4_experts` decides CUDA's):
+    CUDA, Triton  the stacked weights on the device, scales and zeros as loaded, and no per-expert module: the grouped
+                  W4A16 kernel (engine.kernels.triton_moe_int4.fused_experts_int4) runs both projections, biases and
+                  gpt-oss's clamped SwiGLU included, CUDA-graph capturable. One copy whatever the INT4 layout
+                  (engine.worker.memory_fit counts it so: grouped_int4_experts_expected).
+    CUDA, else    (Triton missing, TOKENMILL_TRITON_MOE=0, or a projection that is not INT4) the per-expert loop runs
+                  each expert's Int4Linear without GemLite (per-expert GemLite modules would tune and compile for
+                  every expert): layout "dual" packs tinygemm per expert for small row counts beside the
+                  dequantize-then-GEMM path over views of the stacked weights (two copies, as memory_fit counts
+                  "dual"); layout "single" keeps the stacked weights only and dequantizes (one copy).
     CPU, bf16     torch's `_weight_int4pack_mm_for_cpu`, each expert packed once (its own copy; the stacked portable
                   weights are dropped by int4_linear.release_int4_sources, as the dense layers' sources are);
-    CPU, fp32     dequantize-then-GEMM in fp32 (exact weights), reading views of the stacked tensors (no copy);
-    CUDA          the stacked weights stay on the device: the operand of the grouped W4A16 kernel
-                  (engine.kernels.triton_moe_int4.fused_experts_int4 takes GroupedExperts.int4_experts() as they
-                  are). Until it is wired into GroupedExperts.forward, the per-expert loop runs each expert's
-                  Int4Linear without GemLite (per-expert GemLite modules would tune and compile for every expert):
-                  layout "dual" packs tinygemm per expert for small row counts beside the dequantize-then-GEMM path
-                  over views of the stacked weights (two copies, as engine.worker.memory_fit counts "dual"); layout
-                  "single" keeps the stacked weights only and dequantizes (one copy).
+    CPU, fp32     dequantize-then-GEMM in fp32 (exact weights), reading views of the stacked tensors (no copy).
 A projection that is not INT4 (a GGUF file's Q6_K down under quantization "auto") runs per expert as an nn.Linear over
 its slice of the stacked weight in the compute dtype (oneDNN-packed on the CPU later, as every plain linear is).
 """
@@ -32,9 +34,12 @@ import logging
 import torch
 from torch import nn
 
+from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
+from engine.kernels.triton_moe_int4 import triton_moe_int4_ops
 from engine.layers.moe import GroupedExperts
 from engine.quant.int4_linear import CUDA_DEQUANT_MIN_ROWS, Int4Linear
 from engine.quant.int8_linear import Int8Linear
+from engine.quant.qparams import quantize_int4
 from engine.quant.stacked_int4 import StackedInt4
 
 log = logging.getLogger(__name__)
@@ -76,11 +81,12 @@ def pop_int4_experts(model: nn.Module, state: dict) -> dict[str, tuple[ExpertPar
 
 def set_int4_experts(model: nn.Module, blocks: dict[str, tuple[ExpertParts, dict[str, torch.Tensor]]],
                      dtype: torch.dtype, device: torch.device, layout: str = "dual") -> None:
-    """Serve each expert block of `blocks` (pop_int4_experts) with one module per expert (module docstring): gate
-    and up fused (their stacked INT4 weights joined along N, rows [gate; up] per expert), the stacked INT4 weights
-    on `device` and kept for grouped kernels (GroupedExperts.set_gemms' `int4`), biases in `dtype`. Gate and up that
-    cannot be joined as INT4 (one of them plain, or different groups or input orders) are dequantized exactly
-    instead (logged). Raises ValueError as Int4Linear."""
+    """Serve each expert block of `blocks` (pop_int4_experts), gate and up fused (their stacked INT4 weights joined
+    along N, rows [gate; up] per expert), biases in `dtype`: on the grouped INT4 kernel alone where it serves
+    (grouped_int4_experts: GroupedExperts.set_int4, the stacked weights on `device`, no per-expert module), else
+    with one module per expert (module docstring; GroupedExperts.set_gemms, the stacked INT4 weights kept on
+    `device` beside them as its `int4`). Gate and up that cannot be joined as INT4 (one of them plain, or different
+    groups or input orders) are dequantized exactly instead (logged). Raises ValueError as Int4Linear."""
     for owner, (parts, biases) in blocks.items():
         experts = model.get_submodule(owner)
         gate_up = _fuse(parts["gate_proj"], parts["up_proj"], dtype, owner)
@@ -90,8 +96,51 @@ def set_int4_experts(model: nn.Module, blocks: dict[str, tuple[ExpertParts, dict
         if biases:
             bias = (torch.cat([biases["gate_proj"], biases["up_proj"]], dim=1).to(device, dtype),
                     biases["down_proj"].to(device, dtype))
+        if grouped_int4_experts(gate_up, down, dtype, device):
+            experts.set_int4(gate_up, down, biases=bias)
+            continue
         experts.set_gemms(expert_modules(gate_up, dtype, device, layout), expert_modules(down, dtype, device, layout),
                           biases=bias, int4=tuple(w if isinstance(w, StackedInt4) else None for w in (gate_up, down)))
+
+
+def grouped_int4_experts(gate_up: StackedInt4 | torch.Tensor, down: StackedInt4 | torch.Tensor, dtype: torch.dtype,
+                         device: torch.device) -> bool:
+    """Whether an expert block of these stacked projections runs on the grouped INT4 kernel alone (no per-expert
+    modules): both StackedInt4, a CUDA device, an activation dtype the kernel takes (fp32/fp16/bf16) and the kernel
+    available (engine.kernels.triton_moe_int4.triton_moe_int4_ops: Triton installed, TOKENMILL_TRITON_MOE not 0)."""
+    return (device.type == "cuda" and isinstance(gate_up, StackedInt4) and isinstance(down, StackedInt4)
+            and dtype in TRITON_MOE_DTYPES and triton_moe_int4_ops() is not None)
+
+
+def quantize_experts(model: nn.Module, group_size: int = 128, layout: str = "dual") -> int:
+    """Quantize the experts of every plain expert block of a filled model (its stacked weights, fused or not) to INT4
+    by round-to-nearest with the MSE scale fit, bf16 scales (qparams.quantize_int4: the numbers
+    engine.quant.handler.Int4QuantHandler gives a loaded model's, expert by expert; here a chunk of experts per call,
+    the groups running along K), and serve them as set_int4_experts does, on the weights' device with their dtype
+    (biases kept, router untouched). Returns the number of blocks quantized."""
+    blocks = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, GroupedExperts) and m.gemms is None and m.int4 is None]
+    for name, experts in blocks:
+        gate_up, down = (w.detach() for w in experts.stacked())
+        gate, up = gate_up.split(experts.intermediate_size, dim=1)
+        parts: ExpertParts = {p: _quantize_stack(t, group_size)
+                              for p, t in (("gate_proj", gate), ("up_proj", up), ("down_proj", down))}
+        biases = {}
+        if experts.gate_up_proj.bias is not None:
+            gate_b, up_b = experts.gate_up_proj.bias.detach().split(experts.intermediate_size, dim=1)
+            biases = {"gate_proj": gate_b, "up_proj": up_b, "down_proj": experts.down_proj.bias.detach()}
+        set_int4_experts(model, {name: (parts, biases)}, down.dtype, down.device, layout)
+    return len(blocks)
+
+
+def _quantize_stack(w: torch.Tensor, group_size: int) -> StackedInt4:
+    """w [E, N, K] as quantize_int4 quantizes each expert's [N, K], a chunk of experts ([e * N, K], about 2^27
+    weights) per call: the same numbers in fewer launches."""
+    e, n, k = w.shape
+    chunk = max(1, (1 << 27) // (n * k))
+    parts = [quantize_int4(w[i:i + chunk].reshape(-1, k), group_size) for i in range(0, e, chunk)]
+    return StackedInt4(*(torch.cat([getattr(q, f) for q in parts]).view(e, n, -1) for f in ("qweight", "scales",
+                                                                                             "zeros")), k, group_size)
 
 
 def _fuse(gate: StackedInt4 | torch.Tensor, up: StackedInt4 | torch.Tensor, dtype: torch.dtype,
@@ -136,7 +185,10 @@ def describe_experts(model: nn.Module) -> str | None:
         return None
     seen: dict[str, int] = {}
     for _, m in blocks:
-        if m.gemms is None:  # the stacked weights, plain
+        if m.gemms is None and m.int4 is not None:  # set_int4: the grouped kernel's stacks alone
+            held = (f"gate/up INT4 (group {m.int4[0].group_size}), down INT4 (group {m.int4[1].group_size}) on the "
+                    "grouped kernel")
+        elif m.gemms is None:  # the stacked weights, plain
             held = f"gate/up and down {str(m.down_proj.weight.dtype).removeprefix('torch.')}"
         else:
             held = f"gate/up {_held(m.gemms[0][0])}, down {_held(m.gemms[1][0])}"

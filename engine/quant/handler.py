@@ -72,13 +72,14 @@ def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str
             (v.dequantize(dtype) if isinstance(v, Int4Weight | StackedInt4) else v) for k, v in state.items()}
 
 
-def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple[int, int | None]]:
+def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple]:
     """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
-    width (a StackedInt4: all its experts' weights), as engine.worker.memory_fit.weight_bytes takes them: a
-    tied LM head left out (it shares the embedding's parameter) unless the embedding is INT4 (then the head is an
-    Int4Linear with its own packed copies)."""
+    width, a StackedInt4 as (numel of all its experts' weights, group, True, bytes per scale as stored), as
+    engine.worker.memory_fit.weight_bytes takes them (HeldWeight's fields): a tied LM head left out (it shares the
+    embedding's parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed
+    copies)."""
     return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
-            (w.qweight.numel() * 2, w.group_size) if isinstance(w, StackedInt4) else
+            (w.qweight.numel() * 2, w.group_size, True, w.scales.element_size()) if isinstance(w, StackedInt4) else
             (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
             for w in _tied(cfg, state).values()]
 

@@ -160,7 +160,7 @@ def quantize_model_int8(model: nn.Module) -> int:
              if type(m) is nn.Linear and is_linear_weight(f"{name}.weight") and name != LM_HEAD]
     for name in names:
         set_module(model, name, Int8Linear(model.get_submodule(name).weight, dtype))
-    blocks = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.gemms is None]
+    blocks = [m for m in model.modules() if isinstance(m, GroupedExperts) and m.gemms is None and m.int4 is None]
     for experts in blocks:
         gate_up, down = experts.stacked()
         experts.set_gemms([Int8Linear(w, dtype) for w in gate_up.detach()],

@@ -169,8 +169,8 @@ def pack_experts(experts: GroupedExperts) -> bool:
     """Give each expert of `experts` a PackedLinear of its fused gate/up [2I, hidden] and of its down [hidden, I]
     weight (GroupedExperts.set_gemms), when they are CPU weights oneDNN packs (`can_pack`), with its rows of the
     stacked weights' GGUF blocks where they have some (fp32: the small-batch kernel, as for a dense projection).
-    Returns whether it packed (False when already packed or not packable)."""
-    if experts.gemms is not None:
+    Returns whether it packed (False when already packed, INT4 or not packable)."""
+    if experts.gemms is not None or experts.int4 is not None:
         return False
     gate_up, down = experts.stacked()
     if gate_up.device.type != "cpu" or gate_up.dtype not in PACKED_DTYPES or not can_pack(gate_up.dtype):

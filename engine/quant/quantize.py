@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.model.decoder import LlamaModel
+from engine.quant.experts import quantize_experts
 from engine.quant.gptq import gptq_quantize_model
 from engine.quant.handler import Int4QuantHandler
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
@@ -78,8 +79,10 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
                    on_tune_step: Callable[[int, int, float], None] | None = None) -> LlamaModel:
     """Quantize a filled model in place: each projection (and the embedding when asked; a tied LM head with it)
     becomes an Int4Linear / Int4Embedding on the model's device with its dtype, the weights chosen by
-    quantize_weights (round-to-nearest, or GPTQ + tuning with `calibration`; pass an fp32 model then). Returns the
-    model. dequant_min_rows: Int4Linear's kernel switch. Raises ValueError as quantize_weights."""
+    quantize_weights (round-to-nearest, or GPTQ + tuning with `calibration`; pass an fp32 model then), and a
+    mixture-of-experts model's experts INT4 by round-to-nearest (engine.quant.experts.quantize_experts: on CUDA the
+    grouped INT4 kernel's stacks). Returns the model. dequant_min_rows: Int4Linear's kernel switch. Raises ValueError
+    as quantize_weights."""
     dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
     weights = quantize_weights(model, group_size, include_embedding, calibration=calibration, act_order=act_order,
                                damp=damp, refit=refit, tune_epochs=tune_epochs, on_layer=on_layer,
@@ -91,4 +94,5 @@ def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: 
     for name, w in weights.items():
         if name != EMBEDDING:
             set_module(model, name, Int4Linear(w, dtype, device, dequant_min_rows))
+    quantize_experts(model, group_size)
     return model

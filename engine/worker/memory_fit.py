@@ -12,17 +12,23 @@ model to find out. The KV pool's formula is the engine's own (engine.worker.devi
   on CUDA two under the "dual" layout (tinygemm's for small M beside GemLite's, or beside the dequantize path's
   portable copy without GemLite; engine.quant.int4_linear) and one under "single" (GemLite's only; tinygemm's only
   without GemLite), on the CPU one. choose_int4_layout picks the layout per model and device, for the engine at load
-  and for the preflight alike, so both count the same bytes.
+  and for the preflight alike, so both count the same bytes;
+- INT4 mixture-of-experts experts (a stacked projection: HeldWeight.experts) on CUDA where the grouped INT4 kernel
+  serves them (grouped_int4_experts_expected): one copy whatever the layout, the stacked weights with their scales
+  and zeros as stored (HeldWeight.scale_bytes: fp32 from GGUF and quantized HF folders, bf16 when tokenmill
+  quantized them); elsewhere as the other INT4 weights (one module per expert: engine.quant.experts).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import EngineConfig, ModelConfig
+from schemas import settings
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +46,35 @@ GIB = 1 << 30
 #: client, which never imports torch (issue 31).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+
+
+class HeldWeight(NamedTuple):
+    """One weight of a model as the engine holds it (weight_bytes). The lists weight_bytes takes hold plain tuples
+    of its fields, (numel, group) or all four (engine.quant.handler.held_tensors and jobs.model_fit build them, and
+    engine.quant cannot import engine.worker); HeldWeight(*t) reads either.
+
+    numel: its weights (an INT4 one's at the width counted: padded by the engine's own count, unpadded from
+    headers); group: INT4 group size, None for a plain tensor in the run dtype; experts: a stacked
+    mixture-of-experts projection (all its experts), held once on CUDA by the grouped INT4 kernel
+    (grouped_int4_experts_expected); scale_bytes: bytes of each scale and zero as that kernel holds them (stored)."""
+
+    numel: int
+    group: int | None = None
+    experts: bool = False
+    scale_bytes: int = 2
+
+
 #: The INT4 layout of a model from its shape and its weights as weight_bytes takes them (int4_layout_chooser).
-Int4LayoutChooser = Callable[[ModelConfig, list[tuple[int, int | None]]], str]
+Int4LayoutChooser = Callable[[ModelConfig, list[tuple]], str]
+
+
+def grouped_int4_experts_expected(device_type: str) -> bool:
+    """Whether INT4 experts on `device_type` ("cuda", "cpu") will run on the grouped INT4 kernel and be held once
+    (engine.quant.experts.grouped_int4_experts decides it at load): CUDA with triton installed and
+    TOKENMILL_TRITON_MOE not 0, as engine.kernels.triton_moe.triton_moe_ops checks, told here without importing
+    torch or triton (the preflight's client imports neither)."""
+    return (device_type == "cuda" and settings.env_flag(settings.TRITON_MOE)
+            and importlib.util.find_spec("triton") is not None)
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -53,25 +86,33 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
     return DTYPE_BYTES[name]
 
 
-def int4_bytes(numel: int, group_size: int, device_type: str, layout: str = "dual") -> int:
+def int4_bytes(numel: int, group_size: int, device_type: str, layout: str = "dual", *, grouped: bool = False,
+               scale_bytes: int = 2) -> int:
     """Device bytes of an INT4 weight of `numel` weights at `group_size`: packed nibbles plus bf16 scale and zero
     per group, times the copies the engine keeps on `device_type` ("cuda" or "cpu") under `layout` ("dual" or
-    "single", INT4_CUDA_COPIES; the CPU keeps one whatever the layout)."""
+    "single", INT4_CUDA_COPIES; the CPU keeps one whatever the layout). `grouped` (CUDA: stacked experts on the
+    grouped INT4 kernel): one copy whatever the layout, scales and zeros of `scale_bytes` each."""
+    if grouped and device_type == "cuda":
+        return numel // 2 + numel // group_size * 2 * scale_bytes
     one = numel // 2 + numel // group_size * 2 * 2
     return one * (INT4_CUDA_COPIES[layout] if device_type == "cuda" else 1)
 
 
-def weight_bytes(tensors: Iterable[tuple[int, int | None]], dtype: torch.dtype | str, device_type: str,
-                 layout: str = "dual") -> int:
-    """Device bytes of a model's weights: `tensors` = (numel, INT4 group size or None for a plain tensor in
-    `dtype`: a torch.dtype or its name, dtype_bytes) per weight the model holds (a tied LM head left out), INT4 ones as
-    int4_bytes under `layout`."""
+def weight_bytes(tensors: Iterable[tuple], dtype: torch.dtype | str, device_type: str,
+                 layout: str = "dual", grouped_experts: bool | None = None) -> int:
+    """Device bytes of a model's weights: `tensors` = one HeldWeight's fields per weight the model holds (a tied LM
+    head left out): plain ones in `dtype` (a torch.dtype or its name, dtype_bytes), INT4 ones as int4_bytes under
+    `layout`, stacked experts as the grouped INT4 kernel holds them where `grouped_experts` (None:
+    grouped_int4_experts_expected(device_type))."""
     size = dtype_bytes(dtype)
-    return sum(numel * size if group is None else int4_bytes(numel, group, device_type, layout)
-               for numel, group in tensors)
+    grouped = grouped_int4_experts_expected(device_type) if grouped_experts is None else grouped_experts
+    held = [HeldWeight(*t) for t in tensors]
+    return sum(w.numel * size if w.group is None else int4_bytes(
+        w.numel, w.group, device_type, layout, grouped=grouped and w.experts, scale_bytes=w.scale_bytes)
+        for w in held)
 
 
-def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype | str, total: int, free: int,
+def choose_int4_layout(tensors: list[tuple], dtype: torch.dtype | str, total: int, free: int,
                        config: EngineConfig, vocab_size: int, per_block: int, max_model_len: int) -> str:
     """The INT4 layout the engine uses for a model of `tensors` (as weight_bytes) on a CUDA device of `total` bytes
     with `free` free before loading: "dual" when the KV pool left with two packed copies (cuda_kv_budget_bytes) is
@@ -79,7 +120,7 @@ def choose_int4_layout(tensors: list[tuple[int, int | None]], dtype: torch.dtype
     (config.max_num_seqs sequences of `max_model_len` tokens, `per_block` bytes per KV block of config.block_size
     tokens); else "single" (GemLite alone: 0.5 byte per weight less, e.g. a Llama-3.1-70B fits an 80 GB H100).
     A model without INT4 weights gets "dual" (nothing to choose)."""
-    if all(group is None for _, group in tensors):
+    if all(HeldWeight(*t).group is None for t in tensors):
         return "dual"
     pools = {layout: cuda_kv_budget_bytes(total, free, config, vocab_size, per_block,
                                           weight_bytes(tensors, dtype, "cuda", layout)) for layout in INT4_CUDA_COPIES}
@@ -106,7 +147,7 @@ def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch
 
     free, total = torch.cuda.mem_get_info(device)
 
-    def choose(cfg: ModelConfig, tensors: list[tuple[int, int | None]]) -> str:
+    def choose(cfg: ModelConfig, tensors: list[tuple]) -> str:
         max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * config.block_size
         return choose_int4_layout(tensors, dtype, total, free, config, cfg.vocab_size, per_block, max_len)

@@ -26,8 +26,8 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 def loaded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """{our parameter name: fp32 weight} of a model as loaded (before LLMEngine releases its INT4 sources and packs
     it): Int4Linear / Int8Linear weights dequantized from what they hold, every expert's module stacked back into
-    [E, out, in] (gate/up split), fused Q/K/V and gate/up (INT8 loads fuse first) split into their parts, plain
-    parameters as they are."""
+    [E, out, in] (gate/up split; the grouped INT4 kernel's stacks dequantized), fused Q/K/V and gate/up (INT8 loads
+    fuse first) split into their parts, plain parameters as they are."""
     from engine.layers.moe import GroupedExperts
     from engine.model.tensor_names import split_fused
     from engine.quant.int4_linear import Int4Linear
@@ -42,10 +42,14 @@ def loaded_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         if ".packed_" not in name and not name.endswith(".inner") and isinstance(
                 getattr(m, "inner", m), Int4Linear | Int8Linear):
             out[f"{name}.weight"] = weight(m)
-        elif isinstance(m, GroupedExperts) and m.gemms is not None:
-            gate_up = torch.stack([weight(g) for g in m.gemms[0]])
+        elif isinstance(m, GroupedExperts) and (m.gemms is not None or m.int4 is not None):
+            if m.gemms is not None:
+                gate_up = torch.stack([weight(g) for g in m.gemms[0]])
+                down = torch.stack([weight(d) for d in m.gemms[1]])
+            else:  # the grouped INT4 kernel's stacks alone (GroupedExperts.set_int4)
+                gate_up, down = (w.dequantize() for w in m.int4)
             out[f"{name}.gate_proj.weight"], out[f"{name}.up_proj.weight"] = gate_up.split(m.intermediate_size, 1)
-            out[f"{name}.down_proj.weight"] = torch.stack([weight(d) for d in m.gemms[1]])
+            out[f"{name}.down_proj.weight"] = down
     for key in [k for k in out if ".gate_up_proj." in k and ".experts." not in k]:  # a fused MLP / shared expert
         stem, _, suffix = key.partition(".gate_up_proj.")
         out[f"{stem}.gate_proj.{suffix}"], out[f"{stem}.up_proj.{suffix}"] = out.pop(key).chunk(2)

@@ -102,7 +102,8 @@ def test_int4_experts_equal_torch_on_the_dequantized_weights_in_fp32(group_size:
     out = fused_experts_int4(x, gate_up, down, ids, weights, SMALL)
     assert out.shape == (tokens, HIDDEN) and out.dtype == torch.float32 and out.device == x.device
     ref = _reference(x, gate_up, down, ids, weights)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if INTERPRET else 3e-5  # compiled: tl.dot sums its K tiles in another order (1.3e-5 seen on an H200)
+    torch.testing.assert_close(out.cpu(), ref, rtol=tol, atol=tol)
     assert ref.abs().max() > 0.5  # the experts did something
     # the dense kernel on the dequantized weights: the same products, the same order
     dense = fused_experts(x, gate_up.dequantize().to(DEVICE), down.dequantize().to(DEVICE), ids, weights, SMALL)

@@ -8,7 +8,8 @@ work.
 
 The models: tests/engine/moe_models.py's tiny Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral, here with tied
 embeddings (a plain LM head: the INT4 fit of its 49k rows would cost seconds per load). fp32 on the CPU: INT4 runs
-dequantize-then-GEMM on exact weights, so HF on the dequantized weights is the same function.
+dequantize-then-GEMM on exact weights, so HF on the dequantized weights is the same function. On CUDA (the grouped
+INT4 kernel, CUDA graphs, the per-expert loop without Triton): test_moe_int4_cuda.py.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_models import chat_prompt_ids
 from llama_family_models import MAX_TOKENS, hf_argmax, hf_greedy
-from moe_models import FAMILIES, build_moe_families, hf_holding, write_moe_gguf
+from moe_models import FAMILIES, hf_holding, write_moe_gguf
 from moe_quant_models import loaded_weights, w8a8_activations
 from torch import nn
 
@@ -37,15 +37,14 @@ ENGINE = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_num_
 T = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
-    """{family: (HF model fp32, HF folder, GGUF file)}, tied embeddings."""
-    return build_moe_families(tmp_path_factory.mktemp("moe-q"), gguf_path, hf_tok, tie=True)
+@pytest.fixture
+def moe(moe_tied: dict[str, tuple]) -> dict[str, tuple]:
+    return moe_tied
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(hf_tok, gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[list[int]]:
-    return chat_prompt_ids(hf_tok, gsm8k_questions, alpaca_instructions, 8)
+@pytest.fixture
+def prompt_ids(moe_prompt_ids: list[list[int]]) -> list[list[int]]:
+    return moe_prompt_ids
 
 
 def _generate(loaded, prompt_ids: list[list[int]]) -> tuple[list[list[int]], dict[str, torch.Tensor], LLMEngine]:
@@ -181,11 +180,15 @@ def test_q4_k_experts_map_exactly() -> None:
                                                                                        alone.zeros)
 
 
-def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: str, tmp_path) -> None:
+def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: str, tmp_path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The fit check's weight bytes (from headers only) are those of the state the loader builds, padding aside: INT4
-    experts on load from an HF folder, Q4_0 GGUF experts kept under auto (beside plain F32 ones)."""
+    experts on load from an HF folder, Q4_0 GGUF experts kept under auto (beside plain F32 ones). On a (simulated)
+    CUDA device the experts count once with their scales as stored (fp32 from GGUF, bf16 quantized on load) where
+    the grouped INT4 kernel holds them, and as the layout's per-expert copies under TOKENMILL_TRITON_MOE=0."""
+    import jobs.model_fit
     from engine.quant.handler import held_tensors
-    from engine.worker.memory_fit import weight_bytes
+    from engine.worker.memory_fit import grouped_int4_experts_expected, weight_bytes
     from jobs.model_fit import model_fit
     from jobs.preflight import model_context
 
@@ -194,16 +197,32 @@ def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: st
     write_moe_gguf(path, "qwen2_moe", folder, gguf_path, expert_type=T.Q4_0)
     for model, mode in ((folder, "int4"), (path, "auto"), (path, "int4")):
         cfg, state = read_state(str(model), mode, GROUP)
-        fit = model_fit(str(model), EngineConfig(device="cpu", dtype="float32", quantization=mode,
-                                                 int4_group_size=GROUP), model_context(str(model)))
+
+        def fit(device: str, model: object = model, mode: str = mode) -> object:
+            return model_fit(str(model), EngineConfig(device=device, dtype="float32", quantization=mode,
+                                                      int4_group_size=GROUP), model_context(str(model)))
+
         # the header-only count leaves out INT4's padding columns (K rounded up to the group: 48 -> 64 here)
-        held = [(w.num_experts * w.out_features * w.in_features, w.group_size) if isinstance(w, StackedInt4) else
-                (w.out_features * w.in_features, w.group_size) if isinstance(w, Int4Weight) else
-                (w.numel(), None) for w in state.values()]
-        assert fit.model_bytes == weight_bytes(held, "float32", "cpu"), (model, mode)
-        assert weight_bytes(held_tensors(cfg, state), "float32", "cpu") - fit.model_bytes < 0.01 * fit.model_bytes
+        held = [(w.num_experts * w.out_features * w.in_features, w.group_size, True, w.scales.element_size())
+                if isinstance(w, StackedInt4) else (w.out_features * w.in_features, w.group_size)
+                if isinstance(w, Int4Weight) else (w.numel(), None) for w in state.values()]
+        cpu = fit("cpu")
+        assert cpu.model_bytes == weight_bytes(held, "float32", "cpu"), (model, mode)
+        assert weight_bytes(held_tensors(cfg, state), "float32", "cpu") - cpu.model_bytes < 0.01 * cpu.model_bytes
         int4 = {name for name, w in state.items() if isinstance(w, StackedInt4)}
         assert len(int4) == (4 if mode == "auto" else 6), (model, mode)
+        with monkeypatch.context() as m:
+            m.setattr(jobs.model_fit, "resolve_device", lambda device: jobs.model_fit.Device("cuda", 0))
+            m.setattr(jobs.model_fit, "_cuda_memory", lambda index: (80 << 30, 80 << 30, "NVIDIA H100 80GB HBM3"))
+            grouped = fit("cuda")
+            assert grouped.model_bytes == weight_bytes(held, "float32", "cuda", grouped.int4_layout), (model, mode)
+            padded = weight_bytes(held_tensors(cfg, state), "float32", "cuda", grouped.int4_layout)
+            assert padded - grouped.model_bytes < 0.01 * grouped.model_bytes
+            m.setenv("TOKENMILL_TRITON_MOE", "0")
+            loop = fit("cuda")
+            assert loop.model_bytes == weight_bytes(held, "float32", "cuda", loop.int4_layout, grouped_experts=False)
+            if grouped_int4_experts_expected("cuda") and grouped.int4_layout == loop.int4_layout == "dual":
+                assert loop.model_bytes > grouped.model_bytes, (model, mode)
 
 
 def test_tokenmill_quantize_of_a_moe_model(moe, prompt_ids, tmp_path) -> None:
@@ -242,44 +261,3 @@ def test_int4_experts_in_bf16_follow_fp32() -> None:
             outs[dtype] = experts(x.to(dtype), ids, weights.to(dtype)).float()
     cos = torch.nn.functional.cosine_similarity(outs[torch.bfloat16], outs[torch.float32], dim=-1)
     assert cos.min().item() > 0.999
-
-
-@pytest.mark.gpu
-def test_int4_experts_on_cuda(moe, prompt_ids) -> None:
-    """On CUDA the stacked INT4 weights stay on the device (GroupedExperts.int4_experts: the grouped kernel's
-    operand) and the per-expert loop runs without CUDA graphs: in fp32 under layout "single" (dequantize over views of
-    the stacked weights) greedy tokens are HF's on the dequantized weights; in bf16 "dual" serves small row counts
-    by tinygemm, "single" by the dequantize path, and both blocks' outputs agree within bf16 rounding."""
-    from engine.layers.moe import route
-    from engine.loading.quantized import read_model_state
-    from engine.quant.handler import build_model
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    cuda = torch.device("cuda")
-    model, folder, _ = moe["qwen3_moe"]
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(24, 64, generator=gen).to(cuda)
-    weights, ids = route(torch.randn(24, 8, generator=gen).to(cuda), 2, "softmax_topk", True)
-    block_out = {}
-    for dtype, layout in ((torch.float32, "single"), (torch.bfloat16, "dual"), (torch.bfloat16, "single")):
-        cfg, state, _ = read_model_state(str(folder), "int4", GROUP, dtype, cuda)
-        built = build_model(cfg, state, dtype, cuda, int4_layout=layout)
-        held = loaded_weights(built)
-        engine = LLMEngine(built, cfg, None, EngineConfig(device="cuda", dtype=str(dtype).removeprefix("torch."),
-                                                          num_kv_blocks=256, max_num_seqs=8), "moe", cuda, dtype)
-        experts = engine.runner.model.layers[0].mlp.experts
-        gate_up, down = experts.int4_experts()
-        assert gate_up.qweight.is_cuda and down.qweight.shape[0] == 8 and engine.runner.graphs is None
-        assert experts.gemms[0][0].kernel_for(1) == ("tinygemm" if layout == "dual" else "dequant")
-        outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        ours = [o.output_token_ids for o in outs]
-        with torch.no_grad():
-            block_out[(dtype, layout)] = experts(x.to(dtype), ids, weights.to(dtype)).float()
-        if dtype == torch.float32:
-            reference = hf_holding(model, {k: v.cpu() for k, v in held.items()})
-            assert hf_argmax(reference, prompt_ids, ours) == ours
-    for layout in ("dual", "single"):
-        cos = torch.nn.functional.cosine_similarity(block_out[(torch.bfloat16, layout)],
-                                                    block_out[(torch.float32, "single")], dim=-1)
-        assert cos.min().item() > 0.999, layout
