@@ -4,6 +4,7 @@ Usage:
     python -m bench.job_vs_engine --rows 256 --max-tokens 64
     python -m bench.job_vs_engine --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96   # issue 45 item 8
     python -m bench.job_vs_engine ... --job-env GOMP_SPINCOUNT=10000 --job-env OMP_WAIT_POLICY=PASSIVE
+    python -m bench.job_vs_engine --rows 384 --start 900 --rows-per-shard 48 --max-tokens 96 --pairs 3
 
 Runs `tokenmill run` (a subprocess, as a user would: embedded LocalCluster, one worker, one shard, default engine
 settings, chat template, greedy) on --rows GSM8K test questions from row --start (one shard, or --rows-per-shard
@@ -18,8 +19,10 @@ spin settings), all before the one engine-alone run they are compared with.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,14 +44,47 @@ def main() -> None:
     ap.add_argument("--rows-per-shard", type=int, default=None, help="default: all rows in one shard")
     ap.add_argument("--job-env", action="append", default=None,
                     help="KEY=VALUE[,KEY=VALUE...] for one job run ('-': none); repeat for more runs")
+    ap.add_argument("--engine-only-data", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--pairs", type=int, default=1, help="job(s) then engine alone, this many times, alternating")
+    ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.engine_only:  # the engine-alone run, in its own process (main's subprocess): prints its JSON
+        print(json.dumps(engine_alone(Path(args.engine_only_data), args.max_tokens)))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="job-vs-engine-"))
     data = tmp / "in.parquet"
     pq.write_table(pq.read_table(data_file("gsm8k_test.parquet"), columns=["id", "question"]).slice(
         args.start, args.rows), data)
+    envs = args.job_env or ["-"]
+    ratios: dict[str, list[float]] = {env: [] for env in envs}
+    for pair in range(args.pairs):
+        jobs = [(env, *run_job(data, tmp / f"out{pair}-{i}", args, env)) for i, env in enumerate(envs)]
+        alone = run_engine_alone(data, args.max_tokens)
+        engine_rate = alone["tokens"] / alone["seconds"]
+        rows = [("engine alone (LLMEngine.generate)", alone["tokens"], alone["seconds"], engine_rate)]
+        for env, summary, job_wall in jobs:
+            job_tokens, label = summary["output_tokens"], "" if env == "-" else f" ({env})"
+            ratios[env].append(job_tokens / summary["device_s"] / engine_rate)
+            rows += [(f"tokenmill run{label}, billed device-seconds", job_tokens, summary["device_s"],
+                      job_tokens / summary["device_s"]),
+                     (f"tokenmill run{label}, wall from the command's start", job_tokens, job_wall,
+                      job_tokens / job_wall)]
+        print(f"pair {pair + 1}: {args.rows} GSM8K rows, max_tokens {args.max_tokens}, dtype {alone['dtype']}, "
+              f"threads {alone['threads']}, load average {os.getloadavg()[0]:.1f}")
+        print("| measure | output tokens | seconds | output tok/s | vs engine alone |")
+        print("|---|---|---|---|---|")
+        for name, tokens, seconds, rate in rows:
+            print(f"| {name} | {tokens:,} | {seconds:.2f} | {rate:.1f} | {rate / engine_rate:.0%} |")
+    if args.pairs > 1:
+        print("| job env | job / engine by billed device-seconds, per pair | median |")
+        print("|---|---|---|")
+        for env, rs in ratios.items():
+            print(f"| {env} | {', '.join(f'{r:.3f}' for r in rs)} | {statistics.median(rs):.3f} |")
 
-    jobs = [(env, *run_job(data, tmp / f"out{i}", args, env)) for i, env in enumerate(args.job_env or ["-"])]
 
+def engine_alone(data: Path, max_tokens: int) -> dict:
+    """LLMEngine.generate on `data`'s questions after a warm-up, with the job's one-worker thread count: its output
+    tokens, seconds, dtype and threads."""
     import torch
 
     from engine import LLMEngine, SamplingParams
@@ -60,24 +96,21 @@ def main() -> None:
     engine.generate(questions[:2], SamplingParams(max_tokens=4))  # warm-up (kernel build, first-call costs)
     engine.reset_prefix_cache()
     t0 = time.perf_counter()
-    outs = engine.generate(questions, SamplingParams(max_tokens=args.max_tokens))
-    engine_s = time.perf_counter() - t0
-    engine_tokens = sum(o.num_output_tokens for o in outs)
+    outs = engine.generate(questions, SamplingParams(max_tokens=max_tokens))
+    seconds = time.perf_counter() - t0
+    return {"tokens": sum(o.num_output_tokens for o in outs), "seconds": seconds, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads()}
 
-    engine_rate = engine_tokens / engine_s
-    rows = [("engine alone (LLMEngine.generate)", engine_tokens, engine_s, engine_rate)]
-    for env, summary, job_wall in jobs:
-        job_tokens, label = summary["output_tokens"], "" if env == "-" else f" ({env})"
-        rows += [(f"tokenmill run{label}, billed device-seconds", job_tokens, summary["device_s"],
-                  job_tokens / summary["device_s"]),
-                 (f"tokenmill run{label}, wall from the command's start", job_tokens, job_wall,
-                  job_tokens / job_wall)]
-    print(f"{args.rows} GSM8K rows, max_tokens {args.max_tokens}, dtype {engine.dtype}, "
-          f"threads {__import__('torch').get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
-    print("| measure | output tokens | seconds | output tok/s | vs engine alone |")
-    print("|---|---|---|---|---|")
-    for name, tokens, seconds, rate in rows:
-        print(f"| {name} | {tokens:,} | {seconds:.2f} | {rate:.1f} | {rate / engine_rate:.0%} |")
+
+def run_engine_alone(data: Path, max_tokens: int) -> dict:
+    """engine_alone in a fresh process (as each job is one): this machine's environment, libgomp's default wait
+    policy unless the caller's environment sets one. Exits when it fails."""
+    cmd = [sys.executable, "-m", "bench.job_vs_engine", "--engine-only", "--engine-only-data", str(data),
+           "--max-tokens", str(max_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"the engine-alone run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_job(data: Path, out: Path, args: object, env: str) -> tuple[dict, float]:

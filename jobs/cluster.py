@@ -262,7 +262,10 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
 
     watcher = threading.Thread(target=watch, name="tokenmill-run-watch", daemon=True)
     watcher.start()
-    pending = as_completed([submit(s, 0) for s in todo])
+    # NOTE: as_completed tracks the futures on the loop it is given, else on the *default* client's loop (the client
+    # of the innermost `with Client()` of this thread's context, even a closed one, or else the newest client): a
+    # loop that is not this client's may never wake for these futures, and the wait never ends. Always our client's.
+    pending = as_completed([submit(s, 0) for s in todo], loop=client.loop)
     cancelled_queue = False
     try:
         for fut in pending:

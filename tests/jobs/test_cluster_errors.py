@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from distributed import Client, LocalCluster
 from gsm8k_rows import write_gsm8k
+from hang_guard import hang_guard
 
 import jobs.cluster
 from jobs.cluster import RunContext, _gather
@@ -26,6 +27,16 @@ def client() -> Any:
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster, \
             Client(cluster) as c:
         yield c
+
+
+HANG_GUARD_S = 120  # a hang guard only: each gather here ends in about a second
+
+
+def _stuck(client: Client) -> str:
+    """What the scheduler and the client know of the run's tasks (in-process: read directly, the event loop may be
+    what is stuck)."""
+    states = {key: ts.state for key, ts in list(client.cluster.scheduler.tasks.items())}
+    return f"_gather; the scheduler's tasks: {states}; the client's futures: {dict(client.futures)}"
 
 
 def _gather_raising(error: BaseException, client: Client, data_dir: Path, tmp_path: Path,
@@ -45,7 +56,8 @@ def _gather_raising(error: BaseException, client: Client, data_dir: Path, tmp_pa
     with Lease(out) as lease:
         run = RunContext(out, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
                          JobProgress(f"errors-{tmp_path.name}", None), lease)
-        _gather(client, manifest.shards(), run, "unused", None, keeper=None)
+        with hang_guard(HANG_GUARD_S, lambda: _stuck(client)):
+            _gather(client, manifest.shards(), run, "unused", None, keeper=None)
     return summary
 
 
@@ -63,3 +75,15 @@ def test_a_bug_in_the_task_fails_the_run_not_a_shard(
         client: Client, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TypeError, match="a bug"):
         _gather_raising(TypeError("a bug"), client, data_dir, tmp_path, monkeypatch)
+
+
+def test_the_wait_is_on_the_submitting_clients_loop_whatever_the_default_client(
+        client: Client, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose default client is another one (here a closed client made current, whose loop no longer runs:
+    as_completed without a loop tracks the futures there, and waited forever) still gathers on its own client."""
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as other_cluster:
+        other = Client(other_cluster, set_as_default=False)
+        other.close()
+    with other.as_current():
+        summary = _gather_raising(RuntimeError("the engine failed to load"), client, data_dir, tmp_path, monkeypatch)
+    assert len(summary.failed) == 2 and summary.shards_ok == 0

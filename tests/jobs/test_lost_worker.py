@@ -10,10 +10,8 @@ Before the keeper, both runs below waited for a worker forever; the hang guard f
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 from distributed import get_worker
 from distributed.core import Status
 from gsm8k_rows import write_gsm8k
+from hang_guard import hang_guard
 
 import jobs.cluster
 from engine import EngineConfig
@@ -36,22 +35,6 @@ from pipeline.input import Shard
 from pipeline.manifest import pin_manifest
 
 HANG_GUARD_S = 180  # a hang guard only: the run ends in seconds once a worker is back
-
-
-@contextlib.contextmanager
-def hang_guard(seconds: int) -> Iterator[None]:
-    """Fail the test (an exception raised in the main thread, which the run's `finally` blocks clean up after) if
-    the block is still running after `seconds`: pytest-timeout's signal method, for one block."""
-    def fail(_signum: int, _frame: Any) -> None:
-        pytest.fail(f"still waiting after {seconds} s: the run lost its only worker for good")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _task(marker: str, how: str) -> Any:
@@ -86,7 +69,7 @@ def test_a_one_worker_run_replaces_a_worker_lost_for_good(how: str, data_dir: Pa
     monkeypatch.setattr(jobs.cluster, "WorkerKeeper", keeper)
     summary = JobSummary()
     with Lease(out) as lease, dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"}), \
-            hang_guard(HANG_GUARD_S):
+            hang_guard(HANG_GUARD_S, lambda: "the run lost its only worker for good"):
         run = RunContext(out, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
                          JobProgress(f"lost-{how}", None), lease)
         run_on_cluster(manifest.shards(), run, None, EngineConfig(device="cpu"),
