@@ -262,9 +262,7 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
 
     watcher = threading.Thread(target=watch, name="tokenmill-run-watch", daemon=True)
     watcher.start()
-    # NOTE: as_completed tracks the futures on the loop it is given, else on the *default* client's loop (the client
-    # of the innermost `with Client()` of this thread's context, even a closed one, or else the newest client): a
-    # loop that is not this client's may never wake for these futures, and the wait never ends. Always our client's.
+    # NOTE: without loop=, as_completed waits on the *default* client's loop (maybe a closed one): it never woke.
     pending = as_completed([submit(s, 0) for s in todo], loop=client.loop)
     cancelled_queue = False
     try:
