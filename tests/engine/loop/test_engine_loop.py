@@ -121,8 +121,12 @@ def test_a_failed_step_reaches_every_submitter_and_the_loop_serves_on(loop: Engi
     method = "launch" if loop.engine.async_scheduling else "execute"
     real_run = getattr(runner, method)
     calls = [0]
+    both_in = threading.Event()
 
     def flaky(*args: object, **kwargs: object) -> object:
+        # The first step waits until both submissions are posted, so the third step (the one that fails) holds the
+        # rows of both, however fast this machine steps (a step may not outrun the second submit).
+        both_in.wait(timeout=60)
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("device lost")
@@ -131,6 +135,7 @@ def test_a_failed_step_reaches_every_submitter_and_the_loop_serves_on(loop: Engi
     setattr(runner, method, flaky)
     try:
         subs = [loop.submit(gsm8k_questions[:3], PARAMS), loop.submit(gsm8k_questions[3:6], PARAMS)]
+        both_in.set()
         for sub in subs:
             with pytest.raises(RuntimeError, match="device lost"):
                 sub.results()
