@@ -44,12 +44,11 @@ def main() -> None:
     ap.add_argument("--rows-per-shard", type=int, default=None, help="default: all rows in one shard")
     ap.add_argument("--job-env", action="append", default=None,
                     help="KEY=VALUE[,KEY=VALUE...] for one job run ('-': none); repeat for more runs")
-    ap.add_argument("--engine-only-data", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--pairs", type=int, default=1, help="job(s) then engine alone, this many times, alternating")
-    ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--engine-only", metavar="PARQUET", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.engine_only:  # the engine-alone run, in its own process (main's subprocess): prints its JSON
-        print(json.dumps(engine_alone(Path(args.engine_only_data), args.max_tokens)))
+    if args.engine_only:  # the engine-alone run on that file, in its own process (main's subprocess): prints its JSON
+        print(json.dumps(engine_alone(Path(args.engine_only), args.max_tokens)))
         return
     tmp = Path(tempfile.mkdtemp(prefix="job-vs-engine-"))
     data = tmp / "in.parquet"
@@ -105,7 +104,7 @@ def engine_alone(data: Path, max_tokens: int) -> dict:
 def run_engine_alone(data: Path, max_tokens: int) -> dict:
     """engine_alone in a fresh process (as each job is one): this machine's environment, libgomp's default wait
     policy unless the caller's environment sets one. Exits when it fails."""
-    cmd = [sys.executable, "-m", "bench.job_vs_engine", "--engine-only", "--engine-only-data", str(data),
+    cmd = [sys.executable, "-m", "bench.job_vs_engine", "--engine-only", str(data),
            "--max-tokens", str(max_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if proc.returncode != 0:
