@@ -1,7 +1,8 @@
 """Ctrl-C (SIGINT), SIGTERM, SIGHUP (a closed terminal, a dying ssh session) and SIGQUIT (Ctrl-\\) to `tokenmill run`
-/ `submit`: stop the job cleanly instead of dying mid-commit. SIGHUP is left alone where it is ignored (`nohup
-tokenmill run ...`). SIGQUIT is taken as SIGTERM, not as Python's default (a core-dumping exit that drains nothing
-and leaves the lease held): nobody sends it to get a half-committed job.
+/ `submit`: stop the job cleanly instead of dying mid-commit. A signal ignored when the run starts stays ignored
+(SIGHUP under `nohup tokenmill run ...`; SIGINT and SIGQUIT in a script's background job, `tokenmill run ... &`).
+SIGQUIT is taken as SIGTERM, not as Python's default (a core-dumping exit that drains nothing and leaves the lease
+held): nobody sends it to get a half-committed job.
 
 The first signal takes the path of `tokenmill cancel`: it commits OUTPUT/_CANCEL, so running shards commit their
 finished rows and stop, and queued ones do not start; the run then returns as a cancelled one, releasing its lease.
@@ -81,7 +82,7 @@ class ClientInterrupt:
     def __enter__(self) -> ClientInterrupt:
         if threading.current_thread() is threading.main_thread():
             for s in HANDLED:
-                if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                if signal.getsignal(s) is not signal.SIG_IGN:  # nohup's SIGHUP, a background job's SIGINT, SIGQUIT
                     self._previous[s] = signal.signal(s, self._handle)
         return self
 

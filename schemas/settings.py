@@ -14,6 +14,7 @@ from pathlib import Path
 
 # engine
 WEIGHTS_CACHE = "TOKENMILL_WEIGHTS_CACHE"  # 0: never cache a GGUF's dequantized weights (engine.loading.loader)
+WEIGHTS_CACHE_GB = "TOKENMILL_WEIGHTS_CACHE_GB"  # the weights cache's size limit, GB (engine.loading.weights_cache)
 CACHE_DIR = "TOKENMILL_CACHE_DIR"  # tokenmill's cache folder (engine.text.tokenizer.cache_root)
 CPU_KERNELS = "TOKENMILL_CPU_KERNELS"  # 0: no C++ CPU kernels (engine.kernels.cpu_kernels)
 TRITON_FUSED = "TOKENMILL_TRITON_FUSED"  # 0: no fused Triton kernels (engine.kernels.triton_fused)
@@ -69,6 +70,21 @@ def env_seconds(name: str, default: float, *, allow_zero: bool = False) -> float
     if not (value >= 0 if allow_zero else value > 0):
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'} seconds, got {raw!r}")
     return value
+
+
+def env_gigabytes(name: str, default: float) -> int:
+    """Bytes from a size in GB (10^9 bytes) in environment variable `name` (unset or blank: `default` GB). Raises
+    ValueError naming the variable for a non-number or a value < 0."""
+    raw = env_text(name)
+    if raw is None:
+        return int(default * 1e9)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a size in GB, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0 GB, got {raw!r}")
+    return int(value * 1e9)
 
 
 def cache_dir() -> Path:

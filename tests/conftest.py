@@ -17,24 +17,39 @@ import os
 # spinning OpenMP threads made engine tests 3-4x slower there.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+RUN_CACHE = "TOKENMILL_TEST_RUN_CACHE"  # the run's cache folder, which the controller removes at the end
 DATA_DIR = Path(os.environ.get("TOKENMILL_DATA_DIR", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) each test process gets its share of the cores
-    for torch (and, through OMP_NUM_THREADS, the processes it starts): two processes of two OpenMP threads each on
-    2 cores would wait on each other at every parallel region."""
+    """The run's own tokenmill cache, and the cores shared out.
+
+    TOKENMILL_CACHE_DIR: one fresh folder per run (made by the controller, inherited by the xdist workers and the
+    processes the tests start), removed at the end: the suite's random-weight models are new files every run, and
+    their weights-cache entries went to the user's ~/.cache/tokenmill, 620 of them (26 GB) in a day, until a CI
+    run found the disk full. Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) each test process gets its
+    share of the cores for torch (and, through OMP_NUM_THREADS, the processes it starts): two processes of two
+    OpenMP threads each on 2 cores would wait on each other at every parallel region."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[RUN_CACHE] = os.environ["TOKENMILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenmill-test-cache-")
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         threads = max(1, (os.cpu_count() or 1) // int(workers))
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(RUN_CACHE):
+        shutil.rmtree(os.environ.pop(RUN_CACHE), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,12 @@
 """The weights cache: a GGUF file's dequantized weights in one dtype, stored once per machine as safetensors with
 the config (engine.loading.loader.read_gguf_state reads and writes it), so a worker's start-up skips GGUF parsing;
 and a quantized HF folder's layers as loaded (INT4 repacked, act-order permuted, INT8 as stored;
-engine.loading.stored_cache), so a second load skips the conversion."""
+engine.loading.stored_cache), so a second load skips the conversion.
+
+Bounded: its entries stay under TOKENMILL_WEIGHTS_CACHE_GB (default 64 GB) and a new entry leaves 5% of its disk
+(at least 2 GB) free; room is made by removing the least recently used entries (a read marks an entry used), and
+an entry that cannot fit is not written (the model still loads, from its files). Keys change with the model file,
+the dtype, torch and the cache format, so without a bound every re-download or upgrade left a full copy behind."""
 
 from __future__ import annotations
 
@@ -28,6 +33,13 @@ log = logging.getLogger(__name__)
 #: model's stacked expert weights' blocks too.
 WEIGHTS_CACHE_FORMAT = 4
 
+#: The cache's size limit when TOKENMILL_WEIGHTS_CACHE_GB is unset, GB.
+DEFAULT_LIMIT_GB = 64.0
+#: What a new entry leaves free on the cache's disk: this share of the disk, and at least RESERVE_MIN_BYTES.
+RESERVE_SHARE, RESERVE_MIN_BYTES = 0.05, 2 * 10**9
+#: A writer's temporary folder this old (seconds) is a crashed writer's: removed when room is made.
+STALE_TMP_S = 3600.0
+
 
 def weights_cache_dir(path: str, dtype: torch.dtype, files: list[str] | None = None, variant: str = "") -> Path:
     """The cache folder of the model at `path` read into `dtype`: a GGUF file, or a model folder whose `files` (its
@@ -46,7 +58,9 @@ def weights_cache_dir(path: str, dtype: torch.dtype, files: list[str] | None = N
 
 
 def weights_cache_enabled() -> bool:
-    """False when TOKENMILL_WEIGHTS_CACHE=0 turns the weights cache off."""
+    """False when TOKENMILL_WEIGHTS_CACHE=0 turns the weights cache off. Raises ValueError for a bad
+    TOKENMILL_WEIGHTS_CACHE or TOKENMILL_WEIGHTS_CACHE_GB (read here, before a load's work, not only at its end)."""
+    settings.env_gigabytes(settings.WEIGHTS_CACHE_GB, DEFAULT_LIMIT_GB)
     return settings.env_flag(settings.WEIGHTS_CACHE)
 
 
@@ -66,6 +80,7 @@ def read_weights_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
     if not (folder / "model.safetensors").is_file():
         return None
     try:
+        os.utime(folder)  # used now: the last entry least-recently-used eviction takes
         cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
         return cfg, load_file(folder / "model.safetensors")
     except Exception as e:  # a damaged entry: rebuild it from the model file
@@ -83,6 +98,8 @@ def write_weights_cache(folder: Path, cfg: ModelConfig, state: dict[str, torch.T
 
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        if not make_room(folder.parent, sum(t.numel() * t.element_size() for t in state.values())):
+            return
         tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-")
         try:
             Path(tmp, "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
@@ -93,3 +110,43 @@ def write_weights_cache(folder: Path, cfg: ModelConfig, state: dict[str, torch.T
             shutil.rmtree(tmp, ignore_errors=True)
     except (OSError, TypeError, ValueError) as e:  # also a config value JSON cannot hold: no cache, same model
         log.warning("weights cache not written at %s (%s: %s)", folder, type(e).__name__, e)
+
+
+def _size(entry: Path) -> int:
+    return sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+
+
+def make_room(root: Path, nbytes: int) -> bool:
+    """Remove the least recently used entries under the cache folder `root` until a new entry of `nbytes` bytes
+    keeps the entries under TOKENMILL_WEIGHTS_CACHE_GB and leaves RESERVE_SHARE of the disk (at least
+    RESERVE_MIN_BYTES) free. False, with a warning, when it cannot fit even with every entry gone (no entry is removed
+    then). Crashed writers' temporary folders go first. Raises ValueError for a bad TOKENMILL_WEIGHTS_CACHE_GB."""
+    import time
+
+    limit = settings.env_gigabytes(settings.WEIGHTS_CACHE_GB, DEFAULT_LIMIT_GB)
+    entries = []
+    for entry in root.iterdir():
+        try:
+            st = entry.stat()
+            if entry.name.startswith(".tmp-"):
+                if time.time() - st.st_mtime > STALE_TMP_S:
+                    shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_dir():
+                entries.append((st.st_mtime, _size(entry), entry))
+        except OSError:  # removed meanwhile by another worker
+            continue
+    disk = shutil.disk_usage(root)
+    reserve = max(RESERVE_MIN_BYTES, int(RESERVE_SHARE * disk.total))
+    total, free = sum(size for _, size, _ in entries), disk.free
+    if nbytes > limit or nbytes > free + total - reserve:
+        log.warning("weights cache not written: the entry (%.3g GB) does not fit under TOKENMILL_WEIGHTS_CACHE_GB "
+                    "(%.3g GB) while keeping %.3g GB of the disk of %s free; the model loads from its files each "
+                    "time", nbytes / 1e9, limit / 1e9, reserve / 1e9, root)
+        return False
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):  # least recently used first
+        if total + nbytes <= limit and free - nbytes >= reserve:
+            break
+        shutil.rmtree(entry, ignore_errors=True)
+        total, free = total - size, free + size
+        log.info("weights cache: removed the least recently used entry %s (%.2f GB) to make room", entry, size / 1e9)
+    return True

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,8 +53,9 @@ print(json.dumps({"streamed": streamed, "loaded": loaded, "tensors": n, "on_host
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[int], int]:
-    """(folder, shard sizes in bytes, model bytes) of the 3-shard checkpoint (module docstring)."""
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[int], int]]:
+    """(folder, shard sizes in bytes, model bytes) of the 3-shard checkpoint (module docstring); removed after the
+    module: 1.9 GB, the suite's largest folder, would otherwise stay until the run ends."""
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("sharded-llama")
@@ -96,7 +99,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[int]
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                      "weight_map": weight_map}))
     sizes = [os.path.getsize(folder / f) for f in sorted(set(weight_map.values()))]
-    return str(folder), sizes, total
+    yield str(folder), sizes, total
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -91,3 +91,39 @@ def test_open_gguf_reads_what_gguf_reader_reads(gguf_path: str) -> None:
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
         (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(slow.tensors, fast.tensors, strict=True))
+
+
+def test_the_cache_stays_under_its_limit_least_recently_used_out(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries of 4 MB under a 10 MB limit (TOKENMILL_WEIGHTS_CACHE_GB): the third write removes the entry least
+    recently read, not the oldest written; an entry over the limit is not written and removes nothing; stale
+    temporary folders of crashed writers go; a bad limit is one line naming the variable."""
+    import os
+    import time
+
+    from engine.loading.presets import preset_config
+    from engine.loading.weights_cache import read_weights_cache, weights_cache_enabled, write_weights_cache
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TOKENMILL_WEIGHTS_CACHE_GB", "0.010")
+    cfg, root = preset_config("tiny-smollm2"), tmp_path / "cache" / "weights"
+    state = {"w": torch.randn(1000, 1000)}  # 4 MB of fp32
+    a, b, c = root / "a", root / "b", root / "c"
+    write_weights_cache(a, cfg, state)
+    write_weights_cache(b, cfg, state)
+    past = time.time() - 100
+    os.utime(a, (past, past))
+    os.utime(b, (past + 10, past + 10))  # b written after a ...
+    stale = root / ".tmp-crashed"
+    stale.mkdir()
+    os.utime(stale, (past - 7200, past - 7200))
+    got = read_weights_cache(a)  # ... but a read since
+    assert got is not None and got[0] == cfg and torch.equal(got[1]["w"], state["w"])
+    write_weights_cache(c, cfg, state)
+    assert sorted(p.name for p in root.iterdir()) == ["a", "c"]  # b, the least recently used, and the stale folder
+    write_weights_cache(root / "big", cfg, {"w": torch.randn(3000, 1000)})  # 12 MB: over the limit
+    assert sorted(p.name for p in root.iterdir()) == ["a", "c"]
+    assert read_weights_cache(root / "big") is None
+    monkeypatch.setenv("TOKENMILL_WEIGHTS_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match="TOKENMILL_WEIGHTS_CACHE_GB must be a size in GB, got 'lots'"):
+        weights_cache_enabled()  # the loaders' first call, before any work
