@@ -10,6 +10,7 @@ the dtype, torch and the cache format, so without a bound every re-download or u
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -79,8 +80,9 @@ def read_weights_cache(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 
     if not (folder / "model.safetensors").is_file():
         return None
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache (a shared volume) is still read
         os.utime(folder)  # used now: the last entry least-recently-used eviction takes
+    try:
         cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
         return cfg, load_file(folder / "model.safetensors")
     except Exception as e:  # a damaged entry: rebuild it from the model file
