@@ -18,6 +18,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -38,6 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
     run found the disk full. Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`) each test process gets its
     share of the cores for torch (and, through OMP_NUM_THREADS, the processes it starts): two processes of two
     OpenMP threads each on 2 cores would wait on each other at every parallel region."""
+    # Signals as from a terminal: a process inherits an ignored signal through exec (nohup's SIGHUP, SIGINT and SIGQUIT
+    # in a script's background job) and `tokenmill run` rightly leaves an ignored signal alone (jobs.interrupt), so a
+    # test that signals a run would wait for a run that never hears it (the SIGQUIT test waited 600 s so).
+    for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGTERM):
+        if signal.getsignal(s) is signal.SIG_IGN:
+            signal.signal(s, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[RUN_CACHE] = os.environ["TOKENMILL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenmill-test-cache-")
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")

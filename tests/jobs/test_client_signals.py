@@ -29,9 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 600.0
 ROWS = 8  # three interrupted runs commit at least one row each and leave some
 MAX_TOKENS = 16
-AS_FROM_A_TERMINAL = ("import os, signal, sys; [signal.signal(s, signal.SIG_DFL) for s in "
-                      "(signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)]; "
-                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 @pytest.fixture()
@@ -51,12 +48,10 @@ def _args(rows: Path, out: Path) -> list[str]:
 def _interrupt(rows: Path, out: Path, env: dict[str, str], signum: int) -> str:
     """Start `tokenmill run`, its worker armed to hold the shard after its first finished row; send it `signum`
     once the hold has begun; return its stderr once it exited with 128 + signum and said how to go on."""
-    # As from a terminal: every signal it takes at its default disposition in the child. A test process started under
-    # nohup (SIGHUP), as a background job of a script (SIGINT, SIGQUIT) or by a runner that ignores them passes SIG_IGN
-    # down through exec, and `tokenmill run` rightly leaves an ignored signal alone (jobs.interrupt): the SIGQUIT test
-    # waited 600 s for a run that never heard it. SIG_DFL set before exec survives it.
+    # As from a terminal: every signal at its default disposition in the run (tests/conftest.py resets what the test
+    # process inherited ignored).
     claim = out.parent / f"hold-claim-{signal.Signals(signum).name}"
-    proc = subprocess.Popen([sys.executable, "-c", AS_FROM_A_TERMINAL, *_args(rows, out)[1:]],
+    proc = subprocess.Popen(_args(rows, out),
                             env={**env, **preload_env(claim, after_rows=1)}, cwd=out.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
