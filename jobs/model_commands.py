@@ -152,16 +152,15 @@ def _source(spec: str, default_columns: str) -> tuple[str, str]:
 def _read_texts(input: str, columns: str, limit: int | None = None) -> list[str]:
     """Texts of INPUT's comma-separated COLUMNS (joined by a newline per row). Raises ValueError for a missing
     column."""
-    import pyarrow.parquet as pq
-
     from pipeline.input import resolve_inputs
+    from pipeline.storage import parquet_file
 
     names = [c.strip() for c in columns.split(",") if c.strip()]
     fs, files = resolve_inputs(input)
     texts: list[str] = []
     for f in files:
         with fs.open(f, "rb") as fh:
-            table = pq.read_table(fh)
+            table = parquet_file(fh).read(use_threads=False)  # on this thread only (pipeline.storage.parquet_file)
         missing = [c for c in names if c not in table.column_names]
         if missing:
             raise ValueError(f"{f} has no column {missing[0]!r}; it has {table.column_names}")

@@ -287,11 +287,24 @@ def commit_table(fs: AbstractFileSystem, path: str, table: pa.Table) -> bool:
     return create_file(fs, path, table_bytes(table))
 
 
+def parquet_file(f: Any) -> pq.ParquetFile:
+    """A Parquet reader over the Python file object `f` (an fsspec file) that reads `f` on the calling thread only,
+    as long as its reads pass `use_threads=False` (`read`, `read_row_groups`).
+
+    pyarrow's defaults (pre_buffer, threads) read a Python file from Arrow's IO threads, and such a thread may drop
+    the last reference to the file's buffers after the read has returned; a process that exits then has that thread
+    ended inside C++ as it waits for the GIL (std::terminate: "terminate called without an active exception", a
+    `tokenmill run` aborted after its summary, exit -6; seen in a core dump). Footer-only reads (schema, metadata)
+    are on the calling thread either way."""
+    return pq.ParquetFile(f, pre_buffer=False)
+
+
 @retry_transient
 def read_table(fs: AbstractFileSystem, path: str, columns: list[str] | None = None) -> pa.Table:
-    """A committed Parquet object, or only `columns` of it (transient storage errors retried as in commit_table)."""
+    """A committed Parquet object, or only `columns` of it (transient storage errors retried as in commit_table),
+    read on the calling thread (`parquet_file`)."""
     with fs.open(path, "rb") as f:
-        return pq.read_table(f, columns=columns)
+        return parquet_file(f).read(columns=columns, use_threads=False)
 
 
 @retry_transient

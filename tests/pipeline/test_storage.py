@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import io
+import threading
 from pathlib import Path
 
 import fsspec
@@ -155,3 +157,61 @@ def test_reading_a_job_creates_no_folder(tmp_path: Path) -> None:
     assert root == str(out) and not fs.exists(root)
     assert read_manifest(str(out)) is None and read_model_pin(str(out)) is None
     assert not (tmp_path / "no").exists()
+
+
+class _ThreadSpyFile(io.RawIOBase):
+    """A Parquet file's bytes as a Python file object that records which threads read it."""
+
+    def __init__(self, data: bytes) -> None:
+        self._f, self.threads = io.BytesIO(data), set()
+
+    def _seen(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def readinto(self, b) -> int:  # type: ignore[no-untyped-def]
+        self._seen()
+        return self._f.readinto(b)
+
+    def seek(self, *args: int) -> int:
+        self._seen()
+        return self._f.seek(*args)
+
+    def tell(self) -> int:
+        self._seen()
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+def test_parquet_objects_and_input_row_groups_are_read_on_the_calling_thread_only(
+        data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow's defaults read a Python file from Arrow's IO threads (here: up to 7 of them), one of which may drop
+    the file's last buffer after the read returned; at the process's exit that thread is ended inside C++ (a core
+    dump of a `tokenmill run` aborted after its summary: std::terminate). Committed objects (read_table) and a
+    shard's input row groups (read_shard) are read on the caller's thread alone."""
+    import pipeline.shard_rows as shard_rows
+
+    buf = io.BytesIO()
+    pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]), buf,
+                   row_group_size=100)
+    files: list[_ThreadSpyFile] = []
+
+    def spy(*_args: object, **_kwargs: object) -> _ThreadSpyFile:
+        files.append(_ThreadSpyFile(buf.getvalue()))
+        return files[-1]
+
+    class SpyFs:
+        open = staticmethod(spy)
+
+    for _ in range(10):  # the IO threads' share varies from read to read: several reads, each must stay on this one
+        assert read_table(SpyFs(), "results.parquet", columns=["question"]).num_rows == 1319
+        assert read_table(SpyFs(), "results.parquet").num_columns == 2
+    monkeypatch.setattr(shard_rows, "open_pinned", spy)
+    shard = Shard("0-250", "in.parquet", "file:///in.parquet", 250, 750)
+    rows = shard_rows.read_shard(shard, "question", "id")
+    assert len(rows.prompts) == 500
+    assert {name for f in files for name in f.threads} == {threading.current_thread().name}
