@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,19 +124,28 @@ def set_threads(args: argparse.Namespace) -> None:
 def run_worker(module: str, args: Sequence[str], timeout: float | None) -> dict:
     """Run `python -m module *args RESULT` in a fresh interpreter (a benchmark's worker: one system, one
     configuration) and return the JSON object it wrote to RESULT (a temporary file, its last argument), or
-    {"status": "failed", "detail": ...} for a crash (its last line of output), a signal or a timeout."""
+    {"status": "failed", "detail": ...} for a crash (its last line of output), a signal or a timeout. The worker
+    runs in its own process group, killed whole on a timeout: a worker's server (llama-server) left running would
+    share the cores with every system measured after it."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
+    with subprocess.Popen([sys.executable, "-m", module, *args, str(result)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException as e:  # a timeout, or Ctrl-C to the benchmark (the group is not the terminal's)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            result.unlink(missing_ok=True)
+            if isinstance(e, subprocess.TimeoutExpired):
+                return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
+            raise
     try:
-        proc = subprocess.run([sys.executable, "-m", module, *args, str(result)], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
         if proc.returncode < 0:
             return {"status": "failed", "detail": f"killed by signal {-proc.returncode}"}
         if proc.returncode != 0 or not result.stat().st_size:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            tail = (stderr or stdout).strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
             return {"status": "failed", "detail": tail[0][:200]}
         return json.loads(result.read_text())
-    except subprocess.TimeoutExpired:
-        return {"status": "failed", "detail": f"timed out after {timeout:.0f} s"}
     finally:
         result.unlink(missing_ok=True)
