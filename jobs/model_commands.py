@@ -153,14 +153,14 @@ def _read_texts(input: str, columns: str, limit: int | None = None) -> list[str]
     """Texts of INPUT's comma-separated COLUMNS (joined by a newline per row). Raises ValueError for a missing
     column."""
     from pipeline.input import resolve_inputs
-    from pipeline.storage import parquet_file
+    from pipeline.storage import parquet_file, read_parquet
 
     names = [c.strip() for c in columns.split(",") if c.strip()]
     fs, files = resolve_inputs(input)
     texts: list[str] = []
     for f in files:
         with fs.open(f, "rb") as fh:
-            table = parquet_file(fh).read(use_threads=False)  # on this thread only (pipeline.storage.parquet_file)
+            table = read_parquet(parquet_file(fh))
         missing = [c for c in names if c not in table.column_names]
         if missing:
             raise ValueError(f"{f} has no column {missing[0]!r}; it has {table.column_names}")

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides
-from pipeline.storage import RETRY_ATTEMPTS, is_transient, parquet_file, retry_transient
+from pipeline.storage import RETRY_ATTEMPTS, is_transient, parquet_file, read_parquet, retry_transient
 
 
 class ShardError(RuntimeError):
@@ -44,7 +44,7 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
                      pinned: tuple[int, str] | None = None) -> tuple[pa.Table, int]:
     """The row groups of the shard's file that overlap its rows, and the file row of the first one; exactly the
     `pinned` (size, version) of the file when given (pipeline.input.open_pinned)."""
-    with open_pinned(shard.url, pinned) as f, parquet_file(f) as pf:  # read on this thread only
+    with open_pinned(shard.url, pinned) as f, parquet_file(f) as pf:
         names = pf.schema_arrow.names
         columns = [prompt_column] + ([id_column] if id_column in names else []) + row_option_columns(names)
         groups, first_row, offset = [], None, 0
@@ -54,8 +54,7 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
                 groups.append(g)
                 first_row = offset if first_row is None else first_row
             offset += n
-        table = pf.read_row_groups(groups, columns=columns, use_threads=False) if groups else \
-            pf.schema_arrow.empty_table()
+        table = read_parquet(pf, columns, groups) if groups else pf.schema_arrow.empty_table()
     return table, first_row or 0
 
 

@@ -288,8 +288,8 @@ def commit_table(fs: AbstractFileSystem, path: str, table: pa.Table) -> bool:
 
 
 def parquet_file(f: Any) -> pq.ParquetFile:
-    """A Parquet reader over the Python file object `f` (an fsspec file) that reads `f` on the calling thread only,
-    as long as its reads pass `use_threads=False` (`read`, `read_row_groups`).
+    """A Parquet reader over the Python file object `f` (an fsspec file) whose footer (schema, metadata) is read on
+    the calling thread; read its rows with `read_parquet`, which keeps them there too.
 
     pyarrow's defaults (pre_buffer, threads) read a Python file from Arrow's IO threads, and such a thread may drop
     the last reference to the file's buffers after the read has returned; a process that exits then has that thread
@@ -299,12 +299,21 @@ def parquet_file(f: Any) -> pq.ParquetFile:
     return pq.ParquetFile(f, pre_buffer=False)
 
 
+def read_parquet(pf: pq.ParquetFile, columns: list[str] | None = None,
+                 row_groups: list[int] | None = None) -> pa.Table:
+    """`columns` (None: all) of the row groups `row_groups` (None: all) of `pf` (a `parquet_file`), read on the
+    calling thread only (no Arrow threads: `parquet_file` says why)."""
+    if row_groups is None:
+        return pf.read(columns=columns, use_threads=False)
+    return pf.read_row_groups(row_groups, columns=columns, use_threads=False)
+
+
 @retry_transient
 def read_table(fs: AbstractFileSystem, path: str, columns: list[str] | None = None) -> pa.Table:
     """A committed Parquet object, or only `columns` of it (transient storage errors retried as in commit_table),
     read on the calling thread (`parquet_file`)."""
     with fs.open(path, "rb") as f:
-        return parquet_file(f).read(columns=columns, use_threads=False)
+        return read_parquet(parquet_file(f), columns)
 
 
 @retry_transient

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -123,8 +124,6 @@ def make_room(root: Path, nbytes: int) -> bool:
     keeps the entries under TOKENMILL_WEIGHTS_CACHE_GB and leaves RESERVE_SHARE of the disk (at least
     RESERVE_MIN_BYTES) free. False, with a warning, when it cannot fit even with every entry gone (no entry is removed
     then). Crashed writers' temporary folders go first. Raises ValueError for a bad TOKENMILL_WEIGHTS_CACHE_GB."""
-    import time
-
     limit = settings.env_gigabytes(settings.WEIGHTS_CACHE_GB, DEFAULT_LIMIT_GB)
     entries = []
     for entry in root.iterdir():
