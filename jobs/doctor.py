@@ -16,25 +16,27 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.kernels.cpu_features import cpu_flags, cpu_isa_cap
+
 # The CPU features that change which path the engine takes (engine.llm_engine, engine.quant.packed_linear,
 # engine.quant.int8_linear), in the spelling of /proc/cpuinfo.
 CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx_vnni",
                 "avx512_bf16", "avx_ne_convert", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(CPU model name, set of flags) from /proc/cpuinfo; ("", set()) where there is none (not Linux)."""
-    name, flags = "", set()
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(CPU model name, set of flags) from /proc/cpuinfo, the flags capped where ONEDNN_MAX_CPU_ISA sets a cap
+    (engine.kernels.cpu_features.cpu_flags); ("", empty) where there is none (not Linux)."""
+    name = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
+            if key.strip() == "model name":
                 name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
+                break
     except OSError:
         pass
-    return name or platform.processor() or platform.machine(), flags
+    return name or platform.processor() or platform.machine(), cpu_flags()
 
 
 def _version(dist: str) -> str | None:
@@ -111,7 +113,8 @@ def machine_report(model: str | None = None) -> dict[str, Any]:
         "cpu": {"model": cpu_model, "features": [f for f in CPU_FEATURES if f in flags], "cores": cores,
                 "threads_for_torch": torch.get_num_threads(),
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp spins at barriers)"),
-                "torch_capability": torch.backends.cpu.get_cpu_capability()},
+                "torch_capability": torch.backends.cpu.get_cpu_capability(),
+                "isa_cap": cpu_isa_cap()},
         "memory_gib": {"total": round(mem.total / 2**30, 1), "available": round(mem.available / 2**30, 1),
                        "available_to_process": round(memory_available_bytes() / 2**30, 1)},
         "gpus": gpus,

@@ -15,7 +15,8 @@ import subprocess
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.worker.host import CPU_KV_MEMORY_SHARE, cpu_flags_native_bf16, memory_available_bytes, nvidia_smi_gpus
+from engine.kernels.cpu_features import cpu_flags_native_bf16
+from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes, nvidia_smi_gpus
 from engine.worker.memory_fit import (
     GIB,
     MemoryFit,
@@ -62,7 +63,7 @@ def resolve_device(device: str) -> Device:
 
 def resolve_dtype(dtype: str, device: Device) -> str:
     """The run dtype's name engine.worker.device.resolve_dtype picks: an explicit name as given; "auto" is bfloat16
-    on CUDA and on a CPU with native bf16 (engine.worker.host.cpu_flags_native_bf16: the flags torch's probes
+    on CUDA and on a CPU with native bf16 (engine.kernels.cpu_features.cpu_flags_native_bf16: the flags torch's probes
     read), else float32."""
     if dtype != "auto":
         return dtype

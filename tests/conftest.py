@@ -61,7 +61,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(os.environ.pop(RUN_CACHE), ignore_errors=True)
 
 
+#: The test files whose path depends on the CPU kind (INT8 weights and kernels, bf16 packing, the dtype choice, the C++
+#: kernels' build, `tokenmill doctor`): marked cpu_kind, which `make test-cpu-kinds` (part of `make test` on a CPU with
+#: AVX-512) runs again as an AVX2-only CPU computes (ONEDNN_MAX_CPU_ISA=AVX2: engine/kernels/cpu_features.py).
+CPU_KIND_FILES = frozenset({
+    "engine/quant/test_int8.py", "engine/loading/test_hf_quantized.py", "engine/loading/test_hf_quantized_kernels.py",
+    "engine/loading/test_hf_quantized_moe.py", "engine/model/test_moe_quantized.py",
+    "engine/kernels/test_cpu_kernels.py", "engine/kernels/test_gguf_small_batch.py",
+    "engine/kernels/test_cpu_features.py", "jobs/test_model_fit.py", "jobs/test_doctor.py",
+})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if item.path.resolve().relative_to(here).as_posix() in CPU_KIND_FILES:
+            item.add_marker(pytest.mark.cpu_kind)
     gpu = pytest.mark.skip(reason="needs a CUDA device")
     quality = pytest.mark.skip(reason="a quality gate of about 10 minutes on 2 CPU cores: `make quality` runs it "
                                "(TOKENMILL_QUALITY_TESTS=1)")

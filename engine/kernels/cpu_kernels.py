@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from engine.kernels.cpu_features import cpu_flags, cpu_isa_cap
 from schemas import settings
 
 log = logging.getLogger(__name__)
@@ -38,18 +39,26 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
+    """The flags the build is keyed on: this CPU's, capped by ONEDNN_MAX_CPU_ISA (engine.worker.host.cpu_flags), or
+    the machine's name without /proc/cpuinfo."""
+    flags = cpu_flags()
+    return " ".join(sorted(flags)) if flags else os.uname().machine
+
+
+def _cflags() -> list[str]:
+    """CFLAGS, with -march for the capped kind instead of native under an ISA cap below AVX-512 or at AVX512_CORE
+    (x86-64-v3: AVX2 + FMA; x86-64-v4: AVX-512 F/BW/CD/DQ/VL), so an emulated smaller kind runs its own code."""
+    cap = cpu_isa_cap()
+    if cap is None or cap.startswith("AVX512_CORE_") or cap.startswith("AVX10"):
+        return CFLAGS
+    march = "-march=x86-64-v4" if cap == "AVX512_CORE" else "-march=x86-64-v3" if cap.startswith("AVX2") else \
+        "-march=x86-64-v2"
+    return [march if f == "-march=native" else f for f in CFLAGS]
 
 
 def cpu_has_avx512() -> bool:
     """True when this CPU has AVX-512F (the kernels' 16-lane vectors fill one register; on AVX2 they take two)."""
-    return "avx512f" in _cpu_flags().split()
+    return "avx512f" in cpu_flags()
 
 
 @functools.cache
@@ -63,14 +72,14 @@ def cpu_ops() -> ModuleType | None:
         # The path too: torch's build.ninja names the source by path, so two checkouts of one source sharing a name
         # would rebuild each other's module (about 30 s) every time a process of the other one loads it.
         digest.update(str(src).encode() + b"\0" + src.read_bytes())
-    digest.update(" ".join(CFLAGS + [torch.__version__, _cpu_flags()]).encode())
+    digest.update(" ".join(_cflags() + [torch.__version__, _cpu_flags()]).encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
     if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name, [str(s) for s in SOURCES], extra_cflags=CFLAGS, verbose=False)
+        return load(name, [str(s) for s in SOURCES], extra_cflags=_cflags(), verbose=False)
     except Exception as e:  # no compiler / ninja, or a build error: the torch path does the same work
         log.warning("tokenmill's CPU kernels could not be built (%s: %s); using the plain torch path, which is "
                     "slower. Install g++ and ninja (pip install ninja) to get them.", type(e).__name__,

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.cpu_features import cpu_flags_native_bf16, cpu_isa_cap
 from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes
 
 __all__ = ["CPU_KV_MEMORY_SHARE", "cpu_has_native_bf16", "cpu_kv_budget_bytes", "cpu_zeros", "device_name",
@@ -49,6 +50,8 @@ def device_name(device: torch.device) -> str:
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16: Intel Sapphire Rapids and later, AMD
     Zen 4 and later), so oneDNN's bf16 GEMMs run at 2-4x the fp32 rate; elsewhere bf16 is emulated and slower."""
+    if cpu_isa_cap() is not None:  # ONEDNN_MAX_CPU_ISA: a smaller kind emulated; torch's probes see the whole CPU
+        return cpu_flags_native_bf16()
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private probes, present since torch 2.3
     return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 

@@ -1,6 +1,7 @@
-"""What the machine offers, probed without torch: the memory this process may still take, whether the CPU computes
-bf16 natively, whether nvidia-smi lists a GPU. The engine (engine.worker.device) sizes its CPU KV pool from these;
-the CLI's fit check (jobs.model_fit) reads the same numbers in a client that never imports torch (issue 31).
+"""What the machine offers, probed without torch: the memory this process may still take and whether nvidia-smi lists
+a GPU (what the CPU computes natively: engine.kernels.cpu_features). The engine (engine.worker.device) sizes its CPU
+KV pool from these; the CLI's fit check (jobs.model_fit) reads the same numbers in a client that never imports torch
+(issue 31).
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ import psutil
 # share is a ceiling, not what a small batch holds; half leaves the rest for activations, logits and the page cache.
 CPU_KV_MEMORY_SHARE = 0.5
 _CGROUP = Path("/sys/fs/cgroup")
-_CPUINFO = Path("/proc/cpuinfo")
-#: /proc/cpuinfo flags of native bf16 arithmetic: AVX512-BF16 and AMX tiles (what torch.cpu's
-#: _is_avx512_bf16_supported / _is_amx_tile_supported report, engine.worker.device.cpu_has_native_bf16).
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_tile"})
 
 
 def _cgroup_headroom_bytes() -> int | None:
@@ -43,18 +40,6 @@ def memory_available_bytes() -> int:
     available = psutil.virtual_memory().available
     headroom = _cgroup_headroom_bytes()
     return available if headroom is None else min(available, headroom)
-
-
-def cpu_flags_native_bf16() -> bool:
-    """True when /proc/cpuinfo's flags name native bf16 arithmetic (NATIVE_BF16_FLAGS); False without the file
-    (not Linux). The engine asks torch (engine.worker.device.cpu_has_native_bf16); this is the same rule for a
-    process without torch."""
-    try:
-        text = _CPUINFO.read_text()
-    except OSError:
-        return False
-    flags = next((line.partition(":")[2].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
 
 
 def nvidia_smi_gpus() -> int:

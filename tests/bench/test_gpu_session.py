@@ -209,3 +209,16 @@ def test_the_carried_wheels_bring_what_they_need() -> None:
             if (req.marker is None or req.marker.evaluate(DEVICE_MARKERS)) and _norm(req.name) not in available:
                 missing.append(f"{dist} needs {req}")
     assert missing == [], "not on the device image nor in bench/gpu_prepare.sh's WHEELS: " + "; ".join(missing)
+
+
+def test_the_carried_wheels_are_the_locked_versions() -> None:
+    """Every wheel bench/gpu_prepare.sh carries is pinned in requirements.lock and fetched under it (pip -c), so the
+    device runs the versions the CPU suite was green with, and `make lock` moves both at once."""
+    from test_lock import LOCK, read_lock
+
+    locked = read_lock(LOCK)
+    assert [d for d in dry.carried_wheels() if _norm(d) not in locked] == []
+    text = dry.PREPARE.read_text()
+    for command in ("pip download", "pip wheel"):
+        line = text[text.index(command):text.index("\n", text.index("-c requirements.lock", text.index(command)))]
+        assert "-c requirements.lock" in line and "==" not in line, command

@@ -24,3 +24,21 @@ def ref(gguf_path: str):
 
     return load_model(gguf_path, torch.float32, torch.device("cpu"), quantization="none")
 
+
+
+@pytest.fixture(params=["this-cpu", "no-vnni"])
+def int8_qmax(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
+    """The largest |q| of int8 weights that the W8A8 kernel sums exactly, under which the test runs: this CPU's own
+    (engine.quant.int8_linear.int8_weight_qmax: 127 with VNNI), and 63, that of a CPU without VNNI (AVX2-only,
+    AVX512F-only), set through that one function, which the loading (stored W8A8 integers kept or dequantized),
+    `quantization int8` (7-bit weights) and the kernel all ask. So both kinds' paths run on every machine: on 7-bit
+    weights the kernel's int32 sums are exact on both kinds, so the arithmetic is the no-VNNI machine's. (`make
+    test-cpu-kinds` runs the marked tests as an AVX2 machine computes, with oneDNN's own kernels capped.) Skips where
+    torch has no oneDNN int8 ops."""
+    import engine.quant.int8_linear as int8_linear
+
+    if not int8_linear.int8_available():
+        pytest.skip("torch has no oneDNN int8 ops here")
+    if request.param == "no-vnni":
+        monkeypatch.setattr(int8_linear, "int8_weight_qmax", lambda: 63.0)
+    return int8_linear.int8_weight_qmax()

@@ -165,6 +165,23 @@ def hf_argmax(model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> l
     return out
 
 
+def assert_hf_greedy(model, prompt_ids: list[list[int]], outputs: list[list[int]], rel: float = 1e-3) -> None:
+    """Each token of `outputs` is HF's greedy choice given its prompt and the tokens before it (teacher-forced), or,
+    at one position in 100 at most, within `rel` (relative) of HF's largest logit there: a near tie that the
+    arithmetic's rounding flips. fp32 summed in other orders (CUDA's kernels, another CPU kind's GEMMs) moves a logit
+    by ~1e-4 relative; W8A8 activations rounded per token turn such a difference into a whole rounding step of one
+    input (a few 1e-3 seen: rel=5e-3 there); a wrong weight, bias or expert is off by tenths or units."""
+    near, total = 0, 0
+    with torch.no_grad():
+        for ids, seq in zip(prompt_ids, outputs, strict=True):
+            logits = model(torch.tensor([ids + seq])).logits[0, len(ids) - 1:-1]
+            best = logits.max(-1).values
+            gap = best - logits.gather(-1, torch.tensor(seq)[:, None])[:, 0]
+            assert bool((gap <= rel * best.abs().clamp(min=1.0)).all()), gap.max().item()
+            near, total = near + int((gap > 0).sum()), total + len(seq)
+    assert near <= total // 100, (near, total)
+
+
 def hf_generate(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     """HF `generate`'s greedy tokens (no EOS stop)."""
     import transformers

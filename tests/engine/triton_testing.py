@@ -1,9 +1,10 @@
 """What test_triton_attention.py and test_triton_fused.py share: the skip when no Triton backend can run their kernels,
 and the sm_90 (H100/H200) compile check in a fresh process without TRITON_INTERPRET (the interpreter checks no types,
 loop-carried values, tl.dot shapes, constexpr use or shared memory, the compiler does, and triton ships ptxas, so no
-GPU is needed). A compile that passed is remembered by the hash of everything it depends on (compiled_stamp), so it
-runs again only when a kernel's source, the script, its options or triton change: minutes of CPU once, not every
-run."""
+GPU is needed). A compile that passed is recorded in the repository (sm90_compiled/NAME.sha256 beside this file: the
+hash of everything it depends on, compiled_digest), so a clone runs it again only when a kernel's source, the script,
+its options or triton change: the check costs minutes of CPU once, on the machine that changed the kernel (which
+commits the new record with the change), not on every fresh clone or CI run."""
 
 from __future__ import annotations
 
@@ -68,10 +69,13 @@ def engine_sources(text: str, seen: set[Path] | None = None) -> set[Path]:
     return seen
 
 
-def compiled_stamp(script: str, options: dict[str, int], env: dict[str, str] | None = None) -> Path:
-    """Where a passed compile of `script` is remembered: a file named by the SHA-256 of the script, PRELUDE, the
-    options, `env`, triton's version and the engine sources the script imports (engine_sources), under
-    $XDG_CACHE_HOME (default ~/.cache)/tokenmill/sm90-compiled/."""
+#: Where passed compiles are recorded: one file per check, the compiled_digest of its last passed compile.
+STAMPS = Path(__file__).resolve().parent / "sm90_compiled"
+
+
+def compiled_digest(script: str, options: dict[str, int], env: dict[str, str] | None = None) -> str:
+    """The SHA-256 (hex) of a compile check: the script, PRELUDE, the options, `env`, triton's version and the engine
+    sources the script imports (engine_sources, by their paths relative to the repository and their bytes)."""
     import triton
 
     digest = hashlib.sha256()
@@ -80,23 +84,26 @@ def compiled_stamp(script: str, options: dict[str, int], env: dict[str, str] | N
         digest.update(part.encode() + b"\0")
     for path in sorted(engine_sources(script)):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "tokenmill" / "sm90-compiled" / digest.hexdigest()
+    return digest.hexdigest()
 
 
-def compile_for_sm90(script: str, options: dict[str, int], env: dict[str, str] | None = None) -> None:
+def compile_for_sm90(name: str, script: str, options: dict[str, int], env: dict[str, str] | None = None) -> None:
     """Run PRELUDE + `script` (which ends by printing "compiled") in a fresh Python at the repository root, with
     `options` the compile options of every kernel (num_warps, num_stages) and `env` added to the environment; fails
     the test with the compiler's error, skips where triton cannot target NVIDIA GPUs. Nothing runs when the same
-    compile passed before (compiled_stamp: same kernel sources, script, options and triton)."""
+    compile passed before (STAMPS/`name`.sha256 holds its compiled_digest: same kernel sources, script, options and
+    triton); a pass writes that record, to be committed with the kernel change that made it."""
     try:
         from triton.backends import backends
     except ImportError:
         pytest.skip("this triton has no backends registry")
     if "nvidia" not in backends:
         pytest.skip("triton was built without the NVIDIA backend")
-    stamp = compiled_stamp(script, options, env)
-    if stamp.is_file():
+    digest = compiled_digest(script, options, env)
+    import triton
+
+    stamp = STAMPS / f"{name}.sha256"
+    if stamp.is_file() and stamp.read_text().split()[:1] == [digest]:
         return
     full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
     prelude = f"DEFAULT_OPTIONS = {options!r}\n" + PRELUDE
@@ -104,4 +111,4 @@ def compile_for_sm90(script: str, options: dict[str, int], env: dict[str, str] |
                           text=True, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(proc.stdout)
+    stamp.write_text(f"{digest}  triton {triton.__version__}, passed the compile of {name}'s kernels for sm_90\n")

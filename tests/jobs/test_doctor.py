@@ -14,16 +14,24 @@ from jobs.doctor import CPU_FEATURES
 
 
 def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:
+    from engine.kernels.cpu_features import cpu_flags, cpu_flags_native_bf16, cpu_isa_cap
+
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # as a user's shell has it
     done = subprocess.run([sys.executable, "-m", "jobs.cli", "doctor", "--json"], capture_output=True, text=True,
                           timeout=600, check=False, env={**env, "COLUMNS": "160"})
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     report = json.loads(done.stdout)
     cpuinfo = Path("/proc/cpuinfo")
+    cap = cpu_isa_cap()  # ONEDNN_MAX_CPU_ISA: `make test-cpu-kinds` runs this as an AVX2-only CPU
+    assert report["cpu"]["isa_cap"] == cap
     if cpuinfo.is_file():
         flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+        if cap is not None:
+            assert cpu_flags() < flags
+            flags = set(cpu_flags())
         assert report["cpu"]["features"] == [f for f in CPU_FEATURES if f in flags]
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native_bf16 = (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()) if cap is None else (
+        cpu_flags_native_bf16())
     assert report["defaults"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert report["defaults"]["dtype"] == ("bfloat16" if torch.cuda.is_available() or native_bf16 else "float32")
     assert report["versions"]["torch"] == torch.__version__

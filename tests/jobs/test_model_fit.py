@@ -178,10 +178,10 @@ def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_quest
 def test_the_client_resolves_device_and_dtype_as_the_engine_does() -> None:
     """The client decides without torch (nvidia-smi, /proc/cpuinfo's flags) what the engine decides with it: the
     same device, the same run dtype, the same element sizes."""
+    from engine.kernels.cpu_features import cpu_flags_native_bf16
     from engine.worker.device import cpu_has_native_bf16
     from engine.worker.device import resolve_device as engine_device
     from engine.worker.device import resolve_dtype as engine_dtype
-    from engine.worker.host import cpu_flags_native_bf16
     from engine.worker.memory_fit import dtype_bytes
     from jobs.model_fit import resolve_device, resolve_dtype
 

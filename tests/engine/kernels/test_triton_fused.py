@@ -302,4 +302,4 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90() -> None:
-    compile_for_sm90(_COMPILE_SCRIPT, {"num_warps": 4})
+    compile_for_sm90("triton_fused", _COMPILE_SCRIPT, {"num_warps": 4})

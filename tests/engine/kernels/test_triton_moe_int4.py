@@ -188,4 +188,4 @@ print("compiled")
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    compile_for_sm90(_COMPILE_SCRIPT, {"num_warps": 4})
+    compile_for_sm90("triton_moe_int4", _COMPILE_SCRIPT, {"num_warps": 4})

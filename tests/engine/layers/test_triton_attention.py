@@ -299,7 +299,8 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90() -> None:
-    compile_for_sm90(_COMPILE_SCRIPT, {"num_warps": 4, "num_stages": 2}, {"TRITON_DEFAULT_FP_FUSION": "1"})
+    compile_for_sm90("triton_attention", _COMPILE_SCRIPT, {"num_warps": 4, "num_stages": 2},
+                     {"TRITON_DEFAULT_FP_FUSION": "1"})
 
 
 def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:

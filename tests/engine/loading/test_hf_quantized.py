@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("quant_cache_dir")
 @pytest.mark.parametrize("case", CASES)
 def test_weights_equal_the_reference_bit_for_bit(case: str, folders) -> None:
     from engine.loading.quantized import read_state
-    from engine.quant.int8_linear import int8_available
+    from engine.quant.int8_linear import int8_available, int8_weight_qmax
     from engine.quant.qparams import Int4Weight, Int8Weight
 
     folder, refs, _ = folders[case]
@@ -48,7 +48,9 @@ def test_weights_equal_the_reference_bit_for_bit(case: str, folders) -> None:
             stored = stored.dequantize()
         assert torch.equal(stored, ref), name
     expected = CASES[case][2]
-    if case == "ct-w8a8-int-quantized" and not int8_available():
+    if case == "ct-w8a8-int-quantized" and not (int8_available() and int8_weight_qmax() >= 127):
+        # per-channel symmetric scales put each row's largest weight at +-127: beyond what a CPU without VNNI sums
+        # exactly (63), so there the layers are dequantized exactly (both kinds: test_hf_quantized_kernels.py)
         expected = "none"
     assert kept == {kind: len(refs) if kind == expected else 0 for kind in kept}
 

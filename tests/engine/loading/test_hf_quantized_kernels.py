@@ -64,31 +64,42 @@ def _stored_int8(folder: Path, module: str) -> tuple[torch.Tensor, torch.Tensor]
         return f.get_tensor(f"{module}.weight"), f.get_tensor(f"{module}.weight_scale").float().reshape(-1)
 
 
-def test_w8a8_folder_runs_its_stored_int8_and_matches_hf_running_the_same_arithmetic(folders, prompt_ids) -> None:
-    """compressed-tensors int-quantized W8A8 (int8 weights per channel, int8 activations per token, dynamic) on the
-    CPU's INT8 kernel with the checkpoint's integers and scales as they are; greedy equals HF transformers on the
-    exactly dequantized weights with each projection's input quantized per token as the kernel does (s = max|x| /
-    127, round(x / s) * s; vLLM's dynamic per-token scheme) (teacher forcing, 16 prompts x 32 tokens)."""
-    from engine.quant.int8_linear import Int8Linear, int8_available
+def test_w8a8_folder_runs_as_the_cpu_can_and_matches_hf_running_the_same_arithmetic(folders, prompt_ids,
+                                                                                       int8_qmax: float) -> None:
+    """compressed-tensors int-quantized W8A8 (int8 weights per channel, int8 activations per token, dynamic), on both
+    CPU kinds (the int8_qmax fixture):
+    - where the int8 GEMM sums |q| <= 127 exactly (VNNI): the CPU's INT8 kernel with the checkpoint's integers and
+      scales as they are; greedy equals HF transformers on the exactly dequantized weights with each projection's
+      input quantized per token as the kernel does (s = max|x| / 127, round(x / s) * s; vLLM's dynamic per-token
+      scheme);
+    - elsewhere (63 without VNNI; the stored integers reach 127): every layer dequantized exactly, never re-rounded to
+      7 bits, the load saying why; greedy equals HF on those weights, activations unrounded.
+    Teacher forcing, 16 prompts x 32 tokens."""
+    from engine.quant.int8_linear import Int8Linear
 
-    if not int8_available():
-        pytest.skip("torch has no oneDNN int8 ops here")
     folder, _, reference = folders["ct-w8a8-int-quantized"]
     engine = LLMEngine.from_model(str(folder), EngineConfig(quantization="auto", **ENGINE))
     qkv = engine.runner.model.layers[1].self_attn.qkv_proj
-    assert isinstance(qkv, Int8Linear) and qkv.source is not None
-    parts = [_stored_int8(folder, f"model.layers.1.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
-    assert torch.equal(qkv.source.qweight, torch.cat([q for q, _ in parts]))
-    assert torch.equal(qkv.source.scale, torch.cat([s for _, s in parts]))
-    assert engine.quantization_loaded.endswith("14 layers INT8 as stored (W8A8), 0 dequantized exactly")
+    hooks = []
+    if int8_qmax >= 127:
+        assert isinstance(qkv, Int8Linear) and qkv.source is not None
+        parts = [_stored_int8(folder, f"model.layers.1.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(qkv.source.qweight, torch.cat([q for q, _ in parts]))
+        assert torch.equal(qkv.source.scale, torch.cat([s for _, s in parts]))
+        assert engine.quantization_loaded.endswith("14 layers INT8 as stored (W8A8), 0 dequantized exactly")
 
-    def per_token_int8(module, args):
-        x = args[0]
-        s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-        return (torch.round(x / s) * s,)
+        def per_token_int8(module, args):
+            x = args[0]
+            s = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+            return (torch.round(x / s) * s,)
 
-    hooks = [m.register_forward_pre_hook(per_token_int8) for name, m in reference.named_modules()
-             if name.rsplit(".", 1)[-1] in PROJECTIONS]
+        hooks = [m.register_forward_pre_hook(per_token_int8) for name, m in reference.named_modules()
+                 if name.rsplit(".", 1)[-1] in PROJECTIONS]
+    else:
+        assert not isinstance(qkv, Int8Linear)
+        assert engine.quantization_loaded.endswith(
+            "0 layers INT4 as stored, 14 dequantized exactly (int8 weights beyond this CPU's INT8 limit (|q| <= 63 "
+            "without VNNI): 14)")
     try:
         outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         ours = [o.output_token_ids for o in outs]
@@ -143,21 +154,25 @@ def test_modes_that_would_quantize_a_quantized_folder_again_are_refused(case: st
     check_quantization(folder, "none")
 
 
-def test_int8_mode_on_a_w8a8_folder_keeps_its_stored_integers(folders) -> None:
+def test_int8_mode_on_a_w8a8_folder_keeps_its_stored_integers_where_the_cpu_sums_them(folders,
+                                                                                        int8_qmax: float) -> None:
+    """`quantization int8` on a W8A8 folder never quantizes it a second time: its integers kept as stored where this
+    CPU's int8 GEMM sums them exactly (VNNI), else each layer dequantized exactly and the report says why."""
     from engine.loading.quantized import read_model_state
-    from engine.quant.int8_linear import int8_available
     from engine.quant.qparams import Int8Weight
     from jobs.preflight import check_quantization
 
-    if not int8_available():
-        pytest.skip("torch has no oneDNN int8 ops here")
     folder, refs, _ = folders["ct-w8a8-int-quantized"]
     check_quantization(str(folder), "int8")
     _, state, report = read_model_state(str(folder), "int8", 128)
     for module, ref in refs.items():
-        w = state[module.removeprefix("model.")]
-        assert isinstance(w, Int8Weight) and torch.equal(w.dequantize(), ref)
-    assert "14 layers INT8 as stored" in report
+        name = module.removeprefix("model.")
+        if int8_qmax >= 127:
+            assert isinstance(state[name], Int8Weight) and torch.equal(state[name].dequantize(), ref)
+        else:
+            assert name not in state and torch.equal(state[f"{name}.weight"], ref)
+    assert ("14 layers INT8 as stored" if int8_qmax >= 127 else
+            "14 dequantized exactly (int8 weights beyond this CPU's INT8 limit (|q| <= 63 without VNNI): 14)") in report
 
 
 def test_the_load_report_names_what_was_dequantized_and_why(folders) -> None:

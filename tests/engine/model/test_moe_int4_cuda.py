@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from family_models import assert_hf_greedy
 from llama_family_models import MAX_TOKENS
 from moe_models import hf_holding
 from moe_quant_models import loaded_weights
@@ -82,23 +83,7 @@ def test_int4_moe_on_the_grouped_kernel_matches_hf_with_and_without_cuda_graphs(
     assert len({t for r in ours for t in r}) > 30, "degenerate random model"
     eager = _engine(loaded.model, loaded.config, torch.float32, enforce_eager=True)
     assert eager.runner.graphs is None and _greedy(eager, moe_prompt_ids) == ours
-    _assert_hf_greedy(hf_holding(model, {k: v.cpu() for k, v in weights.items()}), moe_prompt_ids, ours)
-
-
-def _assert_hf_greedy(model: torch.nn.Module, prompt_ids: list[list[int]], outputs: list[list[int]]) -> None:
-    """Each token of `outputs` is HF's greedy choice given its prompt and the tokens before it (teacher-forced), or,
-    at one position in 100 at most, within 1e-3 (relative) of HF's largest logit there: a near tie that fp32
-    rounding flips (on CUDA the attention, norms and GEMMs all sum in other orders than torch on the CPU: 3e-4 seen
-    once on an H200; a wrong weight, bias or expert is off by tenths or units)."""
-    near, total = 0, 0
-    with torch.no_grad():
-        for ids, seq in zip(prompt_ids, outputs, strict=True):
-            logits = model(torch.tensor([ids + seq])).logits[0, len(ids) - 1:-1]
-            best = logits.max(-1).values
-            gap = best - logits.gather(-1, torch.tensor(seq)[:, None])[:, 0]
-            assert bool((gap <= 1e-3 * best.abs().clamp(min=1.0)).all()), gap.max().item()
-            near, total = near + int((gap > 0).sum()), total + len(seq)
-    assert near <= total // 100, (near, total)
+    assert_hf_greedy(hf_holding(model, {k: v.cpu() for k, v in weights.items()}), moe_prompt_ids, ours)
 
 
 def test_gpt_oss_int4_experts_with_biases_and_clamp_on_the_grouped_kernel(tmp_path, hf_tok, moe_prompt_ids) -> None:
@@ -154,7 +139,7 @@ def test_int4_experts_without_triton_run_the_per_expert_loop(moe_tied, moe_promp
             with torch.no_grad():
                 block_out[(dtype, layout)] = experts(x.to(dtype), ids, weights.to(dtype)).float()
         if dtype == torch.float32:
-            _assert_hf_greedy(hf_holding(model, {k: v.cpu() for k, v in held.items()}), moe_prompt_ids, ours)
+            assert_hf_greedy(hf_holding(model, {k: v.cpu() for k, v in held.items()}), moe_prompt_ids, ours)
     for layout in ("dual", "single", "kernel"):
         cos = torch.nn.functional.cosine_similarity(block_out[(torch.bfloat16, layout)],
                                                     block_out[(torch.float32, "single")], dim=-1)
