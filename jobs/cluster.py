@@ -39,6 +39,7 @@ from jobs.plugin import (
 from jobs.summary import JobProgress, JobSummary, generated_tokens
 from jobs.task import PROGRESS_TOPIC, ShardFailed, ShardStopped, shard_task
 from pipeline.config import InputError, RunConfig
+from pipeline.disk_need import no_space_line
 from pipeline.input import Shard
 from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
@@ -299,7 +300,8 @@ def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str
                 # Not the shard's fault and not a preemption: every other shard would fail the same way. Stop here;
                 # the rerun after freeing space resumes from what is committed.
                 client.cancel(list(futures))
-                raise JobError(row.error, exit_code=EXIT_NO_SPACE)
+                left = {s.shard_id: s.num_rows for s in todo}
+                raise JobError(no_space_line(row.error, run.output_url, left), exit_code=EXIT_NO_SPACE)
             if isinstance(row, ShardFailed):
                 fail_shard(run, shard.shard_id, row.error)
                 progress.finish(shard.shard_id, shard.num_rows, 0)

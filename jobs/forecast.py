@@ -64,8 +64,13 @@ class Forecast:
 
     `input_tokens` is exact when the first shard holds every row, else its mean per row times the rows;
     `output_tokens` is the expected count (the calibration sample's mean per row), `output_tokens_max` the bound
-    from max_tokens. `device_s` is the expected device-seconds billed for the whole job (no preemptions). `note`:
-    what the figures cannot say (a job none of whose rows can run), else "".
+    from max_tokens; `input_rows_sampled`: the rows tokenized for `input_tokens`. `device_s` is the expected
+    device-seconds billed for the whole job (no preemptions), measured as device time (_timed: on the CPU the
+    stepping thread's CPU time, so other processes' load at calibration time is left out); `uncertainty`: the
+    relative spread of two measurements of the decode step (0.1 = 10%); `load_stretch`: the calibration's wall time
+    over its device time (1 on a quiet machine; 2: other work took half the cores). A job run beside the same load
+    is billed about `load_stretch` times `device_s` (billing is the device's wall time). `note`: what the figures
+    cannot say (a job none of whose rows can run), else "".
     """
 
     rows: int
@@ -85,6 +90,14 @@ class Forecast:
     model: str
     calibration_s: float
     note: str = ""
+    input_rows_sampled: int = 0
+    uncertainty: float = 0.0
+    load_stretch: float = 1.0
+
+    @property
+    def input_tokens_exact(self) -> bool:
+        """Whether `input_tokens` counts every row (the tokenized sample held them all) rather than extrapolating."""
+        return self.input_rows_sampled >= self.rows
 
     @property
     def device_hours(self) -> float:
@@ -121,19 +134,36 @@ def _prompt_tokens(engine: LLMEngine, prompt: Any, cfg: RunConfig) -> int:
 
 def _timed(engine: LLMEngine, prompts: Sequence[Any], params: SamplingParams | list[SamplingParams],
            use_chat_template: bool) -> tuple[float, list]:
-    t0 = time.perf_counter()
+    """(device-seconds, outputs) of one `engine.generate` on this thread. On the CPU the device time is this
+    thread's CPU time (time.thread_time): the engine steps on the calling thread, which computes its share of every
+    op and sleeps at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE), so time other processes take the cores from it is
+    not counted, where wall time counted the machine's load at calibration time. On CUDA: wall time (generate
+    returns once the outputs are on the host; the GPU is the job's alone)."""
+    cpu = engine.device_name == "cpu"
+    t0, c0 = time.perf_counter(), time.thread_time()
     outs = engine.generate(list(prompts), params, use_chat_template=use_chat_template)
-    return time.perf_counter() - t0, outs
+    wall = time.perf_counter() - t0
+    _CLOCKS.append((wall, time.thread_time() - c0 if cpu else wall))
+    return _CLOCKS[-1][1], outs
 
 
-def _decode_step_s(engine: LLMEngine, prompts: list[Any], batch: int, use_chat_template: bool) -> float:
-    """Seconds per decode step with `batch` sequences (copies of `prompts`; their prefill is cached)."""
+# (wall s, device s) of every _timed call of the calibration in progress (one at a time per process).
+_CLOCKS: list[tuple[float, float]] = []
+
+
+def _decode_step_s(engine: LLMEngine, prompts: list[Any], batch: int, use_chat_template: bool) -> tuple[float, float]:
+    """(seconds per decode step with `batch` sequences (copies of `prompts`; their prefill is cached), the relative
+    spread of two measurements of it)."""
     copies = [prompts[i % len(prompts)] for i in range(batch)]
     _timed(engine, copies, SamplingParams(max_tokens=1), use_chat_template)  # fills the prefix cache
     t1, _ = _timed(engine, copies, SamplingParams(max_tokens=1), use_chat_template)
-    tk, _ = _timed(engine, copies, SamplingParams(max_tokens=1 + CALIBRATION_STEPS, ignore_eos=True),
-                   use_chat_template)
-    return max(tk - t1, 1e-9) / CALIBRATION_STEPS
+    per_step = []
+    for _ in range(2):
+        tk, _ = _timed(engine, copies, SamplingParams(max_tokens=1 + CALIBRATION_STEPS, ignore_eos=True),
+                       use_chat_template)
+        per_step.append(max(tk - t1, 1e-9) / CALIBRATION_STEPS)
+    mean = sum(per_step) / 2
+    return mean, abs(per_step[0] - per_step[1]) / mean
 
 
 def _sampling_of(rows: ShardRows, cfg: RunConfig, k: int) -> SamplingParams:
@@ -243,6 +273,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     if spec.cluster.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
         torch.set_num_threads(default_torch_threads(spec.cluster.workers))
     t_start = time.perf_counter()
+    _CLOCKS.clear()
     engine = LLMEngine.from_model(spec.model, econf)
     chat = cfg.use_chat_template
     # A fresh engine's first step is slow (kernels loaded, weights packed): every worker's first shard pays it.
@@ -265,7 +296,8 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     t_prefill, outs1 = _timed(engine, prompts, SamplingParams(max_tokens=1), chat)
     prefill_rate = sum(o.num_prompt_tokens for o in outs1) / max(t_prefill, 1e-9)
     concurrency = worker_concurrency([s.num_rows for s in shards], spec.cluster.workers, econf.max_num_seqs)
-    steps = {b: _decode_step_s(engine, prompts, b, chat) for b in sorted({len(prompts), concurrency})}
+    measured = {b: _decode_step_s(engine, prompts, b, chat) for b in sorted({len(prompts), concurrency})}
+    steps = {b: m[0] for b, m in measured.items()}
 
     def step_s(batch: int) -> float:
         (b0, d0), (b1, d1) = min(steps.items()), max(steps.items())
@@ -285,4 +317,6 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         decode_step_s=steps, warmup_s=warmup_s, device_s=device_s, price_per_hour_usd=spec.price_per_hour,
         device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), model=engine.model_name,
-        calibration_s=time.perf_counter() - t_start)
+        calibration_s=time.perf_counter() - t_start, input_rows_sampled=len(lengths) + skipped,
+        uncertainty=max(m[1] for m in measured.values()),
+        load_stretch=sum(w for w, _ in _CLOCKS) / max(sum(d for _, d in _CLOCKS), 1e-9))

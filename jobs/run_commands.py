@@ -149,6 +149,13 @@ def _warn_ids(summary: JobSummary) -> None:
                   "the input a unique id column (--id-column)")
 
 
+def _input_tokens(fc: Any) -> str:
+    """The forecast's input tokens: exact when every row was tokenized, else an estimate with its sample size."""
+    if fc.input_tokens_exact:
+        return f"{fc.input_tokens:,}"
+    return f"~{fc.input_tokens:,} (estimated from the {fc.input_rows_sampled:,} rows of the first shard)"
+
+
 def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None,
                     fit: MemoryFit | None = None) -> None:
     """Forecast the job (jobs.forecast) and print it: a table, or one JSON line; `fit` (the preflight's memory
@@ -173,7 +180,7 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
         return
     t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
     tpd = fc.tokens_per_dollar
-    for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", f"{fc.input_tokens:,}"),
+    for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", _input_tokens(fc)),
                  ("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})"),
                  ("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
                                   f"{fc.dtype})"),
@@ -181,7 +188,9 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
                  ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
                  ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} prefill tok/s, "
                                  f"{fc.mean_output_tokens_observed:.1f} output tokens per row, "
-                                 f"{fc.calibration_s:.1f} s" if fc.sample_rows else "none: no engine loaded")]
+                                 f"{fc.calibration_s:.1f} s; device time +/- {fc.uncertainty:.0%}, wall "
+                                 f"x{fc.load_stretch:.2f} of it (other load: a job beside it takes about that much "
+                                 "longer)" if fc.sample_rows else "none: no engine loaded")]
                 + ([("note", fc.note)] if fc.note else [])):
         t.add_row(k, v)
     if fit is not None:

@@ -2,15 +2,20 @@
 
 Earlier attempts are billed from their records (pipeline.attempts, pipeline.checkpoint):
 - An attempt that ended on its own (interrupted or failed) wrote its device-seconds in its end record: billed as is.
-- One that was killed (SIGKILL, a vanished VM) could not. It is billed from its start to its last sign of life: the
-  later of its last committed part (the marker's elapsed_s) and its last heartbeat (pipeline.attempts.Heartbeat:
-  the seconds since its start are in the record's name, so one listing gives them). That under-bills by less than
+- One that ended on a full disk wrote its device-seconds in the name of an empty end record instead
+  (pipeline.attempts.end_on_full_disk): billed as is, not a preemption.
+- One that was killed (SIGKILL, a vanished VM) could not. It is billed the device-seconds its last sign of life says
+  it held: the later of its last committed part (the marker's device_s) and its last heartbeat
+  (pipeline.attempts.Heartbeat: its device-seconds are in the record's name, so one listing gives them); the shards
+  of one killed worker are so billed its time once. Signs written before they said it (elapsed_s and the heartbeat's
+  seconds since the start only) bill its start to its last sign of life. That under-bills by less than
   one heartbeat interval (RunConfig.heartbeat_seconds), never over-bills. One killed before its first part or
   heartbeat is billed one heartbeat interval (at most until the next attempt's start): it ran less than that, and
   billing it 0 s dropped its time from every bill. An attempt whose start record has no `heartbeat_s` (written
   before heartbeats existed) is estimated as before: its last part's elapsed time plus the time to the next
   attempt's start, capped at `checkpoint_seconds`.
-- Its lost device-seconds (`device_s_lost`) are those after its last commit: work no commit kept. For an interrupted
+- Its lost device-seconds (`device_s_lost`) are those after its last commit (the marker's device_s): work no commit
+  kept. For an interrupted
   attempt that is only its stop commit; the partial decoding of its in-flight rows is not counted (an estimate).
 
 Shards share a worker's engine (engine.loop.engine_loop: several shards' rows in one batch). An attempt's own
@@ -87,11 +92,23 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
     for a in earlier:
         marker = read_record(fs, last_part[a].marker) if a in last_part else {}
         kept = float(marker.get("elapsed_s", 0.0))
+        # The device-seconds held at the last commit (older markers say only the wall seconds since the start).
+        kept_device = float(marker["device_s"]) if marker.get("device_s") is not None else kept
+        if a in listing.full_disk:  # ended on a full disk: its device-seconds are in its record's name
+            used = listing.full_disk[a]
+            device_s += used
+            lost += max(used - kept_device, 0.0)
+            continue
         # Read even when `listing` shows no end: an attempt that ended after the listing (a zombie) has one now.
         end = read_record(fs, end_path(root, shard_id, a))
         if end:
             used = float(end.get("device_s", end.get("gpu_s", kept)))  # gpu_s: records written before the rename
             preemptions += end.get("outcome") == "interrupted"
+        elif marker.get("device_s") is not None or a in listing.alive_device_s:
+            preemptions += 1  # killed: billed the device-seconds its last sign of life says it held
+            used = max(kept_device, listing.alive_device_s.get(a, 0.0))
+            if used == 0.0:
+                used = _before_first_sign(starts, a, now)
         elif starts[a].get("heartbeat_s") is not None:
             preemptions += 1
             used = max(kept, listing.alive.get(a, 0.0))  # start -> last sign of life
@@ -105,7 +122,7 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
             gap = 0.0 if last_at is None or next_start is None else float(next_start) - float(last_at)
             used = kept + min(max(gap, 0.0), checkpoint_seconds)
         device_s += used
-        lost += max(used - kept, 0.0)
+        lost += max(used - kept_device, 0.0)
     return EarlierAttempts(preemptions, device_s, lost)
 
 

@@ -5,8 +5,9 @@ Layout under OUTPUT (paths from pipeline.layout):
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet   part PPPPP of attempt NNN: ROWS finished rows
                                                        (schemas.CHECKPOINT_PART_SCHEMA)
     checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.commit    its commit marker, written after the part: attempt, part,
-                                                       rows, elapsed_s (device-seconds of the attempt so far),
-                                                       committed_at (epoch seconds)
+                                                       rows, elapsed_s (seconds since the attempt's start),
+                                                       device_s (device-seconds it held so far: its share of
+                                                       the worker's engine), committed_at (epoch seconds)
 
 Readers trust only parts with a marker (a part without one may be cut short by a crash). The attempt number in the
 name keeps two runs of one shard at once from colliding; the row count in the name lets `status` count committed
@@ -133,16 +134,19 @@ class Checkpointer:
     """Collects one attempt's finished rows and commits them as parts, every `every_rows` rows or `every_s` seconds
     (whichever first, checked as rows are added).
 
-    `started` is the attempt's start on time.monotonic(), so markers can say how long the attempt had held the device.
+    `started` is the attempt's start on time.monotonic(), so markers can say how long the attempt had run (elapsed_s,
+    wall seconds); `device_s()` (optional: its DeviceClock) the device-seconds it had held (device_s, its share of a
+    shared engine).
     `model_fingerprint` (pipeline.model_pin; None when the job pinned none) goes into every row.
     Not thread-safe: call from the thread that runs the engine.
     """
 
     def __init__(self, fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, model: str, *,
-                 every_rows: int, every_s: float, started: float, model_fingerprint: str | None = None) -> None:
+                 every_rows: int, every_s: float, started: float, model_fingerprint: str | None = None,
+                 device_s: Callable[[], float] | None = None) -> None:
         self.fs, self.root, self.shard_id, self.attempt, self.model = fs, root, shard_id, attempt, model
         self.model_fingerprint = model_fingerprint
-        self.every_rows, self.every_s, self.started = every_rows, every_s, started
+        self.every_rows, self.every_s, self.started, self.device_s = every_rows, every_s, started, device_s
         self.pending: list[tuple[int, RequestOutput]] = []
         self.parts = 0
         self.rows_committed = 0  # rows this attempt committed
@@ -174,7 +178,7 @@ class Checkpointer:
                                                                              self.model_fingerprint))
         bounded(commit_json)(self.fs, f"{stem}.commit", {
             "attempt": self.attempt, "part": index, "rows": rows, "elapsed_s": time.monotonic() - self.started,
-            "committed_at": time.time()})
+            "device_s": None if self.device_s is None else self.device_s(), "committed_at": time.time()})
         self.parts, self.rows_committed = index, self.rows_committed + rows
         self.pending = []
         self.last_commit = time.monotonic()

@@ -13,8 +13,12 @@
                                                     part PPPPP of attempt NNN, ROWS rows, and its commit marker
       attempts/<shard_id>/attempt-NNN.json          attempt NNN's start (pipeline.attempts)
       attempts/<shard_id>/attempt-NNN.end.json      how it ended (interrupted, failed)
-      attempts/<shard_id>/attempt-NNN.alive-MMMMMMMMMM.json
-                                                    a sign of life MMMMMMMMMM ms after its start
+      attempts/<shard_id>/attempt-NNN.end-dDDDDDDDDDD.json
+                                                    it ended on a full disk, after DDDDDDDDDD device-ms: an empty
+                                                    file, the name is the record (it needs no data block)
+      attempts/<shard_id>/attempt-NNN.alive-MMMMMMMMMM[-dDDDDDDDDDD].json
+                                                    a sign of life MMMMMMMMMM ms after its start, having held
+                                                    DDDDDDDDDD device-ms (its share of a shared engine)
       _CANCEL                                       present while the job is cancelled
       _SUCCESS                                      committed last: the job's shards and totals
 
@@ -25,6 +29,7 @@ dropped); an empty `root` gives the path relative to OUTPUT. The README's "Outpu
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Literal
 
 MANIFEST_DIR = "_manifest"
@@ -43,7 +48,7 @@ _REVISION = re.compile(r"^input(?:-(\d+))?\.json$")  # input.json, input-001.jso
 _CANCEL_ASIDE = re.compile(r"^cancel-(\d+)\.json$")
 _LEASE = re.compile(r"^(\d+)(?:\.json)?$")
 _PART = re.compile(r"^a(\d+)-p(\d+)-n(\d+)\.(parquet|commit)$")
-_ATTEMPT = re.compile(r"^attempt-(\d+)(\.end|\.alive-(\d+))?\.json$")
+_ATTEMPT = re.compile(r"^attempt-(\d+)(?:(\.end)(?:-d(\d+))?|\.alive-(\d+)(?:-d(\d+))?)?\.json$")
 
 RecordKind = Literal["start", "end", "alive"]
 
@@ -165,17 +170,46 @@ def end_path(root: str, shard_id: str, attempt: int) -> str:
     return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.end.json"
 
 
-def alive_path(root: str, shard_id: str, attempt: int, elapsed_s: float) -> str:
-    """Where attempt `attempt` records that it was running `elapsed_s` seconds after its start."""
-    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.alive-{round(elapsed_s * 1000):010d}.json"
+def full_disk_end_path(root: str, shard_id: str, attempt: int, device_s: float) -> str:
+    """Where attempt `attempt` records, in the name of an empty file, that it ended on a full disk after holding
+    `device_s` device-seconds (its end record could not be written)."""
+    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.end-d{round(device_s * 1000):010d}.json"
+
+
+def alive_path(root: str, shard_id: str, attempt: int, elapsed_s: float, device_s: float | None = None) -> str:
+    """Where attempt `attempt` records that it was running `elapsed_s` seconds after its start, having held
+    `device_s` device-seconds (None: not said, as versions before issue 51 wrote)."""
+    held = "" if device_s is None else f"-d{round(device_s * 1000):010d}"
+    return f"{attempts_dir(root, shard_id)}/attempt-{attempt:03d}.alive-{round(elapsed_s * 1000):010d}{held}.json"
+
+
+@dataclass(frozen=True)
+class AttemptName:
+    """What a listed attempts/ entry's name says: `attempt`, `kind`, `elapsed_s` (seconds after the start, alive
+    records), `device_s` (device-seconds held: alive records that say it, and full-disk end records)."""
+
+    attempt: int
+    kind: RecordKind
+    elapsed_s: float | None = None
+    device_s: float | None = None
+
+
+def parse_attempt_name(path: str) -> AttemptName | None:
+    """The AttemptName of a listed attempts/ entry, or None when it is no attempt record."""
+    m = _ATTEMPT.match(basename(path))
+    if m is None:
+        return None
+    attempt, end, end_ms, alive_ms, alive_dev_ms = m.groups()
+    if alive_ms is not None:
+        return AttemptName(int(attempt), "alive", int(alive_ms) / 1000,
+                           None if alive_dev_ms is None else int(alive_dev_ms) / 1000)
+    if end:
+        return AttemptName(int(attempt), "end", None, None if end_ms is None else int(end_ms) / 1000)
+    return AttemptName(int(attempt), "start")
 
 
 def parse_attempt_record(path: str) -> tuple[int, RecordKind, float | None] | None:
     """(attempt, kind, seconds after the start for an alive record else None) of a listed attempts/ entry, or None
-    when it is no attempt record."""
-    m = _ATTEMPT.match(basename(path))
-    if m is None:
-        return None
-    if m.group(3) is not None:
-        return int(m.group(1)), "alive", int(m.group(3)) / 1000
-    return int(m.group(1)), "end" if m.group(2) else "start", None
+    when it is no attempt record (parse_attempt_name says more)."""
+    name = parse_attempt_name(path)
+    return None if name is None else (name.attempt, name.kind, name.elapsed_s)

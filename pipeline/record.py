@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -22,7 +22,15 @@ import pyarrow as pa
 from fsspec import AbstractFileSystem
 
 from pipeline.accounting import EarlierAttempts, bill_earlier_attempts, committed_accounting_of
-from pipeline.attempts import AttemptListing, Heartbeat, claim_attempt, end_attempt, list_attempts, read_record
+from pipeline.attempts import (
+    AttemptListing,
+    Heartbeat,
+    claim_attempt,
+    end_attempt,
+    end_on_full_disk,
+    list_attempts,
+    read_record,
+)
 from pipeline.checkpoint import Checkpointer, Part, committed_parts, committed_rows, merge_parts
 from pipeline.layout import accounting_path, checkpoints_dir, end_path, results_path, start_path
 from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_fs, read_table
@@ -130,7 +138,7 @@ class ShardRecord:
         listing = self.attempts
         number, started_at = claim_attempt(self.fs, self.root, self.shard_id, heartbeat_s, after=listing.latest)
         taken = dict.fromkeys(range(listing.latest + 1, number)) | {number: started_at}
-        self.attempts = AttemptListing({**listing.started, **taken}, listing.ended, listing.alive)
+        self.attempts = replace(listing, started={**listing.started, **taken})
         return Attempt(self, number, started_at)
 
     def record_failure(self, error: str) -> int:
@@ -154,38 +162,54 @@ class Attempt:
     started_at: float
 
     def checkpointer(self, model: str, *, every_rows: int, every_s: float, started: float,
-                     model_fingerprint: str | None = None) -> Checkpointer:
+                     model_fingerprint: str | None = None, device_s: Any = None) -> Checkpointer:
         """A Checkpointer for this attempt's finished rows (pipeline.checkpoint.Checkpointer: `every_rows` rows or
-        `every_s` seconds; `started`: the attempt's start on time.monotonic())."""
+        `every_s` seconds; `started`: the attempt's start on time.monotonic(); `device_s()`: the device-seconds the
+        attempt has held so far, said in each marker)."""
         r = self.record
         return Checkpointer(r.fs, r.root, r.shard_id, self.number, model, every_rows=every_rows, every_s=every_s,
-                            started=started, model_fingerprint=model_fingerprint)
+                            started=started, model_fingerprint=model_fingerprint, device_s=device_s)
 
-    def heartbeat(self, *, every_s: float, started: float, last_sign: Any) -> Heartbeat:
+    def heartbeat(self, *, every_s: float, started: float, last_sign: Any, device_s: Any = None) -> Heartbeat:
         """This attempt's Heartbeat (pipeline.attempts.Heartbeat: a `with` block; `every_s` seconds; `started` on
-        time.monotonic(); `last_sign()`: time.monotonic() of its last checkpoint commit)."""
+        time.monotonic(); `last_sign()`: time.monotonic() of its last checkpoint commit; `device_s()`: the
+        device-seconds the attempt has held so far)."""
         r = self.record
         return Heartbeat(r.fs, r.root, r.shard_id, self.number, every_s=every_s, started=started,
-                         last_sign=last_sign)
+                         last_sign=last_sign, device_s=device_s)
 
     def fail(self, error: str, device_s: float) -> None:
         """Record that this attempt failed with `error` after `device_s` device-seconds. A write that fails is
-        logged (once for a full disk), never raised: the shard's own error is the one its caller raises."""
+        logged, never raised (a full disk: recorded as full_disk instead): the shard's own error is the one its
+        caller raises."""
         self._end("failed", rows_committed=0, device_s=device_s, error=error)
 
     def interrupt(self, rows_committed: int, device_s: float, reason: str) -> None:
         """Record that this attempt stopped for `reason` after committing `rows_committed` rows, holding the
         device `device_s` seconds. Logged, never raised, when the write fails (the next attempt then bills this
-        one as killed)."""
+        one as killed; a full disk: recorded as full_disk instead)."""
         self._end("interrupted", rows_committed=rows_committed, device_s=device_s, reason=reason)
+
+    def full_disk(self, device_s: float) -> None:
+        """Record that this attempt ended on a full disk after `device_s` device-seconds (an empty file whose name
+        says it: pipeline.attempts.end_on_full_disk): billed as an end record, not counted as a preemption or a
+        failure. Logged, never raised, when even that fails."""
+        r = self.record
+        try:
+            end_on_full_disk(r.fs, r.root, r.shard_id, self.number, device_s)
+        except Exception as e:  # the job's own line says the disk is full
+            log.warning("shard %s: could not record attempt %d stopped by a full disk: %s", r.shard_id, self.number,
+                        e)
 
     def _end(self, outcome: Any, **fields: Any) -> None:
         r = self.record
         try:
             end_attempt(r.fs, r.root, r.shard_id, self.number, outcome, **fields)
-        except Exception as e:  # the caller's own error or stop is what matters (a full disk: said once)
-            (log.debug if is_no_space(e) else log.warning)("shard %s: could not record %s attempt %d: %s",
-                                                            r.shard_id, outcome, self.number, e)
+        except Exception as e:  # the caller's own error or stop is what matters
+            if is_no_space(e):  # the record needs a data block; a name needs none: its bill survives the full disk
+                self.full_disk(fields["device_s"])
+                return
+            log.warning("shard %s: could not record %s attempt %d: %s", r.shard_id, outcome, self.number, e)
 
     def commit_results(self, results: pa.Table) -> pa.Table:
         """Commit the shard's results (schemas.RESULTS_SCHEMA); returns what readers see: `results`, or those a

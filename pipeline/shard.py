@@ -33,6 +33,7 @@ from pipeline.record import Attempt, ShardRecord
 from pipeline.shard_engine import EngineFacts, LazyEngine, NoDeviceClock
 from pipeline.shard_requests import ProgressFn, RowFn, RowRequests, generate_rows, row_requests
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
+from pipeline.storage import is_no_space
 from schemas import RESULTS_SCHEMA
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), so the client that submits shards never loads it
@@ -133,7 +134,10 @@ def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_
             except ShardInterrupted:
                 raise
             except Exception as e:
-                attempt.fail(f"{type(e).__name__}: {e}", clock.close())
+                if is_no_space(e):  # not the shard's failure: the job stops (exit 6) and the rerun goes on
+                    attempt.full_disk(clock.close())
+                else:
+                    attempt.fail(f"{type(e).__name__}: {e}", clock.close())
                 raise
 
 
@@ -192,13 +196,14 @@ def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: 
         rows, todo = work.rows, work.todo
         rows_resumed = len(rows.ids) - len(todo)
         ckpt = attempt.checkpointer(facts.model, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
-                                    started=t0, model_fingerprint=facts.model_fingerprint)
+                                    started=t0, model_fingerprint=facts.model_fingerprint, device_s=clock.device_s)
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())
 
         t_gen = time.perf_counter()
-        with attempt.heartbeat(every_s=cfg.heartbeat_seconds, started=t0, last_sign=lambda: ckpt.last_commit):
+        with attempt.heartbeat(every_s=cfg.heartbeat_seconds, started=t0, last_sign=lambda: ckpt.last_commit,
+                               device_s=clock.device_s):
             outputs = generate_rows(loop, work.pending, cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
                                     should_stop=stop, clock=clock, requests=work.requests)
         wall_s = time.perf_counter() - t_gen
@@ -230,13 +235,19 @@ def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: 
 
 def _interrupted(attempt: Attempt, ckpt: Checkpointer, clock: DeviceClock, rows_resumed: int, aborted: int,
                  reason: str) -> None:
-    """Commit the finished rows within the stop deadline, record the interrupted attempt, raise ShardInterrupted."""
+    """Commit the finished rows within the stop deadline, record the interrupted attempt (or one stopped by a full
+    disk: Attempt.full_disk), raise ShardInterrupted."""
+    full = False
     try:
         ckpt.commit(deadline_s=stop_deadline_s())
     except Exception as e:  # report what is committed; the next attempt redoes the rest
-        log.warning("shard %s: could not commit %d finished rows before stopping: %s", attempt.record.shard_id,
-                    len(ckpt.pending), e)
+        full = is_no_space(e)
+        (log.debug if full else log.warning)("shard %s: could not commit %d finished rows before stopping: %s",
+                                             attempt.record.shard_id, len(ckpt.pending), e)
     left = aborted + len(ckpt.pending)
     # Without the end record the next attempt estimates this one's time instead (Attempt.interrupt logs a failure).
-    attempt.interrupt(ckpt.rows_committed, clock.close(), reason)
+    if full:
+        attempt.full_disk(clock.close())
+    else:
+        attempt.interrupt(ckpt.rows_committed, clock.close(), reason)
     raise ShardInterrupted(rows_resumed + ckpt.rows_committed, left)

@@ -164,7 +164,9 @@ def _create_local(path: str, data: bytes) -> None:
 
 
 def no_space_left(path: str, needed: int) -> NoSpaceLeft:
-    """The one-line error for a write of `needed` bytes to `path` that found its device full."""
+    """The one-line error for a write of `needed` bytes to `path` that found its device full. The bytes it asks to
+    free are this write's (and a few records'): only the job's client knows what the rest needs
+    (pipeline.disk_need)."""
     folder = os.path.dirname(path) or "."
     try:
         st = os.statvfs(folder)
@@ -176,8 +178,8 @@ def no_space_left(path: str, needed: int) -> NoSpaceLeft:
     # accounting, attempt records), so a rerun gets past the next commits too.
     need = max(-(-(needed + 8 * block - free) // block) * block, block)
     return NoSpaceLeft(errno.ENOSPC, f"no space left on the device of OUTPUT ({folder}: {free:,} bytes free, a "
-                                     f"{needed:,}-byte write failed): free {need:,} bytes or more and rerun the same "
-                                     "command (what is committed stays)")
+                                     f"{needed:,}-byte write failed): free {need:,} bytes or more for that write alone "
+                                     "and rerun the same command (what is committed stays)")
 
 
 class StoreUnreachable(ConnectionError):

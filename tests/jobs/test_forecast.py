@@ -5,9 +5,11 @@ bench/README.md): timings are not asserted here."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from engine.loading.model_files import default_model_path
@@ -36,6 +38,12 @@ def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Pat
     first = [len(tok.apply_chat_template([{"role": "user", "content": q}]))
              for q in rows.column("question").to_pylist()[:6]]
     assert fc["input_tokens"] == round(sum(first) / 6 * 10)
+    assert fc["input_rows_sampled"] == 6  # an estimate from 6 rows: the table says so (issue 51 item 5)
+    assert fc["uncertainty"] >= 0 and fc["load_stretch"] > 0
+    table = runner.invoke(app, ["run", str(src), str(out), "--prompt-column", "question", "--max-tokens", "4",
+                                "--rows-per-shard", "6", "--dry-run"])
+    words = " ".join(w for w in table.stdout.split() if w != "│")  # the table wraps its cells
+    assert f"~{fc['input_tokens']:,} (estimated from the 6 rows" in words, table.stdout
     # Greedy answers to math questions run past 4 tokens: the expected output is the max_tokens bound.
     assert fc["output_tokens"] == fc["output_tokens_max"] == 40 and fc["mean_output_tokens_observed"] == 4
     # Step times at the sample's batch (the first shard's 6 rows) and at the worker's: both shards share its one
@@ -93,3 +101,26 @@ def test_the_forecast_costs_one_resident_engine_per_worker_not_one_per_shard() -
     # Two workers: each warms up and serves half the shards.
     two = job_device_s([1000] * 100, WorkerModel(**{**m.__dict__, "workers": 2}), step_s)
     assert two == 2 * (2.0 + prefill / 2 + 9_766 * step_s(256) + 50 * SHARED_SHARD_OVERHEAD_S)
+
+
+def test_the_calibration_times_the_device_not_the_machine_s_load(engine, data_dir: Path) -> None:
+    """Each engine step also sleeps 0.1 s on the stepping thread: a stand-in for other processes taking the cores
+    from it (its wall time grows, its CPU time does not). The calibration's device time leaves that out; its wall
+    time, the measure before issue 51 item 5, counted it in full."""
+    from engine import SamplingParams
+    from jobs import forecast
+
+    prompts = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question"]).slice(700, 2).column(
+        "question").to_pylist()
+    step = type(engine).step
+
+    def loaded_step(self, *args, **kwargs):
+        time.sleep(0.1)
+        return step(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(engine), "step", loaded_step)
+        device_s, outs = forecast._timed(engine, prompts, SamplingParams(max_tokens=5, ignore_eos=True), True)
+    wall_s = forecast._CLOCKS[-1][0]
+    assert [o.num_output_tokens for o in outs] == [5, 5]
+    assert wall_s >= 0.5 and device_s < wall_s - 0.4  # >= 5 steps: >= 0.5 s asleep, none of it device time

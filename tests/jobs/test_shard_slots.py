@@ -1,6 +1,7 @@
 """A worker runs several shards at once on its one resident engine (jobs.plugin.shard_slots): a SIGTERM with two
-shards in flight stops both through the same drain path, each commits its finished rows, and the job finishes with
-every id once. Real GSM8K rows, the tiny model, `run_job` on a LocalCluster of its own (one worker, two slots)."""
+shards in flight stops both through the same drain path, each commits its finished rows and is billed its share of
+the worker's time (the two add up to that time once), and the job finishes with every id once. Real GSM8K rows, the
+tiny model, `run_job` on a LocalCluster of its own (one worker, two slots)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jobs.errors import JobError
 from jobs.plugin import MAX_SHARD_SLOTS, shard_slots
 from jobs.runner import run_job
 from pipeline.config import RunConfig
-from pipeline.layout import end_path
+from pipeline.layout import end_path, start_path
 
 ENGINE = EngineConfig(device="cpu", dtype="float32", max_num_seqs=2, kv_cache_memory_bytes=256 << 20)
 ROWS_PER_SHARD = 12
@@ -69,9 +70,15 @@ def test_sigterm_with_two_shards_in_one_engine_commits_both(data_dir: Path, tmp_
     assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
     rows = pq.read_table(out / "results").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every id exactly once
+    ends = []
     for shard_id in stopped:  # both stopped through the drain path, each with its finished rows committed
         end = json.loads(Path(end_path(str(out), shard_id, 1)).read_text())
         assert end["outcome"] == "interrupted" and end["reason"] == "SIGTERM" and end["rows_committed"] >= 1
+        ends.append(end | {"started_at": json.loads(Path(start_path(str(out), shard_id, 1)).read_text())["started_at"]})
+    # The stopped attempts shared the worker's engine: their device-seconds add up to its time once (first claim to
+    # last end record), not once per shard (issue 51 item 2).
+    held = max(e["ended_at"] for e in ends) - min(e["started_at"] for e in ends)
+    assert 0.95 * held - 0.05 <= sum(e["device_s"] for e in ends) <= 1.05 * held + 0.05, (ends, held)
     acct = {r["shard_id"]: r for r in pq.read_table(out / "accounting").to_pylist()}
     for s in stopped:
         assert acct[s]["attempts"] >= 2 and acct[s]["preemptions"] >= 1 and acct[s]["rows_resumed"] >= 1

@@ -13,10 +13,10 @@ from shard_helpers import shard_cfg
 
 from engine import LLMEngine, RequestOutput
 from pipeline.accounting import OLD_NAMES, EarlierAttempts, accounting_row, bill_earlier_attempts
-from pipeline.attempts import claim_attempt, end_attempt, list_attempts
+from pipeline.attempts import claim_attempt, end_attempt, end_on_full_disk, list_attempts
 from pipeline.checkpoint import Checkpointer
 from pipeline.input import Shard
-from pipeline.layout import accounting_path, end_path, results_path
+from pipeline.layout import accounting_path, alive_path, end_path, results_path
 from pipeline.shard import ShardError, run_shard
 from pipeline.status import shard_state
 from pipeline.storage import commit_json, commit_table, output_fs
@@ -134,3 +134,42 @@ def test_accounting_and_attempt_records_written_under_the_gpu_s_names_still_read
     acc = done.accounting
     assert (acc["device_s"], acc["device_s_lost"], acc["device_s_billed"]) == (1.5, 2.5, 4.0)
     assert acc["cost_usd"] == pytest.approx(4.0 / 3600 * 2.0)
+
+
+def test_killed_attempts_that_shared_an_engine_are_billed_their_shares_once(tmp_path: Path) -> None:
+    """Four shards' attempts on one worker's engine, killed 40 s into it (SIGKILL: no end record): each is billed the
+    device-seconds its last sign of life says it held (the heartbeat's name, the marker's device_s), so together the
+    worker's 40 s, not 4 x 40 (issue 51 item 2). A heartbeat of an older version (no device-seconds in its name)
+    still bills its start to that sign."""
+    fs, root = output_fs(str(tmp_path / "out"))
+    billed = []
+    for k in range(4):
+        shard_id = f"0000{k}-000000000"
+        first, _ = claim_attempt(fs, root, shard_id, heartbeat_s=15.0)
+        commit_json(fs, alive_path(root, shard_id, first, 40.0, device_s=10.0), {"attempt": first})
+        attempt, _ = claim_attempt(fs, root, shard_id)
+        earlier = bill_earlier_attempts(fs, root, shard_id, attempt, list_attempts(fs, root, shard_id), [], 60.0)
+        assert earlier.preemptions == 1
+        billed.append(earlier.device_s)
+    assert sum(billed) == pytest.approx(40.0)
+
+    shard_id = "00009-000000000"
+    first, _ = claim_attempt(fs, root, shard_id, heartbeat_s=15.0)
+    commit_json(fs, alive_path(root, shard_id, first, 40.0), {"attempt": first})
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    earlier = bill_earlier_attempts(fs, root, shard_id, attempt, list_attempts(fs, root, shard_id), [], 60.0)
+    assert earlier.device_s == pytest.approx(40.0)
+
+
+def test_an_attempt_stopped_by_a_full_disk_is_billed_its_share_and_not_preempted(tmp_path: Path) -> None:
+    """Its end record is an empty file whose name holds its device-seconds (a full device still takes a name): billed
+    as is, device_s_lost after its last commit's device_s, no preemption; the shard is not shown running."""
+    out = str(tmp_path / "out")
+    fs, root = output_fs(out)
+    shard_id = "00000-000000000"
+    first, _ = claim_attempt(fs, root, shard_id, heartbeat_s=15.0)
+    end_on_full_disk(fs, root, shard_id, first, 3.25)
+    assert shard_state(out, shard_id).state == "pending"
+    attempt, _ = claim_attempt(fs, root, shard_id)
+    earlier = bill_earlier_attempts(fs, root, shard_id, attempt, list_attempts(fs, root, shard_id), [], 60.0)
+    assert (earlier.preemptions, earlier.device_s, earlier.device_s_lost) == (0, 3.25, 3.25)
