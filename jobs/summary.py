@@ -88,15 +88,14 @@ class JobSummary:
         self.attempts += int(row.get("attempts") or 1)
         add_accounting(self, row)
 
-    def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0,
-             price_per_hour_usd: float = 0.0) -> None:
+    def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0, cost_usd: float = 0.0) -> None:
         """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all;
-        `device_s` the device-seconds they held (pipeline.record.ShardRecord.bill_unfinished), billed at
-        `price_per_hour_usd` (USD per hour): a failed shard's time is real money too."""
+        `device_s` the device-seconds they held and `cost_usd` their USD (pipeline.record.ShardRecord.unfinished_bill,
+        as `tokenmill status` bills them): a failed shard's time is real money too."""
         self.failed[shard_id] = error
         self.attempts += attempts
         self.device_s += device_s
-        self.cost_usd += device_s / 3600.0 * price_per_hour_usd
+        self.cost_usd += cost_usd
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
