@@ -133,6 +133,16 @@ def _note_repinned(summary: JobSummary) -> None:
                   "as it is now (a new revision under OUTPUT/_manifest/)")
 
 
+def _warn_inputs_changed(summary: JobSummary, output: str) -> None:
+    """One warning line when a finished job's input changed since it was pinned (summary.inputs_changed): the
+    files, that nothing ran again, and how to run the new input."""
+    if summary.inputs_changed:
+        err.print("[yellow]warning:[/yellow] " + escape(
+            f"the input changed since the job at {output} pinned it: {'; '.join(summary.inputs_changed)}. These "
+            "results are of the input as it was pinned and nothing ran again; to run the new input, give a new "
+            f"OUTPUT (or delete {output} and run the same command)"))
+
+
 def _warn_no_row_ran(summary: JobSummary) -> None:
     """Warn on stderr when the job's committed rows are all error rows (all null, say): nothing ran."""
     if summary.rows_error and not summary.rows_ok:
@@ -231,6 +241,7 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
+        _warn_inputs_changed(summary, spec.output)
     _print_summary(summary, spec.output, as_json, fit)
     if interrupt.signum is not None and (summary.stopped or summary.cancelled):
         interrupt.lift()

@@ -58,24 +58,28 @@ class InputFile:
     removed: bool = False
     pinned_at: str | None = None
 
-    def changed(self, pinned_at: str | None = None) -> str | None:
-        """Why the file is no longer the pinned one (other size or version, gone, or back after its removal), or
-        None when it still is. `pinned_at` (an ISO time), when given, goes into the message. Transient storage
-        errors are retried, then raised."""
+    def difference(self) -> str | None:
+        """How the file differs now from its pin, after its URL ("is gone", "was removed from the job and is back",
+        "was N bytes, version V; now M bytes, version W"), or None when it is still the pinned one. Transient
+        storage errors are retried, then raised."""
         fs, path = fsspec.core.url_to_fs(self.url)
         try:
             size, version = file_version(fs, path)
         except FileNotFoundError:
-            if self.removed:
-                return None
-            now = "is gone"
-        else:
-            if self.removed:
-                now = "was removed from the job and is back"
-            elif (size, version) == (self.size, self.version):
-                return None
-            else:
-                now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+            return None if self.removed else "is gone"
+        if self.removed:
+            return "was removed from the job and is back"
+        if (size, version) == (self.size, self.version):
+            return None
+        return f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+
+    def changed(self, pinned_at: str | None = None) -> str | None:
+        """Why the file is no longer the pinned one (difference), with the two ways out, or None when it still is.
+        `pinned_at` (an ISO time), when given, goes into the message. Transient storage errors are retried, then
+        raised."""
+        now = self.difference()
+        if now is None:
+            return None
         if self.pinned_at:
             since = f"since it was re-pinned on {self.pinned_at}"
         else:
@@ -219,6 +223,21 @@ def commit_revision(output_url: str, revised: InputManifest, why: str) -> InputM
     if commit_json(fs, manifest_path(root, revised.revision), revised.as_json() | {"why": why}):
         return revised
     return read_manifest(output_url) or revised
+
+
+def input_changes(manifest: InputManifest) -> list[str]:
+    """How the job's input differs now from its pinned `manifest`, one entry a file: each pinned file changed or
+    gone ("URL was N bytes, ...; now ..."), then each Parquet file the input lists now and the manifest does not
+    pin ("URL is new"). [] when it is the same. An input that no longer lists (its folder gone) adds no new file:
+    its pinned files say they are gone. Transient storage errors are retried, then raised (OSError)."""
+    found = [f"{f.url} {why}" for f in manifest.files if (why := f.difference()) is not None]
+    try:
+        fs, paths = resolve_inputs(absolute_url(manifest.input))
+    except InputError:
+        return found
+    pinned = {f.url for f in manifest.files}
+    return found + [f"{url} is new (the job did not pin it)" for path in paths
+                    if (url := fs.unstrip_protocol(path)) not in pinned]
 
 
 def changed_inputs(manifest: InputManifest) -> dict[str, str]:
