@@ -80,7 +80,7 @@ def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobS
     summary = JobSummary(already_done=True)
     for k, v in done.items():
         if k in JobSummary.__dataclass_fields__ and k not in ("wall_s", "already_done", "cancelled", "run_rows",
-                                                              "run_output_tokens"):
+                                                              "run_output_tokens", "inputs_skipped"):
             setattr(summary, k, type(getattr(summary, k))(v) if v is not None else v)
     summary.inputs_changed = input_changes(manifest)  # said, never run: the results are of the pinned input
     return summary
@@ -171,7 +171,8 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         shards = manifest.shards()
         if on_start:
             on_start(sum(s.num_rows for s in shards))
-        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note)
+        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note,
+                             inputs_skipped=list(manifest.skipped) if pinned_now else [])
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)

@@ -29,7 +29,9 @@ class JobSummary:
     when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run
     re-pinned (changed files none of whose shards had committed anything; jobs.runner). `inputs_changed`: for a
     job `already_done`, how its input differs now from what it pinned (pipeline.manifest.input_changes: a file
-    changed, gone or new, one entry each); the results stay those of the pinned input.
+    changed, gone or new, one entry each); the results stay those of the pinned input. `inputs_skipped`: the files
+    of the input folder left out as not Parquet, when this run pinned the job's input (said once: the manifest
+    keeps them).
 
     Rows, tokens, device-seconds and cost are the job's totals: every committed shard, whichever run committed it.
     `wall_s` is this run's wall time, and `run_rows` / `run_output_tokens` what this run generated itself (the
@@ -63,6 +65,7 @@ class JobSummary:
     ids_repeated: int = 0
     repinned: list[str] = field(default_factory=list)
     inputs_changed: list[str] = field(default_factory=list)
+    inputs_skipped: list[str] = field(default_factory=list)
     run_rows: int = 0
     run_output_tokens: int = 0
     model_note: str = ""
@@ -114,7 +117,7 @@ class JobSummary:
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
                 "ids_repeated": self.ids_repeated, "repinned": self.repinned,
-                "inputs_changed": self.inputs_changed, "run_rows": self.run_rows,
+                "inputs_changed": self.inputs_changed, "inputs_skipped": self.inputs_skipped, "run_rows": self.run_rows,
                 "run_output_tokens": self.run_output_tokens, "model_note": self.model_note}
 
 

@@ -47,3 +47,25 @@ def test_a_finished_job_names_the_input_changed_since_and_runs_nothing(gsm8k_fol
     (warning,) = _warnings(again.stderr)
     assert "b.parquet" in warning and "c.parquet" in warning and "new OUTPUT" in warning
     assert {p: p.read_bytes() for p in out.rglob("*.parquet")} == committed  # nothing ran again
+
+
+def test_files_that_are_not_parquet_are_named_once_on_stderr_and_in_the_manifest(gsm8k_folder: Path,
+                                                                                   tmp_path: Path) -> None:
+    (gsm8k_folder / "notes.txt").write_text("where these rows came from\n")
+    (gsm8k_folder / "extra.csv").write_text("id,question\n1,what is 2 + 2?\n")
+    (gsm8k_folder / "_SUCCESS").write_text("")  # what Spark leaves beside its part files: skipped without a word
+    (gsm8k_folder / ".a.parquet.crc").write_bytes(b"crc")
+    (gsm8k_folder / "b.parquet.crc").write_bytes(b"crc")
+    out = tmp_path / "out"
+    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "2", "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert _summary(first.stdout)["rows_ok"] == 20
+    (warning,) = _warnings(first.stderr)
+    assert "extra.csv" in warning and "notes.txt" in warning and "2 files" in warning
+    assert "_SUCCESS" not in warning and ".crc" not in warning
+    manifest = json.loads((out / "_manifest" / "input.json").read_text())
+    assert [Path(u.removeprefix("file://")) for u in manifest["skipped"]] == [gsm8k_folder / "extra.csv",
+                                                                            gsm8k_folder / "notes.txt"]
+    again = runner.invoke(app, args)  # said once: when the job pinned its input
+    assert again.exit_code == 0 and not _warnings(again.stderr), again.output
