@@ -24,11 +24,7 @@ def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFi
     if as_json:
         memory = {} if fit is None else {"memory": fit.line()}
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict(), **memory}))
-        _warn_no_row_ran(summary)
-        _warn_ids(summary)
-        _note_repinned(summary)
-        _warn_skipped(summary)
-        _note_model(summary)
+        _warnings_and_notes(summary)
         return
     t = Table(title=f"tokenmill run -> {output}", show_header=False)
     tpd = summary.tokens_per_dollar
@@ -48,6 +44,12 @@ def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFi
     out.print(t)
     for shard_id, error in summary.failed.items():
         err.print(f"[red]shard {shard_id} failed:[/red] {error}")
+    _warnings_and_notes(summary)
+
+
+def _warnings_and_notes(summary: JobSummary) -> None:
+    """The summary's lines on stderr after it, one each: no row ran, repeated ids, re-pinned input files, files of
+    the input folder that are not Parquet, the model's pin."""
     _warn_no_row_ran(summary)
     _warn_ids(summary)
     _note_repinned(summary)
