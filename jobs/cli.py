@@ -122,8 +122,8 @@ def _print_status(st: JobStatus) -> None:
         ("cost", f"${st.cost_usd:.6f}"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.device_s_lost:.1f} device-seconds lost)"),
-        ("unfinished shards' attempts", f"{st.device_s_unfinished:.1f} device-seconds so far (billed when they "
-                                        "finish)"),
+        ("unfinished shards' attempts", f"{st.device_s_unfinished:.1f} device-seconds so far (a failed shard's "
+                                        "in the cost; the others' billed when they finish)"),
         ("dtype / quantization", ran_in(st.dtypes, st.quantizations)),
         ("run", "none" if st.lease is None else f"{st.lease['holder']} (lease for {st.lease['expires_in_s']} s)"),
     ]:

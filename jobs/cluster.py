@@ -320,7 +320,7 @@ def fail_shard(run: RunContext, shard_id: str, error: str) -> None:
     are billed) and the rows its checkpoints keep for the rerun, said after `error`."""
     try:
         record = ShardRecord.read(run.output_url, shard_id)
-        bill = record.bill_unfinished(run.cfg.checkpoint_seconds)
+        device_s, cost = record.unfinished_bill(run.cfg.checkpoint_seconds, run.cfg.price_per_hour_usd)
         kept = len(record.committed_rows())
     except (OSError, ValueError) as e:  # the store may be what failed: the error is the line to give
         log.info("could not bill the attempts of shard %s: %s: %s", shard_id, type(e).__name__, e)
@@ -328,7 +328,7 @@ def fail_shard(run: RunContext, shard_id: str, error: str) -> None:
         return
     if kept:
         error += f" ({kept} rows are checkpointed: the same command, run again once this is fixed, takes them)"
-    run.summary.fail(shard_id, error, record.attempts.latest, bill.device_s, run.cfg.price_per_hour_usd)
+    run.summary.fail(shard_id, error, record.attempts.latest, device_s, cost)
 
 
 def attempts_claimed(output_url: str, shard_id: str) -> int:

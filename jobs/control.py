@@ -127,7 +127,9 @@ class JobStatus:
     (failed shards, no run holding the job), cancelled, incomplete (pending or partial shards, no run holding the
     job); `exit_code` maps it (jobs.errors: 5 for unsealed as for incomplete). `device_s_unfinished`: device-seconds
     the attempts of shards not done have held so far (failed, stopped or killed ones, billed from their records:
-    pipeline.record.ShardRecord.bill_unfinished), not in `cost_usd` until a shard's accounting bills them.
+    pipeline.record.ShardRecord.bill_unfinished). `cost_usd`: the committed shards' accounting, plus the failed
+    shards' attempts as a run's summary bills them (ShardRecord.unfinished_bill): one bill whichever command shows
+    it; other unfinished shards' attempts are billed when they finish.
     Token counts in tokens, cost in USD, device_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
     torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
     model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
@@ -159,7 +161,7 @@ class JobStatus:
 
     @property
     def tokens_per_dollar(self) -> float | None:
-        """Output tokens of the committed shards per USD billed for them; None when nothing was billed."""
+        """Output tokens of the committed shards per USD billed (cost_usd); None when nothing was billed."""
         return tokens_per_dollar(self.output_tokens, self.cost_usd)
 
     def as_dict(self) -> dict[str, Any]:
@@ -203,7 +205,10 @@ def job_status(output_url: str) -> JobStatus:
         if row:
             add_accounting(status, row)
         elif st.attempts:
-            status.device_s_unfinished += _unfinished_bill(output_url, shard.shard_id)
+            device_s, cost = _unfinished_bill(output_url, shard.shard_id)
+            status.device_s_unfinished += device_s
+            if st.state == "failed":  # billed as the run's summary bills it (jobs.cluster.fail_shard)
+                status.cost_usd += cost
     lease = newest_record(output_url)
     if lease is not None and lease.active() and not holder_gone(lease.holder):
         status.lease = {"holder": lease.holder, "expires_at": lease.expires_at,
@@ -215,9 +220,12 @@ def job_status(output_url: str) -> JobStatus:
     return status
 
 
-def _unfinished_bill(output_url: str, shard_id: str) -> float:
-    """Device-seconds the attempts of an unfinished shard held (pipeline.record.ShardRecord.bill_unfinished)."""
-    return ShardRecord.read(output_url, shard_id).bill_unfinished(RunConfig().checkpoint_seconds).device_s
+def _unfinished_bill(output_url: str, shard_id: str) -> tuple[float, float]:
+    """(device-seconds, USD) of the attempts of an unfinished shard (pipeline.record.ShardRecord.unfinished_bill,
+    at the price their run recorded)."""
+    defaults = RunConfig()
+    return ShardRecord.read(output_url, shard_id).unfinished_bill(defaults.checkpoint_seconds,
+                                                                  defaults.price_per_hour_usd)
 
 
 def _overall(status: JobStatus, done: bool) -> tuple[str, int]:

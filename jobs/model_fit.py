@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kernels.cpu_features import cpu_flags_native_bf16
+from engine.loading.model_files import is_hub_id
 from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes, nvidia_smi_gpus
 from engine.worker.memory_fit import (
     GIB,
@@ -28,6 +29,7 @@ from engine.worker.memory_fit import (
 )
 from jobs.errors import JobError
 from jobs.gguf_header import gguf_tensor_infos
+from jobs.preflight import client_model_path
 
 # GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight; a shared
 # expert's _shexp) or stacked expert projections (is_expert_weight: _exps), and the ggml type ids it keeps INT4 under
@@ -185,22 +187,23 @@ def check_fit(model: str | None, config: EngineConfig, shape: dict[str, int] | N
     (exit 2) when it cannot hold one sequence of --max-model-len: the numbers and the ways out. None too for an
     explicit --device cuda where nvidia-smi lists no GPU (a container without it): the client cannot read the card's
     memory without torch, and whether CUDA is there at all is the engine's to say when it loads."""
-    from engine.loading.model_files import default_model_path
-
     if shape is None or not shape.get("layers"):
         return None
     try:
         resolve_device(config.device)
     except ValueError:  # CUDA asked for where nvidia-smi lists no GPU: the engine checks it when it loads
         return None
-    path = default_model_path() if model is None else model
+    path = client_model_path(model)
+    if path is None:
+        return None
     fit = model_fit(path, config, shape)
     _, _, int4 = _weights(path, config.quantization, config.int4_group_size)
     device = resolve_device(config.device)
     # the ways out name INT4's smallest bytes: one packed copy (the layout the engine picks where two do not fit)
     int4_bytes = None if int4 is None else weight_bytes(int4, resolve_dtype(config.dtype, device), device.type,
                                                         "single")
-    name = "the default model (SmolLM2-135M-Instruct)" if model is None else f"--model {os.path.basename(path)}"
+    name = ("the default model (SmolLM2-135M-Instruct)" if model is None
+            else f"--model {model if is_hub_id(model) else os.path.basename(path)}")
     if (line := fit.refusal(name, int4_bytes)) is not None:
         raise JobError(line)
     return fit

@@ -146,17 +146,32 @@ def _check_gguf(path: str) -> None:
         raise JobError(f"--model {path}: {e}") from e
 
 
+def client_model_path(model: str | None) -> str | None:
+    """The local GGUF file or model folder this client reads for `model` (as check_model returns it), resolved as the
+    job's workers resolve it (pipeline.model_pin.resolve_model): the default model's file for None, a hub id's
+    snapshot folder (or its one .gguf) in tokenmill's model cache or HF's own, downloaded once per machine unless
+    HF_HUB_OFFLINE is set; a local path as given. None for a model at a URL: its worker reads it, the client
+    downloads nothing. Raises JobError (exit 2, one line) when a hub id or the default model cannot be found."""
+    from pipeline.model_pin import ModelPinError, resolve_model
+
+    if model is not None and is_url(model):
+        return None
+    try:
+        return resolve_model(model)
+    except ModelPinError as e:
+        raise JobError(f"--model: {e}") from e
+
+
 def model_context(model: str | None) -> dict[str, int] | None:
     """The shape numbers of a local model (a file, a folder, a hub id in the local HF cache) that bound a request's
     length: context (tokens), layers, kv_heads, head_dim; None for a model at a URL (its worker reads it). `model`
     as check_model returns it (None: the default model). Raises JobError (exit 2) when the file's header cannot be
     read."""
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
-    from engine.loading.model_files import default_model_path, hub_model_path, is_hub_id, is_url
 
-    if model is not None and is_url(model):
+    path = client_model_path(model)
+    if path is None:
         return None
-    path = default_model_path() if model is None else hub_model_path(model) if is_hub_id(model) else model
     if os.path.isdir(path):
         if is_hf_folder(path):  # config.json through the architecture registry (check_model has vetted it)
             hf = read_hf_config(path)

@@ -12,19 +12,18 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from jobs.cli_output import err, fail, out, ran_in, storage_fail
+from jobs.cli_output import err, fail, out, storage_fail
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
 from jobs.options import job_options, options_given, options_set_by_env
+from jobs.run_output import print_summary, warn_inputs_changed
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, load_job_spec
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from engine.worker.memory_fit import MemoryFit
-    from jobs.summary import JobSummary
 
 
 class Reporter:
@@ -75,78 +74,6 @@ class Reporter:
             self.bar.stop()
         elif self.total and self.printed != (self.rows, self.tokens):
             self._line()  # the last state, so log readers see where the job ended
-
-
-def _print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFit | None = None) -> None:
-    """The job's summary on stdout (a table, or one JSON object), then its warnings and notes on stderr; `fit`: the
-    preflight's memory fit of this machine's workers (jobs.model_fit), a row of the table / "memory" in the JSON."""
-    if as_json:
-        memory = {} if fit is None else {"memory": fit.line()}
-        print(json.dumps({"event": "summary", "output": output, **summary.as_dict(), **memory}))
-        _warn_no_row_ran(summary)
-        _warn_ids(summary)
-        _note_repinned(summary)
-        _note_model(summary)
-        return
-    t = Table(title=f"tokenmill run -> {output}", show_header=False)
-    tpd = summary.tokens_per_dollar
-    for k, v in [
-        ("shards ok / failed / stopped", f"{summary.shards_ok} / {len(summary.failed)} / {len(summary.stopped)}"),
-        ("rows ok / error (job)", f"{summary.rows_ok} / {summary.rows_error}"),
-        ("input / output tokens (job)", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
-        ("this run", this_run(summary)),
-        ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
-        ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
-        ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
-                                   f"({summary.device_s_lost:.1f} device-seconds lost)"),
-        ("dtype / quantization", ran_in(summary.dtypes, summary.quantizations)),
-        *([] if fit is None else [("memory (preflight)", fit.line().removeprefix("memory "))]),
-    ]:
-        t.add_row(k, v)
-    out.print(t)
-    for shard_id, error in summary.failed.items():
-        err.print(f"[red]shard {shard_id} failed:[/red] {error}")
-    _warn_no_row_ran(summary)
-    _warn_ids(summary)
-    _note_repinned(summary)
-    _note_model(summary)
-
-
-def _note_model(summary: JobSummary) -> None:
-    """Say on stderr that this run pinned the model of a job started before models were pinned."""
-    if summary.model_note:
-        err.print(f"note: {escape(summary.model_note)}")
-
-
-def this_run(summary: JobSummary) -> str:
-    """What this run did itself, apart from the job's totals (rows earlier runs committed are not its work)."""
-    if summary.already_done:
-        return "nothing to do: the job had finished"
-    return (f"{summary.run_rows:,} rows, {summary.run_output_tokens:,} output tokens generated in "
-            f"{summary.wall_s:.1f} s wall time ({summary.output_tokens_per_s:,.1f} output tokens/s)")
-
-
-def _note_repinned(summary: JobSummary) -> None:
-    """Say on stderr which changed input files this run re-pinned (none of their shards had committed rows)."""
-    for url in summary.repinned:
-        err.print(f"note: {url} changed (or was removed) before any of its rows were committed; the job re-pinned it "
-                  "as it is now (a new revision under OUTPUT/_manifest/)")
-
-
-def _warn_no_row_ran(summary: JobSummary) -> None:
-    """Warn on stderr when the job's committed rows are all error rows (all null, say): nothing ran."""
-    if summary.rows_error and not summary.rows_ok:
-        err.print(f"[yellow]warning:[/yellow] no row ran: all {summary.rows_error:,} committed rows are error rows "
-                  "(the results' error column says why for each); shards with no row to run load no engine and "
-                  "bill 0 device-seconds")
-
-
-def _warn_ids(summary: JobSummary) -> None:
-    """Warn on stderr about null and repeated ids (results tell such rows apart by input_file + input_row)."""
-    if summary.ids_null or summary.ids_repeated:
-        err.print(f"[yellow]warning:[/yellow] {summary.ids_repeated} result rows share their id with another row and "
-                  f"{summary.ids_null} have a null id; join results to the input on input_file + input_row, or give "
-                  "the input a unique id column (--id-column)")
 
 
 def _input_tokens(fc: Any) -> str:
@@ -240,7 +167,8 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")
-    _print_summary(summary, spec.output, as_json, fit)
+        warn_inputs_changed(summary, spec.output)
+    print_summary(summary, spec.output, as_json, fit)
     if interrupt.signum is not None and (summary.stopped or summary.cancelled):
         interrupt.lift()
         err.print(f"interrupted by {interrupt.name}: the running shards committed their finished rows and stopped "

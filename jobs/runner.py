@@ -35,6 +35,7 @@ from pipeline.manifest import (
     changed_inputs,
     check_compatible,
     commit_revision,
+    input_changes,
     pin_manifest,
     read_manifest,
     repinned,
@@ -79,8 +80,9 @@ def _check_before_start(input_url: str, output_url: str, cfg: RunConfig) -> JobS
     summary = JobSummary(already_done=True)
     for k, v in done.items():
         if k in JobSummary.__dataclass_fields__ and k not in ("wall_s", "already_done", "cancelled", "run_rows",
-                                                              "run_output_tokens"):
+                                                              "run_output_tokens", "inputs_skipped"):
             setattr(summary, k, type(getattr(summary, k))(v) if v is not None else v)
+    summary.inputs_changed = input_changes(manifest)  # said, never run: the results are of the pinned input
     return summary
 
 
@@ -122,7 +124,8 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
             on_progress: ProgressFn | None = None) -> JobSummary:
     """Run (or resume) the job that writes `input_url`'s completions under `output_url`.
 
-    Steps: a finished job (OUTPUT/_SUCCESS) returns its summary with `already_done` and runs nothing. Otherwise
+    Steps: a finished job (OUTPUT/_SUCCESS) returns its summary with `already_done` and runs nothing, even when its
+    input changed since (summary.inputs_changed says how, for the caller to warn). Otherwise
     the run takes the job's lease (jobs.lease; LeaseHeld, exit 3, when another run holds it), pins the input
     manifest at the first start or checks these options against the pinned one (exit 2 when they differ), refuses
     a cancelled job unless `resume` (exit 4), skips committed shards, fails the shards of input files changed since
@@ -168,7 +171,8 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         shards = manifest.shards()
         if on_start:
             on_start(sum(s.num_rows for s in shards))
-        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note)
+        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note,
+                             inputs_skipped=list(manifest.skipped) if pinned_now else [])
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}
         todo = _skip_committed(output_url, shards, summary, progress)

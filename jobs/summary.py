@@ -27,7 +27,11 @@ class JobSummary:
     each unless shards ran under different engines (a shard whose accounting predates these columns adds none).
     `ids_null` and `ids_repeated` count result rows with a null id and rows whose id another row shares (counted
     when _SUCCESS is committed; input_file + input_row tell such rows apart). `repinned`: input files this run
-    re-pinned (changed files none of whose shards had committed anything; jobs.runner).
+    re-pinned (changed files none of whose shards had committed anything; jobs.runner). `inputs_changed`: for a
+    job `already_done`, how its input differs now from what it pinned (pipeline.manifest.input_changes: a file
+    changed, gone or new, one entry each); the results stay those of the pinned input. `inputs_skipped`: the files
+    of the input folder left out as not Parquet, when this run pinned the job's input (said once: the manifest
+    keeps them).
 
     Rows, tokens, device-seconds and cost are the job's totals: every committed shard, whichever run committed it.
     `wall_s` is this run's wall time, and `run_rows` / `run_output_tokens` what this run generated itself (the
@@ -60,6 +64,8 @@ class JobSummary:
     ids_null: int = 0
     ids_repeated: int = 0
     repinned: list[str] = field(default_factory=list)
+    inputs_changed: list[str] = field(default_factory=list)
+    inputs_skipped: list[str] = field(default_factory=list)
     run_rows: int = 0
     run_output_tokens: int = 0
     model_note: str = ""
@@ -88,15 +94,14 @@ class JobSummary:
         self.attempts += int(row.get("attempts") or 1)
         add_accounting(self, row)
 
-    def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0,
-             price_per_hour_usd: float = 0.0) -> None:
+    def fail(self, shard_id: str, error: str, attempts: int, device_s: float = 0.0, cost_usd: float = 0.0) -> None:
         """Record a failed shard: `error` says what failed; `attempts` is the attempts it has claimed in all;
-        `device_s` the device-seconds they held (pipeline.record.ShardRecord.bill_unfinished), billed at
-        `price_per_hour_usd` (USD per hour): a failed shard's time is real money too."""
+        `device_s` the device-seconds they held and `cost_usd` their USD (pipeline.record.ShardRecord.unfinished_bill,
+        as `tokenmill status` bills them): a failed shard's time is real money too."""
         self.failed[shard_id] = error
         self.attempts += attempts
         self.device_s += device_s
-        self.cost_usd += device_s / 3600.0 * price_per_hour_usd
+        self.cost_usd += cost_usd
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready summary."""
@@ -111,7 +116,8 @@ class JobSummary:
                 "device_s_lost": round(self.device_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,
                 "dtypes": self.dtypes, "quantizations": self.quantizations, "ids_null": self.ids_null,
-                "ids_repeated": self.ids_repeated, "repinned": self.repinned, "run_rows": self.run_rows,
+                "ids_repeated": self.ids_repeated, "repinned": self.repinned,
+                "inputs_changed": self.inputs_changed, "inputs_skipped": self.inputs_skipped, "run_rows": self.run_rows,
                 "run_output_tokens": self.run_output_tokens, "model_note": self.model_note}
 
 

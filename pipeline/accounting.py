@@ -126,6 +126,13 @@ def bill_earlier_attempts(fs: AbstractFileSystem, root: str, shard_id: str, atte
     return EarlierAttempts(preemptions, device_s, lost)
 
 
+def device_cost_usd(device_s: float, price_per_hour_usd: float) -> float:
+    """USD of `device_s` device-seconds at `price_per_hour_usd` USD per device-hour: the one formula of every bill (a
+    shard's accounting row; a failed shard's attempts in a run's summary and in `tokenmill status`, through
+    pipeline.record.ShardRecord.unfinished_bill)."""
+    return device_s / 3600.0 * price_per_hour_usd
+
+
 def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
     """Output tokens per USD of device time billed for them; None when nothing was billed (cost 0)."""
     return output_tokens / cost_usd if cost_usd > 0 else None
@@ -163,7 +170,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
     errors = rows - results.column("error").null_count
     out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
     billed = device_s + earlier.device_s
-    cost = billed / 3600.0 * price_per_hour_usd
+    cost = device_cost_usd(billed, price_per_hour_usd)
     return {
         "shard_id": shard_id, "attempt": attempt, "input_path": input_path, "row_start": row_start,
         "row_end": row_start + rows, "rows": rows, "rows_ok": rows - errors, "rows_error": errors,

@@ -3,7 +3,8 @@
 Layout under OUTPUT (JSON, create-only, never overwritten; paths from pipeline.layout):
 
     attempts/<shard_id>/attempt-NNN.json      start: attempt, started_at (epoch seconds), host, pid, nonce,
-                                              heartbeat_s
+                                              heartbeat_s, price_per_hour_usd (USD per device-hour it is billed
+                                              at; absent in records of versions before it)
     attempts/<shard_id>/attempt-NNN.alive-MMMMMMMMMM-dDDDDDDDDDD.json
                                               a sign of life: the attempt was running MMMMMMMMMM ms after its start
                                               and had held DDDDDDDDDD device-ms (its share of the worker's engine;
@@ -86,16 +87,17 @@ def list_attempts(fs: AbstractFileSystem, root: str, shard_id: str) -> AttemptLi
 
 
 def claim_attempt(fs: AbstractFileSystem, root: str, shard_id: str, heartbeat_s: float | None = None, *,
-                  after: int | None = None) -> tuple[int, float]:
+                  after: int | None = None, price_per_hour_usd: float | None = None) -> tuple[int, float]:
     """Claim the shard's next attempt number with a create-only start record; returns (number, started_at epoch
     seconds). `heartbeat_s`: the attempt leaves signs of life (Heartbeat) at this interval, seconds; None: it
-    leaves none (a failed-attempt record; attempts of versions before heartbeats). Tries numbers upward from one
-    past `after` (the highest number a listing the caller holds shows; None: list the records now) until a create
-    succeeds. Raises what the store raises (after retry_transient's retries)."""
+    leaves none (a failed-attempt record; attempts of versions before heartbeats). `price_per_hour_usd`: the USD
+    per device-hour its run bills (None: not recorded; a failed-attempt record that ran nothing). Tries numbers
+    upward from one past `after` (the highest number a listing the caller holds shows; None: list the records now)
+    until a create succeeds. Raises what the store raises (after retry_transient's retries)."""
     attempt = (list_attempts(fs, root, shard_id).latest if after is None else after) + 1
     while True:
         record = {"attempt": attempt, "started_at": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-                  "nonce": uuid.uuid4().hex, "heartbeat_s": heartbeat_s}
+                  "nonce": uuid.uuid4().hex, "heartbeat_s": heartbeat_s, "price_per_hour_usd": price_per_hour_usd}
         path = start_path(root, shard_id, attempt)
         if commit_json(fs, path, record) or read_record(fs, path).get("nonce") == record["nonce"]:
             # (the second test: our own write landed on an earlier try whose answer was lost)

@@ -57,25 +57,45 @@ class Shard:
         return max(0, self.row_end - self.row_start)
 
 
-@retry_transient
+# Files a dataset writer leaves beside its data, skipped in an input folder without a word: Hadoop's checksums.
+# (Hidden and underscore names are skipped the same way: _SUCCESS, _temporary/, .part uploads, .crc of Spark.)
+QUIET_SUFFIXES = (".crc",)
+
+
 def resolve_inputs(url: str) -> tuple[AbstractFileSystem, list[str]]:
-    """The filesystem and the sorted Parquet files that `url` names. Raises InputError when there are none;
-    transient storage errors are retried (pipeline.storage.retry_transient), then raised (OSError)."""
+    """The filesystem and the sorted Parquet files that `url` names (list_inputs). Raises InputError when there are
+    none; transient storage errors are retried (pipeline.storage.retry_transient), then raised (OSError)."""
+    fs, files, _ = list_inputs(url)
+    return fs, files
+
+
+@retry_transient
+def list_inputs(url: str) -> tuple[AbstractFileSystem, list[str], list[str]]:
+    """The filesystem, the sorted Parquet files that `url` names (protocol-less paths), and, for a folder, the
+    other files in it that were skipped as not Parquet (sorted URLs: notes.txt, a stray .csv), apart from those
+    dataset writers leave beside their data, skipped without a word: hidden and underscore names below the folder
+    (_SUCCESS, _temporary/, .part uploads; the convention of Spark, Dask and Arrow datasets) and QUIET_SUFFIXES
+    (.crc). A file or a glob names its files itself: nothing is skipped. Raises InputError when there are no
+    Parquet files; transient storage errors are retried (pipeline.storage.retry_transient), then raised (OSError)."""
     fs, path = fsspec.core.url_to_fs(url)
+    skipped: list[str] = []
     if any(c in path for c in "*?["):
         files = sorted(p for p in fs.glob(path) if not fs.isdir(p))
     elif fs.isdir(path):
-        # Skip hidden and underscore names below the folder (_SUCCESS, .part uploads, _temporary/): the convention
-        # of Spark, Dask and Arrow datasets for files that are not data.
-        files = sorted(p for p in fs.find(path) if p.endswith(".parquet")
-                       and not any(part.startswith(("_", ".")) for part in p[len(path.rstrip("/")):].split("/")))
+        root = path.rstrip("/")
+        files = []
+        for p in sorted(fs.find(path)):
+            if any(part.startswith(("_", ".")) for part in p[len(root):].split("/")) or p.endswith(QUIET_SUFFIXES):
+                continue
+            (files if p.endswith(".parquet") else skipped).append(p)
+        skipped = [fs.unstrip_protocol(p) for p in skipped]
     elif fs.exists(path):
         files = [path]
     else:
         raise InputError(f"input {url!r} does not exist; give a Parquet file, a folder of them, or a glob")
     if not files:
         raise InputError(f"no Parquet files found at {url!r}; a folder must hold *.parquet files")
-    return fs, files
+    return fs, files, skipped
 
 
 def _url(fs: AbstractFileSystem, path: str) -> str:

@@ -22,7 +22,16 @@ from typing import Any
 import fsspec
 
 from pipeline.config import InputError, RunConfig
-from pipeline.input import Shard, absolute_url, cut_shards, file_version, footer_rows, resolve_inputs, validate_columns
+from pipeline.input import (
+    Shard,
+    absolute_url,
+    cut_shards,
+    file_version,
+    footer_rows,
+    list_inputs,
+    resolve_inputs,
+    validate_columns,
+)
 from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
 from pipeline.storage import commit_json, list_folder, output_fs, read_fs, read_json
 from schemas.job_spec import Sampling
@@ -58,24 +67,28 @@ class InputFile:
     removed: bool = False
     pinned_at: str | None = None
 
-    def changed(self, pinned_at: str | None = None) -> str | None:
-        """Why the file is no longer the pinned one (other size or version, gone, or back after its removal), or
-        None when it still is. `pinned_at` (an ISO time), when given, goes into the message. Transient storage
-        errors are retried, then raised."""
+    def difference(self) -> str | None:
+        """How the file differs now from its pin, after its URL ("is gone", "was removed from the job and is back",
+        "was N bytes, version V; now M bytes, version W"), or None when it is still the pinned one. Transient
+        storage errors are retried, then raised."""
         fs, path = fsspec.core.url_to_fs(self.url)
         try:
             size, version = file_version(fs, path)
         except FileNotFoundError:
-            if self.removed:
-                return None
-            now = "is gone"
-        else:
-            if self.removed:
-                now = "was removed from the job and is back"
-            elif (size, version) == (self.size, self.version):
-                return None
-            else:
-                now = f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+            return None if self.removed else "is gone"
+        if self.removed:
+            return "was removed from the job and is back"
+        if (size, version) == (self.size, self.version):
+            return None
+        return f"was {self.size} bytes, version {self.version}; now {size} bytes, version {version}"
+
+    def changed(self, pinned_at: str | None = None) -> str | None:
+        """Why the file is no longer the pinned one (difference), with the two ways out, or None when it still is.
+        `pinned_at` (an ISO time), when given, goes into the message. Transient storage errors are retried, then
+        raised."""
+        now = self.difference()
+        if now is None:
+            return None
         if self.pinned_at:
             since = f"since it was re-pinned on {self.pinned_at}"
         else:
@@ -87,7 +100,8 @@ class InputFile:
 class InputManifest:
     """A job's pinned input: the files, the options that shape its shards (rows_per_shard, limit) and its results
     (RESULT_OPTIONS, the prompt column read), and when it was pinned. Shards come only from this. `revision`: 0 for
-    the manifest the job started with, N for OUTPUT/_manifest/input-NNN.json (`repin`)."""
+    the manifest the job started with, N for OUTPUT/_manifest/input-NNN.json (`repin`). `skipped`: the files of the
+    input folder left out as not Parquet when it was pinned (URLs; pipeline.input.list_inputs)."""
 
     input: str
     files: tuple[InputFile, ...]
@@ -97,6 +111,7 @@ class InputManifest:
     options: dict[str, Any]
     created_at: str
     revision: int = 0
+    skipped: tuple[str, ...] = ()
 
     def shards(self) -> list[Shard]:
         """The job's shards, deterministically from the pinned files and options."""
@@ -107,7 +122,8 @@ class InputManifest:
         """The manifest as committed (JSON-ready)."""
         return {"format": MANIFEST_FORMAT, "input": self.input, "rows_per_shard": self.rows_per_shard,
                 "limit": self.limit, "prompt_column": self.prompt_column, "options": self.options,
-                "created_at": self.created_at, "revision": self.revision, "files": [asdict(f) for f in self.files]}
+                "created_at": self.created_at, "revision": self.revision, "files": [asdict(f) for f in self.files],
+                "skipped": list(self.skipped)}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> InputManifest:
@@ -119,7 +135,8 @@ class InputManifest:
         # --allow-special-tokens (what it ran with), never silently under the other encoding.
         options = {"allow_special_tokens": True, **_LATER_DEFAULTS, **doc["options"]}
         return cls(doc["input"], tuple(InputFile(**f) for f in doc["files"]), doc["rows_per_shard"], doc["limit"],
-                   doc["prompt_column"], options, doc["created_at"], doc.get("revision", 0))
+                   doc["prompt_column"], options, doc["created_at"], doc.get("revision", 0),
+                   tuple(doc.get("skipped", ())))
 
 
 def result_options(cfg: RunConfig) -> dict[str, Any]:
@@ -128,18 +145,19 @@ def result_options(cfg: RunConfig) -> dict[str, Any]:
 
 
 def build_manifest(input_url: str, cfg: RunConfig) -> InputManifest:
-    """List and check the input now (resolve_inputs, validate_columns) and describe it as a manifest.
+    """List and check the input now (list_inputs, validate_columns) and describe it as a manifest, with the files
+    of a folder skipped as not Parquet.
 
     Raises InputError for a missing input or column.
     """
-    fs, files = resolve_inputs(input_url)
+    fs, files, skipped = list_inputs(input_url)
     prompt_column = validate_columns(fs, files, cfg)
     pinned = []
     for path in files:
         size, version = file_version(fs, path)
         pinned.append(InputFile(fs.unstrip_protocol(path), size, version, footer_rows(fs, path)))
     return InputManifest(input_url, tuple(pinned), cfg.rows_per_shard, cfg.limit, prompt_column,
-                         result_options(cfg), datetime.now(UTC).isoformat(timespec="seconds"))
+                         result_options(cfg), datetime.now(UTC).isoformat(timespec="seconds"), skipped=tuple(skipped))
 
 
 def read_manifest(output_url: str) -> InputManifest | None:
@@ -219,6 +237,21 @@ def commit_revision(output_url: str, revised: InputManifest, why: str) -> InputM
     if commit_json(fs, manifest_path(root, revised.revision), revised.as_json() | {"why": why}):
         return revised
     return read_manifest(output_url) or revised
+
+
+def input_changes(manifest: InputManifest) -> list[str]:
+    """How the job's input differs now from its pinned `manifest`, one entry a file: each pinned file changed or
+    gone ("URL was N bytes, ...; now ..."), then each Parquet file the input lists now and the manifest does not
+    pin ("URL is new"). [] when it is the same. An input that no longer lists (its folder gone) adds no new file:
+    its pinned files say they are gone. Transient storage errors are retried, then raised (OSError)."""
+    found = [f"{f.url} {why}" for f in manifest.files if (why := f.difference()) is not None]
+    try:
+        fs, paths = resolve_inputs(absolute_url(manifest.input))
+    except InputError:
+        return found
+    pinned = {f.url for f in manifest.files}
+    return found + [f"{url} is new (the job did not pin it)" for path in paths
+                    if (url := fs.unstrip_protocol(path)) not in pinned]
 
 
 def changed_inputs(manifest: InputManifest) -> dict[str, str]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import fsspec
 
-from engine.loading.model_files import default_model_path
+from engine.loading.model_files import default_model_path, is_hub_id, is_url, resolve_model_path
 from engine.text.tokenizer import cache_root
 from pipeline.config import InputError
 from pipeline.input import file_version
@@ -148,14 +148,19 @@ def _short(digest: str) -> str:
 
 
 def resolve_model(model: str | None) -> str:
-    """The path or URL the engine reads for `model`: the default model's file for None, an fsspec URL as given
-    (file:// stripped), a local path made absolute. Raises ModelPinError when the default model is not installed."""
-    if model is None:
-        try:
+    """The path or URL the engine reads for `model`: an fsspec URL as given (nothing downloaded), a local path made
+    absolute (file:// stripped), and the default model's file (None) or a Hugging Face hub id's local snapshot
+    resolved as the engine resolves them (engine.loading.model_files.resolve_model_path: a hub id is downloaded once
+    per machine unless HF_HUB_OFFLINE is set). Raises ModelPinError (one line, the fix) when the default model is not
+    installed or the hub id cannot be found."""
+    try:
+        if model is None:
             return default_model_path()
-        except FileNotFoundError as e:
-            raise ModelPinError(str(e)) from e
-    if "://" in model and not model.startswith("file://"):
+        if is_hub_id(model):
+            return resolve_model_path(model)
+    except (OSError, ValueError) as e:
+        raise ModelPinError(str(e)) from e
+    if is_url(model):
         return model.rstrip("/")
     return os.path.abspath(model.removeprefix("file://"))
 

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 from fsspec import AbstractFileSystem
 
-from pipeline.accounting import EarlierAttempts, bill_earlier_attempts, committed_accounting_of
+from pipeline.accounting import EarlierAttempts, bill_earlier_attempts, committed_accounting_of, device_cost_usd
 from pipeline.attempts import (
     AttemptListing,
     Heartbeat,
@@ -109,6 +109,16 @@ class ShardRecord:
         return bill_earlier_attempts(self.fs, self.root, self.shard_id, self.attempts.latest + 1, self.attempts,
                                      self.parts, checkpoint_seconds, time.time() if now is None else now)
 
+    def unfinished_bill(self, checkpoint_seconds: float, price_per_hour_usd: float,
+                        now: float | None = None) -> tuple[float, float]:
+        """(device-seconds, USD) of the attempts of a shard with no accounting (bill_unfinished), billed at the price
+        its latest attempt's run recorded in its start record, else at `price_per_hour_usd` (USD per device-hour;
+        attempts claimed before the price was recorded). The one bill of a failed shard: a run's summary
+        (jobs.cluster.fail_shard) and `tokenmill status` both take it from here."""
+        bill = self.bill_unfinished(checkpoint_seconds, now)
+        price = self.start_record(self.attempts.latest).get("price_per_hour_usd") if self.attempts.latest else None
+        return bill.device_s, device_cost_usd(bill.device_s, price_per_hour_usd if price is None else float(price))
+
     def merged(self) -> pa.Table:
         """The listed parts' rows in row order, one per position (schemas.CHECKPOINT_PART_SCHEMA)."""
         return merge_parts(self.fs, self.parts)
@@ -130,13 +140,15 @@ class ShardRecord:
         """Attempt `attempt`'s end record ({} when it has none: running, finished or killed)."""
         return read_record(self.fs, end_path(self.root, self.shard_id, attempt))
 
-    def claim(self, heartbeat_s: float | None = None) -> Attempt:
+    def claim(self, heartbeat_s: float | None = None, price_per_hour_usd: float | None = None) -> Attempt:
         """Claim the shard's next attempt number (pipeline.attempts.claim_attempt, from this snapshot's listing:
         no second listing). `heartbeat_s`: the interval of the attempt's signs of life, seconds (None: it leaves
-        none). Numbers another run took between the listing and the claim join the snapshot as started, as does
+        none). `price_per_hour_usd`: the USD per device-hour the run bills, kept in the start record (None: not
+        recorded). Numbers another run took between the listing and the claim join the snapshot as started, as does
         the claimed one, so the bill sees every attempt before it."""
         listing = self.attempts
-        number, started_at = claim_attempt(self.fs, self.root, self.shard_id, heartbeat_s, after=listing.latest)
+        number, started_at = claim_attempt(self.fs, self.root, self.shard_id, heartbeat_s, after=listing.latest,
+                                            price_per_hour_usd=price_per_hour_usd)
         taken = dict.fromkeys(range(listing.latest + 1, number)) | {number: started_at}
         self.attempts = replace(listing, started={**listing.started, **taken})
         return Attempt(self, number, started_at)

@@ -127,7 +127,7 @@ def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_
         clock = (NoDeviceClock() if runner is None
                  else DeviceClock(runner.idle if isinstance(runner, EngineLoop) else None))
         with clock:
-            attempt = record.claim(cfg.heartbeat_seconds)
+            attempt = record.claim(cfg.heartbeat_seconds, cfg.price_per_hour_usd)
             try:
                 return _run_attempt(runner, facts, work, shard, cfg, attempt, t0, clock, progress, notice,
                                     should_stop)

@@ -72,7 +72,7 @@ def test_writes_refused_under_results_fail_the_shard_naming_the_object_and_bill_
     _deny_puts(bucket, "out/results/")
     src = _input(tmp_path, data_dir, 8)
     args = ["run", src, f"s3://{bucket}/out", "--prompt-column", "question", "--max-tokens", "3",
-            "--checkpoint-rows", "4", "--workers", "1", "--json"]
+            "--checkpoint-rows", "4", "--workers", "1", "--price-per-hour", "7.5", "--json"]
     res = runner.invoke(app, args)
     assert res.exit_code == 1, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -81,6 +81,12 @@ def test_writes_refused_under_results_fail_the_shard_naming_the_object_and_bill_
     assert "8 rows are checkpointed" in error and SECRET not in res.output
     # The attempt ran: its device-seconds are on the bill, not 0.
     assert summary["device_s"] > 0 and summary["cost_usd"] > 0 and summary["attempts"] == 1
+    assert summary["cost_usd"] == pytest.approx(summary["device_s"] / 3600 * 7.5, rel=1e-3)
+    # One bill, whichever command shows it (issue 51): status bills the failed shard as the run's summary did, at
+    # the price that run ran at.
+    status = json.loads(runner.invoke(app, ["status", f"s3://{bucket}/out", "--json"]).stdout)
+    assert status["state"] == "failed" and status["cost_usd"] == summary["cost_usd"]
+    assert status["device_s_unfinished"] == summary["device_s"]
 
     fsspec.filesystem("s3").call_s3("delete_bucket_policy", Bucket=bucket)
     res = runner.invoke(app, args)

@@ -29,7 +29,7 @@ from jobs.cli import app
 from jobs.control import cancel_job
 from jobs.gguf_header import gguf_metadata
 from jobs.preflight import model_context
-from jobs.run_commands import this_run
+from jobs.run_output import this_run
 from jobs.summary import JobSummary
 from pipeline.config import RunConfig
 from pipeline.manifest import pin_manifest
