@@ -65,7 +65,8 @@ class Forecast:
     `input_tokens` is exact when the first shard holds every row, else its mean per row times the rows;
     `output_tokens` is the expected count (the calibration sample's mean per row), `output_tokens_max` the bound
     from max_tokens. `device_s` is the expected device-seconds billed for the whole job (no preemptions). `note`:
-    what the figures cannot say (a job none of whose rows can run), else "".
+    what the figures cannot say (a job none of whose rows can run), else "". `quantization`: the weight
+    quantization the run uses, as its summary and accounting will say it (pipeline.shard_engine.EngineFacts).
     """
 
     rows: int
@@ -85,6 +86,7 @@ class Forecast:
     model: str
     calibration_s: float
     note: str = ""
+    quantization: str = ""
 
     @property
     def device_hours(self) -> float:
@@ -185,8 +187,9 @@ def _nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecas
         rows=rows, shards=len(shards), input_tokens=0, output_tokens=0, output_tokens_max=0, sample_rows=0,
         mean_output_tokens_observed=0.0, prefill_tokens_per_s=0.0, decode_step_s={}, warmup_s=0.0, device_s=0.0,
         price_per_hour_usd=spec.price_per_hour, device=facts.device, dtype=facts.dtype, model=facts.model,
-        calibration_s=0.0, note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request "
-                                "errors; the results' error column will say why); no engine loads, nothing is billed")
+        quantization=facts.quantization, calibration_s=0.0,
+        note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request errors; the results' "
+             "error column will say why); no engine loads, nothing is billed")
 
 
 @dataclass(frozen=True)
@@ -285,4 +288,4 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         decode_step_s=steps, warmup_s=warmup_s, device_s=device_s, price_per_hour_usd=spec.price_per_hour,
         device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), model=engine.model_name,
-        calibration_s=time.perf_counter() - t_start)
+        quantization=EngineFacts.of(engine, None).quantization, calibration_s=time.perf_counter() - t_start)
