@@ -90,10 +90,15 @@ class LLMEngine:
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)
         self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else model_config.eos_token_id
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching)
+        # LongRoPE rows admitted past the original context rotate every key with the long factors: their blocks are
+        # not the short rows' (engine.layers.rope.longrope_table_rows)
+        long_from = model.rotary.long_from
+        salt = None if long_from is None else (lambda request: request.kv_start_len > long_from)
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.block_size, config.enable_prefix_caching,
+                                               cache_salt=salt)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_id=self.eos_token_id, max_model_len=self.max_model_len,
-                                   eos_token_ids=model_config.eos_token_ids)
+                                   eos_token_ids=model_config.eos_token_ids, longrope_original=long_from)
         attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,

@@ -24,11 +24,11 @@ class RopeScaling:
             transformers' defaults).
         freq_factors: per-frequency divisors of the unscaled inv_freq [head_dim / 2] (GGUF `rope_freqs.weight`, as
             llama.cpp's converter writes Llama 3's scaling); when set they are used instead of the llama3 formula.
-        short_factor / long_factor: longrope's per-frequency divisors [head_dim / 2]: the long ones when the engine's
-            context (max_model_len) exceeds original_max_position_embeddings, else the short ones (as vLLM and
-            llama.cpp choose them; HF transformers picks per forward call by the sequence's length, which equals this
-            for every sequence when the context is within the original one, and for sequences longer than it
-            otherwise). attention_factor multiplies cos/sin (default sqrt(1 + ln(factor) / ln(original))).
+        short_factor / long_factor: longrope's per-frequency divisors [head_dim / 2], picked per sequence as HF
+            transformers' generate picks them: the long ones once the sequence passes
+            original_max_position_embeddings, else the short ones (engine.layers.rope.longrope_table_rows; vLLM and
+            llama.cpp pick one set for the whole run by its context). attention_factor multiplies cos/sin (default
+            sqrt(1 + ln(factor) / ln(original))).
 
     Raises:
         ValueError: for an unknown rope_type or a missing parameter.

@@ -70,7 +70,8 @@ class Forecast:
     relative spread of two measurements of the decode step (0.1 = 10%); `load_stretch`: the calibration's wall time
     over its device time (1 on a quiet machine; 2: other work took half the cores). A job run beside the same load
     is billed about `load_stretch` times `device_s` (billing is the device's wall time). `note`: what the figures
-    cannot say (a job none of whose rows can run), else "".
+    cannot say (a job none of whose rows can run), else "". `quantization`: the weight
+    quantization the run uses, as its summary and accounting will say it (pipeline.shard_engine.EngineFacts).
     """
 
     rows: int
@@ -91,6 +92,7 @@ class Forecast:
     calibration_s: float
     note: str = ""
     input_rows_sampled: int = 0
+    quantization: str = ""
     uncertainty: float = 0.0
     load_stretch: float = 1.0
 
@@ -215,8 +217,9 @@ def _nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecas
         rows=rows, shards=len(shards), input_tokens=0, output_tokens=0, output_tokens_max=0, sample_rows=0,
         mean_output_tokens_observed=0.0, prefill_tokens_per_s=0.0, decode_step_s={}, warmup_s=0.0, device_s=0.0,
         price_per_hour_usd=spec.price_per_hour, device=facts.device, dtype=facts.dtype, model=facts.model,
-        calibration_s=0.0, note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request "
-                                "errors; the results' error column will say why); no engine loads, nothing is billed")
+        quantization=facts.quantization, calibration_s=0.0,
+        note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request errors; the results' "
+             "error column will say why); no engine loads, nothing is billed")
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,7 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         decode_step_s=steps, warmup_s=warmup_s, device_s=device_s, price_per_hour_usd=spec.price_per_hour,
         device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), model=engine.model_name,
+        quantization=EngineFacts.of(engine, None).quantization,
         calibration_s=time.perf_counter() - t_start, input_rows_sampled=len(lengths) + skipped,
         uncertainty=max(m[1] for m in measured.values()),
         load_stretch=sum(w for w, _ in _CLOCKS) / max(sum(d for _, d in _CLOCKS), 1e-9))

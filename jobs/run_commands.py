@@ -111,6 +111,7 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
                  ("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})"),
                  ("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
                                   f"{fc.dtype})"),
+                 ("quantization", fc.quantization),
                  ("cost", f"${fc.cost_usd:.6f} at ${fc.price_per_hour_usd}/hour"),
                  ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
                  ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} prefill tok/s, "

@@ -18,12 +18,19 @@ import pyarrow as pa
 _TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
 LOGPROBS_TYPE = pa.list_(pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32()),
                                     ("top_logprobs", pa.list_(_TOP_LOGPROB))]))
-_LOGPROBS_DOC = ("null unless logprobs was asked for; else one entry per output token: token_id, token (its text), "
+_LOGPROBS_DOC = ("null unless logprobs was asked for; else one entry per output token: token_id, token (its text: "
+                 "the token decoded alone, so a token holding part of a multi-byte character reads U+FFFD), "
                  "logprob (natural log, from the raw logits before temperature, penalties and grammar masks) and "
                  "top_logprobs (the N likeliest tokens there, most likely first)")
 _VALID_DOC = ("for a structured output (json_schema, json_object, regex, choices): true when the completion "
               "completed the constraint (parses and validates), false when it was cut first (finish_reason length); "
               "null for unconstrained rows")
+# What HF transformers' tokenizer.decode(output_ids, skip_special_tokens=True) and vLLM's final detokenization give
+# (engine.text.detokenizer): the text of a completion cut inside a multi-byte character ends with U+FFFD.
+_COMPLETION_DOC = ("generated text (empty on error): the decode of the output token ids, special tokens skipped, cut "
+                   "before the stop string that ended it; a completion cut inside a multi-byte UTF-8 character "
+                   "(finish_reason length) ends with U+FFFD, one per incomplete character, as HF transformers' "
+                   "decode of the same ids (the OpenAI export's text is the same string)")
 SAMPLES_TYPE = pa.list_(pa.struct([
     pa.field("completion", pa.string()), pa.field("finish_reason", pa.string()),
     pa.field("completion_tokens", pa.int32()), pa.field("valid", pa.bool_(), metadata={"doc": _VALID_DOC}),
@@ -34,7 +41,7 @@ _ROW_FIELDS = [
     pa.field("id", pa.string(), metadata={"doc": "the input row's id (its id column, as text; null where that is "
                                                  "null), or its row position in the file when the input has no id "
                                                  "column. Ids may repeat: input_file + input_row name a row"}),
-    pa.field("completion", pa.string(), metadata={"doc": "generated text; empty on error"}),
+    pa.field("completion", pa.string(), metadata={"doc": _COMPLETION_DOC}),
     pa.field("finish_reason", pa.string(), nullable=False, metadata={"doc": "stop | length | error"}),
     pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={
         "doc": "prompt length in tokens (an over-long prompt's error row too); 0 for an error row whose prompt was "

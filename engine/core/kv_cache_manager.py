@@ -8,6 +8,7 @@ hashed as a chain of parent hash + token ids) and SGLang's RadixAttention (Zheng
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 from engine.core.request import Request
 
@@ -105,9 +106,9 @@ class BlockPool:
                 raise RuntimeError(f"cache map says block {b} has hash {h}, the block says {self.block_hash[b]}")
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash: equal only for equal prefixes (up to collisions, which
-    `BlockPool.lookup` rules out by comparing tokens)."""
+def chain_hash(parent: Hashable, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash (a first block's: None or its request's salt): equal only for
+    equal prefixes (up to collisions, which `BlockPool.lookup` rules out by comparing tokens)."""
     return hash((parent, tokens))
 
 
@@ -118,13 +119,18 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks of identical prefixes between requests.
+        cache_salt: a request's salt (any hashable), the parent hash of its first block: blocks are shared only
+            between requests of equal salts. For KV that depends on more than the tokens before it (LongRoPE's
+            factor set follows the prompt's length: engine.layers.rope.longrope_table_rows). None = no salt.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_salt: Callable[[Request], Hashable] | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.cache_salt = cache_salt
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading full blocks of each request registered in the cache
@@ -152,7 +158,7 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, fewer than "
                              f"{num_blocks} full blocks of {self.block_size}")
         hashes = self._hashes.setdefault(request.request_id, [])
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else (self.cache_salt(request) if self.cache_salt is not None else None)
         for i in range(len(hashes), num_blocks):
             parent = chain_hash(parent, self._block_tokens(request, i))
             hashes.append(parent)

@@ -31,6 +31,8 @@ class Request:
         sampling_params: how to sample and when to stop.
         num_computed_tokens: tokens whose K/V are in this request's blocks.
         num_preemptions: times the request lost its blocks and went back to waiting.
+        kv_start_len: num_tokens when the request was last admitted (its KV cache started, 0 before): what picks
+            LongRoPE's factor set of every key in its cache (engine.layers.rope.longrope_table_rows).
         finish_reason: "stop" | "length" once finished, else None.
         detokenizer: the output's text and stop strings (engine.text.detokenizer), or None when there is no tokenizer.
     """
@@ -46,6 +48,7 @@ class Request:
         self.sampling_params = sampling_params
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.kv_start_len = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer

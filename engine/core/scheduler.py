@@ -75,12 +75,16 @@ class Scheduler:
         eos_token_id: the model's end-of-sequence token (None: none).
         eos_token_ids: every other token id that ends a sequence (ModelConfig.eos_token_ids).
         max_model_len: most tokens (prompt + output) of a request; reaching it finishes the request ("length").
+        longrope_original: LongRoPE's original context O when the model keeps both factor sets (RotaryEmbedding.
+            long_from): a request admitted at O tokens or fewer (its keys rotated by the short factors) whose next
+            token would sit at position O or later is recomputed from position 0 with the long ones, as HF
+            transformers' Phi-3 `prepare_inputs_for_generation` drops its cache there. None: never.
     Raises ValueError when a limit is below 1.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  eos_token_id: int | None = None, max_model_len: int = 1 << 62,
-                 eos_token_ids: Collection[int] = ()) -> None:
+                 eos_token_ids: Collection[int] = (), longrope_original: int | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.kv_cache_manager = kv_cache_manager
@@ -89,6 +93,7 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.longrope_original = longrope_original
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -128,11 +133,15 @@ class Scheduler:
         # NOTE: tuple.__new__ builds the NamedTuple without its Python-level __new__ (0.5 -> 0.3 us a row).
         new, scheduled_request = tuple.__new__, ScheduledRequest
         running = self.running
+        original = self.longrope_original
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             if req.ends_at_pending_token:  # asynchronous steps: its token on the device ends it (length)
                 i += 1
+                continue
+            if original is not None and req.kv_start_len <= original < len(req.all_token_ids):
+                self._preempt(running.pop(i))  # its short-factor keys are recomputed with the long factors
                 continue
             done = req.num_computed_tokens
             n = len(req.all_token_ids) - done
@@ -298,6 +307,7 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 held += 1
                 continue
+            req.kv_start_len = req.num_tokens  # before the lookup: the prefix cache's salt may read it
             hits = kv.get_computed_blocks(req)
             if pending and kv.enable_prefix_caching:
                 hashes = kv.block_hashes(req)

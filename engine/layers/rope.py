@@ -5,7 +5,9 @@ scalings: linear, dynamic NTK, YaRN (Peng et al., 2023), Llama 3's per-frequency
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,8 +24,8 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
     frequencies transformers uses for a sequence that ends at each position (its dynamic NTK recomputes them from the
     current length, max(position + 1, max_position_embeddings)). llama3 with GGUF `rope_freqs` divides the unscaled
     frequencies by those factors (llama.cpp's form of the same formula). longrope divides them by the long factors
-    when `max_positions` (the engine's context) exceeds the original context, else by the short ones
-    (engine.config.RopeScaling says why).
+    when `max_positions` (the length of the sequence, transformers' seq_len) exceeds the original context, else by
+    the short ones (RotaryEmbedding keeps both sets: `longrope_table_rows` says which a token takes).
     """
     dim, base, rs = cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -53,7 +55,7 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
         smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    if rs.rope_type == "longrope":  # transformers' _compute_longrope_parameters, the set chosen once
+    if rs.rope_type == "longrope":  # transformers' _compute_longrope_parameters
         orig = rs.original_max_position_embeddings
         long = max_positions is not None and max_positions > orig
         factors = torch.tensor(rs.long_factor if long else rs.short_factor, dtype=torch.float32)
@@ -92,24 +94,69 @@ def rope_inv_freq(cfg: ModelConfig, positions: torch.Tensor | None = None,
     return inv, float(attention_factor)
 
 
+Rows = TypeVar("Rows", torch.Tensor, np.ndarray)
+
+
+def longrope_table_rows(positions: Rows, start_lens: Rows | int, original: int) -> Rows:
+    """Rows of a LongRoPE RotaryEmbedding's tables (short factors at rows [0, original), long ones from `original`
+    on) for tokens at `positions` (int64 [T]) of sequences that held `start_lens` tokens when their KV cache started
+    (int64 [T] or one int; engine.core.request.Request.kv_start_len): the long factors where that length or the
+    position passes the original context, else the short ones. Works on torch tensors and numpy arrays alike.
+
+    Source: HF transformers' generate. Its `longrope_frequency_update` (transformers/modeling_rope_utils.py) takes
+    the long set for a forward call when the call's sequence length, max(position_ids) + 1, exceeds the original
+    context; Phi-3's `prepare_inputs_for_generation` drops the KV cache when a sequence first passes it, so the
+    whole sequence is encoded again with the long set (engine.core.scheduler.Scheduler recomputes such a request,
+    whose kv_start_len is then past it). A row that stays within the original context takes the short set only.
+    """
+    long = (positions >= original) | (start_lens > original)
+    return positions + long * original
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, [max_positions, R] each (R = cfg.rotary_dim or head_dim), looked up by position
-    (int64 [T]); the frequencies and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling)."""
+    """cos/sin tables for RoPE, [N, R] each (R = cfg.rotary_dim or head_dim), looked up by table row (int64 [T]);
+    the frequencies and the cos/sin factor of `rope_inv_freq` (RoPE scaling of cfg.rope_scaling).
+
+    N = max_positions, and the row of a token is its position; except with LongRoPE whose `max_positions` exceeds
+    the original context O (`long_from` = O): then rows [0, O) hold the short factors' positions 0..O-1 and rows
+    [O, O + max_positions) the long factors' positions 0..max_positions-1, and `table_rows` maps positions to rows
+    by HF's rule (`longrope_table_rows`). With max_positions <= O every sequence is within O: the short set only.
+    """
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.int64)
-        inv_freq, attention_factor = rope_inv_freq(cfg, positions, max_positions)
+        rs = cfg.rope_scaling
+        orig = rs.original_max_position_embeddings if rs is not None and rs.rope_type == "longrope" else None
+        self.long_from: int | None = orig if orig is not None and max_positions > orig else None
+        if self.long_from is None:
+            cos, sin = self._tables(cfg, max_positions, max_positions)
+        else:
+            short, long = self._tables(cfg, orig, orig), self._tables(cfg, max_positions, orig + 1)
+            cos, sin = torch.cat((short[0], long[0])), torch.cat((short[1], long[1]))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @staticmethod
+    def _tables(cfg: ModelConfig, n: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) fp32 [n, R] of positions 0..n-1 with the frequencies of a sequence of seq_len tokens."""
+        positions = torch.arange(n, dtype=torch.int64)
+        inv_freq, attention_factor = rope_inv_freq(cfg, positions, seq_len)
         if inv_freq.dim() == 1:
             freqs = positions.float()[:, None] * inv_freq[None, :]
         else:
             freqs = positions.float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+    def table_rows(self, positions: Rows, start_lens: Rows | int) -> Rows:
+        """The table rows (int64 [T]) of tokens at `positions` (int64 [T], torch or numpy) of sequences whose KV
+        caches started at `start_lens` tokens (int64 [T] or one int; a whole sequence encoded at once: its length):
+        the positions themselves unless LongRoPE keeps two sets (`longrope_table_rows`)."""
+        return positions if self.long_from is None else longrope_table_rows(positions, start_lens, self.long_from)
+
+    def forward(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, R] in `dtype` of table rows int64 [T] (`table_rows`; the positions without LongRoPE)."""
+        return self.cos[rows].to(dtype), self.sin[rows].to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         calibration = torch.tensor(tokenizer.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device)
         smooth_model(llama, calibration)
         quantize_model_int8(llama)
+    if loaded is None and n_int4 and quantization == "auto" and not os.path.isdir(path):
+        loaded = f"gguf: {n_int4} weights INT4 as stored, the others dequantized exactly"
     return LoadedModel(cfg, llama, tokenizer, n_int4, loaded, layout)
 
 

@@ -230,9 +230,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder and LM head.
 
-    forward: input_ids int64 [T], positions int64 [T], per-layer caches, metadata, and the paged attention function
-    (default the torch reference; the runner passes its backend's, so engines sharing one model may run different
-    backends) -> hidden states [T, hidden].
+    forward: input_ids int64 [T], rope_rows int64 [T] (each token's row of the RoPE tables: its position, or with
+    LongRoPE's two factor sets `self.rotary.table_rows` of its position and prompt length), per-layer caches,
+    metadata, and the paged attention function (default the torch reference; the runner passes its backend's, so
+    engines sharing one model may run different backends) -> hidden states [T, hidden].
     compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab] (or in the model's dtype).
     """
 
@@ -262,6 +263,8 @@ class LlamaModel(nn.Module):
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg, positions)
         if cfg.rope_local_theta is not None:
+            if self.rotary.long_from is not None:
+                raise ValueError("longrope with a local RoPE base (rope_local_base_freq) is not implemented")
             local = replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None, rope_local_theta=None)
             self.rotary_local = RotaryEmbedding(local, positions)
 
@@ -276,11 +279,11 @@ class LlamaModel(nn.Module):
         """Share the embedding matrix with the LM head (tie_word_embeddings)."""
         self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, rope_rows: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
                 torch.Tensor]], meta: AttentionMetadata, attn_fn: AttentionFn = paged_attention_ref) -> torch.Tensor:
         x = self.embed(input_ids)
-        rope = self.rotary(positions, x.dtype)
-        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
+        rope = self.rotary(rope_rows, x.dtype)
+        local = self.rotary_local(rope_rows, x.dtype) if self.rotary_local is not None else rope
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = local if self.config.layer_is_local(i) else rope
             x = layer(x, cos, sin, k_cache, v_cache, meta, attn_fn)

@@ -14,9 +14,13 @@ SwiGLU clamp).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 GELU_TANH = "gelu_pytorch_tanh"
 #: The clamped SwiGLU of gpt-oss's experts (HF GptOssConfig's defaults; llama.cpp's constants for every gpt-oss GGUF,
@@ -107,9 +111,21 @@ def gemma_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: in
                final_logit_softcapping=get("final_logit_softcapping", None))
     if gemma3:
         out["rope_local_theta"] = float(get("rope.freq_base_swa", GEMMA3_LOCAL_THETA))
+        _warn_gemma3_gguf(layers, bool(window), out["query_pre_attn_scalar"])
     else:
         out["attn_logit_softcapping"] = get("attn_logit_softcapping", None)
     return out
+
+
+@functools.cache
+def _warn_gemma3_gguf(layers: int, window: bool, query_scale: float) -> None:
+    """Warn, once per shape, that a Gemma 3 GGUF runs llama.cpp's layer pattern and query scale: the file cannot
+    store the HF config's `sliding_window_pattern` / `layer_types` nor its `query_pre_attn_scalar` (as a Mistral
+    GGUF cannot store its window: engine.loading.gguf_config)."""
+    pattern = "5 sliding layers then 1 global" if window else "no sliding window"
+    log.warning("a Gemma 3 GGUF cannot store its layer pattern nor its query scale: tokenmill takes llama.cpp's "
+                "(%s, query_pre_attn_scalar %g, over %d layers); where the Hugging Face config differs the text "
+                "differs from Hugging Face's; load the Hugging Face folder to keep them", pattern, query_scale, layers)
 
 
 def gpt_oss_fields(config: dict[str, Any]) -> dict[str, Any]:

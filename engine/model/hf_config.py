@@ -113,6 +113,9 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"config.json has no model_type; tokenmill runs {supported()}")
+    if model_type == "gemma3":
+        raise ValueError("config.json model_type 'gemma3' is Gemma 3's multimodal checkpoint, which tokenmill does "
+                         "not run; its text-only checkpoint (model_type 'gemma3_text', e.g. Gemma 3 1B) runs")
     arch = get_architecture(str(model_type))
     if model_type not in arch.hf_model_types:
         raise ValueError(f"config.json model_type {model_type!r} is not supported; tokenmill runs {supported()}")

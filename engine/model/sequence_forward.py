@@ -30,7 +30,8 @@ def private_prefill(cfg: ModelConfig, n: int, kv_dtype: torch.dtype,
 def forward_sequence(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Final hidden states [n, hidden] (after the last RMSNorm; model.compute_logits gives the logits) of one
     sequence token_ids: int64 [n], n >= 1, on the model's device, prefilled from position 0 through a fresh private
-    KV cache per layer (so autograd may run through it: no cache is written twice).
+    KV cache per layer (so autograd may run through it: no cache is written twice). LongRoPE takes one factor set
+    for the whole sequence, by its length, as HF transformers' forward of it does.
 
     kv_dtype: dtype of the cache; None = the dtype of the model's first parameter. Runs in whatever grad mode the
     caller set. Raises ValueError for an empty or non-1-D token_ids."""
@@ -41,4 +42,4 @@ def forward_sequence(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch
     meta = AttentionMetadata.single_prefill(n, BLOCK_SIZE, device)
     caches = [private_kv_cache(n, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
               for _ in range(cfg.num_layers)]
-    return model(token_ids, torch.arange(n, device=device), caches, meta)
+    return model(token_ids, model.rotary.table_rows(torch.arange(n, device=device), n), caches, meta)

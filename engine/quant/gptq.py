@@ -273,7 +273,7 @@ def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size
     s, seq_len = calibration.shape
     dtype = torch.float32
     meta, (k_cache, v_cache) = private_prefill(model.config, seq_len, dtype, device)
-    cos, sin = model.rotary(torch.arange(seq_len, device=device), dtype)
+    cos, sin = model.rotary(model.rotary.table_rows(torch.arange(seq_len, device=device), seq_len), dtype)
     hidden = [model.embed_tokens(calibration[i].to(device)).to(dtype) for i in range(s)]
     out: dict[str, Int4Weight] = {}
 

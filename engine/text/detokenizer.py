@@ -7,6 +7,11 @@ again only as context, so that a tokenizer that strips a word's leading space or
 the same text as a full decode), and `read_offset..` are the tokens not yet turned into text. New text is released
 once it does not end in U+FFFD, the mark of a multi-byte UTF-8 character cut between tokens.
 
+The final text (`finish`) is the full decode of the output tokens, cut at the stop string if one was found: what HF
+transformers' `tokenizer.decode(output_ids, skip_special_tokens=True)` gives, and vLLM's final detokenization. So a
+completion that max_tokens (or an end-of-sequence token) cuts inside a multi-byte character ends with U+FFFD, one per
+incomplete character (schemas/arrow.py, `completion`); only the text released while generating holds it back.
+
 Byte-level BPE tokenizers (GPT-2's ByteLevel decoder: Llama 3, Qwen, SmolLM2, ...) decode by concatenating each
 token's bytes and decoding them as UTF-8 with U+FFFD for invalid bytes. For them each token's bytes are looked up
 in a table built once per tokenizer and fed to Python's incremental UTF-8 decoder, which keeps a character cut
@@ -106,6 +111,7 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []  # released text, in order
         self._tail = ""  # the last _tail_len released characters
         self._pending = ""  # complete characters decoded but held back behind a cut one
+        self._held = ""  # the decode path's held-back text as decoded (with its trailing U+FFFD)
         self._final: str | None = None  # the text once finish() ran
         self._bytes = byte_level_table(tokenizer)
         self._cut = b""  # the bytes of a character cut between tokens, waiting for the rest (byte-level path)
@@ -138,9 +144,10 @@ class IncrementalDetokenizer:
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
             released = new_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-            self._pending = ""
+            self._pending = self._held = ""
         else:
-            self._pending = new_text[len(prefix_text):].rstrip(REPLACEMENT_CHAR)
+            self._held = new_text[len(prefix_text):]
+            self._pending = self._held.rstrip(REPLACEMENT_CHAR)
         if self.stop:
             self._find_stop(released)
         if self.stop_string is None:
@@ -207,15 +214,20 @@ class IncrementalDetokenizer:
 
     def finish(self, token_ids: Sequence[int]) -> str:
         """The final text: takes in any tokens not yet decoded (one decode for all of them: the path of a request
-        without stop strings, which needs no per-step text) and releases held-back complete characters.
-
-        A trailing U+FFFD, from a multi-byte character cut by the end of generation, is dropped: the text never
-        ends with one. token_ids: all output tokens (ids). Returns the text (str); later calls return it again.
+        without stop strings, which needs no per-step text) and releases the held-back text as the full decode
+        ends: a multi-byte character cut by the end of generation is U+FFFD, as in HF transformers' decode of the
+        same ids (the module docstring). token_ids: all output tokens (ids). Returns the text (str); later calls
+        return it again.
         """
         if self._final is None:
             self.update(token_ids)
             if self.stop_string is None:
-                self._release(self._pending.rstrip(REPLACEMENT_CHAR))
-            self._pending = ""
+                if self._bytes is not None:  # the cut character's bytes, decoded as final: U+FFFD
+                    held = self._pending + codecs.utf_8_decode(self._cut, "replace", True)[0]
+                else:
+                    held = self._held
+                self._release(held)
+            self._pending = self._held = ""
+            self._cut = b""
             self._final = self.text
         return self._final

@@ -53,7 +53,7 @@ class DecodeGraphs:
         n = self.sizes[-1]
         dev = self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.rope_rows = torch.zeros(n, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=dev)
@@ -72,7 +72,7 @@ class DecodeGraphs:
         """Capture every bucket, largest first, so smaller ones reuse its memory pool."""
         pool = None
         for b in reversed(self.sizes):
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b), self.attn_fn)
+            args = (self.input_ids[:b], self.rope_rows[:b], self.kv_caches, self._meta(b), self.attn_fn)
             torch.cuda.synchronize(self.device)
             self.model(*args)  # warm-up: autotuning and lazy inits happen outside the capture
             torch.cuda.synchronize(self.device)
@@ -86,7 +86,7 @@ class DecodeGraphs:
         """The bucket a decode step of n requests runs in, or None when n exceeds the largest."""
         return next((b for b in self.sizes if b >= n), None)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, rope_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the step for n = len(input_ids) decode requests; returns hidden states [n, hidden] (a view into
         the graph's output buffer, valid until the next replay)."""
         n = input_ids.shape[0]
@@ -95,7 +95,7 @@ class DecodeGraphs:
             raise ValueError(f"no captured graph for a decode batch of {n}; capture() first or run eagerly")
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        self.rope_rows[:n].copy_(rope_rows, non_blocking=True)
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)

@@ -44,7 +44,7 @@ class StepInputs(NamedTuple):
     rows of the step's hidden states to sample from (a request's last token when the step reaches it); sampling: the
     S requests sampled, in that order; sample_rows: intp [S], their rows of the persistent batch; sample_seq_lens:
     int64 [S], their tokens after the step (prompt + output so far); decode_only: every request feeds exactly one
-    token.
+    token; token_rows: intp [T], each token's row of the persistent batch (its request's kv_start_len, for RoPE).
     """
 
     input_ids: np.ndarray
@@ -59,6 +59,7 @@ class StepInputs(NamedTuple):
     sample_rows: np.ndarray
     sample_seq_lens: np.ndarray
     decode_only: bool
+    token_rows: np.ndarray
 
 
 class InputBatch:
@@ -91,6 +92,7 @@ class InputBatch:
         self.seed = np.zeros(max_num_rows, dtype=np.int64)
         self.seeded = np.zeros(max_num_rows, dtype=bool)
         self.prompt_len = np.zeros(max_num_rows, dtype=np.int64)
+        self.kv_start_len = np.zeros(max_num_rows, dtype=np.int64)  # Request.kv_start_len of the row's blocks
         self.num_sampled_rows = 0  # rows held by non-greedy requests
 
     @property
@@ -124,7 +126,7 @@ class InputBatch:
             n = len(self._tables)
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
             self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
-            for name in ("greedy", "temperature", "top_p", "top_k", "seed", "seeded", "prompt_len"):
+            for name in ("greedy", "temperature", "top_p", "top_k", "seed", "seeded", "prompt_len", "kv_start_len"):
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.full_like(a, name == "greedy")]))
             self._num_blocks += [0] * n
@@ -176,6 +178,8 @@ class InputBatch:
             return row
         self._tables[row] = table
         self._write_row(row, table, 0)
+        if request is not None:  # new blocks: a new start (admitted, or again after a preemption)
+            self.kv_start_len[row] = request.kv_start_len
         return row
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]) -> StepInputs:
@@ -222,7 +226,7 @@ class InputBatch:
             input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
             query_start_loc=qsl, seq_lens=ends.astype(np.int32), block_tables=self.block_table[:, :width][r],
             query_lens=query_lens, logits_rows=logits_rows, sampling=sampling, sample_rows=r[at],
-            sample_seq_lens=ends[at], decode_only=decode_only)
+            sample_seq_lens=ends[at], decode_only=decode_only, token_rows=token_rows)
 
     def _decode_lists(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]
                       ) -> tuple[list[int], list[int], list[int], list[Request], np.ndarray]:

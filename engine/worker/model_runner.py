@@ -125,7 +125,9 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
                  pending_tokens: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
-        """Inputs of one step on the device: input_ids and positions (int64 [T]), the attention metadata, and the
+        """Inputs of one step on the device: input_ids and RoPE table rows (int64 [T]: the positions, or with
+        LongRoPE's two factor sets the rows each token's position and its request's kv_start_len pick, as HF
+        transformers' generate picks them: engine.layers.rope.longrope_table_rows), the attention metadata, and the
         rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
         step), with the host inputs (their `sampling`: the requests whose step reaches their last token). Built
         from the persistent batch (engine.worker.input_batch) with a few vectorized ops. `pending_tokens` (int64 [S'] on
@@ -149,7 +151,10 @@ class ModelRunner:
         )
         all_rows = len(x.sampling) == len(x.input_ids)  # every token is sampled: rows 0..T-1 in order
         logits_rows = None if all_rows else dev(x.logits_rows)
-        return input_ids, dev(x.positions), meta, logits_rows, x
+        rotary = self.model.rotary
+        rope_rows = x.positions if rotary.long_from is None else rotary.table_rows(
+            x.positions, self.input_batch.kv_start_len[x.token_rows])
+        return input_ids, dev(rope_rows), meta, logits_rows, x
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
         """A host array as a tensor on the runner's device: shared with numpy on the CPU; on CUDA copied from
@@ -198,7 +203,7 @@ class ModelRunner:
              ) -> tuple[list[Request], torch.Tensor | None]:
         """The step's forward pass and sampling: the sampled requests and their tokens (int64 [S] on the device;
         None when none samples)."""
-        input_ids, positions, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
+        input_ids, rope_rows, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
         sampling = x.sampling
         sampled_rows = self.input_batch.sampled_rows(x)
         # The CPU's small-batch GGUF kernel: decode-only steps without a seeded row (engine.quant.packed_linear's NOTE).
@@ -208,9 +213,9 @@ class ModelRunner:
             if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
                 if not graphs.graphs:
                     graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
-                hidden = graphs.run(input_ids, positions, meta)
+                hidden = graphs.run(input_ids, rope_rows, meta)
             else:
-                hidden = self.model(input_ids, positions, self.kv_caches, meta, self.attn_fn)
+                hidden = self.model(input_ids, rope_rows, self.kv_caches, meta, self.attn_fn)
             if not sampling:
                 return sampling, None
             if logits_rows is not None:

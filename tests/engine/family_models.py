@@ -43,7 +43,7 @@ def hf_config(family: str, vocab: int):
                                              rope_scaling={"rope_type": "linear", "factor": 2.0})
     if family == "phi3":
         # LongRoPE with an original context of 32 tokens: every prompt is longer, so HF uses the long factors, as
-        # the engine does for a context (2048) past the original one
+        # the engine does for a row past the original one
         half = 16 // 2
         return transformers.Phi3Config(vocab_size=vocab, num_hidden_layers=2, sliding_window=28,
                                        original_max_position_embeddings=32, tie_word_embeddings=False, **SHAPE,

@@ -33,6 +33,8 @@ def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Pat
     fc = json.loads(res.stdout.strip().splitlines()[-1])
     assert not out.exists()  # nothing written under OUTPUT
     assert (fc["event"], fc["rows"], fc["shards"], fc["device"]) == ("forecast", 10, 2, "cpu")
+    # The quantization the run will use, as its summary says it (the default GGUF's Q4_1 weights kept INT4 or not)
+    assert fc["quantization"].split(" ")[0] in ("auto", "none", "int4", "int8") and fc["quantization"]
     # Input tokens: the first shard's prompts through the chat template, its mean per row times the rows.
     tok = Tokenizer.from_gguf(default_model_path())
     first = [len(tok.apply_chat_template([{"role": "user", "content": q}]))

@@ -276,3 +276,28 @@ def test_a_store_that_keeps_failing_is_not_called_a_bad_file(tmp_path: Path, gsm
     bad.write_bytes(b"not parquet at all")
     with pytest.raises(ShardError, match="Fix or remove the file"):
         read_shard(_shard(bad, 0, 8), "question", "id")
+
+
+def test_a_completion_cut_inside_a_character_is_the_same_text_in_parquet_logprobs_and_the_openai_export(
+        engine: LLMEngine, alpaca_instructions: list[str]) -> None:
+    """max_tokens ends a row inside a multi-byte character: its completion is HF's decode of the output ids, ending
+    in U+FFFD (schemas/arrow.py), in the checkpoint part (the results columns) and in the OpenAI export's message;
+    each logprobs token is its token decoded alone."""
+    from jobs.openai_batch_export import _choice
+
+    decode = engine.tokenizer.decode
+    prompts = [t for t in alpaca_instructions if not t.isascii()][:16]
+    full = generate_rows(engine, ShardRows([str(i) for i in range(len(prompts))], prompts), RunConfig(max_tokens=24))
+    cuts = [(i, n) for i, o in enumerate(full) for n in range(1, o.num_output_tokens)
+            if decode(o.output_token_ids[:n]).endswith("\ufffd")]
+    assert cuts, "no answer split a character between tokens; pick other prompts"
+    i, n = cuts[0]
+    (out,) = generate_rows(engine, ShardRows(["cut"], [prompts[i]]), RunConfig(max_tokens=n, logprobs=1))
+    assert out.output_token_ids == full[i].output_token_ids[:n] and out.finish_reason == "length"
+    assert out.text == decode(out.output_token_ids) and out.text.endswith("\ufffd")
+    (row,) = part_table([(0, out)], "m").to_pylist()
+    assert row["completion"] == out.text
+    assert [e["token"] for e in row["logprobs"]] == [decode([t], skip_special_tokens=False)
+                                                   for t in out.output_token_ids]
+    assert _choice(0, row, chat=True)["message"]["content"] == out.text
+    assert _choice(0, row, chat=False)["text"] == out.text

@@ -2,8 +2,8 @@
 
 The tiny random model (tests/engine/family_models.py) has Phi-3's fused qkv_proj and gate_up_proj, a sliding window
 of 28 tokens and LongRoPE with an original context of 32 tokens: every real prompt is longer, so HF's forward uses the
-long factors and the attention factor, as the engine does for its context of 2048 (vLLM's and llama.cpp's choice:
-engine.config.RopeScaling). The short factors are checked against transformers' own LongRoPE frequencies. The GGUF
+long factors and the attention factor, as the engine does (test_longrope_rows.py: rows within the original context,
+the short factors). The short factors are checked against transformers' own LongRoPE frequencies. The GGUF
 is written as llama.cpp's converter writes Phi-3 (attn_qkv, ffn_up of twice the width, rope_factors_long/_short),
 also with those fused tensors in Q4_0, which the loader splits as packed INT4 and as GGUF blocks.
 """
