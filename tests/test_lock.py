@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,10 @@ def lock_mismatches(lock: dict[str, str], installed: dict[str, str]) -> list[str
 
 
 def _installed_here() -> dict[str, str]:
-    dists = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()}
+    """{canonical name: version} installed in this venv's site-packages (not whatever sys.path holds at the time:
+    importing pkg_resources puts setuptools' vendored dists on it, autocommand and jaraco.* among them)."""
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    dists = {canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions(path=site)}
     return {n: v for n, v in dists.items() if n not in _VENV_OWN and n != "tokenmill"}
 
 
