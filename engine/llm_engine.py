@@ -28,17 +28,15 @@ from engine.quant.packed_linear import pack_linears
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
-from engine.text.prompts import Prompt, prompt_problem
+from engine.text.prompts import Prompt
 from engine.text.tokenizer import Tokenizer
-from engine.worker.device import cpu_has_native_bf16, device_name, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.device import device_name, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.memory_fit import int4_layout_chooser
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
 log = logging.getLogger(__name__)
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, jobs.model_commands,
-# pipeline.shard_requests); their homes are engine.worker.device and engine.text.prompts.
-__all__ = ["LLMEngine", "Prompt", "cpu_has_native_bf16", "prompt_problem", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "Prompt"]
 
 
 class LLMEngine:
