@@ -21,8 +21,9 @@ The step thread is a daemon (a process never waits on its rows to exit), so it m
 finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
 tensors, THPVariable_clear) is ended by pthread_exit when it takes the GIL back, and that forced unwind through a
 noexcept C++ frame is std::terminate: "terminate called without an active exception", an aborted process. An
-atexit hook (`close_all_at_exit`) therefore aborts the requests of every live loop and joins its thread, and
-jobs.plugin's teardown does the same when a Dask worker closes.
+atexit hook (`close_all_at_exit`, registered when the first loop starts its thread, not at import) therefore aborts
+the requests of every live loop and joins its thread, and jobs.plugin's teardown does the same when a Dask worker
+closes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 EXIT_JOIN_S = 60.0
 # Every loop whose step thread was started: the atexit hook closes them.
 _LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+_exit_hook_registered = False  # close_all_at_exit registered (by the first loop that started its thread)
+_exit_hook_lock = threading.Lock()
 
 
 def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
@@ -61,7 +64,14 @@ def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
         loop.close(timeout_s=timeout_s, abort=True)
 
 
-atexit.register(close_all_at_exit)
+def _register_exit_hook() -> None:
+    """Register close_all_at_exit with atexit once per process, when a loop first starts its step thread: importing
+    this module changes nothing of the process."""
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            atexit.register(close_all_at_exit)
+            _exit_hook_registered = True
 
 
 class EngineLoop:
@@ -123,6 +133,7 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("this engine loop is closed; make a new one")
             if self._thread is None:
+                _register_exit_hook()
                 self._thread = threading.Thread(target=self._run, name="tokenmill-engine-loop", daemon=True)
                 self._thread.start()
                 _LIVE.add(self)
