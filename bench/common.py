@@ -90,14 +90,12 @@ def triton_device(name: str, smoke: str) -> torch.device:
     """torch.device(name) for a benchmark of Triton kernels: CUDA when a device is there, else any device under
     TRITON_INTERPRET=1 (the interpreter: a smoke run). Raises SystemExit naming the problem and `smoke`, the
     smoke-run flags (e.g. "--device cpu --tiny"), otherwise."""
-    import os
-
     import torch
 
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device cuda needs a CUDA device; for a smoke run: TRITON_INTERPRET=1 ... {smoke}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not settings.triton_interpret():
         raise SystemExit(f"--device {name}: the Triton kernels run off CUDA only under TRITON_INTERPRET=1")
     return device
 

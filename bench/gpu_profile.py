@@ -36,7 +36,8 @@ import torch
 
 from bench.common import new_parser
 from bench.throughput import alpaca_rows
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine.processing.parallel_sampling import engine_requests
 
 KINDS = ("GEMM", "attention", "sampling", "other")
 # CUDA kernel names by kind (first match wins): cuBLAS (sm90_xmma_gemm, nvjet, cutlass, *gemm*), tinygemm
@@ -183,7 +184,8 @@ def main() -> None:
     prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     engine.generate(prompt_ids[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, graph capture
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    requests = [r for item in engine.make_requests(prompt_ids, sp) if isinstance(item, list) for r in item]
+    requests = [r for item in engine.make_requests(prompt_ids, sp) if not isinstance(item, RequestOutput)
+                for r in engine_requests(item)]
     engine.scheduler.add_requests(requests)
 
     def decode_only() -> bool:

@@ -1,10 +1,17 @@
-"""tokenmill's LLM engine: a Llama-family decoder over a paged KV cache with continuous batching.
+"""tokenmill's LLM engine: decoder-only transformers (the families of engine.model.architectures: Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3/4, and the mixtures of experts Qwen2/3-MoE, Mixtral, gpt-oss) from GGUF files or Hugging
+Face folders, over a paged KV cache with continuous batching.
+
+The front door is this package's top level, the public API only: LLMEngine (engine.llm_engine), EngineConfig and
+ModelConfig with its RopeScaling (engine.config, engine.rope_scaling), SamplingParams (engine.sampling_params) and
+RequestOutput (engine.outputs). The rest lives in subpackages that import one way (tests/test_no_import_cycles.py):
+processing (prompts into requests, outputs, the offline batch), loop, core, worker, sample, model, layers, text,
+loading, quant, kernels. docs/architecture.md is the map: a step's, a shard's and a weight's path through them.
 
 Imports only torch and its own small deps (gguf, transformers' tokenizer); knows nothing of Parquet, S3 or Dask.
 
 NOTE: the names below load on first use (PEP 562), so `import engine.loading.object_store` (pipeline/, the CLI's
-`status`)
-does not pay for torch (~2 s); `from engine import LLMEngine` still works as before.
+`status`) does not pay for torch (~2 s); `from engine import LLMEngine` still works as before.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
     from engine.llm_engine import LLMEngine, Prompt
     from engine.outputs import RequestOutput
+    from engine.rope_scaling import RopeScaling
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _EXPORTS = {"EngineConfig": "engine.config", "ModelConfig": "engine.config", "LLMEngine": "engine.llm_engine",
-            "Prompt": "engine.llm_engine", "RequestOutput": "engine.outputs",
+            "Prompt": "engine.llm_engine", "RequestOutput": "engine.outputs", "RopeScaling": "engine.rope_scaling",
             "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params"}
 
-__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "SamplingParams",
+__all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "RopeScaling", "SamplingParams",
            "StructuredOutputsParams"]
 
 

@@ -17,27 +17,26 @@ from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.decoder import LlamaModel
-from engine.offline_batch import generate_batch
-from engine.output_builder import OutputBuilder
 from engine.outputs import RequestOutput
+from engine.processing.offline_batch import generate_batch
+from engine.processing.output_builder import OutputBuilder
+from engine.processing.parallel_sampling import ParentRequest
+from engine.processing.request_builder import RequestBuilder, lpt_key
 from engine.quant.experts import describe_experts
 from engine.quant.int4_linear import release_int4_sources
 from engine.quant.packed_linear import pack_linears
-from engine.request_builder import RequestBuilder, lpt_key
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
-from engine.text.prompts import Prompt, prompt_problem
+from engine.text.prompts import Prompt
 from engine.text.tokenizer import Tokenizer
-from engine.worker.device import cpu_has_native_bf16, device_name, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.device import device_name, num_kv_blocks, resolve_device, resolve_dtype
 from engine.worker.memory_fit import int4_layout_chooser
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
 log = logging.getLogger(__name__)
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, jobs.model_commands,
-# pipeline.shard_requests); their homes are engine.worker.device and engine.text.prompts.
-__all__ = ["LLMEngine", "Prompt", "cpu_has_native_bf16", "prompt_problem", "resolve_device", "resolve_dtype"]
+__all__ = ["LLMEngine", "Prompt"]
 
 
 class LLMEngine:
@@ -178,17 +177,17 @@ class LLMEngine:
 
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
                          allow_special_tokens: bool = False) -> list[int]:
-        """The token ids a prompt runs as: engine.request_builder.RequestBuilder.prompt_token_ids (it documents the
-        flags and the ValueError raised for a prompt that cannot run)."""
+        """The token ids a prompt runs as: engine.processing.request_builder.RequestBuilder.prompt_token_ids (it
+        documents the flags and the ValueError raised for a prompt that cannot run)."""
         return self.request_builder.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
 
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
-                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]:
-        """Per prompt, in order, its requests ready to queue or an error RequestOutput: engine.request_builder.
-        RequestBuilder.make_requests (host work, any thread; raises ValueError when the lengths of prompts, params
-        and ids differ, or ids repeat)."""
+                      allow_special_tokens: bool = False) -> list[Request | ParentRequest | RequestOutput]:
+        """Per prompt, in order, its request ready to queue, the parent request of its n > 1 samples, or an error
+        RequestOutput: engine.processing.request_builder.RequestBuilder.make_requests (host work, any thread;
+        raises ValueError when the lengths of prompts, params and ids differ, or ids repeat)."""
         return self.request_builder.make_requests(prompts, sampling_params, request_ids=request_ids,
                                                   use_chat_template=use_chat_template,
                                                   allow_special_tokens=allow_special_tokens)
@@ -295,11 +294,9 @@ class LLMEngine:
         self.last_scheduled = scheduled
 
     def output_of(self, req: Request, start: float) -> RequestOutput:
-        """The RequestOutput of a finished request (engine.output_builder.OutputBuilder.finished); ttft_s and
-        latency_s count from `start` (time.perf_counter())."""
+        """The RequestOutput of a finished request (engine.processing.output_builder.OutputBuilder.finished);
+        ttft_s and latency_s count from `start` (time.perf_counter())."""
         return self.output_builder.finished(req, start)
-
-    join_samples = staticmethod(OutputBuilder.join_samples)
 
     def generate(
         self,
@@ -325,11 +322,12 @@ class LLMEngine:
         returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
         finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
         caller can commit what finished and leave the rest for a later attempt. A request with n > 1 runs as n
-        requests on the same prompt (_make_requests) and comes back, once all n finished, as one output with
-        `samples`; a structured output whose constraint does not compile is an error output like a bad prompt.
+        requests on the same prompt (the children of a ParentRequest: engine.processing.parallel_sampling) and
+        comes back, once all n finished, as one output with `samples` (its id any text: no id is parsed back); a
+        structured output whose constraint does not compile is an error output like a bad prompt.
         An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
         Raises ValueError when the lengths of prompts, params and ids differ; RuntimeError while an EngineLoop runs
-        this engine. The batch runs over the step API (engine.offline_batch.generate_batch).
+        this engine. The batch runs over the step API (engine.processing.offline_batch.generate_batch).
         """
         return generate_batch(self, prompts, sampling_params, request_ids=request_ids,
                               use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,

@@ -1,4 +1,6 @@
-"""RoPE scaling of a model config: how the rotary frequencies change (ModelConfig.rope_scaling)."""
+"""RoPE scaling of a model config: how the rotary frequencies change (ModelConfig.rope_scaling). Public API as the
+type of that field (exported by engine/__init__.py); its own module only because engine/config.py is at the file
+size limit, and no subpackage can hold it: every one that knows RoPE imports engine.config."""
 
 from __future__ import annotations
 

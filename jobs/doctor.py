@@ -79,11 +79,16 @@ def machine_report(model: str | None = None) -> dict[str, Any]:
 
     from engine.config import EngineConfig
     from engine.kernels.cpu_kernels import cpu_ops
-    from engine.llm_engine import cpu_has_native_bf16, resolve_device, resolve_dtype
     from engine.loading.model_files import default_model_path
     from engine.quant.int8_linear import int8_available, int8_weight_qmax
     from engine.quant.packed_linear import bf16_packing_available, packing_available
-    from engine.worker.device import cpu_kv_budget_bytes, memory_available_bytes
+    from engine.worker.device import (
+        cpu_has_native_bf16,
+        cpu_kv_budget_bytes,
+        memory_available_bytes,
+        resolve_device,
+        resolve_dtype,
+    )
     from engine.worker.model_runner import select_attention
 
     cpu_model, flags = _cpuinfo()

@@ -192,9 +192,9 @@ def perplexity(
     Example: tokenmill perplexity --input ../shared/data/alpaca_eval.parquet --column reference_output --json
     """
 
-    from engine.llm_engine import resolve_device, resolve_dtype
     from engine.loading.quantized import load_model
     from engine.model.perplexity import text_perplexity
+    from engine.worker.device import resolve_device, resolve_dtype
 
     try:
         cfg = EngineConfig(**engine, int4_group_size=group_size)

@@ -234,7 +234,7 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
     import torch
 
     from engine.config import EngineConfig
-    from engine.llm_engine import resolve_device, resolve_dtype
+    from engine.worker.device import resolve_device, resolve_dtype
 
     try:
         on = resolve_device(device)

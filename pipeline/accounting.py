@@ -41,10 +41,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from fsspec import AbstractFileSystem
 
-from pipeline.attempts import AttemptListing, list_attempts, read_record
+from pipeline.attempts import AttemptListing, read_record
 from pipeline.checkpoint import Part
-from pipeline.layout import accounting_path, end_path, results_path, start_path
-from pipeline.storage import exists_now, read_fs, read_table
+from pipeline.layout import accounting_path, end_path, start_path
+from pipeline.storage import exists_now, read_table
 from schemas import ACCOUNTING_SCHEMA
 
 
@@ -190,14 +190,6 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
 OLD_NAMES = {"gpu_s": "device_s", "gpu_s_lost": "device_s_lost", "gpu_s_billed": "device_s_billed"}
 
 
-def read_committed_accounting(fs: AbstractFileSystem, root: str, shard_id: str) -> dict[str, Any] | None:
-    """committed_accounting on an open filesystem and protocol-less OUTPUT root. Columns written under their old names
-    (OLD_NAMES) read under the new ones."""
-    if not exists_now(fs, results_path(root, shard_id)):
-        return None
-    return committed_accounting_of(fs, root, shard_id, list_attempts(fs, root, shard_id).started)
-
-
 def committed_accounting_of(fs: AbstractFileSystem, root: str, shard_id: str,
                             attempts: Iterable[int]) -> dict[str, Any] | None:
     """The accounting row of the latest of `attempts` (attempt numbers, e.g. one listing's) that committed one, or
@@ -212,11 +204,3 @@ def committed_accounting_of(fs: AbstractFileSystem, root: str, shard_id: str,
             return {name: row.get(name) for name in ACCOUNTING_SCHEMA.names} | row
     return None
 
-
-def committed_accounting(output_url: str, shard_id: str) -> dict[str, Any] | None:
-    """The accounting row of the shard's latest committed attempt when its results are committed, else None.
-
-    A shard is done only when both its results and an accounting row exist (results are committed first).
-    """
-    fs, root = read_fs(output_url)
-    return read_committed_accounting(fs, root, shard_id)

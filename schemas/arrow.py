@@ -4,7 +4,7 @@ Layout: OUTPUT/results/<shard_id>.parquet (one row per input row) and OUTPUT/acc
 (one row, by the attempt that finished the shard). While a shard runs, OUTPUT/checkpoints/<shard_id>/ holds its
 checkpoint parts (CHECKPOINT_PART_SCHEMA). All are written once, with create-only semantics, and never overwritten.
 Accounting files written before the dtype, quantization and model_fingerprint columns existed lack them; readers take
-them as null (pipeline.accounting.read_committed_accounting), as checkpoint parts read without model_fingerprint.
+them as null (pipeline.accounting.committed_accounting_of), as checkpoint parts read without model_fingerprint.
 Results and parts written before the logprobs, valid and samples columns existed read them as null (no logprobs
 asked, unconstrained, n = 1), which is what those rows were.
 """

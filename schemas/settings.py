@@ -1,5 +1,6 @@
-"""Every TOKENMILL_* environment variable tokenmill reads, named once, parsed once, read when asked (at call time,
-never when a module is imported: a test or a worker that sets one after import gets what it set).
+"""Every TOKENMILL_* environment variable tokenmill reads, and the other tools' variables it acts on itself
+(TRITON_INTERPRET), named once, parsed once, read when asked (at call time, never when a module is imported: a test
+or a worker that sets one after import gets what it set).
 
 The job options that also come from the environment (TOKENMILL_DEVICE, TOKENMILL_MODEL, ...) are declared with
 their spec field (schemas.spec_sections, Cli.envvar) and read by the CLI's option parser; this module holds the
@@ -34,6 +35,8 @@ LOG_DIR = "TOKENMILL_LOG_DIR"  # where an internal error's traceback is written 
 LEASE_TTL_S = "TOKENMILL_LEASE_TTL_S"  # seconds a run's lease on its job lives without renewal (jobs.lease)
 # tests and benchmarks
 DATA_DIR = "TOKENMILL_DATA_DIR"  # the real prompt sets (tests/conftest.py, bench/common.py)
+# other tools'
+TRITON_INTERPRET = "TRITON_INTERPRET"  # 1: Triton's kernels run in its interpreter, on CPU (triton_interpret)
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -85,6 +88,12 @@ def env_gigabytes(name: str, default: float) -> int:
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0 GB, got {raw!r}")
     return int(value * 1e9)
+
+
+def triton_interpret() -> bool:
+    """Whether TRITON_INTERPRET is "1": Triton's kernels run in its interpreter on CPU tensors (tests, smoke runs).
+    Triton reads it once, when it is first imported; the engine reads it to know where its kernels may run."""
+    return os.environ.get(TRITON_INTERPRET) == "1"
 
 
 def cache_dir() -> Path:

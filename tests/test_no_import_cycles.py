@@ -145,6 +145,15 @@ def test_the_engine_subpackages_import_one_way() -> None:
     assert cycle is None, "engine subpackages in a circle: " + " -> ".join(cycle or [])
 
 
+def test_the_engine_top_level_holds_its_public_api_only() -> None:
+    # The front door (engine/__init__.py exports each name from its module): everything else is in a subpackage.
+    import engine
+
+    top = {p.stem for p in (ROOT / "engine").glob("*.py")} - {"__init__"}
+    assert top == {"config", "llm_engine", "outputs", "rope_scaling", "sampling_params"}
+    assert {module.rpartition(".")[2] for module in engine._EXPORTS.values()} == top
+
+
 def test_the_layers_point_one_way() -> None:
     graph = import_graph(ROOT, PACKAGES)
     assert "pipeline.storage" in graph["jobs.runner"] and "engine.loading.object_store" in graph["pipeline.storage"]

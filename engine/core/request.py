@@ -33,7 +33,9 @@ class Request:
         num_preemptions: times the request lost its blocks and went back to waiting.
         kv_start_len: num_tokens when the request was last admitted (its KV cache started, 0 before): what picks
             LongRoPE's factor set of every key in its cache (engine.layers.rope.longrope_table_rows).
-        finish_reason: "stop" | "length" once finished, else None.
+        finish_reason: None until the request finishes; then "stop" (EOS, a stop token or a stop string), "length"
+            (max_tokens or max_model_len) or "abort" (stopped before it finished: Scheduler.abort_requests /
+            abort_all; its output has no tokens, engine.outputs.RequestOutput).
         detokenizer: the output's text and stop strings (engine.text.detokenizer), or None when there is no tokenizer.
     """
 

@@ -15,12 +15,14 @@ clone's first test or job does not wait for the compiler; a process that finds t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -61,6 +63,25 @@ def cpu_has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """While the kernels build: this interpreter's folder first on PATH when ninja is not on PATH (pip puts ninja
+    beside the interpreter, which a venv may not have on PATH; torch's build runs `ninja` by name). PATH is as it was
+    afterwards: the process's environment is not changed for anything else."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
@@ -74,12 +95,11 @@ def cpu_ops() -> ModuleType | None:
         digest.update(str(src).encode() + b"\0" + src.read_bytes())
     digest.update(" ".join(_cflags() + [torch.__version__, _cpu_flags()]).encode())
     name = f"tokenmill_cpu_{digest.hexdigest()[:16]}"
-    if shutil.which("ninja") is None:  # pip puts ninja beside this interpreter, which a venv may not have on PATH
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name, [str(s) for s in SOURCES], extra_cflags=_cflags(), verbose=False)
+        with _ninja_on_path():
+            return load(name, [str(s) for s in SOURCES], extra_cflags=_cflags(), verbose=False)
     except Exception as e:  # no compiler / ninja, or a build error: the torch path does the same work
         log.warning("tokenmill's CPU kernels could not be built (%s: %s); using the plain torch path, which is "
                     "slower. Install g++ and ninja (pip install ninja) to get them.", type(e).__name__,

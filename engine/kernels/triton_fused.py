@@ -19,7 +19,6 @@ rotary_embedding + reshape_and_cache (csrc/layernorm_kernels.cu, activation_kern
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from types import ModuleType
 
@@ -66,7 +65,7 @@ def _check(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None = Non
     want = DTYPES if dtype is None else (dtype,)
     if t.dtype not in want:
         raise ValueError(f"{name} dtype {t.dtype} not served by the Triton fused ops; want one of {want}")
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreting = settings.triton_interpret()
     if (t.device.type == "cuda") == interpreting:
         raise ValueError(f"{name} is on {t.device}: the Triton fused ops need CUDA tensors (CPU tensors only under "
                          "TRITON_INTERPRET=1)")

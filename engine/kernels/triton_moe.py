@@ -26,7 +26,6 @@ SGLang; Gale et al., "MegaBlocks" (2022).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -122,7 +121,7 @@ def check_tensor(name: str, t: torch.Tensor, dim: int, dtype: torch.dtype | None
         raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"{name} dtype {t.dtype} does not match the activations' {dtype}")
-    if (t.device.type == "cuda") == (os.environ.get("TRITON_INTERPRET") == "1"):
+    if (t.device.type == "cuda") == (settings.triton_interpret()):
         raise ValueError(f"{name} is on {t.device}: the Triton MoE kernel needs CUDA tensors (CPU tensors only under "
                          "TRITON_INTERPRET=1)")
 
@@ -138,7 +137,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, row_weigh
         a, w, out, row_weights if row_weights is not None else out, sorted_pairs, block_expert, padded_total,
         n, k, out.shape[0], a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         out.stride(1), A_ROW_DIV=a_row_div, MUL_WEIGHT=row_weights is not None, IEEE=a.dtype == torch.float32,
-        BF16_WORKAROUND=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        BF16_WORKAROUND=a.dtype == torch.bfloat16 and settings.triton_interpret(),
         BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k, num_warps=blocks.warps, num_stages=blocks.stages)
 
 

@@ -18,7 +18,6 @@ fused_moe_kernel_gptq_awq for the in-kernel dequantization), tinygemm's INT4 con
 
 from __future__ import annotations
 
-import os
 import sys
 from types import ModuleType
 from typing import Protocol, runtime_checkable
@@ -35,6 +34,7 @@ from engine.kernels.triton_moe import (
     run_experts,
     triton_moe_ops,
 )
+from schemas import settings
 
 
 @runtime_checkable
@@ -141,7 +141,7 @@ def _grouped_gemm_int4(a: torch.Tensor, w: Int4Experts, out: torch.Tensor, row_w
     n = w.out_features
     grid = (block_expert.numel() * -(-n // blocks.n),)
     perm = w.in_perm
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = settings.triton_interpret()
     triton_moe_int4_kernels.grouped_gemm_int4_kernel[grid](
         a, w.qweight, w.scales, w.zeros, perm if perm is not None else sorted_pairs, out,
         row_weights if row_weights is not None else out, sorted_pairs, block_expert, padded_total,

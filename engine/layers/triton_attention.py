@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 from engine.layers.attention import AttentionMetadata, check_sliding_window, check_softcap
+from schemas import settings
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.triton_interpret()
 
 
 def triton_available() -> bool:

@@ -21,8 +21,9 @@ The step thread is a daemon (a process never waits on its rows to exit), so it m
 finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
 tensors, THPVariable_clear) is ended by pthread_exit when it takes the GIL back, and that forced unwind through a
 noexcept C++ frame is std::terminate: "terminate called without an active exception", an aborted process. An
-atexit hook (`close_all_at_exit`) therefore aborts the requests of every live loop and joins its thread, and
-jobs.plugin's teardown does the same when a Dask worker closes.
+atexit hook (`close_all_at_exit`, registered when the first loop starts its thread, not at import) therefore aborts
+the requests of every live loop and joins its thread, and jobs.plugin's teardown does the same when a Dask worker
+closes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.loop.clock import DeviceClock, IdleShare
 from engine.loop.submission import DONE, Submission
 from engine.outputs import RequestOutput
+from engine.processing.parallel_sampling import ParentRequest, engine_requests
 from engine.sampling_params import SamplingParams
 
 __all__ = ["EngineLoop"]
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 EXIT_JOIN_S = 60.0
 # Every loop whose step thread was started: the atexit hook closes them.
 _LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+_exit_hook_registered = False  # close_all_at_exit registered (by the first loop that started its thread)
+_exit_hook_lock = threading.Lock()
 
 
 def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
@@ -60,7 +64,14 @@ def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
         loop.close(timeout_s=timeout_s, abort=True)
 
 
-atexit.register(close_all_at_exit)
+def _register_exit_hook() -> None:
+    """Register close_all_at_exit with atexit once per process, when a loop first starts its step thread: importing
+    this module changes nothing of the process."""
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            atexit.register(close_all_at_exit)
+            _exit_hook_registered = True
 
 
 class EngineLoop:
@@ -90,9 +101,10 @@ class EngineLoop:
         self.engine = engine
         self._thread_init = thread_init
         self._cv = threading.Condition()
-        self._inbox: list[tuple] = []  # ("add", submission, [(request, index, caller's id)]) | ("abort", submission)
-        # engine request id -> (submission, prompt index, the caller's id, samples of that prompt)
-        self._owner: dict[str, tuple[Submission, int, str, int]] = {}
+        # ("add", submission, [(request, index, caller's id, its parent)]) | ("abort", submission)
+        self._inbox: list[tuple] = []
+        # engine request id -> (submission, prompt index, the caller's id, its parent request for one of n samples)
+        self._owner: dict[str, tuple[Submission, int, str, ParentRequest | None]] = {}
         self._active: dict[int, Submission] = {}
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
@@ -121,6 +133,7 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("this engine loop is closed; make a new one")
             if self._thread is None:
+                _register_exit_hook()
                 self._thread = threading.Thread(target=self._run, name="tokenmill-engine-loop", daemon=True)
                 self._thread.start()
                 _LIVE.add(self)
@@ -174,13 +187,14 @@ class EngineLoop:
                                              allow_special_tokens=allow_special_tokens)
         sub = Submission(self._request_abort, key, len(prepared), time.perf_counter(), should_stop, clock,
                          [None] * len(prepared))
-        requests: list[tuple[Request, int, str, int]] = []
+        requests: list[tuple[Request, int, str, ParentRequest | None]] = []
         for i, item in enumerate(prepared):
             if isinstance(item, RequestOutput):
                 item.request_id = ids[i]
                 sub._queue.put((i, item))
             else:
-                requests.extend((req, i, ids[i], len(item)) for req in item)
+                parent = item if isinstance(item, ParentRequest) else None
+                requests.extend((req, i, ids[i], parent) for req in engine_requests(item))
         if not requests:
             sub._queue.put(DONE)
             return sub
@@ -249,8 +263,8 @@ class EngineLoop:
                 _, sub, requests = message
                 self._active[sub.key] = sub
                 sub.remaining = len(requests)
-                for req, index, caller_id, num_samples in requests:
-                    self._owner[req.request_id] = (sub, index, caller_id, num_samples)
+                for req, index, caller_id, parent in requests:
+                    self._owner[req.request_id] = (sub, index, caller_id, parent)
                     added.append(req)
             elif message[1].key in self._active:  # abort
                 self._abort(message[1])
@@ -296,15 +310,15 @@ class EngineLoop:
     def _deliver(self, out: RequestOutput) -> None:
         """Hand the output of a request that left the engine (finished or aborted; under its engine id) to its
         submission."""
-        sub, index, caller_id, num_samples = self._owner.pop(out.request_id)
+        sub, index, caller_id, parent = self._owner.pop(out.request_id)
         sub.remaining -= 1
-        if num_samples > 1:  # one of a prompt's n samples: its output once all n are in (LLMEngine.generate's)
-            joined = sub.samples.add(index, num_samples, out, caller_id)
-            if joined is not None:
-                sub._queue.put((index, joined))
-        else:
-            out.request_id = caller_id
-            sub._queue.put((index, out))
+        # One of a prompt's n samples: the prompt's output once all n are in (as LLMEngine.generate's).
+        done = out if parent is None else parent.add(out)
+        if done is not None:
+            done.request_id = caller_id
+            for sample in done.samples or ():
+                sample.request_id = caller_id
+            sub._queue.put((index, done))
         if sub.remaining == 0:
             del self._active[sub.key]
             sub._queue.put(DONE)

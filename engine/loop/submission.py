@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.loop.clock import DeviceClock
-from engine.output_builder import SampleGroups
 from engine.outputs import RequestOutput
 
 DONE = object()  # put on a submission's queue by the step thread: every output delivered
@@ -39,7 +38,6 @@ class Submission:
     _error: BaseException | None = None
     _done: bool = False
     remaining: int = 0  # requests still in the engine (step thread only)
-    samples: SampleGroups = field(default_factory=SampleGroups)  # n > 1: samples until all n are in (step thread)
 
     def __iter__(self) -> Iterator[tuple[int, RequestOutput]]:
         while not self._done:

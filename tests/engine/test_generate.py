@@ -193,9 +193,9 @@ def test_bfloat16_runs_on_every_cpu_kind(tiny_model: str, gsm8k_questions: list[
     # so those linears stay plain), with a warning that float32 is faster there; where bf16 is native, no warning.
     from torch import nn
 
-    from engine.llm_engine import cpu_has_native_bf16
     from engine.quant.packed_linear import PackedLinear, can_pack
     from engine.worker import device
+    from engine.worker.device import cpu_has_native_bf16
 
     device._warn_once.cache_clear()  # said once per process: an earlier test of this worker may have said it
     with caplog.at_level("WARNING"):

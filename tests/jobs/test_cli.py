@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from engine import EngineConfig
-from engine.llm_engine import resolve_device, resolve_dtype
+from engine.worker.device import resolve_device, resolve_dtype
 from jobs.cli import app
 from jobs.lease import Lease
 from jobs.spec import engine_config, run_config

@@ -1,4 +1,5 @@
-"""TOKENMILL_* environment variables: read through schemas.settings only, and when asked, never at import."""
+"""TOKENMILL_* environment variables (and TRITON_INTERPRET): read through schemas.settings only, and when asked,
+never at import."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from schemas import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "pipeline", "jobs", "schemas")
-NAME = re.compile(r"^TOKENMILL_[A-Z0-9_]+$")
+NAME = re.compile(r"^(TOKENMILL_[A-Z0-9_]+|TRITON_INTERPRET)$")
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -21,8 +22,8 @@ def _sources() -> dict[str, ast.Module]:
 
 
 def test_only_the_settings_module_names_a_tokenmill_variable() -> None:
-    """A TOKENMILL_* name as a string is in schemas/settings.py, or a job option's `envvar` (read by the CLI's
-    option parser); nowhere else can a module read one past the settings."""
+    """A TOKENMILL_* name (or TRITON_INTERPRET) as a string is in schemas/settings.py, or a job option's `envvar`
+    (read by the CLI's option parser); nowhere else can a module read one past the settings."""
     found = []
     for path, tree in _sources().items():
         if path == "schemas/settings.py":
@@ -79,3 +80,12 @@ def test_switches_and_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(settings.CACHE_DIR)
     monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/xdg")
     assert settings.cache_dir() == Path("/tmp/xdg/tokenmill")
+
+
+def test_triton_interpret_is_read_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(settings.TRITON_INTERPRET, raising=False)
+    assert settings.triton_interpret() is False
+    monkeypatch.setenv(settings.TRITON_INTERPRET, "1")
+    assert settings.triton_interpret() is True
+    monkeypatch.setenv(settings.TRITON_INTERPRET, "0")
+    assert settings.triton_interpret() is False

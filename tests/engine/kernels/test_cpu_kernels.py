@@ -249,3 +249,19 @@ def test_cpu_serving_path_gives_the_reference_greedy_tokens(engine: LLMEngine,
     ref = reference.generate(prompts, params)
     assert [o.output_token_ids for o in ours] == [o.output_token_ids for o in ref]
     engine.with_config(engine.config)  # the session's engine back on its own attention function
+
+
+def test_ninja_is_put_on_path_for_the_build_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import sys
+
+    from engine.kernels import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)  # no ninja on PATH
+    monkeypatch.setenv("PATH", "/nowhere")
+    with cpu_kernels._ninja_on_path():
+        assert os.environ["PATH"] == os.path.dirname(sys.executable) + os.pathsep + "/nowhere"
+    assert os.environ["PATH"] == "/nowhere"
+    with pytest.raises(RuntimeError), cpu_kernels._ninja_on_path():  # a failed build leaves PATH as it was too
+        raise RuntimeError("build failed")
+    assert os.environ["PATH"] == "/nowhere"

@@ -246,6 +246,22 @@ sys.exit(0)
 """
 
 
+def test_importing_the_loop_registers_no_exit_hook_until_a_loop_starts() -> None:
+    """Importing engine.loop.engine_loop leaves the process as it was: close_all_at_exit joins atexit only when a
+    loop starts its step thread, and once per process."""
+    script = ("import atexit\n"
+              "calls = []\n"
+              "register = atexit.register\n"
+              "atexit.register = lambda f, *a, **k: (calls.append(f), register(f, *a, **k))[1]\n"
+              "from engine.loop import engine_loop as m\n"
+              "assert m.close_all_at_exit not in calls, calls\n"
+              "m._register_exit_hook(); m._register_exit_hook()\n"
+              "assert calls.count(m.close_all_at_exit) == 1, calls\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_process_exiting_mid_batch_aborts_and_joins_its_loop(tiny_model: str, gsm8k_questions: list[str],
                                                                 tmp_path: Path) -> None:
     """A process that exits while its loop steps (sys.exit on the main thread, as a Dask worker process ends):

@@ -9,9 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from engine.core.request import Request
-from engine.output_builder import SampleGroups
 from engine.outputs import RequestOutput
-from engine.request_builder import CHILD_SEP
+from engine.processing.parallel_sampling import ParentRequest, engine_requests
 from engine.sampling_params import SamplingParams
 from engine.text.prompts import Prompt
 
@@ -25,7 +24,7 @@ class StepEngine(Protocol):
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
-                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]: ...
+                      allow_special_tokens: bool = False) -> list[Request | ParentRequest | RequestOutput]: ...
 
     def add_requests(self, requests: Sequence[Request]) -> None: ...
 
@@ -57,7 +56,7 @@ def generate_batch(
     prepared = engine.make_requests(prompts, sampling_params, request_ids=request_ids,
                                     use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens)
     outputs: list[RequestOutput | None] = [None] * len(prepared)
-    owner: dict[str, tuple[int, int]] = {}  # engine request id -> (prompt index, samples of that prompt)
+    owner: dict[str, tuple[int, ParentRequest | None]] = {}  # engine request id -> (prompt index, its parent)
     requests: list[Request] = []
     for i, item in enumerate(prepared):
         if isinstance(item, RequestOutput):
@@ -65,27 +64,30 @@ def generate_batch(
             if on_output:
                 on_output(item)
             continue
-        requests.extend(item)
-        owner.update((req.request_id, (i, len(item))) for req in item)
-    ids = [o.request_id if isinstance(o, RequestOutput) else
-           o[0].request_id if len(o) == 1 else o[0].request_id.rsplit(CHILD_SEP, 1)[0] for o in prepared]
+        children = engine_requests(item)
+        requests.extend(children)
+        parent = item if isinstance(item, ParentRequest) else None
+        owner.update((req.request_id, (i, parent)) for req in children)
     engine.add_requests(requests)
-    samples = SampleGroups()
+
+    def prompt_output(out: RequestOutput) -> tuple[int, RequestOutput | None]:
+        """The prompt index of a request's output and the prompt's output: this one, or for one of n samples the
+        joined output once all n are in (None before)."""
+        i, parent = owner[out.request_id]
+        return i, out if parent is None else parent.add(out)
+
     try:
         while engine.has_unfinished:
             if should_stop is not None and should_stop():
-                for out in engine.abort_all():
-                    i = owner[out.request_id][0]
-                    out.request_id = ids[i]
-                    outputs[i] = out
+                for aborted in engine.abort_all():
+                    i, out = prompt_output(aborted)
+                    if out is not None:
+                        outputs[i] = out
                 break
             for req in engine.step():
-                i, num_samples = owner[req.request_id]
-                out = engine.output_of(req, start)
-                if num_samples > 1:  # one of n samples: the prompt's output once all n are in
-                    out = samples.add(i, num_samples, out, ids[i])
-                    if out is None:
-                        continue
+                i, out = prompt_output(engine.output_of(req, start))
+                if out is None:
+                    continue
                 outputs[i] = out
                 if on_output:
                     on_output(out)

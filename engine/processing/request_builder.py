@@ -1,23 +1,20 @@
 """Prompts into requests: the token ids a prompt runs as (chat template, raw text, messages or token ids, user text
-never read as control tokens), its request or its n samples, and their logits-processor state; host work that
-touches no scheduler or cache state (engine.llm_engine.LLMEngine.make_requests and the engine loop's submitters
-call it from any thread)."""
+never read as control tokens), its request or the parent request of its n samples (engine.processing.
+parallel_sampling), and their logits-processor state; host work that touches no scheduler or cache state
+(engine.llm_engine.LLMEngine.make_requests and the engine loop's submitters call it from any thread)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from engine.core.request import Request
 from engine.outputs import RequestOutput
+from engine.processing.parallel_sampling import ParentRequest, child_ids, child_params
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.prompts import Prompt, prompt_problem
 from engine.text.tokenizer import Tokenizer
-
-# Between a request id and the sample index in the ids of the n requests of a prompt with n > 1.
-CHILD_SEP = "\x1f"
 
 
 class PromptTooLong(ValueError):
@@ -76,13 +73,13 @@ class RequestBuilder:
             return list(prompt)
         return self.tokenizer.apply_chat_template(prompt, allow_special_tokens=allow_special_tokens)
 
-    def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                       use_chat_template: bool, allow_special_tokens: bool) -> list[Request]:
-        """The request of one prompt, or its n samples (params.n > 1): requests `<id>` + CHILD_SEP + j with n=1 and,
-        when seeded, seed + j (vLLM's rule for parallel sampling). Their prompts are the same token ids, so the
-        prefix cache computes the prompt's full blocks once (siblings queued behind the first one's prefill take
-        them from the cache). Raises ValueError for a prompt that cannot run or a constraint that does not
-        compile."""
+    def _make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams, use_chat_template: bool,
+                       allow_special_tokens: bool, taken: set[str]) -> Request | ParentRequest:
+        """The request of one prompt, or (params.n > 1) the parent request of its n samples: children with n=1,
+        seed + j when seeded, and ids from parallel_sampling.child_ids, none in `taken` (the batch's other ids).
+        Their prompts are the same token ids, so the prefix cache computes the prompt's full blocks once (siblings
+        queued behind the first one's prefill take them from the cache). Raises ValueError for a prompt that cannot
+        run or a constraint that does not compile."""
         token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLong(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
@@ -91,9 +88,8 @@ class RequestBuilder:
         if params.n == 1:
             children = [(request_id, params)]
         else:
-            children = [(f"{request_id}{CHILD_SEP}{j}", dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else (params.seed + j) % (1 << 63)))
-                for j in range(params.n)]
+            children = list(zip(child_ids(request_id, params.n, taken),
+                                (child_params(params, j) for j in range(params.n)), strict=True))
         requests = []
         try:
             for rid, sp in children:
@@ -105,15 +101,16 @@ class RequestBuilder:
             for req in requests:
                 self.logits_processors.pop(req.request_id)
             raise
-        return requests
+        return requests[0] if params.n == 1 else ParentRequest(request_id, requests)
 
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                       request_ids: Sequence[str] | None = None, use_chat_template: bool = True,
-                      allow_special_tokens: bool = False) -> list[list[Request] | RequestOutput]:
-        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its requests
-        ready to queue (one, or its n samples: _make_requests), or an error RequestOutput (finish_reason "error") for
-        a prompt that cannot run. Host work: it touches no scheduler or cache state, so any thread may call it (it
+                      allow_special_tokens: bool = False) -> list[Request | ParentRequest | RequestOutput]:
+        """Tokenize and check each prompt (see `generate` for the arguments): per prompt, in order, its request
+        ready to queue, the parent request of its n > 1 samples (queue its children: parallel_sampling.
+        engine_requests), or an error RequestOutput (finish_reason "error") for a prompt that cannot run; each under
+        the prompt's id. Host work: it touches no scheduler or cache state, so any thread may call it (it
         registers each request's logits-processor state, keyed by request id). An over-long prompt's error output
         has its prompt_token_ids (its real length); other error outputs have none. Raises ValueError when the lengths
         of prompts, params and ids differ, or ids repeat."""
@@ -127,10 +124,11 @@ class RequestBuilder:
                              "give one per prompt (or a single SamplingParams for all)")
         if len(set(ids)) != n:
             raise ValueError("request_ids must be unique")
-        prepared: list[list[Request] | RequestOutput] = []
+        prepared: list[Request | ParentRequest | RequestOutput] = []
+        taken = set(ids)  # the engine ids of the batch: the prompts' own, and their samples' as they are made
         for rid, prompt, sp in zip(ids, prompts, params, strict=True):
             try:
-                prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens))
+                prepared.append(self._make_requests(rid, prompt, sp, use_chat_template, allow_special_tokens, taken))
             except ValueError as e:  # an over-long prompt's error output keeps its tokens: its real length
                 tokens = e.token_ids if isinstance(e, PromptTooLong) else []
                 prepared.append(RequestOutput(rid, tokens, [], "", "error", error=str(e)))

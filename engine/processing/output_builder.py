@@ -1,14 +1,12 @@
 """Requests into outputs: the RequestOutput of a finished or aborted request (text, finish_reason, times, logprobs
-with each token's text, a constraint's verdict) and the joined output of a prompt's n samples. The counterpart of
-engine.request_builder; engine.llm_engine.LLMEngine and the engine loop's step thread call it."""
+with each token's text, a constraint's verdict); a prompt's n samples are joined by its parent request
+(engine.processing.parallel_sampling). The counterpart of engine.processing.request_builder; engine.llm_engine.
+LLMEngine and the engine loop's step thread call it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from engine.core.request import Request
 from engine.outputs import RequestOutput, TokenLogprob, TopLogprob
-from engine.request_builder import CHILD_SEP
 from engine.sample.logits_processors import LogitsProcessors, RowState
 from engine.text.tokenizer import Tokenizer
 
@@ -61,19 +59,6 @@ class OutputBuilder:
         return RequestOutput(req.request_id, req.prompt_token_ids, [], "", "abort",
                              num_preemptions=req.num_preemptions)
 
-    @staticmethod
-    def join_samples(parent_id: str, samples: list[RequestOutput]) -> RequestOutput:
-        """The output of a request with n > 1: sample 0's fields at the top, every sample in `samples` (each under
-        the parent's id), preemptions summed, the first token's time the earliest and the latency the latest."""
-        for s in samples:
-            s.request_id = parent_id
-        first = samples[0]
-        ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
-        latencies = [s.latency_s for s in samples if s.latency_s is not None]
-        return dataclasses.replace(first, num_preemptions=sum(s.num_preemptions for s in samples),
-                                   ttft_s=min(ttfts, default=None), latency_s=max(latencies, default=None),
-                                   samples=samples, note=next((s.note for s in samples if s.note), None))
-
     def _logprobs(self, state: RowState | None) -> list[TokenLogprob] | None:
         """A request's raw logprobs with each token's text (decoded alone, cached per token id)."""
         if state is None or state.logprobs is None:
@@ -89,25 +74,3 @@ class OutputBuilder:
         return [TokenLogprob(r.token_id, text(r.token_id), r.logprob, [TopLogprob(t, text(t), lp) for t, lp in r.top])
                 for r in state.logprobs]
 
-
-class SampleGroups:
-    """The outputs of prompts with n > 1 samples (each sample one request, its id the parent's + CHILD_SEP + its
-    index) until all n are in; `LLMEngine.generate` and the engine loop's step thread collect them here."""
-
-    def __init__(self) -> None:
-        self._groups: dict[int, list[RequestOutput | None]] = {}
-
-    def add(self, index: int, num_samples: int, out: RequestOutput, parent_id: str) -> RequestOutput | None:
-        """Keep sample `out` (under its engine id) of prompt `index`; once all `num_samples` are in, return the
-        prompt's output under `parent_id`: the samples joined (OutputBuilder.join_samples), or when any of them was
-        aborted one "abort" output without tokens (preemptions summed). None while samples are missing."""
-        group = self._groups.setdefault(index, [None] * num_samples)
-        group[int(out.request_id.rsplit(CHILD_SEP, 1)[1])] = out
-        if any(s is None for s in group):
-            return None
-        del self._groups[index]
-        done = [s for s in group if s is not None]
-        if any(s.finish_reason == "abort" for s in done):
-            return RequestOutput(parent_id, out.prompt_token_ids, [], "", "abort",
-                                 num_preemptions=sum(s.num_preemptions for s in done))
-        return OutputBuilder.join_samples(parent_id, done)
