@@ -25,8 +25,7 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from jobs import output_commands
-from jobs.cli_output import err, fail, internal_error, out, ran_in, storage_fail
-from jobs.errors import JobError
+from jobs.cli_output import err, exit_on_failure, internal_error, out, ran_in
 from jobs.process_env import set_omp_wait_policy
 
 if TYPE_CHECKING:
@@ -153,15 +152,9 @@ def status(
     from jobs.control import job_status
     from jobs.preflight import check_store
 
-    try:
+    with exit_on_failure(output):
         check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         st = job_status(output)
-    except JobError as e:
-        raise fail(e, e.exit_code) from e
-    except Exception as e:
-        if (failure := storage_fail(e, output)) is None:
-            raise
-        raise failure from e
     if as_json:
         print(json.dumps(st.as_dict()))
     else:
@@ -181,15 +174,9 @@ def cancel(
     from jobs.control import cancel_job
     from jobs.preflight import check_store
 
-    try:
+    with exit_on_failure(output):
         check_store(output, "OUTPUT")  # an endpoint where nothing listens: one line in seconds, not botocore's retries
         message = cancel_job(output, reason)
-    except JobError as e:
-        raise fail(e, e.exit_code) from e
-    except Exception as e:
-        if (failure := storage_fail(e, output)) is None:
-            raise
-        raise failure from e
     err.print(message)
 
 
