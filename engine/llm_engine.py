@@ -35,7 +35,7 @@ from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attenti
 
 log = logging.getLogger(__name__)
 
-# Re-exported for callers that import them from here (jobs.doctor, jobs.preflight, jobs.model_commands,
+# Re-exported for callers that import them from here (jobs.cli.doctor, jobs.plan.preflight, jobs.cli.model_commands,
 # pipeline.shard_requests); their homes are engine.worker.device and engine.text.prompts.
 __all__ = ["LLMEngine", "Prompt", "cpu_has_native_bf16", "prompt_problem", "resolve_device", "resolve_dtype"]
 

@@ -1,7 +1,7 @@
 """What the machine offers, probed without torch: the memory this process may still take and whether nvidia-smi lists
 a GPU (what the CPU computes natively: engine.kernels.cpu_features). The engine (engine.worker.device) sizes its CPU
-KV pool from these; the CLI's fit check (jobs.model_fit) reads the same numbers in a client that never imports torch
-(issue 31).
+KV pool from these; the CLI's fit check (jobs.plan.model_fit) reads the same numbers in a client that never imports
+torch (issue 31).
 """
 
 from __future__ import annotations

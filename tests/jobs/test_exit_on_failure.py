@@ -1,4 +1,4 @@
-"""The commands' one way of ending on an error they expect (jobs.cli_output.exit_on_failure): a JobError and a
+"""The commands' one way of ending on an error they expect (jobs.cli.output.exit_on_failure): a JobError and a
 storage failure as one line and their exit codes, anything else passed on, the progress stopped first."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from jobs.cli_output import exit_on_failure
+from jobs.cli.output import exit_on_failure
 from jobs.errors import EXIT_LEASE_HELD, EXIT_NO_SPACE, JobError
 
 

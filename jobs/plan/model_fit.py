@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kernels.cpu_features import cpu_flags_native_bf16
+from engine.loading.gguf_header import gguf_tensor_infos
 from engine.loading.model_files import is_hub_id
 from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes, nvidia_smi_gpus
 from engine.worker.memory_fit import (
@@ -28,8 +29,7 @@ from engine.worker.memory_fit import (
     weight_bytes,
 )
 from jobs.errors import JobError
-from jobs.gguf_header import gguf_tensor_infos
-from jobs.preflight import client_model_path
+from jobs.plan.preflight import client_model_path
 
 # GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight; a shared
 # expert's _shexp) or stacked expert projections (is_expert_weight: _exps), and the ggml type ids it keeps INT4 under
@@ -154,8 +154,9 @@ def _cuda_memory(index: int) -> tuple[int, int, str]:
 
 
 def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> MemoryFit:
-    """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`: jobs.preflight.model_context's
-    layers, kv_heads, head_dim and context) under `config` on the device config.device resolves to here."""
+    """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`:
+    jobs.plan.preflight.model_context's layers, kv_heads, head_dim and context) under `config` on the device
+    config.device resolves to here."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tensors, vocab, _ = _weights(model, config.quantization, config.int4_group_size)

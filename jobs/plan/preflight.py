@@ -14,10 +14,10 @@ import os
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.loading.gguf_header import gguf_metadata
 from engine.loading.model_files import HF_CONFIG_FILE, check_model_url, hub_model_path, is_hub_id, is_url
 from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
-from jobs.gguf_header import gguf_metadata
 from pipeline.input import absolute_url
 from pipeline.storage import StoreUnreachable, check_bucket, probe_endpoint, unreachable_store
 
@@ -130,12 +130,13 @@ def check_model(model: str | None) -> str | None:
 
 
 def _check_gguf(path: str) -> None:
-    """Refuse a GGUF file that tokenmill does not run exactly, from its header alone (jobs.gguf_header.GGUFHeader, a
-    tenth of a second for a 49k-token vocabulary): its architecture, the metadata its family reads and every tensor
-    name (engine.loading.gguf_config, what the engine checks again when it loads the file). A header the scan does
-    not follow is left to the engine. Raises JobError (exit 2) naming what the file sets."""
+    """Refuse a GGUF file that tokenmill does not run exactly, from its header alone
+    (engine.loading.gguf_header.GGUFHeader, a tenth of a second for a 49k-token vocabulary): its architecture, the
+    metadata its family reads and every tensor name (engine.loading.gguf_config, what the engine checks again when
+    it loads the file). A header the scan does not follow is left to the engine. Raises JobError (exit 2) naming
+    what the file sets."""
     from engine.loading.gguf_config import gguf_name_map, read_gguf_config
-    from jobs.gguf_header import GGUFHeader, Unfollowed
+    from engine.loading.gguf_header import GGUFHeader, Unfollowed
 
     try:
         header = GGUFHeader(path)
