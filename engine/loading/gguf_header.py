@@ -173,13 +173,3 @@ class GGUFHeader:
             data_start = -(-f.tell() // align) * align
         self.tensors = [_Tensor(path, name, dims, kind, data_start + offset) for name, dims, kind, offset in infos]
 
-
-def gguf_tensor_infos(path: str) -> list[tuple[str, int, int]] | None:
-    """(name, element count, ggml type id) of every tensor of the GGUF file at `path`, from its header (GGUFHeader:
-    the metadata values skipped over, not parsed), or None for a header this scan does not follow (an array of
-    arrays, a value type newer than the spec). Raises ValueError for a file that is not GGUF v2/v3 or whose header
-    is cut short."""
-    try:
-        return [(t.name, t.n_elements, t.type_id) for t in GGUFHeader(path).tensors]
-    except Unfollowed:
-        return None
