@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from bench.common import data_file, new_parser
-from jobs.forecast import forecast_job
+from jobs.plan.forecast import forecast_job
 from jobs.spec import run_spec
 from schemas.job_spec import JobSpec
 

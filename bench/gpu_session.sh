@@ -98,14 +98,14 @@ step moe_loop 240 env TOKENMILL_TRITON_MOE=0 python3 -m bench.throughput --devic
 # Issue 42's one-GPU big model, a lease of its own: a synthetic GPTQ checkpoint of BIG_SHAPE (llama-3.1-70b, ~39 GB
 # written to BIG_DIR in about a minute; qwen2.5-72b) loaded INT4 (--quantization auto) and run on w1, ours alone
 # (BIG_ARGS: more bench.throughput options); the step logs the failure when the loader or the card's memory refuses
-# it (the preflight's numbers: jobs.model_fit). Llama-3.1-70B INT4 fits one H100: the engine keeps one packed INT4
+# it (the preflight's numbers: jobs.plan.model_fit). Llama-3.1-70B INT4 fits one H100: the engine keeps one packed INT4
 # copy (GemLite's, INT4 layout "single") where a second (tinygemm's, for M <= 8) would crowd out the KV cache
 # (engine.worker.memory_fit.choose_int4_layout), and frees the host-side portable copies after fusing: 36.35 GiB of
 # weights, 72.00 GiB usable on an H100 80GB at gpu_memory_utilization 0.9, KV pool 34.67 GiB = 113,600 tokens = 27
 # sequences of 4096; on an H200 (141 GiB), 89.57 GiB of KV = 71 sequences. The fit line names the layout chosen.
 step big_gptq 540 bash -c 'd=${BIG_DIR:-/tmp/big-gptq}; s=${BIG_SHAPE:-llama-3.1-70b};
     [ -f "$d/config.json" ] || python3 -m bench.big_checkpoint "$d" --shape "$s" || exit 1
-    python3 -c "from jobs.model_fit import model_fit; from jobs.preflight import model_context; \
+    python3 -c "from jobs.plan.model_fit import model_fit; from jobs.plan.preflight import model_context; \
 from engine import EngineConfig; c = EngineConfig(device=\"cuda\", quantization=\"auto\", max_model_len=4096); \
 print(model_fit(\"$d\", c, model_context(\"$d\")).line())"
     python3 -m bench.throughput --device cuda --model "$d" --quantization auto --workload w1 --skip-hf \

@@ -15,7 +15,7 @@ Exit codes of `tokenmill run` / `submit` (and `status`, which reports a job's st
        shards committed their finished rows and stopped, the lease was released; the same command run again resumes
        (jobs.interrupt). `--dry-run` writes nothing and exits with these codes at once
     70  an internal error (a bug in tokenmill, sysexits' EX_SOFTWARE): one line names it and the file its traceback
-       was written to (jobs.cli_output.internal_error)
+       was written to (jobs.cli.output.internal_error)
 """
 
 from __future__ import annotations

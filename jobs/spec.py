@@ -10,9 +10,9 @@ import fsspec
 
 from engine import EngineConfig
 from jobs.errors import JobError
+from jobs.formats.openai_batch import prepare_spec
 from jobs.metrics import JobMetrics
-from jobs.openai_batch import prepare_spec
-from jobs.preflight import (
+from jobs.plan.preflight import (
     check_device,
     check_max_model_len,
     check_model,
@@ -72,7 +72,7 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 
 def checked_spec(spec: JobSpec) -> JobSpec:
-    """The spec with OUTPUT and a local model made absolute, after jobs.preflight's checks of both, of
+    """The spec with OUTPUT and a local model made absolute, after jobs.plan.preflight's checks of both, of
     --max-model-len and --quantization against the model and of a CUDA --device here. Raises JobError (exit 2)
     naming the problem and the fix, or the object store of INPUT or the model not answering."""
     check_store(spec.input, "INPUT")
@@ -87,13 +87,13 @@ def checked_spec(spec: JobSpec) -> JobSpec:
 
 
 def spec_fit(spec: JobSpec, model: str | None) -> MemoryFit | None:
-    """The job's model against the memory of the device its workers use on this machine (jobs.model_fit): None
+    """The job's model against the memory of the device its workers use on this machine (jobs.plan.model_fit): None
     for a cluster's workers (--scheduler: their device is elsewhere) and a model at a URL (its worker checks it).
     `model` as check_model returns it. Raises JobError (exit 2) when one sequence of --max-model-len does not fit,
     naming the numbers and the ways out."""
     if spec.cluster.scheduler is not None:
         return None
-    from jobs.model_fit import check_fit
+    from jobs.plan.model_fit import check_fit
 
     return check_fit(model, engine_config(spec), model_context(model))
 
@@ -102,7 +102,7 @@ def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], N
              on_progress: ProgressFn | None = None, metrics_file: str | None = None) -> JobSummary:
     """Run (or resume, or find finished) the job a spec describes; see jobs.runner.run_job for what happens and
     the JobError exit codes it raises. An OpenAI batch file (.jsonl) as input is converted first
-    (jobs.openai_batch.prepare_spec). Metrics go to TOKENMILL_PUSHGATEWAY_URL and/or `metrics_file` (a
+    (jobs.formats.openai_batch.prepare_spec). Metrics go to TOKENMILL_PUSHGATEWAY_URL and/or `metrics_file` (a
     node_exporter textfile) as the run goes (jobs.metrics)."""
     from jobs.runner import run_job  # Dask and the engine (torch): not for a spec refused before any work
 

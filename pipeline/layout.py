@@ -6,7 +6,7 @@
       _manifest/model.json                          the pinned model: its files' sizes and hashes (pipeline.model_pin)
       _manifest/cancel-NNN.json                     a cancel marker set aside by `--resume` (jobs.control)
       _lease/SSSSSSSSSSSS.json                      who runs the job until when (jobs.lease)
-      _input/requests.parquet                       an OpenAI batch file's requests, converted (jobs.openai_batch)
+      _input/requests.parquet                       an OpenAI batch file's requests, converted (jobs.formats)
       results/<shard_id>.parquet                    a shard's results (schemas.RESULTS_SCHEMA)
       accounting/<shard_id>.attempt-NNN.parquet     the bill of the attempt that finished the shard
       checkpoints/<shard_id>/aNNN-pPPPPP-nROWS.parquet|.commit

@@ -9,7 +9,7 @@ An input file may hold, beside its prompt and id columns:
   with the row id, see RunConfig). A row that sets any structured output field replaces the job's constraint with
   its own. logit_bias is a map<int, float> column or JSON text {"token id": bias};
 - a `request_error` column (ROW_ERROR_COLUMN): text that makes the row an error row with that message, without
-  running it. Converters fill it for requests they cannot map (jobs.openai_batch: a malformed JSONL line).
+  running it. Converters fill it for requests they cannot map (jobs.formats.openai_batch: a malformed JSONL line).
 
 A row whose own values are out of range (max_tokens 0, temperature -1) becomes an error row naming the value, not a
 failed shard: they go through engine.SamplingParams, the same validation (schemas.sampling's ranges) as the job's.

@@ -1,7 +1,7 @@
 """The job spec: one typed model (pydantic v2) of every option a job has, the single definition of them.
 
 Everything that describes a job comes from `JobSpec`: the YAML file `tokenmill submit` runs (nested sections, in
-schemas.spec_sections), the options of `tokenmill run` (jobs/options.py generates them from the fields: one option
+schemas.spec_sections), the options of `tokenmill run` (jobs/cli/options.py generates them from the fields: one option
 per field, named `--<field>` unless `Cli` says otherwise), the published JSON Schema for editors and infra
 (`job_spec_json_schema()`, committed as schemas/job_spec.schema.json; `tokenmill job-schema` prints it), and the
 pipeline's and engine's configs (jobs/spec.py maps the fields by name). Both commands validate through

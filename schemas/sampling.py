@@ -1,9 +1,10 @@
 """The sampling fields of a request, defined once: their names, ranges and meaning.
 
 engine.SamplingParams validates against these rules, the job spec's `sampling` section (schemas.job_spec) takes its
-field constraints from them, and per-row columns (pipeline.row_options) and OpenAI batch bodies (jobs.openai_batch)
-are named after them and validated through SamplingParams, so a value is accepted or refused with the same message
-wherever it is written. Plain Python (no torch): schemas is the bottom layer, imported by every other package.
+field constraints from them, and per-row columns (pipeline.row_options) and OpenAI batch bodies
+(jobs.formats.openai_batch) are named after them and validated through SamplingParams, so a value is accepted or
+refused with the same message wherever it is written. Plain Python (no torch): schemas is the bottom layer, imported
+by every other package.
 
 Ranges follow OpenAI's chat completions API and vLLM's SamplingParams (vllm/sampling_params.py): penalties in
 [-2, 2], logit_bias in [-100, 100], top_logprobs 0-20 (OpenAI), repetition_penalty > 0 with 1 = off and top_k 0 or

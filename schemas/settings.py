@@ -31,7 +31,7 @@ WORKER_WAIT_S = "TOKENMILL_WORKER_WAIT_S"  # seconds a run waits for a GPU worke
 PUSHGATEWAY_URL = "TOKENMILL_PUSHGATEWAY_URL"  # where a run pushes its metrics (jobs.metrics)
 METRICS_INTERVAL_S = "TOKENMILL_METRICS_INTERVAL_S"  # seconds between metric pushes
 JOB_NAME = "TOKENMILL_JOB_NAME"  # the metrics' job label (else the last part of OUTPUT)
-LOG_DIR = "TOKENMILL_LOG_DIR"  # where an internal error's traceback is written (jobs.cli_output)
+LOG_DIR = "TOKENMILL_LOG_DIR"  # where an internal error's traceback is written (jobs.cli.output)
 LEASE_TTL_S = "TOKENMILL_LEASE_TTL_S"  # seconds a run's lease on its job lives without renewal (jobs.lease)
 # tests and benchmarks
 DATA_DIR = "TOKENMILL_DATA_DIR"  # the real prompt sets (tests/conftest.py, bench/common.py)

@@ -1,7 +1,7 @@
 """What this CPU can do, read without torch: its /proc/cpuinfo flags, capped where oneDNN's ISA cap
 (ONEDNN_MAX_CPU_ISA) is set, so that one AVX512 machine can run the suite as an AVX2-only or AVX512-without-VNNI
 machine would (`make test-cpu-kinds`). The dtype choice (engine.worker.device), the C++ kernels' build
-(engine.kernels.cpu_kernels), the client's fit check (jobs.model_fit) and `tokenmill doctor` all read these.
+(engine.kernels.cpu_kernels), the client's fit check (jobs.plan.model_fit) and `tokenmill doctor` all read these.
 """
 
 from __future__ import annotations

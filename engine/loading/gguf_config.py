@@ -1,7 +1,7 @@
 """A GGUF file's config (ModelConfig) from its metadata and the map of its tensor names to our parameter names,
 through the architecture registry (engine.model.architectures): what a file sets that tokenmill does not run is a
 ValueError naming it, before any tensor is read. Imports no torch: the CLI checks a GGUF file through it before a
-job (jobs.preflight, with jobs.gguf_header's header-only reader), the engine when it loads one
+job (jobs.plan.preflight, with engine.loading.gguf_header's header-only reader), the engine when it loads one
 (engine.loading.gguf_file, with gguf's GGUFReader).
 
 A reader is anything with GGUFReader's `fields` ({key: field with `contents()`; an array's `data` as long as the

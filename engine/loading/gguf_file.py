@@ -23,7 +23,8 @@ from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
 from engine.loading.gguf_config import gguf_name_map
 from engine.loading.gguf_config import read_gguf_config as read_gguf_config  # NOTE: re-exported (loader, quantized)
-from engine.loading.gguf_int4 import gguf_q4_to_int4, is_native_int4
+from engine.loading.gguf_int4 import gguf_q4_to_int4
+from engine.loading.gguf_native_int4 import loads_as_native_int4
 from engine.loading.gpt_oss_tensors import dequantize_gguf_mxfp4
 from engine.model.architectures import get_architecture
 from engine.model.tensor_names import EMBEDDING, split_fused
@@ -151,7 +152,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
                     keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | Int4Weight | StackedInt4]]:
     """(name, value) per model tensor of a GGUF file, Q/K rows un-permuted: fp32 CPU tensors [out, in] (torch order,
     dequantized by `dequantize_tensor`) under their HF parameter names; with `native_int4`, the 4-bit projection
-    weights gguf_int4.NATIVE_INT4_TYPES map exactly (Q4_0, Q4_1, Q4_K) instead as
+    weights gguf_native_int4.NATIVE_INT4_TYPES map exactly (Q4_0, Q4_1, Q4_K) instead as
     Int4Weight under their module name (packed rows and scales un-permuted alike; engine.loading.gguf_int4). With
     `keep_blocks`, each projection, LM head or tied embedding weight stored in a GGUF_BLOCK_TYPES type also comes as its
     raw blocks (engine.kernels.gguf_blocks.GGUFBlocks.to_state entries `{module}.gguf_*`, after the fp32 weight): the
@@ -164,7 +165,7 @@ def iter_gguf_state(reader: Any, cfg: ModelConfig, native_int4: bool = False,
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the fastest dimension first
         experts = is_expert_weight(name)  # [E, N, K]: its blocks as those of [E * N, K]
-        if native_int4 and (is_linear_weight(name) or experts) and is_native_int4(t.tensor_type.name):
+        if native_int4 and loads_as_native_int4(name, t.tensor_type.name):
             w = gguf_q4_to_int4(t.data, t.tensor_type.name, shape)
             for part, rows in split_fused(name.removesuffix(".weight"), w, cfg):
                 yield part, rows if experts else rows.map_rows(lambda x, n=part: unpermute_qk(n, x, cfg))

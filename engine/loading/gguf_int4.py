@@ -23,16 +23,9 @@ import numpy as np
 import torch
 
 from engine.kernels.gguf_blocks import GGUFBlocks
+from engine.loading.gguf_native_int4 import GGUF_GROUP_SIZE, NATIVE_INT4_TYPES
 from engine.quant.qparams import Int4Weight
 from engine.quant.stacked_int4 import StackedInt4
-
-GGUF_GROUP_SIZE = 32
-NATIVE_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-
-
-def is_native_int4(tensor_type_name: str) -> bool:
-    """True for the GGUF types that load as INT4 without requantizing (NATIVE_INT4_TYPES)."""
-    return tensor_type_name in NATIVE_INT4_TYPES
 
 
 def gguf_q4_to_int4(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Int4Weight | StackedInt4:

@@ -38,7 +38,7 @@ def is_expert_weight(name: str) -> bool:
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name (HF, without "model.") -> shape of every parameter engine.model.decoder.LlamaModel holds for shape
     `cfg`, a tied LM head left out: the same names and shapes as that model's state_dict, from the config alone (no
-    torch: the CLI's fit check, jobs.model_fit). tests/engine/model/test_tensor_names.py holds the two equal."""
+    torch: the CLI's fit check, jobs.plan.model_fit). tests/engine/model/test_tensor_names.py holds the two equal."""
     h, hd = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (cfg.vocab_size, h)}
 

@@ -14,12 +14,12 @@ import math
 import mmap
 
 import numpy as np
-import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.cpu_features import cpu_flags_native_bf16, cpu_isa_cap
-from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes
+from engine.worker.device_choice import choose_device, choose_dtype
+from engine.worker.host import CPU_KV_MEMORY_SHARE, cpu_kv_budget_bytes, memory_available_bytes
 
 __all__ = ["CPU_KV_MEMORY_SHARE", "cpu_has_native_bf16", "cpu_kv_budget_bytes", "cpu_zeros", "device_name",
            "kv_block_bytes", "memory_available_bytes", "num_kv_blocks", "resolve_device", "resolve_dtype"]
@@ -32,14 +32,9 @@ PAGE = 4096  # bytes
 
 
 def resolve_device(device: str) -> torch.device:
-    """torch.device for "auto" (cuda when available, else cpu) or an explicit name. Raises ValueError when cuda
-    is asked for and not available."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
-    return d
+    """torch.device for "auto" (cuda when available, else cpu) or an explicit name (engine.worker.device_choice's
+    rule). Raises ValueError when cuda is asked for and not available."""
+    return torch.device(choose_device(device, torch.cuda.is_available))
 
 
 def device_name(device: torch.device) -> str:
@@ -59,32 +54,17 @@ def cpu_has_native_bf16() -> bool:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """torch dtype for an explicit name, or for "auto": bf16 on CUDA and on CPUs with native bf16
     (`cpu_has_native_bf16`), fp32 on other CPUs. An explicit bfloat16/float16 on a CPU without native bf16 runs
-    (emulated, weights left unpacked where oneDNN cannot pack them) and logs a warning that float32 is faster here."""
-    if dtype == "auto":
-        if device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16()):
-            return torch.bfloat16
-        return torch.float32
-    if device.type == "cpu" and dtype != "float32" and not cpu_has_native_bf16():
+    (emulated, weights left unpacked where oneDNN cannot pack them) and logs a warning that float32 is faster here.
+    The rule is engine.worker.device_choice's, which the client's checks follow without torch."""
+    if dtype not in ("auto", "float32") and device.type == "cpu" and not cpu_has_native_bf16():
         _warn_once(f"--dtype {dtype} on a CPU without native bf16 (no AVX512-BF16/AMX): it runs emulated, slower "
                    "than float32; --dtype auto picks float32 here")
-    return _DTYPES[dtype]
+    return _DTYPES[choose_dtype(dtype, device.type, cpu_has_native_bf16)]
 
 
 @functools.cache
 def _warn_once(message: str) -> None:
     log.warning(message)
-
-
-def cpu_kv_budget_bytes(config: EngineConfig) -> int:
-    """Bytes of the KV pool on the CPU: config.kv_cache_memory_bytes, or for None ("auto") CPU_KV_MEMORY_SHARE of
-    memory_available_bytes(), and of what the process does not hold yet of config.memory_limit_bytes when set (a
-    Dask worker's memory limit: jobs.plugin)."""
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    room = memory_available_bytes()
-    if config.memory_limit_bytes is not None:
-        room = min(room, max(config.memory_limit_bytes - psutil.Process().memory_info().rss, 0))
-    return int(CPU_KV_MEMORY_SHARE * room)
 
 
 def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

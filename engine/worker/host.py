@@ -1,7 +1,7 @@
-"""What the machine offers, probed without torch: the memory this process may still take and whether nvidia-smi lists
-a GPU (what the CPU computes natively: engine.kernels.cpu_features). The engine (engine.worker.device) sizes its CPU
-KV pool from these; the CLI's fit check (jobs.model_fit) reads the same numbers in a client that never imports torch
-(issue 31).
+"""What the machine offers, probed without torch: the memory this process may still take (and the CPU KV pool's share
+of it) and whether nvidia-smi lists a GPU (what the CPU computes natively: engine.kernels.cpu_features). The engine
+(engine.worker.device) sizes its CPU KV pool from these; the client's checks (jobs.plan.model_fit, jobs.plan.preflight)
+read the same numbers in a process that never imports torch (issue 31).
 """
 
 from __future__ import annotations
@@ -9,8 +9,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # Share of the memory available to the process (memory_available_bytes) that the KV pool takes on the CPU when
 # kv_cache_memory_bytes is None ("auto"). The pool's pages are mapped as blocks are first used (cpu_zeros), so the
@@ -40,6 +44,18 @@ def memory_available_bytes() -> int:
     available = psutil.virtual_memory().available
     headroom = _cgroup_headroom_bytes()
     return available if headroom is None else min(available, headroom)
+
+
+def cpu_kv_budget_bytes(config: EngineConfig) -> int:
+    """Bytes of the KV pool on the CPU: config.kv_cache_memory_bytes, or for None ("auto") CPU_KV_MEMORY_SHARE of
+    memory_available_bytes(), and of what the process does not hold yet of config.memory_limit_bytes when set (a
+    Dask worker's memory limit: jobs.plugin)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    room = memory_available_bytes()
+    if config.memory_limit_bytes is not None:
+        room = min(room, max(config.memory_limit_bytes - psutil.Process().memory_info().rss, 0))
+    return int(CPU_KV_MEMORY_SHARE * room)
 
 
 def nvidia_smi_gpus() -> int:

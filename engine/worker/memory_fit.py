@@ -50,7 +50,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class HeldWeight(NamedTuple):
     """One weight of a model as the engine holds it (weight_bytes). The lists weight_bytes takes hold plain tuples
-    of its fields, (numel, group) or all four (engine.quant.handler.held_tensors and jobs.model_fit build them, and
+    of its fields, (numel, group) or all four (engine.quant.handler.held_tensors and jobs.plan.model_fit build them, and
     engine.quant cannot import engine.worker); HeldWeight(*t) reads either.
 
     numel: its weights (an INT4 one's at the width counted: padded by the engine's own count, unpadded from

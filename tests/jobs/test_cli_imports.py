@@ -71,6 +71,22 @@ def test_run_client_never_imports_torch(tiny_model: str, data_dir: Path, tmp_pat
     assert loaded["distributed"] and not loaded["torch"], loaded
 
 
+def test_the_client_checks_decide_as_the_engine_without_torch(gguf_path: str, tiny_model: str) -> None:
+    """The fit check of a GGUF file (native INT4 Q4_1) and of a model folder, and the --max-model-len pool check,
+    choose device and dtype, and which weights are linear or native INT4, through the engine's torch-free modules
+    (engine.worker.device_choice, engine.loading.gguf_native_int4, engine.model.tensor_names; issue 52)."""
+    code = ("from engine.config import EngineConfig\nfrom jobs.errors import JobError\n"
+            "from jobs.plan.model_fit import model_fit\nfrom jobs.plan.preflight import check_max_model_len, "
+            f"model_context\nfor m in ({gguf_path!r}, {tiny_model!r}):\n"
+            "    print(model_fit(m, EngineConfig(device='cpu'), model_context(m)).model_bytes)\n"
+            f"try:\n    check_max_model_len({tiny_model!r}, 'cpu', 'auto', 8192, 0.0001)\n"
+            "except JobError as e:\n    print(e)")
+    loaded, printed = _run_probe(code)
+    assert int(printed[0]) > 0 and int(printed[1]) > 0, printed
+    assert "is more than the KV cache of --kv-cache-gib 0.0001 holds" in printed[2], printed
+    assert not loaded["torch"], loaded
+
+
 def test_help_lists_every_command_with_the_help_it_has_when_built() -> None:
     """`--help` lists the lazily built commands (jobs.cli._LazyGroup) from their docstrings: the same text, in the
     same order, as the commands themselves once built."""

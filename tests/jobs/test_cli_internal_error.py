@@ -1,5 +1,5 @@
 """An unexpected exception in a command (a bug) reaches the user as one line naming it and the file its traceback was
-written to, with exit code 70: never a traceback on the terminal (jobs.cli._Cli, jobs.cli_output.internal_error)."""
+written to, with exit code 70: never a traceback on the terminal (jobs.cli._Cli, jobs.cli.output.internal_error)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.doctor import CPU_FEATURES
+from jobs.cli.doctor import CPU_FEATURES
 
 
 def test_doctor_reports_this_machine_and_the_defaults_it_picks() -> None:

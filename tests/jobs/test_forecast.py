@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from engine.loading.model_files import default_model_path
 from engine.text.tokenizer import Tokenizer
 from jobs.cli import app
-from jobs.openai_batch import CHAT_URL
-from jobs.preflight import model_context
+from jobs.formats.openai_batch import CHAT_URL
+from jobs.plan.preflight import model_context
 
 runner = CliRunner()
 
@@ -53,7 +53,7 @@ def test_dry_run_forecasts_rows_tokens_and_cost_and_writes_nothing(tmp_path: Pat
     assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and set(fc["decode_step_s"]) == {"6", "10"}
     assert fc["cost_usd"] == fc["device_s"] / 3600 * 3.0
     assert fc["tokens_per_dollar"] == fc["output_tokens"] / fc["cost_usd"]
-    # The preflight's memory numbers (jobs.model_fit) of the job's model: KV bytes per token, the sequences held.
+    # The preflight's memory numbers (jobs.plan.model_fit) of the job's model: KV bytes per token, the sequences held.
     mem, shape = fc["memory"], model_context(tiny_model)
     size = {"bfloat16": 2, "float32": 4}[fc["dtype"]]
     assert mem["device"] == "cpu" and mem["kv_bytes_per_token"] == 2 * shape["layers"] * shape["kv_heads"] * \
@@ -83,7 +83,7 @@ def test_the_forecast_costs_one_resident_engine_per_worker_not_one_per_shard() -
     """The model's arithmetic (no timing): a worker's shards share its engine's batch, so 100,000 one-row shards
     decode 16 rows at a time (jobs.plugin.shard_slots' cap of 16 shards in flight), not one; each shard adds only
     SHARED_SHARD_OVERHEAD_S. Before, each shard was costed alone: 1 row per shard forecast 5.2x what 1,000 did."""
-    from jobs.forecast import SHARED_SHARD_OVERHEAD_S, WorkerModel, job_device_s, worker_concurrency
+    from jobs.plan.forecast import SHARED_SHARD_OVERHEAD_S, WorkerModel, job_device_s, worker_concurrency
 
     m = WorkerModel(workers=1, max_num_seqs=256, warmup_s=2.0, run_share=1.0, mean_input_tokens=100.0,
                     mean_output_tokens=50.0, prefill_tokens_per_s=1000.0)
@@ -110,7 +110,7 @@ def test_the_calibration_times_the_device_not_the_machine_s_load(engine, data_di
     from it (its wall time grows, its CPU time does not). The calibration's device time leaves that out; its wall
     time, the measure before issue 51 item 5, counted it in full."""
     from engine import SamplingParams
-    from jobs import forecast
+    from jobs.plan import forecast
 
     prompts = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question"]).slice(700, 2).column(
         "question").to_pylist()

@@ -1,4 +1,4 @@
-"""The preflight's fit check (jobs.model_fit, issue 42): model bytes on the device, KV bytes per token, the KV pool
+"""The preflight's fit check (jobs.plan.model_fit, issue 42): model bytes on the device, KV bytes per token, the KV pool
 left and the sequences of --max-model-len it holds, from the model's header alone; a model that cannot hold one
 sequence is exit 2 naming the numbers and the ways out. A GPU is simulated where the test needs one (its memory as
 nvidia-smi would report it): the arithmetic is what is tested, not the card."""
@@ -16,8 +16,8 @@ from engine import EngineConfig
 from engine.worker.memory_fit import INT4_DUAL_MIN_KV_SHARE
 from jobs.cli import app
 from jobs.errors import JobError
-from jobs.model_fit import check_fit, model_fit
-from jobs.preflight import model_context
+from jobs.plan.model_fit import check_fit, model_fit
+from jobs.plan.preflight import model_context
 
 GIB = 1 << 30
 # Llama-3.1-70B's config.json (meta-llama/Llama-3.1-70B-Instruct), the shape that needs INT4 on one GPU.
@@ -33,10 +33,10 @@ LLAMA_70B_PARAMS = 128256 * 8192 * 2 + 80 * (8192 * 8192 * 2 + 2 * 8192 * 1024 +
 
 def _gpu(monkeypatch: pytest.MonkeyPatch, gib: int, name: str) -> None:
     """This machine as one with an idle CUDA card of `gib` GiB."""
-    import jobs.model_fit
+    import jobs.plan.model_fit
 
-    monkeypatch.setattr(jobs.model_fit, "resolve_device", lambda device: jobs.model_fit.Device("cuda", 0))
-    monkeypatch.setattr(jobs.model_fit, "_cuda_memory", lambda index: (gib * GIB, gib * GIB, name))
+    monkeypatch.setattr(jobs.plan.model_fit, "resolve_device", lambda device: jobs.plan.model_fit.Device("cuda", 0))
+    monkeypatch.setattr(jobs.plan.model_fit, "_cuda_memory", lambda index: (gib * GIB, gib * GIB, name))
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_the_fit_check_counts_the_weights_the_engine_loads(gguf_path: str) -> No
     layout chosen is the one every Int4Linear gets."""
     from engine.loading.quantized import load_model
     from engine.quant.int4_linear import Int4Linear
-    from jobs.model_fit import _weights
+    from jobs.plan.model_fit import _weights
 
     seen: list[list[tuple[int, int | None]]] = []
 
@@ -159,9 +159,9 @@ def test_the_cli_refuses_before_any_work_in_one_line(tmp_path: Path, gsm8k_quest
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import jobs.model_fit
+    import jobs.plan.model_fit
 
-    monkeypatch.setattr(jobs.model_fit, "memory_available_bytes", lambda: 300 << 20)
+    monkeypatch.setattr(jobs.plan.model_fit, "memory_available_bytes", lambda: 300 << 20)
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"question": gsm8k_questions[:2]}), src)
     out = tmp_path / "out"
@@ -183,7 +183,7 @@ def test_the_client_resolves_device_and_dtype_as_the_engine_does() -> None:
     from engine.worker.device import resolve_device as engine_device
     from engine.worker.device import resolve_dtype as engine_dtype
     from engine.worker.memory_fit import dtype_bytes
-    from jobs.model_fit import resolve_device, resolve_dtype
+    from jobs.plan.model_fit import resolve_device, resolve_dtype
 
     assert cpu_flags_native_bf16() == cpu_has_native_bf16()
     for name in ("auto", "cpu"):

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from engine.loading.model_files import MODELS_DIR
 from jobs.cli import app
-from jobs.preflight import check_model
+from jobs.plan.preflight import check_model
 
 runner = CliRunner()
 gsm8k_folder = test_cli.gsm8k_folder  # the fixture: two Parquet files of real GSM8K rows (14 + 6)

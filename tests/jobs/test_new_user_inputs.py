@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from jobs.cli import app
 from jobs.errors import JobError
-from jobs.openai_batch import CHAT_URL, read_batch_file
+from jobs.formats.openai_batch import CHAT_URL, read_batch_file
 from pipeline.config import InputError, RunConfig
 from pipeline.input import resolve_inputs, text_fix, validate_columns
 from pipeline.shard import read_shard

@@ -25,11 +25,11 @@ from held_shard import held_pid, preload_env
 from typer.testing import CliRunner, Result
 
 from engine import LLMEngine
+from engine.loading.gguf_header import gguf_metadata
 from jobs.cli import app
+from jobs.cli.run_output import this_run
 from jobs.control import cancel_job
-from jobs.gguf_header import gguf_metadata
-from jobs.preflight import model_context
-from jobs.run_output import this_run
+from jobs.plan.preflight import model_context
 from jobs.summary import JobSummary
 from pipeline.config import RunConfig
 from pipeline.manifest import pin_manifest
@@ -62,7 +62,7 @@ def _tokenmill(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Co
 
 
 def test_the_gguf_header_scan_reads_what_gguf_reader_reads(gguf_path: str, tmp_path: Path) -> None:
-    """jobs.preflight reads the model's context from the GGUF header alone; the values are GGUFReader's. A file cut
+    """jobs.plan.preflight reads the model's context from the GGUF header alone; the values are GGUFReader's. A file cut
     short is a ValueError, not a wrong default."""
     from gguf import GGUFReader
 

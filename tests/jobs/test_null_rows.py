@@ -18,7 +18,7 @@ from test_model_pin import ENGINE, _files, _rewrite_tail
 from typer.testing import CliRunner
 
 import jobs.cluster
-import jobs.forecast
+import jobs.plan.forecast
 from engine import LLMEngine
 from jobs.cli import app
 from jobs.errors import JobError
@@ -142,7 +142,7 @@ class _NoEngine:
 def test_the_dry_run_of_an_all_null_job_forecasts_nothing_billed_without_an_engine(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: exit 2, "no row of the first shard can run ... nothing to forecast", for a job that runs (exit 0)."""
-    monkeypatch.setattr(jobs.forecast, "LLMEngine", _NoEngine)
+    monkeypatch.setattr(jobs.plan.forecast, "LLMEngine", _NoEngine)
     src, out = _input(tmp_path, [None] * 6), tmp_path / "out"
     res = runner.invoke(app, ["run", str(src), str(out), *ARGS, "--dry-run", "--json"])
     assert res.exit_code == 0, res.output

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from engine import LLMEngine
 from jobs.cli import app
-from jobs.openai_batch import CHAT_URL, COMPLETIONS_URL, batch_spec, parse_batch_lines
+from jobs.formats.openai_batch import CHAT_URL, COMPLETIONS_URL, batch_spec, parse_batch_lines
 from jobs.spec import run_config
 from pipeline.config import RunConfig
 from pipeline.manifest import build_manifest
@@ -173,7 +173,7 @@ def test_batch_file_on_s3_is_staged_once_and_a_changed_one_refused(gsm8k_questio
     from s3_faults import flaky_s3
 
     from jobs.errors import JobError
-    from jobs.openai_batch import stage_batch_file
+    from jobs.formats.openai_batch import stage_batch_file
 
     lines, _ = _requests(gsm8k_questions[800:])
     with flaky_s3(rate=0.0, lost_rate=0.0) as s3:
@@ -266,12 +266,12 @@ def test_completions_export_counts_text_offset_from_the_prompt_and_keeps_the_req
                                             "body": b}) + "\n" for i, b in enumerate(bodies)))
     out = tmp_path / "out"
     args = ["run", str(requests), str(out), "--max-tokens", "8", "--json"]
-    with caplog.at_level("WARNING", logger="jobs.openai_batch"):
+    with caplog.at_level("WARNING", logger="jobs.formats.openai_batch"):
         res = runner.invoke(app, args)
         assert res.exit_code == 0, res.output
         again = runner.invoke(app, args)
         assert again.exit_code == 0, again.output
-    warned = [r.getMessage() for r in caplog.records if r.name == "jobs.openai_batch"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "jobs.formats.openai_batch"]
     assert len(warned) == 2, warned  # each once, at the run that staged the file
     assert "1 requests set both max_tokens and max_completion_tokens" in warned[0] and "c0 (20, 4)" in warned[0]
     assert "gpt-3.5-turbo-instruct" in warned[1] and "request_model" in warned[1]

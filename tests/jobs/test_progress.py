@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.run_commands import Reporter
+from jobs.cli.run_commands import Reporter
 from jobs.summary import JobProgress, JobSummary
 
 
@@ -41,10 +41,10 @@ def test_reporter_draws_a_rich_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch
 
     from rich.console import Console
 
-    import jobs.run_commands
+    import jobs.cli.run_commands
 
     screen = io.StringIO()
-    monkeypatch.setattr(jobs.run_commands, "err", Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr(jobs.cli.run_commands, "err", Console(file=screen, force_terminal=True, width=100))
     rep = Reporter()
     rep.tty = True
     rep.start(10)

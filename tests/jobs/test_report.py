@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
-from jobs.report import error_reason, read_report_data, render_report
+from jobs.formats.report import error_reason, read_report_data, render_report
 from pipeline.config import RunConfig
 from pipeline.manifest import pin_manifest
 from pipeline.shard import ShardInterrupted, run_shard

@@ -283,7 +283,7 @@ def test_a_completion_cut_inside_a_character_is_the_same_text_in_parquet_logprob
     """max_tokens ends a row inside a multi-byte character: its completion is HF's decode of the output ids, ending
     in U+FFFD (schemas/arrow.py), in the checkpoint part (the results columns) and in the OpenAI export's message;
     each logprobs token is its token decoded alone."""
-    from jobs.openai_batch_export import _choice
+    from jobs.formats.openai_batch_export import _choice
 
     decode = engine.tokenizer.decode
     prompts = [t for t in alpaca_instructions if not t.isascii()][:16]

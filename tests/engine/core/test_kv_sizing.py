@@ -1,7 +1,7 @@
-"""The KV pool's size on the CPU (engine.worker.device): "auto" is half the memory free to the process (a cgroup limit
-and a
-Dask worker's memory limit count), capped by what the batch could ever hold, and its pages are taken as blocks are
-first written. A fixed 1 GiB preempted and recomputed rows at 256 GSM8K rows (bench/README.md "KV pool on the CPU")."""
+"""The KV pool's size on the CPU (engine.worker.device; its budget engine.worker.host.cpu_kv_budget_bytes): "auto" is
+half the memory free to the process (a cgroup limit and a Dask worker's memory limit count), capped by what the batch
+could ever hold, and its pages are taken as blocks are first written. A fixed 1 GiB preempted and recomputed rows at
+256 GSM8K rows (bench/README.md "KV pool on the CPU")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
 def test_auto_pool_is_half_the_free_memory_capped_by_what_the_batch_can_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     per_block = dev.kv_block_bytes(SMOL, 16, torch.float32)
     assert per_block == 16 * 46_080
-    monkeypatch.setattr(dev, "memory_available_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(host, "memory_available_bytes", lambda: 8 << 30)
     blocks = dev.num_kv_blocks(SMOL, EngineConfig(device="cpu"), CPU, torch.float32)
     assert blocks == (4 << 30) // per_block  # 5,825 blocks: 93,200 tokens, 364 rows of 256 tokens
     # A fixed size is taken as given; the batch's ceiling (max_num_seqs x max_model_len) caps either.
@@ -38,12 +38,12 @@ def test_auto_pool_is_half_the_free_memory_capped_by_what_the_batch_can_hold(mon
 
 
 def test_a_worker_memory_limit_bounds_the_auto_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dev, "memory_available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(host, "memory_available_bytes", lambda: 64 << 30)
     rss = psutil.Process().memory_info().rss
     limited = EngineConfig(device="cpu", memory_limit_bytes=rss + (2 << 30))
-    budget = dev.cpu_kv_budget_bytes(limited)
+    budget = host.cpu_kv_budget_bytes(limited)
     assert (1 << 30) - (64 << 20) <= budget <= 1 << 30  # half of the ~2 GiB the process does not hold yet
-    assert dev.cpu_kv_budget_bytes(EngineConfig(device="cpu")) == 32 << 30
+    assert host.cpu_kv_budget_bytes(EngineConfig(device="cpu")) == 32 << 30
 
 
 @pytest.mark.parametrize(("limit", "usage", "expected"), [

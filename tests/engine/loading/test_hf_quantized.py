@@ -106,7 +106,7 @@ def _copy_with_config(src: Path, dst: Path, edit) -> Path:
 @pytest.mark.parametrize("method", ["bitsandbytes", "hqq", "exl2", "marlin"])
 def test_unknown_quant_method_is_refused(method: str, folders, tmp_path: Path) -> None:
     from jobs.errors import JobError
-    from jobs.preflight import check_model
+    from jobs.plan.preflight import check_model
 
     folder = _copy_with_config(folders["gptq-4bit-g32-asym-v1"][0], tmp_path / "m",
                                lambda c: c["quantization_config"].update(quant_method=method))
@@ -119,7 +119,7 @@ def test_unknown_quant_method_is_refused(method: str, folders, tmp_path: Path) -
 
 def test_gptq_tensors_without_quantization_config_are_refused(folders, tmp_path: Path) -> None:
     from jobs.errors import JobError
-    from jobs.preflight import check_model
+    from jobs.plan.preflight import check_model
 
     folder = _copy_with_config(folders["gptq-4bit-g32-asym-v1"][0], tmp_path / "m",
                                lambda c: c.pop("quantization_config"))

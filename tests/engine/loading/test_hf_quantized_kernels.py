@@ -137,7 +137,7 @@ def test_w8a8_beyond_the_cpus_int8_limit_is_dequantized_exactly_and_said(folders
 def test_modes_that_would_quantize_a_quantized_folder_again_are_refused(case: str, mode: str, folders) -> None:
     from engine.loading.quantized import quantize_to_folder, read_state
     from jobs.errors import JobError
-    from jobs.preflight import check_quantization
+    from jobs.plan.preflight import check_quantization
 
     folder = str(folders[case][0])
     method = "compressed-tensors" if case.startswith("ct-") else case.split("-")[0]
@@ -160,7 +160,7 @@ def test_int8_mode_on_a_w8a8_folder_keeps_its_stored_integers_where_the_cpu_sums
     CPU's int8 GEMM sums them exactly (VNNI), else each layer dequantized exactly and the report says why."""
     from engine.loading.quantized import read_model_state
     from engine.quant.qparams import Int8Weight
-    from jobs.preflight import check_quantization
+    from jobs.plan.preflight import check_quantization
 
     folder, refs, _ = folders["ct-w8a8-int-quantized"]
     check_quantization(str(folder), "int8")

@@ -101,10 +101,10 @@ def test_config_fields(families) -> None:
     are read as the engine reads them (engine.loading.gguf_file.open_gguf: gguf.GGUFReader's fields, parsed about 3x
     faster;
     test_weights_cache.py checks that the fields are the same), and the CLI's header-only reader gives the same
-    config (jobs.gguf_header.GGUFHeader: Llama 3's rope_freqs read from the file's data)."""
+    config (engine.loading.gguf_header.GGUFHeader: Llama 3's rope_freqs read from the file's data)."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
+    from engine.loading.gguf_header import GGUFHeader
     from engine.loading.hf_folder import read_hf_config
-    from jobs.gguf_header import GGUFHeader
 
     hf = {f: read_hf_config(str(families[f][1])) for f in FAMILIES}
     gg = {f: read_gguf_config(open_gguf(str(families[f][2]))) for f in FAMILIES}

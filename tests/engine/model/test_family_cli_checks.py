@@ -53,7 +53,7 @@ def test_cli_refuses_bad_folder_before_work(families, gsm8k_questions, tmp_path:
 def test_max_model_len_is_checked_against_an_hf_folder_context(families) -> None:
     """`--max-model-len` is bounded by a Hugging Face folder's own context (config.json), before any work."""
     from jobs.errors import JobError
-    from jobs.preflight import check_max_model_len, model_context
+    from jobs.plan.preflight import check_max_model_len, model_context
 
     model, folder, _ = families["qwen3"]
     shape = model_context(str(folder))

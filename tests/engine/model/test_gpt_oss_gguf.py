@@ -167,8 +167,8 @@ def test_gguf_config_equals_the_hf_folder(gpt_oss, hf_tok) -> None:
 
     from engine.loading.gguf_config import gguf_name_map, read_gguf_config
     from engine.loading.gguf_file import open_gguf
+    from engine.loading.gguf_header import GGUFHeader
     from engine.loading.hf_folder import read_hf_config
-    from jobs.gguf_header import GGUFHeader
 
     want = read_hf_config(str(gpt_oss["folder"]))
     for kind in ("f32", "mxfp4"):
@@ -209,10 +209,10 @@ def _variant(path: Path, folder: Path, metadata: dict | None = None, **changes: 
 def test_what_is_not_implemented_is_refused_before_reading(case: str, gpt_oss, tmp_path: Path) -> None:
     """A key or tensor the converter (or llama.cpp) can write whose math tokenmill does not run is a ValueError
     naming it, from the metadata and tensor names alone: where the engine loads the file and in the CLI's check of
-    its header (jobs.preflight: exit 2 before the job)."""
+    its header (jobs.plan.preflight: exit 2 before the job)."""
     from engine.loading.gguf_config import gguf_name_map, read_gguf_config
     from engine.loading.gguf_file import open_gguf
-    from jobs.gguf_header import GGUFHeader
+    from engine.loading.gguf_header import GGUFHeader
 
     variant, words = REFUSED[case]
     path = str(_variant(tmp_path / f"{case}.gguf", gpt_oss["folder"], **variant))

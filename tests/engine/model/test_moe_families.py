@@ -156,7 +156,7 @@ def test_missing_expert_is_an_error(moe_families, tmp_path: Path) -> None:
 
 
 def test_doctor_names_family_and_experts(moe_families) -> None:
-    from jobs.doctor import model_report
+    from jobs.cli.doctor import model_report
 
     report = model_report(str(moe_families["qwen3_moe"][1]))
     assert (report["family"], report["experts"], report["experts_active"]) == ("qwen3_moe", 8, 2)

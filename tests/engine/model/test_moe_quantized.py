@@ -185,11 +185,11 @@ def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: st
     experts on load from an HF folder, Q4_0 GGUF experts kept under auto (beside plain F32 ones). On a (simulated)
     CUDA device the experts count once with their scales as stored (fp32 from GGUF, bf16 quantized on load) where
     the grouped INT4 kernel holds them, and as the layout's per-expert copies under TOKENMILL_TRITON_MOE=0."""
-    import jobs.model_fit
+    import jobs.plan.model_fit
     from engine.quant.handler import held_tensors
     from engine.worker.memory_fit import grouped_int4_experts_expected, weight_bytes
-    from jobs.model_fit import model_fit
-    from jobs.preflight import model_context
+    from jobs.plan.model_fit import model_fit
+    from jobs.plan.preflight import model_context
 
     _, folder, _ = moe["qwen2_moe"]
     path = tmp_path / "mixed.gguf"
@@ -211,8 +211,8 @@ def test_preflight_counts_int4_experts_as_the_load_holds_them(moe, gguf_path: st
         int4 = {name for name, w in state.items() if isinstance(w, StackedInt4)}
         assert len(int4) == (4 if mode == "auto" else 6), (model, mode)
         with monkeypatch.context() as m:
-            m.setattr(jobs.model_fit, "resolve_device", lambda device: jobs.model_fit.Device("cuda", 0))
-            m.setattr(jobs.model_fit, "_cuda_memory", lambda index: (80 << 30, 80 << 30, "NVIDIA H100 80GB HBM3"))
+            m.setattr(jobs.plan.model_fit, "resolve_device", lambda device: jobs.plan.model_fit.Device("cuda", 0))
+            m.setattr(jobs.plan.model_fit, "_cuda_memory", lambda index: (80 << 30, 80 << 30, "NVIDIA H100 80GB HBM3"))
             grouped = fit("cuda")
             assert grouped.model_bytes == weight_bytes(held, "float32", "cuda", grouped.int4_layout), (model, mode)
             padded = weight_bytes(held_tensors(cfg, state), "float32", "cuda", grouped.int4_layout)

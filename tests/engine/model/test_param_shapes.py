@@ -1,5 +1,5 @@
 """engine.model.tensor_names.param_shapes: the parameters LlamaModel holds, from the config alone (no torch: the CLI's
-fit check reads a model's weight bytes through it, jobs.model_fit), equal to the model's own state_dict for every
+fit check reads a model's weight bytes through it, jobs.plan.model_fit), equal to the model's own state_dict for every
 option that adds or reshapes a parameter."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from jobs.model_commands import register
+from jobs.cli.model_commands import register
 
 
 @pytest.fixture(scope="module")

@@ -81,8 +81,8 @@ def test_config_fields(phi3) -> None:
     """LongRoPE's factors, original context and attention factor, and the window, from both formats (the GGUF's the
     same through the CLI's header-only reader)."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
+    from engine.loading.gguf_header import GGUFHeader
     from engine.loading.hf_folder import read_hf_config
-    from jobs.gguf_header import GGUFHeader
 
     model, folder, path, _ = phi3
     rope = model.config.rope_parameters

@@ -1,4 +1,4 @@
-"""OpenAI Batch API files out: the rows of a job whose input was an OpenAI batch file (jobs.openai_batch) in the
+"""OpenAI Batch API files out: the rows of a job whose input was an OpenAI batch file (jobs.formats.openai_batch) in the
 OpenAI batch output format.
 
 `tokenmill export OUTPUT --format openai-batch` writes the OpenAI batch output format, one line per row in

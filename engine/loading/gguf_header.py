@@ -1,9 +1,9 @@
 """A GGUF file's header read without gguf.GGUFReader: the metadata values asked for, the tensors' names, element
 counts and types, and the whole header as engine.loading.gguf_config reads a config from it (GGUFHeader), for the
-client's checks before a job (jobs.preflight, jobs.model_fit). GGUFReader parses every field, seconds for a 49k-token
-vocabulary; this reads a few KiB (the keys asked for), or skips over the arrays' values to the tensor infos. Format:
-the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian, version 2 and 3: uint64
-counts and string lengths).
+client's checks before a job (jobs.plan.preflight, jobs.plan.model_fit). Imports no torch. GGUFReader parses every
+field, seconds for a 49k-token vocabulary; this reads a few KiB (the keys asked for), or skips over the arrays'
+values to the tensor infos. Format: the GGUF spec, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+(little-endian, version 2 and 3: uint64 counts and string lengths).
 """
 
 from __future__ import annotations
@@ -173,13 +173,3 @@ class GGUFHeader:
             data_start = -(-f.tell() // align) * align
         self.tensors = [_Tensor(path, name, dims, kind, data_start + offset) for name, dims, kind, offset in infos]
 
-
-def gguf_tensor_infos(path: str) -> list[tuple[str, int, int]] | None:
-    """(name, element count, ggml type id) of every tensor of the GGUF file at `path`, from its header (GGUFHeader:
-    the metadata values skipped over, not parsed), or None for a header this scan does not follow (an array of
-    arrays, a value type newer than the spec). Raises ValueError for a file that is not GGUF v2/v3 or whose header
-    is cut short."""
-    try:
-        return [(t.name, t.n_elements, t.type_id) for t in GGUFHeader(path).tensors]
-    except Unfollowed:
-        return None

@@ -1,4 +1,4 @@
-"""What `tokenmill run` and `tokenmill submit` print when a job ends (jobs.run_commands): the summary on stdout (a
+"""What `tokenmill run` and `tokenmill submit` print when a job ends (jobs.cli.run_commands): the summary on stdout (a
 table, or one JSON object), then its warnings and notes on stderr, one line each: failed shards, no row ran, repeated
 ids, re-pinned input files, files of the input folder that are not Parquet, a pinned model's note, and a finished
 job's input changed since."""
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from rich.markup import escape
 from rich.table import Table
 
-from jobs.cli_output import err, out, ran_in
+from jobs.cli.output import err, out, ran_in
 
 if TYPE_CHECKING:
     from engine.worker.memory_fit import MemoryFit
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFit | None = None) -> None:
     """The job's summary on stdout (a table, or one JSON object), then its warnings and notes on stderr; `fit`: the
-    preflight's memory fit of this machine's workers (jobs.model_fit), a row of the table / "memory" in the JSON."""
+    preflight's memory fit of this machine's workers (jobs.plan.model_fit), a row of the table / "memory" in the
+    JSON."""
     if as_json:
         memory = {} if fit is None else {"memory": fit.line()}
         print(json.dumps({"event": "summary", "output": output, **summary.as_dict(), **memory}))

@@ -13,7 +13,7 @@ number of top logprobs) and `response_format` ({"type": "json_schema", "json_sch
 by the same rules as the job's options (schemas.sampling). A line that cannot be mapped (not JSON, another endpoint,
 a field we do not support such as tools or streaming) becomes an error row whose `request_error` names the problem.
 
-Out: jobs.openai_batch_export (`tokenmill export OUTPUT --format openai-batch`).
+Out: jobs.formats.openai_batch_export (`tokenmill export OUTPUT --format openai-batch`).
 
 NOTE: the lines are parsed one by one with json.loads rather than by pyarrow's or polars' JSON readers: those fail
 the whole file on one malformed line, and a malformed line must become an error row.

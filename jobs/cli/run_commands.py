@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from jobs.cli_output import err, fail, out, storage_fail
+from jobs.cli.options import job_options, options_given, options_set_by_env
+from jobs.cli.output import err, exit_on_failure, fail, out
+from jobs.cli.run_output import print_summary, warn_inputs_changed
 from jobs.errors import EXIT_CANCELLED, EXIT_FAILED_SHARDS, JobError
-from jobs.options import job_options, options_given, options_set_by_env
-from jobs.run_output import print_summary, warn_inputs_changed
 from schemas.job_spec import OPTIONS, JobSpec, JobSpecError, load_job_spec
 
 if TYPE_CHECKING:
@@ -85,22 +85,16 @@ def _input_tokens(fc: Any) -> str:
 
 def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None,
                     fit: MemoryFit | None = None) -> None:
-    """Forecast the job (jobs.forecast) and print it: a table, or one JSON line; `fit` (the preflight's memory
-    numbers, jobs.model_fit) in both."""
-    from jobs.forecast import forecast_job  # loads torch and the engine: only for --dry-run
+    """Forecast the job (jobs.plan.forecast) and print it: a table, or one JSON line; `fit` (the preflight's memory
+    numbers, jobs.plan.model_fit) in both."""
     from jobs.interrupt import run_or_exit_on_signal
+    from jobs.plan.forecast import forecast_job  # loads torch and the engine: only for --dry-run
 
     def interrupted(name: str) -> None:
         err.print(f"interrupted by {name}: the dry run stopped; it wrote nothing")
 
-    try:
+    with exit_on_failure(spec.output, set_by):
         fc = run_or_exit_on_signal(lambda: forecast_job(spec), interrupted)
-    except JobError as e:
-        raise fail(e, e.exit_code, set_by) from e
-    except Exception as e:
-        if (failure := storage_fail(e, spec.output)) is None:
-            raise
-        raise failure from e
     if as_json:
         memory = {} if fit is None else {"memory": fit.as_dict()}
         print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict(), **memory}))
@@ -135,7 +129,7 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
              dry_run: bool = False, set_by: dict[str, str] | None = None) -> None:
     """Run a spec with progress on stderr and the summary on stdout; exit with the job's code. `dry_run`: print
     the job's forecast instead and write nothing. `set_by`: the options whose values came from environment
-    variables (jobs.options.options_set_by_env), named in errors."""
+    variables (jobs.cli.options.options_set_by_env), named in errors."""
     from jobs.interrupt import ClientInterrupt
     from jobs.spec import checked_spec, run_spec, spec_fit  # Dask, the engine, torch: only when a job runs
 
@@ -148,23 +142,19 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
         return _print_forecast(spec, as_json, set_by, fit)
     reporter = Reporter()
     interrupt = ClientInterrupt(spec.output)
-    try:
-        with interrupt:
-            summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
-                               metrics_file=metrics_file)
-    except (JobError, KeyboardInterrupt) as e:
-        reporter.stop()
-        if interrupt.signum is None:
-            raise fail(e, getattr(e, "exit_code", 2), set_by) from e
-        interrupt.lift()
-        err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
-                  f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
-        raise typer.Exit(interrupt.exit_code) from e
-    except Exception as e:
-        reporter.stop()
-        if (failure := storage_fail(e, spec.output)) is None:
-            raise
-        raise failure from e
+    with exit_on_failure(spec.output, set_by, on_error=reporter.stop):
+        try:
+            with interrupt:
+                summary = run_spec(spec, resume=resume, on_start=reporter.start, on_progress=reporter.update,
+                                   metrics_file=metrics_file)
+        except (JobError, KeyboardInterrupt) as e:
+            if interrupt.signum is None:
+                raise  # a JobError: its line (exit_on_failure)
+            reporter.stop()
+            interrupt.lift()
+            err.print(f"interrupted by {interrupt.name}: stopped before the job finished; what is committed under "
+                      f"{spec.output} stays (`tokenmill status {spec.output}`). Run the same command again to resume")
+            raise typer.Exit(interrupt.exit_code) from e
     reporter.stop()
     if summary.already_done:
         err.print(f"the job at {spec.output} has already finished (_SUCCESS is committed); nothing to do")

@@ -14,10 +14,10 @@ import os
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.loading.gguf_header import gguf_metadata
 from engine.loading.model_files import HF_CONFIG_FILE, check_model_url, hub_model_path, is_hub_id, is_url
 from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
-from jobs.gguf_header import gguf_metadata
 from pipeline.input import absolute_url
 from pipeline.storage import StoreUnreachable, check_bucket, probe_endpoint, unreachable_store
 
@@ -130,12 +130,13 @@ def check_model(model: str | None) -> str | None:
 
 
 def _check_gguf(path: str) -> None:
-    """Refuse a GGUF file that tokenmill does not run exactly, from its header alone (jobs.gguf_header.GGUFHeader, a
-    tenth of a second for a 49k-token vocabulary): its architecture, the metadata its family reads and every tensor
-    name (engine.loading.gguf_config, what the engine checks again when it loads the file). A header the scan does
-    not follow is left to the engine. Raises JobError (exit 2) naming what the file sets."""
+    """Refuse a GGUF file that tokenmill does not run exactly, from its header alone
+    (engine.loading.gguf_header.GGUFHeader, a tenth of a second for a 49k-token vocabulary): its architecture, the
+    metadata its family reads and every tensor name (engine.loading.gguf_config, what the engine checks again when
+    it loads the file). A header the scan does not follow is left to the engine. Raises JobError (exit 2) naming
+    what the file sets."""
     from engine.loading.gguf_config import gguf_name_map, read_gguf_config
-    from jobs.gguf_header import GGUFHeader, Unfollowed
+    from engine.loading.gguf_header import GGUFHeader, Unfollowed
 
     try:
         header = GGUFHeader(path)
@@ -218,7 +219,7 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
     """Refuse a --max-model-len (tokens) the engine could not honour, before any work: more than the model's context
     (the engine would cut it to the context without a word), or, on the CPU, more tokens than the KV cache of
     --kv-cache-gib GiB holds (cut to the pool; None: the auto size on this machine,
-    engine.worker.device.cpu_kv_budget_bytes).
+    engine.worker.host.cpu_kv_budget_bytes). Imports no torch.
     `model` as check_model returns it; a remote model is checked by its worker. Raises JobError (exit 2) naming the
     option, the limit and the fix."""
     if max_model_len is None:
@@ -231,23 +232,22 @@ def check_max_model_len(model: str | None, device: str, dtype: str, max_model_le
         raise JobError(f"--max-model-len {max_model_len} is more than the context of {name}, {shape['context']} "
                        f"tokens; give at most {shape['context']}, or leave it out for "
                        "the model's context")
-    import torch
-
     from engine.config import EngineConfig
-    from engine.worker.device import resolve_device, resolve_dtype
+    from engine.kernels.cpu_features import cpu_flags_native_bf16
+    from engine.worker.device_choice import choose_device, choose_dtype
+    from engine.worker.host import cpu_kv_budget_bytes, nvidia_smi_gpus
+    from engine.worker.memory_fit import kv_bytes_per_token
 
-    try:
-        on = resolve_device(device)
-    except ValueError as e:
-        raise JobError(str(e)) from e
-    if on.type != "cpu" or not shape["layers"]:
+    try:  # the engine's choice, made without torch (as jobs.plan.model_fit makes it)
+        on = choose_device(device, nvidia_smi_gpus).partition(":")[0]
+    except ValueError:  # CUDA asked for where nvidia-smi lists no GPU: check_device's and the engine's to say
+        return
+    if on != "cpu" or not shape["layers"]:
         return  # a GPU's pool is sized from its free memory at load
     block = EngineConfig().block_size
-    size = torch.empty((), dtype=resolve_dtype(dtype, on)).element_size()
-    per_block = 2 * shape["layers"] * block * shape["kv_heads"] * shape["head_dim"] * size
+    per_block = block * kv_bytes_per_token(shape["layers"], shape["kv_heads"], shape["head_dim"],
+                                           choose_dtype(dtype, on, cpu_flags_native_bf16))
     if kv_cache_gib is None:
-        from engine.worker.device import cpu_kv_budget_bytes
-
         budget = cpu_kv_budget_bytes(EngineConfig())
         size_of = f"the auto-sized KV cache ({budget / (1 << 30):.2f} GiB: half the memory free here)"
     else:

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from engine.config import EngineConfig
-from jobs.options import job_options
+from jobs.cli.options import job_options
 from schemas.engine_choices import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, one_of
 
 if TYPE_CHECKING:

@@ -8,12 +8,14 @@ import re
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.errors import EXIT_INTERNAL, storage_error
+from jobs.errors import EXIT_INTERNAL, JobError, storage_error
 
 err = Console(stderr=True, soft_wrap=True)  # an error line stays one line in logs (no wrap at 80 columns)
 out = Console()
@@ -30,6 +32,30 @@ def storage_fail(e: Exception, output: str) -> typer.Exit | None:
     """One line and its exit code for a storage failure (jobs.errors.storage_error); None for other errors."""
     failure = storage_error(e, output)
     return None if failure is None else fail(failure, failure.exit_code)
+
+
+@contextmanager
+def exit_on_failure(output: str, set_by: dict[str, str] | None = None,
+                    on_error: Callable[[], None] | None = None) -> Iterator[None]:
+    """What the work inside raises, as a command's one error line and exit code: a JobError with its own code
+    (`fail`, naming the environment variables in `set_by` that set an option it names), a storage failure at
+    `output` (storage_fail: an unreachable store, a refused write, a full device) with its code. typer.Exit and any
+    other error pass through (an unexpected one ends as the internal-error line: jobs.cli's app). `on_error` runs
+    first for either line (a progress bar stopped before the line is printed) and for an error passed on."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except JobError as e:
+        if on_error is not None:
+            on_error()
+        raise fail(e, e.exit_code, set_by) from e
+    except Exception as e:
+        if on_error is not None:
+            on_error()
+        if (failure := storage_fail(e, output)) is None:
+            raise
+        raise failure from e
 
 
 def name_env_vars(message: str, set_by: dict[str, str]) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.kernels.cpu_features import cpu_flags_native_bf16
 from engine.loading.model_files import is_hub_id
+from engine.worker.device_choice import choose_device, choose_dtype
 from engine.worker.host import CPU_KV_MEMORY_SHARE, memory_available_bytes, nvidia_smi_gpus
 from engine.worker.memory_fit import (
     GIB,
@@ -28,15 +28,7 @@ from engine.worker.memory_fit import (
     weight_bytes,
 )
 from jobs.errors import JobError
-from jobs.gguf_header import gguf_tensor_infos
-from jobs.preflight import client_model_path
-
-# GGUF names of the tensors the engine holds as linear weights (engine.model.tensor_names.is_linear_weight; a shared
-# expert's _shexp) or stacked expert projections (is_expert_weight: _exps), and the ggml type ids it keeps INT4 under
-# --quantization auto (engine.loading.gguf_int4.NATIVE_INT4_TYPES: Q4_0, Q4_1, Q4_K).
-_GGUF_LINEAR = re.compile(r"^(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_(gate|up|down)(_exps|_shexp)?)|output)"
-                          r"\.weight$")
-_GGUF_NATIVE_INT4 = {2: 32, 3: 32, 12: 32}
+from jobs.plan.preflight import client_model_path
 
 
 @dataclass(frozen=True)
@@ -52,25 +44,19 @@ class Device:
 
 
 def resolve_device(device: str) -> Device:
-    """The device engine.worker.device.resolve_device picks for `device`, decided without torch (this client never
-    imports it): "auto" is cuda when nvidia-smi lists a GPU, else cpu; an explicit name as given ("cuda:1").
-    Raises ValueError when cuda is asked for and nvidia-smi lists no GPU."""
-    if device == "auto":
-        return Device("cuda" if nvidia_smi_gpus() else "cpu")
-    kind, _, index = device.partition(":")
-    if kind == "cuda" and not nvidia_smi_gpus():
-        raise ValueError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
+    """The device engine.worker.device.resolve_device picks for `device`, by the same rule
+    (engine.worker.device_choice) decided without torch (this client never imports it): "auto" is cuda when
+    nvidia-smi lists a GPU, else cpu; an explicit name as given ("cuda:1"). Raises ValueError when cuda is asked for
+    and nvidia-smi lists no GPU."""
+    kind, _, index = choose_device(device, nvidia_smi_gpus).partition(":")
     return Device(kind, int(index) if index else None)
 
 
 def resolve_dtype(dtype: str, device: Device) -> str:
-    """The run dtype's name engine.worker.device.resolve_dtype picks: an explicit name as given; "auto" is bfloat16
-    on CUDA and on a CPU with native bf16 (engine.kernels.cpu_features.cpu_flags_native_bf16: the flags torch's probes
-    read), else float32."""
-    if dtype != "auto":
-        return dtype
-    native = device.type == "cuda" or (device.type == "cpu" and cpu_flags_native_bf16())
-    return "bfloat16" if native else "float32"
+    """The run dtype's name engine.worker.device.resolve_dtype picks, by the same rule (engine.worker.device_choice):
+    an explicit name as given; "auto" is bfloat16 on CUDA and on a CPU with native bf16
+    (engine.kernels.cpu_features.cpu_flags_native_bf16: the flags torch's probes read), else float32."""
+    return choose_dtype(dtype, device.type, cpu_flags_native_bf16)
 
 
 def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple], int, list[tuple] | None]:
@@ -78,6 +64,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
     projection's INT4 as (numel, group, True, bytes per scale: 4 as GGUF and quantized HF folders store them, 2 for
     tokenmill's bf16) (engine.worker.memory_fit.HeldWeight's fields), its vocabulary size, and the same list under
     --quantization int4 (None when that is the mode already)."""
+    from engine.loading.gguf_native_int4 import GGUF_GROUP_SIZE, loads_as_native_int4
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.loading.model_files import TOKENMILL_CONFIG_FILE
     from engine.model.tensor_names import is_expert_weight, is_linear_weight
@@ -113,13 +100,11 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
             if int4 and cfg.tie_word_embeddings and name == "embed_tokens.weight":
                 tied_head.append((numel, group))
     else:
-        infos = gguf_tensor_infos(path) or []
-        hidden = next((n for name, n, _ in infos if name == "output_norm.weight"), 1)
-        vocab = next((n for name, n, _ in infos if name == "token_embd.weight"), 0) // hidden
-        for name, numel, kind in infos:
-            if name != "rope_freqs.weight":
-                linear = bool(_GGUF_LINEAR.match(name))
-                entries.append((numel, linear, _GGUF_NATIVE_INT4.get(kind) if linear else None, "_exps." in name, 4))
+        gguf_tensors, vocab = _gguf_tensors(path)
+        for name, numel, type_name in gguf_tensors:
+            linear = is_linear_weight(name) or is_expert_weight(name)
+            group = GGUF_GROUP_SIZE if loads_as_native_int4(name, type_name) else None
+            entries.append((numel, linear, group, is_expert_weight(name), 4))
 
     def held(mode: str) -> list[tuple]:
         if mode in ("none", "int8"):
@@ -132,6 +117,23 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
         return out + tied_head
 
     return held(quantization), vocab, None if quantization == "int4" else held("int4")
+
+
+def _gguf_tensors(path: str) -> tuple[list[tuple[str, int, str]], int]:
+    """(our parameter name, element count, ggml type name) of every weight of the GGUF file at `path` but the RoPE
+    factors, named as the engine loads them (engine.loading.gguf_config.gguf_name_map, from the header alone:
+    engine.loading.gguf_header.GGUFHeader), and its vocabulary size; ([], 0) for a header the scan does not follow
+    (the engine checks that file when it loads it, as jobs.plan.preflight leaves it)."""
+    from engine.loading.gguf_config import gguf_name_map, read_gguf_config
+    from engine.loading.gguf_header import GGUFHeader, Unfollowed
+
+    try:
+        header = GGUFHeader(path)
+    except Unfollowed:
+        return [], 0
+    cfg = read_gguf_config(header)
+    ours = gguf_name_map(header, cfg)
+    return [(ours[t.name], t.n_elements, t.tensor_type.name) for t in header.tensors if t.name in ours], cfg.vocab_size
 
 
 def _cuda_memory(index: int) -> tuple[int, int, str]:
@@ -154,8 +156,9 @@ def _cuda_memory(index: int) -> tuple[int, int, str]:
 
 
 def model_fit(model: str, config: EngineConfig, shape: dict[str, int]) -> MemoryFit:
-    """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`: jobs.preflight.model_context's
-    layers, kv_heads, head_dim and context) under `config` on the device config.device resolves to here."""
+    """The MemoryFit of the local model at `model` (a GGUF file or a folder; `shape`:
+    jobs.plan.preflight.model_context's layers, kv_heads, head_dim and context) under `config` on the device
+    config.device resolves to here."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     tensors, vocab, _ = _weights(model, config.quantization, config.int4_group_size)

@@ -34,7 +34,7 @@ def export(
     """
     if format not in FORMATS:
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
-    from jobs.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
+    from jobs.formats.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
 
     try:
         if to == "-":
@@ -66,7 +66,7 @@ def report(
 
     Exit codes: 0 written, 2 no job at OUTPUT.
     """
-    from jobs.report import render_report  # matplotlib: only for this command
+    from jobs.formats.report import render_report  # matplotlib: only for this command
 
     try:
         page = render_report(output)

@@ -36,7 +36,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from jobs.errors import JobError
-from jobs.openai_batch import batch_spec, is_openai_batch, read_batch_file
+from jobs.formats.openai_batch import batch_spec, is_openai_batch, read_batch_file
 from jobs.plugin import default_torch_threads, shard_slots
 from jobs.spec import engine_config, run_config
 from pipeline.config import InputError, RunConfig
