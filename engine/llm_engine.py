@@ -16,7 +16,7 @@ from engine.layers.attention import paged_attention_ref
 from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.offline_batch import generate_batch
 from engine.output_builder import OutputBuilder
 from engine.outputs import RequestOutput
@@ -60,7 +60,7 @@ class LLMEngine:
             None for other models.
     """
 
-    def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
+    def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str, device: torch.device, dtype: torch.dtype,
                  quantization_loaded: str | None = None) -> None:
         self.model_config = model_config

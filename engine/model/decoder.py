@@ -27,6 +27,8 @@ from engine.layers.attention import AttentionMetadata, paged_attention_ref, writ
 from engine.layers.moe import SparseMoE
 from engine.layers.rms_norm import RMSNorm, fused_ops
 from engine.layers.rope import RotaryEmbedding, apply_rope
+from engine.model.base import ModelBase
+from engine.model.kv_layout import layer_kv_spec
 
 
 class AttentionFn(Protocol):
@@ -88,7 +90,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.sliding_window = cfg.layer_window(layer)  # None: full causal attention
+        self.kv_cache_spec = layer_kv_spec(cfg, layer)  # what this layer keeps in the KV pool
+        self.sliding_window = self.kv_cache_spec.window  # None: full causal attention
         # passed to the attention function only when set, so functions without soft-capping serve other models
         self.attn_kwargs = {"softcap": cfg.attn_logit_softcapping} if cfg.attn_logit_softcapping else {}
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -227,13 +230,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class LlamaModel(nn.Module):
-    """The decoder and LM head.
+class LlamaModel(ModelBase):
+    """The causal decoder and its LM head: every family whose differences are ModelConfig fields.
 
-    forward: input_ids int64 [T], rope_rows int64 [T] (each token's row of the RoPE tables: its position, or with
-    LongRoPE's two factor sets `self.rotary.table_rows` of its position and prompt length), per-layer caches,
-    metadata, and the paged attention function (default the torch reference; the runner passes its backend's, so
-    engines sharing one model may run different backends) -> hidden states [T, hidden].
+    forward: input_ids int64 [T] (or None and inputs_embeds [T, hidden] in the model's dtype), rope_rows int64 [T]
+    (each token's row of the RoPE tables: its position, or with LongRoPE's two factor sets `self.rotary.table_rows`
+    of its position and prompt length), per-layer caches (as kv_cache_specs lays them out), metadata, and the paged
+    attention function (default the torch reference; the runner passes its backend's, so engines sharing one model
+    may run different backends) -> hidden states [T, hidden].
     compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab] (or in the model's dtype).
     """
 
@@ -248,6 +252,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.kv_cache_specs = tuple(layer.self_attn.kv_cache_spec for layer in self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -275,13 +280,16 @@ class LlamaModel(nn.Module):
         if self.rotary_local is not None:
             self.rotary_local = self.rotary_local.to(device)
 
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head (tie_word_embeddings)."""
-        self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, rope_rows: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
-                torch.Tensor]], meta: AttentionMetadata, attn_fn: AttentionFn = paged_attention_ref) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                attn_fn: AttentionFn = paged_attention_ref, *, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (the LM head is compute_logits) of input_ids int64 [T],
+        or of inputs_embeds [T, hidden] when input_ids is None (taken as they are: no embedding scale). Raises
+        ValueError when both or neither are given."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward takes input_ids or inputs_embeds: exactly one of them, not both or neither")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(rope_rows, x.dtype)
         local = self.rotary_local(rope_rows, x.dtype) if self.rotary_local is not None else rope
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionMetadata, private_kv_cache
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 
 #: KV cache block size (tokens) of private-cache forwards.
 BLOCK_SIZE = 16
@@ -27,7 +27,7 @@ def private_prefill(cfg: ModelConfig, n: int, kv_dtype: torch.dtype,
             private_kv_cache(n, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device))
 
 
-def forward_sequence(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+def forward_sequence(model: ModelBase, token_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Final hidden states [n, hidden] (after the last RMSNorm; model.compute_logits gives the logits) of one
     sequence token_ids: int64 [n], n >= 1, on the model's device, prefilled from position 0 through a fresh private
     KV cache per layer (so autograd may run through it: no cache is written twice). LongRoPE takes one factor set

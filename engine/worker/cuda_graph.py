@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from engine.model.decoder import AttentionFn, LlamaModel
+from engine.model.base import ModelBase
+from engine.model.decoder import AttentionFn
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -39,7 +40,7 @@ class DecodeGraphs:
         max_model_len: upper bound of any sequence length, in tokens.
     """
 
-    def __init__(self, model: LlamaModel, attn_fn: AttentionFn, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: ModelBase, attn_fn: AttentionFn, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int) -> None:
         self.model = model
         self.attn_fn = attn_fn

@@ -13,7 +13,8 @@ from engine.config import ModelConfig
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
-from engine.model.decoder import AttentionFn, LlamaModel
+from engine.model.base import ModelBase
+from engine.model.decoder import AttentionFn
 from engine.quant.packed_linear import gguf_kernel_scope
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.sampler import sample_rows_on_device
@@ -94,7 +95,7 @@ class ModelRunner:
         max_model_len: the longest sequence in tokens (sizes the graphs' static block table).
     """
 
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: ModelBase, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, *, attn_fn: AttentionFn | None = None,
                  cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         self.model = model

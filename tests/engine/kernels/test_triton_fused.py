@@ -33,7 +33,7 @@ from engine.kernels.cpu_kernels import cpu_ops  # noqa: E402
 from engine.layers.attention import AttentionMetadata, private_kv_cache, write_kv  # noqa: E402
 from engine.layers.rms_norm import RMSNorm, fused_ops  # noqa: E402
 from engine.layers.rope import apply_rope  # noqa: E402
-from engine.model.decoder import LlamaModel  # noqa: E402
+from engine.model.registry import build_model  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -211,7 +211,7 @@ def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest
 
     cfg = tiny_config(rotary_dim)
     torch.manual_seed(0)
-    model = LlamaModel(cfg, 64)
+    model = build_model(cfg, 64)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)

@@ -1,0 +1,59 @@
+"""engine.model.registry: every architecture has a model, `build_model` is the only place engine/ names a model class,
+and the KV cache layout read from a config (memory fit's) is the one the built model declares."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.core.kv_cache_spec import KVCacheSpec
+from engine.model.architectures import ARCHITECTURES
+from engine.model.base import ModelBase
+from engine.model.registry import MODELS, build_model, kv_cache_layout, model_entry
+
+ENGINE = Path(__file__).resolve().parents[3] / "engine"
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4, num_kv_heads=2,
+             head_dim=8, max_position_embeddings=64)
+
+
+def test_every_architecture_has_a_model() -> None:
+    assert {a.name for a in ARCHITECTURES} == set(MODELS)
+    for a in ARCHITECTURES:
+        assert issubclass(model_entry(a.name).model_class(), ModelBase)
+    assert model_entry("mistral") is MODELS["llama"]  # an HF model_type finds its family's entry
+    with pytest.raises(ValueError, match="not supported"):
+        model_entry("bert")
+
+
+def test_no_module_outside_the_registry_names_a_model_class() -> None:
+    """A model class is named by the registry (which builds it) and by the module defining it, nowhere else in
+    engine/: everything else holds a ModelBase."""
+    classes = {entry.model_class() for entry in MODELS.values()}
+    names = {cls.__name__ for cls in classes}
+    allowed = {ENGINE / "model" / "registry.py"} | {ENGINE.parent / (cls.__module__.replace(".", "/") + ".py")
+                                                   for cls in classes}
+    pattern = re.compile(r"\b(" + "|".join(sorted(names)) + r")\b")
+    found = [f"{path.relative_to(ENGINE.parent)}:{i}: {line.strip()}"
+             for path in sorted(ENGINE.rglob("*.py")) if path not in allowed
+             for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], "model classes named outside engine/model/registry.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"sliding_window": 6},
+    {"sliding_window": 6, "layer_types": ("sliding_attention", "full_attention") * 2},
+], ids=["full", "sliding", "mixed"])
+def test_the_layout_from_the_config_is_the_models(options: dict) -> None:
+    cfg = ModelConfig(**SHAPE, **options)
+    with torch.device("meta"):
+        model = build_model(cfg, 1)
+    assert model.kv_cache_specs == kv_cache_layout(cfg)
+    window = cfg.sliding_window
+    expected = [KVCacheSpec("sliding", 2, 8, window=window) if window and t != "full_attention"
+                else KVCacheSpec("full", 2, 8) for t in cfg.layer_types or ("",) * cfg.num_layers]
+    assert list(kv_cache_layout(cfg)) == expected
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [s.window for s in expected]
