@@ -85,7 +85,8 @@ class LLMEngine:
         if model_config.num_experts:
             log.info("model %s: %s", model_name, describe_experts(model))  # INT4 / INT8 / plain, per projection
         self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype)
+        self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype,
+                                                                        model.kv_cache_specs)
         limit = model_config.max_position_embeddings
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)

@@ -37,9 +37,10 @@ def forward_sequence(model: ModelBase, token_ids: torch.Tensor, kv_dtype: torch.
     caller set. Raises ValueError for an empty or non-1-D token_ids."""
     if token_ids.ndim != 1 or token_ids.shape[0] == 0:
         raise ValueError(f"token_ids must be int64 [n] with n >= 1, got shape {tuple(token_ids.shape)}")
-    n, cfg, device = token_ids.shape[0], model.config, token_ids.device
+    n, device = token_ids.shape[0], token_ids.device
     kv_dtype = kv_dtype or next(model.parameters()).dtype
     meta = AttentionMetadata.single_prefill(n, BLOCK_SIZE, device)
-    caches = [private_kv_cache(n, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-              for _ in range(cfg.num_layers)]
+    none = torch.empty(0, dtype=kv_dtype, device=device)
+    caches = [private_kv_cache(n, BLOCK_SIZE, spec.num_kv_heads, spec.head_size, kv_dtype, device)
+              if spec.has_cache else (none, none) for spec in model.kv_cache_specs]
     return model(token_ids, model.rotary.table_rows(torch.arange(n, device=device), n), caches, meta)

@@ -107,11 +107,14 @@ class ModelRunner:
                              "(the Triton kernels do not implement them); set attention_backend='torch' or 'cpu'")
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
-        # On the CPU the pool's pages are mapped as blocks are first written (cpu_zeros): an auto-sized pool
-        # (half the free memory) holds what the batch uses, not its whole size from load on.
+        # One (k_cache, v_cache) per layer as the model lays its KV cache out (model.kv_cache_specs): [blocks,
+        # block_size, kv_heads, head_size] each, or empty for a layer without a cache. On the CPU the pool's pages
+        # are mapped as blocks are first written (cpu_zeros): an auto-sized pool (half the free memory) holds what
+        # the batch uses, not its whole size from load on.
         zeros = cpu_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
-        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        blocks = num_blocks + int(cuda_graphs)
+        self.kv_caches = [(zeros(spec.block_shape(blocks, block_size), dtype=dtype),
+                           zeros(spec.block_shape(blocks, block_size), dtype=dtype)) for spec in model.kv_cache_specs]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
@@ -120,7 +123,7 @@ class ModelRunner:
         # engine); a step with none of them registered skips it after one test.
         self.logits_processors: LogitsProcessors | None = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, max_num_seqs,
+            self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, block_size, num_blocks, max_num_seqs,
                                        -(-max_model_len // block_size), max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
