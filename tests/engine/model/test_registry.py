@@ -57,3 +57,30 @@ def test_the_layout_from_the_config_is_the_models(options: dict) -> None:
                 else KVCacheSpec("full", 2, 8) for t in cfg.layer_types or ("",) * cfg.num_layers]
     assert list(kv_cache_layout(cfg)) == expected
     assert [layer.self_attn.sliding_window for layer in model.layers] == [s.window for s in expected]
+
+
+def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states() -> None:
+    """forward(ids) == forward(inputs_embeds=embed(ids)) (Gemma's embedding scale is embed's), hidden states
+    [T, hidden]; the LM head is the separate compute_logits step."""
+    from engine.layers.attention import AttentionMetadata, private_kv_cache
+    from engine.loading.presets import random_model
+
+    cfg = ModelConfig(**SHAPE, embedding_scale=2.0)
+    model = random_model(cfg, torch.float32, torch.device("cpu"), max_positions=16)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    n, cpu = len(ids), torch.device("cpu")
+
+    def run(**inputs: torch.Tensor | None) -> torch.Tensor:
+        caches = [private_kv_cache(n, 16, s.num_kv_heads, s.head_size, torch.float32, cpu)
+                  for s in model.kv_cache_specs]
+        return model(inputs.get("input_ids"), torch.arange(n), caches, AttentionMetadata.single_prefill(n, 16, cpu),
+                     inputs_embeds=inputs.get("inputs_embeds"))
+
+    with torch.no_grad():
+        hidden = run(input_ids=ids)
+        assert hidden.shape == (n, cfg.hidden_size)
+        assert torch.equal(run(inputs_embeds=model.embed(ids)), hidden)
+        assert model.compute_logits(hidden).shape == (n, cfg.vocab_size)
+        for both_or_neither in ({"input_ids": ids, "inputs_embeds": model.embed(ids)}, {}):
+            with pytest.raises(ValueError, match="input_ids or inputs_embeds"):
+                run(**both_or_neither)
