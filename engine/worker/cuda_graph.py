@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from engine.layers.attention import AttentionMetadata
+from engine.layers.self_attn import AttentionFn
 from engine.model.base import ModelBase
-from engine.model.decoder import AttentionFn
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

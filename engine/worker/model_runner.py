@@ -13,8 +13,8 @@ from engine.config import ModelConfig
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
+from engine.layers.self_attn import AttentionFn
 from engine.model.base import ModelBase
-from engine.model.decoder import AttentionFn
 from engine.quant.packed_linear import gguf_kernel_scope
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.sampler import sample_rows_on_device
