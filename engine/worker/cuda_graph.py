@@ -48,7 +48,7 @@ class DecodeGraphs:
         self.model = model
         self.attn_fn = attn_fn
         self.kv_caches = kv_caches
-        self.device = next(model.parameters()).device
+        self.device = kv_caches[0][0].device  # an empty cache (a layer without one) is on the device too
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.max_model_len = max_model_len
