@@ -9,7 +9,7 @@ step's parts are timed by wrapping the engine's methods with perf_counter:
 - sampling: `engine.sample.sampler.sample_rows` as the runner calls it (argmax, the sampled rows' parameters, the host
   sync)
 - output: `Scheduler.update_from_output` (counters, appended tokens, stop checks, incremental detokenization)
-- model: the forward pass and the LM head (`LlamaModel.forward`, `compute_logits`), excluded from "host"
+- model: the forward pass and the LM head (the model's `forward`, `compute_logits`), excluded from "host"
 - host: the whole `LLMEngine.step` minus the model; per row per step = host / (sum over steps of rows in the step).
 
 Times are the CPU time of the engine's thread (time.thread_time; torch runs one thread), so a loaded machine
@@ -44,7 +44,6 @@ import engine.worker.model_runner as model_runner_module
 from engine.config import EngineConfig, ModelConfig
 from engine.core.scheduler import Scheduler
 from engine.llm_engine import LLMEngine
-from engine.model.decoder import LlamaModel
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
 
@@ -110,8 +109,9 @@ def run(rows: int, vocab: int, stop: bool, profile: bool, tokenizer: Any) -> dic
     sampler = next(n for n in ("sample_rows_on_device", "sample_rows", "sample") if hasattr(model_runner_module, n))
     patch(model_runner_module, sampler, "sampling")
     patch(Scheduler, "update_from_output", "output")
-    patch(LlamaModel, "forward", "model")
-    patch(LlamaModel, "compute_logits", "model")
+    model_class = type(engine.runner.model)  # the registry's class of this model (engine.model.registry)
+    patch(model_class, "forward", "model")
+    patch(model_class, "compute_logits", "model")
     step = engine.step
 
     per_step: list[tuple[int, dict[str, float]]] = []  # (rows, seconds of each part) of every step

@@ -16,7 +16,7 @@ from engine.layers.attention import paged_attention_ref
 from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.outputs import RequestOutput
 from engine.processing.offline_batch import generate_batch
 from engine.processing.output_builder import OutputBuilder
@@ -59,7 +59,7 @@ class LLMEngine:
             None for other models.
     """
 
-    def __init__(self, model: LlamaModel, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
+    def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str, device: torch.device, dtype: torch.dtype,
                  quantization_loaded: str | None = None) -> None:
         self.model_config = model_config
@@ -84,7 +84,8 @@ class LLMEngine:
         if model_config.num_experts:
             log.info("model %s: %s", model_name, describe_experts(model))  # INT4 / INT8 / plain, per projection
         self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype)
+        self.num_kv_blocks = config.num_kv_blocks or num_kv_blocks(model_config, config, device, dtype,
+                                                                        model.kv_cache_specs)
         limit = model_config.max_position_embeddings
         # A request can never outgrow the whole pool: that would preempt itself forever.
         self.max_model_len = min(config.max_model_len or limit, limit, self.num_kv_blocks * self.block_size)

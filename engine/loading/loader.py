@@ -25,8 +25,9 @@ from engine.loading.weights_cache import (
     weights_cache_enabled,
     write_weights_cache,
 )
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.fill import fill_model
+from engine.model.registry import build_model
 from engine.model.tensor_names import LM_HEAD
 
 
@@ -55,8 +56,9 @@ def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
 
 
 def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
-                    max_positions: int | None = None) -> tuple[ModelConfig, LlamaModel]:
-    """Read a GGUF file and return its config and a filled `LlamaModel` in `dtype` on `device`.
+                    max_positions: int | None = None) -> tuple[ModelConfig, ModelBase]:
+    """Read a GGUF file and return its config and a filled model (engine.model.registry.build_model) in `dtype`
+    on `device`.
 
     Reading a GGUF file costs seconds per process (GGUFReader parses every metadata field, the tokenizer's 49k
     strings included, then every tensor is dequantized on the CPU), and every Dask worker pays it at start-up. So
@@ -70,18 +72,18 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
     """
     cfg, state = read_gguf_state(path, dtype)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        model = build_model(cfg, max_positions)
     fill_model(model, {name: w.to(device=device) for name, w in state.items()}, dtype, device)
     return cfg, model
 
 
 def load_hf_model(path: str, dtype: torch.dtype, device: torch.device,
-                  max_positions: int | None = None) -> tuple[ModelConfig, LlamaModel]:
-    """Read an HF folder and return its config and a filled LlamaModel in `dtype` on `device`: built on the meta
+                  max_positions: int | None = None) -> tuple[ModelConfig, ModelBase]:
+    """Read an HF folder and return its config and a filled model in `dtype` on `device`: built on the meta
     device, each tensor read, cast and assigned once (an 8B model never exists twice in memory). Raises ValueError
     (architecture, config field, tensor names; NaN/Inf weights) before the model is used."""
     cfg = read_hf_config(path)
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        model = build_model(cfg, max_positions)
     fill_model(model, {name: w.to(device=device) for name, w in iter_hf_state(path, cfg, dtype)}, dtype, device)
     return cfg, model

@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.loading.hf_folder import hf_quant_format
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.loading.model_files import is_url, url_model_name
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.text.tokenizer import Tokenizer
 
 
@@ -23,7 +23,7 @@ class OpenedModel(NamedTuple):
     already quantized HF folder, how its layers were loaded (engine.loading.quantized.LoadedModel.quantization_loaded;
     None otherwise)."""
 
-    model: LlamaModel
+    model: ModelBase
     config: ModelConfig
     tokenizer: Tokenizer
     name: str

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig, RopeScaling
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
+from engine.model.registry import build_model
 
 PRESETS: dict[str, ModelConfig] = {
     # Meta Llama 3.1 8B (config.json and generation_config.json of meta-llama/Llama-3.1-8B-Instruct), its llama3
@@ -67,11 +68,11 @@ def preset_config(name: str) -> ModelConfig:
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 max_positions: int | None = None) -> LlamaModel:
-    """A LlamaModel of shape `cfg` with N(0, 0.02) weights and biases (norms, q/k norms included, 1), built on the
-    meta device and materialized once on `device` in `dtype`."""
+                 max_positions: int | None = None) -> ModelBase:
+    """A model (engine.model.registry.build_model) of shape `cfg` with N(0, 0.02) weights and biases (norms, q/k
+    norms included, 1), built on the meta device and materialized once on `device` in `dtype`."""
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings).to(dtype)
+        model = build_model(cfg, max_positions).to(dtype)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

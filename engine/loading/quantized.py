@@ -41,7 +41,7 @@ from engine.loading.hf_quantized import KeepStored, check_quantization_mode
 from engine.loading.loader import read_gguf_state
 from engine.loading.model_files import resolve_model_path
 from engine.loading.tokenmill_folder import is_model_folder, read_folder, read_folder_config, save_folder
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.quant.handler import Int4QuantHandler, build_model, dequantize_state_dict, held_tensors
 from engine.quant.qparams import Int4Weight
 from engine.quant.quantize import quantize_weights
@@ -73,7 +73,7 @@ class LoadedModel:
     without INT4 modules)."""
 
     config: ModelConfig
-    model: LlamaModel
+    model: ModelBase
     tokenizer: Tokenizer
     num_int4_modules: int
     quantization_loaded: str | None = None

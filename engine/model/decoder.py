@@ -4,7 +4,7 @@ Architecture: Touvron et al., "LLaMA" (2023): pre-norm RMSNorm (Zhang & Sennrich
 (Su et al., RoFormer, 2021; the rotate-half form of HF transformers), grouped-query attention (Ainslie et al., 2023),
 SwiGLU MLP (Shazeer, 2020), or a sparse mixture-of-experts block of them (engine.layers.moe) where
 ModelConfig.num_experts > 0. Parameter names follow HF transformers' LlamaForCausalLM without the "model." prefix.
-The norm and RoPE live in engine.layers.rms_norm and engine.layers.rope.
+The blocks live in engine.layers: self_attn (attention), mlp, moe, rms_norm, rope.
 
 The variants of other families are ModelConfig fields: Gemma 2/3 (Gemma Team, "Gemma 2", 2024; "Gemma 3", 2025):
 sandwich norms of (1 + weight), GeGLU with tanh GELU, the embedding scale, query_pre_attn_scalar, soft-capped
@@ -15,185 +15,18 @@ attention and final logits, per-layer sliding/global attention, a local RoPE bas
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
-from engine.layers.attention import AttentionMetadata, paged_attention_ref, write_kv
+from engine.layers.attention import AttentionMetadata, paged_attention_ref
+from engine.layers.mlp import MLP
 from engine.layers.moe import SparseMoE
-from engine.layers.rms_norm import RMSNorm, fused_ops
-from engine.layers.rope import RotaryEmbedding, apply_rope
-
-
-class AttentionFn(Protocol):
-    """A paged attention function (engine.layers.attention.paged_attention_ref's contract): (q, k_cache, v_cache, meta,
-    scale, *, sliding_window, softcap, sinks) -> [T, num_heads, head_dim]. softcap and sinks are passed only when a
-    model sets them."""
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
-    """One module whose output is the concatenation of `modules`' outputs (along out_features), or None when they
-    cannot be merged. All take the same input [..., K]; the merged one returns [..., sum(N_i)].
-
-    Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
-    vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix; their GGUF
-    blocks too, when every part has them: engine.kernels.gguf_blocks.set_gguf_blocks); other module
-    types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
-    engine.quant.state.AddBias). The originals are not changed.
-    """
-    first = modules[0]
-    if any(type(m) is not type(first) for m in modules):
-        return None
-    if type(first) is nn.Linear:
-        biased = first.bias is not None
-        if any((m.bias is not None) != biased or m.weight.dtype != first.weight.dtype
-               or m.weight.device != first.weight.device or m.in_features != first.in_features for m in modules):
-            return None
-        weight = torch.cat([m.weight.detach() for m in modules])
-        with torch.device("meta"):
-            merged = nn.Linear(first.in_features, weight.shape[0], bias=biased)
-        merged.weight = nn.Parameter(weight, requires_grad=False)
-        if biased:
-            merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
-        blocks = [gguf_blocks_of(m) for m in modules]
-        if all(b is not None for b in blocks):  # the GGUF blocks of the parts, concatenated alike
-            joined = GGUFBlocks.concat(blocks)
-            if joined is not None:
-                set_gguf_blocks(merged, joined)
-        return merged
-    concat = getattr(type(first), "concat", None)
-    return concat(modules) if concat is not None else None
-
-
-class Attention(nn.Module):
-    """Self-attention over the paged KV cache.
-
-    Q, K and V come from q_proj/k_proj/v_proj (the names of the model files and of GPTQ), or, after `fuse()`, from
-    one qkv_proj: one GEMM of N = (num_heads + 2 * num_kv_heads) * head_dim instead of three narrower ones.
-    With cfg.qkv_bias the three carry a bias (Qwen2); with cfg.qk_norm queries and keys go through a per-head
-    RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3, Gemma 3). `layer` is the layer's index (its
-    window: cfg.layer_window); scores scale by cfg.query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5.
-    With cfg.attention_sinks each head has a sink logit (`sinks` [num_heads]), with cfg.o_bias o_proj a bias (gpt-oss).
-    """
-
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.sliding_window = cfg.layer_window(layer)  # None: full causal attention
-        # passed to the attention function only when set, so functions without soft-capping serve other models
-        self.attn_kwargs = {"softcap": cfg.attn_logit_softcapping} if cfg.attn_logit_softcapping else {}
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
-        offset = cfg.norm_weight_offset
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
-        self.qkv_proj: nn.Module | None = None
-
-    def fuse(self) -> bool:
-        """Replace q_proj/k_proj/v_proj by one qkv_proj (engine.model.decoder.concat_linears). Returns whether it fused
-        (False when already fused or when the three cannot be merged)."""
-        if self.qkv_proj is not None:
-            return False
-        merged = concat_linears([self.q_proj, self.k_proj, self.v_proj])
-        if merged is None:
-            return False
-        self.qkv_proj = merged
-        del self.q_proj, self.k_proj, self.v_proj
-        return True
-
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
-        """Everything before o_proj: x [T, hidden] -> [T, num_heads * head_dim]; writes this step's K/V into the
-        caches. (GPTQ calibration needs o_proj's input.)"""
-        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x)
-            ops = fused_ops(qkv)
-            if (ops is not None and self.q_norm is None and qkv.dim() == 2
-                    and cos.dtype == qkv.dtype == k_cache.dtype):
-                q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, h)  # one pass (C++ or Triton)
-                return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                               **self._attn_kwargs()).reshape(t, h * d)
-            qk = qkv[:, :(h + hkv) * d].view(t, h + hkv, d)
-            if self.q_norm is not None:
-                qk = torch.cat((self._head_norm(self.q_norm, qk[:, :h]), self._head_norm(self.k_norm, qk[:, h:])), 1)
-            qk = apply_rope(qk, cos, sin)  # one RoPE for Q and K
-            q, k = qk[:, :h], qk[:, h:]
-            v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
-        else:
-            q, k = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, hkv, d)
-            if self.q_norm is not None:
-                q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            v = self.v_proj(x).view(t, hkv, d)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return attn_fn(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                       **self._attn_kwargs()).reshape(t, self.num_heads * self.head_dim)
-
-    def _attn_kwargs(self) -> dict[str, object]:
-        """The attention function's optional keywords this layer sets (softcap, sinks); {} for Llama's."""
-        return self.attn_kwargs if self.sinks is None else {**self.attn_kwargs, "sinks": self.sinks}
-
-    @staticmethod
-    def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """Per-head RMSNorm of x [T, heads, head_dim] (as rows [T * heads, head_dim]); same shape back."""
-        t, n, d = x.shape
-        return norm(x.reshape(t * n, d)).view(t, n, d)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:
-        return self.o_proj(self.attend(x, cos, sin, k_cache, v_cache, meta, attn_fn))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), or GeGLU with cfg.hidden_act "gelu_pytorch_tanh" (gelu, tanh form);
-    after `fuse()`, gate and up are one gate_up_proj GEMM. Its width is `intermediate_size` (default
-    cfg.intermediate_size; a MoE's shared expert has its own)."""
-
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
-        super().__init__()
-        self.intermediate_size = width = intermediate_size or cfg.intermediate_size
-        self.silu = cfg.hidden_act == "silu"
-        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None
-
-    def fuse(self) -> bool:
-        """Replace gate_proj/up_proj by one gate_up_proj. Returns whether it fused (as Attention.fuse)."""
-        if self.gate_up_proj is not None:
-            return False
-        merged = concat_linears([self.gate_proj, self.up_proj])
-        if merged is None:
-            return False
-        self.gate_up_proj = merged
-        del self.gate_proj, self.up_proj
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            ops = fused_ops(gate_up) if self.silu else None
-            if ops is not None and gate_up.dim() == 2:
-                return self.down_proj(ops.silu_and_mul(gate_up))
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(self._act(gate) * up)
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
-
-    def _act(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
+from engine.layers.rms_norm import RMSNorm
+from engine.layers.rope import RotaryEmbedding
+from engine.layers.self_attn import Attention, AttentionFn
+from engine.model.base import ModelBase
 
 
 class DecoderLayer(nn.Module):
@@ -227,13 +60,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class LlamaModel(nn.Module):
-    """The decoder and LM head.
+class LlamaModel(ModelBase):
+    """The causal decoder and its LM head: every family whose differences are ModelConfig fields.
 
-    forward: input_ids int64 [T], rope_rows int64 [T] (each token's row of the RoPE tables: its position, or with
-    LongRoPE's two factor sets `self.rotary.table_rows` of its position and prompt length), per-layer caches,
-    metadata, and the paged attention function (default the torch reference; the runner passes its backend's, so
-    engines sharing one model may run different backends) -> hidden states [T, hidden].
+    forward: input_ids int64 [T] (or None and inputs_embeds [T, hidden] in the model's dtype), rope_rows int64 [T]
+    (each token's row of the RoPE tables: its position, or with LongRoPE's two factor sets `self.rotary.table_rows`
+    of its position and prompt length), per-layer caches (as kv_cache_specs lays them out), metadata, and the paged
+    attention function (default the torch reference; the runner passes its backend's, so engines sharing one model
+    may run different backends) -> hidden states [T, hidden].
     compute_logits: hidden [S, hidden] -> fp32 logits [S, vocab] (or in the model's dtype).
     """
 
@@ -248,6 +82,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.kv_cache_specs = tuple(layer.self_attn.kv_cache_spec for layer in self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -275,13 +110,16 @@ class LlamaModel(nn.Module):
         if self.rotary_local is not None:
             self.rotary_local = self.rotary_local.to(device)
 
-    def tie_weights(self) -> None:
-        """Share the embedding matrix with the LM head (tie_word_embeddings)."""
-        self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, rope_rows: torch.Tensor, kv_caches: list[tuple[torch.Tensor,
-                torch.Tensor]], meta: AttentionMetadata, attn_fn: AttentionFn = paged_attention_ref) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                attn_fn: AttentionFn = paged_attention_ref, *, inputs_embeds: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm (the LM head is compute_logits) of input_ids int64 [T],
+        or of inputs_embeds [T, hidden] when input_ids is None (taken as they are: no embedding scale). Raises
+        ValueError when both or neither are given."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("forward takes input_ids or inputs_embeds: exactly one of them, not both or neither")
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary(rope_rows, x.dtype)
         local = self.rotary_local(rope_rows, x.dtype) if self.rotary_local is not None else rope
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):

@@ -10,11 +10,11 @@ from torch import nn
 
 from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
 from engine.layers.expert_weights import ExpertWeights
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.tensor_names import EMBEDDING, LM_HEAD
 
 
-def fill_model(model: LlamaModel, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+def fill_model(model: ModelBase, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
     """Fill a meta-device model in place with the plain tensors `state` (HF names, cast to `dtype` on `device`),
     assigned without copies, tie a plain LM head to the embedding when the config ties them, rebuild non-persistent
     buffers on `device` and switch to eval. Modules already replaced (INT4) keep their own tensors; a tied
@@ -50,7 +50,7 @@ def pop_gguf_blocks(state: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
     return found
 
 
-def attach_gguf_blocks(model: LlamaModel, blocks: dict[str, GGUFBlocks]) -> int:
+def attach_gguf_blocks(model: ModelBase, blocks: dict[str, GGUFBlocks]) -> int:
     """Give each plain nn.Linear, and each mixture-of-experts block's stacked expert projection (ExpertWeights), the
     GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM head, which multiplies by the same
     matrix). Modules already replaced (INT4) are skipped. Returns how many."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.sequence_forward import forward_sequence
 from engine.text.tokenizer import Tokenizer
 
@@ -36,7 +36,7 @@ class PerplexityResult:
 
 
 @torch.inference_mode()
-def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, int]:
+def chunk_nll(model: ModelBase, token_ids: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, int]:
     """(summed NLL in nats, tokens scored) of one chunk: token_ids int64 [n] on the model's device, n >= 2."""
     n = token_ids.shape[0]
     hidden = forward_sequence(model, token_ids, kv_dtype)
@@ -49,7 +49,7 @@ def chunk_nll(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype)
 
 
 @torch.inference_mode()
-def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None,
+def next_token_logits(model: ModelBase, token_ids: Sequence[int], kv_dtype: torch.dtype | None = None,
                       device: torch.device | None = None) -> torch.Tensor:
     """fp32 [vocab] logits of the token after `token_ids` (n >= 1 tokens), prefilled from an empty private KV cache
     (no scheduler, no batching): the oracle for "was this a tie?" questions about a generated token.
@@ -61,7 +61,7 @@ def next_token_logits(model: LlamaModel, token_ids: Sequence[int], kv_dtype: tor
     return model.compute_logits(hidden[-1:]).float()[0]
 
 
-def perplexity(model: LlamaModel, token_ids: Sequence[int], context: int = 1024,
+def perplexity(model: ModelBase, token_ids: Sequence[int], context: int = 1024,
                on_chunk: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` on one token stream, scored in chunks of at most `context` tokens (module docstring).
 
@@ -100,7 +100,7 @@ def text_token_ids(tokenizer: Tokenizer, texts: Sequence[str], max_tokens: int |
     return ids if max_tokens is None else ids[:max_tokens]
 
 
-def text_perplexity(model: LlamaModel, tokenizer: Tokenizer, texts: Sequence[str], context: int = 1024,
+def text_perplexity(model: ModelBase, tokenizer: Tokenizer, texts: Sequence[str], context: int = 1024,
                     max_tokens: int | None = None,
                     on_chunk: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of `model` on `texts` (raw, no chat template); see `perplexity` and `text_token_ids`."""

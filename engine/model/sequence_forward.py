@@ -11,7 +11,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionMetadata, private_kv_cache
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 
 #: KV cache block size (tokens) of private-cache forwards.
 BLOCK_SIZE = 16
@@ -27,7 +27,7 @@ def private_prefill(cfg: ModelConfig, n: int, kv_dtype: torch.dtype,
             private_kv_cache(n, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device))
 
 
-def forward_sequence(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+def forward_sequence(model: ModelBase, token_ids: torch.Tensor, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Final hidden states [n, hidden] (after the last RMSNorm; model.compute_logits gives the logits) of one
     sequence token_ids: int64 [n], n >= 1, on the model's device, prefilled from position 0 through a fresh private
     KV cache per layer (so autograd may run through it: no cache is written twice). LongRoPE takes one factor set
@@ -37,9 +37,10 @@ def forward_sequence(model: LlamaModel, token_ids: torch.Tensor, kv_dtype: torch
     caller set. Raises ValueError for an empty or non-1-D token_ids."""
     if token_ids.ndim != 1 or token_ids.shape[0] == 0:
         raise ValueError(f"token_ids must be int64 [n] with n >= 1, got shape {tuple(token_ids.shape)}")
-    n, cfg, device = token_ids.shape[0], model.config, token_ids.device
+    n, device = token_ids.shape[0], token_ids.device
     kv_dtype = kv_dtype or next(model.parameters()).dtype
     meta = AttentionMetadata.single_prefill(n, BLOCK_SIZE, device)
-    caches = [private_kv_cache(n, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_dtype, device)
-              for _ in range(cfg.num_layers)]
+    none = torch.empty(0, dtype=kv_dtype, device=device)
+    caches = [private_kv_cache(n, BLOCK_SIZE, spec.num_kv_heads, spec.head_size, kv_dtype, device)
+              if spec.has_cache else (none, none) for spec in model.kv_cache_specs]
     return model(token_ids, model.rotary.table_rows(torch.arange(n, device=device), n), caches, meta)

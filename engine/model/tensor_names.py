@@ -10,7 +10,7 @@ from engine.config import ModelConfig
 EMBEDDING = "embed_tokens"  # the token embedding's module name (HF, without "model.")
 LM_HEAD = "lm_head"  # the LM head's module name; its weight is left out of a model file when tied to EMBEDDING
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (LlamaModel.fuse_projections)
+FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # the serving layout (ModelBase.fuse_projections)
 
 
 def is_linear_weight(name: str) -> bool:
@@ -36,7 +36,7 @@ def is_expert_weight(name: str) -> bool:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name (HF, without "model.") -> shape of every parameter engine.model.decoder.LlamaModel holds for shape
+    """Name (HF, without "model.") -> shape of every parameter the causal decoder (engine.model.decoder) holds for shape
     `cfg`, a tied LM head left out: the same names and shapes as that model's state_dict, from the config alone (no
     torch: the CLI's fit check, jobs.plan.model_fit). tests/engine/model/test_tensor_names.py holds the two equal."""
     h, hd = cfg.hidden_size, cfg.head_dim
@@ -82,18 +82,6 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         linear(LM_HEAD, h, cfg.vocab_size)
     return shapes
-
-
-def model_param_names(cfg: ModelConfig) -> list[str]:
-    """Names (HF, without "model.") of every parameter a model of shape `cfg` holds, a tied LM head left out:
-    what a model file must provide, exactly (built on the meta device: no memory)."""
-    import torch
-
-    from engine.model.decoder import LlamaModel
-
-    with torch.device("meta"):
-        model = LlamaModel(cfg, 1)
-    return [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == f"{LM_HEAD}.weight")]
 
 
 def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str, fused: bool = False) -> None:

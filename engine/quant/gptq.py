@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import paged_attention_ref
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.sequence_forward import private_prefill
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
 from engine.quant.refit import refit_group_qparams, row_errors
@@ -241,13 +241,13 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, group_size: int
 
 
 @torch.no_grad()
-def gptq_quantize_model(model: LlamaModel, calibration: torch.Tensor, group_size: int = 128, *,
+def gptq_quantize_model(model: ModelBase, calibration: torch.Tensor, group_size: int = 128, *,
                         damp: float = 0.01, method: str = "mse", act_order: bool = False, refit: bool = True,
                         on_layer: Callable[[int, float], None] | None = None) -> dict[str, Int4Weight]:
     """GPTQ every decoder projection of a filled fp32 `model`, layer by layer (module docstring).
 
     Args:
-        model: LlamaModel with plain fp32 nn.Linear projections. Modified in place: each quantized
+        model: ModelBase with plain fp32 nn.Linear projections. Modified in place: each quantized
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
             outputs); swap in Int4Linear modules afterwards (engine.quant.quantize.quantize_model does).
         calibration: int64 [S, L] token ids (engine.quant.calibration), S sequences of L tokens each.

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.decoder import LlamaModel
+from engine.model import registry
+from engine.model.base import ModelBase
 from engine.model.fill import fill_model
 from engine.model.tensor_names import is_expert_weight
 from engine.quant.experts import pop_int4_experts, set_int4_experts
@@ -98,8 +99,8 @@ def _tied(cfg: ModelConfig, state: QuantizedState) -> QuantizedState:
 
 def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None = None, dequant_min_rows: int | None | str = "auto", *,
-                int4_layout: str = "dual") -> LlamaModel:
-    """A LlamaModel on `device` from a (possibly partly) quantized state dict.
+                int4_layout: str = "dual") -> ModelBase:
+    """A model (engine.model.registry.build_model) on `device` from a (possibly partly) quantized state dict.
 
     Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
     replace their nn.Linear / nn.Embedding, plain tensors are cast to
@@ -110,7 +111,7 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
     Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
     """
     with torch.device("meta"):
-        model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        model = registry.build_model(cfg, max_positions)
     state = _tied(cfg, state)
     experts = pop_int4_experts(model, state)
     for name, w in list(state.items()):

@@ -236,7 +236,7 @@ class Int4Linear(nn.Module):
     @classmethod
     def concat(cls, modules: list[Int4Linear]) -> Int4Linear | None:
         """One Int4Linear whose output is the concatenation of `modules`' outputs (their weights stacked along N,
-        as engine.model.decoder.concat_linears asks), or None when their input width, group size, scale dtype,
+        as engine.layers.linear.concat_linears asks), or None when their input width, group size, scale dtype,
         activation dtype, device, layout or input order (in_perm) differ, or when one has released its source. The
         portable weights are joined where they are (the host, as loaded): no device copy of them. The originals
         are not changed."""

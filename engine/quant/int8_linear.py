@@ -150,7 +150,7 @@ def quantize_model_int8(model: nn.Module) -> int:
     expert's gate stay in the compute dtype, a shared expert is quantized as a dense MLP). The LM head and the
     embedding stay in the compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M 0.35
     points of perplexity for 6% of throughput; bench/README.md). Fuse the projections first
-    (LlamaModel.fuse_projections) to get the serving layout. Returns the number of replaced modules (an expert block
+    (ModelBase.fuse_projections) to get the serving layout. Returns the number of replaced modules (an expert block
     counts one). Raises ValueError as Int8Linear."""
     from engine.layers.moe import GroupedExperts
     from engine.quant.state import LM_HEAD, is_linear_weight, set_module

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.quant.experts import quantize_experts
 from engine.quant.gptq import gptq_quantize_model
 from engine.quant.handler import Int4QuantHandler
@@ -23,7 +23,7 @@ from engine.quant.state import EMBEDDING, LM_HEAD, set_module
 from engine.quant.tune import tune_group_qparams
 
 
-def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding: bool = False, *,
+def quantize_weights(model: ModelBase, group_size: int = 128, include_embedding: bool = False, *,
                      calibration: torch.Tensor | None = None, act_order: bool = False, damp: float = 0.01,
                      refit: bool = True, tune_epochs: float = 0.0,
                      on_layer: Callable[[int, float], None] | None = None,
@@ -33,7 +33,7 @@ def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding
     place) and `tokenmill quantize --method gptq` (engine.loading.quantized, weights written to a folder).
 
     Args:
-        model: LlamaModel with plain nn.Linear / nn.Embedding weights; fp32 when calibrating.
+        model: ModelBase with plain nn.Linear / nn.Embedding weights; fp32 when calibrating.
         group_size: input features per scale/zero group (32, 64, 128 or 256).
         calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token
             ids (engine.quant.calibration.calibration_batch) = GPTQ for the decoder projections (engine.quant.gptq),
@@ -72,11 +72,11 @@ def quantize_weights(model: LlamaModel, group_size: int = 128, include_embedding
     return weights
 
 
-def quantize_model(model: LlamaModel, group_size: int = 128, include_embedding: bool = False,
+def quantize_model(model: ModelBase, group_size: int = 128, include_embedding: bool = False,
                    dequant_min_rows: int | None | str = "auto", *, calibration: torch.Tensor | None = None,
                    act_order: bool = False, damp: float = 0.01, refit: bool = True, tune_epochs: float = 0.0,
                    on_layer: Callable[[int, float], None] | None = None,
-                   on_tune_step: Callable[[int, int, float], None] | None = None) -> LlamaModel:
+                   on_tune_step: Callable[[int, int, float], None] | None = None) -> ModelBase:
     """Quantize a filled model in place: each projection (and the embedding when asked; a tied LM head with it)
     becomes an Int4Linear / Int4Embedding on the model's device with its dtype, the weights chosen by
     quantize_weights (round-to-nearest, or GPTQ + tuning with `calibration`; pass an fp32 model then), and a

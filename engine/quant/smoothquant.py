@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.layers.moe import SparseMoE
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.sequence_forward import forward_sequence
 
 #: Text of the calibration forward: a mix of instructions, arithmetic, code, lists and prose.
@@ -58,7 +58,7 @@ Summarize the main argument of the article in two sentences, then list three que
 
 
 @torch.inference_mode()
-def input_channel_maxima(model: LlamaModel, token_ids: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+def input_channel_maxima(model: ModelBase, token_ids: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
     """max |input| per input channel (fp32 [K]) of each module in `names`, over one forward of token_ids
     (int64 [n]) from an empty private KV cache."""
     stats: dict[str, torch.Tensor] = {}
@@ -91,8 +91,8 @@ def _divide_norm(norm: nn.Module, s: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def smooth_model(model: LlamaModel, token_ids: torch.Tensor, alpha: float = 0.5) -> None:
-    """Apply SmoothQuant in place to a fused model (LlamaModel.fuse_projections) with plain nn.Linear weights;
+def smooth_model(model: ModelBase, token_ids: torch.Tensor, alpha: float = 0.5) -> None:
+    """Apply SmoothQuant in place to a fused model (ModelBase.fuse_projections) with plain nn.Linear weights;
     the model computes the same function (up to rounding) afterwards. token_ids: int64 [n] calibration tokens.
     A mixture-of-experts block (engine.layers.moe.SparseMoE) is smoothed at its input: one factor per channel from
     the block's input and every weight that reads it (each expert's gate/up, a shared expert's), multiplied into

@@ -2,7 +2,7 @@
 and module replacement (which keeps a replaced projection's bias: AddBias). Near a leaf: it imports no other tokenmill
 module but the INT4 weight types (engine.quant.qparams, a leaf, and engine.quant.stacked_int4, which imports only
 it), the parameter names EMBEDDING and LM_HEAD, is_linear_weight and is_expert_weight (engine.model.tensor_names,
-re-exported here) and, for AddBias.concat, engine.model.decoder (which imports nothing of engine.quant), so the
+re-exported here) and, for AddBias.concat, engine.layers.linear (which imports nothing of engine.quant), so the
 handler, GPTQ, the tuning and the INT8 path all depend on it and never on each other.
 
 A quantized state dict maps a *module* name (e.g. "layers.0.self_attn.q_proj") to an Int4Weight and every other
@@ -54,10 +54,10 @@ class AddBias(nn.Module):
 
     @classmethod
     def concat(cls, modules: list[AddBias]) -> AddBias | None:
-        """The fused module of several (engine.model.decoder.concat_linears of their inner modules, biases
+        """The fused module of several (engine.layers.linear.concat_linears of their inner modules, biases
         concatenated),
         or None when the inner modules cannot be merged."""
-        from engine.model.decoder import concat_linears  # engine.model.decoder.decoder imports nothing of engine.quant
+        from engine.layers.linear import concat_linears  # engine.layers.linear imports nothing of engine.quant
 
         inner = concat_linears([m.inner for m in modules])
         if inner is None:

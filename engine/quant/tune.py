@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.rms_norm import RMSNorm
-from engine.model.decoder import LlamaModel
+from engine.model.base import ModelBase
 from engine.model.sequence_forward import forward_sequence
 from engine.quant.qparams import Int4Weight, unpack_uint4
 from engine.quant.state import set_module
@@ -77,11 +77,11 @@ class _TunableInt4Linear(nn.Module):
                           self.source.in_features, self.source.group_size)
 
 
-def _logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+def _logits(model: ModelBase, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(forward_sequence(model, ids, torch.float32))
 
 
-def distillation_kl(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+def distillation_kl(model: ModelBase, teacher: ModelBase, ids: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || model) of the next-token distributions, in nats: a scalar fp32 tensor,
     differentiable in `model`'s parameters. ids: int64 [L], one sequence from position 0 (L >= 1)."""
     with torch.no_grad():
@@ -89,14 +89,14 @@ def distillation_kl(model: LlamaModel, teacher: LlamaModel, ids: torch.Tensor) -
     return F.kl_div(F.log_softmax(_logits(model, ids), -1), target, log_target=True, reduction="batchmean")
 
 
-def tune_group_qparams(model: LlamaModel, teacher: LlamaModel, weights: dict[str, Int4Weight],
+def tune_group_qparams(model: ModelBase, teacher: ModelBase, weights: dict[str, Int4Weight],
                        calibration: torch.Tensor, *, epochs: float = 1.0, lr: float = 3e-4, seqs_per_step: int = 2,
                        seed: int = 0, tune_norms: bool = True, norm_lr: float = 3e-4,
                        on_step: Callable[[int, int, float], None] | None = None) -> dict[str, Int4Weight]:
     """Tune the scales and zeros of the INT4 projections `weights` end to end (module docstring); codes unchanged.
 
     Args:
-        model: fp32 LlamaModel whose modules named in `weights` are plain nn.Linear holding (or about to hold) the
+        model: fp32 ModelBase whose modules named in `weights` are plain nn.Linear holding (or about to hold) the
             dequantized weight, as engine.quant.gptq.gptq_quantize_model leaves it. Modified in place: on return
             those weights are the dequantized tuned ones (and the norm gains tuned, with tune_norms);
             requires_grad flags are restored.

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from engine.layers.attention import AttentionMetadata
-from engine.model.decoder import AttentionFn, LlamaModel
+from engine.layers.self_attn import AttentionFn
+from engine.model.base import ModelBase
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -32,22 +33,24 @@ class DecodeGraphs:
     Args:
         model: the decoder.
         attn_fn: its paged attention; must be capturable (no host syncs, grid from the NOTE above).
-        kv_caches: the per-layer (k_cache, v_cache) tensors, [num_blocks + 1, block_size, kv_heads, head_dim]
-            each; the last block is the scratch block.
+        kv_caches: the per-layer (k_cache, v_cache) tensors, [num_blocks + 1, block_size, kv_heads, head_size]
+            each as the model's kv_cache_specs lay them out (empty for a layer without a cache).
+        block_size: tokens per KV block.
+        scratch_block: the block padded graph rows write to (the pool's last: num_blocks).
         max_num_seqs: the largest bucket.
         max_blocks_per_seq: width of the static block table (max_model_len / block_size, rounded up).
         max_model_len: upper bound of any sequence length, in tokens.
     """
 
-    def __init__(self, model: LlamaModel, attn_fn: AttentionFn, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_num_seqs: int, max_blocks_per_seq: int, max_model_len: int) -> None:
+    def __init__(self, model: ModelBase, attn_fn: AttentionFn, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, scratch_block: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 max_model_len: int) -> None:
         self.model = model
         self.attn_fn = attn_fn
         self.kv_caches = kv_caches
-        k0 = kv_caches[0][0]
-        self.device = k0.device
-        self.block_size = k0.shape[1]
-        self.scratch_block = k0.shape[0] - 1
+        self.device = kv_caches[0][0].device  # an empty cache (a layer without one) is on the device too
+        self.block_size = block_size
+        self.scratch_block = scratch_block
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         n = self.sizes[-1]

@@ -12,11 +12,13 @@ import functools
 import logging
 import math
 import mmap
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core.kv_cache_spec import KVCacheSpec, layout_bytes_per_token, pool_blocks
 from engine.kernels.cpu_features import cpu_flags_native_bf16, cpu_isa_cap
 from engine.worker.device_choice import choose_device, choose_dtype
 from engine.worker.host import CPU_KV_MEMORY_SHARE, cpu_kv_budget_bytes, memory_available_bytes
@@ -79,17 +81,21 @@ def cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=nbytes)).view(dtype).view(shape)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V): 2 * layers * block_size * kv_heads * head_dim * size."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(layout: Sequence[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block of `block_size` tokens takes across the layers of `layout` (the model's kv_cache_specs;
+    K and V): block_size * the sum over layers of 2 * kv_heads * head_size * itemsize (0 for a layer without a
+    cache)."""
+    return layout_bytes_per_token(layout, dtype.itemsize) * block_size
 
 
-def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """KV blocks for the pool when config.num_kv_blocks is None: on CUDA, gpu_memory_utilization x the card's memory
-    less what is in use (weights included), the logits of the largest step and CUDA graphs' scratch block; on the
-    CPU, cpu_kv_budget_bytes (kv_cache_memory_bytes, or for "auto" half the memory available). Either way no more
-    than max_num_seqs requests of max_model_len tokens could hold. Raises ValueError when not even one block fits."""
-    per_block = kv_block_bytes(model_config, config.block_size, dtype)
+def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  layout: Sequence[KVCacheSpec]) -> int:
+    """KV blocks for the pool of `layout` (the model's kv_cache_specs) when config.num_kv_blocks is None: on CUDA,
+    gpu_memory_utilization x the card's memory less what is in use (weights included), the logits of the largest
+    step and CUDA graphs' scratch block; on the CPU, cpu_kv_budget_bytes (kv_cache_memory_bytes, or for "auto" half
+    the memory available). Either way no more than max_num_seqs requests of max_model_len tokens could hold (all of
+    that for a layout without a cache: its blocks cost nothing). Raises ValueError when not even one block fits."""
+    per_block = kv_block_bytes(layout, config.block_size, dtype)
     if device.type == "cuda":
         from engine.worker.memory_fit import cuda_kv_budget_bytes
 
@@ -97,12 +103,9 @@ def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, device: torch
         budget = cuda_kv_budget_bytes(total, free, config, model_config.vocab_size, per_block)
     else:
         budget = cpu_kv_budget_bytes(config)
-    if budget < per_block:
-        raise ValueError(f"no memory left for the KV cache ({budget} bytes, one block needs {per_block}); "
-                         "raise gpu_memory_utilization / kv_cache_memory_bytes or use a smaller model")
     # No more than max_num_seqs requests of max_model_len tokens could ever hold: a small model on a big GPU
     # would otherwise take (and zero) most of the card's memory for blocks no schedule can use.
     max_len = min(config.max_model_len or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)
     usable = config.max_num_seqs * -(-max_len // config.block_size)
-    return min(budget // per_block, usable)
+    return pool_blocks(layout, config.block_size, dtype.itemsize, budget, usable)

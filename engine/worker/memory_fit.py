@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core.kv_cache_spec import KVCacheSpec, layout_bytes_per_token
 from schemas import settings
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ GIB = 1 << 30
 #: Bytes per element of each run dtype, by name (what torch's element_size gives): the fit check runs in the CLI's
 #: client, which never imports torch (issue 31).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: MemoryFit's pool_tokens / sequences of a model without a KV cache (every layer's KVCacheSpec of kind "none"): the
+#: pool bounds nothing.
+NO_KV_LIMIT = 1 << 62
 
 
 
@@ -131,10 +135,10 @@ def choose_int4_layout(tensors: list[tuple], dtype: torch.dtype | str, total: in
 
 def model_tensors(cfg: ModelConfig) -> list[tuple[str, int]]:
     """(name, numel) of every weight of a model of shape `cfg` (HF names without "model."; a tied LM head left out),
-    from the config alone (engine.model.tensor_names.param_shapes: no torch, no memory)."""
-    from engine.model.tensor_names import param_shapes
+    from the config alone (its registry entry's param_shapes: no torch, no memory)."""
+    from engine.model.registry import model_entry
 
-    return [(name, math.prod(shape)) for name, shape in param_shapes(cfg).items()]
+    return [(name, math.prod(shape)) for name, shape in model_entry(cfg.architecture).param_shapes(cfg).items()]
 
 
 def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Int4LayoutChooser:
@@ -145,18 +149,28 @@ def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch
         return lambda cfg, tensors: "dual"
     import torch
 
+    from engine.model.registry import kv_cache_layout
+
     free, total = torch.cuda.mem_get_info(device)
 
     def choose(cfg: ModelConfig, tensors: list[tuple]) -> str:
         max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_block = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype) * config.block_size
+        per_block = kv_layout_bytes_per_token(kv_cache_layout(cfg), dtype) * config.block_size
         return choose_int4_layout(tensors, dtype, total, free, config, cfg.vocab_size, per_block, max_len)
 
     return choose
 
 
+def kv_layout_bytes_per_token(layout: Sequence[KVCacheSpec], dtype: torch.dtype | str) -> int:
+    """KV cache bytes one token takes across the layers of `layout` (K and V; one KVCacheSpec per layer: the
+    model's kv_cache_specs, or engine.model.registry.kv_cache_layout of its config), in `dtype` (a torch.dtype or
+    its name). 0 for a model without a KV cache."""
+    return layout_bytes_per_token(layout, dtype_bytes(dtype))
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
-    """KV cache bytes one token takes across all layers (K and V), in `dtype` (a torch.dtype or its name)."""
+    """KV cache bytes one token takes across `layers` alike (K and V), in `dtype`: the uniform layout a model
+    file's header gives (jobs.plan.model_fit) before any config is read; kv_layout_bytes_per_token reads a layout."""
     return 2 * layers * kv_heads * head_dim * dtype_bytes(dtype)
 
 
@@ -191,8 +205,10 @@ class MemoryFit:
 
     @property
     def pool_tokens(self) -> int:
-        """Tokens the KV pool holds (whole blocks)."""
+        """Tokens the KV pool holds (whole blocks); NO_KV_LIMIT for a model without a KV cache whose weights fit."""
         per_block = self.kv_bytes_per_token * self.block_size
+        if per_block == 0:
+            return NO_KV_LIMIT if self.kv_pool_bytes >= 0 else 0
         return max(self.kv_pool_bytes, 0) // per_block * self.block_size
 
     @property
@@ -202,12 +218,18 @@ class MemoryFit:
 
     @property
     def sequences(self) -> int:
-        """Sequences of max_model_len tokens the pool holds at once."""
+        """Sequences of max_model_len tokens the pool holds at once (NO_KV_LIMIT without a KV cache, when the
+        weights fit)."""
+        if self.sequence_bytes == 0:
+            return NO_KV_LIMIT if self.kv_pool_bytes >= 0 else 0
         return max(self.kv_pool_bytes, 0) // self.sequence_bytes
 
     def line(self) -> str:
         """One line stating the numbers."""
         int4 = f" (INT4 layout {self.int4_layout})" if self.int4_layout else ""
+        if self.kv_bytes_per_token == 0:
+            return (f"memory on {self.device}: {self.memory_bytes / GIB:.2f} GiB usable, model "
+                    f"{self.model_bytes / GIB:.2f} GiB{int4}, no KV cache")
         return (f"memory on {self.device}: {self.memory_bytes / GIB:.2f} GiB usable, model {self.model_bytes / GIB:.2f}"
                 f" GiB{int4}, KV {self.kv_bytes_per_token / 1024:.1f} KiB per token, KV pool "
                 f"{max(self.kv_pool_bytes, 0) / GIB:.2f} GiB = {self.pool_tokens:,} tokens = {self.sequences:,} "

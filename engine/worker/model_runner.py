@@ -13,7 +13,8 @@ from engine.config import ModelConfig
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
-from engine.model.decoder import AttentionFn, LlamaModel
+from engine.layers.self_attn import AttentionFn
+from engine.model.base import ModelBase
 from engine.quant.packed_linear import gguf_kernel_scope
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.sampler import sample_rows_on_device
@@ -94,7 +95,7 @@ class ModelRunner:
         max_model_len: the longest sequence in tokens (sizes the graphs' static block table).
     """
 
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: ModelBase, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, *, attn_fn: AttentionFn | None = None,
                  cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
         self.model = model
@@ -106,11 +107,14 @@ class ModelRunner:
                              "(the Triton kernels do not implement them); set attention_backend='torch' or 'cpu'")
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks + int(cuda_graphs), block_size, cfg.num_kv_heads, cfg.head_dim)
-        # On the CPU the pool's pages are mapped as blocks are first written (cpu_zeros): an auto-sized pool
-        # (half the free memory) holds what the batch uses, not its whole size from load on.
+        # One (k_cache, v_cache) per layer as the model lays its KV cache out (model.kv_cache_specs): [blocks,
+        # block_size, kv_heads, head_size] each, or empty for a layer without a cache. On the CPU the pool's pages
+        # are mapped as blocks are first written (cpu_zeros): an auto-sized pool (half the free memory) holds what
+        # the batch uses, not its whole size from load on.
         zeros = cpu_zeros if device.type == "cpu" else functools.partial(torch.zeros, device=device)
-        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        blocks = num_blocks + int(cuda_graphs)
+        self.kv_caches = [(zeros(spec.block_shape(blocks, block_size), dtype=dtype),
+                           zeros(spec.block_shape(blocks, block_size), dtype=dtype)) for spec in model.kv_cache_specs]
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
@@ -119,7 +123,7 @@ class ModelRunner:
         # engine); a step with none of them registered skips it after one test.
         self.logits_processors: LogitsProcessors | None = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, max_num_seqs,
+            self.graphs = DecodeGraphs(model, self.attn_fn, self.kv_caches, block_size, num_blocks, max_num_seqs,
                                        -(-max_model_len // block_size), max_model_len)
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],

@@ -15,26 +15,28 @@ import torch
 
 from engine import EngineConfig
 from engine.config import ModelConfig
+from engine.model.registry import kv_cache_layout
 from engine.worker import device as dev
 from engine.worker import host
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64: 46,080 bytes of fp32 K and V per token.
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                    num_kv_heads=3, head_dim=64, max_position_embeddings=8192)
+LAYOUT = kv_cache_layout(SMOL)
 CPU = torch.device("cpu")
 
 
 def test_auto_pool_is_half_the_free_memory_capped_by_what_the_batch_can_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    per_block = dev.kv_block_bytes(SMOL, 16, torch.float32)
+    per_block = dev.kv_block_bytes(LAYOUT, 16, torch.float32)
     assert per_block == 16 * 46_080
     monkeypatch.setattr(host, "memory_available_bytes", lambda: 8 << 30)
-    blocks = dev.num_kv_blocks(SMOL, EngineConfig(device="cpu"), CPU, torch.float32)
+    blocks = dev.num_kv_blocks(SMOL, EngineConfig(device="cpu"), CPU, torch.float32, LAYOUT)
     assert blocks == (4 << 30) // per_block  # 5,825 blocks: 93,200 tokens, 364 rows of 256 tokens
     # A fixed size is taken as given; the batch's ceiling (max_num_seqs x max_model_len) caps either.
     assert dev.num_kv_blocks(SMOL, EngineConfig(device="cpu", kv_cache_memory_bytes=1 << 30), CPU,
-                             torch.float32) == (1 << 30) // per_block
+                             torch.float32, LAYOUT) == (1 << 30) // per_block
     small = EngineConfig(device="cpu", max_num_seqs=4, max_model_len=256)
-    assert dev.num_kv_blocks(SMOL, small, CPU, torch.float32) == 4 * 256 // 16
+    assert dev.num_kv_blocks(SMOL, small, CPU, torch.float32, LAYOUT) == 4 * 256 // 16
 
 
 def test_a_worker_memory_limit_bounds_the_auto_pool(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,8 +117,9 @@ def test_cpu_attention_sends_long_prefill_chunks_to_sdpa(ops: object, monkeypatc
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_kernels_compute_the_decoder_ops(ops: object, dtype: torch.dtype) -> None:
-    # Each fused op against the torch ops it replaces (engine.model.decoder with autograd on takes the torch path), on
-    # activations of real scale. The kernels round once where torch rounds after every op, and sum in another order.
+    # Each fused op against the torch ops it replaces (the attention and MLP blocks with autograd on take the torch
+    # path), on activations of real scale. The kernels round once where torch rounds after every op, and sum in
+    # another order.
     from engine.layers.rms_norm import RMSNorm
     from engine.layers.rope import apply_rope
 

@@ -17,8 +17,8 @@ from torch import nn
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import cpu_kernels
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
+from engine.layers.linear import concat_linears
 from engine.loading.loader import load_gguf_model
-from engine.model.decoder import concat_linears
 from engine.quant import packed_linear
 from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope, pack_linears
 

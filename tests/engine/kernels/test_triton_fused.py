@@ -33,7 +33,7 @@ from engine.kernels.cpu_kernels import cpu_ops  # noqa: E402
 from engine.layers.attention import AttentionMetadata, private_kv_cache, write_kv  # noqa: E402
 from engine.layers.rms_norm import RMSNorm, fused_ops  # noqa: E402
 from engine.layers.rope import apply_rope  # noqa: E402
-from engine.model.decoder import LlamaModel  # noqa: E402
+from engine.model.registry import build_model  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -148,7 +148,7 @@ def test_rope_write_kv_matches_the_torch_path(dtype: torch.dtype, tokens: int, n
     slots = slots.to(DEVICE)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     q = triton_fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, h)
-    # The model's torch path (engine.model.decoder.Attention.attend): one RoPE for Q and K, then write_kv.
+    # The model's torch path (engine.layers.self_attn.Attention.attend): one RoPE for Q and K, then write_kv.
     qk = apply_rope(qkv[:, :(h + hkv) * d].view(tokens, h + hkv, d), cos, sin)
     v = qkv[:, (h + hkv) * d:].view(tokens, hkv, d)
     kept = slots >= 0
@@ -203,15 +203,16 @@ def tiny_config(rotary_dim: int | None = None) -> ModelConfig:
 @pytest.mark.parametrize(("dtype", "rotary_dim"), [(torch.float32, None), (torch.bfloat16, None), (torch.float32, 12)])
 def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                              rotary_dim: int | None) -> None:
-    """The call sites (engine/model/decoder.py, engine/layers/rms_norm.py) hand their tensors to the Triton ops as they
+    """The call sites (engine/layers/self_attn.py, mlp.py, rms_norm.py) hand their tensors to the Triton ops as they
     do to the C++ ones: a fused-projection model's hidden states and KV cache after one prefill equal the torch
     path's, with full and partial rotary (12 of 16 dims)."""
+    import engine.layers.mlp
     import engine.layers.rms_norm
-    import engine.model.decoder
+    import engine.layers.self_attn
 
     cfg = tiny_config(rotary_dim)
     torch.manual_seed(0)
-    model = LlamaModel(cfg, 64)
+    model = build_model(cfg, 64)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -224,7 +225,8 @@ def test_the_model_with_the_triton_ops_equals_its_torch_path(monkeypatch: pytest
     calls: list[str] = []
 
     def run(ops: object) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        monkeypatch.setattr(engine.model.decoder, "fused_ops", lambda x: ops)
+        monkeypatch.setattr(engine.layers.self_attn, "fused_ops", lambda x: ops)
+        monkeypatch.setattr(engine.layers.mlp, "fused_ops", lambda x: ops)
         monkeypatch.setattr(engine.layers.rms_norm, "fused_ops", lambda x: ops)
         caches = [private_kv_cache(tokens, 4, cfg.num_kv_heads, cfg.head_dim, dtype, torch.device(DEVICE))
                   for _ in range(cfg.num_layers)]

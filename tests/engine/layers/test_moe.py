@@ -132,7 +132,7 @@ def test_experts_run_grouped() -> None:
 def test_packed_and_fused_experts_equal_stacked(dtype: torch.dtype) -> None:
     """Fused gate/up and oneDNN-packed experts (engine.quant.packed_linear.pack_experts) compute what the stacked
     weights do; the shared expert (Qwen2-MoE) rides along."""
-    from engine.model.decoder import MLP
+    from engine.layers.mlp import MLP
     from engine.quant.packed_linear import can_pack, pack_experts
 
     if not can_pack(dtype):

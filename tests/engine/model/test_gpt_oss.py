@@ -135,8 +135,8 @@ def test_config_fields_and_refusals(gpt_oss) -> None:
     from engine.loading.hf_folder import read_hf_config
     from engine.loading.hf_quantized import read_quant_format
     from engine.model.architectures import describe, gguf_architecture
-    from engine.model.decoder import LlamaModel
     from engine.model.hf_config import config_from_hf
+    from engine.model.registry import build_model
     from engine.worker.model_runner import ModelRunner
 
     _, folder, _, mx_folder = gpt_oss
@@ -156,5 +156,5 @@ def test_config_fields_and_refusals(gpt_oss) -> None:
     assert gguf_architecture("gpt-oss", True).name == "gpt_oss"  # its GGUF files: test_gpt_oss_gguf.py
     small = ModelConfig(**{**cfg.__dict__, "vocab_size": 32})
     with pytest.raises(ValueError, match="attention sinks"):  # e.g. the Triton kernels: refused before any step
-        ModelRunner(LlamaModel(small, 8), small, 4, 16, torch.device("cpu"), torch.float32,
+        ModelRunner(build_model(small, 8), small, 4, 16, torch.device("cpu"), torch.float32,
                     attn_fn=lambda *a, **k: None)

@@ -1,6 +1,6 @@
-"""engine.model.tensor_names.param_shapes: the parameters LlamaModel holds, from the config alone (no torch: the CLI's
-fit check reads a model's weight bytes through it, jobs.plan.model_fit), equal to the model's own state_dict for every
-option that adds or reshapes a parameter."""
+"""engine.model.tensor_names.param_shapes: the parameters the causal decoder holds, from the config alone (no torch:
+the CLI's fit check reads a model's weight bytes through it, jobs.plan.model_fit), equal to the model's own
+state_dict for every option that adds or reshapes a parameter."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model.decoder import LlamaModel
-from engine.model.tensor_names import LM_HEAD, is_linear_weight, model_param_names, param_shapes
+from engine.model.registry import build_model, model_param_names
+from engine.model.tensor_names import LM_HEAD, is_linear_weight, param_shapes
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=8, max_position_embeddings=64)
@@ -24,7 +24,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 def test_param_shapes_are_the_models_state_dict(options: dict) -> None:
     cfg = ModelConfig(**SHAPE, **options)
     with torch.device("meta"):
-        model = LlamaModel(cfg, 1)
+        model = build_model(cfg, 1)
     held = {name: tuple(p.shape) for name, p in model.state_dict().items()
             if not (cfg.tie_word_embeddings and name == f"{LM_HEAD}.weight")}
     shapes = param_shapes(cfg)

@@ -213,7 +213,8 @@ def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch:
     RoPE-and-KV-write kernel and through the torch path (fused ops off); the config reads rotary_dim 12 from both."""
     from family_models import hf_argmax, hf_generate
 
-    import engine.model.decoder as decoder
+    import engine.layers.mlp
+    import engine.layers.self_attn
     from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.hf_folder import read_hf_config
 
@@ -226,7 +227,8 @@ def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch:
     assert hf_argmax(model, prompts, ours) == ours
     assert hf_generate(model, prompts[:1], MAX_TOKENS) == ours[:1]
     assert _ours(str(path), prompts) == ours
-    monkeypatch.setattr(decoder, "fused_ops", lambda x: None)
+    for module in (engine.layers.self_attn, engine.layers.mlp):  # the attention and MLP blocks' fused ops
+        monkeypatch.setattr(module, "fused_ops", lambda x: None)
     assert _ours(str(folder), prompts[:4]) == ours[:4]
 
 

@@ -1,0 +1,42 @@
+"""Merging linear projections into one GEMM: Q/K/V into qkv_proj, gate/up into gate_up_proj (the serving layout)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
+
+
+def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is the concatenation of `modules`' outputs (along out_features), or None when they
+    cannot be merged. All take the same input [..., K]; the merged one returns [..., sum(N_i)].
+
+    Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
+    vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix; their GGUF
+    blocks too, when every part has them: engine.kernels.gguf_blocks.set_gguf_blocks); other module
+    types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
+    engine.quant.state.AddBias). The originals are not changed.
+    """
+    first = modules[0]
+    if any(type(m) is not type(first) for m in modules):
+        return None
+    if type(first) is nn.Linear:
+        biased = first.bias is not None
+        if any((m.bias is not None) != biased or m.weight.dtype != first.weight.dtype
+               or m.weight.device != first.weight.device or m.in_features != first.in_features for m in modules):
+            return None
+        weight = torch.cat([m.weight.detach() for m in modules])
+        with torch.device("meta"):
+            merged = nn.Linear(first.in_features, weight.shape[0], bias=biased)
+        merged.weight = nn.Parameter(weight, requires_grad=False)
+        if biased:
+            merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
+        blocks = [gguf_blocks_of(m) for m in modules]
+        if all(b is not None for b in blocks):  # the GGUF blocks of the parts, concatenated alike
+            joined = GGUFBlocks.concat(blocks)
+            if joined is not None:
+                set_gguf_blocks(merged, joined)
+        return merged
+    concat = getattr(type(first), "concat", None)
+    return concat(modules) if concat is not None else None

@@ -1,0 +1,73 @@
+"""What the engine calls on a model, whatever its family: the type the runner, the loaders and the quantizers hold.
+
+A model class is named in one place only, engine.model.registry (`build_model`); everything else holds a
+`ModelBase`. Its contract (vLLM's split of a model's forward and its LM head: `forward` then `compute_logits`):
+
+- `forward(input_ids, rope_rows, kv_caches, meta, attn_fn, *, inputs_embeds=None)` -> hidden states [T, hidden]
+  after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead;
+- `compute_logits(hidden)` -> logits [S, vocab]: the LM head, a separate step;
+- `kv_cache_specs`: one engine.core.kv_cache_spec.KVCacheSpec per layer, the KV cache layout the model declares
+  (memory fit, the KV pool and the runner read it, never a family name).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_spec import KVCacheSpec
+    from engine.layers.attention import AttentionMetadata
+    from engine.layers.rope import RotaryEmbedding
+
+
+class ModelBase(nn.Module):
+    """A model of the engine: see the module docstring. Subclasses set the attributes below in __init__.
+
+    Attributes:
+        config: the model's shape.
+        max_positions: positions its RoPE tables cover.
+        rotary: the RoPE tables (engine.layers.rope.RotaryEmbedding; the runner reads `long_from` / `table_rows`).
+        layers: the blocks, one per layer (the quantizers walk their projections by HF names).
+        embed_tokens / lm_head: the token embedding and the LM head (HF names without "model.").
+        kv_cache_specs: the KV cache layout, one KVCacheSpec per layer (kind "none" where a layer keeps no cache).
+    """
+
+    config: ModelConfig
+    max_positions: int
+    rotary: RotaryEmbedding
+    layers: nn.ModuleList
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+    kv_cache_specs: tuple[KVCacheSpec, ...]
+
+    def forward(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                attn_fn: object = None, *, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm of int64 input_ids [T] (or of inputs_embeds [T, hidden]
+        when input_ids is None), rope_rows int64 [T], one (k_cache, v_cache) per layer as kv_cache_specs lays them
+        out, the step's attention metadata and paged attention function."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
+        """Logits [S, vocab] of hidden [S, hidden]: fp32, or in the model's dtype when not full_precision."""
+        raise NotImplementedError
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [T, hidden] of int64 input_ids [T] (what `forward` takes as inputs_embeds)."""
+        raise NotImplementedError
+
+    def fuse_projections(self) -> int:
+        """Merge projections into the serving layout, in place; the number of merged modules (0: none)."""
+        return 0
+
+    def materialize_rotary(self, device: torch.device) -> None:
+        """(Re)build the RoPE tables on `device` (after building on the meta device)."""
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head (ModelConfig.tie_word_embeddings)."""
+        self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,107 @@
+"""The model registry: an architecture's name -> its model class, its config reader, its tensor names and its KV
+cache layout. `build_model(config)` is the only place a model class is named (tests/engine/model/test_registry.py
+holds engine/ to it); everything else holds an engine.model.base.ModelBase.
+
+A family whose math differs from another's only in ModelConfig fields is one entry here pointing at the causal
+decoder (engine.model.decoder), plus its config reader (engine.model.architectures.Architecture); a structurally
+new family is one model module and one entry. Imports no torch at module level (memory fit and the tensor names
+read it in the CLI's client): the model classes are imported when a model is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.config import ModelConfig
+from engine.core.kv_cache_spec import KVCacheSpec
+from engine.model.architectures import ARCHITECTURES, Architecture, get_architecture
+from engine.model.kv_layout import decoder_kv_layout
+from engine.model.tensor_names import param_shapes
+
+if TYPE_CHECKING:
+    from engine.model.base import ModelBase
+
+
+def _causal_decoder() -> type[ModelBase]:
+    from engine.model.decoder import LlamaModel
+
+    return LlamaModel
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """How to build and size one architecture's model.
+
+    Attributes:
+        model_class: returns the class (imported on the call: torch).
+        param_shapes: HF name (without "model.") -> shape of every parameter the model holds for a config, a
+            tied LM head left out (no torch).
+        kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
+    """
+
+    model_class: Callable[[], type[ModelBase]]
+    param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    kv_layout: Callable[[ModelConfig], tuple[KVCacheSpec, ...]]
+
+
+#: The causal decoder: every family whose differences are ModelConfig fields.
+CAUSAL_DECODER = ModelEntry(_causal_decoder, param_shapes, decoder_kv_layout)
+
+#: Architecture name (engine.model.architectures) -> its entry.
+MODELS: dict[str, ModelEntry] = {
+    "llama": CAUSAL_DECODER,
+    "qwen2": CAUSAL_DECODER,
+    "qwen3": CAUSAL_DECODER,
+    "gemma2": CAUSAL_DECODER,
+    "gemma3_text": CAUSAL_DECODER,
+    "phi3": CAUSAL_DECODER,
+    "qwen3_moe": CAUSAL_DECODER,
+    "qwen2_moe": CAUSAL_DECODER,
+    "mixtral": CAUSAL_DECODER,
+    "gpt_oss": CAUSAL_DECODER,
+}
+
+
+def model_entry(architecture: str) -> ModelEntry:
+    """The entry of `architecture` (a registry name, HF model_type or GGUF architecture: get_architecture's).
+    Raises ValueError listing the families we run."""
+    arch = get_architecture(architecture)
+    entry = MODELS.get(arch.name)
+    if entry is None:
+        raise ValueError(f"architecture {arch.name!r} has a config reader but no model in engine.model.registry")
+    return entry
+
+
+def config_reader(architecture: str) -> Architecture:
+    """The config reader (engine.model.architectures.Architecture) of `architecture`; raises ValueError."""
+    return get_architecture(architecture)
+
+
+def kv_cache_layout(cfg: ModelConfig) -> tuple[KVCacheSpec, ...]:
+    """The KV cache layout, one KVCacheSpec per layer, of the model of shape `cfg` (what its `kv_cache_specs`
+    says once built), from the config alone."""
+    return model_entry(cfg.architecture).kv_layout(cfg)
+
+
+def build_model(cfg: ModelConfig, max_positions: int | None = None) -> ModelBase:
+    """The model of `cfg.architecture` of shape `cfg`, its RoPE tables for `max_positions` positions (None:
+    cfg.max_position_embeddings), built on the current default device (the loaders build on the meta device, then
+    fill). Raises ValueError for an architecture not in the registry."""
+    return model_entry(cfg.architecture).model_class()(cfg, max_positions or cfg.max_position_embeddings)
+
+
+def registered() -> tuple[str, ...]:
+    """The architectures with a model, in engine.model.architectures.ARCHITECTURES' order."""
+    return tuple(a.name for a in ARCHITECTURES if a.name in MODELS)
+
+
+def model_param_names(cfg: ModelConfig) -> list[str]:
+    """Names (HF, without "model.") of every parameter the model of shape `cfg` holds, a tied LM head left out:
+    what a model file must provide, exactly (built on the meta device: no memory)."""
+    import torch
+
+    with torch.device("meta"):
+        model = build_model(cfg, 1)
+    return [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
