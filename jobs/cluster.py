@@ -8,12 +8,8 @@ jobs.runner decides what runs (the pinned input, the lease, the shards still to 
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import dask
@@ -21,6 +17,7 @@ from distributed import Client, Future, KilledWorker, LocalCluster, as_completed
 from pydantic import ValidationError
 
 from engine import EngineConfig
+from jobs.cluster_workers import DASHBOARD_ADDRESS, WORKER_WAIT_ENV, say_dashboard, wait_for_gpu_worker, worker_wait_s
 from jobs.control import cancel_record
 from jobs.errors import EXIT_FAILED_SHARDS, EXIT_NO_SPACE, JobError
 from jobs.lease import Lease
@@ -45,7 +42,6 @@ from pipeline.manifest import InputFile
 from pipeline.model_pin import ModelPin
 from pipeline.record import ShardRecord
 from pipeline.shard import ShardInterrupted
-from schemas import settings
 from schemas.job_spec import Cluster
 
 log = logging.getLogger(__name__)
@@ -187,10 +183,6 @@ def run_on_cluster(todo: list[Shard], run: RunContext, model: str | None, engine
                 cluster.close()
 
 
-# The LocalCluster's dashboard: a free port on this machine, so two jobs on one machine never clash over Dask's
-# default 8787 ("Port 8787 is already in use"); say_dashboard tells the user where it is.
-DASHBOARD_ADDRESS = "127.0.0.1:0"
-
 # What a shard task raises when the shard (or the worker it ran on) failed, not tokenmill: the engine failed to load or
 # was unloaded (RuntimeError, which ShardError and InputChanged are too), OUTPUT's store failed after its retries or the
 # worker's connection closed (OSError: ConnectionError, StoreUnreachable, distributed's CommClosedError), the worker
@@ -198,40 +190,6 @@ DASHBOARD_ADDRESS = "127.0.0.1:0"
 # Each fails its shard and the job goes on. Anything else (TypeError, KeyError, ...) is a bug: it fails the run, with
 # its traceback, instead of reading as a failed shard.
 SHARD_FAILURES: tuple[type[BaseException], ...] = (RuntimeError, OSError, KilledWorker, InputError)
-
-
-def say_dashboard(link: str) -> None:
-    """Print once, on stderr, where the LocalCluster's Dask dashboard is (and that it needs bokeh, when missing): a
-    line of text on a terminal, else a JSON line `{"event": "dashboard", "url": ...}` like the progress events (logs
-    that machines read: Airflow, Kubernetes)."""
-    bokeh = importlib.util.find_spec("bokeh") is not None
-    if sys.stderr.isatty():
-        need = "" if bokeh else " (pip install bokeh to see it)"
-        print(f"Dask dashboard of this run: {link}{need}", file=sys.stderr, flush=True)
-    else:
-        print(json.dumps({"event": "dashboard", "url": link, "needs_bokeh": not bokeh}), file=sys.stderr, flush=True)
-
-
-WORKER_WAIT_ENV = settings.WORKER_WAIT_S
-
-
-def worker_wait_s() -> float:
-    """Seconds a run waits for a GPU worker to join the cluster (env TOKENMILL_WORKER_WAIT_S, default 0: none).
-    Set it where workers scale from zero (Karpenter, cluster autoscaler). Raises JobError for a bad value."""
-    try:
-        return settings.env_seconds(WORKER_WAIT_ENV, 0.0, allow_zero=True)
-    except ValueError as e:
-        raise JobError(str(e)) from None
-
-
-def wait_for_gpu_worker(client: Client, wait_s: float) -> bool:
-    """True once a worker of `client`'s cluster offers a GPU resource; polls every 2 s for up to `wait_s` s."""
-    deadline = time.monotonic() + wait_s
-    while not any(w.get("resources", {}).get("GPU") for w in client.scheduler_info()["workers"].values()):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    return True
 
 
 def _gather(client: Client, todo: list[Shard], run: RunContext, plugin_name: str, resources: dict[str, float] | None, *,

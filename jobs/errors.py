@@ -37,10 +37,11 @@ EXIT_SIGTERM = 143
 def storage_error(e: BaseException, output_url: str | None = None) -> JobError | None:
     """The one-line JobError for a storage failure a rerun of the job cannot get past by itself, or None for any
     other error: an object store that cannot be reached (exit 2, naming the endpoint and the variable that set it;
-    pipeline.storage.unreachable_store), a write the store refused (exit 2, naming the object, the operation and
+    pipeline.store_reach.unreachable_store), a write the store refused (exit 2, naming the object, the operation and
     the credential; pipeline.denied.AccessDenied) and a full OUTPUT device (exit 6, saying how much to free)."""
     from pipeline.denied import AccessDenied
-    from pipeline.storage import NoSpaceLeft, is_no_space, no_space_left, unreachable_store
+    from pipeline.storage import NoSpaceLeft, is_no_space, no_space_left
+    from pipeline.store_reach import unreachable_store
 
     if (line := unreachable_store(e)) is not None:
         return JobError(line)

@@ -10,8 +10,7 @@ full disk never leaves a short record under its final name. A full disk is one e
 that says how much to free.
 
 Object stores have no folders: nothing here creates one there, and never a bucket (a typo in OUTPUT must not become
-a new bucket; `check_bucket` says it is missing). `unreachable_store` turns a store that cannot be reached into one
-line naming the endpoint and where it was configured.
+a new bucket; `check_bucket` says it is missing). A store that cannot be reached: pipeline.store_reach.
 """
 
 from __future__ import annotations
@@ -38,12 +37,11 @@ from engine.loading.object_store import is_transient as is_transient
 from engine.loading.object_store import modified_at as modified_at
 from engine.loading.object_store import retry_transient
 from pipeline.denied import access_denied
+from pipeline.store_reach import probe_endpoint
 
 # Protocols of object stores: flat key spaces in buckets, no folders to create (fsspec's makedirs would create the
 # bucket itself).
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss", "r2"})
-# Where boto and s3fs take an S3 endpoint from, in the order they are honoured.
-S3_ENDPOINT_ENVS = ("FSSPEC_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
 class NoSpaceLeft(OSError):
@@ -180,98 +178,6 @@ def no_space_left(path: str, needed: int) -> NoSpaceLeft:
     return NoSpaceLeft(errno.ENOSPC, f"no space left on the device of OUTPUT ({folder}: {free:,} bytes free, a "
                                      f"{needed:,}-byte write failed): free {need:,} bytes or more for that write alone "
                                      "and rerun the same command (what is committed stays)")
-
-
-class StoreUnreachable(ConnectionError):
-    """An object store's endpoint did not answer (probe_endpoint). str(): one line naming the endpoint, the setting it
-    came from and the fix."""
-
-
-# probe_endpoint: tries, seconds each connect may take, seconds between tries (worst case ~8 s in all).
-PROBE_TRIES, PROBE_TIMEOUT_S, PROBE_WAIT_S = 3, 2.0, 0.5
-
-
-def probe_endpoint(url: str) -> None:
-    """Before any work on an S3 URL whose endpoint is configured (FSSPEC_S3_ENDPOINT_URL, AWS_ENDPOINT_URL_S3,
-    AWS_ENDPOINT_URL, or the filesystem's endpoint_url), check that something listens there: a TCP connect,
-    PROBE_TRIES tries. Without it, botocore's own retries take 10-30 s to fail, with a long traceback. Nothing for
-    other URLs or AWS's default endpoints (reached through DNS, their errors are botocore's). Raises
-    StoreUnreachable."""
-    import socket
-    import time
-    from urllib.parse import urlsplit
-
-    fs, _ = fsspec.core.url_to_fs(url)
-    if not hasattr(fs, "call_s3"):
-        return
-    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
-    env = next((name for name in S3_ENDPOINT_ENVS if os.environ.get(name) and (
-        not endpoint or os.environ[name] == endpoint)), None)
-    if env is not None:
-        endpoint, source = os.environ[env], f"set by {env}={os.environ[env]}"
-    elif endpoint:
-        source = "the endpoint_url of the fsspec configuration"
-    else:
-        return
-    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    error: OSError | None = None
-    for attempt in range(PROBE_TRIES):
-        try:
-            socket.create_connection((parts.hostname or "", port), timeout=PROBE_TIMEOUT_S).close()
-            return
-        except OSError as e:
-            error = e
-            if attempt + 1 < PROBE_TRIES:
-                time.sleep(PROBE_WAIT_S * (attempt + 1))
-    reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
-    raise StoreUnreachable(f"cannot reach the object store at {parts.scheme}://{parts.netloc} ({source}): {reason} "
-                           f"({PROBE_TRIES} tries). Check that the endpoint is right and up, or unset the variable to "
-                           "use the store's default endpoint")
-
-
-def unreachable_store(exc: BaseException) -> str | None:
-    """One line for an object store that cannot be reached (connection refused, DNS, connect timeout): the endpoint
-    and the setting it came from; None for any other error. Looks through the exception's causes."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, StoreUnreachable):
-            return str(e)
-        name = type(e).__name__
-        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
-                    "ClientConnectorError", "ServerTimeoutError"):
-            endpoint = getattr(e, "kwargs", {}).get("endpoint_url") or str(e)
-            return (f"cannot reach the object store at {_endpoint_of(endpoint)} ({_endpoint_source()}): "
-                    f"{_short(e)}. Check that the endpoint is right and up, or unset the variable to use the "
-                    "store's default endpoint")
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _endpoint_of(text: str) -> str:
-    """scheme://host:port of the first URL in `text` (a request URL, or an error message quoting one)."""
-    from urllib.parse import urlsplit
-
-    for token in text.replace('"', " ").replace("'", " ").split():
-        if "://" in token:
-            parts = urlsplit(token)
-            return f"{parts.scheme}://{parts.netloc}"
-    return text
-
-
-def _endpoint_source() -> str:
-    for name in S3_ENDPOINT_ENVS:
-        if os.environ.get(name):
-            return f"set by {name}={os.environ[name]}"
-    return "the default endpoint of the AWS region, or endpoint_url in ~/.aws/config"
-
-
-def _short(e: BaseException) -> str:
-    reason = getattr(e, "kwargs", {}).get("error")
-    text = str(reason if reason is not None else e)
-    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def table_bytes(table: pa.Table) -> bytes:

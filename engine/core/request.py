@@ -57,7 +57,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # For the scheduler's per-step stop test: the total length at max_tokens, and whether the request has stop
-        # ids or stop strings (then every new token is checked in full, engine.core.scheduler.check_stop).
+        # ids or stop strings (then every new token is checked in full, engine.core.stop.check_stop).
         self.max_num_tokens = len(self.prompt_token_ids) + sampling_params.max_tokens
         self.has_stop_checks = bool(sampling_params.stop or sampling_params.stop_token_ids)
         # Asynchronous steps (engine.llm_engine, EngineConfig.async_scheduling): the token still on the device, the

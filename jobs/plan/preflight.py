@@ -19,7 +19,8 @@ from engine.loading.model_files import HF_CONFIG_FILE, check_model_url, hub_mode
 from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
 from jobs.errors import JobError
 from pipeline.input import absolute_url
-from pipeline.storage import StoreUnreachable, check_bucket, probe_endpoint, unreachable_store
+from pipeline.storage import check_bucket
+from pipeline.store_reach import StoreUnreachable, probe_endpoint, unreachable_store
 
 GGUF_MAGIC = b"GGUF"
 
@@ -57,7 +58,7 @@ def check_output(output_url: str) -> str:
 
 
 def check_store(url: str | None, what: str) -> None:
-    """Check the object store of `url` (INPUT, --model) answers before any work (pipeline.storage.probe_endpoint);
+    """Check the object store of `url` (INPUT, --model) answers before any work (pipeline.store_reach.probe_endpoint);
     nothing for local paths. Raises JobError (exit 2) naming `what`, the endpoint and the variable that set it."""
     if url is None or "://" not in url:
         return

@@ -32,7 +32,7 @@ import psutil
 import pyarrow.parquet as pq
 from distributed import Client
 
-from jobs.cluster import wait_for_gpu_worker
+from jobs.cluster_workers import wait_for_gpu_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 DASK = Path(sys.executable).with_name("dask")

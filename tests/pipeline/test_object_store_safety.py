@@ -19,7 +19,8 @@ import pytest
 
 from pipeline.input import InputChanged, Shard, file_version, open_pinned
 from pipeline.shard import read_shard
-from pipeline.storage import check_bucket, commit_json, output_fs, unreachable_store
+from pipeline.storage import check_bucket, commit_json, output_fs
+from pipeline.store_reach import unreachable_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
