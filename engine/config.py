@@ -17,7 +17,8 @@ from schemas.engine_choices import (
     choice_problem,
 )
 
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activation: SwiGLU, or GeGLU with tanh-approximate GELU
+#: The MLP's activation: SwiGLU, GeGLU with tanh-approximate GELU, or an encoder's ungated exact (erf) GELU (BERT).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: How a mixture-of-experts router turns its logits into the top-k experts' weights (engine.layers.moe.route).
 ROUTERS = ("softmax_topk", "topk_softmax")
@@ -36,7 +37,7 @@ class ModelConfig:
         num_kv_heads: key/value heads (grouped-query attention; num_heads % num_kv_heads == 0).
         head_dim: width of one head (usually hidden_size // num_heads).
         rope_theta: RoPE base frequency (Su et al., RoFormer, 2021).
-        rms_norm_eps: epsilon of RMSNorm (Zhang & Sennrich, 2019).
+        rms_norm_eps: epsilon of RMSNorm (Zhang & Sennrich, 2019); of the encoder's LayerNorms (HF layer_norm_eps).
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
@@ -53,7 +54,8 @@ class ModelConfig:
         layer_types: per layer "full_attention" or "sliding_attention" (Gemma 2/3: local and global layers
             interleaved); () = every layer alike (sliding_window, when set, on all of them).
         hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
-            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020).
+            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020); "gelu": the ungated
+            exact GELU of an encoder's MLP (BERT).
         norm_weight_offset: every RMSNorm multiplies by (offset + weight), computed in fp32 (Gemma: 1.0, its
             weights stored centred on 0); 0.0: by weight.
         embedding_scale: the token embeddings are multiplied by this (Gemma: sqrt(hidden_size), rounded to the
@@ -82,6 +84,7 @@ class ModelConfig:
         attention_sinks / o_bias: a learned logit per head in its softmax's denominator (engine.layers.attention),
             a bias on o_proj (gpt-oss). expert_bias: the router and every expert projection carry biases (gpt-oss).
         swiglu_limit / swiglu_alpha: the experts' clamped SwiGLU (gpt-oss; engine.layers.moe); None: SwiGLU.
+        type_vocab_size: rows of an encoder's token type (segment) embedding (BERT: 2); 0 for a decoder.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -127,6 +130,7 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    type_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))

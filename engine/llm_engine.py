@@ -17,7 +17,10 @@ from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.base import ModelBase
-from engine.outputs import RequestOutput
+from engine.model.registry import model_tasks, task_problem
+from engine.outputs import EmbeddingOutput, RequestOutput
+from engine.pooling.embedder import Embedder
+from engine.pooling.st_config import PoolingConfig, read_pooling_config
 from engine.processing.offline_batch import generate_batch
 from engine.processing.output_builder import OutputBuilder
 from engine.processing.parallel_sampling import ParentRequest
@@ -61,8 +64,8 @@ class LLMEngine:
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str, device: torch.device, dtype: torch.dtype,
-                 quantization_loaded: str | None = None) -> None:
-        self.model_config = model_config
+                 quantization_loaded: str | None = None, pooling: PoolingConfig | None = None) -> None:
+        self.model, self.model_config = model, model_config
         self.tokenizer = tokenizer
         self.config = config
         self.model_name = model_name
@@ -81,6 +84,13 @@ class LLMEngine:
             # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
             # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
+        self.tasks = model_tasks(model_config.architecture)
+        self.embedder = None if "embed" not in self.tasks else Embedder(  # an encoder: engine.pooling
+            model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_position_embeddings), device,
+            config.max_num_batched_tokens, config.max_num_seqs)
+        if self.embedder is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
+            self.block_size, self.num_kv_blocks, self.max_model_len = config.block_size, 0, self.embedder.max_length
+            return
         if model_config.num_experts:
             log.info("model %s: %s", model_name, describe_experts(model))  # INT4 / INT8 / plain, per projection
         self.block_size = config.block_size
@@ -143,8 +153,11 @@ class LLMEngine:
         opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
                             int4_layout=int4_layout_chooser(config, device, dtype))
+        pooling = None if "embed" not in model_tasks(opened.config.architecture) else read_pooling_config(
+            opened.path, opened.config.hidden_size, opened.config.max_position_embeddings,
+            getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
-                   opened.quantization_loaded)
+                   opened.quantization_loaded, pooling)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
@@ -171,8 +184,8 @@ class LLMEngine:
         if device != self.device or dtype != self.dtype:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
-        return LLMEngine(self.runner.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
-                         self.quantization_loaded)
+        return LLMEngine(self.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
+                         self.quantization_loaded, self.embedder.pooling if self.embedder is not None else None)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -188,7 +201,11 @@ class LLMEngine:
                       allow_special_tokens: bool = False) -> list[Request | ParentRequest | RequestOutput]:
         """Per prompt, in order, its request ready to queue, the parent request of its n > 1 samples, or an error
         RequestOutput: engine.processing.request_builder.RequestBuilder.make_requests (host work, any thread;
-        raises ValueError when the lengths of prompts, params and ids differ, or ids repeat)."""
+        raises ValueError when the lengths of prompts, params and ids differ, or ids repeat, or for a model that does
+        not generate)."""
+        problem = task_problem(self.model_config.architecture, "generate")
+        if problem is not None:
+            raise ValueError(problem)
         return self.request_builder.make_requests(prompts, sampling_params, request_ids=request_ids,
                                                   use_chat_template=use_chat_template,
                                                   allow_special_tokens=allow_special_tokens)
@@ -310,26 +327,21 @@ class LLMEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for all prompts as one continuous batch; outputs come back in the order of `prompts`.
-
-        Offline we know every request up front: they are admitted longest first (prompt + max_tokens; the LPT
-        rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
-        Text prompts go through the model's chat template unless `use_chat_template` is False; user text (prompts,
-        message contents) is encoded as text, so a control token spelt in it (`<|im_end|>`) stays plain characters,
-        unless `allow_special_tokens` (raw control: then it is the control token; engine.text.tokenizer).
-        A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
-        finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
-        soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
-        returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
-        finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
-        caller can commit what finished and leave the rest for a later attempt. A request with n > 1 runs as n
-        requests on the same prompt (the children of a ParentRequest: engine.processing.parallel_sampling) and
-        comes back, once all n finished, as one output with `samples` (its id any text: no id is parsed back); a
-        structured output whose constraint does not compile is an error output like a bad prompt.
-        An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
-        Raises ValueError when the lengths of prompts, params and ids differ; RuntimeError while an EngineLoop runs
-        this engine. The batch runs over the step API (engine.processing.offline_batch.generate_batch).
-        """
+        """Generate for all prompts as one continuous batch; outputs come back in the order of `prompts`:
+        engine.processing.offline_batch.generate_batch documents the arguments, the order of admission, error and
+        abort outputs, n > 1 samples and the exceptions (ValueError also for a model that does not generate)."""
+        problem = task_problem(self.model_config.architecture, "generate")
+        if problem is not None:
+            raise ValueError(problem)
         return generate_batch(self, prompts, sampling_params, request_ids=request_ids,
                               use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,
                               on_output=on_output, should_stop=should_stop)
+
+    def embed(self, texts: Sequence[str], *, request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per text, in order (engine.pooling.embedder.Embedder.embed): tokenized and truncated
+        at the model's max_seq_length as sentence-transformers does, batched longest first within
+        max_num_batched_tokens tokens and max_num_seqs rows, pooled as the model's sentence-transformers files say.
+        Raises ValueError for a model that does not embed, or when texts and request_ids differ in length."""
+        if self.embedder is None:
+            raise ValueError(task_problem(self.model_config.architecture, "embed"))
+        return self.embedder.embed(texts, request_ids)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 
@@ -79,3 +79,23 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         """Completion length in tokens."""
         return len(self.output_token_ids)
+
+
+@dataclass
+class EmbeddingOutput:
+    """The embedding of one text (LLMEngine.embed).
+
+    Attributes:
+        request_id: the caller's id for the text (string; its index when none was given).
+        embedding: float32 numpy array [dim] (dim = hidden size times the pooling modes), L2-normalized when the
+            model's sentence-transformers files say so; None for an error output.
+        num_prompt_tokens: tokens the model read, special tokens included (after truncation).
+        truncated: the text was longer than the model's max_seq_length and its tail was dropped.
+        error: why the text could not be embedded (not a string), or None.
+    """
+
+    request_id: str
+    embedding: Any
+    num_prompt_tokens: int
+    truncated: bool = False
+    error: str | None = None

@@ -29,6 +29,7 @@ from engine.loading.hf_quantized import (
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
 from engine.model.architectures import get_architecture
 from engine.model.hf_config import config_from_hf
+from engine.model.registry import model_entry
 from engine.model.tensor_names import LM_HEAD, check_tensor_names, split_fused
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
                 if not key.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints saved; recomputed from cfg
                     keys[key] = file
     arch = get_architecture(cfg.architecture)
+    keys = {k: f for k, f in keys.items() if not k.startswith(arch.hf_unused)} if arch.hf_unused else keys
     if fmt is None:
         refuse_unmarked_quantized(keys, path)
     elif arch.hf_stacked_experts:
@@ -146,7 +148,8 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
             raise ValueError(f"{path}: {name} has experts {sorted(parts)[:4]}... ({len(parts)}), not 0..."
                              f"{cfg.num_experts - 1} as config.json says (first odd one: {odd[0]})")
         out[name] = tuple(parts[e] for e in range(cfg.num_experts))
-    check_tensor_names(out, cfg, path, fused=arch.fused_projections)
+    check_tensor_names(out, cfg, path, fused=arch.fused_projections,
+                       expected=model_entry(cfg.architecture).param_shapes(cfg))
     return out
 
 

@@ -19,15 +19,16 @@ from engine.text.tokenizer import Tokenizer
 
 
 class OpenedModel(NamedTuple):
-    """A filled model on its device, its shape, its tokenizer, the model's name (its file or folder name) and, for an
-    already quantized HF folder, how its layers were loaded (engine.loading.quantized.LoadedModel.quantization_loaded;
-    None otherwise)."""
+    """A filled model on its device, its shape, its tokenizer, the model's name (its file or folder name), for an
+    already quantized HF folder how its layers were loaded (engine.loading.quantized.LoadedModel.quantization_loaded;
+    None otherwise) and the local path it was read from (its sentence-transformers files: engine.pooling)."""
 
     model: ModelBase
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
     quantization_loaded: str | None = None
+    path: str = ""
 
 
 def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
@@ -41,15 +42,15 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     name = _path_name(path)
     if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
         cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
-        return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name)
+        return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name, path=path)
     if quantization != "none" or os.path.isdir(path):
         from engine.loading.quantized import load_model
 
         loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
                             max_positions=max_positions, int4_layout=int4_layout)
-        return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded)
+        return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded, path)
     cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
-    return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name)
+    return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name, path=path)
 
 
 def _path_name(path: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.config import ModelConfig
 from engine.model.family_fields import (
+    bert_fields,
     gemma2_fields,
     gemma3_fields,
     gemma_gguf_fields,
@@ -39,7 +40,7 @@ class Architecture:
     Attributes:
         name: registry name (also ModelConfig.architecture of GGUF files).
         hf_model_types: config.json `model_type` values it reads ("mistral" is Llama's math plus a window).
-        gguf_arch: `general.architecture` of its GGUF files (gguf.MODEL_ARCH_NAMES).
+        gguf_arch: `general.architecture` of its GGUF files (gguf.MODEL_ARCH_NAMES); "" where none is read.
         gguf_permuted_qk: llama.cpp's converter permuted Q/K rows to interleaved RoPE pairs (llama does; qwen2/qwen3
             do not): they are un-permuted on load.
         qkv_bias: q/k/v projections carry a bias (Qwen2).
@@ -72,6 +73,8 @@ class Architecture:
             for its GGUF files, which do not say (llama.cpp always rounds): the family's own configs decide.
         gguf_stop_tokens: end-of-generation tokens of its vocabulary, by text, beyond the file's EOS / EOT / EOM ids
             (its HF generation_config's eos_token_id list; llama.cpp marks them by text too).
+        hf_unused: prefixes of HF checkpoint keys the model does not use by design, skipped on load (BertModel's
+            NSP pooler, which sentence-transformers does not run either; its saved position_ids buffer).
     """
 
     name: str
@@ -95,6 +98,7 @@ class Architecture:
     gguf_gating: tuple[int | None, ...] = (None, 1)
     gguf_yarn_truncate: bool = True
     gguf_stop_tokens: tuple[str, ...] = ()
+    hf_unused: tuple[str, ...] = ()
 
 
 def _mistral_window(config: dict[str, Any]) -> int | None:
@@ -179,6 +183,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  hf_renames=((".mlp.router.", ".mlp.gate."),), hf_stacked_experts=True,
                  gguf_fields=gpt_oss_gguf_fields, gguf_gating=(None, 3), gguf_yarn_truncate=False,
                  gguf_stop_tokens=("<|return|>", "<|call|>", "<|endoftext|>")),
+    # BERT (BertModel) encoders, e.g. sentence-transformers' all-MiniLM-L6-v2: embeddings only (engine.model.bert).
+    # No GGUF name: tokenmill reads BERT from HF folders only (a GGUF "bert" file is refused as unsupported).
+    Architecture("bert", ("bert",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(("hidden_act", ("gelu",)), ("is_decoder", (False, None)),
+                          ("add_cross_attention", (False, None))),
+                 window=_no_window, fields=bert_fields, hf_unused=("pooler.", "embeddings.position_ids")),
 )
 
 
@@ -192,7 +202,7 @@ def get_architecture(name: str) -> Architecture:
 
     Raises ValueError listing the families we run."""
     for a in ARCHITECTURES:
-        if name == a.name or name in a.hf_model_types or name == a.gguf_arch:
+        if name == a.name or name in a.hf_model_types or (a.gguf_arch and name == a.gguf_arch):
             return a
     raise ValueError(f"architecture {name!r} is not supported; tokenmill runs {supported()}")
 
@@ -208,7 +218,7 @@ def gguf_architecture(gguf_arch: str, has_experts: bool) -> Architecture:
     known = any(a.gguf_arch == gguf_arch for a in ARCHITECTURES)
     kind = (" with experts" if has_experts else " without experts") if known else ""
     raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}{kind}; tokenmill runs {supported()} (GGUF: "
-                     f"{', '.join(dict.fromkeys(a.gguf_arch for a in ARCHITECTURES))})")
+                     f"{', '.join(dict.fromkeys(a.gguf_arch for a in ARCHITECTURES if a.gguf_arch))})")
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -197,3 +197,16 @@ def phi3_gguf_fields(get: Callable[[str, Any], Any], *, layers: int, hidden: int
     {} when it rotates every dim."""
     rot = get("rope.dimension_count", None)
     return {} if rot is None or int(rot) == head_dim else {"rotary_dim": int(rot)}
+
+
+def bert_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """BERT's encoder fields of a config.json dict (HF BertConfig): LayerNorm epsilon (layer_norm_eps, default
+    1e-12), token type rows (type_vocab_size, default 2), the exact GELU, every head a key/value head, no LM head.
+    Raises ValueError for position embeddings other than "absolute" (relative_key ones are not implemented)."""
+    kind = config.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"config.json sets position_embedding_type={kind!r}, which tokenmill does not implement for "
+                         "bert; it runs 'absolute' position embeddings")
+    return dict(rms_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+                type_vocab_size=int(config.get("type_vocab_size", 2)), hidden_act="gelu",
+                num_kv_heads=int(config["num_attention_heads"]), tie_word_embeddings=False)

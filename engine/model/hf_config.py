@@ -30,6 +30,10 @@ _IGNORED_FIELDS = frozenset({
     # gpt-oss: read by gpt_oss_fields; OpenAI's own names of num_experts_per_tok and the original context (unread by
     # HF transformers too)
     "swiglu_limit", "swiglu_alpha", "experts_per_token", "initial_context_length",
+    # BERT: read by bert_fields, or dropout / training settings
+    "layer_norm_eps", "type_vocab_size", "position_embedding_type", "hidden_dropout_prob",
+    "attention_probs_dropout_prob", "classifier_dropout", "gradient_checkpointing", "is_decoder",
+    "add_cross_attention",
 })
 #: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.
 _MATH_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "use_mrope", "rope_interleaved",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.config import ModelConfig
 from engine.core.kv_cache_spec import KVCacheSpec
 from engine.model.architectures import ARCHITECTURES, Architecture, get_architecture
+from engine.model.bert_names import bert_kv_layout, bert_param_shapes
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.tensor_names import param_shapes
 
@@ -30,6 +31,12 @@ def _causal_decoder() -> type[ModelBase]:
     return LlamaModel
 
 
+def _bert() -> type[ModelBase]:
+    from engine.model.bert import BertModel
+
+    return BertModel
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """How to build and size one architecture's model.
@@ -39,11 +46,14 @@ class ModelEntry:
         param_shapes: HF name (without "model.") -> shape of every parameter the model holds for a config, a
             tied LM head left out (no torch).
         kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
+        tasks: what the model does (schemas.engine_choices.TASKS): "generate" (a causal LM: LLMEngine.generate),
+            "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed).
     """
 
     model_class: Callable[[], type[ModelBase]]
     param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     kv_layout: Callable[[ModelConfig], tuple[KVCacheSpec, ...]]
+    tasks: tuple[str, ...] = ("generate",)
 
 
 #: The causal decoder: every family whose differences are ModelConfig fields.
@@ -61,6 +71,7 @@ MODELS: dict[str, ModelEntry] = {
     "qwen2_moe": CAUSAL_DECODER,
     "mixtral": CAUSAL_DECODER,
     "gpt_oss": CAUSAL_DECODER,
+    "bert": ModelEntry(_bert, bert_param_shapes, bert_kv_layout, tasks=("embed",)),
 }
 
 
@@ -72,6 +83,23 @@ def model_entry(architecture: str) -> ModelEntry:
     if entry is None:
         raise ValueError(f"architecture {arch.name!r} has a config reader but no model in engine.model.registry")
     return entry
+
+
+def model_tasks(architecture: str) -> tuple[str, ...]:
+    """The tasks the model of `architecture` does ("generate", "embed"); raises ValueError as model_entry."""
+    return model_entry(architecture).tasks
+
+
+def task_problem(architecture: str, task: str) -> str | None:
+    """One line when the model of `architecture` cannot do `task` ("generate" or "embed"), naming what it does
+    and how to ask for that; None when it can. Raises ValueError as model_entry."""
+    tasks = model_entry(architecture).tasks
+    if task in tasks:
+        return None
+    how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate"}
+    return (f"a {get_architecture(architecture).name} model cannot {task}: it does {' and '.join(tasks)} "
+            f"({'; '.join(how[t] for t in tasks)}); pick a model that does {task}, or ask for "
+            f"{' or '.join(tasks)}")
 
 
 def config_reader(architecture: str) -> Architecture:

@@ -84,21 +84,24 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str, fused: bool = False) -> None:
+def check_tensor_names(names: Iterable[str], cfg: ModelConfig, source: str, fused: bool = False,
+                       expected: Iterable[str] | None = None) -> None:
     """Every name in `names` (our parameter names; with `fused`, as `fuse_names` gives them: a Phi-3 file's) is a
-    parameter of a model of shape `cfg`, and none is missing.
+    parameter of a model of shape `cfg` (the causal decoder's `param_shapes`, or `expected`: the registry entry's
+    names), and none is missing.
 
     Raises ValueError naming the first unknown tensor and the architecture (a tensor we would otherwise drop), or
     the missing ones."""
-    expected = set(fuse_names(param_shapes(cfg)) if fused else param_shapes(cfg))
+    wanted = param_shapes(cfg) if expected is None else list(expected)
+    want = set(fuse_names(wanted) if fused else wanted)
     names = set(names)
     if cfg.tie_word_embeddings:
         names.discard(f"{LM_HEAD}.weight")
-    extra = sorted(names - expected)
+    extra = sorted(names - want)
     if extra:
         raise ValueError(f"{source} holds tensor {extra[0]!r} (and {len(extra) - 1} more) that the {cfg.architecture} "
                          "architecture does not use; tokenmill would drop it and compute something else")
-    missing = sorted(expected - names)
+    missing = sorted(want - names)
     if missing:
         raise ValueError(f"{source} lacks tensors {missing[:5]} (and {max(0, len(missing) - 5)} more) of the "
                          f"{cfg.architecture} architecture")

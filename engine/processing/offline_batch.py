@@ -46,9 +46,27 @@ def generate_batch(
     on_output: Callable[[RequestOutput], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[RequestOutput]:
-    """`engine.generate(...)`: engine.llm_engine.LLMEngine.generate documents the arguments, the order of admission,
-    error and abort outputs, n > 1 samples and the exceptions (ValueError for lengths that differ; RuntimeError when
-    the engine already runs requests). On any exception every unfinished request is aborted before it propagates."""
+    """`engine.generate(...)`: generate for all prompts as one continuous batch; outputs come back in the order of
+    `prompts`.
+
+    Offline we know every request up front: they are admitted longest first (prompt + max_tokens; the LPT
+    rule, Graham 1969), so the long ones do not form a lonely tail, then refilled at iteration level.
+    Text prompts go through the model's chat template unless `use_chat_template` is False; user text (prompts,
+    message contents) is encoded as text, so a control token spelt in it (`<|im_end|>`) stays plain characters,
+    unless `allow_special_tokens` (raw control: then it is the control token; engine.text.tokenizer).
+    A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
+    finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
+    soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it
+    returns True (a spot-preemption notice) no further step runs and every unfinished request comes back with
+    finish_reason="abort" and no output tokens (its blocks freed; `on_output` is not called for it), so the
+    caller can commit what finished and leave the rest for a later attempt. A request with n > 1 runs as n
+    requests on the same prompt (the children of a ParentRequest: engine.processing.parallel_sampling) and
+    comes back, once all n finished, as one output with `samples` (its id any text: no id is parsed back); a
+    structured output whose constraint does not compile is an error output like a bad prompt.
+    An exception from a step or from `on_output` aborts every unfinished request (blocks freed) and propagates.
+    Raises ValueError when the lengths of prompts, params and ids differ; RuntimeError while an EngineLoop runs
+    this engine.
+    """
     if engine.has_unfinished:
         raise RuntimeError("generate called while this engine runs other requests (an engine.loop.engine_loop."
                            "EngineLoop owns it): submit to that loop instead")

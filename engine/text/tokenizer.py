@@ -200,6 +200,20 @@ class Tokenizer:
         with self._lock:
             return list(self._tok.encode(text, split_special_tokens=not allow_special_tokens))
 
+    def encode_truncated(self, texts: list[str], max_length: int) -> list[tuple[list[int], bool]]:
+        """(token ids, whether cut) of each text as sentence-transformers tokenizes it for an embedding: special
+        tokens added ([CLS] ... [SEP]), a control token's spelling parsed as the token (its tokenizer call's
+        default), cut to `max_length` tokens by truncation "longest_first" (the text's tail dropped, the special
+        tokens kept)."""
+        with self._lock:
+            enc = self._tok(texts, truncation=True, max_length=max_length, split_special_tokens=False)
+            ids = [list(row) for row in enc["input_ids"]]
+            encodings = getattr(enc, "encodings", None)
+            if encodings is not None:  # a fast tokenizer keeps what truncation cut
+                return [(row, bool(e.overflowing)) for row, e in zip(ids, encodings, strict=True)]
+            full = self._tok(texts, split_special_tokens=False)["input_ids"]
+        return [(row, len(whole) > len(row)) for row, whole in zip(ids, full, strict=True)]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens (EOS, chat markers) left out by default."""
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

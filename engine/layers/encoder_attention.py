@@ -1,0 +1,78 @@
+"""Bidirectional (encoder) attention over a packed batch of rows: every token of a row attends to every token of
+its own row, none of another's, and no KV cache is kept.
+
+The rows arrive flattened ([T, ...], row b owning tokens cu_seqlens[b]:cu_seqlens[b + 1]), so the projections and
+the MLP never compute on padding. Attention alone is padded, into [B, heads, L_max, head_dim], and run by torch's
+scaled_dot_product_attention with a key-padding mask (no mask when every row has the same length): the rows of a
+batch are sorted by length (engine.pooling.embedder), so the padding is small. Padded query rows attend to their
+row's real keys (never to nothing: no NaN) and are dropped after. Same math as HF transformers' BertSelfAttention
+(softmax(q k^T / sqrt(head_dim)) v, Vaswani et al. 2017), whose padded batch masks the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class EncoderMetadata:
+    """Where the rows of one packed encoder batch sit.
+
+    Attributes:
+        seq_lens: tokens of each row (host), B ints >= 1.
+        max_len: the longest row, L_max.
+        scatter: int64 [T] on the device: token t's slot in the padded [B * L_max] layout (row b's j-th token at
+            b * L_max + j).
+        key_mask: bool [B, 1, 1, L_max] on the device, True where a key is a real token; None when every row has
+            L_max tokens (no padding).
+    """
+
+    seq_lens: tuple[int, ...]
+    max_len: int
+    scatter: torch.Tensor
+    key_mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
+        """The metadata of rows of `seq_lens` tokens (each >= 1), packed in that order. Raises ValueError for an
+        empty batch or an empty row."""
+        if not seq_lens or min(seq_lens) < 1:
+            raise ValueError(f"an encoder batch needs >= 1 rows of >= 1 tokens, got lengths {list(seq_lens)[:8]}")
+        lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+        max_len = int(lens.max())
+        starts = torch.arange(len(lens), dtype=torch.int64) * max_len
+        offsets = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(
+            torch.cumsum(lens, 0) - lens, lens)
+        scatter = torch.repeat_interleave(starts, lens) + offsets
+        mask = None
+        if int(lens.min()) != max_len:
+            mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :].to(device)
+        return cls(tuple(int(n) for n in seq_lens), max_len, scatter.to(device), mask)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the batch's tokens."""
+        return int(self.scatter.numel())
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v within each row of a packed batch.
+
+    q, k, v: [T, heads, head_dim] in the model's dtype. Returns [T, heads * head_dim], same dtype."""
+    t, heads, dim = q.shape
+    b, length = len(meta.seq_lens), meta.max_len
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        if meta.key_mask is None:
+            return x.view(b, length, heads, dim).transpose(1, 2)
+        out = x.new_zeros(b * length, heads, dim)
+        out[meta.scatter] = x
+        return out.view(b, length, heads, dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=meta.key_mask)
+    out = out.transpose(1, 2).reshape(b * length, heads * dim)
+    return out if meta.key_mask is None else out[meta.scatter]

@@ -1,0 +1,147 @@
+"""BERT encoder (BertModel) over a packed batch of rows, no KV cache: the hidden states an embedding model pools.
+
+Architecture: Devlin et al., "BERT" (2019), as HF transformers' modeling_bert.py computes it: the sum of word,
+absolute position and token type embeddings, LayerNorm; per layer bidirectional multi-head attention
+(engine.layers.encoder_attention), its output projection added to the input and LayerNorm'd (post-LN), then an MLP
+of exact (erf) GELU, added and LayerNorm'd. Dropout is training only. Parameter names are BertModel's state_dict
+keys (engine.model.bert_names), so an HF folder's tensors fill it by name; the NSP pooler is not held (sentence
+embeddings pool the last hidden states: engine.pooling).
+
+Every row is one segment: token type 0 everywhere (what sentence-transformers feeds a single text).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
+from engine.model.base import ModelBase
+from engine.model.bert_names import bert_kv_layout
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=cfg.rms_norm_eps)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        width = cfg.num_heads * cfg.head_dim
+        self.query = nn.Linear(cfg.hidden_size, width)
+        self.key = nn.Linear(cfg.hidden_size, width)
+        self.value = nn.Linear(cfg.hidden_size, width)
+
+
+class _DenseNorm(nn.Module):
+    """dense then LayerNorm(dense(x) + residual): BertSelfOutput and BertOutput."""
+
+    def __init__(self, n_in: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(n_in, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self = _SelfAttention(cfg)
+        self.output = _DenseNorm(cfg.num_heads * cfg.head_dim, cfg)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+
+
+class BertLayer(nn.Module):
+    """One post-LN encoder block (HF BertLayer)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.attention = _Attention(cfg)
+        self.intermediate = _Intermediate(cfg)
+        self.output = _DenseNorm(cfg.intermediate_size, cfg)
+
+    def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], both in the model's dtype."""
+        attn = self.attention.self
+        shape = (x.shape[0], self.num_heads, self.head_dim)
+        ctx = encoder_attention(attn.query(x).view(shape), attn.key(x).view(shape), attn.value(x).view(shape), meta)
+        h = self.attention.output(ctx, x)
+        return self.output(F.gelu(self.intermediate.dense(h)), h)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertModel(ModelBase):
+    """The BERT encoder: `forward` gives the last hidden states [T, hidden] of a packed batch; no LM head
+    (compute_logits raises), no KV cache (kv_cache_specs of kind "none")."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.embeddings = _Embeddings(cfg)
+        self.encoder = _Encoder(cfg)
+        self.kv_cache_specs = bert_kv_layout(cfg)
+
+    @property
+    def layers(self) -> nn.ModuleList:  # type: ignore[override]
+        """The encoder's blocks (ModelBase's name for them)."""
+        return self.encoder.layer
+
+    @property
+    def embed_tokens(self) -> nn.Module:  # type: ignore[override]
+        """The word embedding (ModelBase's name for it)."""
+        return self.embeddings.word_embeddings
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Word embeddings [T, hidden] of int64 input_ids [T] (HF's inputs_embeds: positions and token types are
+        added in `forward`)."""
+        return self.embeddings.word_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                meta: EncoderMetadata | None = None, attn_fn: object = None, *,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states [T, hidden] (model dtype) of a packed batch: int64 input_ids [T] (or inputs_embeds
+        [T, hidden]), rope_rows int64 [T] each token's absolute position within its row (0, 1, ... per row, below
+        max_position_embeddings), meta the rows' EncoderMetadata. kv_caches and attn_fn are not used (no cache).
+        Raises ValueError unless exactly one of input_ids / inputs_embeds is given, or without meta."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("BertModel.forward takes input_ids or inputs_embeds, exactly one of them")
+        if meta is None:
+            raise ValueError("BertModel.forward needs the batch's EncoderMetadata (engine.layers.encoder_attention)")
+        emb = self.embeddings
+        words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        types = emb.token_type_embeddings.weight[0]
+        x = emb.LayerNorm(words + emb.position_embeddings(rope_rows) + types)
+        for layer in self.encoder.layer:
+            x = layer(x, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
+        """Raises NotImplementedError: BERT (BertModel) has no LM head."""
+        raise NotImplementedError("bert is an encoder without an LM head: it embeds (LLMEngine.embed), it does not "
+                                  "generate")
+
+    def tie_weights(self) -> None:
+        """Nothing to tie: no LM head."""

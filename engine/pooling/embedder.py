@@ -1,0 +1,94 @@
+"""Texts to embeddings: tokenized and truncated as sentence-transformers does (engine.text.tokenizer.
+Tokenizer.encode_truncated), batched longest first within a token budget, run through an encoder without a KV cache
+(a registry model of task "embed"; engine.layers.encoder_attention packs the rows) and pooled
+(engine.pooling.pooler).
+
+Batching: the rows sorted by length, longest first (the LPT order generation uses too), cut into batches whose
+padded size (rows x the batch's longest row, what attention computes) stays within `max_batch_tokens` and whose
+rows are at most `max_batch_rows`; a row longer than the budget runs alone. Sorting keeps the attention padding
+small; the projections and the MLP run on the packed tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.layers.encoder_attention import EncoderMetadata
+from engine.model.base import ModelBase
+from engine.outputs import EmbeddingOutput
+from engine.pooling.pooler import pool
+from engine.pooling.st_config import PoolingConfig
+from engine.text.tokenizer import Tokenizer
+
+
+def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_rows: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into batches: longest first, each batch's rows x its longest row <=
+    max_batch_tokens (a longer row alone) and at most max_batch_rows rows."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and len(batches[-1]) < max_batch_rows and \
+                (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class Embedder:
+    """An encoder model, its tokenizer and its pooling: `embed(texts)`.
+
+    Args:
+        model: a filled model of task "embed" (forward(ids, positions, [], EncoderMetadata) -> [T, hidden]).
+        tokenizer: its tokenizer (None: `embed` raises ValueError).
+        pooling: how it pools (engine.pooling.st_config.read_pooling_config).
+        device: where the model is.
+        max_batch_tokens: padded tokens per forward (EngineConfig.max_num_batched_tokens).
+        max_batch_rows: rows per forward (EngineConfig.max_num_seqs).
+    """
+
+    def __init__(self, model: ModelBase, tokenizer: Tokenizer | None, pooling: PoolingConfig, device: torch.device,
+                 max_batch_tokens: int, max_batch_rows: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pooling = pooling
+        self.device = device
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_rows = max_batch_rows
+        self.dimension = pooling.dimension(model.config.hidden_size)
+        self.max_length = pooling.max_seq_length
+
+    def embed(self, texts: Sequence[object], request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per text, in order (module docstring); a text that is not a string gets an error
+        output. Raises ValueError when request_ids and texts differ in length."""
+        ids = [str(i) for i in range(len(texts))] if request_ids is None else [str(r) for r in request_ids]
+        if len(ids) != len(texts):
+            raise ValueError(f"embed got {len(texts)} texts but {len(ids)} request ids; give one id per text")
+        out: list[EmbeddingOutput | None] = [None] * len(texts)
+        good = [i for i, t in enumerate(texts) if isinstance(t, str)]
+        for i in set(range(len(texts))) - set(good):
+            out[i] = EmbeddingOutput(ids[i], None, 0, error=f"text must be a string, got {type(texts[i]).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (random weights); build it with one to embed texts")
+        lower = self.pooling.do_lower_case
+        encoded = self.tokenizer.encode_truncated([texts[i].lower() if lower else texts[i] for i in good],
+                                                  self.pooling.max_seq_length) if good else []
+        for batch in plan_batches([len(row) for row, _ in encoded], self.max_batch_tokens, self.max_batch_rows):
+            vectors = self._run([encoded[j][0] for j in batch])
+            for j, vec in zip(batch, vectors, strict=True):
+                row, cut = encoded[j]
+                out[good[j]] = EmbeddingOutput(ids[good[j]], vec, len(row), truncated=cut)
+        return [o for o in out if o is not None]
+
+    @torch.inference_mode()
+    def _run(self, rows: list[list[int]]) -> np.ndarray:
+        """float32 [len(rows), dimension] embeddings of token-id rows (one forward)."""
+        lens = [len(r) for r in rows]
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
+        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
+        meta = EncoderMetadata.of(lens, self.device)
+        hidden = self.model(ids.to(self.device), positions.to(self.device), [], meta)
+        return pool(hidden, lens, self.pooling).cpu().numpy()

@@ -1,0 +1,45 @@
+"""Pooling a packed batch's last hidden states into one vector per row, in float32.
+
+Source: sentence-transformers' Pooling.forward (sentence_transformer/modules/pooling.py) and Normalize (L2,
+torch.nn.functional.normalize): the same modes over the same tokens (special tokens included, as it counts them
+with the attention mask), computed on the packed rows (rows b's tokens cu_seqlens[b]:cu_seqlens[b + 1]) by
+segment sums / maxima instead of a padded [B, L, H] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.pooling.st_config import PoolingConfig
+
+
+def pool(hidden: torch.Tensor, seq_lens: list[int], config: PoolingConfig) -> torch.Tensor:
+    """Embeddings float32 [B, hidden * len(config.modes)] of hidden [T, hidden] (any float dtype) holding B rows
+    of `seq_lens` tokens (sum = T) back to back: per mode, in order, "cls" the row's first token, "lasttoken" its
+    last, "mean" the mean of its tokens, "mean_sqrt_len_tokens" their sum / sqrt(length), "max" the elementwise
+    maximum; L2-normalized when config.normalize."""
+    x = hidden.float()
+    device = x.device
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    ends = torch.cumsum(lens, 0)
+    starts = ends - lens
+    rows = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
+    out: list[torch.Tensor] = []
+    sums: torch.Tensor | None = None
+    for mode in config.modes:
+        if mode == "cls":
+            out.append(x[starts])
+        elif mode == "lasttoken":
+            out.append(x[ends - 1])
+        elif mode == "max":
+            index = rows[:, None].expand(-1, x.shape[1])
+            init = x.new_full((len(seq_lens), x.shape[1]), float("-inf"))
+            out.append(init.scatter_reduce(0, index, x, "amax"))
+        else:  # mean, mean_sqrt_len_tokens
+            if sums is None:
+                sums = x.new_zeros(len(seq_lens), x.shape[1]).index_add_(0, rows, x)
+            n = lens.to(x.dtype)[:, None]
+            out.append(sums / (n if mode == "mean" else n.sqrt()))
+    pooled = torch.cat(out, dim=-1)
+    return F.normalize(pooled, p=2, dim=-1) if config.normalize else pooled
