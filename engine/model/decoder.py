@@ -15,6 +15,7 @@ attention and final logits, per-layer sliding/global attention, a local RoPE bas
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from engine.layers.rms_norm import RMSNorm
 from engine.layers.rope import RotaryEmbedding
 from engine.layers.self_attn import Attention, AttentionFn
 from engine.model.base import ModelBase
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_spec import KVCacheSpec
 
 
 class DecoderLayer(nn.Module):
@@ -82,7 +86,6 @@ class LlamaModel(ModelBase):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.kv_cache_specs = tuple(layer.self_attn.kv_cache_spec for layer in self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
@@ -92,6 +95,12 @@ class LlamaModel(ModelBase):
                 self._build_rotary(1)
         else:
             self._build_rotary(max_positions)
+
+    @property
+    def kv_cache_specs(self) -> tuple[KVCacheSpec, ...]:
+        """The KV cache layout, one KVCacheSpec per decoder layer, read from the layers themselves (so a model whose
+        `layers` are cut or replaced lays out exactly the caches its forward walks)."""
+        return tuple(layer.self_attn.kv_cache_spec for layer in self.layers)
 
     def _build_rotary(self, positions: int) -> None:
         """The RoPE tables: `rotary`, and `rotary_local` of the sliding layers when cfg.rope_local_theta is set."""
