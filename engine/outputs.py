@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 
@@ -91,11 +94,11 @@ class EmbeddingOutput:
             model's sentence-transformers files say so; None for an error output.
         num_prompt_tokens: tokens the model read, special tokens included (after truncation).
         truncated: the text was longer than the model's max_seq_length and its tail was dropped.
-        error: why the text could not be embedded (not a string), or None.
+        error: why the text could not be embedded (not a string, or empty / only whitespace), or None.
     """
 
     request_id: str
-    embedding: Any
+    embedding: np.ndarray | None
     num_prompt_tokens: int
     truncated: bool = False
     error: str | None = None

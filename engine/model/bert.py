@@ -1,9 +1,9 @@
-"""BERT encoder (BertModel) over a packed batch of rows, no KV cache: the hidden states an embedding model pools.
+"""BERT encoder (BertEncoderModel) over a packed batch of rows, no KV cache: the hidden states an embedding model pools.
 
 Architecture: Devlin et al., "BERT" (2019), as HF transformers' modeling_bert.py computes it: the sum of word,
 absolute position and token type embeddings, LayerNorm; per layer bidirectional multi-head attention
 (engine.layers.encoder_attention), its output projection added to the input and LayerNorm'd (post-LN), then an MLP
-of exact (erf) GELU, added and LayerNorm'd. Dropout is training only. Parameter names are BertModel's state_dict
+of exact (erf) GELU, added and LayerNorm'd. Dropout is training only. Parameter names are BertEncoderModel's state_dict
 keys (engine.model.bert_names), so an HF folder's tensors fill it by name; the NSP pooler is not held (sentence
 embeddings pool the last hidden states: engine.pooling).
 
@@ -91,7 +91,7 @@ class _Encoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
 
-class BertModel(ModelBase):
+class BertEncoderModel(ModelBase):
     """The BERT encoder: `forward` gives the last hidden states [T, hidden] of a packed batch; no LM head
     (compute_logits raises), no KV cache (kv_cache_specs of kind "none")."""
 
@@ -127,9 +127,10 @@ class BertModel(ModelBase):
         max_position_embeddings), meta the rows' EncoderMetadata. kv_caches and attn_fn are not used (no cache).
         Raises ValueError unless exactly one of input_ids / inputs_embeds is given, or without meta."""
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("BertModel.forward takes input_ids or inputs_embeds, exactly one of them")
+            raise ValueError("BertEncoderModel.forward takes input_ids or inputs_embeds, exactly one of them")
         if meta is None:
-            raise ValueError("BertModel.forward needs the batch's EncoderMetadata (engine.layers.encoder_attention)")
+            raise ValueError("BertEncoderModel.forward needs the batch's EncoderMetadata "
+                             "(engine.layers.encoder_attention)")
         emb = self.embeddings
         words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         types = emb.token_type_embeddings.weight[0]
@@ -139,7 +140,7 @@ class BertModel(ModelBase):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
-        """Raises NotImplementedError: BERT (BertModel) has no LM head."""
+        """Raises NotImplementedError: BERT (BertEncoderModel) has no LM head."""
         raise NotImplementedError("bert is an encoder without an LM head: it embeds (LLMEngine.embed), it does not "
                                   "generate")
 

@@ -13,7 +13,7 @@ from engine.core.kv_cache_spec import NO_KV_CACHE, KVCacheSpec
 
 
 def bert_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every parameter of the BERT encoder of shape `cfg` (engine.model.bert.BertModel)."""
+    """HF name -> shape of every parameter of the BERT encoder of shape `cfg` (engine.model.bert)."""
     h, inner = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "embeddings.word_embeddings.weight": (cfg.vocab_size, h),

@@ -32,9 +32,9 @@ def _causal_decoder() -> type[ModelBase]:
 
 
 def _bert() -> type[ModelBase]:
-    from engine.model.bert import BertModel
+    from engine.model.bert import BertEncoderModel
 
-    return BertModel
+    return BertEncoderModel
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ Tokenizer.encode_truncated), batched longest first within a token budget, run th
 (engine.pooling.pooler).
 
 Batching: the rows sorted by length, longest first (the LPT order generation uses too), cut into batches whose
-padded size (rows x the batch's longest row, what attention computes) stays within `max_batch_tokens` and whose
-rows are at most `max_batch_rows`; a row longer than the budget runs alone. Sorting keeps the attention padding
-small; the projections and the MLP run on the packed tokens only.
+padded size (rows x the batch's longest row, what attention computes) stays within `max_batch_tokens`
+(EngineConfig.max_num_batched_tokens) and whose rows are at most `max_batch_rows` (max_num_seqs); a row longer than
+the budget runs alone. Sorting keeps the attention padding small; the projections and the MLP run on the packed
+tokens only (why attention is padded per batch and not block-diagonal or per row: engine.layers.encoder_attention).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_rows: 
     return batches
 
 
+def text_problem(text: object) -> str | None:
+    """Why `text` cannot be embedded (not a string; empty or only whitespace), or None when it can."""
+    if not isinstance(text, str):
+        return f"text must be a string, got {type(text).__name__}"
+    if not text.strip():
+        return "empty text: nothing to embed" if not text else "text is only whitespace: nothing to embed"
+    return None
+
+
 class Embedder:
     """An encoder model, its tokenizer and its pooling: `embed(texts)`.
 
@@ -62,19 +72,26 @@ class Embedder:
         self.max_length = pooling.max_seq_length
 
     def embed(self, texts: Sequence[object], request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
-        """One EmbeddingOutput per text, in order (module docstring); a text that is not a string gets an error
-        output. Raises ValueError when request_ids and texts differ in length."""
+        """One EmbeddingOutput per text, in order (module docstring). A text that is not a string, or is empty or
+        only whitespace (nothing to embed but [CLS] [SEP]; sentence-transformers would return that vector), gets
+        an error output and the others still embed. Raises ValueError when request_ids and texts differ in length,
+        or without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (random weights); build it with one to embed texts")
         ids = [str(i) for i in range(len(texts))] if request_ids is None else [str(r) for r in request_ids]
         if len(ids) != len(texts):
             raise ValueError(f"embed got {len(texts)} texts but {len(ids)} request ids; give one id per text")
         out: list[EmbeddingOutput | None] = [None] * len(texts)
-        good = [i for i, t in enumerate(texts) if isinstance(t, str)]
-        for i in set(range(len(texts))) - set(good):
-            out[i] = EmbeddingOutput(ids[i], None, 0, error=f"text must be a string, got {type(texts[i]).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (random weights); build it with one to embed texts")
+        good: list[int] = []
+        for i, text in enumerate(texts):
+            problem = text_problem(text)
+            if problem is None:
+                good.append(i)
+            else:
+                out[i] = EmbeddingOutput(ids[i], None, 0, error=problem)
         lower = self.pooling.do_lower_case
-        encoded = self.tokenizer.encode_truncated([texts[i].lower() if lower else texts[i] for i in good],
+        strings = [str(texts[i]) for i in good]
+        encoded = self.tokenizer.encode_truncated([t.lower() if lower else t for t in strings],
                                                   self.pooling.max_seq_length) if good else []
         for batch in plan_batches([len(row) for row, _ in encoded], self.max_batch_tokens, self.max_batch_rows):
             vectors = self._run([encoded[j][0] for j in batch])

