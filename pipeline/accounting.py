@@ -134,7 +134,8 @@ def device_cost_usd(device_s: float, price_per_hour_usd: float) -> float:
 
 
 def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
-    """Output tokens per USD of device time billed for them; None when nothing was billed (cost 0)."""
+    """Output tokens (or input tokens, or rows: any count) per USD of device time billed for them; None when nothing
+    was billed (cost 0)."""
     return output_tokens / cost_usd if cost_usd > 0 else None
 
 
@@ -168,13 +169,16 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
     """
     rows = results.num_rows
     errors = rows - results.column("error").null_count
-    out_tokens = int(pc.sum(results.column("completion_tokens")).as_py() or 0)
+    # An embed job's results have no completion_tokens: it writes no output tokens.
+    out_tokens = (int(pc.sum(results.column("completion_tokens")).as_py() or 0)
+                  if "completion_tokens" in results.column_names else 0)
+    in_tokens = ran_prompt_tokens(results)
     billed = device_s + earlier.device_s
     cost = device_cost_usd(billed, price_per_hour_usd)
     return {
         "shard_id": shard_id, "attempt": attempt, "input_path": input_path, "row_start": row_start,
         "row_end": row_start + rows, "rows": rows, "rows_ok": rows - errors, "rows_error": errors,
-        "input_tokens": ran_prompt_tokens(results), "output_tokens": out_tokens,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
         "wall_s": wall_s, "output_tokens_per_s": generated_tokens / wall_s if wall_s > 0 else 0.0,
         "device": device, "dtype": dtype, "quantization": quantization, "price_per_hour_usd": price_per_hour_usd,
         "cost_usd": cost, "tokens_per_dollar": tokens_per_dollar(out_tokens, cost),
@@ -182,6 +186,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "device_s_lost": earlier.device_s_lost, "device_s_billed": billed, "rows_resumed": rows_resumed,
         "kv_preemptions": kv_preemptions, "model": model,
         "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC), "generated_tokens": generated_tokens,
+        "input_tokens_per_dollar": tokens_per_dollar(in_tokens, cost), "rows_per_dollar": tokens_per_dollar(rows, cost),
     }
 
 

@@ -81,12 +81,13 @@ def committed_rows(fs: AbstractFileSystem, parts: list[Part]) -> set[int]:
     return rows
 
 
-def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
-    """The rows of `parts` in row order, one per position (CHECKPOINT_PART_SCHEMA). Where two attempts both
-    committed a row, the earliest part's copy is kept."""
+def merge_parts(fs: AbstractFileSystem, parts: list[Part], schema: pa.Schema = CHECKPOINT_PART_SCHEMA) -> pa.Table:
+    """The rows of `parts` in row order, one per position, as `schema` (a generate job's CHECKPOINT_PART_SCHEMA, or
+    an embed job's schemas.arrow.embed_part_schema). Where two attempts both committed a row, the earliest part's
+    copy is kept."""
     if not parts:
-        return CHECKPOINT_PART_SCHEMA.empty_table()
-    table = pa.concat_tables([_as_part(read_table(fs, p.path)) for p in parts])
+        return schema.empty_table()
+    table = pa.concat_tables([_as_part(read_table(fs, p.path), schema) for p in parts])
     table = table.take(pc.sort_indices(table, [("row", "ascending")]))  # stable: earlier parts first per row
     rows = table.column("row").to_numpy()
     first = np.ones(len(rows), dtype=bool)
@@ -94,13 +95,12 @@ def merge_parts(fs: AbstractFileSystem, parts: list[Part]) -> pa.Table:
     return table.filter(pa.array(first))
 
 
-def _as_part(table: pa.Table) -> pa.Table:
-    """A part as CHECKPOINT_PART_SCHEMA; a column added since the part was written (latency_s, model_fingerprint) is
-    null."""
-    for f in CHECKPOINT_PART_SCHEMA:
+def _as_part(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A part as `schema`; a column added since the part was written (latency_s, model_fingerprint) is null."""
+    for f in schema:
         if f.name not in table.column_names:
             table = table.append_column(f, pa.nulls(table.num_rows, f.type))
-    return table.select(CHECKPOINT_PART_SCHEMA.names).cast(CHECKPOINT_PART_SCHEMA)
+    return table.select(schema.names).cast(schema)
 
 
 def _logprobs(out: RequestOutput) -> list[dict[str, Any]] | None:
@@ -130,6 +130,11 @@ def part_table(rows: list[tuple[int, RequestOutput]], model: str, model_fingerpr
         schema=CHECKPOINT_PART_SCHEMA)
 
 
+#: Finished rows (position in the shard, the engine's output), the model's name and fingerprint -> a part table:
+#: part_table for generated rows, pipeline.shard_embed's for embeddings.
+PartTableFn = Callable[[list[tuple[int, Any]], str, "str | None"], pa.Table]
+
+
 class Checkpointer:
     """Collects one attempt's finished rows and commits them as parts, every `every_rows` rows or `every_s` seconds
     (whichever first, checked as rows are added).
@@ -137,22 +142,23 @@ class Checkpointer:
     `started` is the attempt's start on time.monotonic(), so markers can say how long the attempt had run (elapsed_s,
     wall seconds); `device_s()` (optional: its DeviceClock) the device-seconds it had held (device_s, its share of a
     shared engine).
-    `model_fingerprint` (pipeline.model_pin; None when the job pinned none) goes into every row.
+    `model_fingerprint` (pipeline.model_pin; None when the job pinned none) goes into every row. `to_table` builds
+    a part of the pending rows (part_table: generated rows; an embed job's rows: pipeline.shard_embed).
     Not thread-safe: call from the thread that runs the engine.
     """
 
     def __init__(self, fs: AbstractFileSystem, root: str, shard_id: str, attempt: int, model: str, *,
                  every_rows: int, every_s: float, started: float, model_fingerprint: str | None = None,
-                 device_s: Callable[[], float] | None = None) -> None:
+                 device_s: Callable[[], float] | None = None, to_table: PartTableFn = part_table) -> None:
         self.fs, self.root, self.shard_id, self.attempt, self.model = fs, root, shard_id, attempt, model
-        self.model_fingerprint = model_fingerprint
+        self.model_fingerprint, self.to_table = model_fingerprint, to_table
         self.every_rows, self.every_s, self.started, self.device_s = every_rows, every_s, started, device_s
-        self.pending: list[tuple[int, RequestOutput]] = []
+        self.pending: list[tuple[int, Any]] = []
         self.parts = 0
         self.rows_committed = 0  # rows this attempt committed
         self.last_commit = time.monotonic()
 
-    def add(self, row: int, out: RequestOutput) -> None:
+    def add(self, row: int, out: Any) -> None:
         """A finished row (its position in the shard and its output); commits a part when one is due."""
         self.pending.append((row, out))
         if len(self.pending) >= self.every_rows or time.monotonic() - self.last_commit >= self.every_s:
@@ -174,8 +180,8 @@ class Checkpointer:
         index, rows = self.parts + 1, len(self.pending)
         stem = part_stem(self.root, self.shard_id, self.attempt, index, rows)
         # NOTE: only this attempt writes names with its number, so "already there" means an earlier try of ours landed.
-        bounded(commit_table)(self.fs, f"{stem}.parquet", part_table(self.pending, self.model,
-                                                                             self.model_fingerprint))
+        bounded(commit_table)(self.fs, f"{stem}.parquet", self.to_table(self.pending, self.model,
+                                                                               self.model_fingerprint))
         bounded(commit_json)(self.fs, f"{stem}.commit", {
             "attempt": self.attempt, "part": index, "rows": rows, "elapsed_s": time.monotonic() - self.started,
             "device_s": None if self.device_s is None else self.device_s(), "committed_at": time.time()})

@@ -44,6 +44,9 @@ class RunConfig:
         heartbeat_seconds: while rows are generated, an attempt that committed no part for this long leaves a
             sign of life (a tiny create-only record, pipeline.attempts.Heartbeat): an attempt killed without an end
             record is billed from its start to its last sign of life (seconds; default 15).
+        task: "generate" (a completion per row) or "embed" (an embedding per row: pipeline.shard_embed).
+        embedding_dim: elements of one embedding (task embed only: the model's hidden size times its pooling
+            modes, jobs.plan.task_check.embedding_dim), the width of the results' fixed-size `embedding` column.
 
     Raises:
         InputError: when a value is out of range.
@@ -76,12 +79,14 @@ class RunConfig:
     checkpoint_rows: int = _SHARDING.checkpoint_rows
     checkpoint_seconds: float = _SHARDING.checkpoint_seconds
     heartbeat_seconds: float = 15.0
+    task: str = "generate"
+    embedding_dim: int | None = None
 
     def __post_init__(self) -> None:
         # The job spec's rules, so a RunConfig built in code is checked as a spec is (same messages).
         try:
             JobSpec.model_validate({
-                "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd,
+                "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd, "task": self.task,
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
                             "chat_template": self.use_chat_template,
                             "allow_special_tokens": self.allow_special_tokens},
@@ -90,6 +95,9 @@ class RunConfig:
                              "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds}})
         except ValidationError as e:
             raise InputError("; ".join(format_problems(e))) from None
+        if (self.task == "embed") != (self.embedding_dim is not None) or (self.embedding_dim or 1) < 1:
+            raise InputError(f"embedding_dim (elements of one embedding, >= 1) is set for task embed only; got task "
+                             f"{self.task!r} with embedding_dim {self.embedding_dim!r}")
         if not self.heartbeat_seconds > 0:
             raise InputError(f"heartbeat_seconds must be > 0 seconds, got {self.heartbeat_seconds}")
         try:

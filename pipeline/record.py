@@ -31,7 +31,15 @@ from pipeline.attempts import (
     list_attempts,
     read_record,
 )
-from pipeline.checkpoint import Checkpointer, Part, committed_parts, committed_rows, merge_parts
+from pipeline.checkpoint import (
+    Checkpointer,
+    Part,
+    PartTableFn,
+    committed_parts,
+    committed_rows,
+    merge_parts,
+    part_table,
+)
 from pipeline.layout import accounting_path, checkpoints_dir, end_path, results_path, start_path
 from pipeline.storage import commit_table, exists_now, is_no_space, output_fs, read_fs, read_table
 from schemas import ACCOUNTING_SCHEMA
@@ -119,9 +127,10 @@ class ShardRecord:
         price = self.start_record(self.attempts.latest).get("price_per_hour_usd") if self.attempts.latest else None
         return bill.device_s, device_cost_usd(bill.device_s, price_per_hour_usd if price is None else float(price))
 
-    def merged(self) -> pa.Table:
-        """The listed parts' rows in row order, one per position (schemas.CHECKPOINT_PART_SCHEMA)."""
-        return merge_parts(self.fs, self.parts)
+    def merged(self, schema: pa.Schema | None = None) -> pa.Table:
+        """The listed parts' rows in row order, one per position, as `schema` (None: schemas.CHECKPOINT_PART_SCHEMA,
+        a generate job's; an embed job's: schemas.arrow.embed_part_schema)."""
+        return merge_parts(self.fs, self.parts) if schema is None else merge_parts(self.fs, self.parts, schema)
 
     def read_part(self, part: Part) -> pa.Table:
         """One committed part as written (the columns of the version that wrote it)."""
@@ -174,13 +183,15 @@ class Attempt:
     started_at: float
 
     def checkpointer(self, model: str, *, every_rows: int, every_s: float, started: float,
-                     model_fingerprint: str | None = None, device_s: Any = None) -> Checkpointer:
+                     model_fingerprint: str | None = None, device_s: Any = None,
+                     to_table: PartTableFn = part_table) -> Checkpointer:
         """A Checkpointer for this attempt's finished rows (pipeline.checkpoint.Checkpointer: `every_rows` rows or
         `every_s` seconds; `started`: the attempt's start on time.monotonic(); `device_s()`: the device-seconds the
-        attempt has held so far, said in each marker)."""
+        attempt has held so far, said in each marker; `to_table`: how its parts are built)."""
         r = self.record
         return Checkpointer(r.fs, r.root, r.shard_id, self.number, model, every_rows=every_rows, every_s=every_s,
-                            started=started, model_fingerprint=model_fingerprint, device_s=device_s)
+                            started=started, model_fingerprint=model_fingerprint, device_s=device_s,
+                            to_table=to_table)
 
     def heartbeat(self, *, every_s: float, started: float, last_sign: Any, device_s: Any = None) -> Heartbeat:
         """This attempt's Heartbeat (pipeline.attempts.Heartbeat: a `with` block; `every_s` seconds; `started` on

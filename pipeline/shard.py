@@ -1,4 +1,5 @@
-"""Run one shard: read its rows, generate, checkpoint finished rows as they come, commit results and accounting.
+"""Run one shard: read its rows, generate (or embed: pipeline.row_kinds), checkpoint finished rows as they come, commit
+results and accounting.
 
 Layout under OUTPUT (every object create-only, never overwritten; paths from pipeline.layout):
 
@@ -25,16 +26,16 @@ import pyarrow.compute as pc
 
 from engine.loop.clock import DeviceClock
 from pipeline.accounting import accounting_row
-from pipeline.checkpoint import Checkpointer, completion_tokens
+from pipeline.checkpoint import Checkpointer
 from pipeline.config import RunConfig
 from pipeline.input import InputChanged, Shard
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.record import Attempt, ShardRecord
+from pipeline.row_kinds import row_kind
 from pipeline.shard_engine import EngineFacts, LazyEngine, NoDeviceClock
-from pipeline.shard_requests import ProgressFn, RowFn, RowRequests, generate_rows, row_requests
+from pipeline.shard_requests import ProgressFn, RowFn, RowRequests, generate_rows
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
 from pipeline.storage import is_no_space
-from schemas import RESULTS_SCHEMA
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), so the client that submits shards never loads it
     from engine import LLMEngine
@@ -171,32 +172,34 @@ class _ShardWork:
         done = record.committed_rows()
         todo = [k for k in range(len(rows.ids)) if k not in done]
         pending = rows.take(todo)
-        return cls(rows, todo, pending, row_requests(pending, cfg))
+        return cls(rows, todo, pending, row_kind(cfg).requests(pending, cfg))
 
 
-def _results(merged: pa.Table, shard: Shard) -> pa.Table:
-    """The shard's merged parts as RESULTS_SCHEMA: each row with its input file and its position in it."""
+def _results(merged: pa.Table, shard: Shard, schema: pa.Schema) -> pa.Table:
+    """The shard's merged parts as `schema` (RESULTS_SCHEMA, or an embed job's): each row with its input file and
+    its position in it."""
     rows = merged.num_rows
     table = merged.append_column("input_file", pa.array([shard.url] * rows, pa.string()))
     table = table.append_column("input_row", pc.add(merged.column("row"), pa.scalar(shard.row_start, pa.int64())))
-    return table.select(RESULTS_SCHEMA.names).cast(RESULTS_SCHEMA)
+    return table.select(schema.names).cast(schema)
 
 
 def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: _ShardWork | None, shard: Shard,
                  cfg: RunConfig, attempt: Attempt, t0: float, clock: DeviceClock, progress: ProgressFn | None,
                  notice: StopSignal, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
-    record = attempt.record
+    record, kind = attempt.record, row_kind(cfg)
     wall_s, generated_tokens = 0.0, 0
     if work is None:
         # An earlier attempt committed the results and died before the accounting: bill what is committed.
         results = record.results()
-        kv = record.merged().column("kv_preemptions")
+        kv = _kv_preemptions(record.merged(kind.part_schema))
         rows_resumed = results.num_rows
     else:
         rows, todo = work.rows, work.todo
         rows_resumed = len(rows.ids) - len(todo)
         ckpt = attempt.checkpointer(facts.model, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
-                                    started=t0, model_fingerprint=facts.model_fingerprint, device_s=clock.device_s)
+                                    started=t0, model_fingerprint=facts.model_fingerprint, device_s=clock.device_s,
+                                    to_table=kind.part_table)
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())
@@ -204,33 +207,41 @@ def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: 
         t_gen = time.perf_counter()
         with attempt.heartbeat(every_s=cfg.heartbeat_seconds, started=t0, last_sign=lambda: ckpt.last_commit,
                                device_s=clock.device_s):
-            outputs = generate_rows(loop, work.pending, cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
-                                    should_stop=stop, clock=clock, requests=work.requests)
+            outputs = kind.run(loop, work.pending, cfg, progress, on_row=lambda j, out: ckpt.add(todo[j], out),
+                               should_stop=stop, clock=clock, requests=work.requests)
         wall_s = time.perf_counter() - t_gen
-        generated_tokens = sum(completion_tokens(o) for o in outputs)
-        aborted = sum(o.finish_reason == "abort" for o in outputs)
+        aborted = sum(kind.aborted(o) for o in outputs)
+        generated_tokens = sum(kind.output_tokens(o) for o in outputs if not kind.aborted(o))
         if aborted:
             owner = getattr(should_stop, "__self__", None)  # a StopSignal's is_set knows why it stopped
             reason = notice.reason or (owner.reason if isinstance(owner, StopSignal) else None) or "should_stop"
             _interrupted(attempt, ckpt, clock, rows_resumed, aborted, reason)
         ckpt.commit()
         record.refresh_parts()  # this attempt's parts, and any a racing attempt committed meanwhile
-        merged = record.merged()
+        merged = record.merged(kind.part_schema)
         if merged.column("row").to_pylist() != list(range(len(rows.ids))):
             raise RuntimeError(f"shard {shard.shard_id}: the committed parts under {record.checkpoints_dir}/ do not "
                                f"hold rows 0..{len(rows.ids) - 1} once each; were parts deleted while it ran?")
-        kv = merged.column("kv_preemptions")
-        results = attempt.commit_results(_results(merged, shard))  # a racing attempt's, if it committed first
+        kv = _kv_preemptions(merged)
+        # a racing attempt's, if it committed first
+        results = attempt.commit_results(_results(merged, shard, kind.results_schema))
     device_s = clock.close()  # this attempt's bill ends here: the engine's idle time is the other shards' from now
     row = accounting_row(
         shard_id=shard.shard_id, attempt=attempt.number, input_path=shard.url, row_start=shard.row_start,
         results=results, wall_s=wall_s, generated_tokens=generated_tokens, device_s=device_s,
         earlier=attempt.bill_earlier(cfg.checkpoint_seconds), rows_resumed=rows_resumed,
-        kv_preemptions=int(pc.sum(kv).as_py() or 0), device=facts.device, dtype=facts.dtype,
+        kv_preemptions=kv, device=facts.device, dtype=facts.dtype,
         quantization=facts.quantization, model=facts.model, price_per_hour_usd=cfg.price_per_hour_usd,
         model_fingerprint=facts.model_fingerprint)
     attempt.finish(row)
     return row
+
+
+def _kv_preemptions(merged: pa.Table) -> int:
+    """Times the engine recomputed the merged rows' KV blocks (0 for an embed job's rows: no KV cache)."""
+    if "kv_preemptions" not in merged.column_names:
+        return 0
+    return int(pc.sum(merged.column("kv_preemptions")).as_py() or 0)
 
 
 def _interrupted(attempt: Attempt, ckpt: Checkpointer, clock: DeviceClock, rows_resumed: int, aborted: int,

@@ -123,6 +123,11 @@ ACCOUNTING_SCHEMA = pa.schema([
     pa.field("generated_tokens", pa.int64(), nullable=False, metadata={
         "doc": "output tokens this attempt generated itself (not rows resumed from checkpoints), tokens; absent "
                "(read as null) in accounting written before the column existed"}),
+    pa.field("input_tokens_per_dollar", pa.float64(), metadata={
+        "doc": "input_tokens / cost_usd (an embed job's measure: it writes no output tokens); null when cost is 0 "
+               "and in accounting written before the column existed"}),
+    pa.field("rows_per_dollar", pa.float64(), metadata={
+        "doc": "rows / cost_usd; null when cost is 0 and in accounting written before the column existed"}),
 ])
 
 # A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA (less input_file and
@@ -136,3 +141,37 @@ CHECKPOINT_PART_SCHEMA = pa.schema(_ROW_FIELDS + [
                                                          "the row's last token (tokenmill report); null for error "
                                                          "rows and in parts written before the column existed"}),
 ])
+
+
+# The rows of an embed job (`--task embed`): the embedding of each row's text instead of a completion.
+_BY_NAME = {f.name: f for f in _ROW_FIELDS}
+_INPUT_FIELDS = [RESULTS_SCHEMA.field("input_file"), RESULTS_SCHEMA.field("input_row")]
+
+
+def _embed_fields(dim: int) -> list[pa.Field]:
+    """The fields of an embed job's finished row, in results and in checkpoint parts alike (`dim`: elements of one
+    embedding, the model's hidden size times its pooling modes)."""
+    return [
+        _BY_NAME["id"],
+        pa.field("embedding", pa.list_(pa.float32(), dim), metadata={
+            "doc": f"the text's embedding, {dim} float32 values, pooled and normalized as the model's "
+                   "sentence-transformers files say (engine.pooling); null for an error row"}),
+        pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={
+            "doc": "tokens the model read, special tokens included, after truncation; 0 for an error row"}),
+        pa.field("truncated", pa.bool_(), nullable=False, metadata={
+            "doc": "true when the text ran past the model's max_seq_length (sentence_bert_config.json) and its tail "
+                   "was dropped before embedding (sentence-transformers cuts the same tokens, silently)"}),
+        _BY_NAME["error"], _BY_NAME["model"], _BY_NAME["model_fingerprint"],
+    ]
+
+
+def embed_results_schema(dim: int) -> pa.Schema:
+    """OUTPUT/results/<shard_id>.parquet of an embed job: one row per input row, `embedding` as
+    fixed_size_list<float32>[dim]."""
+    return pa.schema(_embed_fields(dim) + _INPUT_FIELDS)
+
+
+def embed_part_schema(dim: int) -> pa.Schema:
+    """A checkpoint part of an embed job: its finished rows (embed_results_schema less input_file and input_row)
+    plus each row's position in the shard."""
+    return pa.schema(_embed_fields(dim) + [CHECKPOINT_PART_SCHEMA.field("row")])

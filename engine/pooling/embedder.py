@@ -12,6 +12,7 @@ tokens only (why attention is padded per batch and not block-diagonal or per row
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from engine.model.base import ModelBase
 from engine.outputs import EmbeddingOutput
 from engine.pooling.pooler import pool
 from engine.pooling.st_config import PoolingConfig
+from engine.text.prompts import text_problem
 from engine.text.tokenizer import Tokenizer
 
 
@@ -37,15 +39,6 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_rows: 
         else:
             batches.append([i])
     return batches
-
-
-def text_problem(text: object) -> str | None:
-    """Why `text` cannot be embedded (not a string; empty or only whitespace), or None when it can."""
-    if not isinstance(text, str):
-        return f"text must be a string, got {type(text).__name__}"
-    if not text.strip():
-        return "empty text: nothing to embed" if not text else "text is only whitespace: nothing to embed"
-    return None
 
 
 class Embedder:
@@ -70,6 +63,9 @@ class Embedder:
         self.max_batch_rows = max_batch_rows
         self.dimension = pooling.dimension(model.config.hidden_size)
         self.max_length = pooling.max_seq_length
+        # NOTE: one forward at a time: shards of one worker call embed from their own threads (pipeline.shard_embed);
+        # interleaved batches would only fight over the same cores.
+        self._forward_lock = threading.Lock()
 
     def embed(self, texts: Sequence[object], request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
         """One EmbeddingOutput per text, in order (module docstring). A text that is not a string, or is empty or
@@ -94,7 +90,8 @@ class Embedder:
         encoded = self.tokenizer.encode_truncated([t.lower() if lower else t for t in strings],
                                                   self.pooling.max_seq_length) if good else []
         for batch in plan_batches([len(row) for row, _ in encoded], self.max_batch_tokens, self.max_batch_rows):
-            vectors = self._run([encoded[j][0] for j in batch])
+            with self._forward_lock:
+                vectors = self._run([encoded[j][0] for j in batch])
             for j, vec in zip(batch, vectors, strict=True):
                 row, cut = encoded[j]
                 out[good[j]] = EmbeddingOutput(ids[good[j]], vec, len(row), truncated=cut)

@@ -50,3 +50,16 @@ def _messages_problem(messages: list[Any]) -> str | None:
             return (f"message {i} ({role}) has content {content!r} of type {type(content).__name__}; content must "
                     "be text")
     return None
+
+
+def text_problem(text: object) -> str | None:
+    """What makes `text` unusable as a text to embed, as a sentence that says the fix; None when it is usable. Refused:
+    null, any other type than a string, empty or only whitespace (it would embed as [CLS] [SEP] alone)."""
+    if text is None:
+        return "the text is null; fill in the text column for this row"
+    if not isinstance(text, str):
+        return f"the text is {type(text).__name__} {text!r}, not a string; store the text column as strings"
+    if not text.strip():
+        return ("the text is empty; give it some text" if not text else
+                "the text is only whitespace; give it some text")
+    return None

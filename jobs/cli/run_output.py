@@ -36,6 +36,7 @@ def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFi
         ("this run", this_run(summary)),
         ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+        ("input tokens / rows per dollar", _per_dollar(summary.input_tokens_per_dollar, summary.rows_per_dollar)),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
                                    f"({summary.device_s_lost:.1f} device-seconds lost)"),
         ("dtype / quantization", ran_in(summary.dtypes, summary.quantizations)),
@@ -113,3 +114,8 @@ def _warn_ids(summary: JobSummary) -> None:
         err.print(f"[yellow]warning:[/yellow] {summary.ids_repeated} result rows share their id with another row and "
                   f"{summary.ids_null} have a null id; join results to the input on input_file + input_row, or give "
                   "the input a unique id column (--id-column)")
+
+
+def _per_dollar(*values: float | None) -> str:
+    """Values per USD as "a / b" ("n/a" where nothing was billed)."""
+    return " / ".join("n/a" if v is None else f"{v:,.0f}" for v in values)

@@ -166,9 +166,9 @@ def client_model_path(model: str | None) -> str | None:
 
 def model_context(model: str | None) -> dict[str, int] | None:
     """The shape numbers of a local model (a file, a folder, a hub id in the local HF cache) that bound a request's
-    length: context (tokens), layers, kv_heads, head_dim; None for a model at a URL (its worker reads it). `model`
-    as check_model returns it (None: the default model). Raises JobError (exit 2) when the file's header cannot be
-    read."""
+    length: context (tokens), layers (with a KV cache: 0 for an encoder), kv_heads, head_dim; None for a model at a
+    URL (its worker reads it). `model` as check_model returns it (None: the default model). Raises JobError (exit 2)
+    when the file's header cannot be read."""
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
 
     path = client_model_path(model)
@@ -176,9 +176,12 @@ def model_context(model: str | None) -> dict[str, int] | None:
         return None
     if os.path.isdir(path):
         if is_hf_folder(path):  # config.json through the architecture registry (check_model has vetted it)
+            from engine.model.registry import kv_cache_layout
+
             hf = read_hf_config(path)
-            return {"context": hf.max_position_embeddings, "layers": hf.num_layers, "kv_heads": hf.num_kv_heads,
-                    "head_dim": hf.head_dim}
+            cached = any(s.has_cache for s in kv_cache_layout(hf))  # an encoder's layers keep none: no KV pool
+            return {"context": hf.max_position_embeddings, "layers": hf.num_layers if cached else 0,
+                    "kv_heads": hf.num_kv_heads, "head_dim": hf.head_dim}
         with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
             cfg = json.load(f)["model_config"]
         return {"context": cfg["max_position_embeddings"], "layers": cfg["num_layers"],

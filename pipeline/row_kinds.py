@@ -1,0 +1,57 @@
+"""What a shard's rows are, by the job's task: how they become requests and run, what a finished row counts, and
+how they are stored (checkpoint parts and results). pipeline.shard runs either kind through the same attempts,
+checkpoints, exactly-once commits and accounting.
+
+- generate: a completion per row (pipeline.shard_requests; schemas.CHECKPOINT_PART_SCHEMA / RESULTS_SCHEMA);
+- embed: an embedding per row (pipeline.shard_embed; schemas.arrow.embed_part_schema / embed_results_schema).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline.checkpoint import PartTableFn, completion_tokens, part_table
+from pipeline.config import RunConfig
+from pipeline.shard_embed import embed_part_table, embed_requests, embed_rows
+from pipeline.shard_requests import RowRequests, generate_rows, row_requests
+from pipeline.shard_rows import ShardRows
+from schemas.arrow import CHECKPOINT_PART_SCHEMA, RESULTS_SCHEMA, embed_part_schema, embed_results_schema
+
+
+@dataclass(frozen=True)
+class RowKind:
+    """One task's rows in a shard.
+
+    Attributes:
+        requests: the rows' RowRequests before any engine (error rows and runnable rows).
+        run: runs the rows (generate_rows' signature); one output per row, in row order.
+        part_table: a checkpoint part of finished rows (pipeline.checkpoint.PartTableFn).
+        part_schema / results_schema: the Arrow schemas of its parts and of its results.
+        output_tokens: tokens a finished row generated (0 for an embedding).
+        aborted: whether an output is a row left unfinished by a stop (generate: finish_reason "abort"; embed: None).
+    """
+
+    requests: Callable[[ShardRows, RunConfig], RowRequests]
+    run: Callable[..., list[Any]]
+    part_table: PartTableFn
+    part_schema: pa.Schema
+    results_schema: pa.Schema
+    output_tokens: Callable[[Any], int]
+    aborted: Callable[[Any], bool]
+
+
+GENERATE = RowKind(row_requests, generate_rows, part_table, CHECKPOINT_PART_SCHEMA, RESULTS_SCHEMA,
+                   completion_tokens, lambda out: out.finish_reason == "abort")
+
+
+def row_kind(cfg: RunConfig) -> RowKind:
+    """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide)."""
+    if cfg.task != "embed":
+        return GENERATE
+    dim = cfg.embedding_dim or 0  # RunConfig holds it set for task embed
+    return RowKind(embed_requests, embed_rows, embed_part_table(dim), embed_part_schema(dim),
+                   embed_results_schema(dim), lambda out: 0, lambda out: out is None)

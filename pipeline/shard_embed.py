@@ -1,0 +1,104 @@
+"""An embed job's rows (`--task embed`): the text of each row embedded by the engine (engine.LLMEngine.embed), bad
+rows as error rows, finished rows handed to the shard's checkpoints as they come; the rows as checkpoint parts.
+
+The shard's machinery (pipeline.shard: attempts, checkpoints, exactly-once results, accounting) is the generate
+path's; pipeline.row_kinds picks these functions for an embed job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from engine.loop.clock import DeviceClock
+from pipeline.config import RunConfig
+from pipeline.shard_requests import ProgressFn, RowRequests
+from pipeline.shard_rows import ShardRows
+from schemas.arrow import embed_part_schema
+
+if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), never by the client
+    from engine import LLMEngine
+    from engine.loop.engine_loop import EngineLoop
+    from engine.outputs import EmbeddingOutput
+
+#: Called with (row index, its output) as each row finishes.
+EmbedRowFn = Callable[[int, "EmbeddingOutput"], None]
+
+
+def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
+    """The rows of an embed job that cannot run (null, not a string, empty or only whitespace, a request error from
+    the input: engine.text.prompts.text_problem) and those that can; no sampling parameters. No engine."""
+    from engine.text.prompts import text_problem
+
+    errors: dict[int, str] = {}
+    for k, text in enumerate(rows.prompts):
+        problem = (rows.errors[k] if rows.errors else None) or text_problem(text)
+        if problem:
+            errors[k] = problem
+    return RowRequests(errors, [k for k in range(len(rows.prompts)) if k not in errors], [])
+
+
+def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
+               progress: ProgressFn | None = None, *, on_row: EmbedRowFn | None = None,
+               should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
+               requests: RowRequests | None = None) -> list[EmbeddingOutput | None]:
+    """One EmbeddingOutput per row, in row order; None for a row left unfinished because `should_stop` said stop.
+
+    Error rows (embed_requests) come first, as error outputs; the others are embedded in chunks of
+    `cfg.checkpoint_rows` rows (each chunk sorted and batched by the engine), `should_stop` polled before each, so a
+    stop loses at most one chunk's work. `on_row(k, output)` is called for every finished row k as its chunk ends,
+    in this thread (the checkpoint hook); `progress(rows, 0)` then (no output tokens). `engine`: an engine, or an
+    engine loop whose engine is used directly (an encoder has no steps to share); None only when no row can run.
+    `clock` is accepted for generate_rows' signature: the caller's DeviceClock bills this engine's wall time.
+    Raises ValueError when `engine` is None and a row can run, or is a model that does not embed (its message names
+    the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
+    from engine.loop.engine_loop import EngineLoop
+    from engine.outputs import EmbeddingOutput
+
+    requests = requests or embed_requests(rows, cfg)
+    runnable = requests.runnable
+    if engine is None and runnable:
+        raise ValueError(f"{len(runnable)} rows can run but no engine was given")
+    llm = engine.engine if isinstance(engine, EngineLoop) else engine
+    outputs: list[EmbeddingOutput | None] = [None] * len(rows.prompts)
+    for k, problem in requests.errors.items():
+        outputs[k] = EmbeddingOutput(str(rows.ids[k]), None, 0, error=problem)
+        if on_row:
+            on_row(k, outputs[k])
+    if progress and requests.errors:
+        progress(len(requests.errors), 0)
+    step = max(1, cfg.checkpoint_rows)
+    for start in range(0, len(runnable), step):
+        if should_stop is not None and should_stop():
+            break
+        chunk = runnable[start:start + step]
+        for k, out in zip(chunk, llm.embed([rows.prompts[k] for k in chunk],  # type: ignore[union-attr]
+                                           request_ids=[str(rows.ids[k]) for k in chunk]), strict=True):
+            out.request_id = rows.ids[k]
+            outputs[k] = out
+            if on_row:
+                on_row(k, out)
+        if progress:
+            progress(len(chunk), 0)
+    return outputs
+
+
+def embed_part_table(dim: int) -> Callable[[list[tuple[int, Any]], str, str | None], pa.Table]:
+    """The part builder of an embed job whose embeddings have `dim` elements (pipeline.checkpoint.PartTableFn):
+    finished rows (position in the shard, EmbeddingOutput) -> a table of schemas.arrow.embed_part_schema(dim).
+    The builder raises ValueError for an embedding of another width (the engine's model is not the job's)."""
+    schema = embed_part_schema(dim)
+
+    def table(rows: list[tuple[int, EmbeddingOutput]], model: str, model_fingerprint: str | None = None) -> pa.Table:
+        for _, o in rows:
+            if o.embedding is not None and o.embedding.shape != (dim,):
+                raise ValueError(f"row {o.request_id!r}: an embedding of {o.embedding.shape} elements, but the job "
+                                 f"writes {dim}; the engine's model is not the one the job was started with")
+        return pa.Table.from_pylist([{
+            "id": o.request_id, "embedding": o.embedding, "prompt_tokens": o.num_prompt_tokens,
+            "truncated": o.truncated, "error": o.error, "model": model, "model_fingerprint": model_fingerprint,
+            "row": k} for k, o in rows], schema=schema)
+
+    return table

@@ -1,0 +1,88 @@
+"""`tokenmill run --task embed` end to end: 40 real GSM8K questions, the default embedding model (no --model), a real
+Dask LocalCluster; the results' vectors are LLMEngine.embed's, a rerun commits nothing twice; a model that cannot do
+the task asked is refused (exit 2, one line) before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from engine import EngineConfig, LLMEngine
+from jobs.cli import app
+
+runner = CliRunner()
+ROWS = 40
+
+
+@pytest.fixture()
+def questions(tmp_path: Path, data_dir: Path) -> Path:
+    """40 real GSM8K rows (id, question) in one Parquet file."""
+    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(200, ROWS)
+    path = tmp_path / "in.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def _committed(out: Path) -> dict[str, bytes]:
+    """Every committed object under OUTPUT but the lease (a rerun takes it again), by path."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and "_lease" not in p.parts}
+
+
+@pytest.mark.slow  # the real models (tests/jobs/conftest.py)
+def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_folder: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENMILL_MODEL", raising=False)  # no --model: the default embedding model
+    out = tmp_path / "out"
+    args = ["run", str(questions), str(out), "--task", "embed", "--prompt-column", "question", "--rows-per-shard",
+            "16", "--workers", "1", "--dtype", "float32", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (summary["shards"], summary["rows_ok"], summary["output_tokens"]) == (3, ROWS, 0)
+    results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
+    assert results.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    assert results.column("input_row").to_pylist() == list(range(ROWS))
+    table = pq.read_table(questions)
+    assert results.column("id").to_pylist() == table.column("id").to_pylist()
+
+    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
+    expected = engine.embed(table.column("question").to_pylist())
+    vectors = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
+    cos = (vectors * np.stack([o.embedding for o in expected])).sum(1)  # unit vectors (the Normalize module)
+    assert cos.min() >= 0.99999
+    assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
+    assert summary["input_tokens"] == sum(o.num_prompt_tokens for o in expected)
+    assert summary["rows_per_dollar"] and summary["input_tokens_per_dollar"]
+
+    before = _committed(out)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout.strip().splitlines()[-1])["already_done"] is True
+    assert _committed(out) == before  # nothing committed twice, nothing rewritten
+
+
+def test_an_encoder_asked_to_generate_is_refused_before_any_work(questions: Path, tmp_path: Path,
+                                                                 minilm_folder: str) -> None:
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(questions), str(out), "--prompt-column", "question", "--model",
+                              minilm_folder])
+    assert res.exit_code == 2, res.output
+    assert "cannot generate" in res.stderr and "--task embed" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_decoder_asked_to_embed_is_refused_before_any_work(questions: Path, tmp_path: Path,
+                                                             tiny_model: str) -> None:
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(questions), str(out), "--prompt-column", "question", "--task", "embed",
+                              "--model", tiny_model])
+    assert res.exit_code == 2, res.output
+    assert "cannot embed" in res.stderr and "--task generate" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert not out.exists()
