@@ -139,6 +139,10 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e
     if dry_run:
+        if spec.task != "generate":  # the forecast calibrates generation (prefill and decode); embed: not yet
+            no = JobError(f"--dry-run forecasts --task generate jobs only, not --task {spec.task} yet; run the job "
+                          "on a --limit of rows to measure it")
+            raise fail(no, no.exit_code, set_by)
         return _print_forecast(spec, as_json, set_by, fit)
     reporter = Reporter()
     interrupt = ClientInterrupt(spec.output)

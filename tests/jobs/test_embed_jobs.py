@@ -86,3 +86,10 @@ def test_a_decoder_asked_to_embed_is_refused_before_any_work(questions: Path, tm
     assert res.exit_code == 2, res.output
     assert "cannot embed" in res.stderr and "--task generate" in res.stderr and len(res.stderr.splitlines()) == 1
     assert not out.exists()
+
+
+def test_dry_run_of_an_embed_job_is_refused_in_one_line(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
+    res = runner.invoke(app, ["run", str(questions), str(tmp_path / "out"), "--prompt-column", "question", "--task",
+                              "embed", "--model", minilm_folder, "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert "--dry-run forecasts --task generate jobs only" in res.stderr and len(res.stderr.splitlines()) == 1
