@@ -212,8 +212,8 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return self.scheduler.has_unfinished
+        """True while any request waits or runs; never for an encoder (it embeds at once: no scheduler, no steps)."""
+        return self.scheduler.has_unfinished if "generate" in self.tasks else False
 
     def add_requests(self, requests: Sequence[Request]) -> None:
         """Queue requests made by `make_requests` for the coming steps (between steps: the engine loop's thread, or

@@ -100,12 +100,11 @@ def shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunConfig
         return ShardFailed(f"ModelChanged: {error}")
 
 
-def _lazy_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str, embed: bool = False) -> LazyEngine:
+def _lazy_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str) -> LazyEngine:
     """This worker's resident engine loop (every shard of the worker shares its batch), loaded only when the shard
     has a row to run (pipeline.shard.run_shard): its load returns the loop and the fingerprint of the model it
     loaded (waits for the load), after checking that model against the job's `model_pin` (None: no check); a shard
-    that never loads it names the model its plugin would load, with the pin's fingerprint. `embed`: an embed job's
-    shard, which calls the engine itself (an encoder has no steps to share: pipeline.shard_embed). The load raises
+    that never loads it names the model its plugin would load, with the pin's fingerprint. The load raises
     ModelChanged, or RuntimeError when it failed."""
     plugin = engine_plugin(plugin_name)
 
@@ -113,7 +112,7 @@ def _lazy_engine(plugin_name: str, model_pin: ModelPin | None, output_url: str, 
         loaded = plugin.loaded_model()
         if model_pin is not None:
             check_model_pin(model_pin, loaded, output_url)
-        return (plugin.get() if embed else plugin.loop()), loaded.fingerprint
+        return plugin.loop(), loaded.fingerprint
 
     return LazyEngine(load, lambda: plugin.facts(model_pin))
 
@@ -146,10 +145,10 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
         if time.monotonic() - last[0] >= PROGRESS_INTERVAL_S:
             flush()
 
-    engine = _lazy_engine(plugin_name, model_pin, output_url, cfg.task == "embed")
     preemption = get_preemption()
     if preemption is None:
-        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress, pinned=pinned)
+        return run_shard(_lazy_engine(plugin_name, model_pin, output_url), shard, prompt_column, output_url, cfg,
+                         progress=progress, pinned=pinned)
     if preemption.stop.is_set():
         # This worker is going away (SIGTERM, spot notice): start nothing here. Take it out now and wait; once the
         # scheduler has removed it, it hands this task to another worker.
@@ -160,8 +159,8 @@ def _run_shard_task(shard: Shard, prompt_column: str, output_url: str, cfg: RunC
     interrupted = False
     try:
         # The worker's signal alone watches the notice file and URL, so a stop it did not see is a cancel.
-        return run_shard(engine, shard, prompt_column, output_url, cfg, progress=progress,
-                         should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned)
+        return run_shard(_lazy_engine(plugin_name, model_pin, output_url), shard, prompt_column, output_url, cfg,
+                         progress=progress, should_stop=preemption.stop.is_set, watch_notices=False, pinned=pinned)
     except ShardInterrupted as e:
         if not preemption.stop.is_set():
             raise  # a cancel (OUTPUT/_CANCEL), seen by run_shard itself

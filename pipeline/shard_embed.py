@@ -49,9 +49,11 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
     Error rows (embed_requests) come first, as error outputs; the others are embedded in chunks of
     `cfg.checkpoint_rows` rows (each chunk sorted and batched by the engine), `should_stop` polled before each, so a
     stop loses at most one chunk's work. `on_row(k, output)` is called for every finished row k as its chunk ends,
-    in this thread (the checkpoint hook); `progress(rows, 0)` then (no output tokens). `engine`: an engine, or an
-    engine loop whose engine is used directly (an encoder has no steps to share); None only when no row can run.
-    `clock` is accepted for generate_rows' signature: the caller's DeviceClock bills this engine's wall time.
+    in this thread (the checkpoint hook); `progress(rows, 0)` then (no output tokens). `engine`: an engine, or a
+    worker's engine loop whose engine this thread calls directly (an encoder has no steps: the loop's step thread
+    idles); None only when no row can run. `clock` is accepted for generate_rows' signature: the caller's
+    DeviceClock bills the engine's time, on an engine loop its wall time split equally among the shards that hold
+    it at once (engine.loop.clock.IdleShare), so shards sharing a worker are not billed its time twice.
     Raises ValueError when `engine` is None and a row can run, or is a model that does not embed (its message names
     the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
     from engine.loop.engine_loop import EngineLoop
