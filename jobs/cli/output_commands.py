@@ -18,6 +18,26 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _refuse_embed_rows(output: str, command: str) -> None:
+    """Exit 2, one line, when OUTPUT holds an embed job's rows (a committed results file with an `embedding`
+    column): `export` and `report` read generated rows (completions, output tokens) only."""
+    from pipeline.storage import list_folder, read_fs
+
+    fs, root = read_fs(output)
+    try:
+        files = [f["name"] for f in list_folder(fs, f"{root.rstrip('/')}/results") if f["name"].endswith(".parquet")]
+    except OSError:
+        return  # no results yet: the command itself says what OUTPUT holds
+    if files:
+        import pyarrow.parquet as pq
+
+        with fs.open(files[0], "rb") as f:
+            if "embedding" in pq.read_schema(f).names:
+                raise _fail(JobError(f"{output} holds an embed job's rows (--task embed): `tokenmill {command}` reads "
+                                     "generated rows only; read its results/*.parquet (the embedding column) "
+                                     "directly"))
+
+
 def export(
     output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
     format: Annotated[str, typer.Option(help="openai-batch: the OpenAI Batch API output format (JSONL: id, "
@@ -35,6 +55,8 @@ def export(
     if format not in FORMATS:
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
     from jobs.formats.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
+
+    _refuse_embed_rows(output, "export")
 
     try:
         if to == "-":
@@ -67,6 +89,8 @@ def report(
     Exit codes: 0 written, 2 no job at OUTPUT.
     """
     from jobs.formats.report import render_report  # matplotlib: only for this command
+
+    _refuse_embed_rows(output, "report")
 
     try:
         page = render_report(output)

@@ -66,6 +66,9 @@ def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_folde
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout.strip().splitlines()[-1])["already_done"] is True
     assert _committed(out) == before  # nothing committed twice, nothing rewritten
+    for command in (["export", str(out)], ["report", str(out), "--html", str(tmp_path / "r.html")]):
+        refused = runner.invoke(app, command)  # they read generated rows: refused in one line, not a traceback
+        assert refused.exit_code == 2 and "holds an embed job's rows" in refused.stderr, refused.output
 
 
 def test_an_encoder_asked_to_generate_is_refused_before_any_work(questions: Path, tmp_path: Path,
