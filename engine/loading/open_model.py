@@ -11,10 +11,11 @@ from typing import NamedTuple
 import torch
 
 from engine.config import ModelConfig
-from engine.loading.hf_folder import hf_quant_format
+from engine.loading.hf_folder import hf_quant_format, read_hf_config
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.loading.model_files import is_url, url_model_name
 from engine.model.base import ModelBase
+from engine.model.registry import quantization_problem
 from engine.text.tokenizer import Tokenizer
 
 
@@ -45,6 +46,9 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
         return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name, path=path)
     if quantization != "none" or os.path.isdir(path):
         from engine.loading.quantized import load_model
+
+        if is_hf_folder(path) and (problem := quantization_problem(read_hf_config(path).architecture, quantization)):
+            raise ValueError(f"{path}: {problem}")
 
         loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
                             max_positions=max_positions, int4_layout=int4_layout)

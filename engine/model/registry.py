@@ -102,6 +102,16 @@ def task_problem(architecture: str, task: str) -> str | None:
             f"{' or '.join(tasks)}")
 
 
+def quantization_problem(architecture: str, quantization: str) -> str | None:
+    """One line when `quantization` (EngineConfig.quantization) cannot apply to the model of `architecture`: int4 and
+    int8 quantize a causal decoder's projections (engine.quant), not an encoder's, which would otherwise run
+    unquantized or fail to load; None when it can. Raises ValueError as model_entry."""
+    if quantization in ("none", "auto") or "generate" in model_entry(architecture).tasks:
+        return None
+    return (f"--quantization {quantization} quantizes a causal decoder's projections; a "
+            f"{get_architecture(architecture).name} model (an encoder) runs with --quantization none or auto")
+
+
 def config_reader(architecture: str) -> Architecture:
     """The config reader (engine.model.architectures.Architecture) of `architecture`; raises ValueError."""
     return get_architecture(architecture)

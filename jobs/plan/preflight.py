@@ -273,11 +273,15 @@ def check_quantization(model: str | None, quantization: str) -> None:
     loads."""
     if quantization in ("none", "auto") or model is None or is_url(model) or is_hub_id(model):
         return
-    from engine.loading.hf_folder import hf_quant_format, is_hf_folder
+    from engine.loading.hf_folder import hf_quant_format, is_hf_folder, read_hf_config
     from engine.loading.hf_quantized import check_quantization_mode
+    from engine.model.registry import quantization_problem
 
     if os.path.isdir(model) and is_hf_folder(model):
         try:
+            problem = quantization_problem(read_hf_config(model).architecture, quantization)
+            if problem is not None:
+                raise ValueError(problem.removeprefix(f"--quantization {quantization} "))
             fmt = hf_quant_format(model)
             if fmt is not None:
                 check_quantization_mode(fmt, quantization, model)

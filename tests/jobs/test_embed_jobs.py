@@ -96,3 +96,11 @@ def test_dry_run_of_an_embed_job_is_refused_in_one_line(questions: Path, tmp_pat
                               "embed", "--model", minilm_folder, "--dry-run"])
     assert res.exit_code == 2, res.output
     assert "--dry-run forecasts --task generate jobs only" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+def test_quantizing_an_embed_model_is_refused_before_any_work(questions: Path, tmp_path: Path,
+                                                              minilm_folder: str) -> None:
+    res = runner.invoke(app, ["run", str(questions), str(tmp_path / "out"), "--prompt-column", "question", "--task",
+                              "embed", "--model", minilm_folder, "--quantization", "int8"])
+    assert res.exit_code == 2 and "a bert model (an encoder) runs with --quantization none or auto" in res.stderr
+    assert not (tmp_path / "out").exists()

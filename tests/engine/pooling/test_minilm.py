@@ -101,3 +101,11 @@ def test_mismatched_ids_raise(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="2 texts but 1 request ids"):
         engine.embed(["a", "b"], request_ids=["x"])
     assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantizing_an_encoder_is_refused(minilm_folder: str, quantization: str) -> None:
+    """int4 / int8 quantize a decoder's projections: an encoder would otherwise run unquantized (int4) or fail to
+    load (int8)."""
+    with pytest.raises(ValueError, match=f"--quantization {quantization} quantizes a causal decoder's"):
+        LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32", quantization=quantization))
