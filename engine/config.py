@@ -41,7 +41,8 @@ class ModelConfig:
         max_position_embeddings: the model's context length in tokens.
         tie_word_embeddings: the LM head reuses the token embedding matrix.
         bos_token_id / eos_token_id: special ids from the model file.
-        architecture: the family's registry name (engine.model.architectures), for summaries; the model never reads it.
+        architecture: the family's registry name (engine.model.architectures): engine.model.registry builds its model
+            class; the models read the fields below, never the name.
         qkv_bias: q_proj/k_proj/v_proj carry a bias (Qwen2).
         qk_norm: per-head RMSNorm of queries and keys before RoPE (q_norm / k_norm, [head_dim]; Qwen3).
         rope_scaling: RopeScaling, or None for plain RoPE (a dict, as JSON holds it, is converted).

@@ -48,7 +48,30 @@ class QuietPreemption(logging.Filter):
                     and str(args[3]).startswith(f"{WorkerPreempted.__name__}("))
 
 
-WORKER_LOGGER = "distributed.worker"  # the logger of Dask's "Compute Failed" records
+WORKER_LOGGER = "distributed.worker"  # the logger of Dask's "Compute Failed" and heartbeat records
+
+
+class QuietHeartbeat(logging.Filter):
+    """Turns the Dask worker's "Failed to communicate with scheduler during heartbeat." record (logged with a
+    traceback at ERROR, which `silence_logs=ERROR` lets through) into a one-line WARNING without the traceback: it is
+    the race of a heartbeat in flight while the job's cluster closes (seen on a loaded 2-core machine at the end of a
+    cancelled job), or a blip the next heartbeat retries; a scheduler that is really gone closes the worker by its own
+    path. No traceback reaches a user. Stays installed for the life of the worker process (the race comes after the
+    plugins' teardown)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("Failed to communicate with scheduler during heartbeat"):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.WARNING)
+        return True
+
+
+def quiet_heartbeat() -> None:
+    """Install QuietHeartbeat on the worker logger of this process, once."""
+    logger = logging.getLogger(WORKER_LOGGER)
+    if not any(isinstance(f, QuietHeartbeat) for f in logger.filters):
+        logger.addFilter(QuietHeartbeat())
 
 
 class PreemptionPlugin(WorkerPlugin):
@@ -89,6 +112,7 @@ class PreemptionPlugin(WorkerPlugin):
         self.closed = threading.Event()
         self.quiet = QuietPreemption()
         logging.getLogger(WORKER_LOGGER).addFilter(self.quiet)
+        quiet_heartbeat()
         threading.Thread(target=self._watch, args=(worker,), name="tokenmill-preemption", daemon=True).start()
 
     def teardown(self, worker: Any) -> None:

@@ -34,7 +34,8 @@ class Attention(nn.Module):
     With cfg.qkv_bias the three carry a bias (Qwen2); with cfg.qk_norm queries and keys go through a per-head
     RMSNorm (q_norm / k_norm, weight [head_dim]) before RoPE (Qwen3, Gemma 3). `layer` is the layer's index (its
     window: cfg.layer_window); scores scale by cfg.query_pre_attn_scalar ** -0.5 when set, else head_dim ** -0.5.
-    With cfg.attention_sinks each head has a sink logit (`sinks` [num_heads]), with cfg.o_bias o_proj a bias (gpt-oss).
+    With cfg.o_bias o_proj has a bias (gpt-oss). A subclass passes more keywords to the attention function through
+    `_attn_kwargs` (gpt-oss's sinks: engine.model.gpt_oss.SinkAttention).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
@@ -50,7 +51,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         offset = cfg.norm_weight_offset
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
@@ -98,8 +98,8 @@ class Attention(nn.Module):
                        **self._attn_kwargs()).reshape(t, self.num_heads * self.head_dim)
 
     def _attn_kwargs(self) -> dict[str, object]:
-        """The attention function's optional keywords this layer sets (softcap, sinks); {} for Llama's."""
-        return self.attn_kwargs if self.sinks is None else {**self.attn_kwargs, "sinks": self.sinks}
+        """The attention function's optional keywords this layer sets (softcap); {} for Llama's."""
+        return self.attn_kwargs
 
     @staticmethod
     def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import ModelConfig
+from engine.loading.gguf_native_int4 import gguf_dequantized_note
 from engine.loading.hf_folder import hf_quant_format, read_hf_config
 from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, resolve_model_path
 from engine.loading.model_files import is_url, url_model_name
@@ -21,7 +22,8 @@ from engine.text.tokenizer import Tokenizer
 
 class OpenedModel(NamedTuple):
     """A filled model on its device, its shape, its tokenizer, the model's name (its file or folder name), for an
-    already quantized HF folder how its layers were loaded (engine.loading.quantized.LoadedModel.quantization_loaded;
+    already quantized HF folder or GGUF file how its layers were loaded (engine.loading.quantized.LoadedModel.
+    quantization_loaded; for a quantized GGUF under "none", engine.loading.gguf_native_int4.gguf_dequantized_note;
     None otherwise) and the local path it was read from (its sentence-transformers files: engine.pooling)."""
 
     model: ModelBase
@@ -54,7 +56,8 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
                             max_positions=max_positions, int4_layout=int4_layout)
         return OpenedModel(loaded.model, loaded.config, loaded.tokenizer, name, loaded.quantization_loaded, path)
     cfg, llama = load_gguf_model(path, dtype, device, max_positions=max_positions)
-    return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name, path=path)
+    note = gguf_dequantized_note(path, str(dtype).removeprefix("torch."))  # summary: "none" dequantized Q4_1 weights
+    return OpenedModel(llama, cfg, Tokenizer.from_gguf(path), name, note, path)
 
 
 def _path_name(path: str) -> str:

@@ -4,8 +4,10 @@ An entry says how a family's Hugging Face `config.json` and GGUF metadata become
 the ones it refuses when set to something the engine does not implement; engine.model.hf_config reads a config.json
 through it), its GGUF architecture name, and whether llama.cpp's converter permuted its Q/K rows. Tensor names come
 from the `gguf` package (`gguf.get_tensor_name_map`: the table llama.cpp's convert_hf_to_gguf.py itself uses), never a
-hand-written table. Everything downstream (engine.model.decoder, the quantized paths, the weights cache, the kernels)
-reads ModelConfig fields (qkv_bias, qk_norm, rope_scaling, sliding_window, ...), never a family name.
+hand-written table. The registry (engine.model.registry) maps each name to its model class (the generic decoder, or
+a family's file: engine.model.gemma, moe_decoder, gpt_oss); everything downstream (the models, the quantized paths,
+the weights cache, the kernels) reads ModelConfig fields (qkv_bias, qk_norm, rope_scaling, sliding_window, ...),
+never a family name.
 
 Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine/model/test_families.py; the
 mixture-of-experts families: tests/engine/model/test_moe_families.py).

@@ -1,6 +1,6 @@
-"""The KV cache layout of the causal decoder (engine.model.decoder) from its config alone, no torch: what each
-Attention layer declares (`layer_kv_spec`) and what memory fit reads before any model is built (`decoder_kv_layout`,
-through engine.model.registry.kv_cache_layout)."""
+"""The KV cache layout of the causal decoder (engine.model.decoder, and the family files built on it) from its config
+alone, no torch: what each Attention layer declares (`layer_kv_spec`) and what memory fit reads before any model is
+built (`decoder_kv_layout`, through engine.model.registry.kv_cache_layout)."""
 
 from __future__ import annotations
 

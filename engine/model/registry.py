@@ -2,14 +2,17 @@
 cache layout. `build_model(config)` is the only place a model class is named (tests/engine/model/test_registry.py
 holds engine/ to it); everything else holds an engine.model.base.ModelBase.
 
-A family whose math differs from another's only in ModelConfig fields is one entry here pointing at the causal
-decoder (engine.model.decoder), plus its config reader (engine.model.architectures.Architecture); a structurally
-new family is one model module and one entry. Imports no torch at module level (memory fit and the tensor names
-read it in the CLI's client): the model classes are imported when a model is built.
+A family whose math differs from another's only in ModelConfig fields is one entry here pointing at the generic
+causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus its config reader
+(engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
+(engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
+gpt-oss (engine.model.gpt_oss). Imports no torch at module level (memory fit and the tensor names read it in the
+CLI's client): the model classes are imported when a model is built.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,16 +28,9 @@ if TYPE_CHECKING:
     from engine.model.base import ModelBase
 
 
-def _causal_decoder() -> type[ModelBase]:
-    from engine.model.decoder import LlamaModel
-
-    return LlamaModel
-
-
-def _bert() -> type[ModelBase]:
-    from engine.model.bert import BertEncoderModel
-
-    return BertEncoderModel
+def _model_class(module: str, name: str) -> Callable[[], type[ModelBase]]:
+    """A ModelEntry.model_class: imports class `name` of engine.model.`module` when called (torch)."""
+    return lambda: getattr(importlib.import_module(f"engine.model.{module}"), name)
 
 
 @dataclass(frozen=True)
@@ -56,22 +52,28 @@ class ModelEntry:
     tasks: tuple[str, ...] = ("generate",)
 
 
-#: The causal decoder: every family whose differences are ModelConfig fields.
-CAUSAL_DECODER = ModelEntry(_causal_decoder, param_shapes, decoder_kv_layout)
+#: The generic causal decoder: every family whose differences are ModelConfig fields.
+CAUSAL_DECODER = ModelEntry(_model_class("decoder", "LlamaModel"), param_shapes, decoder_kv_layout)
+#: The families with files of their own (subclasses of the causal decoder: their parameter names and KV layout are
+#: its own, told by the config's fields).
+GEMMA = ModelEntry(_model_class("gemma", "GemmaModel"), param_shapes, decoder_kv_layout)
+MOE_DECODER = ModelEntry(_model_class("moe_decoder", "MoEDecoderModel"), param_shapes, decoder_kv_layout)
+GPT_OSS = ModelEntry(_model_class("gpt_oss", "GptOssDecoder"), param_shapes, decoder_kv_layout)
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
     "llama": CAUSAL_DECODER,
     "qwen2": CAUSAL_DECODER,
     "qwen3": CAUSAL_DECODER,
-    "gemma2": CAUSAL_DECODER,
-    "gemma3_text": CAUSAL_DECODER,
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
     "phi3": CAUSAL_DECODER,
-    "qwen3_moe": CAUSAL_DECODER,
-    "qwen2_moe": CAUSAL_DECODER,
-    "mixtral": CAUSAL_DECODER,
-    "gpt_oss": CAUSAL_DECODER,
-    "bert": ModelEntry(_bert, bert_param_shapes, bert_kv_layout, tasks=("embed",)),
+    "qwen3_moe": MOE_DECODER,
+    "qwen2_moe": MOE_DECODER,
+    "mixtral": MOE_DECODER,
+    "gpt_oss": GPT_OSS,
+    "bert": ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_shapes, bert_kv_layout,
+                       tasks=("embed",)),
 }
 
 

@@ -36,9 +36,10 @@ def is_expert_weight(name: str) -> bool:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name (HF, without "model.") -> shape of every parameter the causal decoder (engine.model.decoder) holds for shape
-    `cfg`, a tied LM head left out: the same names and shapes as that model's state_dict, from the config alone (no
-    torch: the CLI's fit check, jobs.plan.model_fit). tests/engine/model/test_tensor_names.py holds the two equal."""
+    """Name (HF, without "model.") -> shape of every parameter the causal decoder (engine.model.decoder, and the family
+    files built on it: gemma, moe_decoder, gpt_oss) holds for shape `cfg`, a tied LM head left out: the same names and
+    shapes as that model's state_dict, from the config alone (no torch: the CLI's fit check, jobs.plan.model_fit).
+    tests/engine/model/test_param_shapes.py holds the two equal."""
     h, hd = cfg.hidden_size, cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (cfg.vocab_size, h)}
 

@@ -122,8 +122,7 @@ def smooth_model(model: ModelBase, token_ids: torch.Tensor, alpha: float = 0.5) 
         s = _factors(stats[f"layers.{i}.self_attn.qkv_proj"], attn.qkv_proj.weight, alpha)
         _divide_norm(layer.input_layernorm, s)
         attn.qkv_proj.weight.mul_(s.to(attn.qkv_proj.weight.dtype))
-        # the MLP's input norm: pre_feedforward_layernorm in sandwich-norm blocks (Gemma)
-        norm = layer.pre_feedforward_layernorm or layer.post_attention_layernorm
+        norm = layer.mlp_input_norm  # pre_feedforward_layernorm in Gemma's sandwich-norm blocks
         if isinstance(mlp, SparseMoE):
             _smooth_moe(mlp, norm, stats, f"layers.{i}.mlp", alpha)
             continue

@@ -64,7 +64,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
     projection's INT4 as (numel, group, True, bytes per scale: 4 as GGUF and quantized HF folders store them, 2 for
     tokenmill's bf16) (engine.worker.memory_fit.HeldWeight's fields), its vocabulary size, and the same list under
     --quantization int4 (None when that is the mode already)."""
-    from engine.loading.gguf_native_int4 import GGUF_GROUP_SIZE, loads_as_native_int4
+    from engine.loading.gguf_native_int4 import GGUF_GROUP_SIZE, gguf_weight_types, loads_as_native_int4
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.loading.model_files import TOKENMILL_CONFIG_FILE
     from engine.model.tensor_names import is_expert_weight, is_linear_weight
@@ -100,7 +100,7 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
             if int4 and cfg.tie_word_embeddings and name == "embed_tokens.weight":
                 tied_head.append((numel, group))
     else:
-        gguf_tensors, vocab = _gguf_tensors(path)
+        gguf_tensors, vocab = gguf_weight_types(path)
         for name, numel, type_name in gguf_tensors:
             linear = is_linear_weight(name) or is_expert_weight(name)
             group = GGUF_GROUP_SIZE if loads_as_native_int4(name, type_name) else None
@@ -117,23 +117,6 @@ def _weights(path: str, quantization: str, group_size: int) -> tuple[list[tuple]
         return out + tied_head
 
     return held(quantization), vocab, None if quantization == "int4" else held("int4")
-
-
-def _gguf_tensors(path: str) -> tuple[list[tuple[str, int, str]], int]:
-    """(our parameter name, element count, ggml type name) of every weight of the GGUF file at `path` but the RoPE
-    factors, named as the engine loads them (engine.loading.gguf_config.gguf_name_map, from the header alone:
-    engine.loading.gguf_header.GGUFHeader), and its vocabulary size; ([], 0) for a header the scan does not follow
-    (the engine checks that file when it loads it, as jobs.plan.preflight leaves it)."""
-    from engine.loading.gguf_config import gguf_name_map, read_gguf_config
-    from engine.loading.gguf_header import GGUFHeader, Unfollowed
-
-    try:
-        header = GGUFHeader(path)
-    except Unfollowed:
-        return [], 0
-    cfg = read_gguf_config(header)
-    ours = gguf_name_map(header, cfg)
-    return [(ours[t.name], t.n_elements, t.tensor_type.name) for t in header.tensors if t.name in ours], cfg.vocab_size
 
 
 def _cuda_memory(index: int) -> tuple[int, int, str]:

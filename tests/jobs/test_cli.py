@@ -12,10 +12,13 @@ import yaml
 from typer.testing import CliRunner
 
 from engine import EngineConfig
+from engine.loading.gguf_native_int4 import gguf_dequantized_note
+from engine.loading.loader import resolve_model_path
 from engine.worker.device import resolve_device, resolve_dtype
 from jobs.cli import app
 from jobs.lease import Lease
 from jobs.spec import engine_config, run_config
+from pipeline.accounting import quantization_label
 from pipeline.config import RunConfig
 from pipeline.manifest import pin_manifest
 from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA, JobSpec
@@ -38,6 +41,14 @@ def _summary(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def _default_model_label(dtype: str) -> str:
+    """The quantization the default model (SmolLM2-135M-Instruct's Q4_1 GGUF) runs with by default: "none", its
+    4-bit weights dequantized to `dtype`, which the label says, counting them (issue 51 item 9)."""
+    label = quantization_label("none", gguf_dequantized_note(resolve_model_path(None), dtype))
+    assert label.startswith("none (gguf: ") and " Q4_1" in label and f"dequantized to {dtype}; " in label, label
+    return label
+
+
 def _auto_dtype() -> str:
     """The dtype `--dtype auto` runs in on this machine (bfloat16 on CPUs with native bf16, else float32)."""
     return str(resolve_dtype("auto", resolve_device("auto"))).removeprefix("torch.")
@@ -54,7 +65,8 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     assert summary["shards"] == 3 and summary["shards_failed"] == 0
     assert summary["rows_ok"] == 20 and summary["output_tokens"] == 160
     ran = _auto_dtype()
-    assert (summary["dtypes"], summary["quantizations"]) == ([ran], ["none"])  # what ran: auto resolved, the default
+    # what ran: auto resolved, the default quantization (none) with what it did to the GGUF's 4-bit weights
+    assert (summary["dtypes"], summary["quantizations"]) == ([ran], [_default_model_label(ran)])
     # Not a terminal: progress comes as JSON lines on stderr, ending at the job's totals.
     progress = [json.loads(line) for line in res.stderr.splitlines() if line.startswith('{"event": "progress"')]
     assert progress and (progress[-1]["rows_done"], progress[-1]["output_tokens"]) == (20, 160)
@@ -69,7 +81,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     assert acc.schema.equals(ACCOUNTING_SCHEMA, check_metadata=False)
     assert acc.num_rows == 3 and sum(acc.column("rows").to_pylist()) == 20
     assert all(r["price_per_hour_usd"] == 1.5 and r["tokens_per_dollar"] > 0 and r["device"] == "cpu"
-               and r["dtype"] == ran and r["quantization"] == "none" for r in acc.to_pylist())
+               and r["dtype"] == ran and r["quantization"] == _default_model_label(ran) for r in acc.to_pylist())
 
     manifest = json.loads((out / "_SUCCESS").read_text())
     assert [s["shard_id"] for s in manifest["shards"]] == sorted(acc.column("shard_id").to_pylist())
@@ -100,7 +112,7 @@ def test_run_end_to_end_every_id_exactly_once(gsm8k_folder: Path, tmp_path: Path
     st = json.loads(status.stdout)
     assert st["state"] == "done" and st["shards"]["done"] == 3 and st["rows_committed"] == 20
     assert st["output_tokens"] == 160 and st["tokens_per_dollar"] > 0 and st["attempts"] == 3
-    assert (st["dtypes"], st["quantizations"]) == ([ran], ["none"])
+    assert (st["dtypes"], st["quantizations"]) == ([ran], [_default_model_label(ran)])
 
 
 def test_missing_prompt_column_stops_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:

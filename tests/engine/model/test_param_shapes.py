@@ -18,8 +18,10 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
 
 @pytest.mark.parametrize("options", [
     {}, {"tie_word_embeddings": True}, {"qkv_bias": True, "o_bias": True}, {"qk_norm": True},
-    {"sandwich_norms": True}, {"attention_sinks": True}, {**MOE}, {**MOE, "expert_bias": True},
-    {**MOE, "shared_expert_intermediate_size": 40},
+    {"architecture": "gemma2", "sandwich_norms": True, "embedding_scale": 2.0},
+    {"architecture": "gpt_oss", **MOE, "attention_sinks": True}, {"architecture": "qwen3_moe", **MOE},
+    {"architecture": "gpt_oss", **MOE, "attention_sinks": True, "expert_bias": True},
+    {"architecture": "qwen2_moe", **MOE, "shared_expert_intermediate_size": 40},
 ], ids=["llama", "tied", "biases", "qk_norm", "sandwich", "sinks", "moe", "moe_bias", "shared_expert"])
 def test_param_shapes_are_the_models_state_dict(options: dict) -> None:
     cfg = ModelConfig(**SHAPE, **options)

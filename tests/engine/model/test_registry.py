@@ -48,6 +48,25 @@ def test_no_module_outside_the_registry_names_a_model_class() -> None:
     assert found == [], "model classes named outside engine/model/registry.py:\n" + "\n".join(found)
 
 
+MOE = dict(architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+GEMMA = dict(architecture="gemma2", sandwich_norms=True, embedding_scale=2.0)
+
+
+@pytest.mark.parametrize(("family", "field", "other"), [
+    (MOE, {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}, GEMMA),
+    (GEMMA, {"sandwich_norms": True}, MOE), (GEMMA, {"embedding_scale": 2.0}, MOE),
+    (GEMMA, {"final_logit_softcapping": 30.0}, MOE), (GEMMA, {"rope_local_theta": 1e4}, MOE),
+], ids=["experts", "sandwich", "embedding_scale", "logit_cap", "local_rope"])
+def test_a_model_refuses_the_fields_of_another_family(family: dict, field: dict, other: dict) -> None:
+    """A field of a family file's structure is built by that family's class and refused by the generic decoder
+    (llama) and by another family's class: never run as something else."""
+    with torch.device("meta"):
+        build_model(ModelConfig(**SHAPE, **{**family, **field}), 1)
+        for arch in ({}, other):
+            with pytest.raises(ValueError, match="does not build"):
+                build_model(ModelConfig(**SHAPE, **{**arch, **field}), 1)
+
+
 @pytest.mark.parametrize("options", [
     {}, {"sliding_window": 6},
     {"sliding_window": 6, "layer_types": ("sliding_attention", "full_attention") * 2},
@@ -70,7 +89,7 @@ def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states()
     from engine.layers.attention import AttentionMetadata, private_kv_cache
     from engine.loading.presets import random_model
 
-    cfg = ModelConfig(**SHAPE, embedding_scale=2.0)
+    cfg = ModelConfig(**SHAPE, architecture="gemma2", embedding_scale=2.0, sandwich_norms=True)
     model = random_model(cfg, torch.float32, torch.device("cpu"), max_positions=16)
     ids = torch.tensor([3, 1, 4, 1, 5])
     n, cpu = len(ids), torch.device("cpu")
