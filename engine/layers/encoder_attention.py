@@ -68,20 +68,20 @@ class EncoderMetadata:
         return int(self.scatter.numel())
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
+def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim)) v within each row of a packed batch.
 
-    q, k, v: [T, heads, head_dim] in the model's dtype. Returns [T, heads * head_dim], same dtype."""
-    t, heads, dim = q.shape
+    qkv: q, k and v stacked, [T, 3, heads, head_dim] in the model's dtype (padded once for all three). Returns
+    [T, heads * head_dim], same dtype."""
+    t, _, heads, dim = qkv.shape
     b, length = len(meta.seq_lens), meta.max_len
-
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
-        if meta.key_mask is None:
-            return x.view(b, length, heads, dim).transpose(1, 2)
-        out = x.new_zeros(b * length, heads, dim)
-        out[meta.scatter] = x
-        return out.view(b, length, heads, dim).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=meta.key_mask)
+    if meta.key_mask is None:
+        padded = qkv.view(b, length, 3, heads, dim)
+    else:
+        padded = qkv.new_zeros(b * length, 3, heads, dim)
+        padded[meta.scatter] = qkv
+        padded = padded.view(b, length, 3, heads, dim)
+    q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, L, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.key_mask)
     out = out.transpose(1, 2).reshape(b * length, heads * dim)
     return out if meta.key_mask is None else out[meta.scatter]

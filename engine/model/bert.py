@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
+from engine.layers.linear import concat_linears
 from engine.model.base import ModelBase
 from engine.model.bert_names import bert_kv_layout
 
@@ -33,12 +34,34 @@ class _Embeddings(nn.Module):
 
 
 class _SelfAttention(nn.Module):
+    """BertSelfAttention's projections: query, key, value (HF's names, filled from the checkpoint), merged into one
+    `qkv` GEMM by `fuse` (the serving layout: one GEMM, one bias add and one padding per layer)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         width = cfg.num_heads * cfg.head_dim
         self.query = nn.Linear(cfg.hidden_size, width)
         self.key = nn.Linear(cfg.hidden_size, width)
         self.value = nn.Linear(cfg.hidden_size, width)
+        self.qkv: nn.Module | None = None
+
+    def fuse(self) -> bool:
+        """Merge query, key and value into `qkv` (engine.layers.linear.concat_linears), in place; False when already
+        fused or when they cannot merge."""
+        if self.qkv is not None:
+            return False
+        merged = concat_linears([self.query, self.key, self.value])
+        if merged is None:
+            return False
+        self.qkv = merged
+        del self.query, self.key, self.value
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> q, k, v stacked [T, 3, heads * head_dim] (model dtype)."""
+        if self.qkv is not None:
+            return self.qkv(x).unflatten(-1, (3, -1))
+        return torch.stack([self.query(x), self.key(x), self.value(x)], dim=1)
 
 
 class _DenseNorm(nn.Module):
@@ -78,9 +101,8 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], both in the model's dtype."""
-        attn = self.attention.self
-        shape = (x.shape[0], self.num_heads, self.head_dim)
-        ctx = encoder_attention(attn.query(x).view(shape), attn.key(x).view(shape), attn.value(x).view(shape), meta)
+        qkv = self.attention.self(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        ctx = encoder_attention(qkv, meta)
         h = self.attention.output(ctx, x)
         return self.output(F.gelu(self.intermediate.dense(h)), h)
 
@@ -138,6 +160,11 @@ class BertEncoderModel(ModelBase):
         for layer in self.encoder.layer:
             x = layer(x, meta)
         return x
+
+    def fuse_projections(self) -> int:
+        """Merge each layer's query, key and value into one GEMM (_SelfAttention.fuse), in place: the serving layout
+        (LLMEngine fuses after loading, by HF names). Returns the number of merged modules (0 when already fused)."""
+        return sum(int(layer.attention.self.fuse()) for layer in self.encoder.layer)
 
     def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
         """Raises NotImplementedError: BERT (BertEncoderModel) has no LM head."""
