@@ -40,3 +40,18 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
         return merged
     concat = getattr(type(first), "concat", None)
     return concat(modules) if concat is not None else None
+
+
+def fuse_linears(owner: nn.Module, parts: tuple[str, ...], fused: str) -> bool:
+    """Replace the projections `parts` of `owner` (attribute names, e.g. q_proj, k_proj, v_proj) by one module
+    `fused` (concat_linears: its output is theirs concatenated), in place; `owner.<fused>` is None until then.
+    Returns whether it fused (False when already fused, or when the parts cannot be merged)."""
+    if getattr(owner, fused) is not None:
+        return False
+    merged = concat_linears([getattr(owner, name) for name in parts])
+    if merged is None:
+        return False
+    setattr(owner, fused, merged)
+    for name in parts:
+        delattr(owner, name)
+    return True

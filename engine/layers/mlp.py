@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import concat_linears
+from engine.layers.linear import fuse_linears
 from engine.layers.rms_norm import fused_ops
 
 
@@ -27,14 +27,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> bool:
         """Replace gate_proj/up_proj by one gate_up_proj. Returns whether it fused (as Attention.fuse)."""
-        if self.gate_up_proj is not None:
-            return False
-        merged = concat_linears([self.gate_proj, self.up_proj])
-        if merged is None:
-            return False
-        self.gate_up_proj = merged
-        del self.gate_proj, self.up_proj
-        return True
+        return fuse_linears(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

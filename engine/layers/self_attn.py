@@ -11,7 +11,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.core.kv_cache_spec import full_attention
 from engine.layers.attention import AttentionMetadata, write_kv
-from engine.layers.linear import concat_linears
+from engine.layers.linear import fuse_linears
 from engine.layers.rms_norm import RMSNorm, fused_ops
 from engine.layers.rope import apply_rope
 
@@ -57,16 +57,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None
 
     def fuse(self) -> bool:
-        """Replace q_proj/k_proj/v_proj by one qkv_proj (engine.layers.linear.concat_linears). Returns whether it fused
+        """Replace q_proj/k_proj/v_proj by one qkv_proj (engine.layers.linear.fuse_linears). Returns whether it fused
         (False when already fused or when the three cannot be merged)."""
-        if self.qkv_proj is not None:
-            return False
-        merged = concat_linears([self.q_proj, self.k_proj, self.v_proj])
-        if merged is None:
-            return False
-        self.qkv_proj = merged
-        del self.q_proj, self.k_proj, self.v_proj
-        return True
+        return fuse_linears(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata, attn_fn: AttentionFn) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
-from engine.layers.linear import concat_linears
+from engine.layers.linear import fuse_linears
 from engine.model.base import ModelBase
 from engine.model.bert_names import bert_kv_layout
 
@@ -46,16 +46,9 @@ class _SelfAttention(nn.Module):
         self.qkv: nn.Module | None = None
 
     def fuse(self) -> bool:
-        """Merge query, key and value into `qkv` (engine.layers.linear.concat_linears), in place; False when already
+        """Merge query, key and value into `qkv` (engine.layers.linear.fuse_linears), in place; False when already
         fused or when they cannot merge."""
-        if self.qkv is not None:
-            return False
-        merged = concat_linears([self.query, self.key, self.value])
-        if merged is None:
-            return False
-        self.qkv = merged
-        del self.query, self.key, self.value
-        return True
+        return fuse_linears(self, ("query", "key", "value"), "qkv")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> q, k, v stacked [T, 3, heads * head_dim] (model dtype)."""
