@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup kernels test-servers demo test test-cpu-kinds quality airflow-venv airflow-test lint bench peers lock clean
+.PHONY: setup kernels test-servers demo embed-demo test test-cpu-kinds quality airflow-venv airflow-test lint bench peers lock clean
 
 # requirements.lock: every package's exact version, as the suite was last green with (`make lock` writes it). Each
 # install below takes it as pip's constraints (-c): a fresh clone gets those versions, never what the index newly
@@ -42,6 +42,12 @@ demo: setup
 	rm -rf $(DEMO_OUT)
 	$(VENV)/bin/tokenmill run $(DATA)/gsm8k_test.parquet $(DEMO_OUT) --prompt-column question --limit 64 \
 		--rows-per-shard 32 --max-tokens 128 --workers 1
+
+# The embeddings job (issue 53): the default embedding model (all-MiniLM-L6-v2) over 256 real GSM8K questions.
+embed-demo: setup
+	rm -rf $(DEMO_OUT)-embed
+	$(VENV)/bin/tokenmill run $(DATA)/gsm8k_test.parquet $(DEMO_OUT)-embed --task embed --prompt-column question \
+		--limit 256 --rows-per-shard 128 --workers 1
 
 # Real servers some tests start (Prometheus Pushgateway, headless Chromium): installed with apt when missing and this
 # runs as root (CI does); without them those tests skip and say why.

@@ -171,7 +171,7 @@ def run_job(input_url: str, output_url: str, cfg: RunConfig, *, model: str | Non
         shards = manifest.shards()
         if on_start:
             on_start(sum(s.num_rows for s in shards))
-        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note,
+        summary = JobSummary(shards=len(shards), repinned=repinned, model_note=model_note, task=cfg.task,
                              inputs_skipped=list(manifest.skipped) if pinned_now else [])
         progress = JobProgress(uuid.uuid4().hex[:8], on_progress)
         progress.sizes = {s.shard_id: s.num_rows for s in shards}

@@ -38,7 +38,8 @@ class JobSummary:
     shards it finished, less the rows they resumed from earlier runs' checkpoints): a rerun of a partly finished job
     reports its own speed from these, not the job's tokens over its own seconds.
     `model_note`: set when this run pinned the model of a job started before models were pinned (what it
-    pinned), else "".
+    pinned), else "". `task`: the job's task (pipeline.config.RunConfig.task: "generate" or "embed"), which decides
+    the measures the summary table shows (an embed job generates no output tokens).
     """
 
     shards: int = 0
@@ -69,6 +70,7 @@ class JobSummary:
     run_rows: int = 0
     run_output_tokens: int = 0
     model_note: str = ""
+    task: str = "generate"
 
     @property
     def output_tokens_per_s(self) -> float:

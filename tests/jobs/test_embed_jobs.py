@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
+from jobs.cli.run_output import this_run
+from jobs.summary import JobSummary
 
 runner = CliRunner()
 ROWS = 40
@@ -104,3 +106,12 @@ def test_quantizing_an_embed_model_is_refused_before_any_work(questions: Path, t
                               "embed", "--model", minilm_folder, "--quantization", "int8"])
     assert res.exit_code == 2 and "a bert model (an encoder) runs with --quantization none or auto" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_embed_run_says_rows_embedded_not_output_tokens() -> None:
+    """The summary table's "this run" line of an embed job counts rows embedded and rows/s (it generates no output
+    tokens: "0 output tokens generated" would say nothing); a generate job's line is unchanged."""
+    embed = JobSummary(task="embed", run_rows=40, wall_s=2.0, input_tokens=1_000)
+    assert this_run(embed) == "40 rows embedded in 2.0 s wall time (20.0 rows/s)"
+    generate = JobSummary(run_rows=40, run_output_tokens=320, wall_s=2.0)
+    assert this_run(generate) == "40 rows, 320 output tokens generated in 2.0 s wall time (160.0 output tokens/s)"
