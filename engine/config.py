@@ -86,6 +86,8 @@ class ModelConfig:
             a bias on o_proj (gpt-oss). expert_bias: the router and every expert projection carry biases (gpt-oss).
         swiglu_limit / swiglu_alpha: the experts' clamped SwiGLU (gpt-oss; engine.layers.moe); None: SwiGLU.
         type_vocab_size: rows of an encoder's token type (segment) embedding (BERT: 2); 0 for a decoder.
+        position_padding_idx: an encoder's padding_idx where its absolute positions count from padding_idx + 1 over
+            a row's non-pad tokens, a pad token sitting at padding_idx (XLM-RoBERTa: 1); None: from 0 (BERT).
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -132,6 +134,7 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     type_vocab_size: int = 0
+    position_padding_idx: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
@@ -169,6 +172,10 @@ class ModelConfig:
         if self.rotary_dim is not None and not (2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"ModelConfig.rotary_dim must be even, in [2, head_dim={self.head_dim}], got "
                              f"{self.rotary_dim!r}")
+        pad = self.position_padding_idx
+        if pad is not None and not 0 <= pad < self.max_position_embeddings - 2:
+            raise ValueError(f"ModelConfig.position_padding_idx must be None or in [0, max_position_embeddings - 2 = "
+                             f"{self.max_position_embeddings - 2}), got {pad!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented; tokenmill runs {HIDDEN_ACTS}")
         for name in ("embedding_scale", "query_pre_attn_scalar", "attn_logit_softcapping",
@@ -176,6 +183,13 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be None or > 0, got {value!r}")
+
+    @property
+    def max_row_tokens(self) -> int:
+        """Most tokens of one encoder row: max_position_embeddings, less the padding_idx + 1 positions XLM-RoBERTa's
+        rows skip (514 -> 512)."""
+        pad = self.position_padding_idx
+        return self.max_position_embeddings - (0 if pad is None else pad + 1)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: full causal attention there)."""

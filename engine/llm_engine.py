@@ -86,7 +86,7 @@ class LLMEngine:
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.tasks = model_tasks(model_config.architecture)
         self.embedder = None if "embed" not in self.tasks else Embedder(  # an encoder: engine.pooling
-            model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_position_embeddings), device,
+            model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_row_tokens), device,
             config.max_num_batched_tokens, config.max_num_seqs)
         if self.embedder is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
             self.block_size, self.num_kv_blocks, self.max_model_len = config.block_size, 0, self.embedder.max_length
@@ -154,7 +154,7 @@ class LLMEngine:
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
                             int4_layout=int4_layout_chooser(config, device, dtype))
         pooling = None if "embed" not in model_tasks(opened.config.architecture) else read_pooling_config(
-            opened.path, opened.config.hidden_size, opened.config.max_position_embeddings,
+            opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
             getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
                    opened.quantization_loaded, pooling)

@@ -30,6 +30,7 @@ from engine.model.family_fields import (
     gpt_oss_gguf_fields,
     phi3_fields,
     phi3_gguf_fields,
+    xlm_roberta_fields,
 )
 
 _SILU = ("silu", "swish")
@@ -191,6 +192,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  refused=(("hidden_act", ("gelu",)), ("is_decoder", (False, None)),
                           ("add_cross_attention", (False, None))),
                  window=_no_window, fields=bert_fields, hf_unused=("pooler.", "embeddings.position_ids")),
+    # XLM-RoBERTa (XLMRobertaModel: multilingual-e5, bge-m3's dense vectors): BERT's model, its positions counted
+    # from pad_token_id + 1 (engine.model.bert: `positions`); HF folders only, as BERT.
+    Architecture("xlm_roberta", ("xlm-roberta",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(("hidden_act", ("gelu",)), ("is_decoder", (False, None)),
+                          ("add_cross_attention", (False, None))),
+                 window=_no_window, fields=xlm_roberta_fields,
+                 hf_unused=("pooler.", "embeddings.position_ids")),
 )
 
 

@@ -8,6 +8,10 @@ keys (engine.model.bert_names), so an HF folder's tensors fill it by name; the N
 embeddings pool the last hidden states: engine.pooling).
 
 Every row is one segment: token type 0 everywhere (what sentence-transformers feeds a single text).
+
+XLM-RoBERTa (multilingual-e5, bge-m3) is this model with other config values (engine.model.family_fields
+.xlm_roberta_fields): its LayerNorm epsilon, one token type, and positions that start past its padding_idx
+(ModelConfig.position_padding_idx; HF's create_position_ids_from_input_ids), computed in `positions`.
 """
 
 from __future__ import annotations
@@ -113,7 +117,7 @@ class BertEncoderModel(ModelBase):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.max_positions = min(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_positions = min(max_positions or cfg.max_row_tokens, cfg.max_row_tokens)
         self.embeddings = _Embeddings(cfg)
         self.encoder = _Encoder(cfg)
         self.kv_cache_specs = bert_kv_layout(cfg)
@@ -138,9 +142,10 @@ class BertEncoderModel(ModelBase):
                 meta: EncoderMetadata | None = None, attn_fn: object = None, *,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states [T, hidden] (model dtype) of a packed batch: int64 input_ids [T] (or inputs_embeds
-        [T, hidden]), rope_rows int64 [T] each token's absolute position within its row (0, 1, ... per row, below
-        max_position_embeddings), meta the rows' EncoderMetadata. kv_caches and attn_fn are not used (no cache).
-        Raises ValueError unless exactly one of input_ids / inputs_embeds is given, or without meta."""
+        [T, hidden]), rope_rows int64 [T] each token's index within its row (0, 1, ... per row, below
+        cfg.max_row_tokens; the position embedding's rows: `positions`), meta the rows' EncoderMetadata. kv_caches
+        and attn_fn are not used (no cache). Raises ValueError unless exactly one of input_ids / inputs_embeds is
+        given, or without meta."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("BertEncoderModel.forward takes input_ids or inputs_embeds, exactly one of them")
         if meta is None:
@@ -149,10 +154,26 @@ class BertEncoderModel(ModelBase):
         emb = self.embeddings
         words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         types = emb.token_type_embeddings.weight[0]
-        x = emb.LayerNorm(words + emb.position_embeddings(rope_rows) + types)
+        x = emb.LayerNorm(words + emb.position_embeddings(self.positions(input_ids, rope_rows)) + types)
         for layer in self.encoder.layer:
             x = layer(x, meta)
         return x
+
+    def positions(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the position embedding, int64 [T], for tokens at rope_rows int64 [T] (0, 1, ... within each row)
+        of int64 input_ids [T] (None: inputs_embeds were given). BERT: rope_rows. With a padding_idx p
+        (XLM-RoBERTa): p + the token's count of non-pad tokens in its row so far, p itself for a pad token; p + 1 +
+        rope_rows without input_ids (HF's XLMRobertaEmbeddings: create_position_ids_from_input_ids and
+        _from_inputs_embeds)."""
+        pad = self.config.position_padding_idx
+        if pad is None:
+            return rope_rows
+        if input_ids is None:
+            return rope_rows + pad + 1
+        real = (input_ids != pad).to(torch.int64)
+        seen = torch.cumsum(real, 0)  # over the packed batch; less what the row's earlier rows hold:
+        start = torch.arange(len(rope_rows), device=rope_rows.device) - rope_rows  # each token's row start
+        return (seen - (seen - real)[start]) * real + pad
 
     def fuse_projections(self) -> int:
         """Merge each layer's query, key and value into one GEMM (_SelfAttention.fuse), in place: the serving layout

@@ -210,3 +210,10 @@ def bert_fields(config: dict[str, Any]) -> dict[str, Any]:
     return dict(rms_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
                 type_vocab_size=int(config.get("type_vocab_size", 2)), hidden_act="gelu",
                 num_kv_heads=int(config["num_attention_heads"]), tie_word_embeddings=False)
+
+
+def xlm_roberta_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """XLM-RoBERTa's encoder fields of a config.json dict (HF XLMRobertaConfig: multilingual-e5, bge-m3): BERT's
+    (bert_fields; its type_vocab_size is 1), and positions that start past padding_idx = pad_token_id (default 1;
+    ModelConfig.position_padding_idx). Raises ValueError as bert_fields."""
+    return dict(bert_fields(config), position_padding_idx=int(config.get("pad_token_id", 1)))

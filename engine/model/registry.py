@@ -6,8 +6,9 @@ A family whose math differs from another's only in ModelConfig fields is one ent
 causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus its config reader
 (engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
-gpt-oss (engine.model.gpt_oss). Imports no torch at module level (memory fit and the tensor names read it in the
-CLI's client): the model classes are imported when a model is built.
+gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert. Imports no torch at
+module level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a
+model is built.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ CAUSAL_DECODER = ModelEntry(_model_class("decoder", "LlamaModel"), param_shapes,
 GEMMA = ModelEntry(_model_class("gemma", "GemmaModel"), param_shapes, decoder_kv_layout)
 MOE_DECODER = ModelEntry(_model_class("moe_decoder", "MoEDecoderModel"), param_shapes, decoder_kv_layout)
 GPT_OSS = ModelEntry(_model_class("gpt_oss", "GptOssDecoder"), param_shapes, decoder_kv_layout)
+#: The BERT encoder (engine.model.bert), and XLM-RoBERTa, which differs from it in config values only.
+BERT_ENCODER = ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_shapes, bert_kv_layout,
+                          tasks=("embed",))
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
@@ -72,8 +76,8 @@ MODELS: dict[str, ModelEntry] = {
     "qwen2_moe": MOE_DECODER,
     "mixtral": MOE_DECODER,
     "gpt_oss": GPT_OSS,
-    "bert": ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_shapes, bert_kv_layout,
-                       tasks=("embed",)),
+    "bert": BERT_ENCODER,
+    "xlm_roberta": BERT_ENCODER,
 }
 
 

@@ -77,8 +77,9 @@ def pooling_modes(config: dict[str, Any]) -> tuple[str, ...]:
 
 def read_pooling_config(folder: str, hidden_size: int, max_positions: int,
                         tokenizer_max_length: int | None = None) -> PoolingConfig:
-    """The PoolingConfig of the model folder `folder` (hidden_size: its width; max_positions: its
-    max_position_embeddings; tokenizer_max_length: the tokenizer's model_max_length, when it has one).
+    """The PoolingConfig of the model folder `folder` (hidden_size: its width; max_positions: the most tokens a
+    row can hold, ModelConfig.max_row_tokens; tokenizer_max_length: the tokenizer's model_max_length, when it has
+    one).
 
     Raises ValueError naming the file for a module tokenmill does not run (Dense, a second Pooling, ...), a pooling
     mode it does not implement, or a pooled width other than hidden_size."""

@@ -110,23 +110,25 @@ def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states()
                 run(**both_or_neither)
 
 
-def test_the_bert_entry_declares_its_encoder() -> None:
-    """The "bert" entry: its parameter names and shapes from the config alone are the built encoder's state dict, it
-    keeps no KV cache, embeds and does not generate; forward(ids) == forward(inputs_embeds=embed(ids)), no LM head."""
+@pytest.mark.parametrize(("arch", "types", "pad"), [("bert", 2, None), ("xlm-roberta", 1, 1)])
+def test_the_encoder_entries_declare_their_encoder(arch: str, types: int, pad: int | None) -> None:
+    """The "bert" and "xlm_roberta" entries: their parameter names and shapes from the config alone are the built
+    encoder's state dict, it keeps no KV cache, embeds and does not generate; forward(ids) ==
+    forward(inputs_embeds=embed(ids)) (no pad token among the ids), no LM head."""
     from engine.layers.encoder_attention import EncoderMetadata
     from engine.loading.presets import random_model
     from engine.model.registry import model_tasks
 
-    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture="bert", hidden_act="gelu", type_vocab_size=2,
-                      tie_word_embeddings=False)
-    entry = model_entry("bert")
+    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture=arch, hidden_act="gelu", type_vocab_size=types,
+                      tie_word_embeddings=False, position_padding_idx=pad)
+    entry = model_entry(arch)
     with torch.device("meta"):
         model = build_model(cfg, 1)
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == entry.param_shapes(cfg)
     assert kv_cache_layout(cfg) == model.kv_cache_specs == (KVCacheSpec("none"),) * cfg.num_layers
-    assert model_tasks("bert") == ("embed",) and model_tasks("qwen2") == ("generate",)
+    assert model_tasks(arch) == ("embed",) and model_tasks("qwen2") == ("generate",)
     model = random_model(cfg, torch.float32, torch.device("cpu"), max_positions=16)
-    ids, meta = torch.tensor([3, 1, 4, 1, 5]), EncoderMetadata.of([3, 2], torch.device("cpu"))
+    ids, meta = torch.tensor([3, 2, 4, 2, 5]), EncoderMetadata.of([3, 2], torch.device("cpu"))
     positions = torch.tensor([0, 1, 2, 0, 1])
     with torch.no_grad():
         hidden = model(ids, positions, [], meta)
