@@ -19,6 +19,7 @@ from engine.model.architectures import describe
 from engine.model.base import ModelBase
 from engine.model.registry import model_tasks, task_problem
 from engine.outputs import EmbeddingOutput, RequestOutput
+from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.embedder import Embedder
 from engine.pooling.st_config import PoolingConfig, read_pooling_config
 from engine.processing.offline_batch import generate_batch
@@ -337,11 +338,12 @@ class LLMEngine:
                               use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,
                               on_output=on_output, should_stop=should_stop)
 
-    def embed(self, texts: Sequence[str], *, request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
-        """One EmbeddingOutput per text, in order (engine.pooling.embedder.Embedder.embed): tokenized and truncated
-        at the model's max_seq_length as sentence-transformers does, batched longest first within
-        max_num_batched_tokens tokens and max_num_seqs rows, pooled as the model's sentence-transformers files say.
-        Raises ValueError for a model that does not embed, or when texts and request_ids differ in length."""
+    def embed(self, texts: Sequence[str], *, request_ids: Sequence[str] | None = None, dimensions: int | None = None,
+              normalize: bool = False, prefix: str = "", truncate: bool = True) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per text, in order (engine.pooling.embedder.Embedder.embed; the keywords are
+        engine.pooling.embed_options.EmbedOptions'). Raises ValueError for a model that does not embed, texts and
+        request_ids of other lengths, or options out of range (dimensions < 1 or over the model's width)."""
         if self.embedder is None:
             raise ValueError(task_problem(self.model_config.architecture, "embed"))
-        return self.embedder.embed(texts, request_ids)
+        options = EmbedOptions(dimensions=dimensions, normalize=normalize, prefix=prefix, truncate=truncate)
+        return self.embedder.embed(texts, request_ids, options)

@@ -90,11 +90,13 @@ class EmbeddingOutput:
 
     Attributes:
         request_id: the caller's id for the text (string; its index when none was given).
-        embedding: float32 numpy array [dim] (dim = hidden size times the pooling modes), L2-normalized when the
-            model's sentence-transformers files say so; None for an error output.
-        num_prompt_tokens: tokens the model read, special tokens included (after truncation).
+        embedding: float32 numpy array [dim] (dim = hidden size times the pooling modes, or the `dimensions` asked),
+            L2-normalized when the model's sentence-transformers files say so, or `normalize` or `dimensions` was
+            asked (engine.pooling.embed_options); None for an error output.
+        num_prompt_tokens: tokens the model read, special tokens and any prefix included (after truncation).
         truncated: the text was longer than the model's max_seq_length and its tail was dropped.
-        error: why the text could not be embedded (not a string, or empty / only whitespace), or None.
+        error: why the text could not be embedded (not a string, empty / only whitespace, or over max_seq_length
+            with truncation off), or None.
     """
 
     request_id: str

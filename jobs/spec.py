@@ -21,7 +21,7 @@ from jobs.plan.preflight import (
     check_store,
     model_context,
 )
-from jobs.plan.task_check import check_task, embedding_dim, task_model
+from jobs.plan.task_check import check_embedding, check_task, task_model
 from jobs.summary import JobSummary
 from pipeline.config import InputError, RunConfig
 from schemas.job_spec import JobSpec
@@ -46,17 +46,19 @@ def json_schema_text(value: str | None) -> str | None:
 
 def run_config(spec: JobSpec) -> RunConfig:
     """The pipeline's RunConfig of a spec (its columns, sampling and sharding sections, the price and the task; a
-    json_schema file read, json_schema_text; an embed job's embedding width from its model's files). Raises JobError
-    (exit 2) for a value out of range, or an embedding model whose files cannot be read."""
+    json_schema file read, json_schema_text; an embed job's embedding width from its model's files, or its
+    --dimensions; its embed options). Raises JobError (exit 2) for a value out of range, an embedding model whose
+    files cannot be read, or embed options (jobs.plan.task_check.check_embedding) on a generate job or over the
+    model's width."""
     c = spec.columns
     sampling = spec.sampling.model_dump()
     sampling["json_schema"] = json_schema_text(sampling["json_schema"])
-    dim = embedding_dim(task_model(spec.model, spec.task) or "") if spec.task == "embed" else None
+    dim = check_embedding(spec.model, spec.task, spec.embedding)
     try:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
                          use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
                          **sampling, **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour,
-                         task=spec.task, embedding_dim=dim)
+                         task=spec.task, embedding_dim=dim, **spec.embedding.model_dump())
     except (InputError, ValueError) as e:
         raise JobError(str(e)) from e
 
@@ -77,13 +79,14 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 def checked_spec(spec: JobSpec) -> JobSpec:
     """The spec with OUTPUT and a local model made absolute (for --task embed without --model: the default
     embedding model), after jobs.plan.preflight's checks of both, of the task against the model
-    (jobs.plan.task_check), of --max-model-len and --quantization against the model and of a CUDA --device here.
-    Raises JobError (exit 2) naming the problem and the fix, or the object store of INPUT or the model not
-    answering."""
+    (jobs.plan.task_check, and its embed options), of --max-model-len and --quantization against the model and of
+    a CUDA --device here. Raises JobError (exit 2) naming the problem and the fix, or the object store of INPUT or
+    the model not answering."""
     check_store(spec.input, "INPUT")
     check_store(spec.model, "--model")
     model = check_model(task_model(spec.model, spec.task))
     check_task(model, spec.task)
+    check_embedding(model, spec.task, spec.embedding)
     e = spec.engine
     check_device(e.device, spec.cluster.scheduler)
     check_quantization(model, e.quantization)

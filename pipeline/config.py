@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from engine import SamplingParams, StructuredOutputsParams
-from schemas.job_spec import Columns, JobSpec, Sampling, Sharding, format_problems
+from schemas.job_spec import Columns, Embedding, JobSpec, Sampling, Sharding, format_problems
 from schemas.sampling import STRUCTURED_FIELDS
 
 # The defaults are the job spec's (schemas.job_spec, the one definition of a job's options).
-_COLUMNS, _SAMPLING, _SHARDING = Columns(), Sampling(), Sharding()
+_COLUMNS, _SAMPLING, _SHARDING, _EMBEDDING = Columns(), Sampling(), Sharding(), Embedding()
 DEFAULT_PRICE_PER_HOUR_USD: float = JobSpec.model_fields["price_per_hour"].default
 
 
@@ -46,7 +46,10 @@ class RunConfig:
             record is billed from its start to its last sign of life (seconds; default 15).
         task: "generate" (a completion per row) or "embed" (an embedding per row: pipeline.shard_embed).
         embedding_dim: elements of one embedding (task embed only: the model's hidden size times its pooling
-            modes, jobs.plan.task_check.embedding_dim), the width of the results' fixed-size `embedding` column.
+            modes, jobs.plan.task_check.embedding_dim; `dimensions` when set), the width of the results'
+            fixed-size `embedding` column.
+        dimensions, normalize, prefix, truncate: an embed job's options (schemas.spec_sections.Embedding, passed to
+            engine.LLMEngine.embed); at their defaults for task generate.
 
     Raises:
         InputError: when a value is out of range.
@@ -81,6 +84,10 @@ class RunConfig:
     heartbeat_seconds: float = 15.0
     task: str = "generate"
     embedding_dim: int | None = None
+    dimensions: int | None = _EMBEDDING.dimensions
+    normalize: bool = _EMBEDDING.normalize
+    prefix: str = _EMBEDDING.prefix
+    truncate: bool = _EMBEDDING.truncate
 
     def __post_init__(self) -> None:
         # The job spec's rules, so a RunConfig built in code is checked as a spec is (same messages).
@@ -92,12 +99,17 @@ class RunConfig:
                             "allow_special_tokens": self.allow_special_tokens},
                 "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
                 "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,
-                             "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds}})
+                             "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds},
+                "embedding": self.embed_options()})
         except ValidationError as e:
             raise InputError("; ".join(format_problems(e))) from None
         if (self.task == "embed") != (self.embedding_dim is not None) or (self.embedding_dim or 1) < 1:
             raise InputError(f"embedding_dim (elements of one embedding, >= 1) is set for task embed only; got task "
                              f"{self.task!r} with embedding_dim {self.embedding_dim!r}")
+        if self.task != "embed" and self.embed_options() != _EMBEDDING.model_dump():
+            raise InputError(f"the embed options {self.embed_options()} apply to task embed only, not {self.task!r}")
+        if self.dimensions is not None and self.dimensions != self.embedding_dim:
+            raise InputError(f"embedding_dim {self.embedding_dim} must be the dimensions asked, {self.dimensions}")
         if not self.heartbeat_seconds > 0:
             raise InputError(f"heartbeat_seconds must be > 0 seconds, got {self.heartbeat_seconds}")
         try:
@@ -112,3 +124,7 @@ class RunConfig:
         values["seed"] = self.seed if row_seed is None else row_seed
         structured = StructuredOutputsParams.from_fields(**{f: getattr(self, f) for f in STRUCTURED_FIELDS})
         return SamplingParams(**values, structured_outputs=structured)
+
+    def embed_options(self) -> dict[str, object]:
+        """The embed options (dimensions, normalize, prefix, truncate) as engine.LLMEngine.embed's keywords."""
+        return {name: getattr(self, name) for name in Embedding.model_fields}

@@ -34,14 +34,16 @@ from pipeline.input import (
 )
 from pipeline.layout import manifest_dir, manifest_path, parse_manifest_revision
 from pipeline.storage import commit_json, list_folder, output_fs, read_fs, read_json
-from schemas.job_spec import Sampling
+from schemas.job_spec import Embedding, Sampling
 
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "allow_special_tokens",
-                  *Sampling.model_fields)
-# Sampling options added since manifests were first written: a manifest without them ran with their defaults.
-_LATER_DEFAULTS = {name: list(v) if isinstance(v, tuple) else v for name, v in Sampling().model_dump().items()
+                  *Sampling.model_fields, *Embedding.model_fields)
+# Sampling and embed options added since manifests were first written: a manifest without them ran with their
+# defaults.
+_LATER_DEFAULTS = {name: list(v) if isinstance(v, tuple) else v
+                   for name, v in (Sampling().model_dump() | Embedding().model_dump()).items()
                    if name not in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")}
 
 

@@ -46,7 +46,8 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
                requests: RowRequests | None = None) -> list[EmbeddingOutput | None]:
     """One EmbeddingOutput per row, in row order; None for a row left unfinished because `should_stop` said stop.
 
-    Error rows (embed_requests) come first, as error outputs; the others are embedded in chunks of
+    Error rows (embed_requests) come first, as error outputs; the others are embedded (with cfg's embed options:
+    dimensions, normalize, prefix, truncate, whose over-long rows become error outputs) in chunks of
     `cfg.checkpoint_rows` rows (each chunk sorted and batched by the engine), `should_stop` polled before each, so a
     stop loses at most one chunk's work. `on_row(k, output)` is called for every finished row k as its chunk ends,
     in this thread (the checkpoint hook); `progress(rows, 0)` then (no output tokens). `engine`: an engine, or a
@@ -77,7 +78,8 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
             break
         chunk = runnable[start:start + step]
         for k, out in zip(chunk, llm.embed([rows.prompts[k] for k in chunk],  # type: ignore[union-attr]
-                                           request_ids=[str(rows.ids[k]) for k in chunk]), strict=True):
+                                           request_ids=[str(rows.ids[k]) for k in chunk], **cfg.embed_options()),
+                          strict=True):
             out.request_id = rows.ids[k]
             outputs[k] = out
             if on_row:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from schemas.engine_choices import TASKS
-from schemas.spec_sections import Cli, Cluster, Columns, Engine, Sampling, Sharding, _Name, _Section
+from schemas.spec_sections import Cli, Cluster, Columns, Embedding, Engine, Sampling, Sharding, _Name, _Section
 
 
 class JobSpec(_Section):
@@ -56,6 +56,7 @@ class JobSpec(_Section):
     columns: Annotated[Columns, Field(description=Columns.__doc__)] = Columns.model_construct()
     sampling: Annotated[Sampling, Field(description=Sampling.__doc__)] = Sampling.model_construct()
     sharding: Annotated[Sharding, Field(description=Sharding.__doc__)] = Sharding.model_construct()
+    embedding: Annotated[Embedding, Field(description=Embedding.__doc__)] = Embedding.model_construct()
     cluster: Annotated[Cluster, Field(description=Cluster.__doc__)] = Cluster.model_construct()
     engine: Annotated[Engine, Field(description=Engine.__doc__)] = Engine.model_construct()
     price_per_hour: Annotated[float, Field(ge=0, description="Device price in USD per hour, for the bill (2.0: a "

@@ -1,7 +1,7 @@
 """The sections of a job spec (schemas.job_spec.JobSpec): which columns hold what, how to sample, how to cut and
-checkpoint shards, the cluster and the engine, each a frozen, strict pydantic model whose fields carry their
-defaults, ranges, descriptions and `tokenmill run` option metadata (Cli). schemas.job_spec assembles them into the
-spec, its flat options and its parsing."""
+checkpoint shards, how to embed, the cluster and the engine, each a frozen, strict pydantic model whose fields carry
+their defaults, ranges, descriptions and `tokenmill run` option metadata (Cli). schemas.job_spec assembles them into
+the spec, its flat options and its parsing."""
 
 from __future__ import annotations
 
@@ -130,6 +130,23 @@ class Cluster(_Section):
                                                     "one engine.")] = 1
     gpus_per_worker: Annotated[int, Field(ge=0, description="GPUs each worker holds; > 0 makes every shard ask for "
                                                             "resources {GPU: 1}.")] = 0
+
+
+class Embedding(_Section):
+    """How an embed job (--task embed) makes each row's vector (engine.pooling.embed_options); a job of --task
+    generate refuses these options."""
+
+    dimensions: Annotated[int | None, Field(ge=1, description=(
+        "Keep the first N elements of each embedding, then L2-normalize it (Matryoshka); the results' `embedding` "
+        "column is N wide. More than the model's width is refused. null = the whole vector."))] = None
+    normalize: Annotated[bool, Field(description=(
+        "L2-normalize each embedding after pooling, whatever the model's files say."))] = False
+    prefix: Annotated[str, Field(description=(
+        "Text put before every row's text before it is tokenized (e5's \"query: \" / \"passage: \"); its tokens "
+        "count in prompt_tokens and in max_seq_length."))] = ""
+    truncate: Annotated[bool, Field(description=(
+        "Cut a text over the model's max_seq_length (the row says `truncated`); --no-truncate makes it an error row "
+        "naming its length and the limit."))] = True
 
 
 class Engine(_Section):

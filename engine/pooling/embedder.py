@@ -21,6 +21,7 @@ import torch
 from engine.layers.encoder_attention import EncoderMetadata
 from engine.model.base import ModelBase
 from engine.outputs import EmbeddingOutput
+from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.pooler import pool
 from engine.pooling.st_config import PoolingConfig
 from engine.text.prompts import text_problem
@@ -67,11 +68,16 @@ class Embedder:
         # interleaved batches would only fight over the same cores.
         self._forward_lock = threading.Lock()
 
-    def embed(self, texts: Sequence[object], request_ids: Sequence[str] | None = None) -> list[EmbeddingOutput]:
-        """One EmbeddingOutput per text, in order (module docstring). A text that is not a string, or is empty or
-        only whitespace (nothing to embed but [CLS] [SEP]; sentence-transformers would return that vector), gets
-        an error output and the others still embed. Raises ValueError when request_ids and texts differ in length,
-        or without a tokenizer."""
+    def embed(self, texts: Sequence[object], request_ids: Sequence[str] | None = None,
+              options: EmbedOptions | None = None) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput per text, in order (module docstring), as `options` ask (engine.pooling.embed_options:
+        a prefix before each text, Matryoshka dimensions, normalization, no truncation). A text that is not a
+        string, or is empty or only whitespace (nothing to embed but [CLS] [SEP]; sentence-transformers would
+        return that vector), gets an error output and the others still embed; so does, with options.truncate
+        False, a text (prefix included) over max_length tokens. Raises ValueError when request_ids and texts differ
+        in length, for options.dimensions over the model's width, or without a tokenizer."""
+        options = options or EmbedOptions()
+        options.check(self.dimension)
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (random weights); build it with one to embed texts")
         ids = [str(i) for i in range(len(texts))] if request_ids is None else [str(r) for r in request_ids]
@@ -86,23 +92,39 @@ class Embedder:
             else:
                 out[i] = EmbeddingOutput(ids[i], None, 0, error=problem)
         lower = self.pooling.do_lower_case
-        strings = [str(texts[i]) for i in good]
-        encoded = self.tokenizer.encode_truncated([t.lower() if lower else t for t in strings],
-                                                  self.pooling.max_seq_length) if good else []
+        strings = [options.prefix + str(texts[i]) for i in good]
+        strings = [t.lower() for t in strings] if lower else strings
+        encoded = self.tokenizer.encode_truncated(strings, self.max_length) if good else []
+        if not options.truncate:
+            good, encoded = self._refuse_long(good, encoded, strings, ids, out)
         for batch in plan_batches([len(row) for row, _ in encoded], self.max_batch_tokens, self.max_batch_rows):
             with self._forward_lock:
-                vectors = self._run([encoded[j][0] for j in batch])
+                vectors = self._run([encoded[j][0] for j in batch], options)
             for j, vec in zip(batch, vectors, strict=True):
                 row, cut = encoded[j]
                 out[good[j]] = EmbeddingOutput(ids[good[j]], vec, len(row), truncated=cut)
         return [o for o in out if o is not None]
 
+    def _refuse_long(self, good: list[int], encoded: list[tuple[list[int], bool]], strings: list[str],
+                     ids: list[str], out: list[EmbeddingOutput | None]
+                     ) -> tuple[list[int], list[tuple[list[int], bool]]]:
+        """(good, encoded) without the rows truncation cut, each of those an error output in `out` naming its
+        whole length (tokenized again, uncut) and the limit."""
+        cut = [j for j, (_, was_cut) in enumerate(encoded) if was_cut]
+        whole = self.tokenizer.encode_truncated([strings[j] for j in cut], 1 << 30) if cut else []  # type: ignore
+        for j, (row, _) in zip(cut, whole, strict=True):
+            out[good[j]] = EmbeddingOutput(ids[good[j]], None, 0, error=(
+                f"the text is {len(row)} tokens (special tokens and any prefix included), over the model's limit "
+                f"of {self.max_length} (max_seq_length); shorten it, or let it be truncated (no --no-truncate)"))
+        keep = [j for j, (_, was_cut) in enumerate(encoded) if not was_cut]
+        return [good[j] for j in keep], [encoded[j] for j in keep]
+
     @torch.inference_mode()
-    def _run(self, rows: list[list[int]]) -> np.ndarray:
-        """float32 [len(rows), dimension] embeddings of token-id rows (one forward)."""
+    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
+        """float32 [len(rows), options.dimensions or dimension] embeddings of token-id rows (one forward)."""
         lens = [len(r) for r in rows]
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
         meta = EncoderMetadata.of(lens, self.device)
         hidden = self.model(ids.to(self.device), positions.to(self.device), [], meta)
-        return pool(hidden, lens, self.pooling).cpu().numpy()
+        return options.apply(pool(hidden, lens, self.pooling)).cpu().numpy()

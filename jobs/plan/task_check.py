@@ -1,7 +1,8 @@
 """The job's task (`--task generate|embed`) against its model, on the client before any work: the model for the task
 (the default embedding model when --task embed names none), whether the model can do the task (its architecture's
-registry entry: engine.model.registry.task_problem), and an embed job's embedding width. Reads config files only,
-no torch."""
+registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
+(--dimensions, --normalize, --prefix, --no-truncate: refused for --task generate, --dimensions against the width).
+Reads config files only, no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from engine.loading.model_files import TOKENMILL_CONFIG_FILE as MODEL_FOLDER_CON
 from engine.loading.model_files import default_embedding_model_path
 from jobs.errors import JobError
 from jobs.plan.preflight import client_model_path
+from schemas.job_spec import Embedding
 
 
 def task_model(model: str | None, task: str) -> str | None:
@@ -80,3 +82,28 @@ def embedding_dim(model: str) -> int:
         return read_pooling_config(path, cfg.hidden_size, cfg.max_position_embeddings).dimension(cfg.hidden_size)
     except (OSError, ValueError) as e:
         raise JobError(f"--model {path}: {e}") from e
+
+
+#: The `tokenmill run` flag of each embed option set away from its default.
+_EMBED_FLAGS = {"dimensions": "--dimensions", "normalize": "--normalize", "prefix": "--prefix",
+                "truncate": "--no-truncate"}
+
+
+def check_embedding(model: str | None, task: str, embedding: Embedding) -> int | None:
+    """The width of an embed job's `embedding` column: the model's (embedding_dim), or embedding.dimensions. For
+    --task generate, None. `model` as check_model returns it. Raises JobError (exit 2, one line) for an embed option
+    set on a job of another task (naming the flags), --dimensions over the model's width, or embedding_dim's
+    errors."""
+    if task != "embed":
+        default = Embedding().model_dump()
+        given = [flag for name, flag in _EMBED_FLAGS.items() if getattr(embedding, name) != default[name]]
+        if given:
+            raise JobError(f"{', '.join(given)} apply to --task embed only; this job's task is {task}: drop them "
+                           "or add --task embed")
+        return None
+    width = embedding_dim(task_model(model, task) or "")
+    n = embedding.dimensions
+    if n is not None and n > width:
+        raise JobError(f"--dimensions {n} is more than the {width} elements of one embedding of --model "
+                       f"{client_model_path(task_model(model, task))}; ask for 1 to {width}")
+    return width if n is None else n

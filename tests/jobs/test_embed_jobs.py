@@ -115,3 +115,42 @@ def test_an_embed_run_says_rows_embedded_not_output_tokens() -> None:
     assert this_run(embed) == "40 rows embedded in 2.0 s wall time (20.0 rows/s)"
     generate = JobSummary(run_rows=40, run_output_tokens=320, wall_s=2.0)
     assert this_run(generate) == "40 rows, 320 output tokens generated in 2.0 s wall time (160.0 output tokens/s)"
+
+
+@pytest.mark.slow  # the real model on a real LocalCluster (tests/jobs/conftest.py)
+def test_embed_options_shape_the_results(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
+    """--dimensions 128 --prefix "query: ": a 128-wide float32 column of unit vectors, each LLMEngine.embed's with
+    the same options (the prefix's tokens counted in prompt_tokens)."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(questions), str(out), "--task", "embed", "--model", minilm_folder,
+                              "--prompt-column", "question", "--limit", "16", "--dtype", "float32", "--dimensions",
+                              "128", "--prefix", "query: ", "--json"])
+    assert res.exit_code == 0, res.output
+    results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
+    assert results.schema.field("embedding").type == pa.list_(pa.float32(), 128) and results.num_rows == 16
+    vectors = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
+    texts = pq.read_table(questions).column("question").to_pylist()[:16]
+    expected = engine.embed(texts, dimensions=128, prefix="query: ")
+    assert (vectors * np.stack([o.embedding for o in expected])).sum(1).min() >= 0.99999
+    assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
+    assert [o.num_prompt_tokens for o in expected] != [o.num_prompt_tokens for o in engine.embed(texts)]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--task", "embed", "--dimensions", "385"], "--dimensions 385 is more than the 384 elements"),
+    # a value out of the spec's range: its validation's header and one problem line, as --top-p 0 gets
+    (["--task", "embed", "--dimensions", "0"], "(--dimensions): Input should be greater than or equal to 1, got 0"),
+    (["--prefix", "query: ", "--no-truncate"], "--prefix, --no-truncate apply to --task embed only"),
+    (["--normalize"], "--normalize apply to --task embed only"),
+])
+def test_bad_embed_options_are_refused_in_one_line_before_any_work(questions: Path, tmp_path: Path,
+                                                                   minilm_folder: str, tiny_model: str,
+                                                                   options: list[str], message: str) -> None:
+    model = minilm_folder if "embed" in options else tiny_model
+    res = runner.invoke(app, ["run", str(questions), str(tmp_path / "out"), "--prompt-column", "question",
+                              "--model", model, *options])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and len(res.stderr.splitlines()) == 1 + ("0" in options), res.stderr
+    assert not (tmp_path / "out").exists()

@@ -131,6 +131,7 @@ def test_first_start_pins_the_manifest_and_later_runs_plan_from_it(gsm8k_parts: 
     ({"allow_special_tokens": True}, "allow_special_tokens: the job has False, this run asks for True"),
     ({"choices": ("yes", "no")}, "choices: the job has None, this run asks for ['yes', 'no']"),
     ({"logprobs": 2}, "logprobs: the job has None, this run asks for 2"),
+    ({"task": "embed", "embedding_dim": 128, "dimensions": 128}, "dimensions: the job has None, this run asks for 128"),
 ])
 def test_other_shard_or_result_options_against_a_started_job_are_refused(gsm8k_parts: Path, tmp_path: Path,
                                                                           change: dict, expected: str) -> None:

@@ -63,7 +63,8 @@ def test_minimal_spec_takes_the_run_defaults() -> None:
 
 def test_every_field_is_one_flat_option_with_the_run_defaults() -> None:
     """One option per leaf field; the pipeline's RunConfig takes its defaults from the model."""
-    assert len(OPTIONS) == 39 and OPTIONS["prompt_column"].path == ("columns", "prompt")
+    assert len(OPTIONS) == 43 and OPTIONS["prompt_column"].path == ("columns", "prompt")
+    assert OPTIONS["dimensions"].path == ("embedding", "dimensions") and OPTIONS["truncate"].field.default is True
     assert OPTIONS["task"].path == ("task",) and JobSpec(input="a", output="b").task == RunConfig().task == "generate"
     assert {o.flag for o in OPTIONS.values()} >= {"--max-tokens", "--kv-cache-gib", "--chat-template",
                                                   "--allow-special-tokens"}
@@ -75,6 +76,10 @@ def test_every_field_is_one_flat_option_with_the_run_defaults() -> None:
         256, 1000, "prompt", 2.0, False)
     with pytest.raises(InputError, match=r"sampling.top_p \(--top-p\): Input should be greater than 0"):
         RunConfig(top_p=0.0)
+    with pytest.raises(InputError, match="apply to task embed only"):
+        RunConfig(prefix="query: ")
+    with pytest.raises(InputError, match=r"embedding.dimensions \(--dimensions\): Input should be greater"):
+        RunConfig(task="embed", embedding_dim=384, dimensions=0)
 
 
 @pytest.mark.parametrize(("doc", "expected"), [
