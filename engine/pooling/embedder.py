@@ -96,7 +96,7 @@ class Embedder:
         strings = [t.lower() for t in strings] if lower else strings
         encoded = self.tokenizer.encode_truncated(strings, self.max_length) if good else []
         if not options.truncate:
-            good, encoded = self._refuse_long(good, encoded, strings, ids, out)
+            good, encoded = self._refuse_long(self.tokenizer, good, encoded, strings, ids, out)
         for batch in plan_batches([len(row) for row, _ in encoded], self.max_batch_tokens, self.max_batch_rows):
             with self._forward_lock:
                 vectors = self._run([encoded[j][0] for j in batch], options)
@@ -105,13 +105,13 @@ class Embedder:
                 out[good[j]] = EmbeddingOutput(ids[good[j]], vec, len(row), truncated=cut)
         return [o for o in out if o is not None]
 
-    def _refuse_long(self, good: list[int], encoded: list[tuple[list[int], bool]], strings: list[str],
-                     ids: list[str], out: list[EmbeddingOutput | None]
+    def _refuse_long(self, tokenizer: Tokenizer, good: list[int], encoded: list[tuple[list[int], bool]],
+                     strings: list[str], ids: list[str], out: list[EmbeddingOutput | None]
                      ) -> tuple[list[int], list[tuple[list[int], bool]]]:
         """(good, encoded) without the rows truncation cut, each of those an error output in `out` naming its
         whole length (tokenized again, uncut) and the limit."""
         cut = [j for j, (_, was_cut) in enumerate(encoded) if was_cut]
-        whole = self.tokenizer.encode_truncated([strings[j] for j in cut], 1 << 30) if cut else []  # type: ignore
+        whole = tokenizer.encode_truncated([strings[j] for j in cut], 1 << 30) if cut else []  # uncut: 2^30
         for j, (row, _) in zip(cut, whole, strict=True):
             out[good[j]] = EmbeddingOutput(ids[good[j]], None, 0, error=(
                 f"the text is {len(row)} tokens (special tokens and any prefix included), over the model's limit "
