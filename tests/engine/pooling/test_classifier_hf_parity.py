@@ -117,3 +117,23 @@ def test_a_plain_encoder_or_decoder_refuses_classify(minilm_folder: str) -> None
                    LLMEngine.from_config("tiny", EngineConfig(device="cpu", dtype="float32", num_kv_blocks=8))):
         with pytest.raises(ValueError, match="cannot classify"):
             engine.classify(["a text"])
+
+
+def test_a_regression_head_gives_raw_scores(tmp_path: Path, minilm_folder: str, texts: list[str]) -> None:
+    """A single-label head (a reward model's): no label, score = HF's raw logit, scores = [logit]."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(1)
+    hf = BertForSequenceClassification(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, intermediate_size=64,
+                                                  max_position_embeddings=MAX_POSITIONS, num_labels=1)).eval()
+    hf.save_pretrained(tmp_path)
+    for name in _TOKENIZER:
+        shutil.copy(Path(minilm_folder) / name, tmp_path / name)
+    engine = LLMEngine.from_model(str(tmp_path), EngineConfig(device="cpu", dtype="float32"))
+    out = engine.classify(texts[:4])
+    rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts[:4], engine.embedder.max_length)]
+    with torch.inference_mode():
+        theirs = [float(hf(input_ids=torch.tensor([r])).logits[0, 0]) for r in rows]
+    assert all(o.label is None and o.scores.shape == (1,) for o in out)
+    assert [o.score for o in out] == pytest.approx(theirs, abs=1e-4)
