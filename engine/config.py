@@ -88,6 +88,9 @@ class ModelConfig:
         type_vocab_size: rows of an encoder's token type (segment) embedding (BERT: 2); 0 for a decoder.
         position_padding_idx: an encoder's padding_idx where its absolute positions count from padding_idx + 1 over
             a row's non-pad tokens, a pad token sitting at padding_idx (XLM-RoBERTa: 1); None: from 0 (BERT).
+        labels: a sequence classifier's label names in id order (config.json id2label; engine.model.classifier);
+            () for every other model. regression: its head gives raw scores, not classes (problem_type
+            "regression", or a single label).
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -135,6 +138,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     type_vocab_size: int = 0
     position_padding_idx: int | None = None
+    labels: tuple[str, ...] = ()
+    regression: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))

@@ -17,8 +17,9 @@ from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.base import ModelBase
-from engine.model.registry import model_tasks, task_problem
-from engine.outputs import EmbeddingOutput, RequestOutput
+from engine.model.registry import model_tasks, refuse_task
+from engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput
+from engine.pooling.classifier import Classifier
 from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.embedder import Embedder
 from engine.pooling.st_config import PoolingConfig, read_pooling_config
@@ -51,16 +52,12 @@ class LLMEngine:
     Attributes:
         tokenizer: engine.text.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id), or None for a
             random-weights preset without one (then prompts must be token ids and `text` stays empty).
-        model_name: file name of the model.
-        max_model_len: most tokens (prompt + output) per request.
-        device_name: "cpu" or the GPU's name, for accounting.
-        num_kv_blocks, block_size: the KV pool's geometry.
-        kv_cache_manager: block tables, block pool and prefix cache (engine.core.kv_cache_manager); the KV tensors
-            themselves are the runner's `kv_caches`.
-        scheduler: request queues and state (engine.core.scheduler).
-        quantization_loaded: for an already quantized HF folder, how its layers were loaded (e.g. "gptq 4-bit,
-            group 128: 224 layers INT4 as stored, 0 dequantized exactly"; engine.loading.hf_quantized.QuantReport);
-            None for other models.
+        model_name: file name of the model. max_model_len: most tokens (prompt + output) per request.
+        device_name: "cpu" or the GPU's name, for accounting. num_kv_blocks, block_size: the KV pool's geometry.
+        kv_cache_manager: block tables, block pool and prefix cache (engine.core.kv_cache_manager).
+        scheduler: request queues and state (engine.core.scheduler). quantization_loaded: for an already quantized
+            HF folder, how its layers were loaded (e.g. "gptq 4-bit, group 128: 224 layers INT4 as stored, 0
+            dequantized exactly"; engine.loading.hf_quantized.QuantReport); None for other models.
     """
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
@@ -85,8 +82,9 @@ class LLMEngine:
             # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
             # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
-        self.tasks = model_tasks(model_config.architecture)
-        self.embedder = None if "embed" not in self.tasks else Embedder(  # an encoder: engine.pooling
+        self.tasks = model_tasks(model_config.architecture, bool(model_config.labels))
+        kind = Embedder if "embed" in self.tasks else Classifier if "classify" in self.tasks else None
+        self.embedder = None if kind is None else kind(  # an encoder or classifier: engine.pooling
             model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_row_tokens), device,
             config.max_num_batched_tokens, config.max_num_seqs)
         if self.embedder is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
@@ -154,9 +152,10 @@ class LLMEngine:
         opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
                             int4_layout=int4_layout_chooser(config, device, dtype))
-        pooling = None if "embed" not in model_tasks(opened.config.architecture) else read_pooling_config(
+        pooling = None if opened.config.labels or "embed" not in model_tasks(opened.config.architecture) else (
+            read_pooling_config(
             opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
-            getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
+            getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None)))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
                    opened.quantization_loaded, pooling)
 
@@ -204,9 +203,7 @@ class LLMEngine:
         RequestOutput: engine.processing.request_builder.RequestBuilder.make_requests (host work, any thread;
         raises ValueError when the lengths of prompts, params and ids differ, or ids repeat, or for a model that does
         not generate)."""
-        problem = task_problem(self.model_config.architecture, "generate")
-        if problem is not None:
-            raise ValueError(problem)
+        refuse_task(self.model_config, "generate")
         return self.request_builder.make_requests(prompts, sampling_params, request_ids=request_ids,
                                                   use_chat_template=use_chat_template,
                                                   allow_special_tokens=allow_special_tokens)
@@ -331,9 +328,7 @@ class LLMEngine:
         """Generate for all prompts as one continuous batch; outputs come back in the order of `prompts`:
         engine.processing.offline_batch.generate_batch documents the arguments, the order of admission, error and
         abort outputs, n > 1 samples and the exceptions (ValueError also for a model that does not generate)."""
-        problem = task_problem(self.model_config.architecture, "generate")
-        if problem is not None:
-            raise ValueError(problem)
+        refuse_task(self.model_config, "generate")
         return generate_batch(self, prompts, sampling_params, request_ids=request_ids,
                               use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,
                               on_output=on_output, should_stop=should_stop)
@@ -343,7 +338,12 @@ class LLMEngine:
         """One EmbeddingOutput per text, in order (engine.pooling.embedder.Embedder.embed; the keywords are
         engine.pooling.embed_options.EmbedOptions'). Raises ValueError for a model that does not embed, texts and
         request_ids of other lengths, or options out of range (dimensions < 1 or over the model's width)."""
-        if self.embedder is None:
-            raise ValueError(task_problem(self.model_config.architecture, "embed"))
+        refuse_task(self.model_config, "embed")
         options = EmbedOptions(dimensions=dimensions, normalize=normalize, prefix=prefix, truncate=truncate)
-        return self.embedder.embed(texts, request_ids, options)
+        return self.embedder.embed(texts, request_ids, options)  # type: ignore[union-attr]
+
+    def classify(self, texts: Sequence[str], request_ids: Sequence[str] | None = None) -> list[ClassificationOutput]:
+        """One ClassificationOutput per text, in order (engine.pooling.classifier.Classifier.classify). Raises
+        ValueError for a model that does not classify (not a *ForSequenceClassification) or as Classifier.classify."""
+        refuse_task(self.model_config, "classify")
+        return self.embedder.classify(texts, request_ids)  # type: ignore[union-attr]

@@ -104,3 +104,29 @@ class EmbeddingOutput:
     num_prompt_tokens: int
     truncated: bool = False
     error: str | None = None
+
+
+@dataclass
+class ClassificationOutput:
+    """The class of one text (LLMEngine.classify, engine.pooling.classifier).
+
+    Attributes:
+        request_id: the caller's id for the text (string; its index when none was given).
+        label: the most probable label's name (config.json id2label); None for a regression head (problem_type
+            "regression" or a single label: its scores are raw, no label wins) and for an error output.
+        score: the label's probability (softmax over the labels); for a regression head its first raw logit;
+            None for an error output.
+        scores: float32 numpy array [num_labels], by label id: the softmax probabilities (sum 1), or for a
+            regression head the raw logits; None for an error output.
+        num_prompt_tokens: tokens the model read, special tokens included (after truncation).
+        truncated: the text was longer than the model's row limit and its tail was dropped.
+        error: why the text could not be classified (not a string, empty / only whitespace), or None.
+    """
+
+    request_id: str
+    label: str | None
+    score: float | None
+    scores: np.ndarray | None
+    num_prompt_tokens: int
+    truncated: bool = False
+    error: str | None = None

@@ -44,7 +44,8 @@ class RunConfig:
         heartbeat_seconds: while rows are generated, an attempt that committed no part for this long leaves a
             sign of life (a tiny create-only record, pipeline.attempts.Heartbeat): an attempt killed without an end
             record is billed from its start to its last sign of life (seconds; default 15).
-        task: "generate" (a completion per row) or "embed" (an embedding per row: pipeline.shard_embed).
+        task: "generate" (a completion per row), "embed" (an embedding per row: pipeline.shard_embed) or "classify"
+            (a label per row: the same rows).
         embedding_dim: elements of one embedding (task embed only: the model's hidden size times its pooling
             modes, jobs.plan.task_check.embedding_dim; `dimensions` when set), the width of the results'
             fixed-size `embedding` column.

@@ -3,7 +3,8 @@ how they are stored (checkpoint parts and results). pipeline.shard runs either k
 checkpoints, exactly-once commits and accounting.
 
 - generate: a completion per row (pipeline.shard_requests; schemas.CHECKPOINT_PART_SCHEMA / RESULTS_SCHEMA);
-- embed: an embedding per row (pipeline.shard_embed; schemas.arrow.embed_part_schema / embed_results_schema).
+- embed: an embedding per row (pipeline.shard_embed; schemas.arrow.embed_part_schema / embed_results_schema);
+- classify: a label and scores per row (pipeline.shard_embed's rows too; schemas.arrow.CLASSIFY_*_SCHEMA).
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ import pyarrow as pa
 
 from pipeline.checkpoint import PartTableFn, completion_tokens, part_table
 from pipeline.config import RunConfig
-from pipeline.shard_embed import embed_part_table, embed_requests, embed_rows
+from pipeline.shard_embed import classify_part_table, embed_part_table, embed_requests, embed_rows
 from pipeline.shard_requests import RowRequests, generate_rows, row_requests
 from pipeline.shard_rows import ShardRows
-from schemas.arrow import CHECKPOINT_PART_SCHEMA, RESULTS_SCHEMA, embed_part_schema, embed_results_schema
+from schemas.arrow import (
+    CHECKPOINT_PART_SCHEMA,
+    CLASSIFY_PART_SCHEMA,
+    CLASSIFY_RESULTS_SCHEMA,
+    RESULTS_SCHEMA,
+    embed_part_schema,
+    embed_results_schema,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,8 @@ class RowKind:
         part_table: a checkpoint part of finished rows (pipeline.checkpoint.PartTableFn).
         part_schema / results_schema: the Arrow schemas of its parts and of its results.
         output_tokens: tokens a finished row generated (0 for an embedding).
-        aborted: whether an output is a row left unfinished by a stop (generate: finish_reason "abort"; embed: None).
+        aborted: whether an output is a row left unfinished by a stop (generate: finish_reason "abort"; embed,
+            classify: None).
     """
 
     requests: Callable[[ShardRows, RunConfig], RowRequests]
@@ -46,10 +55,14 @@ class RowKind:
 
 GENERATE = RowKind(row_requests, generate_rows, part_table, CHECKPOINT_PART_SCHEMA, RESULTS_SCHEMA,
                    completion_tokens, lambda out: out.finish_reason == "abort")
+CLASSIFY = RowKind(embed_requests, embed_rows, classify_part_table, CLASSIFY_PART_SCHEMA, CLASSIFY_RESULTS_SCHEMA,
+                   lambda out: 0, lambda out: out is None)
 
 
 def row_kind(cfg: RunConfig) -> RowKind:
     """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide)."""
+    if cfg.task == "classify":
+        return CLASSIFY
     if cfg.task != "embed":
         return GENERATE
     dim = cfg.embedding_dim or 0  # RunConfig holds it set for task embed

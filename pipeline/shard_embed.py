@@ -1,8 +1,9 @@
-"""An embed job's rows (`--task embed`): the text of each row embedded by the engine (engine.LLMEngine.embed), bad
-rows as error rows, finished rows handed to the shard's checkpoints as they come; the rows as checkpoint parts.
+"""An embed or classify job's rows (`--task embed|classify`): the text of each row embedded or classified by the
+engine (engine.LLMEngine.embed / classify), bad rows as error rows, finished rows handed to the shard's checkpoints
+as they come; the rows as checkpoint parts.
 
 The shard's machinery (pipeline.shard: attempts, checkpoints, exactly-once results, accounting) is the generate
-path's; pipeline.row_kinds picks these functions for an embed job.
+path's; pipeline.row_kinds picks these functions for an embed or classify job.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from engine.loop.clock import DeviceClock
 from pipeline.config import RunConfig
 from pipeline.shard_requests import ProgressFn, RowRequests
 from pipeline.shard_rows import ShardRows
-from schemas.arrow import embed_part_schema
+from schemas.arrow import CLASSIFY_PART_SCHEMA, embed_part_schema
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), never by the client
     from engine import LLMEngine
     from engine.loop.engine_loop import EngineLoop
-    from engine.outputs import EmbeddingOutput
+    from engine.outputs import ClassificationOutput, EmbeddingOutput
 
 #: Called with (row index, its output) as each row finishes.
-EmbedRowFn = Callable[[int, "EmbeddingOutput"], None]
+EmbedRowFn = Callable[[int, "EmbeddingOutput | ClassificationOutput"], None]
 
 
 def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
@@ -43,8 +44,9 @@ def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
 def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
                progress: ProgressFn | None = None, *, on_row: EmbedRowFn | None = None,
                should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
-               requests: RowRequests | None = None) -> list[EmbeddingOutput | None]:
-    """One EmbeddingOutput per row, in row order; None for a row left unfinished because `should_stop` said stop.
+               requests: RowRequests | None = None) -> list[EmbeddingOutput | ClassificationOutput | None]:
+    """One EmbeddingOutput per row (cfg.task "classify": one ClassificationOutput), in row order; None for a row left
+    unfinished because `should_stop` said stop.
 
     Error rows (embed_requests) come first, as error outputs; the others are embedded (with cfg's embed options:
     dimensions, normalize, prefix, truncate, whose over-long rows become error outputs) in chunks of
@@ -55,19 +57,21 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
     idles); None only when no row can run. `clock` is accepted for generate_rows' signature: the caller's
     DeviceClock bills the engine's time, on an engine loop its wall time split equally among the shards that hold
     it at once (engine.loop.clock.IdleShare), so shards sharing a worker are not billed its time twice.
-    Raises ValueError when `engine` is None and a row can run, or is a model that does not embed (its message names
-    the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
+    Raises ValueError when `engine` is None and a row can run, or is a model that does not embed / classify (its
+    message names the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
     from engine.loop.engine_loop import EngineLoop
-    from engine.outputs import EmbeddingOutput
+    from engine.outputs import ClassificationOutput, EmbeddingOutput
 
     requests = requests or embed_requests(rows, cfg)
     runnable = requests.runnable
     if engine is None and runnable:
         raise ValueError(f"{len(runnable)} rows can run but no engine was given")
     llm = engine.engine if isinstance(engine, EngineLoop) else engine
-    outputs: list[EmbeddingOutput | None] = [None] * len(rows.prompts)
+    classify = cfg.task == "classify"
+    outputs: list[EmbeddingOutput | ClassificationOutput | None] = [None] * len(rows.prompts)
     for k, problem in requests.errors.items():
-        outputs[k] = EmbeddingOutput(str(rows.ids[k]), None, 0, error=problem)
+        outputs[k] = (ClassificationOutput(str(rows.ids[k]), None, None, None, 0, error=problem) if classify
+                      else EmbeddingOutput(str(rows.ids[k]), None, 0, error=problem))
         if on_row:
             on_row(k, outputs[k])
     if progress and requests.errors:
@@ -77,9 +81,10 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
         if should_stop is not None and should_stop():
             break
         chunk = runnable[start:start + step]
-        for k, out in zip(chunk, llm.embed([rows.prompts[k] for k in chunk],  # type: ignore[union-attr]
-                                           request_ids=[str(rows.ids[k]) for k in chunk], **cfg.embed_options()),
-                          strict=True):
+        texts, ids = [rows.prompts[k] for k in chunk], [str(rows.ids[k]) for k in chunk]
+        done = (llm.classify(texts, ids) if classify  # type: ignore[union-attr]
+                else llm.embed(texts, request_ids=ids, **cfg.embed_options()))  # type: ignore[union-attr]
+        for k, out in zip(chunk, done, strict=True):
             out.request_id = rows.ids[k]
             outputs[k] = out
             if on_row:
@@ -106,3 +111,13 @@ def embed_part_table(dim: int) -> Callable[[list[tuple[int, Any]], str, str | No
             "row": k} for k, o in rows], schema=schema)
 
     return table
+
+
+def classify_part_table(rows: list[tuple[int, ClassificationOutput]], model: str,
+                        model_fingerprint: str | None = None) -> pa.Table:
+    """The part builder of a classify job (pipeline.checkpoint.PartTableFn): finished rows (position in the shard,
+    ClassificationOutput) -> a table of schemas.arrow.CLASSIFY_PART_SCHEMA."""
+    return pa.Table.from_pylist([{
+        "id": o.request_id, "label": o.label, "score": o.score, "scores": o.scores,
+        "prompt_tokens": o.num_prompt_tokens, "error": o.error, "model": model, "model_fingerprint": model_fingerprint,
+        "truncated": o.truncated, "row": k} for k, o in rows], schema=CLASSIFY_PART_SCHEMA)

@@ -151,16 +151,22 @@ _INPUT_FIELDS = [RESULTS_SCHEMA.field("input_file"), RESULTS_SCHEMA.field("input
 def _embed_fields(dim: int) -> list[pa.Field]:
     """The fields of an embed job's finished row, in results and in checkpoint parts alike (`dim`: elements of one
     embedding, the model's hidden size times its pooling modes)."""
+    return _text_fields([pa.field("embedding", pa.list_(pa.float32(), dim), metadata={
+        "doc": f"the text's embedding, {dim} float32 values, pooled and normalized as the model's "
+               "sentence-transformers files say (engine.pooling); null for an error row"})])
+
+
+def _text_fields(outputs: list[pa.Field]) -> list[pa.Field]:
+    """The fields of an embed or classify job's finished row: id, the task's `outputs`, the tokens read, whether
+    truncated, error and model."""
     return [
-        _BY_NAME["id"],
-        pa.field("embedding", pa.list_(pa.float32(), dim), metadata={
-            "doc": f"the text's embedding, {dim} float32 values, pooled and normalized as the model's "
-                   "sentence-transformers files say (engine.pooling); null for an error row"}),
+        _BY_NAME["id"], *outputs,
         pa.field("prompt_tokens", pa.int32(), nullable=False, metadata={
             "doc": "tokens the model read, special tokens included, after truncation; 0 for an error row"}),
         pa.field("truncated", pa.bool_(), nullable=False, metadata={
-            "doc": "true when the text ran past the model's max_seq_length (sentence_bert_config.json) and its tail "
-                   "was dropped before embedding (sentence-transformers cuts the same tokens, silently)"}),
+            "doc": "true when the text ran past the model's max_seq_length (sentence_bert_config.json; a "
+                   "classifier's: its positions) and its tail was dropped (sentence-transformers cuts the same "
+                   "tokens, silently)"}),
         _BY_NAME["error"], _BY_NAME["model"], _BY_NAME["model_fingerprint"],
     ]
 
@@ -175,3 +181,18 @@ def embed_part_schema(dim: int) -> pa.Schema:
     """A checkpoint part of an embed job: its finished rows (embed_results_schema less input_file and input_row)
     plus each row's position in the shard."""
     return pa.schema(_embed_fields(dim) + [CHECKPOINT_PART_SCHEMA.field("row")])
+
+
+# The rows of a classify job (`--task classify`): the label of each row's text and its scores.
+_CLASSIFY_FIELDS = _text_fields([
+    pa.field("label", pa.string(), metadata={
+        "doc": "the most probable label (config.json id2label); null for a regression head and an error row"}),
+    pa.field("score", pa.float32(), metadata={
+        "doc": "the label's probability (softmax); a regression head's raw score; null for an error row"}),
+    pa.field("scores", pa.list_(pa.float32()), metadata={
+        "doc": "every label's probability, by label id (softmax); a regression head's raw logits; null for an "
+               "error row"})])
+#: OUTPUT/results/<shard_id>.parquet of a classify job: one row per input row.
+CLASSIFY_RESULTS_SCHEMA = pa.schema(_CLASSIFY_FIELDS + _INPUT_FIELDS)
+#: A checkpoint part of a classify job: its finished rows plus each row's position in the shard.
+CLASSIFY_PART_SCHEMA = pa.schema(_CLASSIFY_FIELDS + [CHECKPOINT_PART_SCHEMA.field("row")])

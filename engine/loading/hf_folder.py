@@ -29,7 +29,7 @@ from engine.loading.hf_quantized import (
 from engine.loading.model_files import HF_CONFIG_FILE, TOKENMILL_CONFIG_FILE
 from engine.model.architectures import get_architecture
 from engine.model.hf_config import config_from_hf
-from engine.model.registry import model_entry
+from engine.model.registry import entry_of
 from engine.model.tensor_names import LM_HEAD, check_tensor_names, split_fused
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def hf_tensor_index(path: str, cfg: ModelConfig) -> dict[str, tuple[tuple[str, s
                              f"{cfg.num_experts - 1} as config.json says (first odd one: {odd[0]})")
         out[name] = tuple(parts[e] for e in range(cfg.num_experts))
     check_tensor_names(out, cfg, path, fused=arch.fused_projections,
-                       expected=model_entry(cfg.architecture).param_shapes(cfg))
+                       expected=entry_of(cfg).param_shapes(cfg))
     return out
 
 

@@ -191,14 +191,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("bert", ("bert",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
                  refused=(("hidden_act", ("gelu",)), ("is_decoder", (False, None)),
                           ("add_cross_attention", (False, None))),
-                 window=_no_window, fields=bert_fields, hf_unused=("pooler.", "embeddings.position_ids")),
+                 window=_no_window, fields=bert_fields, hf_unused=("pooler.", "embeddings.position_ids"),
+                 hf_renames=(("bert.", ""),)),  # BertForSequenceClassification's encoder (its pooler kept)
     # XLM-RoBERTa (XLMRobertaModel: multilingual-e5, bge-m3's dense vectors): BERT's model, its positions counted
     # from pad_token_id + 1 (engine.model.bert: `positions`); HF folders only, as BERT.
     Architecture("xlm_roberta", ("xlm-roberta",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
                  refused=(("hidden_act", ("gelu",)), ("is_decoder", (False, None)),
                           ("add_cross_attention", (False, None))),
                  window=_no_window, fields=xlm_roberta_fields,
-                 hf_unused=("pooler.", "embeddings.position_ids")),
+                 hf_unused=("pooler.", "embeddings.position_ids"), hf_renames=(("roberta.", ""),)),
 )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.config import ModelConfig, RopeScaling
 from engine.model.architectures import Architecture, get_architecture, supported
+from engine.model.classifier_names import classifier_fields
 
 #: config.json fields that describe training, serialization or the HF runtime, not the math of inference.
 _IGNORED_FIELDS = frozenset({
@@ -158,6 +159,7 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         eos_token_ids=stop, sliding_window=arch.window(config), **moe)
     if arch.fields is not None:
         fields.update(arch.fields(config))
+    fields.update(classifier_fields(config, arch.name))  # a *ForSequenceClassification's labels
     return ModelConfig(**fields)
 
 

@@ -22,6 +22,7 @@ from engine.config import ModelConfig
 from engine.core.kv_cache_spec import KVCacheSpec
 from engine.model.architectures import ARCHITECTURES, Architecture, get_architecture
 from engine.model.bert_names import bert_kv_layout, bert_param_shapes
+from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.tensor_names import param_shapes
 
@@ -44,7 +45,8 @@ class ModelEntry:
             tied LM head left out (no torch).
         kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
         tasks: what the model does (schemas.engine_choices.TASKS): "generate" (a causal LM: LLMEngine.generate),
-            "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed).
+            "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed), "classify" (a
+            sequence classifier: LLMEngine.classify).
     """
 
     model_class: Callable[[], type[ModelBase]]
@@ -80,6 +82,23 @@ MODELS: dict[str, ModelEntry] = {
     "xlm_roberta": BERT_ENCODER,
 }
 
+#: Sequence classifiers (ModelConfig.labels set; engine.model.classifier_names): architecture -> its entry.
+_ENCODER_CLASSIFIER = ModelEntry(_model_class("classifier", "EncoderClassifier"), with_head(bert_param_shapes),
+                                 bert_kv_layout, tasks=("classify",))
+_DECODER_CLASSIFIER = ModelEntry(_model_class("classifier", "DecoderClassifier"), with_head(param_shapes),
+                                 decoder_kv_layout, tasks=("classify",))
+CLASSIFIERS: dict[str, ModelEntry] = {"bert": _ENCODER_CLASSIFIER, "xlm_roberta": _ENCODER_CLASSIFIER,
+                                      "llama": _DECODER_CLASSIFIER, "qwen2": _DECODER_CLASSIFIER}
+
+
+def entry_of(cfg: ModelConfig) -> ModelEntry:
+    """The entry of the model of shape `cfg`: its architecture's classifier when cfg.labels is set, else
+    model_entry's. Raises ValueError as model_entry, or for a classifier of an architecture without one."""
+    if not cfg.labels:
+        return model_entry(cfg.architecture)
+    model_tasks(cfg.architecture, True)  # raises for an architecture without a classifier
+    return CLASSIFIERS[get_architecture(cfg.architecture).name]
+
 
 def model_entry(architecture: str) -> ModelEntry:
     """The entry of `architecture` (a registry name, HF model_type or GGUF architecture: get_architecture's).
@@ -91,21 +110,36 @@ def model_entry(architecture: str) -> ModelEntry:
     return entry
 
 
-def model_tasks(architecture: str) -> tuple[str, ...]:
-    """The tasks the model of `architecture` does ("generate", "embed"); raises ValueError as model_entry."""
-    return model_entry(architecture).tasks
+def model_tasks(architecture: str, classifier: bool = False) -> tuple[str, ...]:
+    """The tasks the model of `architecture` does ("generate", "embed", "classify"; `classifier`: its sequence
+    classifier's); raises ValueError as model_entry."""
+    if not classifier:
+        return model_entry(architecture).tasks
+    entry = CLASSIFIERS.get(get_architecture(architecture).name)
+    if entry is None:
+        raise ValueError(f"a {architecture} model has no sequence classifier in tokenmill")
+    return entry.tasks
 
 
-def task_problem(architecture: str, task: str) -> str | None:
-    """One line when the model of `architecture` cannot do `task` ("generate" or "embed"), naming what it does
-    and how to ask for that; None when it can. Raises ValueError as model_entry."""
-    tasks = model_entry(architecture).tasks
+def task_problem(architecture: str, task: str, classifier: bool = False) -> str | None:
+    """One line when the model of `architecture` (`classifier`: its sequence classifier) cannot do `task`
+    ("generate", "embed" or "classify"), naming what it does and how to ask for that; None when it can. Raises
+    ValueError as model_entry."""
+    tasks = model_tasks(architecture, classifier)
     if task in tasks:
         return None
-    how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate"}
+    how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
+           "classify": "LLMEngine.classify, --task classify"}
     return (f"a {get_architecture(architecture).name} model cannot {task}: it does {' and '.join(tasks)} "
             f"({'; '.join(how[t] for t in tasks)}); pick a model that does {task}, or ask for "
             f"{' or '.join(tasks)}")
+
+
+def refuse_task(cfg: ModelConfig, task: str) -> None:
+    """Raise ValueError (task_problem's line) when the model of shape `cfg` cannot do `task`."""
+    problem = task_problem(cfg.architecture, task, bool(cfg.labels))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def quantization_problem(architecture: str, quantization: str) -> str | None:
@@ -126,14 +160,14 @@ def config_reader(architecture: str) -> Architecture:
 def kv_cache_layout(cfg: ModelConfig) -> tuple[KVCacheSpec, ...]:
     """The KV cache layout, one KVCacheSpec per layer, of the model of shape `cfg` (what its `kv_cache_specs`
     says once built), from the config alone."""
-    return model_entry(cfg.architecture).kv_layout(cfg)
+    return entry_of(cfg).kv_layout(cfg)
 
 
 def build_model(cfg: ModelConfig, max_positions: int | None = None) -> ModelBase:
     """The model of `cfg.architecture` of shape `cfg`, its RoPE tables for `max_positions` positions (None:
     cfg.max_position_embeddings), built on the current default device (the loaders build on the meta device, then
     fill). Raises ValueError for an architecture not in the registry."""
-    return model_entry(cfg.architecture).model_class()(cfg, max_positions or cfg.max_position_embeddings)
+    return entry_of(cfg).model_class()(cfg, max_positions or cfg.max_position_embeddings)
 
 
 def registered() -> tuple[str, ...]:

@@ -136,9 +136,9 @@ def choose_int4_layout(tensors: list[tuple], dtype: torch.dtype | str, total: in
 def model_tensors(cfg: ModelConfig) -> list[tuple[str, int]]:
     """(name, numel) of every weight of a model of shape `cfg` (HF names without "model."; a tied LM head left out),
     from the config alone (its registry entry's param_shapes: no torch, no memory)."""
-    from engine.model.registry import model_entry
+    from engine.model.registry import entry_of
 
-    return [(name, math.prod(shape)) for name, shape in model_entry(cfg.architecture).param_shapes(cfg).items()]
+    return [(name, math.prod(shape)) for name, shape in entry_of(cfg).param_shapes(cfg).items()]
 
 
 def int4_layout_chooser(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Int4LayoutChooser:

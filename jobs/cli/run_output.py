@@ -35,7 +35,7 @@ def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFi
         ("input / output tokens (job)", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
         ("this run", this_run(summary)),
         ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
-        *([] if summary.task == "embed" else [("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}")]),
+        *([] if summary.task != "generate" else [("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}")]),
         ("input tokens / rows per dollar", _per_dollar(summary.input_tokens_per_dollar, summary.rows_per_dollar)),
         ("attempts / preemptions", f"{summary.attempts} / {summary.preemptions} "
                                    f"({summary.device_s_lost:.1f} device-seconds lost)"),
@@ -69,9 +69,10 @@ def this_run(summary: JobSummary) -> str:
     """What this run did itself, apart from the job's totals (rows earlier runs committed are not its work)."""
     if summary.already_done:
         return "nothing to do: the job had finished"
-    if summary.task == "embed":
+    if summary.task != "generate":
         rate = summary.run_rows / summary.wall_s if summary.wall_s > 0 else 0.0
-        return f"{summary.run_rows:,} rows embedded in {summary.wall_s:.1f} s wall time ({rate:,.1f} rows/s)"
+        done = "classified" if summary.task == "classify" else "embedded"
+        return f"{summary.run_rows:,} rows {done} in {summary.wall_s:.1f} s wall time ({rate:,.1f} rows/s)"
     return (f"{summary.run_rows:,} rows, {summary.run_output_tokens:,} output tokens generated in "
             f"{summary.wall_s:.1f} s wall time ({summary.output_tokens_per_s:,.1f} output tokens/s)")
 

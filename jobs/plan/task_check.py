@@ -1,6 +1,6 @@
-"""The job's task (`--task generate|embed`) against its model, on the client before any work: the model for the task
-(the default embedding model when --task embed names none), whether the model can do the task (its architecture's
-registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
+"""The job's task (`--task generate|embed|classify`) against its model, on the client before any work: the model for
+the task (the default embedding model when --task embed names none), whether the model can do the task (its
+architecture's registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
 (--dimensions, --normalize, --prefix, --no-truncate: refused for --task generate, --dimensions against the width).
 Reads config files only, no torch."""
 
@@ -28,11 +28,12 @@ def task_model(model: str | None, task: str) -> str | None:
         raise JobError(f"--task embed: {e}") from e
 
 
-def model_architecture(model: str | None) -> str | None:
-    """The registry architecture (engine.model.architectures) of a local model: an HF folder's config.json, a
-    `tokenmill quantize` folder's config, a GGUF file's general.architecture; None for a model at a URL (its worker
-    reads it). `model` as jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError
-    (exit 2) when the model's config cannot be read or names an architecture tokenmill does not run."""
+def model_architecture(model: str | None) -> tuple[str, bool] | None:
+    """(registry architecture (engine.model.architectures), whether a sequence classifier: config.json's
+    *ForSequenceClassification) of a local model: an HF folder's config.json, a `tokenmill quantize` folder's
+    config, a GGUF file's general.architecture; None for a model at a URL (its worker reads it). `model` as
+    jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError (exit 2) when the
+    model's config cannot be read or names an architecture tokenmill does not run."""
     from engine.loading.gguf_header import gguf_metadata
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.model.architectures import get_architecture
@@ -42,30 +43,34 @@ def model_architecture(model: str | None) -> str | None:
         return None
     try:
         if os.path.isdir(path) and is_hf_folder(path):
-            return read_hf_config(path).architecture
+            cfg = read_hf_config(path)
+            return cfg.architecture, bool(cfg.labels)
         if os.path.isdir(path):
             with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
-                return str(json.load(f)["model_config"]["architecture"])
+                folder = json.load(f)["model_config"]
+            return str(folder["architecture"]), bool(folder.get("labels"))
         arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture", "llama")
-        return get_architecture(str(arch)).name
+        return get_architecture(str(arch)).name, False
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"--model {path}: cannot read its architecture ({e})") from e
 
 
 def check_task(model: str | None, task: str) -> None:
     """Refuse, before any work, a job whose model cannot do `task`: an encoder asked to generate (the line names
-    --task embed), a causal LM asked to embed (it names --task generate). `model` as check_model returns it. A
-    model at a URL is checked by its worker for generate; --task embed needs a local folder (its pooling files are
-    read here). Raises JobError (exit 2, one line)."""
+    --task embed), a causal LM asked to embed (it names --task generate), a model that is no sequence classifier
+    asked to classify, a classifier asked to generate or embed (it names --task classify). `model` as check_model
+    returns it. A model at a URL is checked by its worker for generate and classify; --task embed needs a local
+    folder (its pooling files are read here). Raises JobError (exit 2, one line)."""
     from engine.model.registry import task_problem
 
-    arch = model_architecture(model)
-    if arch is None:
+    found = model_architecture(model)
+    if found is None:
         if task == "embed":
             raise JobError(f"--task embed reads the model's sentence-transformers files on this machine; --model "
                            f"{model} is at a URL: copy the folder here and pass its path")
         return
-    problem = task_problem(arch, task)
+    arch, classifier = found
+    problem = task_problem(arch, task, classifier)
     if problem is not None:
         raise JobError(f"--model {client_model_path(model)}: {problem}")
 

@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.core.kv_cache_spec import KVCacheSpec
 from engine.model.architectures import ARCHITECTURES
 from engine.model.base import ModelBase
-from engine.model.registry import MODELS, build_model, kv_cache_layout, model_entry
+from engine.model.registry import CLASSIFIERS, MODELS, build_model, entry_of, kv_cache_layout, model_entry
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = ROOT / "engine"
@@ -35,7 +35,7 @@ def test_every_architecture_has_a_model() -> None:
 def test_no_module_outside_the_registry_names_a_model_class() -> None:
     """A model class is named by the registry (which builds it) and by the module defining it, nowhere else in
     engine/ (nor pipeline, jobs, schemas, bench, infra): everything else holds a ModelBase."""
-    classes = {entry.model_class() for entry in MODELS.values()}
+    classes = {entry.model_class() for entry in (*MODELS.values(), *CLASSIFIERS.values())}
     names = {cls.__name__ for cls in classes}
     allowed = {ENGINE / "model" / "registry.py"} | {ROOT / (cls.__module__.replace(".", "/") + ".py")
                                                    for cls in classes}
@@ -136,3 +136,23 @@ def test_the_encoder_entries_declare_their_encoder(arch: str, types: int, pad: i
         assert torch.equal(model(None, positions, [], meta, inputs_embeds=model.embed(ids)), hidden)
         with pytest.raises(NotImplementedError, match="without an LM head"):
             model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "llama", "qwen2"])
+def test_the_classifier_entries_declare_their_heads(arch: str) -> None:
+    """A config with labels builds its family's sequence classifier: the names and shapes from the config alone are
+    the built model's state dict (head included, no LM head), and it classifies only."""
+    from engine.model.registry import model_tasks
+
+    encoder = arch in ("bert", "xlm-roberta")
+    extra = dict(hidden_act="gelu", type_vocab_size=2, num_kv_heads=4) if encoder else {}
+    cfg = ModelConfig(**{**SHAPE, **extra}, architecture=arch, tie_word_embeddings=False, labels=("a", "b", "c"))
+    with torch.device("meta"):
+        model = build_model(cfg, 1)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == entry_of(cfg).param_shapes(cfg) and "lm_head.weight" not in shapes
+    assert shapes["classifier.weight" if arch == "bert" else "classifier.out_proj.weight" if encoder
+                  else "score.weight"] == (3, SHAPE["hidden_size"])
+    assert model_tasks(arch, classifier=True) == ("classify",)
+    with pytest.raises(ValueError, match="no sequence classifier"):
+        model_tasks("gemma2", classifier=True)

@@ -1,0 +1,76 @@
+"""Sequence classifiers (HF `*ForSequenceClassification`: quality / toxicity / domain classifiers, reward models)
+from the config alone, no torch: which head a config.json's `architectures` names, its labels and problem type
+(ModelConfig.labels / regression), and the head's parameter names and shapes (what the registry's classify entries
+declare; engine.model.classifier builds the heads).
+
+Heads, as HF transformers' modeling code computes them (models/*/modeling_*.py):
+- BertForSequenceClassification: `pooler.dense` + tanh on [CLS], then `classifier` Linear [num_labels, hidden];
+- XLMRobertaForSequenceClassification: `classifier.dense` + tanh on <s>, then `classifier.out_proj` (no pooler);
+- LlamaForSequenceClassification / Qwen2ForSequenceClassification: `score` Linear [num_labels, hidden] (no bias) on
+  the last token's final hidden state (a row here holds no padding, so its last token is its last non-pad one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.model.architectures import get_architecture
+
+#: config.json architectures entry -> the registry architecture whose classifier it is.
+CLASSIFIER_ARCHITECTURES = {"BertForSequenceClassification": "bert",
+                            "XLMRobertaForSequenceClassification": "xlm_roberta",
+                            "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
+#: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1) or the raw logits.
+_PROBLEM_TYPES = (None, "single_label_classification", "regression")
+
+
+def classifier_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig fields `labels` (id2label's names in id order) and `regression` of a config.json dict whose
+    `architectures` names a `*ForSequenceClassification`; {} for any other model. regression: problem_type
+    "regression" or a single label (HF's rule for num_labels == 1). Raises ValueError naming a sequence classifier
+    tokenmill has no head for, a missing or gapped id2label, or a problem_type it does not run
+    (multi_label_classification: sigmoid scores, not implemented)."""
+    names = [a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")]
+    if not names:
+        return {}
+    if CLASSIFIER_ARCHITECTURES.get(names[0]) != arch:
+        raise ValueError(f"config.json architectures {names[0]!r}: tokenmill classifies with "
+                         f"{sorted(CLASSIFIER_ARCHITECTURES)} only")
+    id2label = config.get("id2label")
+    if not isinstance(id2label, dict) or not id2label:
+        raise ValueError(f"config.json of {names[0]} has no id2label; the classifier's labels need it")
+    try:
+        by_id = {int(k): str(v) for k, v in id2label.items()}
+    except ValueError as e:
+        raise ValueError(f"config.json id2label keys must be label ids 0, 1, ...: {e}") from e
+    if sorted(by_id) != list(range(len(by_id))):
+        raise ValueError(f"config.json id2label ids {sorted(by_id)} are not 0..{len(by_id) - 1}")
+    problem = config.get("problem_type")
+    if problem not in _PROBLEM_TYPES:
+        raise ValueError(f"config.json problem_type {problem!r} is not run by tokenmill; it runs "
+                         f"{list(_PROBLEM_TYPES)}")
+    return dict(labels=tuple(by_id[i] for i in range(len(by_id))),
+                regression=problem == "regression" or len(by_id) == 1, tie_word_embeddings=False)
+
+
+def head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of each classifier head parameter of `cfg` (module docstring); raises ValueError for an
+    architecture without a head."""
+    h, n, arch = cfg.hidden_size, len(cfg.labels), get_architecture(cfg.architecture).name
+    if arch == "bert":
+        return {"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,), "classifier.weight": (n, h),
+                "classifier.bias": (n,)}
+    if arch == "xlm_roberta":
+        return {"classifier.dense.weight": (h, h), "classifier.dense.bias": (h,),
+                "classifier.out_proj.weight": (n, h), "classifier.out_proj.bias": (n,)}
+    if arch in ("llama", "qwen2"):
+        return {"score.weight": (n, h)}
+    raise ValueError(f"a {cfg.architecture} model has no sequence classification head in tokenmill")
+
+
+def with_head(body: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+              ) -> Callable[[ModelConfig], dict[str, tuple[int, ...]]]:
+    """A classifier's param_shapes: `body`'s (the encoder's or decoder's), its LM head dropped, plus head_shapes."""
+    return lambda cfg: {**{k: v for k, v in body(cfg).items() if k != "lm_head.weight"}, **head_shapes(cfg)}

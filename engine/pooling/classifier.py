@@ -1,0 +1,63 @@
+"""Sequence classification (LLMEngine.classify): an Embedder (engine.pooling.embedder: the same text checks,
+tokenization, truncation and token-budget batches) whose per-row vector is the classifier head's logits
+(engine.model.classifier: `classify_logits`) instead of a pooled embedding, turned into labels and scores.
+
+An encoder runs each batch as one packed forward; a causal decoder (Llama / Qwen2 reward models and classifiers)
+runs each row as one whole-sequence forward through a private KV cache that nothing reuses
+(engine.model.sequence_forward), its last token scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.layers.encoder_attention import EncoderMetadata
+from engine.model.sequence_forward import forward_sequence
+from engine.outputs import ClassificationOutput
+from engine.pooling.embed_options import EmbedOptions
+from engine.pooling.embedder import Embedder
+
+
+class Classifier(Embedder):
+    """A sequence classifier model (task "classify"), its tokenizer and its labels: `classify(texts)`. Built as
+    Embedder (its `pooling` only gives the row limit, max_seq_length)."""
+
+    def classify(self, texts: Sequence[object], request_ids: Sequence[str] | None = None
+                 ) -> list[ClassificationOutput]:
+        """One ClassificationOutput per text, in order: label and score of the softmax over the logits, or the raw
+        logits of a regression head (engine.outputs.ClassificationOutput). A text that is not a string, or is empty
+        or only whitespace, gets an error output and the others still run; a text over the row limit is truncated
+        (truncated=True). Raises ValueError when request_ids and texts differ in length, or without a tokenizer."""
+        cfg = self.model.config
+        out = []
+        for row in self.embed(texts, request_ids):
+            if row.embedding is None:
+                out.append(ClassificationOutput(row.request_id, None, None, None, 0, error=row.error))
+                continue
+            logits = row.embedding
+            if cfg.regression:
+                out.append(ClassificationOutput(row.request_id, None, float(logits[0]), logits,
+                                                row.num_prompt_tokens, row.truncated))
+                continue
+            probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
+            best = int(np.argmax(probs))
+            out.append(ClassificationOutput(row.request_id, cfg.labels[best], float(probs[best]), probs,
+                                            row.num_prompt_tokens, row.truncated))
+        return out
+
+    @torch.inference_mode()
+    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
+        """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none)."""
+        lens = [len(r) for r in rows]
+        model = self.model
+        if any(spec.has_cache for spec in model.kv_cache_specs):  # a causal decoder: one row at a time
+            hidden = torch.cat([forward_sequence(model, torch.tensor(r, dtype=torch.int64, device=self.device))
+                                for r in rows])
+        else:
+            ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
+            positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(self.device)
+            hidden = model(ids, positions, [], EncoderMetadata.of(lens, self.device))
+        return model.classify_logits(hidden, lens).cpu().numpy()  # type: ignore[operator]
