@@ -54,7 +54,7 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
 
 def main() -> None:
     ap = new_parser(__doc__)
-    ap.add_argument("--rows", type=int, default=1000, help="texts to embed (0: all 4,248; the first N mix the four sets)")
+    ap.add_argument("--rows", type=int, default=1000, help="texts to embed (0: all 4,248; any N mixes the four)")
     ap.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: auto, what a user gets)")
     ap.add_argument("--st-batches", default="32,64", help="sentence-transformers batch sizes (32: its default)")
     ap.add_argument("--repeats", type=int, default=1)
