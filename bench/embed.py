@@ -17,12 +17,9 @@ float32 too.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pyarrow.parquet as pq
 
-from bench.common import data_file, new_parser
+from bench.common import best_seconds, data_file, new_parser
 
 
 def real_texts() -> list[str]:
@@ -39,17 +36,6 @@ def real_texts() -> list[str]:
                 seen.add(c[i])
                 out.append(c[i])
     return out
-
-
-def best_seconds(run: Callable[[], object], repeats: int) -> float:
-    """The shortest of `repeats` timed calls of `run` after one untimed warm-up call (seconds)."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from types import ModuleType
 import torch
 
 import engine.layers.attention as attention
-from bench.common import ROOT, new_parser
+from bench.common import ROOT, best_seconds, new_parser
 from engine.kernels.cpu_kernels import CFLAGS, SOURCES
 
 # (rows, shortest context, longest context + 1, heads, KV heads, head_dim)
@@ -46,13 +46,7 @@ def build(tag: str, source: Path) -> ModuleType:
 
 def best_cpu_s(fn: Callable[[], object], reps: int = 5) -> float:
     """Least CPU seconds of reps calls (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return best
+    return best_seconds(fn, reps, time.process_time)
 
 
 def attend_layers(mod: ModuleType, q: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]],
