@@ -143,6 +143,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
+        object.__setattr__(self, "labels", tuple(str(t) for t in self.labels))  # a JSON round trip gives a list
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         ids = tuple(int(i) for i in self.eos_token_ids)
