@@ -58,6 +58,7 @@ class LLMEngine:
         scheduler: request queues and state (engine.core.scheduler). quantization_loaded: for an already quantized
             HF folder, how its layers were loaded (e.g. "gptq 4-bit, group 128: 224 layers INT4 as stored, 0
             dequantized exactly"; engine.loading.hf_quantized.QuantReport); None for other models.
+        pooling_runner: an embedder's or classifier's runner (engine.pooling, no KV cache); None for a causal LM.
     """
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
@@ -84,11 +85,11 @@ class LLMEngine:
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.tasks = model_tasks(model_config.architecture, bool(model_config.labels))
         kind = Embedder if "embed" in self.tasks else Classifier if "classify" in self.tasks else None
-        self.embedder = None if kind is None else kind(  # an encoder or classifier: engine.pooling
+        self.pooling_runner = runner = None if kind is None else kind(  # an encoder or classifier: engine.pooling
             model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_row_tokens), device,
             config.max_num_batched_tokens, config.max_num_seqs)
-        if self.embedder is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
-            self.block_size, self.num_kv_blocks, self.max_model_len = config.block_size, 0, self.embedder.max_length
+        if runner is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
+            self.block_size, self.num_kv_blocks, self.max_model_len = config.block_size, 0, runner.max_length
             return
         if model_config.num_experts:
             log.info("model %s: %s", model_name, describe_experts(model))  # INT4 / INT8 / plain, per projection
@@ -152,10 +153,10 @@ class LLMEngine:
         opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
                             int4_layout=int4_layout_chooser(config, device, dtype))
-        pooling = None if opened.config.labels or "embed" not in model_tasks(opened.config.architecture) else (
-            read_pooling_config(
-            opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
-            getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None)))
+        pooling = None  # an embedding model's sentence-transformers files (a classifier's head needs none)
+        if not opened.config.labels and "embed" in model_tasks(opened.config.architecture):
+            pooling = read_pooling_config(opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
+                                          getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
                    opened.quantization_loaded, pooling)
 
@@ -185,7 +186,7 @@ class LLMEngine:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
         return LLMEngine(self.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
-                         self.quantization_loaded, self.embedder.pooling if self.embedder is not None else None)
+                         self.quantization_loaded, self.pooling_runner.pooling if self.pooling_runner else None)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -340,10 +341,10 @@ class LLMEngine:
         request_ids of other lengths, or options out of range (dimensions < 1 or over the model's width)."""
         refuse_task(self.model_config, "embed")
         options = EmbedOptions(dimensions=dimensions, normalize=normalize, prefix=prefix, truncate=truncate)
-        return self.embedder.embed(texts, request_ids, options)  # type: ignore[union-attr]
+        return self.pooling_runner.embed(texts, request_ids, options)  # type: ignore[union-attr]
 
     def classify(self, texts: Sequence[str], request_ids: Sequence[str] | None = None) -> list[ClassificationOutput]:
         """One ClassificationOutput per text, in order (engine.pooling.classifier.Classifier.classify). Raises
         ValueError for a model that does not classify (not a *ForSequenceClassification) or as Classifier.classify."""
         refuse_task(self.model_config, "classify")
-        return self.embedder.classify(texts, request_ids)  # type: ignore[union-attr]
+        return self.pooling_runner.classify(texts, request_ids)  # type: ignore[union-attr]

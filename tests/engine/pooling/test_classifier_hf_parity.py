@@ -76,7 +76,7 @@ def texts(gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[st
 def test_logits_and_labels_equal_hf(classifier: tuple[LLMEngine, torch.nn.Module], texts: list[str]) -> None:
     engine, hf = classifier
     out = engine.classify(texts)
-    limit = engine.embedder.max_length
+    limit = engine.pooling_runner.max_length
     rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts, limit)]
     assert any(len(r) == limit for r in rows) and min(len(r) for r in rows) < limit // 2  # some cut, some not
     with torch.inference_mode():  # one row per call: no padding for HF to mask
@@ -85,7 +85,7 @@ def test_logits_and_labels_equal_hf(classifier: tuple[LLMEngine, torch.nn.Module
     ours = np.stack([o.scores for o in out])
     assert ours.dtype == np.float32 and ours.shape == (len(texts), 3)
     np.testing.assert_allclose(ours, probs, atol=1e-4, rtol=0)
-    logits = engine.embedder._run(rows, None)  # the head's raw logits (Classifier.classify softmaxes them)
+    logits = engine.pooling_runner._run(rows, None)  # the head's raw logits (Classifier.classify softmaxes them)
     torch.testing.assert_close(torch.from_numpy(logits), theirs, atol=1e-4, rtol=0)
     assert [o.label for o in out] == [LABELS[int(i)] for i in theirs.argmax(-1)]
     assert len({o.label for o in out}) > 1  # the labels are not all one: argmax is really compared
@@ -132,7 +132,7 @@ def test_a_regression_head_gives_raw_scores(tmp_path: Path, minilm_folder: str, 
         shutil.copy(Path(minilm_folder) / name, tmp_path / name)
     engine = LLMEngine.from_model(str(tmp_path), EngineConfig(device="cpu", dtype="float32"))
     out = engine.classify(texts[:4])
-    rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts[:4], engine.embedder.max_length)]
+    rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts[:4], engine.pooling_runner.max_length)]
     with torch.inference_mode():
         theirs = [float(hf(input_ids=torch.tensor([r])).logits[0, 0]) for r in rows]
     assert all(o.label is None and o.scores.shape == (1,) for o in out)
