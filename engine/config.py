@@ -51,12 +51,13 @@ class ModelConfig:
         sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
             i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
             boundary as HF transformers' `sliding_window_overlay`). None: full causal attention. With layer_types,
-            only the "sliding_attention" layers use it.
+            only the "sliding_attention" layers use it. An encoder's window is symmetric: the query at i attends the
+            keys of its row with |i - j| <= W (ModernBERT: HF's sliding_window = local_attention // 2).
         layer_types: per layer "full_attention" or "sliding_attention" (Gemma 2/3: local and global layers
             interleaved); () = every layer alike (sliding_window, when set, on all of them).
         hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
-            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020); "gelu": the ungated
-            exact GELU of an encoder's MLP (BERT).
+            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020); "gelu": the exact GELU
+            of an encoder's MLP (BERT's ungated one; ModernBERT's GeGLU gate).
         norm_weight_offset: every RMSNorm multiplies by (offset + weight), computed in fp32 (Gemma: 1.0, its
             weights stored centred on 0); 0.0: by weight.
         embedding_scale: the token embeddings are multiplied by this (Gemma: sqrt(hidden_size), rounded to the

@@ -110,17 +110,23 @@ def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states()
                 run(**both_or_neither)
 
 
-@pytest.mark.parametrize(("arch", "types", "pad"), [("bert", 2, None), ("xlm-roberta", 1, 1)])
-def test_the_encoder_entries_declare_their_encoder(arch: str, types: int, pad: int | None) -> None:
-    """The "bert" and "xlm_roberta" entries: their parameter names and shapes from the config alone are the built
-    encoder's state dict, it keeps no KV cache, embeds and does not generate; forward(ids) ==
+#: ModernBERT's local layer (a window of 1 token each side: the 3-token row's band) and two RoPE bases.
+_MODERNBERT = dict(layer_types=("full_attention", "sliding_attention") * 2, sliding_window=1, rope_local_theta=1e4)
+
+
+@pytest.mark.parametrize(("arch", "fields"), [
+    ("bert", dict(type_vocab_size=2)), ("xlm-roberta", dict(type_vocab_size=1, position_padding_idx=1)),
+    ("modernbert", _MODERNBERT)])
+def test_the_encoder_entries_declare_their_encoder(arch: str, fields: dict) -> None:
+    """The "bert", "xlm_roberta" and "modernbert" entries: their parameter names and shapes from the config alone
+    are the built encoder's state dict, it keeps no KV cache, embeds and does not generate; forward(ids) ==
     forward(inputs_embeds=embed(ids)) (no pad token among the ids), no LM head."""
     from engine.layers.encoder_attention import EncoderMetadata
     from engine.loading.presets import random_model
     from engine.model.registry import model_tasks
 
-    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture=arch, hidden_act="gelu", type_vocab_size=types,
-                      tie_word_embeddings=False, position_padding_idx=pad)
+    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture=arch, hidden_act="gelu", tie_word_embeddings=False,
+                      **fields)
     entry = model_entry(arch)
     with torch.device("meta"):
         model = build_model(cfg, 1)
