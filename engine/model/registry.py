@@ -93,8 +93,10 @@ _ENCODER_CLASSIFIER = ModelEntry(_model_class("classifier", "EncoderClassifier")
                                  bert_kv_layout, tasks=("classify",))
 _DECODER_CLASSIFIER = ModelEntry(_model_class("classifier", "DecoderClassifier"), with_head(param_shapes),
                                  decoder_kv_layout, tasks=("classify",))
+_MODERNBERT_CLASSIFIER = ModelEntry(_model_class("classifier", "ModernBertClassifier"),
+                                   with_head(modernbert_param_shapes), bert_kv_layout, tasks=("classify",))
 CLASSIFIERS: dict[str, ModelEntry] = {"bert": _ENCODER_CLASSIFIER, "xlm_roberta": _ENCODER_CLASSIFIER,
-                                      "llama": _DECODER_CLASSIFIER,
+                                      "modernbert": _MODERNBERT_CLASSIFIER, "llama": _DECODER_CLASSIFIER,
                                       "qwen2": _DECODER_CLASSIFIER}
 
 

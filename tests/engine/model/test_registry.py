@@ -144,20 +144,21 @@ def test_the_encoder_entries_declare_their_encoder(arch: str, fields: dict) -> N
             model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert", "llama", "qwen2"])
 def test_the_classifier_entries_declare_their_heads(arch: str) -> None:
     """A config with labels builds its family's sequence classifier: the names and shapes from the config alone are
     the built model's state dict (head included, no LM head), and it classifies only."""
     from engine.model.registry import model_tasks
 
-    encoder = arch in ("bert", "xlm-roberta")
-    extra = dict(hidden_act="gelu", type_vocab_size=2, num_kv_heads=4) if encoder else {}
+    encoder = arch in ("bert", "xlm-roberta", "modernbert")
+    extra = dict(hidden_act="gelu", num_kv_heads=4, **(_MODERNBERT if arch == "modernbert" else
+                                                         dict(type_vocab_size=2))) if encoder else {}
     cfg = ModelConfig(**{**SHAPE, **extra}, architecture=arch, tie_word_embeddings=False, labels=("a", "b", "c"))
     with torch.device("meta"):
         model = build_model(cfg, 1)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == entry_of(cfg).param_shapes(cfg) and "lm_head.weight" not in shapes
-    assert shapes["classifier.weight" if arch == "bert" else "classifier.out_proj.weight" if encoder
+    assert shapes["classifier.out_proj.weight" if arch == "xlm-roberta" else "classifier.weight" if encoder
                   else "score.weight"] == (3, SHAPE["hidden_size"])
     assert model_tasks(arch, classifier=True) == ("classify",)
     with pytest.raises(ValueError, match="no sequence classifier"):

@@ -174,6 +174,15 @@ def test_what_the_model_does_not_implement_is_refused(field: str, value: object,
         config_from_hf({**V4_CONFIG, field: value})
 
 
+@pytest.mark.parametrize(("field", "value"), [("classifier_pooling", "max"), ("classifier_activation", "silu"),
+                                               ("classifier_bias", True)])
+def test_a_classifier_head_it_does_not_implement_is_refused(field: str, value: object) -> None:
+    head = dict(V4_CONFIG, architectures=["ModernBertForSequenceClassification"], id2label={"0": "no", "1": "yes"})
+    assert config_from_hf(head).classifier_pooling == "mean" and config_from_hf(head).labels == ("no", "yes")
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        config_from_hf({**head, field: value})
+
+
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=4,
              head_dim=8, max_position_embeddings=64, architecture="modernbert", hidden_act="gelu",
              layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=2,
