@@ -22,6 +22,8 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 #: How a mixture-of-experts router turns its logits into the top-k experts' weights (engine.layers.moe.route).
 ROUTERS = ("softmax_topk", "topk_softmax")
+#: What a sequence classifier's head reads of a row (ModelConfig.classifier_pooling).
+CLASSIFIER_POOLINGS = ("cls", "mean")
 
 
 @dataclass(frozen=True)
@@ -51,12 +53,13 @@ class ModelConfig:
         sliding_window: when set (W >= 1), the query at position i attends only to keys at positions j with
             i - W < j <= i: the last W keys, its own included (Mistral; Jiang et al., "Mistral 7B", 2023; the same
             boundary as HF transformers' `sliding_window_overlay`). None: full causal attention. With layer_types,
-            only the "sliding_attention" layers use it.
+            only the "sliding_attention" layers use it. An encoder's window is symmetric: the query at i attends the
+            keys of its row with |i - j| <= W (ModernBERT: HF's sliding_window = local_attention // 2).
         layer_types: per layer "full_attention" or "sliding_attention" (Gemma 2/3: local and global layers
             interleaved); () = every layer alike (sliding_window, when set, on all of them).
         hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh
-            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020); "gelu": the ungated
-            exact GELU of an encoder's MLP (BERT).
+            approximation of GELU, Gemma; Shazeer, "GLU Variants Improve Transformer", 2020); "gelu": the exact GELU
+            of an encoder's MLP (BERT's ungated one; ModernBERT's GeGLU gate).
         norm_weight_offset: every RMSNorm multiplies by (offset + weight), computed in fp32 (Gemma: 1.0, its
             weights stored centred on 0); 0.0: by weight.
         embedding_scale: the token embeddings are multiplied by this (Gemma: sqrt(hidden_size), rounded to the
@@ -90,7 +93,9 @@ class ModelConfig:
             a row's non-pad tokens, a pad token sitting at padding_idx (XLM-RoBERTa: 1); None: from 0 (BERT).
         labels: a sequence classifier's label names in id order (config.json id2label; engine.model.classifier);
             () for every other model. regression: its head gives raw scores, not classes (problem_type
-            "regression", or a single label).
+            "regression", or a single label). classifier_pooling: what its head reads of a row: "cls" (one token: an
+            encoder's first, [CLS]; a decoder's last) or "mean" (the mean of the row's tokens: ModernBERT's
+            classifier_pooling "mean").
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -140,6 +145,7 @@ class ModelConfig:
     position_padding_idx: int | None = None
     labels: tuple[str, ...] = ()
     regression: bool = False
+    classifier_pooling: str = "cls"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
@@ -182,6 +188,9 @@ class ModelConfig:
         if pad is not None and not 0 <= pad < self.max_position_embeddings - 2:
             raise ValueError(f"ModelConfig.position_padding_idx must be None or in [0, max_position_embeddings - 2 = "
                              f"{self.max_position_embeddings - 2}), got {pad!r}")
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            raise ValueError(f"ModelConfig.classifier_pooling must be one of {CLASSIFIER_POOLINGS}, got "
+                             f"{self.classifier_pooling!r}")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not implemented; tokenmill runs {HIDDEN_ACTS}")
         for name in ("embedding_scale", "query_pre_attn_scalar", "attn_logit_softcapping",

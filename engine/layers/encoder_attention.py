@@ -16,12 +16,17 @@ The rows of a batch are sorted by length (engine.pooling.embedder), so the paddi
 Padded query rows attend to their row's real keys (never to nothing: no NaN) and are dropped after. Same math as
 HF transformers' BertSelfAttention (softmax(q k^T / sqrt(head_dim)) v, Vaswani et al. 2017), whose padded batch
 masks the same keys.
+
+A local (sliding-window) layer (ModernBERT's: Warner et al., "Smarter, Better, Faster, Longer", 2024) attends
+within a symmetric band of its row, |i - j| <= half; `EncoderMetadata.windowed` gives the batch's metadata for it
+(one [B, 1, L_max, L_max] mask per forward, shared by every local layer). The band is masked, not skipped: the
+scores are those of full attention.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +43,15 @@ class EncoderMetadata:
             b * L_max + j).
         key_mask: bool [B, 1, 1, L_max] on the device, True where a key is a real token; None when every row has
             L_max tokens (no padding).
+        attn_mask: bool [B or 1, 1, L_max, L_max] on the device, True where query i may attend key j: a sliding
+            window's band, padding included (`windowed`); None: key_mask alone.
     """
 
     seq_lens: tuple[int, ...]
     max_len: int
     scatter: torch.Tensor
     key_mask: torch.Tensor | None
+    attn_mask: torch.Tensor | None = None
 
     @classmethod
     def of(cls, seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
@@ -62,6 +70,23 @@ class EncoderMetadata:
             mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :].to(device)
         return cls(tuple(int(n) for n in seq_lens), max_len, scatter.to(device), mask)
 
+    def windowed(self, half: int) -> EncoderMetadata:
+        """This batch's metadata for attention within a symmetric window: query i attends the keys j of its row with
+        |i - j| <= half (HF transformers' sliding_window_bidirectional_overlay, ModernBERT's local layers; half =
+        its local_attention // 2). A padded query attends its row's real keys (never nothing: no NaN), as in
+        `encoder_attention`. Returns self when no row is longer than half + 1 (the band holds every key). Raises
+        ValueError for half < 0."""
+        if half < 0:
+            raise ValueError(f"a sliding window's half width must be >= 0 tokens, got {half}")
+        if self.max_len <= half + 1:
+            return self
+        device = self.scatter.device
+        pos = torch.arange(self.max_len, device=device)
+        band = ((pos[:, None] - pos[None, :]).abs() <= half)[None, None]  # [1, 1, L, L]
+        if self.key_mask is not None:  # real keys only; a padded query (False in the key mask) any real key
+            band = self.key_mask & (band | ~self.key_mask.transpose(-1, -2))
+        return replace(self, attn_mask=band)
+
     @property
     def num_tokens(self) -> int:
         """T, the batch's tokens."""
@@ -69,7 +94,7 @@ class EncoderMetadata:
 
 
 def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
-    """softmax(q k^T / sqrt(head_dim)) v within each row of a packed batch.
+    """softmax(q k^T / sqrt(head_dim)) v within each row of a packed batch (within meta.attn_mask's band when set).
 
     qkv: q, k and v stacked, [T, 3, heads, head_dim] in the model's dtype (padded once for all three). Returns
     [T, heads * head_dim], same dtype."""
@@ -82,6 +107,7 @@ def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         padded[meta.scatter] = qkv
         padded = padded.view(b, length, 3, heads, dim)
     q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, L, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.key_mask)
+    mask = meta.key_mask if meta.attn_mask is None else meta.attn_mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(b * length, heads * dim)
     return out if meta.key_mask is None else out[meta.scatter]

@@ -5,9 +5,9 @@ the ones it refuses when set to something the engine does not implement; engine.
 through it), its GGUF architecture name, and whether llama.cpp's converter permuted its Q/K rows. Tensor names come
 from the `gguf` package (`gguf.get_tensor_name_map`: the table llama.cpp's convert_hf_to_gguf.py itself uses), never a
 hand-written table. The registry (engine.model.registry) maps each name to its model class (the generic decoder, or
-a family's file: engine.model.gemma, moe_decoder, gpt_oss); everything downstream (the models, the quantized paths,
-the weights cache, the kernels) reads ModelConfig fields (qkv_bias, qk_norm, rope_scaling, sliding_window, ...),
-never a family name.
+a family's file: engine.model.gemma, moe_decoder, gpt_oss; the encoders: engine.model.bert, modernbert); everything
+downstream (the models, the quantized paths, the weights cache, the kernels) reads ModelConfig fields (qkv_bias,
+qk_norm, rope_scaling, sliding_window, ...), never a family name.
 
 Adding a family: one `Architecture` in ARCHITECTURES plus its test (tests/engine/model/test_families.py; the
 mixture-of-experts families: tests/engine/model/test_moe_families.py).
@@ -28,6 +28,7 @@ from engine.model.family_fields import (
     gemma_gguf_fields,
     gpt_oss_fields,
     gpt_oss_gguf_fields,
+    modernbert_fields,
     phi3_fields,
     phi3_gguf_fields,
     xlm_roberta_fields,
@@ -200,6 +201,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                           ("add_cross_attention", (False, None))),
                  window=_no_window, fields=xlm_roberta_fields,
                  hf_unused=("pooler.", "embeddings.position_ids"), hf_renames=(("roberta.", ""),)),
+    # ModernBERT (ModernBertModel: gte-modernbert, modernbert-embed; engine.model.modernbert): RoPE of two bases,
+    # global and symmetric sliding-window layers, GeGLU, bias-free pre-LN blocks; HF folders only. A bias, another
+    # activation or a scaled RoPE (rope_types) is refused.
+    Architecture("modernbert", ("modernbert",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
+                 refused=(("hidden_activation", ("gelu",)), ("attention_bias", (False, None)),
+                          ("mlp_bias", (False, None)), ("norm_bias", (False, None))),
+                 window=_no_window, fields=modernbert_fields, rope_types=("default",)),
 )
 
 

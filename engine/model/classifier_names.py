@@ -6,6 +6,8 @@ declare; engine.model.classifier builds the heads).
 Heads, as HF transformers' modeling code computes them (models/*/modeling_*.py):
 - BertForSequenceClassification: `pooler.dense` + tanh on [CLS], then `classifier` Linear [num_labels, hidden];
 - XLMRobertaForSequenceClassification: `classifier.dense` + tanh on <s>, then `classifier.out_proj` (no pooler);
+- ModernBertForSequenceClassification: [CLS] or the row's mean (classifier_pooling), then `head` = LayerNorm `norm`
+  (no bias) of the exact GELU of `dense` (no bias), then `classifier` Linear [num_labels, hidden];
 - LlamaForSequenceClassification / Qwen2ForSequenceClassification: `score` Linear [num_labels, hidden] (no bias) on
   the last token's final hidden state (a row here holds no padding, so its last token is its last non-pad one).
 """
@@ -21,6 +23,7 @@ from engine.model.architectures import get_architecture
 #: config.json architectures entry -> the registry architecture whose classifier it is.
 CLASSIFIER_ARCHITECTURES = {"BertForSequenceClassification": "bert",
                             "XLMRobertaForSequenceClassification": "xlm_roberta",
+                            "ModernBertForSequenceClassification": "modernbert",
                             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
 #: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1) or the raw logits.
 _PROBLEM_TYPES = (None, "single_label_classification", "regression")
@@ -52,7 +55,20 @@ def classifier_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ValueError(f"config.json problem_type {problem!r} is not run by tokenmill; it runs "
                          f"{list(_PROBLEM_TYPES)}")
     return dict(labels=tuple(by_id[i] for i in range(len(by_id))),
-                regression=problem == "regression" or len(by_id) == 1, tie_word_embeddings=False)
+                regression=problem == "regression" or len(by_id) == 1, tie_word_embeddings=False,
+                **(_modernbert_head(config) if arch == "modernbert" else {}))
+
+
+def _modernbert_head(config: dict[str, Any]) -> dict[str, Any]:
+    """ModernBertForSequenceClassification's head fields (HF ModernBertConfig): classifier_pooling "cls" or "mean"
+    (default "cls"). Raises ValueError naming classifier_pooling, classifier_activation (other than "gelu") or
+    classifier_bias (true) when set to what tokenmill does not implement."""
+    for field, allowed in (("classifier_pooling", ("cls", "mean")), ("classifier_activation", ("gelu",)),
+                           ("classifier_bias", (False,))):
+        if config.get(field, allowed[0]) not in allowed:
+            raise ValueError(f"config.json sets {field}={config[field]!r}, which tokenmill does not implement for a "
+                             f"ModernBERT classifier (it runs {field} in {list(allowed)})")
+    return {"classifier_pooling": config.get("classifier_pooling", "cls")}
 
 
 def head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -65,6 +81,9 @@ def head_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if arch == "xlm_roberta":
         return {"classifier.dense.weight": (h, h), "classifier.dense.bias": (h,),
                 "classifier.out_proj.weight": (n, h), "classifier.out_proj.bias": (n,)}
+    if arch == "modernbert":
+        return {"head.dense.weight": (h, h), "head.norm.weight": (h,), "classifier.weight": (n, h),
+                "classifier.bias": (n,)}
     if arch in ("llama", "qwen2"):
         return {"score.weight": (n, h)}
     raise ValueError(f"a {cfg.architecture} model has no sequence classification head in tokenmill")

@@ -30,13 +30,14 @@ GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 7.0, 1.702
 GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA, GEMMA3_PATTERN = 1_000_000.0, 10_000.0, 6
 
 
-def _layer_types(config: dict[str, Any], pattern: int) -> tuple[str, ...]:
+def _layer_types(config: dict[str, Any], pattern: int, offset: int = 1) -> tuple[str, ...]:
     """`layer_types` of config.json, else every `pattern`-th layer global and the others sliding (HF's default:
-    layer i slides when (i + 1) % pattern != 0)."""
+    layer i slides when (i + offset) % pattern != 0: Gemma's last layer of each period global (offset 1),
+    ModernBERT's first (0))."""
     n = int(config["num_hidden_layers"])
     types = config.get("layer_types")
     if types is None:
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        types = ["sliding_attention" if (i + offset) % pattern else "full_attention" for i in range(n)]
     if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"config.json layer_types {types} is not {n} of full_attention / sliding_attention")
     return tuple(types)
@@ -217,3 +218,41 @@ def xlm_roberta_fields(config: dict[str, Any]) -> dict[str, Any]:
     (bert_fields; its type_vocab_size is 1), and positions that start past padding_idx = pad_token_id (default 1;
     ModelConfig.position_padding_idx). Raises ValueError as bert_fields."""
     return dict(bert_fields(config), position_padding_idx=int(config.get("pad_token_id", 1)))
+
+
+#: ModernBERT's RoPE bases when config.json leaves them out (HF ModernBertConfig.default_theta) and its pattern
+#: (global_attn_every_n_layers, default 3: layers 0, 3, 6, ... global).
+MODERNBERT_GLOBAL_THETA, MODERNBERT_LOCAL_THETA, MODERNBERT_PATTERN = 160_000.0, 10_000.0, 3
+
+
+def _modernbert_theta(config: dict[str, Any], kind: str, legacy: str, default: float) -> float:
+    """The RoPE base of ModernBERT's `kind` layers: rope_parameters[kind].rope_theta (transformers 5), else the
+    legacy top-level field, else `default`. Raises ValueError for a rope_type other than default."""
+    params = dict((config.get("rope_parameters") or {}).get(kind) or {})
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"config.json rope_parameters.{kind} is {params}; tokenmill runs ModernBERT's RoPE unscaled "
+                         "(rope_type default)")
+    return float(params.get("rope_theta", config.get(legacy, default)))
+
+
+def modernbert_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """ModernBERT's encoder fields of a config.json dict (HF ModernBertConfig; Warner et al., "Smarter, Better,
+    Faster, Longer", 2024): the LayerNorm epsilon (norm_eps, default 1e-5), `layer_types` (else every
+    `global_attn_every_n_layers`-th layer global, layer 0 first, the others sliding), the local layers' symmetric
+    window as HF's sliding_window = local_attention // 2 tokens each side (default 128 // 2), the global and local
+    RoPE bases (rope_parameters by layer type, else global_rope_theta / local_rope_theta; 160000 / 10000), the
+    exact GELU of its GeGLU MLP, every head a key/value head, no LM head. Raises ValueError for a hidden size that
+    the heads do not divide, a window under 2 tokens or bad layer types (naming the field)."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    if hidden % heads:
+        raise ValueError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    types = _layer_types(config, int(config.get("global_attn_every_n_layers") or MODERNBERT_PATTERN), offset=0)
+    window = config.get("local_attention", 128)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"config.json local_attention={window!r}: tokenmill runs a window of >= 2 tokens (an int)")
+    return dict(rms_norm_eps=float(config.get("norm_eps", 1e-5)), hidden_act="gelu", num_kv_heads=heads,
+                head_dim=hidden // heads, tie_word_embeddings=False, layer_types=types,
+                sliding_window=window // 2 if "sliding_attention" in types else None,
+                rope_theta=_modernbert_theta(config, "full_attention", "global_rope_theta", MODERNBERT_GLOBAL_THETA),
+                rope_local_theta=_modernbert_theta(config, "sliding_attention", "local_rope_theta",
+                                                   MODERNBERT_LOCAL_THETA))

@@ -35,6 +35,11 @@ _IGNORED_FIELDS = frozenset({
     "layer_norm_eps", "type_vocab_size", "position_embedding_type", "hidden_dropout_prob",
     "attention_probs_dropout_prob", "classifier_dropout", "gradient_checkpointing", "is_decoder",
     "add_cross_attention",
+    # ModernBERT: read by modernbert_fields (or refused by its entry), its MLM head's and training settings
+    "norm_eps", "norm_bias", "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta",
+    "embedding_dropout", "mlp_dropout", "initializer_cutoff_factor", "decoder_bias", "deterministic_flash_attn",
+    "sparse_prediction", "sparse_pred_ignore_index", "reference_compile", "repad_logits_with_grad",
+    "classifier_pooling", "classifier_activation", "classifier_bias",
 })
 #: Fields of other families that change the math: set to anything but off/1 they are an error, not ignored.
 _MATH_FIELDS = ("num_experts", "num_local_experts", "moe_intermediate_size", "use_mrope", "rope_interleaved",

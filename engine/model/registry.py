@@ -6,7 +6,8 @@ A family whose math differs from another's only in ModelConfig fields is one ent
 causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus its config reader
 (engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
-gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert. Imports no torch at
+gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
+engine.model.modernbert. Imports no torch at
 module level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a
 model is built.
 """
@@ -24,6 +25,7 @@ from engine.model.architectures import ARCHITECTURES, Architecture, get_architec
 from engine.model.bert_names import bert_kv_layout, bert_param_shapes
 from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
+from engine.model.modernbert_names import modernbert_param_shapes
 from engine.model.tensor_names import param_shapes
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ GPT_OSS = ModelEntry(_model_class("gpt_oss", "GptOssDecoder"), param_shapes, dec
 #: The BERT encoder (engine.model.bert), and XLM-RoBERTa, which differs from it in config values only.
 BERT_ENCODER = ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_shapes, bert_kv_layout,
                           tasks=("embed",))
+#: The ModernBERT encoder (engine.model.modernbert): no KV cache either.
+MODERNBERT_ENCODER = ModelEntry(_model_class("modernbert", "ModernBertEncoderModel"), modernbert_param_shapes,
+                                bert_kv_layout, tasks=("embed",))
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
@@ -80,6 +85,7 @@ MODELS: dict[str, ModelEntry] = {
     "gpt_oss": GPT_OSS,
     "bert": BERT_ENCODER,
     "xlm_roberta": BERT_ENCODER,
+    "modernbert": MODERNBERT_ENCODER,
 }
 
 #: Sequence classifiers (ModelConfig.labels set; engine.model.classifier_names): architecture -> its entry.
@@ -87,8 +93,11 @@ _ENCODER_CLASSIFIER = ModelEntry(_model_class("classifier", "EncoderClassifier")
                                  bert_kv_layout, tasks=("classify",))
 _DECODER_CLASSIFIER = ModelEntry(_model_class("classifier", "DecoderClassifier"), with_head(param_shapes),
                                  decoder_kv_layout, tasks=("classify",))
+_MODERNBERT_CLASSIFIER = ModelEntry(_model_class("classifier", "ModernBertClassifier"),
+                                   with_head(modernbert_param_shapes), bert_kv_layout, tasks=("classify",))
 CLASSIFIERS: dict[str, ModelEntry] = {"bert": _ENCODER_CLASSIFIER, "xlm_roberta": _ENCODER_CLASSIFIER,
-                                      "llama": _DECODER_CLASSIFIER, "qwen2": _DECODER_CLASSIFIER}
+                                      "modernbert": _MODERNBERT_CLASSIFIER, "llama": _DECODER_CLASSIFIER,
+                                      "qwen2": _DECODER_CLASSIFIER}
 
 
 def entry_of(cfg: ModelConfig) -> ModelEntry:

@@ -110,17 +110,23 @@ def test_forward_takes_token_ids_or_input_embeddings_and_returns_hidden_states()
                 run(**both_or_neither)
 
 
-@pytest.mark.parametrize(("arch", "types", "pad"), [("bert", 2, None), ("xlm-roberta", 1, 1)])
-def test_the_encoder_entries_declare_their_encoder(arch: str, types: int, pad: int | None) -> None:
-    """The "bert" and "xlm_roberta" entries: their parameter names and shapes from the config alone are the built
-    encoder's state dict, it keeps no KV cache, embeds and does not generate; forward(ids) ==
+#: ModernBERT's local layer (a window of 1 token each side: the 3-token row's band) and two RoPE bases.
+_MODERNBERT = dict(layer_types=("full_attention", "sliding_attention") * 2, sliding_window=1, rope_local_theta=1e4)
+
+
+@pytest.mark.parametrize(("arch", "fields"), [
+    ("bert", dict(type_vocab_size=2)), ("xlm-roberta", dict(type_vocab_size=1, position_padding_idx=1)),
+    ("modernbert", _MODERNBERT)])
+def test_the_encoder_entries_declare_their_encoder(arch: str, fields: dict) -> None:
+    """The "bert", "xlm_roberta" and "modernbert" entries: their parameter names and shapes from the config alone
+    are the built encoder's state dict, it keeps no KV cache, embeds and does not generate; forward(ids) ==
     forward(inputs_embeds=embed(ids)) (no pad token among the ids), no LM head."""
     from engine.layers.encoder_attention import EncoderMetadata
     from engine.loading.presets import random_model
     from engine.model.registry import model_tasks
 
-    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture=arch, hidden_act="gelu", type_vocab_size=types,
-                      tie_word_embeddings=False, position_padding_idx=pad)
+    cfg = ModelConfig(**{**SHAPE, "num_kv_heads": 4}, architecture=arch, hidden_act="gelu", tie_word_embeddings=False,
+                      **fields)
     entry = model_entry(arch)
     with torch.device("meta"):
         model = build_model(cfg, 1)
@@ -138,20 +144,21 @@ def test_the_encoder_entries_declare_their_encoder(arch: str, types: int, pad: i
             model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "modernbert", "llama", "qwen2"])
 def test_the_classifier_entries_declare_their_heads(arch: str) -> None:
     """A config with labels builds its family's sequence classifier: the names and shapes from the config alone are
     the built model's state dict (head included, no LM head), and it classifies only."""
     from engine.model.registry import model_tasks
 
-    encoder = arch in ("bert", "xlm-roberta")
-    extra = dict(hidden_act="gelu", type_vocab_size=2, num_kv_heads=4) if encoder else {}
+    encoder = arch in ("bert", "xlm-roberta", "modernbert")
+    extra = dict(hidden_act="gelu", num_kv_heads=4, **(_MODERNBERT if arch == "modernbert" else
+                                                         dict(type_vocab_size=2))) if encoder else {}
     cfg = ModelConfig(**{**SHAPE, **extra}, architecture=arch, tie_word_embeddings=False, labels=("a", "b", "c"))
     with torch.device("meta"):
         model = build_model(cfg, 1)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert shapes == entry_of(cfg).param_shapes(cfg) and "lm_head.weight" not in shapes
-    assert shapes["classifier.weight" if arch == "bert" else "classifier.out_proj.weight" if encoder
+    assert shapes["classifier.out_proj.weight" if arch == "xlm-roberta" else "classifier.weight" if encoder
                   else "score.weight"] == (3, SHAPE["hidden_size"])
     assert model_tasks(arch, classifier=True) == ("classify",)
     with pytest.raises(ValueError, match="no sequence classifier"):

@@ -1,8 +1,9 @@
 """Sequence classifiers (LLMEngine.classify; engine.model.classifier) against HF transformers' own
-*ForSequenceClassification: tiny random-weight BERT, XLM-RoBERTa, Llama and Qwen2 classifiers (3 labels) saved with
-save_pretrained beside the MiniLM tokenizer, loaded by LLMEngine from the folder, on real texts (some over the row
-limit: truncated alike): logits within 1e-4 in fp32, softmax scores, labels = HF's argmax. Bad rows are error
-outputs; a classifier refuses generate / embed, a plain encoder or decoder refuses classify."""
+*ForSequenceClassification: tiny random-weight BERT, XLM-RoBERTa, ModernBERT ([CLS] and mean pooling), Llama and
+Qwen2 classifiers (3 labels) saved with save_pretrained beside the MiniLM tokenizer, loaded by LLMEngine from the
+folder, on real texts (some over the row limit: truncated alike): logits within 1e-4 in fp32, softmax scores, labels
+= HF's argmax. Bad rows are error outputs; a classifier refuses generate / embed, a plain encoder or decoder refuses
+classify."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def _hf_classifier(kind: str, texts: list[str], tokenizer: object) -> torch.nn.M
     elif kind == "xlm_roberta":  # its positions start at pad_token_id + 1 = 2: rows of up to MAX_POSITIONS - 2
         model = tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(
             **common, max_position_embeddings=MAX_POSITIONS, type_vocab_size=1, pad_token_id=1))
+    elif kind.startswith("modernbert"):  # global, local, local, global; a window of 8 each side; "_mean" pools
+        model = tf.ModernBertForSequenceClassification(tf.ModernBertConfig(  # the mean of the row's tokens
+            **{**common, "intermediate_size": 96, "num_hidden_layers": 4}, max_position_embeddings=MAX_POSITIONS,
+            global_attn_every_n_layers=3, local_attention=16, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+            cls_token_id=101, sep_token_id=102, classifier_pooling="mean" if kind.endswith("_mean") else "cls"))
     elif kind == "llama":
         model = tf.LlamaForSequenceClassification(tf.LlamaConfig(**common, num_key_value_heads=2,
                                                                  max_position_embeddings=MAX_POSITIONS))
@@ -44,15 +50,15 @@ def _hf_classifier(kind: str, texts: list[str], tokenizer: object) -> torch.nn.M
             if name.startswith("classifier."):  # an encoder's [CLS] varies little by text: a wider head
                 p.mul_(10.0)
         model.eval()
-        if kind in ("bert", "xlm_roberta"):
+        if kind != "llama" and kind != "qwen2":
             rows = [tokenizer(t, truncation=True, max_length=64)["input_ids"] for t in texts]  # type: ignore[operator]
             logits = torch.cat([model(input_ids=torch.tensor([r])).logits for r in rows])
-            bias = model.classifier.bias if kind == "bert" else model.classifier.out_proj.bias
+            bias = model.classifier.out_proj.bias if kind == "xlm_roberta" else model.classifier.bias
             bias.sub_(logits.mean(0))
     return model
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm_roberta", "llama", "qwen2"])
+@pytest.fixture(scope="module", params=["bert", "xlm_roberta", "modernbert", "modernbert_mean", "llama", "qwen2"])
 def classifier(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, minilm_folder: str,
                texts: list[str]) -> tuple[LLMEngine, torch.nn.Module]:
     """(our engine over the saved folder, the HF model) of one family."""
