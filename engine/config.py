@@ -96,6 +96,11 @@ class ModelConfig:
             "regression", or a single label). classifier_pooling: what its head reads of a row: "cls" (one token: an
             encoder's first, [CLS]; a decoder's last) or "mean" (the mean of the row's tokens: ModernBERT's
             classifier_pooling "mean").
+        pooling_files: the model's folder holds sentence-transformers files (modules.json; engine.pooling.st_config):
+            a causal decoder's folder so is an embedding model too (task "embed": engine.model.registry.config_tasks).
+        lm_head: the causal decoder holds its LM head (its own or tied); False: the trunk alone, as
+            sentence-transformers saves an embedding model (Qwen3-Embedding-4B/8B: untied, no lm_head.weight): it
+            embeds and cannot generate. Only with pooling_files.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -146,6 +151,8 @@ class ModelConfig:
     labels: tuple[str, ...] = ()
     regression: bool = False
     classifier_pooling: str = "cls"
+    pooling_files: bool = False
+    lm_head: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
@@ -184,6 +191,9 @@ class ModelConfig:
         if self.rotary_dim is not None and not (2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"ModelConfig.rotary_dim must be even, in [2, head_dim={self.head_dim}], got "
                              f"{self.rotary_dim!r}")
+        if not self.lm_head and (self.tie_word_embeddings or not self.pooling_files):
+            raise ValueError("ModelConfig.lm_head=False (a decoder embedding model's trunk) needs pooling_files and "
+                             "untied word embeddings")
         pad = self.position_padding_idx
         if pad is not None and not 0 <= pad < self.max_position_embeddings - 2:
             raise ValueError(f"ModelConfig.position_padding_idx must be None or in [0, max_position_embeddings - 2 = "

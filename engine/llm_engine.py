@@ -17,7 +17,7 @@ from engine.layers.moe import experts_capturable
 from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.base import ModelBase
-from engine.model.registry import model_tasks, refuse_task
+from engine.model.registry import config_tasks, refuse_task
 from engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput
 from engine.pooling.classifier import Classifier
 from engine.pooling.embed_options import EmbedOptions
@@ -83,7 +83,7 @@ class LLMEngine:
             # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
             # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
             prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
-        self.tasks = model_tasks(model_config.architecture, bool(model_config.labels))
+        self.tasks = config_tasks(model_config)
         kind = Embedder if "embed" in self.tasks else Classifier if "classify" in self.tasks else None
         self.pooling_runner = runner = None if kind is None else kind(  # an encoder or classifier: engine.pooling
             model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_row_tokens), device,
@@ -153,8 +153,8 @@ class LLMEngine:
         opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
                             int4_layout=int4_layout_chooser(config, device, dtype))
-        pooling = None  # an embedding model's sentence-transformers files (a classifier's head needs none)
-        if not opened.config.labels and "embed" in model_tasks(opened.config.architecture):
+        pooling = None  # an embedding model's sentence-transformers files: an encoder's, or a decoder's modules.json
+        if "embed" in config_tasks(opened.config):
             pooling = read_pooling_config(opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
                                           getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,

@@ -32,6 +32,19 @@ import torch
 import torch.nn.functional as F
 
 
+def pad_scatter(seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lens int64 [B], scatter int64 [T]) on the host of a packed batch of rows of `seq_lens` tokens: token t's
+    slot in the padded [B * L_max] layout (row b's j-th token at b * L_max + j). Raises ValueError for an empty
+    batch or an empty row."""
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError(f"a packed batch needs >= 1 rows of >= 1 tokens, got lengths {list(seq_lens)[:8]}")
+    lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+    starts = torch.arange(len(lens), dtype=torch.int64) * int(lens.max())
+    offsets = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(
+        torch.cumsum(lens, 0) - lens, lens)
+    return lens, torch.repeat_interleave(starts, lens) + offsets
+
+
 @dataclass(frozen=True)
 class EncoderMetadata:
     """Where the rows of one packed encoder batch sit.
@@ -57,14 +70,8 @@ class EncoderMetadata:
     def of(cls, seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
         """The metadata of rows of `seq_lens` tokens (each >= 1), packed in that order. Raises ValueError for an
         empty batch or an empty row."""
-        if not seq_lens or min(seq_lens) < 1:
-            raise ValueError(f"an encoder batch needs >= 1 rows of >= 1 tokens, got lengths {list(seq_lens)[:8]}")
-        lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+        lens, scatter = pad_scatter(seq_lens)
         max_len = int(lens.max())
-        starts = torch.arange(len(lens), dtype=torch.int64) * max_len
-        offsets = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(
-            torch.cumsum(lens, 0) - lens, lens)
-        scatter = torch.repeat_interleave(starts, lens) + offsets
         mask = None
         if int(lens.min()) != max_len:
             mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :].to(device)

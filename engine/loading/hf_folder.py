@@ -7,6 +7,7 @@ Format: https://huggingface.co/docs/safetensors (read with the `safetensors` pac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -47,11 +48,32 @@ def is_hf_folder(path: str) -> bool:
 
 def read_hf_config(path: str) -> ModelConfig:
     """ModelConfig of the HF folder at `path`: config.json through its architecture's registry entry, plus
-    generation_config.json's stop tokens (engine.model.hf_config.config_from_hf). Raises ValueError as that does."""
+    generation_config.json's stop tokens (engine.model.hf_config.config_from_hf). A causal decoder's folder with
+    sentence-transformers' modules.json is an embedding model too (ModelConfig.pooling_files), without an LM head
+    when its weights hold none and its embeddings are untied (ModelConfig.lm_head: sentence-transformers saves the
+    trunk alone, whatever config.json's `architectures` says). Raises ValueError as config_from_hf does."""
     config = json.loads(Path(path, HF_CONFIG_FILE).read_text())
     gen_path = Path(path, "generation_config.json")
     generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    return config_from_hf(config, generation)
+    cfg = config_from_hf(config, generation)
+    if cfg.labels or not Path(path, "modules.json").is_file() or "generate" not in entry_of(cfg).tasks:
+        return cfg
+    return dataclasses.replace(cfg, pooling_files=True,
+                               lm_head=cfg.tie_word_embeddings or f"{LM_HEAD}.weight" in _weight_keys(path))
+
+
+def _weight_keys(path: str) -> set[str]:
+    """The tensor names of an HF folder's safetensors files (their index's, or their headers')."""
+    from safetensors import safe_open
+
+    index = Path(path, _HF_INDEX_FILE)
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    keys: set[str] = set()
+    for file in hf_weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            keys.update(f.keys())
+    return keys
 
 
 def hf_weight_files(path: str) -> list[str]:

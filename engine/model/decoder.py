@@ -97,7 +97,8 @@ class LlamaModel(ModelBase):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.lm_head:  # else the trunk of a decoder embedding model (ModelConfig.lm_head)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_positions = max_positions
         if on_meta:
             with torch.device("cpu"):
@@ -151,6 +152,9 @@ class LlamaModel(ModelBase):
 
     def compute_logits(self, hidden: torch.Tensor, full_precision: bool = True) -> torch.Tensor:
         """Logits [S, vocab] of hidden [S, hidden]: fp32, or in the model's dtype when not full_precision (what the
-        sampler takes: greedy rows need no fp32 copy of [S, vocab])."""
+        sampler takes: greedy rows need no fp32 copy of [S, vocab]). Raises ValueError without an LM head."""
+        if not self.config.lm_head:
+            raise ValueError(f"this {self.config.architecture} embedding model has no LM head (its folder holds none); "
+                             "it embeds")
         logits = self.lm_head(hidden)
         return logits.float() if full_precision else logits

@@ -48,7 +48,8 @@ class ModelEntry:
         kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
         tasks: what the model does (schemas.engine_choices.TASKS): "generate" (a causal LM: LLMEngine.generate),
             "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed), "classify" (a
-            sequence classifier: LLMEngine.classify).
+            sequence classifier: LLMEngine.classify). A causal decoder's folder with sentence-transformers files
+            embeds too (config_tasks).
     """
 
     model_class: Callable[[], type[ModelBase]]
@@ -130,13 +131,32 @@ def model_tasks(architecture: str, classifier: bool = False) -> tuple[str, ...]:
     return entry.tasks
 
 
-def task_problem(architecture: str, task: str, classifier: bool = False) -> str | None:
+def config_tasks(cfg: ModelConfig) -> tuple[str, ...]:
+    """The tasks the model of shape `cfg` does: model_tasks' for its architecture (its classifier's when cfg.labels),
+    and for a causal decoder whose folder holds sentence-transformers files (cfg.pooling_files) "embed" too, with
+    "generate" only while it holds an LM head (cfg.lm_head). A causal LM without those files does not embed:
+    tokenmill does not guess a pooling for hidden states that were never trained as embeddings (README,
+    Embeddings). Raises ValueError as model_tasks."""
+    tasks = model_tasks(cfg.architecture, bool(cfg.labels))
+    if cfg.labels or "generate" not in tasks or not cfg.pooling_files:
+        return tasks
+    return ("generate", "embed") if cfg.lm_head else ("embed",)
+
+
+def task_problem(architecture: str, task: str, classifier: bool = False,
+                 tasks: tuple[str, ...] | None = None) -> str | None:
     """One line when the model of `architecture` (`classifier`: its sequence classifier) cannot do `task`
-    ("generate", "embed" or "classify"), naming what it does and how to ask for that; None when it can. Raises
-    ValueError as model_entry."""
-    tasks = model_tasks(architecture, classifier)
+    ("generate", "embed" or "classify"), naming what it does and how to ask for that; None when it can. `tasks`:
+    what the model does when its folder says more than its architecture (config_tasks); None: model_tasks'.
+    Raises ValueError as model_entry."""
+    tasks = tasks or model_tasks(architecture, classifier)
     if task in tasks:
         return None
+    if task == "embed" and "generate" in tasks:
+        return (f"a {get_architecture(architecture).name} model cannot embed: a causal LM embeds only when its folder "
+                "holds sentence-transformers files (modules.json, 1_Pooling/config.json: Qwen3-Embedding's lasttoken "
+                "pooling), since its hidden states are no embeddings unless trained so and tokenmill does not guess "
+                "a pooling; pick an embedding model, or ask for generate (LLMEngine.generate, --task generate)")
     how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
            "classify": "LLMEngine.classify, --task classify"}
     return (f"a {get_architecture(architecture).name} model cannot {task}: it does {' and '.join(tasks)} "
@@ -146,7 +166,7 @@ def task_problem(architecture: str, task: str, classifier: bool = False) -> str 
 
 def refuse_task(cfg: ModelConfig, task: str) -> None:
     """Raise ValueError (task_problem's line) when the model of shape `cfg` cannot do `task`."""
-    problem = task_problem(cfg.architecture, task, bool(cfg.labels))
+    problem = task_problem(cfg.architecture, task, bool(cfg.labels), config_tasks(cfg))
     if problem is not None:
         raise ValueError(problem)
 

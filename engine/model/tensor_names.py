@@ -80,7 +80,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.sandwich_norms:
             shapes[f"{p}.pre_feedforward_layernorm.weight"] = shapes[f"{p}.post_feedforward_layernorm.weight"] = (h,)
     shapes["norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and cfg.lm_head:
         linear(LM_HEAD, h, cfg.vocab_size)
     return shapes
 

@@ -2,9 +2,9 @@
 tokenization, truncation and token-budget batches) whose per-row vector is the classifier head's logits
 (engine.model.classifier: `classify_logits`) instead of a pooled embedding, turned into labels and scores.
 
-An encoder runs each batch as one packed forward; a causal decoder (Llama / Qwen2 reward models and classifiers)
-runs each row as one whole-sequence forward through a private KV cache that nothing reuses
-(engine.model.sequence_forward), its last token scored.
+Each batch is one packed forward (Embedder._hidden): an encoder's attends both ways within each row, a causal
+decoder's (Llama / Qwen2 reward models and classifiers) causally within each row with no KV cache kept
+(engine.model.packed_forward), its last token scored.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.layers.encoder_attention import EncoderMetadata
-from engine.model.sequence_forward import forward_sequence
 from engine.outputs import ClassificationOutput
 from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.embedder import Embedder
@@ -51,13 +49,5 @@ class Classifier(Embedder):
     @torch.inference_mode()
     def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
         """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none)."""
-        lens = [len(r) for r in rows]
-        model = self.model
-        if any(spec.has_cache for spec in model.kv_cache_specs):  # a causal decoder: one row at a time
-            hidden = torch.cat([forward_sequence(model, torch.tensor(r, dtype=torch.int64, device=self.device))
-                                for r in rows])
-        else:
-            ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
-            positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(self.device)
-            hidden = model(ids, positions, [], EncoderMetadata.of(lens, self.device))
-        return model.classify_logits(hidden, lens).cpu().numpy()  # type: ignore[operator]
+        logits = self.model.classify_logits(self._hidden(rows), [len(r) for r in rows])  # type: ignore[operator]
+        return logits.cpu().numpy()

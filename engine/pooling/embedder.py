@@ -1,7 +1,8 @@
 """Texts to embeddings: tokenized and truncated as sentence-transformers does (engine.text.tokenizer.
-Tokenizer.encode_truncated), batched longest first within a token budget, run through an encoder without a KV cache
-(a registry model of task "embed"; engine.layers.encoder_attention packs the rows) and pooled
-(engine.pooling.pooler).
+Tokenizer.encode_truncated), batched longest first within a token budget, run without a KV cache through an
+encoder (engine.layers.encoder_attention packs the rows) or a causal decoder embedding model (Qwen3-Embedding:
+engine.model.packed_forward, causal within each row), and pooled (engine.pooling.pooler, with the model's Dense
+modules: engine.pooling.dense).
 
 Batching: the rows sorted by length, longest first (the LPT order generation uses too), cut into batches whose
 padded size (rows x the batch's longest row, what attention computes) stays within `max_batch_tokens`
@@ -20,7 +21,9 @@ import torch
 
 from engine.layers.encoder_attention import EncoderMetadata
 from engine.model.base import ModelBase
+from engine.model.packed_forward import forward_packed
 from engine.outputs import EmbeddingOutput
+from engine.pooling.dense import Dense
 from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.pooler import pool
 from engine.pooling.st_config import PoolingConfig
@@ -43,15 +46,21 @@ def plan_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_rows: 
 
 
 class Embedder:
-    """An encoder model, its tokenizer and its pooling: `embed(texts)`.
+    """An embedding model, its tokenizer and its pooling: `embed(texts)`.
 
     Args:
-        model: a filled model of task "embed" (forward(ids, positions, [], EncoderMetadata) -> [T, hidden]).
+        model: a filled model of task "embed": an encoder (forward(ids, positions, [], EncoderMetadata) ->
+            [T, hidden]) or a causal decoder (one with KV cache specs: engine.model.packed_forward runs it).
         tokenizer: its tokenizer (None: `embed` raises ValueError).
         pooling: how it pools (engine.pooling.st_config.read_pooling_config).
         device: where the model is.
         max_batch_tokens: padded tokens per forward (EngineConfig.max_num_batched_tokens).
         max_batch_rows: rows per forward (EngineConfig.max_num_seqs).
+
+    Raises:
+        ValueError: a model whose folder has sentence-transformers files (ModelConfig.pooling_files) with a pooling
+            not read from them (a copy that lost modules.json would pool otherwise), or Dense weights that do not
+            load (engine.pooling.dense.Dense).
     """
 
     def __init__(self, model: ModelBase, tokenizer: Tokenizer | None, pooling: PoolingConfig, device: torch.device,
@@ -64,6 +73,12 @@ class Embedder:
         self.max_batch_rows = max_batch_rows
         self.dimension = pooling.dimension(model.config.hidden_size)
         self.max_length = pooling.max_seq_length
+        if getattr(model.config, "pooling_files", False) and pooling.source != "modules.json":
+            raise ValueError(f"this {model.config.architecture} embedding model's config says its folder holds "
+                             "sentence-transformers files, but its pooling was not read from a modules.json; copy "
+                             "modules.json and its module folders beside the model")
+        self.dense = [Dense(d, device) for d in pooling.dense]
+        self.causal = any(spec.has_cache for spec in model.kv_cache_specs)  # a decoder: engine.model.packed_forward
         # NOTE: one forward at a time: shards of one worker call embed from their own threads (pipeline.shard_embed);
         # interleaved batches would only fight over the same cores.
         self._forward_lock = threading.Lock()
@@ -119,12 +134,19 @@ class Embedder:
         keep = [j for j, (_, was_cut) in enumerate(encoded) if not was_cut]
         return [good[j] for j in keep], [encoded[j] for j in keep]
 
-    @torch.inference_mode()
-    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
-        """float32 [len(rows), options.dimensions or dimension] embeddings of token-id rows (one forward)."""
+    def _hidden(self, rows: list[list[int]]) -> torch.Tensor:
+        """Last hidden states [T, hidden] (model dtype) of token-id rows packed back to back, in one forward: an
+        encoder's attending both ways within each row, a causal decoder's causally (engine.model.packed_forward)."""
+        if self.causal:
+            return forward_packed(self.model, rows, self.device)
         lens = [len(r) for r in rows]
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
         meta = EncoderMetadata.of(lens, self.device)
-        hidden = self.model(ids.to(self.device), positions.to(self.device), [], meta)
-        return options.apply(pool(hidden, lens, self.pooling)).cpu().numpy()
+        return self.model(ids.to(self.device), positions.to(self.device), [], meta)
+
+    @torch.inference_mode()
+    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
+        """float32 [len(rows), options.dimensions or dimension] embeddings of token-id rows (one forward)."""
+        hidden = self._hidden(rows)
+        return options.apply(pool(hidden, [len(r) for r in rows], self.pooling, self.dense)).cpu().numpy()

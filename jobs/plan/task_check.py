@@ -28,39 +28,44 @@ def task_model(model: str | None, task: str) -> str | None:
         raise JobError(f"--task embed: {e}") from e
 
 
-def model_architecture(model: str | None) -> tuple[str, bool] | None:
-    """(registry architecture (engine.model.architectures), whether a sequence classifier: config.json's
-    *ForSequenceClassification) of a local model: an HF folder's config.json, a `tokenmill quantize` folder's
-    config, a GGUF file's general.architecture; None for a model at a URL (its worker reads it). `model` as
+def model_architecture(model: str | None) -> tuple[str, tuple[str, ...]] | None:
+    """(registry architecture (engine.model.architectures), the tasks the model does: engine.model.registry.
+    config_tasks, a sequence classifier's (config.json's *ForSequenceClassification) or a causal decoder embedding
+    model's (modules.json beside it) included) of a local model: an HF folder's config.json, a `tokenmill quantize`
+    folder's config, a GGUF file's general.architecture; None for a model at a URL (its worker reads it). `model` as
     jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError (exit 2) when the
     model's config cannot be read or names an architecture tokenmill does not run."""
+    from engine.config import ModelConfig
     from engine.loading.gguf_header import gguf_metadata
     from engine.loading.hf_folder import is_hf_folder, read_hf_config
     from engine.model.architectures import get_architecture
+    from engine.model.registry import config_tasks, model_tasks
 
     path = client_model_path(model)
     if path is None:
         return None
     try:
-        if os.path.isdir(path) and is_hf_folder(path):
-            cfg = read_hf_config(path)
-            return cfg.architecture, bool(cfg.labels)
         if os.path.isdir(path):
-            with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
-                folder = json.load(f)["model_config"]
-            return str(folder["architecture"]), bool(folder.get("labels"))
-        arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture", "llama")
-        return get_architecture(str(arch)).name, False
-    except (OSError, ValueError, KeyError) as e:
+            if is_hf_folder(path):
+                cfg = read_hf_config(path)
+            else:
+                with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
+                    cfg = ModelConfig.from_dict(json.load(f)["model_config"])
+            return cfg.architecture, config_tasks(cfg)
+        arch = get_architecture(str(gguf_metadata(path, {"general.architecture"}).get("general.architecture",
+                                                                                      "llama"))).name
+        return arch, model_tasks(arch)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise JobError(f"--model {path}: cannot read its architecture ({e})") from e
 
 
 def check_task(model: str | None, task: str) -> None:
     """Refuse, before any work, a job whose model cannot do `task`: an encoder asked to generate (the line names
-    --task embed), a causal LM asked to embed (it names --task generate), a model that is no sequence classifier
-    asked to classify, a classifier asked to generate or embed (it names --task classify). `model` as check_model
-    returns it. A model at a URL is checked by its worker for generate and classify; --task embed needs a local
-    folder (its pooling files are read here). Raises JobError (exit 2, one line)."""
+    --task embed), a causal LM without sentence-transformers files asked to embed (it names --task generate), a
+    model that is no sequence classifier asked to classify, a classifier asked to generate or embed (it names --task
+    classify), a decoder embedding model without an LM head asked to generate. `model` as check_model returns it.
+    A model at a URL is checked by its worker for generate and classify; --task embed needs a local folder (its
+    pooling files are read here). Raises JobError (exit 2, one line)."""
     from engine.model.registry import task_problem
 
     found = model_architecture(model)
@@ -69,8 +74,8 @@ def check_task(model: str | None, task: str) -> None:
             raise JobError(f"--task embed reads the model's sentence-transformers files on this machine; --model "
                            f"{model} is at a URL: copy the folder here and pass its path")
         return
-    arch, classifier = found
-    problem = task_problem(arch, task, classifier)
+    arch, tasks = found
+    problem = task_problem(arch, task, tasks=tasks)
     if problem is not None:
         raise JobError(f"--model {client_model_path(model)}: {problem}")
 

@@ -3,7 +3,7 @@
 Qwen2 classifiers (3 labels) saved with save_pretrained beside the MiniLM tokenizer, loaded by LLMEngine from the
 folder, on real texts (some over the row limit: truncated alike): logits within 1e-4 in fp32, softmax scores, labels
 = HF's argmax. Bad rows are error outputs; a classifier refuses generate / embed, a plain encoder or decoder refuses
-classify."""
+classify. Rows run in batches of mixed lengths (one batch, and several under a small token budget)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.pooling.embedder import plan_batches
 
 LABELS = {0: "low", 1: "medium", 2: "high"}
 MAX_POSITIONS = 96  # below the tokenizer's 512: the longer texts are cut at the model's row limit
@@ -99,6 +100,28 @@ def test_logits_and_labels_equal_hf(classifier: tuple[LLMEngine, torch.nn.Module
     assert [o.num_prompt_tokens for o in out] == [len(r) for r in rows]
     assert [o.truncated for o in out] == [len(r) > limit for r in engine.tokenizer.hf_tokenizer(texts)["input_ids"]]
     assert [o.request_id for o in out] == [str(i) for i in range(len(texts))]
+
+
+def test_small_batches_of_mixed_lengths_equal_hf(classifier: tuple[LLMEngine, torch.nn.Module],
+                                                 texts: list[str]) -> None:
+    """A small token budget: several batches, each of rows of mixed lengths in one packed forward (a decoder's
+    causal within each row: engine.model.packed_forward), against HF one row per call."""
+    engine, hf = classifier
+    budget, most = 300, 5
+    small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_batched_tokens=budget,
+                                            max_num_seqs=most))
+    rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts, engine.pooling_runner.max_length)]
+    batches = plan_batches([len(r) for r in rows], budget, most)
+    assert len(batches) > 2 and sum(len({len(rows[i]) for i in b}) > 1 for b in batches) > 2
+    with torch.inference_mode():
+        theirs = torch.cat([hf(input_ids=torch.tensor([r])).logits for r in rows]).float()
+    ours = torch.zeros_like(theirs)
+    for b in batches:
+        ours[b] = torch.from_numpy(small.pooling_runner._run([rows[i] for i in b], None))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    out = small.classify(texts)
+    assert [o.label for o in out] == [LABELS[int(i)] for i in theirs.argmax(-1)]
+    np.testing.assert_allclose(np.stack([o.scores for o in out]), torch.softmax(theirs, -1).numpy(), atol=1e-4)
 
 
 def test_bad_rows_are_error_outputs(classifier: tuple[LLMEngine, torch.nn.Module], texts: list[str]) -> None:

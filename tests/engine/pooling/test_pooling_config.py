@@ -74,9 +74,9 @@ def test_no_modules_json_pools_by_mean(tmp_path: Path) -> None:
 
 def test_an_unknown_module_or_mode_is_named(tmp_path: Path, minilm_folder: str) -> None:
     modules = json.loads((Path(minilm_folder) / "modules.json").read_text())
-    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
-    with pytest.raises(ValueError, match=r"module 'sentence_transformers.models.Dense'"):
-        read_pooling_config(_folder(tmp_path / "a", minilm_folder, modules=[*modules[:2], dense]), 384, 512)
+    norm = {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}
+    with pytest.raises(ValueError, match=r"module 'sentence_transformers.models.LayerNorm'"):
+        read_pooling_config(_folder(tmp_path / "a", minilm_folder, modules=[*modules[:2], norm]), 384, 512)
     with pytest.raises(ValueError, match="pooling mode 'weightedmean'"):
         read_pooling_config(_folder(tmp_path / "b", minilm_folder,
                                     pooling={"word_embedding_dimension": 384, "pooling_mode": "weightedmean"}),
