@@ -18,10 +18,11 @@ from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.base import ModelBase
 from engine.model.registry import config_tasks, refuse_task
-from engine.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.pooling.classifier import Classifier
-from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.embedder import Embedder
+from engine.pooling.pooling_tasks import PoolingTasks
+from engine.pooling.scorer import Scorer, read_score_activation
 from engine.pooling.st_config import PoolingConfig, read_pooling_config
 from engine.processing.offline_batch import generate_batch
 from engine.processing.output_builder import OutputBuilder
@@ -44,10 +45,11 @@ log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "Prompt"]
 
 
-class LLMEngine:
+class LLMEngine(PoolingTasks):
     """Offline batch generation over a paged KV cache with continuous batching.
 
-    Build it with `LLMEngine.from_model(path_or_url, EngineConfig(...))`; then `generate(prompts, params)`.
+    Build it with `LLMEngine.from_model(path_or_url, EngineConfig(...))`; then `generate(prompts, params)`, or for an
+    encoder or classifier `embed`, `classify`, `score` (engine.pooling.pooling_tasks.PoolingTasks).
 
     Attributes:
         tokenizer: engine.text.tokenizer.Tokenizer (encode, decode, apply_chat_template, eos_token_id), or None for a
@@ -59,11 +61,14 @@ class LLMEngine:
             HF folder, how its layers were loaded (e.g. "gptq 4-bit, group 128: 224 layers INT4 as stored, 0
             dequantized exactly"; engine.loading.hf_quantized.QuantReport); None for other models.
         pooling_runner: an embedder's or classifier's runner (engine.pooling, no KV cache); None for a causal LM.
+        scorer: the text pair scorer of a model that scores (engine.pooling.scorer: a cross-encoder's activation,
+            `score_activation`, or an embedding model's cosine); None otherwise.
     """
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
                  model_name: str, device: torch.device, dtype: torch.dtype,
-                 quantization_loaded: str | None = None, pooling: PoolingConfig | None = None) -> None:
+                 quantization_loaded: str | None = None, pooling: PoolingConfig | None = None,
+                 score_activation: str = "sigmoid") -> None:
         self.model, self.model_config = model, model_config
         self.tokenizer = tokenizer
         self.config = config
@@ -88,6 +93,7 @@ class LLMEngine:
         self.pooling_runner = runner = None if kind is None else kind(  # an encoder or classifier: engine.pooling
             model, tokenizer, pooling or PoolingConfig(max_seq_length=model_config.max_row_tokens), device,
             config.max_num_batched_tokens, config.max_num_seqs)
+        self.scorer = Scorer(runner, score_activation) if runner is not None and "score" in self.tasks else None
         if runner is not None and "generate" not in self.tasks:  # no KV pool, scheduler or runner
             self.block_size, self.num_kv_blocks, self.max_model_len = config.block_size, 0, runner.max_length
             return
@@ -157,8 +163,9 @@ class LLMEngine:
         if "embed" in config_tasks(opened.config):
             pooling = read_pooling_config(opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
                                           getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
+        activation = read_score_activation(opened.path) if len(opened.config.labels) == 1 else "sigmoid"
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
-                   opened.quantization_loaded, pooling)
+                   opened.quantization_loaded, pooling, activation)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
@@ -186,7 +193,8 @@ class LLMEngine:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
         return LLMEngine(self.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
-                         self.quantization_loaded, self.pooling_runner.pooling if self.pooling_runner else None)
+                         self.quantization_loaded, self.pooling_runner.pooling if self.pooling_runner else None,
+                         self.scorer.activation if self.scorer else "sigmoid")
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -333,18 +341,3 @@ class LLMEngine:
         return generate_batch(self, prompts, sampling_params, request_ids=request_ids,
                               use_chat_template=use_chat_template, allow_special_tokens=allow_special_tokens,
                               on_output=on_output, should_stop=should_stop)
-
-    def embed(self, texts: Sequence[str], *, request_ids: Sequence[str] | None = None, dimensions: int | None = None,
-              normalize: bool = False, prefix: str = "", truncate: bool = True) -> list[EmbeddingOutput]:
-        """One EmbeddingOutput per text, in order (engine.pooling.embedder.Embedder.embed; the keywords are
-        engine.pooling.embed_options.EmbedOptions'). Raises ValueError for a model that does not embed, texts and
-        request_ids of other lengths, or options out of range (dimensions < 1 or over the model's width)."""
-        refuse_task(self.model_config, "embed")
-        options = EmbedOptions(dimensions=dimensions, normalize=normalize, prefix=prefix, truncate=truncate)
-        return self.pooling_runner.embed(texts, request_ids, options)  # type: ignore[union-attr]
-
-    def classify(self, texts: Sequence[str], request_ids: Sequence[str] | None = None) -> list[ClassificationOutput]:
-        """One ClassificationOutput per text, in order (engine.pooling.classifier.Classifier.classify). Raises
-        ValueError for a model that does not classify (not a *ForSequenceClassification) or as Classifier.classify."""
-        refuse_task(self.model_config, "classify")
-        return self.pooling_runner.classify(texts, request_ids)  # type: ignore[union-attr]

@@ -130,3 +130,26 @@ class ClassificationOutput:
     num_prompt_tokens: int
     truncated: bool = False
     error: str | None = None
+
+
+@dataclass
+class ScoreOutput:
+    """The score of one (text, text_pair) pair (LLMEngine.score, engine.pooling.scorer).
+
+    Attributes:
+        request_id: the caller's id for the pair (string; its index when none was given).
+        score: a cross-encoder's relevance (its one logit through sentence-transformers CrossEncoder's activation:
+            sigmoid, in (0, 1), unless the model's files name Identity: the raw logit), or an embedding model's
+            cosine similarity of the two texts' embeddings (in [-1, 1]); None for an error output.
+        num_prompt_tokens: tokens the model read, special tokens included, after truncation: the pair's one
+            sequence for a cross-encoder, both texts' for an embedding model.
+        truncated: the pair (a cross-encoder: longest first, as HF tokenizers cut pairs) or either text (an
+            embedding model) ran past the model's row limit and tokens were dropped.
+        error: why the pair could not be scored (either text not a string, empty or only whitespace), or None.
+    """
+
+    request_id: str
+    score: float | None
+    num_prompt_tokens: int
+    truncated: bool = False
+    error: str | None = None

@@ -56,6 +56,7 @@ def run_config(spec: JobSpec) -> RunConfig:
     dim = check_embedding(spec.model, spec.task, spec.embedding)
     try:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
+                         text_pair_column=c.text_pair,
                          use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
                          **sampling, **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour,
                          task=spec.task, embedding_dim=dim, **spec.embedding.model_dump())

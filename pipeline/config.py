@@ -27,6 +27,8 @@ class RunConfig:
         prompt_column: column of prompt text (wrapped in the chat template unless use_chat_template is False).
         messages_column: column of chat messages (list of {role, content}); used when the prompt column is absent.
         id_column: column of row ids; when the input lacks it, ids are row positions in the file.
+        text_pair_column: column of each row's second text (task score only, and required there: the prompt column
+            holds the first); None for the other tasks.
         use_chat_template: wrap text prompts in the model's chat template.
         allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
             control); by default user text is encoded as text (engine.text.tokenizer).
@@ -44,8 +46,8 @@ class RunConfig:
         heartbeat_seconds: while rows are generated, an attempt that committed no part for this long leaves a
             sign of life (a tiny create-only record, pipeline.attempts.Heartbeat): an attempt killed without an end
             record is billed from its start to its last sign of life (seconds; default 15).
-        task: "generate" (a completion per row), "embed" (an embedding per row: pipeline.shard_embed) or "classify"
-            (a label per row: the same rows).
+        task: "generate" (a completion per row), "embed" (an embedding per row: pipeline.shard_embed), "classify"
+            (a label per row: the same rows) or "score" (a relevance per (prompt, text pair) row: the same rows).
         embedding_dim: elements of one embedding (task embed only: the model's hidden size times its pooling
             modes, jobs.plan.task_check.embedding_dim; `dimensions` when set), the width of the results'
             fixed-size `embedding` column.
@@ -59,6 +61,7 @@ class RunConfig:
     prompt_column: str = _COLUMNS.prompt
     messages_column: str = _COLUMNS.messages
     id_column: str = _COLUMNS.id
+    text_pair_column: str | None = _COLUMNS.text_pair
     use_chat_template: bool = _COLUMNS.chat_template
     allow_special_tokens: bool = _COLUMNS.allow_special_tokens
     max_tokens: int = _SAMPLING.max_tokens
@@ -96,6 +99,7 @@ class RunConfig:
             JobSpec.model_validate({
                 "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd, "task": self.task,
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
+                            "text_pair": self.text_pair_column,
                             "chat_template": self.use_chat_template,
                             "allow_special_tokens": self.allow_special_tokens},
                 "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
@@ -109,6 +113,11 @@ class RunConfig:
                              f"{self.task!r} with embedding_dim {self.embedding_dim!r}")
         if self.task != "embed" and self.embed_options() != _EMBEDDING.model_dump():
             raise InputError(f"the embed options {self.embed_options()} apply to task embed only, not {self.task!r}")
+        if (self.task == "score") != (self.text_pair_column is not None):
+            raise InputError(f"--text-pair-column applies to --task score only; this job's task is {self.task}: drop "
+                             "it or add --task score" if self.text_pair_column is not None else
+                             "--task score needs --text-pair-column COLUMN, the column of each row's second text "
+                             "(the prompt column, --prompt-column, holds the first)")
         if self.dimensions is not None and self.dimensions != self.embedding_dim:
             raise InputError(f"embedding_dim {self.embedding_dim} must be the dimensions asked, {self.dimensions}")
         if not self.heartbeat_seconds > 0:

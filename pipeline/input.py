@@ -23,6 +23,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
+from pipeline.input_columns import check_column_type, check_pair_column
 from pipeline.storage import is_transient, retry_transient
 
 log = logging.getLogger(__name__)
@@ -113,59 +114,6 @@ def _read_schema(fs: AbstractFileSystem, path: str) -> pa.Schema:
         return pq.read_schema(f)
 
 
-def is_text_type(t: pa.DataType) -> bool:
-    """Whether an Arrow column type holds text: string, large_string, string_view, or a dictionary of one (what
-    pandas writes for a categorical column, polars for Categorical and Enum)."""
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
-
-
-def _is_list_type(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
-            or pa.types.is_large_list_view(t) or pa.types.is_fixed_size_list(t))
-
-
-def _is_messages_type(t: pa.DataType) -> bool:
-    """A list of structs (chat messages; any Arrow list type), or text (JSON, parsed per row)."""
-    if _is_list_type(t):
-        return pa.types.is_struct(t.value_type)
-    return is_text_type(t)
-
-
-def text_fix(column: str, t: pa.DataType) -> str:
-    """Python that turns column `column` (of type `t`) of a pyarrow Table named `table` into text, for an error
-    message: a cast where pyarrow can cast `t` to string, else one text per row built from to_pylist() (lists
-    joined by newlines, structs and maps as JSON). The expression evaluates to the new table."""
-    try:
-        pa.array([], t).cast(pa.string())  # pyarrow refuses nested types (lists, structs) here, as at run time
-        values = f"table[{column!r}].cast(pa.string())"
-    except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
-        row = ('"\\n".join(map(str, v))' if _is_list_type(t)
-               else "json.dumps(v, default=str, ensure_ascii=False)")
-        values = (f"pa.array([None if v is None else {row} for v in table[{column!r}].to_pylist()], "
-                  "pa.string())")
-    return f"table.set_column(table.schema.get_field_index({column!r}), {column!r}, {values})"
-
-
-def _check_column_type(url: str, column: str, t: pa.DataType, messages: bool) -> None:
-    """Raise InputError when a prompt column is not text (or a messages column not a list of {role, content});
-    the message says how to convert the column (text_fix), or which option reads it as it is."""
-    if pa.types.is_null(t) or (_is_messages_type(t) if messages else is_text_type(t)):
-        return  # an all-null column: every row becomes an error row that says so
-    if messages:
-        raise InputError(f"column {column!r} of {url} holds {t}, not chat messages: store each row as a list of "
-                         "{role, content} structs, or as JSON text of one (json.dumps of the list), or name another "
-                         "column with --messages-column")
-    if _is_list_type(t) and pa.types.is_struct(t.value_type):
-        raise InputError(f"column {column!r} of {url} holds {t}: chat messages, not text. Rename it to messages (the "
-                         f"default --messages-column), or pass --messages-column {column} with a --prompt-column "
-                         "that names no column of the file")
-    raise InputError(f"column {column!r} of {url} holds {t}, not text (string). Convert it before the job (with "
-                     f"pyarrow: `table = {text_fix(column, t)}`), or name another column with --prompt-column / "
-                     "--messages-column")
-
-
 @retry_transient
 def _read_num_rows(fs: AbstractFileSystem, path: str) -> int:
     with fs.open(path, "rb") as f:
@@ -174,7 +122,8 @@ def _read_num_rows(fs: AbstractFileSystem, path: str) -> int:
 
 def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -> str:
     """Check every readable file has the prompt (or messages) column, of a type that holds prompts (text; for
-    messages a list of {role, content} or JSON text); return the column to read prompts from.
+    messages a list of {role, content} or JSON text), and a score job's text pair column, of text; return the column
+    to read prompts from.
 
     Files whose footer cannot be read are skipped here: they fail their own shard later, not the job. Transient
     storage errors are retried, then raised (OSError): a flaky store never makes a good file look corrupt.
@@ -200,12 +149,14 @@ def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -
             raise InputError(
                 f"prompt column {cfg.prompt_column!r} not found in {_url(fs, path)}; columns found: {names}. "
                 f"Name the prompt column with --prompt-column (or the chat messages column with --messages-column)")
-        _check_column_type(_url(fs, path), column, schema.field(column).type,
-                           messages=column == cfg.messages_column != cfg.prompt_column)
+        check_column_type(_url(fs, path), column, schema.field(column).type,
+                          messages=column == cfg.messages_column != cfg.prompt_column)
         if chosen is not None and column != chosen:
             raise InputError(f"{_url(fs, path)} has column {column!r} but an earlier file has {chosen!r}; "
                              "all input files must use the same prompt column")
         chosen = column
+        if cfg.text_pair_column is not None:  # a score job's second text
+            check_pair_column(_url(fs, path), cfg.text_pair_column, schema)
     return chosen or cfg.prompt_column
 
 

@@ -39,12 +39,13 @@ from schemas.job_spec import Embedding, Sampling
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "allow_special_tokens",
-                  *Sampling.model_fields, *Embedding.model_fields)
-# Sampling and embed options added since manifests were first written: a manifest without them ran with their
-# defaults.
+                  "text_pair_column", *Sampling.model_fields, *Embedding.model_fields)
+# Sampling, embed and column options added since manifests were first written: a manifest without them ran with
+# their defaults (no text pair column: no score job).
 _LATER_DEFAULTS = {name: list(v) if isinstance(v, tuple) else v
                    for name, v in (Sampling().model_dump() | Embedding().model_dump()).items()
-                   if name not in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")}
+                   if name not in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+                   } | {"text_pair_column": None}
 
 
 @dataclass(frozen=True)

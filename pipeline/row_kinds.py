@@ -4,7 +4,8 @@ checkpoints, exactly-once commits and accounting.
 
 - generate: a completion per row (pipeline.shard_requests; schemas.CHECKPOINT_PART_SCHEMA / RESULTS_SCHEMA);
 - embed: an embedding per row (pipeline.shard_embed; schemas.arrow.embed_part_schema / embed_results_schema);
-- classify: a label and scores per row (pipeline.shard_embed's rows too; schemas.arrow.CLASSIFY_*_SCHEMA).
+- classify: a label and scores per row (pipeline.shard_embed's rows too; schemas.arrow.CLASSIFY_*_SCHEMA);
+- score: a relevance per (text, text pair) row (pipeline.shard_embed's rows too; schemas.arrow.SCORE_*_SCHEMA).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow as pa
 
 from pipeline.checkpoint import PartTableFn, completion_tokens, part_table
 from pipeline.config import RunConfig
-from pipeline.shard_embed import classify_part_table, embed_part_table, embed_requests, embed_rows
+from pipeline.shard_embed import classify_part_table, embed_part_table, embed_requests, embed_rows, score_part_table
 from pipeline.shard_requests import RowRequests, generate_rows, row_requests
 from pipeline.shard_rows import ShardRows
 from schemas.arrow import (
@@ -25,6 +26,8 @@ from schemas.arrow import (
     CLASSIFY_PART_SCHEMA,
     CLASSIFY_RESULTS_SCHEMA,
     RESULTS_SCHEMA,
+    SCORE_PART_SCHEMA,
+    SCORE_RESULTS_SCHEMA,
     embed_part_schema,
     embed_results_schema,
 )
@@ -41,7 +44,7 @@ class RowKind:
         part_schema / results_schema: the Arrow schemas of its parts and of its results.
         output_tokens: tokens a finished row generated (0 for an embedding).
         aborted: whether an output is a row left unfinished by a stop (generate: finish_reason "abort"; embed,
-            classify: None).
+            classify, score: None).
     """
 
     requests: Callable[[ShardRows, RunConfig], RowRequests]
@@ -57,12 +60,14 @@ GENERATE = RowKind(row_requests, generate_rows, part_table, CHECKPOINT_PART_SCHE
                    completion_tokens, lambda out: out.finish_reason == "abort")
 CLASSIFY = RowKind(embed_requests, embed_rows, classify_part_table, CLASSIFY_PART_SCHEMA, CLASSIFY_RESULTS_SCHEMA,
                    lambda out: 0, lambda out: out is None)
+SCORE = RowKind(embed_requests, embed_rows, score_part_table, SCORE_PART_SCHEMA, SCORE_RESULTS_SCHEMA,
+                lambda out: 0, lambda out: out is None)
 
 
 def row_kind(cfg: RunConfig) -> RowKind:
     """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide)."""
-    if cfg.task == "classify":
-        return CLASSIFY
+    if cfg.task in ("classify", "score"):
+        return CLASSIFY if cfg.task == "classify" else SCORE
     if cfg.task != "embed":
         return GENERATE
     dim = cfg.embedding_dim or 0  # RunConfig holds it set for task embed

@@ -164,7 +164,7 @@ class _ShardWork:
         """Read the shard's rows (read_shard) and its committed rows. A read that fails (ShardError, InputChanged)
         is recorded as a failed attempt, then raised."""
         try:
-            rows = read_shard(shard, prompt_column, cfg.id_column,
+            rows = read_shard(shard, prompt_column, cfg.id_column, pair_column=cfg.text_pair_column,
                               messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
         except (ShardError, InputChanged) as e:
             record.record_failure(f"{type(e).__name__}: {e}")

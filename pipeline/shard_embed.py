@@ -1,9 +1,9 @@
-"""An embed or classify job's rows (`--task embed|classify`): the text of each row embedded or classified by the
-engine (engine.LLMEngine.embed / classify), bad rows as error rows, finished rows handed to the shard's checkpoints
-as they come; the rows as checkpoint parts.
+"""An embed, classify or score job's rows (`--task embed|classify|score`): the text of each row embedded or
+classified, or its (text, text pair) scored, by the engine (engine.LLMEngine.embed / classify / score), bad rows as
+error rows, finished rows handed to the shard's checkpoints as they come; the rows as checkpoint parts.
 
 The shard's machinery (pipeline.shard: attempts, checkpoints, exactly-once results, accounting) is the generate
-path's; pipeline.row_kinds picks these functions for an embed or classify job.
+path's; pipeline.row_kinds picks these functions for an embed, classify or score job.
 """
 
 from __future__ import annotations
@@ -17,25 +17,28 @@ from engine.loop.clock import DeviceClock
 from pipeline.config import RunConfig
 from pipeline.shard_requests import ProgressFn, RowRequests
 from pipeline.shard_rows import ShardRows
-from schemas.arrow import CLASSIFY_PART_SCHEMA, embed_part_schema
+from schemas.arrow import CLASSIFY_PART_SCHEMA, SCORE_PART_SCHEMA, embed_part_schema
 
 if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), never by the client
     from engine import LLMEngine
     from engine.loop.engine_loop import EngineLoop
-    from engine.outputs import ClassificationOutput, EmbeddingOutput
+    from engine.outputs import ClassificationOutput, EmbeddingOutput, ScoreOutput
 
 #: Called with (row index, its output) as each row finishes.
-EmbedRowFn = Callable[[int, "EmbeddingOutput | ClassificationOutput"], None]
+EmbedRowFn = Callable[[int, "EmbeddingOutput | ClassificationOutput | ScoreOutput"], None]
 
 
 def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
     """The rows of an embed job that cannot run (null, not a string, empty or only whitespace, a request error from
-    the input: engine.text.prompts.text_problem) and those that can; no sampling parameters. No engine."""
+    the input: engine.text.prompts.text_problem; for a score job its text pair too, the error naming the column)
+    and those that can; no sampling parameters. No engine."""
     from engine.text.prompts import text_problem
 
     errors: dict[int, str] = {}
     for k, text in enumerate(rows.prompts):
         problem = (rows.errors[k] if rows.errors else None) or text_problem(text)
+        if not problem and rows.pairs is not None and (pair := text_problem(rows.pairs[k])):
+            problem = f"text pair column {cfg.text_pair_column!r}: {pair}"
         if problem:
             errors[k] = problem
     return RowRequests(errors, [k for k in range(len(rows.prompts)) if k not in errors], [])
@@ -44,9 +47,11 @@ def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
 def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
                progress: ProgressFn | None = None, *, on_row: EmbedRowFn | None = None,
                should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
-               requests: RowRequests | None = None) -> list[EmbeddingOutput | ClassificationOutput | None]:
-    """One EmbeddingOutput per row (cfg.task "classify": one ClassificationOutput), in row order; None for a row left
-    unfinished because `should_stop` said stop.
+               requests: RowRequests | None = None
+               ) -> list[EmbeddingOutput | ClassificationOutput | ScoreOutput | None]:
+    """One EmbeddingOutput per row (cfg.task "classify": one ClassificationOutput; "score": one ScoreOutput of the
+    row's text and its text pair, rows.pairs), in row order; None for a row left unfinished because `should_stop`
+    said stop.
 
     Error rows (embed_requests) come first, as error outputs; the others are embedded (with cfg's embed options:
     dimensions, normalize, prefix, truncate, whose over-long rows become error outputs) in chunks of
@@ -60,17 +65,18 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
     Raises ValueError when `engine` is None and a row can run, or is a model that does not embed / classify (its
     message names the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
     from engine.loop.engine_loop import EngineLoop
-    from engine.outputs import ClassificationOutput, EmbeddingOutput
+    from engine.outputs import ClassificationOutput, EmbeddingOutput, ScoreOutput
 
     requests = requests or embed_requests(rows, cfg)
     runnable = requests.runnable
     if engine is None and runnable:
         raise ValueError(f"{len(runnable)} rows can run but no engine was given")
     llm = engine.engine if isinstance(engine, EngineLoop) else engine
-    classify = cfg.task == "classify"
-    outputs: list[EmbeddingOutput | ClassificationOutput | None] = [None] * len(rows.prompts)
+    task = cfg.task
+    outputs: list[EmbeddingOutput | ClassificationOutput | ScoreOutput | None] = [None] * len(rows.prompts)
     for k, problem in requests.errors.items():
-        outputs[k] = (ClassificationOutput(str(rows.ids[k]), None, None, None, 0, error=problem) if classify
+        outputs[k] = (ClassificationOutput(str(rows.ids[k]), None, None, None, 0, error=problem) if task == "classify"
+                      else ScoreOutput(str(rows.ids[k]), None, 0, error=problem) if task == "score"
                       else EmbeddingOutput(str(rows.ids[k]), None, 0, error=problem))
         if on_row:
             on_row(k, outputs[k])
@@ -82,7 +88,8 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
             break
         chunk = runnable[start:start + step]
         texts, ids = [rows.prompts[k] for k in chunk], [str(rows.ids[k]) for k in chunk]
-        done = (llm.classify(texts, ids) if classify  # type: ignore[union-attr]
+        done = (llm.classify(texts, ids) if task == "classify"  # type: ignore[union-attr]
+                else llm.score(texts, [rows.pairs[k] for k in chunk], ids) if task == "score"  # type: ignore[union-attr,index]
                 else llm.embed(texts, request_ids=ids, **cfg.embed_options()))  # type: ignore[union-attr]
         for k, out in zip(chunk, done, strict=True):
             out.request_id = rows.ids[k]
@@ -121,3 +128,12 @@ def classify_part_table(rows: list[tuple[int, ClassificationOutput]], model: str
         "id": o.request_id, "label": o.label, "score": o.score, "scores": o.scores,
         "prompt_tokens": o.num_prompt_tokens, "error": o.error, "model": model, "model_fingerprint": model_fingerprint,
         "truncated": o.truncated, "row": k} for k, o in rows], schema=CLASSIFY_PART_SCHEMA)
+
+
+def score_part_table(rows: list[tuple[int, ScoreOutput]], model: str, model_fingerprint: str | None = None) -> pa.Table:
+    """The part builder of a score job (pipeline.checkpoint.PartTableFn): finished rows (position in the shard,
+    ScoreOutput) -> a table of schemas.arrow.SCORE_PART_SCHEMA."""
+    return pa.Table.from_pylist([{
+        "id": o.request_id, "score": o.score, "prompt_tokens": o.num_prompt_tokens, "error": o.error, "model": model,
+        "model_fingerprint": model_fingerprint, "truncated": o.truncated, "row": k} for k, o in rows],
+        schema=SCORE_PART_SCHEMA)

@@ -1,5 +1,6 @@
 """Read one shard's rows from its Parquet file: only the row groups that overlap it, exactly the pinned version, with
-its ids, prompts (text or chat messages), per-row sampling values and request errors (pipeline.row_options)."""
+its ids, prompts (text or chat messages), a score job's text pairs, per-row sampling values and request errors
+(pipeline.row_options)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.input import InputChanged, Shard, is_text_type, open_pinned
+from pipeline.input import InputChanged, Shard, open_pinned
+from pipeline.input_columns import is_text_type
 from pipeline.row_options import ROW_ERROR_COLUMN, row_option_columns, row_overrides
 from pipeline.storage import RETRY_ATTEMPTS, is_transient, parquet_file, read_parquet, retry_transient
 
@@ -22,13 +24,15 @@ class ShardError(RuntimeError):
 class ShardRows:
     """The rows of one shard: ids (text, or None where the id column is null) and prompts (text, message lists, or
     None for a missing prompt); per row, optionally, its own sampling values and a request error
-    (pipeline.row_options; None: the input has none), and its position in the input file."""
+    (pipeline.row_options; None: the input has none), its position in the input file, and a score job's second text
+    (`pairs`, text or None; None for the other tasks)."""
 
     ids: list[str | None]
     prompts: list[Any]
     overrides: list[dict[str, Any]] | None = None
     errors: list[str | None] | None = None
     positions: list[int] | None = None  # each row's position in its input file
+    pairs: list[Any] | None = None  # a score job's text pair column
 
     def take(self, indices: list[int]) -> ShardRows:
         """The rows at `indices`, in that order."""
@@ -36,17 +40,19 @@ class ShardRows:
             return None if values is None else [values[k] for k in indices]
 
         return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
-                         pick(self.errors), pick(self.positions))
+                         pick(self.errors), pick(self.positions), pick(self.pairs))
 
 
 @retry_transient
-def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
-                     pinned: tuple[int, str] | None = None) -> tuple[pa.Table, int]:
-    """The row groups of the shard's file that overlap its rows, and the file row of the first one; exactly the
-    `pinned` (size, version) of the file when given (pipeline.input.open_pinned)."""
+def _read_row_groups(shard: Shard, prompt_column: str, id_column: str, pinned: tuple[int, str] | None = None,
+                     pair_column: str | None = None) -> tuple[pa.Table, int]:
+    """The row groups of the shard's file that overlap its rows (its prompt, id, text pair and row option
+    columns), and the file row of the first one; exactly the `pinned` (size, version) of the file when given
+    (pipeline.input.open_pinned)."""
     with open_pinned(shard.url, pinned) as f, parquet_file(f) as pf:
         names = pf.schema_arrow.names
-        columns = [prompt_column] + ([id_column] if id_column in names else []) + row_option_columns(names)
+        columns = list(dict.fromkeys([prompt_column] + ([id_column] if id_column in names else [])
+                                     + row_option_columns(names) + ([pair_column] if pair_column else [])))
         groups, first_row, offset = [], None, 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
@@ -59,7 +65,7 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str,
 
 
 def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False,
-               pinned: tuple[int, str] | None = None) -> ShardRows:
+               pinned: tuple[int, str] | None = None, pair_column: str | None = None) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
     Ids are the id column's values as text (a null id stays null: results carry input_file and input_row, which
@@ -67,11 +73,12 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     is a chat messages column; stored as text, each row is parsed as JSON (a row that is not JSON keeps its text
     and becomes an error row in generate_rows). Transient storage errors are retried
     (pipeline.storage.retry_transient). `pinned`: the (size, version) the job pinned: exactly that version is read.
+    `pair_column`: a score job's text pair column, read into ShardRows.pairs.
     Raises InputChanged when the file is not (or stops being, mid-read) the pinned version, and ShardError (with the
     file and the reader's message) when the file cannot be read.
     """
     try:
-        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned)
+        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned, pair_column)
     except InputChanged:
         raise
     except Exception as e:  # any reader failure fails this shard with a clear message
@@ -100,7 +107,8 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     if errors is None or options_errors is not None:
         errors = options_errors if errors is None else [a or b for a, b in zip(options_errors, errors, strict=True)]
     return ShardRows(ids, prompts, row_overrides(options, len(ids)), errors,
-                     list(range(shard.row_start, shard.row_start + len(ids))))
+                     list(range(shard.row_start, shard.row_start + len(ids))),
+                     table.column(pair_column).to_pylist() if pair_column else None)
 
 
 def _parse_messages(text: str | None) -> tuple[Any, str | None]:

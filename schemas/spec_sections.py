@@ -43,6 +43,10 @@ class Columns(_Section):
                                                  "column is absent."), Cli("messages_column")] = "messages"
     id: Annotated[_Name, Field(description="Column of row ids; row positions when the input lacks it."),
                   Cli("id_column")] = "id"
+    text_pair: Annotated[_Name | None, Field(description="Column of each row's second text, for --task score (and "
+                                                         "only then; required there): the prompt column holds the "
+                                                         "first (a query), this one the second (a document)."),
+                         Cli("text_pair_column")] = None
     chat_template: Annotated[bool, Field(description="Wrap text prompts in the model's chat template "
                                                      "(--no-chat-template sends them raw).")] = True
     allow_special_tokens: Annotated[bool, Field(description="Parse control-token text in prompts and message "

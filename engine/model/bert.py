@@ -7,7 +7,8 @@ of exact (erf) GELU, added and LayerNorm'd. Dropout is training only. Parameter 
 keys (engine.model.bert_names), so an HF folder's tensors fill it by name; the NSP pooler is not held (sentence
 embeddings pool the last hidden states: engine.pooling).
 
-Every row is one segment: token type 0 everywhere (what sentence-transformers feeds a single text).
+A single text is one segment, token type 0 everywhere (what sentence-transformers feeds it); a cross-encoder's pair
+passes its token types (1 on the second text: HF's token_type_ids) to `forward`.
 
 XLM-RoBERTa (multilingual-e5, bge-m3) is this model with other config values (engine.model.family_fields
 .xlm_roberta_fields): its LayerNorm epsilon, one token type, and positions that start past its padding_idx
@@ -140,10 +141,11 @@ class BertEncoderModel(ModelBase):
     def forward(self, input_ids: torch.Tensor | None, rope_rows: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 meta: EncoderMetadata | None = None, attn_fn: object = None, *,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden states [T, hidden] (model dtype) of a packed batch: int64 input_ids [T] (or inputs_embeds
         [T, hidden]), rope_rows int64 [T] each token's index within its row (0, 1, ... per row, below
-        cfg.max_row_tokens; the position embedding's rows: `positions`), meta the rows' EncoderMetadata. kv_caches
+        cfg.max_row_tokens; the position embedding's rows: `positions`), meta the rows' EncoderMetadata,
+        token_type_ids int64 [T] each token's segment (below cfg.type_vocab_size; None: 0 everywhere). kv_caches
         and attn_fn are not used (no cache). Raises ValueError unless exactly one of input_ids / inputs_embeds is
         given, or without meta."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -153,7 +155,8 @@ class BertEncoderModel(ModelBase):
                              "(engine.layers.encoder_attention)")
         emb = self.embeddings
         words = emb.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
-        types = emb.token_type_embeddings.weight[0]
+        types = (emb.token_type_embeddings.weight[0] if token_type_ids is None
+                 else emb.token_type_embeddings(token_type_ids))
         x = emb.LayerNorm(words + emb.position_embeddings(self.positions(input_ids, rope_rows)) + types)
         for layer in self.encoder.layer:
             x = layer(x, meta)

@@ -48,8 +48,8 @@ class ModelEntry:
         kv_layout: the KV cache layout (one KVCacheSpec per layer) the model declares for a config (no torch).
         tasks: what the model does (schemas.engine_choices.TASKS): "generate" (a causal LM: LLMEngine.generate),
             "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed), "classify" (a
-            sequence classifier: LLMEngine.classify). A causal decoder's folder with sentence-transformers files
-            embeds too (config_tasks).
+            sequence classifier: LLMEngine.classify); "score" is not listed: model_tasks derives it. A causal
+            decoder's folder with sentence-transformers files embeds too (config_tasks).
     """
 
     model_class: Callable[[], type[ModelBase]]
@@ -120,53 +120,69 @@ def model_entry(architecture: str) -> ModelEntry:
     return entry
 
 
-def model_tasks(architecture: str, classifier: bool = False) -> tuple[str, ...]:
-    """The tasks the model of `architecture` does ("generate", "embed", "classify"; `classifier`: its sequence
-    classifier's); raises ValueError as model_entry."""
+def model_tasks(architecture: str, classifier: bool = False, num_labels: int = 0) -> tuple[str, ...]:
+    """The tasks the model of `architecture` does ("generate", "embed", "classify", "score"; `classifier`: its
+    sequence classifier's, of `num_labels` labels). "score" (LLMEngine.score: a relevance per text pair) follows
+    from the others: an embedding model scores by cosine, a classifier of one label is a cross-encoder; raises
+    ValueError as model_entry."""
     if not classifier:
-        return model_entry(architecture).tasks
+        tasks = model_entry(architecture).tasks
+        return (*tasks, "score") if "embed" in tasks else tasks
     entry = CLASSIFIERS.get(get_architecture(architecture).name)
     if entry is None:
         raise ValueError(f"a {architecture} model has no sequence classifier in tokenmill")
-    return entry.tasks
+    return (*entry.tasks, "score") if num_labels == 1 else entry.tasks
 
 
 def config_tasks(cfg: ModelConfig) -> tuple[str, ...]:
     """The tasks the model of shape `cfg` does: model_tasks' for its architecture (its classifier's when cfg.labels),
-    and for a causal decoder whose folder holds sentence-transformers files (cfg.pooling_files) "embed" too, with
-    "generate" only while it holds an LM head (cfg.lm_head). A causal LM without those files does not embed:
-    tokenmill does not guess a pooling for hidden states that were never trained as embeddings (README,
+    and for a causal decoder whose folder holds sentence-transformers files (cfg.pooling_files) "embed" and "score"
+    too, with "generate" only while it holds an LM head (cfg.lm_head). A causal LM without those files does not
+    embed: tokenmill does not guess a pooling for hidden states that were never trained as embeddings (README,
     Embeddings). Raises ValueError as model_tasks."""
-    tasks = model_tasks(cfg.architecture, bool(cfg.labels))
+    tasks = model_tasks(cfg.architecture, bool(cfg.labels), len(cfg.labels))
     if cfg.labels or "generate" not in tasks or not cfg.pooling_files:
         return tasks
-    return ("generate", "embed") if cfg.lm_head else ("embed",)
+    return ("generate", "embed", "score") if cfg.lm_head else ("embed", "score")
 
 
-def task_problem(architecture: str, task: str, classifier: bool = False,
+#: How to ask for each task, in task_problem's lines.
+_HOW = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
+        "classify": "LLMEngine.classify, --task classify",
+        "score": "LLMEngine.score, --task score --text-pair-column COLUMN"}
+
+
+def task_problem(architecture: str, task: str, classifier: bool = False, num_labels: int = 0,
                  tasks: tuple[str, ...] | None = None) -> str | None:
-    """One line when the model of `architecture` (`classifier`: its sequence classifier) cannot do `task`
-    ("generate", "embed" or "classify"), naming what it does and how to ask for that; None when it can. `tasks`:
-    what the model does when its folder says more than its architecture (config_tasks); None: model_tasks'.
-    Raises ValueError as model_entry."""
-    tasks = tasks or model_tasks(architecture, classifier)
+    """One line when the model of `architecture` (`classifier`: its sequence classifier, of `num_labels` labels)
+    cannot do `task` ("generate", "embed", "classify" or "score"), naming what it does and how to ask for that (for
+    score, why: a classifier of several labels has no one relevance logit); None when it can. `tasks`: what the
+    model does when its folder says more than its architecture (config_tasks); None: model_tasks'. Raises ValueError
+    as model_entry."""
+    tasks = tasks or model_tasks(architecture, classifier, num_labels)
     if task in tasks:
         return None
+    name = get_architecture(architecture).name
     if task == "embed" and "generate" in tasks:
-        return (f"a {get_architecture(architecture).name} model cannot embed: a causal LM embeds only when its folder "
-                "holds sentence-transformers files (modules.json, 1_Pooling/config.json: Qwen3-Embedding's lasttoken "
-                "pooling), since its hidden states are no embeddings unless trained so and tokenmill does not guess "
-                "a pooling; pick an embedding model, or ask for generate (LLMEngine.generate, --task generate)")
-    how = {"embed": "LLMEngine.embed, tokenmill run --task embed", "generate": "LLMEngine.generate, --task generate",
-           "classify": "LLMEngine.classify, --task classify"}
-    return (f"a {get_architecture(architecture).name} model cannot {task}: it does {' and '.join(tasks)} "
-            f"({'; '.join(how[t] for t in tasks)}); pick a model that does {task}, or ask for "
+        return (f"a {name} model cannot embed: a causal LM embeds only when its folder holds sentence-transformers "
+                "files (modules.json, 1_Pooling/config.json: Qwen3-Embedding's lasttoken pooling), since its hidden "
+                "states are no embeddings unless trained so and tokenmill does not guess a pooling; pick an "
+                "embedding model, or ask for generate (LLMEngine.generate, --task generate)")
+    if task == "score":
+        what = (f"a {name} sequence classifier of {num_labels} labels cannot score text pairs: scoring takes a "
+                "cross-encoder's one logit (num_labels 1) or an embedding model's cosine" if classifier else
+                f"a {name} model cannot score text pairs: it is no cross-encoder (a *ForSequenceClassification of "
+                "1 label) nor embedding model")
+        return (f"{what}; pick such a model (e.g. cross-encoder/ms-marco-MiniLM-L6-v2, or all-MiniLM-L6-v2), or ask "
+                f"for {' or '.join(tasks)} ({'; '.join(_HOW[t] for t in tasks)})")
+    return (f"a {name} model cannot {task}: it does {' and '.join(tasks)} "
+            f"({'; '.join(_HOW[t] for t in tasks)}); pick a model that does {task}, or ask for "
             f"{' or '.join(tasks)}")
 
 
 def refuse_task(cfg: ModelConfig, task: str) -> None:
     """Raise ValueError (task_problem's line) when the model of shape `cfg` cannot do `task`."""
-    problem = task_problem(cfg.architecture, task, bool(cfg.labels), config_tasks(cfg))
+    problem = task_problem(cfg.architecture, task, bool(cfg.labels), len(cfg.labels), config_tasks(cfg))
     if problem is not None:
         raise ValueError(problem)
 

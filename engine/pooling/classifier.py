@@ -47,7 +47,11 @@ class Classifier(Embedder):
         return out
 
     @torch.inference_mode()
-    def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:
-        """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none)."""
-        logits = self.model.classify_logits(self._hidden(rows), [len(r) for r in rows])  # type: ignore[operator]
+    def _run(self, rows: list[list[int]], options: EmbedOptions | None,
+             token_types: list[list[int]] | None = None) -> np.ndarray:
+        """float32 [len(rows), num_labels] logits of token-id rows (options unused: classify takes none);
+        token_types: each row's token type ids (a cross-encoder's pair: engine.pooling.scorer), read by an
+        encoder (a causal decoder has none); None: 0 everywhere."""
+        logits = self.model.classify_logits(self._hidden(rows, token_types),  # type: ignore[operator]
+                                            [len(r) for r in rows])
         return logits.cpu().numpy()

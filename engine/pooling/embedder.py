@@ -134,16 +134,20 @@ class Embedder:
         keep = [j for j, (_, was_cut) in enumerate(encoded) if not was_cut]
         return [good[j] for j in keep], [encoded[j] for j in keep]
 
-    def _hidden(self, rows: list[list[int]]) -> torch.Tensor:
+    def _hidden(self, rows: list[list[int]], token_types: list[list[int]] | None = None) -> torch.Tensor:
         """Last hidden states [T, hidden] (model dtype) of token-id rows packed back to back, in one forward: an
-        encoder's attending both ways within each row, a causal decoder's causally (engine.model.packed_forward)."""
+        encoder's attending both ways within each row, a causal decoder's causally (engine.model.packed_forward).
+        token_types: each row's token type ids (a cross-encoder's pair: engine.pooling.scorer), read by an encoder
+        (a causal decoder has none); None: 0 everywhere."""
         if self.causal:
             return forward_packed(self.model, rows, self.device)
         lens = [len(r) for r in rows]
         ids = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
         positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
         meta = EncoderMetadata.of(lens, self.device)
-        return self.model(ids.to(self.device), positions.to(self.device), [], meta)
+        types = {} if token_types is None else {"token_type_ids": torch.tensor(  # only a pair's: BERT's forward
+            [t for r in token_types for t in r], dtype=torch.int64, device=self.device)}
+        return self.model(ids.to(self.device), positions.to(self.device), [], meta, **types)
 
     @torch.inference_mode()
     def _run(self, rows: list[list[int]], options: EmbedOptions) -> np.ndarray:

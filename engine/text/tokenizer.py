@@ -205,14 +205,34 @@ class Tokenizer:
         tokens added ([CLS] ... [SEP]), a control token's spelling parsed as the token (its tokenizer call's
         default), cut to `max_length` tokens by truncation "longest_first" (the text's tail dropped, the special
         tokens kept)."""
+        return [(ids, cut) for ids, _, cut in self._encode_cut(texts, None, max_length)]
+
+    def encode_pairs_truncated(self, texts: list[str], pairs: list[str], max_length: int
+                               ) -> list[tuple[list[int], list[int], bool]]:
+        """(token ids, token type ids, whether cut) of each (text, pair) encoded as one sequence, as HF tokenizers
+        encode `tokenizer(text, pair)` and sentence-transformers' CrossEncoder feeds a pair: [CLS] a [SEP] b [SEP]
+        (BERT; XLM-RoBERTa <s> a </s></s> b </s>), token type 1 on the second segment where the tokenizer gives
+        types (BERT; all 0 otherwise), cut to `max_length` tokens by truncation "longest_first" (a token at a time
+        from the end of the longer text). Raises ValueError when texts and pairs differ in length."""
+        if len(texts) != len(pairs):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
+        return self._encode_cut(texts, pairs, max_length)
+
+    def _encode_cut(self, texts: list[str], pairs: list[str] | None, max_length: int
+                    ) -> list[tuple[list[int], list[int], bool]]:
+        """(ids, token type ids, whether cut) of texts (with their pairs), truncated "longest_first"."""
         with self._lock:
-            enc = self._tok(texts, truncation=True, max_length=max_length, split_special_tokens=False)
+            enc = self._tok(texts, pairs, truncation=True, max_length=max_length, split_special_tokens=False,
+                            return_token_type_ids=True)
             ids = [list(row) for row in enc["input_ids"]]
+            types = [list(row) for row in enc["token_type_ids"]]
             encodings = getattr(enc, "encodings", None)
             if encodings is not None:  # a fast tokenizer keeps what truncation cut
-                return [(row, bool(e.overflowing)) for row, e in zip(ids, encodings, strict=True)]
-            full = self._tok(texts, split_special_tokens=False)["input_ids"]
-        return [(row, len(whole) > len(row)) for row, whole in zip(ids, full, strict=True)]
+                cut = [bool(e.overflowing) for e in encodings]
+            else:
+                cut = [len(whole) > len(row) for row, whole in
+                       zip(ids, self._tok(texts, pairs, split_special_tokens=False)["input_ids"], strict=True)]
+        return list(zip(ids, types, cut, strict=True))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; special tokens (EOS, chat markers) left out by default."""

@@ -19,8 +19,9 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
 
 
 def _refuse_embed_rows(output: str, command: str) -> None:
-    """Exit 2, one line, when OUTPUT holds an embed or classify job's rows (a committed results file with an
-    `embedding` or `label` column): `export` and `report` read generated rows (completions, output tokens) only."""
+    """Exit 2, one line, when OUTPUT holds an embed, classify or score job's rows (a committed results file with an
+    `embedding`, `label` or `score` column): `export` and `report` read generated rows (completions, output tokens)
+    only."""
     from pipeline.storage import list_folder, read_fs
 
     fs, root = read_fs(output)
@@ -33,7 +34,7 @@ def _refuse_embed_rows(output: str, command: str) -> None:
 
         with fs.open(files[0], "rb") as f:
             names = pq.read_schema(f).names
-        for task, column in (("embed", "embedding"), ("classify", "label")):
+        for task, column in (("embed", "embedding"), ("classify", "label"), ("score", "score")):
             if column in names:
                 raise _fail(JobError(f"{output} holds an {task} job's rows (--task {task}): `tokenmill {command}` "
                                      f"reads generated rows only; read its results/*.parquet (the {column} column) "

@@ -71,7 +71,7 @@ def this_run(summary: JobSummary) -> str:
         return "nothing to do: the job had finished"
     if summary.task != "generate":
         rate = summary.run_rows / summary.wall_s if summary.wall_s > 0 else 0.0
-        done = "classified" if summary.task == "classify" else "embedded"
+        done = {"classify": "classified", "score": "scored"}.get(summary.task, "embedded")
         return f"{summary.run_rows:,} rows {done} in {summary.wall_s:.1f} s wall time ({rate:,.1f} rows/s)"
     return (f"{summary.run_rows:,} rows, {summary.run_output_tokens:,} output tokens generated in "
             f"{summary.wall_s:.1f} s wall time ({summary.output_tokens_per_s:,.1f} output tokens/s)")

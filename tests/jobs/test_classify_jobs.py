@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from gsm8k_rows import write_gsm8k_blanked
 from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
@@ -45,13 +46,7 @@ def classifier_folder(tmp_path_factory: pytest.TempPathFactory, minilm_folder: s
 @pytest.fixture()
 def questions(tmp_path: Path, data_dir: Path) -> Path:
     """24 real GSM8K rows (id, question) in one Parquet file, one of them empty (an error row)."""
-    table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, ROWS)
-    texts = table.column("question").to_pylist()
-    texts[5] = ""
-    table = table.set_column(1, "question", pa.array(texts))
-    path = tmp_path / "in.parquet"
-    pq.write_table(table, path)
-    return path
+    return write_gsm8k_blanked(data_dir, tmp_path / "in.parquet", 300, ROWS, ["id", "question"], "question", 5)
 
 
 def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifier_folder: str) -> None:

@@ -18,7 +18,8 @@ from jobs.cli import app
 from jobs.errors import JobError
 from jobs.formats.openai_batch import CHAT_URL, read_batch_file
 from pipeline.config import InputError, RunConfig
-from pipeline.input import resolve_inputs, text_fix, validate_columns
+from pipeline.input import resolve_inputs, validate_columns
+from pipeline.input_columns import text_fix
 from pipeline.shard import read_shard
 
 runner = CliRunner()

@@ -132,7 +132,7 @@ def test_the_encoder_entries_declare_their_encoder(arch: str, fields: dict) -> N
         model = build_model(cfg, 1)
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == entry.param_shapes(cfg)
     assert kv_cache_layout(cfg) == model.kv_cache_specs == (KVCacheSpec("none"),) * cfg.num_layers
-    assert model_tasks(arch) == ("embed",) and model_tasks("qwen2") == ("generate",)
+    assert model_tasks(arch) == ("embed", "score") and model_tasks("qwen2") == ("generate",)  # score: by cosine
     model = random_model(cfg, torch.float32, torch.device("cpu"), max_positions=16)
     ids, meta = torch.tensor([3, 2, 4, 2, 5]), EncoderMetadata.of([3, 2], torch.device("cpu"))
     positions = torch.tensor([0, 1, 2, 0, 1])
@@ -160,6 +160,20 @@ def test_the_classifier_entries_declare_their_heads(arch: str) -> None:
     assert shapes == entry_of(cfg).param_shapes(cfg) and "lm_head.weight" not in shapes
     assert shapes["classifier.out_proj.weight" if arch == "xlm-roberta" else "classifier.weight" if encoder
                   else "score.weight"] == (3, SHAPE["hidden_size"])
-    assert model_tasks(arch, classifier=True) == ("classify",)
+    assert model_tasks(arch, classifier=True, num_labels=3) == ("classify",)
+    assert model_tasks(arch, classifier=True, num_labels=1) == ("classify", "score")  # a cross-encoder
     with pytest.raises(ValueError, match="no sequence classifier"):
         model_tasks("gemma2", classifier=True)
+
+
+def test_score_takes_a_cross_encoder_or_an_embedding_model() -> None:
+    """"score" follows from the other tasks: an embedding model (cosine) and a classifier of one label (a
+    cross-encoder) score; a causal LM and a classifier of several labels cannot, in one line saying why and what
+    they do instead."""
+    from engine.model.registry import task_problem
+
+    assert task_problem("bert", "score") is None and task_problem("xlm-roberta", "score", True, 1) is None
+    several = task_problem("bert", "score", True, 3) or ""
+    assert "of 3 labels cannot score text pairs" in several and "--task classify" in several
+    causal = task_problem("qwen2", "score") or ""
+    assert "cannot score text pairs" in causal and "--task generate" in causal and "\n" not in causal

@@ -73,7 +73,7 @@ def engine(tiny_xlmr: tuple[Path, object]) -> LLMEngine:
 def test_config_reads_xlm_roberta(engine: LLMEngine) -> None:
     cfg = engine.model_config
     assert (cfg.architecture, cfg.type_vocab_size, cfg.position_padding_idx) == ("xlm-roberta", 1, PAD)
-    assert cfg.rms_norm_eps == 1e-5 and engine.tasks == ("embed",)
+    assert cfg.rms_norm_eps == 1e-5 and engine.tasks == ("embed", "score")
     # the tokenizer allows ~1e30 tokens: rows stop at the positions past padding_idx, not at max_position_embeddings
     assert cfg.max_row_tokens == engine.pooling_runner.max_length == MAX_POSITIONS - PAD - 1
 
