@@ -88,13 +88,13 @@ def test_the_folder_embeds_and_cannot_generate(qwen3: LLMEngine, qwen3_folder: P
     from jobs.plan.task_check import check_task, embedding_dim
 
     cfg = qwen3.model_config
-    assert (cfg.pooling_files, cfg.lm_head, qwen3.tasks) == (True, False, ("embed",))
+    assert (cfg.pooling_files, cfg.lm_head, qwen3.tasks) == (True, False, ("embed", "score"))
     assert not hasattr(qwen3.model, "lm_head") and qwen3.num_kv_blocks == 0
     with pytest.raises(ValueError, match="cannot generate: it does embed"):
         qwen3.generate(["a text"])
     with pytest.raises(ValueError, match="cannot classify"):
         qwen3.classify(["a text"])
-    assert config_tasks(dataclasses.replace(cfg, lm_head=True)) == ("generate", "embed")
+    assert config_tasks(dataclasses.replace(cfg, lm_head=True)) == ("generate", "embed", "score")
     assert config_tasks(dataclasses.replace(cfg, pooling_files=False, lm_head=True)) == ("generate",)
     check_task(str(qwen3_folder), "embed")
     assert embedding_dim(str(qwen3_folder)) == 64

@@ -83,7 +83,7 @@ def test_config_reads_modernbert(engine: LLMEngine) -> None:
         "modernbert", WINDOW // 2, *THETAS)
     assert cfg.layer_types == ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
     assert (cfg.rms_norm_eps, cfg.hidden_act, cfg.num_kv_heads, cfg.tie_word_embeddings) == (1e-5, "gelu", 4, False)
-    assert engine.tasks == ("embed",) and engine.pooling_runner.max_length == MAX_SEQ_LENGTH
+    assert engine.tasks == ("embed", "score") and engine.pooling_runner.max_length == MAX_SEQ_LENGTH
 
 
 def _hf_hidden(hf: object, rows: list[list[int]]) -> torch.Tensor:
