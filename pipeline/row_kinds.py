@@ -60,11 +60,12 @@ CLASSIFY = RowKind(embed_requests, embed_rows, classify_part_table, CLASSIFY_PAR
 
 
 def row_kind(cfg: RunConfig) -> RowKind:
-    """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide)."""
+    """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide, of
+    cfg.embedding_dtype)."""
     if cfg.task == "classify":
         return CLASSIFY
     if cfg.task != "embed":
         return GENERATE
-    dim = cfg.embedding_dim or 0  # RunConfig holds it set for task embed
-    return RowKind(embed_requests, embed_rows, embed_part_table(dim), embed_part_schema(dim),
-                   embed_results_schema(dim), lambda out: 0, lambda out: out is None)
+    dim, dtype = cfg.embedding_dim or 0, cfg.embedding_dtype  # RunConfig holds the width set for task embed
+    return RowKind(embed_requests, embed_rows, embed_part_table(dim, dtype), embed_part_schema(dim, dtype),
+                   embed_results_schema(dim, dtype), lambda out: 0, lambda out: out is None)

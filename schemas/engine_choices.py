@@ -22,6 +22,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 # What a job asks of the model: a completion per row (a causal LM), an embedding per row (an encoder), or a label
 # per row (a *ForSequenceClassification model).
 TASKS = ("generate", "embed", "classify")
+# The element types of an embed job's `embedding` column (the engine computes float32; float16 halves the bytes).
+EMBEDDING_DTYPES = ("float32", "float16")
 # Most requests decoding at once per engine.
 DEFAULT_MAX_NUM_SEQS = 256
 

@@ -18,9 +18,9 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _refuse_embed_rows(output: str, command: str) -> None:
-    """Exit 2, one line, when OUTPUT holds an embed or classify job's rows (a committed results file with an
-    `embedding` or `label` column): `export` and `report` read generated rows (completions, output tokens) only."""
+def _refuse_classify_rows(output: str) -> None:
+    """Exit 2, one line, when OUTPUT holds a classify job's rows (a committed results file with a `label` column):
+    `export` writes completions and embeddings only (the OpenAI batch format has no classification response)."""
     from pipeline.storage import list_folder, read_fs
 
     fs, root = read_fs(output)
@@ -33,17 +33,17 @@ def _refuse_embed_rows(output: str, command: str) -> None:
 
         with fs.open(files[0], "rb") as f:
             names = pq.read_schema(f).names
-        for task, column in (("embed", "embedding"), ("classify", "label")):
-            if column in names:
-                raise _fail(JobError(f"{output} holds an {task} job's rows (--task {task}): `tokenmill {command}` "
-                                     f"reads generated rows only; read its results/*.parquet (the {column} column) "
-                                     "directly"))
+        if "label" in names:
+            raise _fail(JobError(f"{output} holds a classify job's rows (--task classify): `tokenmill export` writes "
+                                 "completions and embeddings only; read its results/*.parquet (the label column) "
+                                 "directly"))
 
 
 def export(
     output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
     format: Annotated[str, typer.Option(help="openai-batch: the OpenAI Batch API output format (JSONL: id, "
-                                             "custom_id, response {status_code, request_id, body}, error).")
+                                             "custom_id, response {status_code, request_id, body}, error); an "
+                                             "embed job's as /v1/embeddings responses.")
                       ] = "openai-batch",
     to: Annotated[str, typer.Option("--to", "-o", help="File or fsspec URL to write; - = stdout.")] = "-",
 ) -> None:
@@ -58,7 +58,7 @@ def export(
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
     from jobs.formats.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
 
-    _refuse_embed_rows(output, "export")
+    _refuse_classify_rows(output)
 
     try:
         if to == "-":
@@ -91,8 +91,6 @@ def report(
     Exit codes: 0 written, 2 no job at OUTPUT.
     """
     from jobs.formats.report import render_report  # matplotlib: only for this command
-
-    _refuse_embed_rows(output, "report")
 
     try:
         page = render_report(output)
