@@ -32,7 +32,7 @@ from jobs.errors import (
 )
 from jobs.lease import holder_gone, newest_record
 from jobs.summary import add_accounting
-from pipeline.accounting import tokens_per_dollar
+from pipeline.accounting import PerDollar, tokens_per_dollar
 from pipeline.config import RunConfig
 from pipeline.input import Shard
 from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
@@ -119,7 +119,7 @@ def shard_states(output_url: str, shards: list[Shard]) -> list[ShardState]:
 
 
 @dataclass
-class JobStatus:
+class JobStatus(PerDollar):
     """A job's state from what is committed under OUTPUT.
 
     `state` is one of done (OUTPUT/_SUCCESS is committed: the only seal), running (a run holds the lease), unsealed
@@ -160,18 +160,18 @@ class JobStatus:
     model: dict[str, Any] | None = None
 
     @property
-    def tokens_per_dollar(self) -> float | None:
-        """Output tokens of the committed shards per USD billed (cost_usd); None when nothing was billed."""
-        return tokens_per_dollar(self.output_tokens, self.cost_usd)
+    def rows_per_dollar(self) -> float | None:
+        """Rows committed per USD billed (the committed shards' and the failed ones' cost_usd); None when nothing was
+        billed. Output and input tokens per USD: PerDollar's, of the committed shards' tokens."""
+        return tokens_per_dollar(self.rows_committed, self.cost_usd)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready."""
-        tpd = self.tokens_per_dollar
         return {"output": self.output, "state": self.state, "exit_code": self.exit_code, "input": self.input,
                 "started_at": self.started_at, "shards": self.shards, "rows": self.rows,
                 "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
-                "tokens_per_dollar": None if tpd is None else round(tpd, 1), "attempts": self.attempts,
+                **self.per_dollar(), "attempts": self.attempts,
                 "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3),
                 "device_s_unfinished": round(self.device_s_unfinished, 3), "lease": self.lease,
                 "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,

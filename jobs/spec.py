@@ -11,6 +11,7 @@ import fsspec
 from engine import EngineConfig
 from jobs.errors import JobError
 from jobs.formats.openai_batch import prepare_spec
+from jobs.formats.openai_batch_task import batch_task
 from jobs.metrics import JobMetrics
 from jobs.plan.preflight import (
     check_device,
@@ -79,11 +80,13 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 def checked_spec(spec: JobSpec) -> JobSpec:
     """The spec with OUTPUT and a local model made absolute (for --task embed without --model: the default
-    embedding model), after jobs.plan.preflight's checks of both, of the task against the model
+    embedding model; an OpenAI batch file of /v1/embeddings runs as --task embed: batch_task), after
+    jobs.plan.preflight's checks of both, of the task against the model
     (jobs.plan.task_check, and its embed options), of --max-model-len and --quantization against the model and of
     a CUDA --device here. Raises JobError (exit 2) naming the problem and the fix, or the object store of INPUT or
     the model not answering."""
     check_store(spec.input, "INPUT")
+    spec = batch_task(spec)
     check_store(spec.model, "--model")
     model = check_model(task_model(spec.model, spec.task))
     check_task(model, spec.task)
@@ -117,13 +120,14 @@ def run_spec(spec: JobSpec, *, resume: bool = False, on_start: Callable[[int], N
     from jobs.runner import run_job  # Dask and the engine (torch): not for a spec refused before any work
 
     engine = engine_config(spec)
+    spec = batch_task(spec)
     run_config(spec)  # bad options stop here, before a batch file is staged under OUTPUT
     spec = checked_spec(spec)
     try:
         metrics = JobMetrics.from_env(spec.output, spec.model, metrics_file)
     except ValueError as e:
         raise JobError(str(e)) from e
-    spec = prepare_spec(spec)
+    spec = prepare_spec(spec, check=run_config)  # the staged file's options checked before it is staged
     cfg = run_config(spec)
     if metrics is not None:
         on_start, on_progress = _tee(on_start, metrics.start), _tee(on_progress, metrics.progress)

@@ -7,14 +7,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.accounting import tokens_per_dollar
+from pipeline.accounting import PerDollar
 
 if TYPE_CHECKING:  # pipeline.shard loads the engine (torch): `tokenmill status` must not
     from pipeline.shard import ProgressFn
 
 
 @dataclass
-class JobSummary:
+class JobSummary(PerDollar):
     """What a job did, rolled up over its shards (tokens; seconds; USD).
 
     `device_s` is the device time billed for the committed shards (every attempt, lost time included);
@@ -77,21 +77,6 @@ class JobSummary:
         """Output tokens this run generated per second of its wall time."""
         return self.run_output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
-    @property
-    def tokens_per_dollar(self) -> float | None:
-        """Output tokens per USD of device time; None when nothing was billed."""
-        return tokens_per_dollar(self.output_tokens, self.cost_usd)
-
-    @property
-    def input_tokens_per_dollar(self) -> float | None:
-        """Input tokens per USD of device time (an embed job's measure); None when nothing was billed."""
-        return tokens_per_dollar(self.input_tokens, self.cost_usd)
-
-    @property
-    def rows_per_dollar(self) -> float | None:
-        """Rows per USD of device time; None when nothing was billed."""
-        return tokens_per_dollar(self.rows, self.cost_usd)
-
     def add(self, row: dict[str, Any], *, this_run: bool = True) -> None:
         """Fold one shard's accounting row in; `this_run`: this run finished the shard (its generated rows and
         tokens count as this run's), else an earlier run committed it."""
@@ -123,10 +108,7 @@ class JobSummary:
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "wall_s": round(self.wall_s, 3), "device_s": round(self.device_s, 3),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
-                "tokens_per_dollar": None if self.tokens_per_dollar is None else round(self.tokens_per_dollar, 1),
-                **{k: None if v is None else round(v, 1) for k, v in (
-                    ("input_tokens_per_dollar", self.input_tokens_per_dollar),
-                    ("rows_per_dollar", self.rows_per_dollar))},
+                **self.per_dollar(),
                 "attempts": self.attempts, "preemptions": self.preemptions,
                 "device_s_lost": round(self.device_s_lost, 3),
                 "interruptions": self.interruptions, "cancelled": self.cancelled, "already_done": self.already_done,

@@ -139,6 +139,38 @@ def tokens_per_dollar(output_tokens: int, cost_usd: float) -> float | None:
     return output_tokens / cost_usd if cost_usd > 0 else None
 
 
+class PerDollar:
+    """The per-USD figures of a bill (a job's summary, its status, its forecast): output tokens, input tokens (an
+    embed or classify job's measure: it generates none) and rows per USD; None when nothing was (or would be)
+    billed. The class mixing it in has `output_tokens`, `input_tokens`, `rows` (counts) and `cost_usd` (USD)."""
+
+    output_tokens: int
+    input_tokens: int
+    rows: int
+    cost_usd: float
+
+    @property
+    def tokens_per_dollar(self) -> float | None:
+        """Output tokens per USD."""
+        return tokens_per_dollar(self.output_tokens, self.cost_usd)
+
+    @property
+    def input_tokens_per_dollar(self) -> float | None:
+        """Input tokens per USD."""
+        return tokens_per_dollar(self.input_tokens, self.cost_usd)
+
+    @property
+    def rows_per_dollar(self) -> float | None:
+        """Rows per USD."""
+        return tokens_per_dollar(self.rows, self.cost_usd)
+
+    def per_dollar(self) -> dict[str, float | None]:
+        """The three figures, JSON-ready (rounded to 0.1), by name."""
+        return {k: None if v is None else round(v, 1) for k, v in (
+            ("tokens_per_dollar", self.tokens_per_dollar), ("input_tokens_per_dollar", self.input_tokens_per_dollar),
+            ("rows_per_dollar", self.rows_per_dollar))}
+
+
 def ran_prompt_tokens(results: pa.Table) -> int:
     """Prompt tokens of the rows that ran (error null): an error row's prompt was never computed, though its
     prompt_tokens says how long it was (an over-long prompt's real length)."""

@@ -53,6 +53,8 @@ class RunConfig:
             fixed-size `embedding` column.
         dimensions, normalize, prefix, truncate: an embed job's options (schemas.spec_sections.Embedding, passed to
             engine.LLMEngine.embed); at their defaults for task generate.
+        embedding_dtype: the element type of an embed job's `embedding` column, float32 or float16 (the engine's
+            float32 vectors are cast as checkpoint parts are written: pipeline.shard_embed.embed_part_table).
 
     Raises:
         InputError: when a value is out of range.
@@ -92,6 +94,7 @@ class RunConfig:
     normalize: bool = _EMBEDDING.normalize
     prefix: str = _EMBEDDING.prefix
     truncate: bool = _EMBEDDING.truncate
+    embedding_dtype: str = _EMBEDDING.embedding_dtype
 
     def __post_init__(self) -> None:
         # The job spec's rules, so a RunConfig built in code is checked as a spec is (same messages).
@@ -105,14 +108,15 @@ class RunConfig:
                 "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
                 "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,
                              "checkpoint_rows": self.checkpoint_rows, "checkpoint_seconds": self.checkpoint_seconds},
-                "embedding": self.embed_options()})
+                "embedding": self.embedding_section()})
         except ValidationError as e:
             raise InputError("; ".join(format_problems(e))) from None
         if (self.task == "embed") != (self.embedding_dim is not None) or (self.embedding_dim or 1) < 1:
             raise InputError(f"embedding_dim (elements of one embedding, >= 1) is set for task embed only; got task "
                              f"{self.task!r} with embedding_dim {self.embedding_dim!r}")
-        if self.task != "embed" and self.embed_options() != _EMBEDDING.model_dump():
-            raise InputError(f"the embed options {self.embed_options()} apply to task embed only, not {self.task!r}")
+        if self.task != "embed" and self.embedding_section() != _EMBEDDING.model_dump():
+            raise InputError(f"the embed options {self.embedding_section()} apply to task embed only, not "
+                             f"{self.task!r}")
         if (self.task == "score") != (self.text_pair_column is not None):
             raise InputError(f"--text-pair-column applies to --task score only; this job's task is {self.task}: drop "
                              "it or add --task score" if self.text_pair_column is not None else
@@ -135,6 +139,11 @@ class RunConfig:
         structured = StructuredOutputsParams.from_fields(**{f: getattr(self, f) for f in STRUCTURED_FIELDS})
         return SamplingParams(**values, structured_outputs=structured)
 
-    def embed_options(self) -> dict[str, object]:
-        """The embed options (dimensions, normalize, prefix, truncate) as engine.LLMEngine.embed's keywords."""
+    def embedding_section(self) -> dict[str, object]:
+        """The job spec's embedding section (schemas.spec_sections.Embedding) of this config, by field name."""
         return {name: getattr(self, name) for name in Embedding.model_fields}
+
+    def embed_options(self) -> dict[str, object]:
+        """The embed options (dimensions, normalize, prefix, truncate) as engine.LLMEngine.embed's keywords; the
+        embedding_dtype is the pipeline's (the engine returns float32)."""
+        return {k: v for k, v in self.embedding_section().items() if k != "embedding_dtype"}

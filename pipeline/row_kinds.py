@@ -65,11 +65,12 @@ SCORE = RowKind(embed_requests, embed_rows, score_part_table, SCORE_PART_SCHEMA,
 
 
 def row_kind(cfg: RunConfig) -> RowKind:
-    """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide)."""
+    """The RowKind of the job's task (cfg.task; an embed job's schemas are cfg.embedding_dim wide, of
+    cfg.embedding_dtype)."""
     if cfg.task in ("classify", "score"):
         return CLASSIFY if cfg.task == "classify" else SCORE
     if cfg.task != "embed":
         return GENERATE
-    dim = cfg.embedding_dim or 0  # RunConfig holds it set for task embed
-    return RowKind(embed_requests, embed_rows, embed_part_table(dim), embed_part_schema(dim),
-                   embed_results_schema(dim), lambda out: 0, lambda out: out is None)
+    dim, dtype = cfg.embedding_dim or 0, cfg.embedding_dtype  # RunConfig holds the width set for task embed
+    return RowKind(embed_requests, embed_rows, embed_part_table(dim, dtype), embed_part_schema(dim, dtype),
+                   embed_results_schema(dim, dtype), lambda out: 0, lambda out: out is None)

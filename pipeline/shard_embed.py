@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 
 from engine.loop.clock import DeviceClock
@@ -101,11 +102,14 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
     return outputs
 
 
-def embed_part_table(dim: int) -> Callable[[list[tuple[int, Any]], str, str | None], pa.Table]:
-    """The part builder of an embed job whose embeddings have `dim` elements (pipeline.checkpoint.PartTableFn):
-    finished rows (position in the shard, EmbeddingOutput) -> a table of schemas.arrow.embed_part_schema(dim).
-    The builder raises ValueError for an embedding of another width (the engine's model is not the job's)."""
-    schema = embed_part_schema(dim)
+def embed_part_table(dim: int, dtype: str = "float32") -> Callable[[list[tuple[int, Any]], str, str | None],
+                                                                    pa.Table]:
+    """The part builder of an embed job whose embeddings have `dim` elements of `dtype` (float32 or float16: the
+    job's --embedding-dtype; pipeline.checkpoint.PartTableFn): finished rows (position in the shard,
+    EmbeddingOutput, a float32 vector) -> a table of schemas.arrow.embed_part_schema(dim, dtype), each vector cast
+    to `dtype` here (float16: rounded to nearest). The builder raises ValueError for an embedding of another width
+    (the engine's model is not the job's)."""
+    schema = embed_part_schema(dim, dtype)
 
     def table(rows: list[tuple[int, EmbeddingOutput]], model: str, model_fingerprint: str | None = None) -> pa.Table:
         for _, o in rows:
@@ -113,7 +117,8 @@ def embed_part_table(dim: int) -> Callable[[list[tuple[int, Any]], str, str | No
                 raise ValueError(f"row {o.request_id!r}: an embedding of {o.embedding.shape} elements, but the job "
                                  f"writes {dim}; the engine's model is not the one the job was started with")
         return pa.Table.from_pylist([{
-            "id": o.request_id, "embedding": o.embedding, "prompt_tokens": o.num_prompt_tokens,
+            "id": o.request_id, "embedding": None if o.embedding is None else np.asarray(o.embedding, dtype),
+            "prompt_tokens": o.num_prompt_tokens,
             "truncated": o.truncated, "error": o.error, "model": model, "model_fingerprint": model_fingerprint,
             "row": k} for k, o in rows], schema=schema)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from schemas.engine_choices import EMBEDDING_DTYPES
+
 # One output token's log probability (natural log, from the model's raw logits: before temperature, penalties,
 # logit_bias and grammar masks, as vLLM v1's raw_logprobs) and the likeliest tokens there (OpenAI's top_logprobs).
 _TOP_LOGPROB = pa.struct([("token_id", pa.int32()), ("token", pa.string()), ("logprob", pa.float32())])
@@ -148,12 +150,16 @@ _BY_NAME = {f.name: f for f in _ROW_FIELDS}
 _INPUT_FIELDS = [RESULTS_SCHEMA.field("input_file"), RESULTS_SCHEMA.field("input_row")]
 
 
-def _embed_fields(dim: int) -> list[pa.Field]:
+def _embed_fields(dim: int, dtype: str = "float32") -> list[pa.Field]:
     """The fields of an embed job's finished row, in results and in checkpoint parts alike (`dim`: elements of one
-    embedding, the model's hidden size times its pooling modes)."""
-    return _text_fields([pa.field("embedding", pa.list_(pa.float32(), dim), metadata={
-        "doc": f"the text's embedding, {dim} float32 values, pooled and normalized as the model's "
-               "sentence-transformers files say (engine.pooling); null for an error row"})])
+    embedding, the model's hidden size times its pooling modes; `dtype`: its element type, float32 or float16 (the
+    job's --embedding-dtype)). Raises ValueError for another dtype."""
+    if dtype not in EMBEDDING_DTYPES:
+        raise ValueError(f"embedding dtype must be {' or '.join(EMBEDDING_DTYPES)}, got {dtype!r}")
+    return _text_fields([pa.field("embedding", pa.list_(pa.type_for_alias(dtype), dim), metadata={
+        "doc": f"the text's embedding, {dim} {dtype} values, pooled and normalized as the model's "
+               "sentence-transformers files say (engine.pooling; computed in float32, then rounded to the job's "
+               "--embedding-dtype); null for an error row"})])
 
 
 def _text_fields(outputs: list[pa.Field]) -> list[pa.Field]:
@@ -171,16 +177,16 @@ def _text_fields(outputs: list[pa.Field]) -> list[pa.Field]:
     ]
 
 
-def embed_results_schema(dim: int) -> pa.Schema:
+def embed_results_schema(dim: int, dtype: str = "float32") -> pa.Schema:
     """OUTPUT/results/<shard_id>.parquet of an embed job: one row per input row, `embedding` as
-    fixed_size_list<float32>[dim]."""
-    return pa.schema(_embed_fields(dim) + _INPUT_FIELDS)
+    fixed_size_list<dtype>[dim] (float32, or float16 on request)."""
+    return pa.schema(_embed_fields(dim, dtype) + _INPUT_FIELDS)
 
 
-def embed_part_schema(dim: int) -> pa.Schema:
+def embed_part_schema(dim: int, dtype: str = "float32") -> pa.Schema:
     """A checkpoint part of an embed job: its finished rows (embed_results_schema less input_file and input_row)
     plus each row's position in the shard."""
-    return pa.schema(_embed_fields(dim) + [CHECKPOINT_PART_SCHEMA.field("row")])
+    return pa.schema(_embed_fields(dim, dtype) + [CHECKPOINT_PART_SCHEMA.field("row")])
 
 
 # The rows of a classify job (`--task classify`): the label of each row's text and its scores.

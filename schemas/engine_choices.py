@@ -23,6 +23,8 @@ ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 # row (a *ForSequenceClassification model), or a relevance per (text, text pair) row (a cross-encoder, or an
 # embedding model's cosine).
 TASKS = ("generate", "embed", "classify", "score")
+# The element types of an embed job's `embedding` column (the engine computes float32; float16 halves the bytes).
+EMBEDDING_DTYPES = ("float32", "float16")
 # Most requests decoding at once per engine.
 DEFAULT_MAX_NUM_SEQS = 256
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.engine_choices import DEFAULT_MAX_NUM_SEQS, DTYPES, QUANTIZATIONS
+from schemas.engine_choices import DEFAULT_MAX_NUM_SEQS, DTYPES, EMBEDDING_DTYPES, QUANTIZATIONS
 from schemas.sampling import SAMPLING_RANGES
 
 
@@ -151,6 +151,10 @@ class Embedding(_Section):
     truncate: Annotated[bool, Field(description=(
         "Cut a text over the model's max_seq_length (the row says `truncated`); --no-truncate makes it an error row "
         "naming its length and the limit."))] = True
+    embedding_dtype: Annotated[Literal[EMBEDDING_DTYPES], Field(description=(
+        "The element type of the results' `embedding` column: float32, or float16 (half the bytes; the engine "
+        "computes float32 and each vector is rounded to float16 as its checkpoint part is written). A job resumes "
+        "only with the dtype it started with."))] = "float32"
 
 
 class Engine(_Section):

@@ -106,9 +106,7 @@ class Embedder:
                 good.append(i)
             else:
                 out[i] = EmbeddingOutput(ids[i], None, 0, error=problem)
-        lower = self.pooling.do_lower_case
-        strings = [options.prefix + str(texts[i]) for i in good]
-        strings = [t.lower() for t in strings] if lower else strings
+        strings = self._strings([str(texts[i]) for i in good], options)
         encoded = self.tokenizer.encode_truncated(strings, self.max_length) if good else []
         if not options.truncate:
             good, encoded = self._refuse_long(self.tokenizer, good, encoded, strings, ids, out)
@@ -119,6 +117,26 @@ class Embedder:
                 row, cut = encoded[j]
                 out[good[j]] = EmbeddingOutput(ids[good[j]], vec, len(row), truncated=cut)
         return [o for o in out if o is not None]
+
+    def _strings(self, texts: list[str], options: EmbedOptions) -> list[str]:
+        """The texts as the tokenizer gets them: the prefix before each, lower-cased where the model's files say."""
+        strings = [options.prefix + t for t in texts]
+        return [t.lower() for t in strings] if self.pooling.do_lower_case else strings
+
+    def token_counts(self, texts: Sequence[object], options: EmbedOptions | None = None) -> list[int]:
+        """Tokens each text would be embedded with (special tokens and the prefix included, cut at max_length as
+        embed cuts them), tokenized only: no forward. 0 for a text embed makes an error output of (not a string,
+        empty). Raises ValueError without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (random weights); build it with one to count tokens")
+        options = options or EmbedOptions()
+        good = [i for i, text in enumerate(texts) if text_problem(text) is None]
+        counts = [0] * len(texts)
+        if good:
+            strings = self._strings([str(texts[i]) for i in good], options)
+            for i, (row, _) in zip(good, self.tokenizer.encode_truncated(strings, self.max_length), strict=True):
+                counts[i] = len(row)
+        return counts
 
     def _refuse_long(self, tokenizer: Tokenizer, good: list[int], encoded: list[tuple[list[int], bool]],
                      strings: list[str], ids: list[str], out: list[EmbeddingOutput | None]

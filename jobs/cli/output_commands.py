@@ -18,10 +18,11 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _refuse_embed_rows(output: str, command: str) -> None:
-    """Exit 2, one line, when OUTPUT holds an embed, classify or score job's rows (a committed results file with an
-    `embedding`, `label` or `score` column): `export` and `report` read generated rows (completions, output tokens)
-    only."""
+def _refuse_rows(output: str, command: str, tasks: tuple[str, ...]) -> None:
+    """Exit 2, one line, when OUTPUT holds the rows of a job of one of `tasks` (a committed results file with its
+    column: classify's `label`, score's `score`), which `tokenmill COMMAND` does not read: `export` writes completions
+    and embeddings only (the OpenAI batch format has no classification or score response), `report` completions,
+    embeddings and labels."""
     from pipeline.storage import list_folder, read_fs
 
     fs, root = read_fs(output)
@@ -34,17 +35,18 @@ def _refuse_embed_rows(output: str, command: str) -> None:
 
         with fs.open(files[0], "rb") as f:
             names = pq.read_schema(f).names
-        for task, column in (("embed", "embedding"), ("classify", "label"), ("score", "score")):
-            if column in names:
-                raise _fail(JobError(f"{output} holds an {task} job's rows (--task {task}): `tokenmill {command}` "
-                                     f"reads generated rows only; read its results/*.parquet (the {column} column) "
+        for task, column in (("classify", "label"), ("score", "score")):
+            if task in tasks and column in names:
+                raise _fail(JobError(f"{output} holds a {task} job's rows (--task {task}): `tokenmill {command}` "
+                                     f"does not read them; read its results/*.parquet (the {column} column) "
                                      "directly"))
 
 
 def export(
     output: Annotated[str, typer.Argument(help="The job's OUTPUT folder or fsspec URL.")],
     format: Annotated[str, typer.Option(help="openai-batch: the OpenAI Batch API output format (JSONL: id, "
-                                             "custom_id, response {status_code, request_id, body}, error).")
+                                             "custom_id, response {status_code, request_id, body}, error); an "
+                                             "embed job's as /v1/embeddings responses.")
                       ] = "openai-batch",
     to: Annotated[str, typer.Option("--to", "-o", help="File or fsspec URL to write; - = stdout.")] = "-",
 ) -> None:
@@ -59,7 +61,7 @@ def export(
         raise _fail(ValueError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}"))
     from jobs.formats.openai_batch_export import export_openai_batch  # pyarrow and the pipeline: only when it runs
 
-    _refuse_embed_rows(output, "export")
+    _refuse_rows(output, "export", ("classify", "score"))
 
     try:
         if to == "-":
@@ -93,8 +95,7 @@ def report(
     """
     from jobs.formats.report import render_report  # matplotlib: only for this command
 
-    _refuse_embed_rows(output, "report")
-
+    _refuse_rows(output, "report", ("score",))
     try:
         page = render_report(output)
     except JobError as e:

@@ -83,34 +83,48 @@ def _input_tokens(fc: Any) -> str:
     return f"~{fc.input_tokens:,} (estimated from the {fc.input_rows_sampled:,} rows of the first shard)"
 
 
+def _per_dollar_row(fc: Any) -> tuple[str, str]:
+    """The forecast table's per-dollar row: output tokens per USD, or an embed or classify job's input tokens and
+    rows per USD (it generates none)."""
+    def usd(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:,.0f}"
+
+    if fc.task == "generate":
+        return "tokens per dollar", usd(fc.tokens_per_dollar)
+    return "input tokens / rows per dollar", f"{usd(fc.input_tokens_per_dollar)} / {usd(fc.rows_per_dollar)}"
+
+
 def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None = None,
                     fit: MemoryFit | None = None) -> None:
     """Forecast the job (jobs.plan.forecast) and print it: a table, or one JSON line; `fit` (the preflight's memory
     numbers, jobs.plan.model_fit) in both."""
     from jobs.interrupt import run_or_exit_on_signal
     from jobs.plan.forecast import forecast_job  # loads torch and the engine: only for --dry-run
+    from jobs.plan.forecast_pooling import forecast_pooling_job
 
     def interrupted(name: str) -> None:
         err.print(f"interrupted by {name}: the dry run stopped; it wrote nothing")
 
     with exit_on_failure(spec.output, set_by):
-        fc = run_or_exit_on_signal(lambda: forecast_job(spec), interrupted)
+        fc = run_or_exit_on_signal(lambda: (forecast_job if spec.task == "generate" else forecast_pooling_job)(spec),
+                                   interrupted)
     if as_json:
         memory = {} if fit is None else {"memory": fit.as_dict()}
         print(json.dumps({"event": "forecast", "output": spec.output, **fc.as_dict(), **memory}))
         return
     t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
-    tpd = fc.tokens_per_dollar
-    for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", _input_tokens(fc)),
-                 ("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})"),
-                 ("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
+    for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", _input_tokens(fc))]
+                 + ([("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})")]
+                    if fc.task == "generate" else [])
+                 + [("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
                                   f"{fc.dtype})"),
                  ("quantization", fc.quantization),
                  ("cost", f"${fc.cost_usd:.6f} at ${fc.price_per_hour_usd}/hour"),
-                 ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
-                 ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} prefill tok/s, "
-                                 f"{fc.mean_output_tokens_observed:.1f} output tokens per row, "
-                                 f"{fc.calibration_s:.1f} s; device time +/- {fc.uncertainty:.0%}, wall "
+                 _per_dollar_row(fc),
+                 ("calibration", f"{fc.sample_rows} rows, {fc.prefill_tokens_per_s:,.0f} "
+                                 + (f"prefill tok/s, {fc.mean_output_tokens_observed:.1f} output tokens per row, "
+                                    if fc.task == "generate" else f"input tok/s ({fc.task}, the encoder's forward), ")
+                                 + f"{fc.calibration_s:.1f} s; device time +/- {fc.uncertainty:.0%}, wall "
                                  f"x{fc.load_stretch:.2f} of it (other load: a job beside it takes about that much "
                                  "longer)" if fc.sample_rows else "none: no engine loaded")]
                 + ([("note", fc.note)] if fc.note else [])):
@@ -139,10 +153,6 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e
     if dry_run:
-        if spec.task != "generate":  # the forecast calibrates generation (prefill and decode); embed: not yet
-            no = JobError(f"--dry-run forecasts --task generate jobs only, not --task {spec.task} yet; run the job "
-                          "on a --limit of rows to measure it")
-            raise fail(no, no.exit_code, set_by)
         return _print_forecast(spec, as_json, set_by, fit)
     reporter = Reporter()
     interrupt = ClientInterrupt(spec.output)

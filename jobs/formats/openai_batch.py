@@ -2,8 +2,9 @@
 
 In: `tokenmill run requests.jsonl OUTPUT` takes the OpenAI batch input format (one JSON request per line:
 `custom_id`, `method` POST, `url` /v1/chat/completions or /v1/completions, `body` with `messages` or `prompt` and
-sampling fields). The lines are converted once into a Parquet file under OUTPUT/_input/ (create-only, with the
-JSONL's size and version in its metadata) that the job then runs like any Parquet input: the same manifest,
+sampling fields; or `url` /v1/embeddings: an embed job, jobs.formats.openai_embeddings). The lines are converted
+once into a Parquet file under OUTPUT/_input/ (create-only, with the JSONL's size and version in its metadata) that
+the job then runs like any Parquet input: the same manifest,
 exactly-once commits, resume and accounting. `custom_id` becomes the row id; the body's sampling fields become
 per-row sampling columns (pipeline.row_options), so a row's own values win over the job's: max_tokens
 (max_completion_tokens), temperature, top_p, top_k, seed, stop, n, presence_penalty, frequency_penalty, logit_bias,
@@ -12,6 +13,8 @@ number of top logprobs) and `response_format` ({"type": "json_schema", "json_sch
 {"type": "json_object"}; vLLM's guided_json, guided_regex and guided_choice too). Ranges are checked when the row runs,
 by the same rules as the job's options (schemas.sampling). A line that cannot be mapped (not JSON, another endpoint,
 a field we do not support such as tools or streaming) becomes an error row whose `request_error` names the problem.
+A file holds requests to one endpoint, its first well-formed line's: a line to another is an error row (so a file
+mixing chat and embeddings runs the kind its first request is, the others' lines answered with errors).
 
 Out: jobs.formats.openai_batch_export (`tokenmill export OUTPUT --format openai-batch`).
 
@@ -21,16 +24,24 @@ the whole file on one malformed line, and a malformed line must become an error 
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
-from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import fsspec
 import pyarrow as pa
 
 from jobs.errors import JobError
+from jobs.formats.jsonl_lines import batch_file_lines
+from jobs.formats.openai_embeddings import (
+    EMBEDDINGS_URL,
+    embedding_table,
+    embedding_values,
+    file_dimensions,
+    job_dimensions,
+)
+from jobs.formats.openai_embeddings import BadRequest as _BadRequest
 from pipeline.input import absolute_url, file_version
 from pipeline.layout import staged_requests_path
 from pipeline.row_options import ROW_ERROR_COLUMN
@@ -61,10 +72,6 @@ log = logging.getLogger(__name__)
 def is_openai_batch(url: str) -> bool:
     """Whether INPUT names an OpenAI batch file (a .jsonl file, local or an fsspec URL)."""
     return url.rstrip("/").lower().endswith(".jsonl")
-
-
-class _BadRequest(ValueError):
-    """One request line that cannot be mapped; the message names the problem and the fix."""
 
 
 def _check_number(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -175,13 +182,13 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
-    """(url, row values) of one parsed line. Raises _BadRequest."""
+def request_values(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
+    """(url, row values) of one parsed line (`endpoint`: the file's, None before its first). Raises _BadRequest."""
     if not isinstance(doc, dict):
         raise _BadRequest("a line must be a JSON object {custom_id, method, url, body}")
     url, body = doc.get("url"), doc.get("body")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise _BadRequest(f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+        raise _BadRequest(f"url {url!r} is not supported; use {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
     if endpoint is not None and url != endpoint:
         raise _BadRequest(f"url {url!r} differs from this file's endpoint {endpoint!r} (its first request); a batch "
                           "file holds requests to one endpoint: put these in a file of their own")
@@ -189,6 +196,8 @@ def _request(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]:
         raise _BadRequest(f"method {doc.get('method')!r} is not supported; batch requests are POST")
     if not isinstance(body, dict):
         raise _BadRequest("body must be a JSON object with the request")
+    if url == EMBEDDINGS_URL:
+        return url, embedding_values(body)
     unsupported = sorted(k for k in body if k not in (*_NUMERIC, *_OTHER, *_IGNORED, *_NEUTRAL, "messages", "prompt")
                          or (k in _NEUTRAL and body[k] not in _NEUTRAL[k]))
     if unsupported:
@@ -235,7 +244,7 @@ def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
             if custom_id in seen:
                 raise _BadRequest(f"custom_id {custom_id!r} repeats line {seen[custom_id]}; custom_ids must be unique")
             seen[custom_id] = line_no
-            url, values = _request(doc, endpoint)
+            url, values = request_values(doc, endpoint)
             body = doc["body"]
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") not in (
                     None, body["max_completion_tokens"]):
@@ -247,6 +256,8 @@ def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
             rows.append({"id": custom_id, ROW_ERROR_COLUMN: f"line {line_no}: {e}"})
     endpoint = endpoint or CHAT_URL
     _warn_once(both, sorted({r["request_model"] for r in rows if r.get("request_model")}))
+    if endpoint == EMBEDDINGS_URL:
+        return embedding_table(rows), endpoint
     schema = pa.schema([(name, t) for name, t in _COLUMNS.items()
                         if name != ("prompt" if endpoint == CHAT_URL else "messages")])
     return pa.Table.from_pylist(rows, schema=schema), endpoint
@@ -264,30 +275,6 @@ def _warn_once(both: list[str], models: list[str]) -> None:
                     ", ".join(models[:5]) + (", ..." if len(models) > 5 else ""))
 
 
-# Byte order marks of the encodings a JSONL file is not in (UTF-8's own is skipped). UTF-32 first: its LE mark
-# starts with UTF-16's.
-_OTHER_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
-               (codecs.BOM_UTF16_BE, "UTF-16"))
-
-
-def batch_file_lines(f: IO[bytes], url: str) -> Iterator[bytes]:
-    """The lines of a batch file opened in binary, as bytes, for parse_batch_lines to decode one by one: one line of
-    invalid UTF-8 is that line's error row, not the whole file's. A leading UTF-8 byte order mark (what Windows
-    editors write) is skipped. Line ends are \\n, \\r\\n or \\r, as in Python's text mode, so line numbers match
-    an editor's. Raises JobError (exit 2) when the file starts with a UTF-16 or UTF-32 byte order mark: every line
-    would be garbage."""
-    first = True
-    for raw in f:
-        if first:
-            first = False
-            for bom, name in _OTHER_BOMS:
-                if raw.startswith(bom):
-                    raise JobError(f"the OpenAI batch file {url!r} is {name} encoded (it starts with a {name} byte "
-                                   f"order mark); save it as UTF-8 (e.g. `iconv -f {name} -t UTF-8`)")
-            raw = raw.removeprefix(codecs.BOM_UTF8)
-        yield from raw.splitlines() or [raw]
-
-
 def read_batch_file(url: str) -> tuple[pa.Table, str, dict[str, str]]:
     """Parse the OpenAI batch file at `url` (local or fsspec URL): (table, endpoint, source metadata: its URL, size
     and version). Raises JobError (exit 2) when it cannot be read."""
@@ -301,20 +288,27 @@ def read_batch_file(url: str) -> tuple[pa.Table, str, dict[str, str]]:
     if table.num_rows == 0:
         raise JobError(f"the OpenAI batch file {url!r} holds no requests")
     source = {"source": absolute_url(url), "size": str(size), "version": version, "endpoint": endpoint}
+    if endpoint == EMBEDDINGS_URL:
+        source["dimensions"] = str(file_dimensions(table, url) or "")
     return table, endpoint, source
 
 
-def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
-    """Convert the batch file into OUTPUT/_input/requests.parquet (create-only) and return (its URL, endpoint).
+def stage_batch_file(input_url: str, output_url: str,
+                     check: Callable[[dict[str, str]], object] | None = None) -> tuple[str, dict[str, str]]:
+    """Convert the batch file into OUTPUT/_input/requests.parquet (create-only) and return (its URL, its metadata:
+    source, size, version, endpoint; for /v1/embeddings the requests' dimensions, "" for none).
 
     A job that already staged it reuses it when the batch file is the same one (URL, size, version); a batch file
     that changed since the job started raises JobError (exit 2), as a changed Parquet input fails its shards. A
-    batch file refused as unreadable (read_batch_file) creates nothing: OUTPUT's folder is made only to stage.
+    batch file refused as unreadable (read_batch_file), or by `check(metadata)` (called before the first staging;
+    what it raises propagates), creates nothing: OUTPUT's folder is made only to stage.
     """
     fs, root = read_fs(output_url)
     staged = staged_requests_path(root)
     if not exists_now(fs, staged):
         table, _, source = read_batch_file(input_url)  # a file refused here leaves no OUTPUT folder behind
+        if check is not None:
+            check(source)
         meta = {f"tokenmill.{k}".encode(): v.encode() for k, v in source.items()}
         fs, root = output_fs(output_url)
         commit_table(fs, staged, table.replace_schema_metadata(meta))
@@ -329,20 +323,28 @@ def stage_batch_file(input_url: str, output_url: str) -> tuple[str, str]:
         raise JobError(f"{output_url} holds a job started from {meta.get('source')} ({meta.get('size')} bytes, "
                        f"version {meta.get('version')}); {input_url} is another file or has changed since. Restore "
                        "it, or run the new batch file into a new OUTPUT")
-    return fs.unstrip_protocol(staged), meta["endpoint"]
+    return fs.unstrip_protocol(staged), meta
 
 
-def batch_spec(spec: JobSpec, staged_url: str, endpoint: str) -> JobSpec:
-    """The spec that runs the staged requests: ids from custom_id, chat requests' messages through the chat
-    template, completions' prompts raw; the job's allow_special_tokens kept."""
+def batch_spec(spec: JobSpec, staged_url: str, meta: dict[str, str]) -> JobSpec:
+    """The spec that runs the staged requests (`meta`: read_batch_file's source metadata): ids from custom_id,
+    chat requests' messages through the chat template, completions' prompts raw, the job's allow_special_tokens
+    kept; /v1/embeddings: task embed, the requests' dimensions (job_dimensions). Raises JobError (exit 2)."""
+    endpoint = meta["endpoint"]
     columns = Columns(chat_template=endpoint == CHAT_URL, allow_special_tokens=spec.columns.allow_special_tokens)
-    return spec.model_copy(update={"input": staged_url, "columns": columns})
+    update: dict[str, object] = {"input": staged_url, "columns": columns}
+    if endpoint == EMBEDDINGS_URL:
+        dims = job_dimensions(spec.embedding.dimensions, int(meta["dimensions"]) if meta.get("dimensions") else None)
+        update |= {"task": "embed", "embedding": spec.embedding.model_copy(update={"dimensions": dims})}
+    return spec.model_copy(update=update)
 
 
-def prepare_spec(spec: JobSpec) -> JobSpec:
+def prepare_spec(spec: JobSpec, check: Callable[[JobSpec], object] | None = None) -> JobSpec:
     """`spec` itself, or, when its input is an OpenAI batch file, the spec that runs the staged conversion of it
-    (stage_batch_file: writes OUTPUT/_input/requests.parquet once). Raises JobError (exit 2)."""
+    (stage_batch_file: writes OUTPUT/_input/requests.parquet once; `check(spec)` is called on the spec that will run
+    before it is staged, so bad options write nothing). Raises JobError (exit 2)."""
     if not is_openai_batch(spec.input):
         return spec
-    staged, endpoint = stage_batch_file(spec.input, spec.output)
-    return batch_spec(spec, staged, endpoint)
+    staged, meta = stage_batch_file(spec.input, spec.output,
+                                    None if check is None else lambda source: check(batch_spec(spec, "-", source)))
+    return batch_spec(spec, staged, meta)

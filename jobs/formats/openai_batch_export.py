@@ -9,16 +9,25 @@ text_completion object with `choices` and `usage`} and `error` null; an error ro
 top_logprobs, text_offset}, text_offset in characters from the start of the prompt, as OpenAI's legacy completions
 count it without echo: the first token's offset is the prompt's length). The body's `model` is the model that ran;
 `request_model` beside it is the request's own `model`, when it named one (the job's model replaced it).
+
+An embed job's rows (`/v1/embeddings` requests, or any embed job's input rows: one line each) come out as OpenAI
+writes embeddings: the body is `{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": floats,
+or base64 of the little-endian float32 bytes when the request's encoding_format was base64}], "model", "usage":
+{"prompt_tokens", "total_tokens"}}`, data[i] being the request's input[i] (its staged rows, joined back: a request
+whose rows are not all committed yet is missing, with its shard); a request one of whose texts is an error row is
+an error line naming that input's index.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from jobs.errors import JobError
@@ -76,14 +85,19 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
     fs, root = read_fs(output_url)
     chat = _is_chat(manifest)
     read_input = _input_reader(manifest)
+    pending: list[dict[str, Any]] = []  # an embeddings request's rows read so far (they may span shards)
     for shard in manifest.shards():
         record = ShardRecord(fs, root, shard.shard_id)
         accounting = record.accounting
         if accounting is None:
+            pending.clear()
             yield shard.shard_id
             continue
         created = int(accounting["finished_at"].timestamp())
         rows = record.results().to_pylist()
+        if rows and "embedding" in rows[0]:
+            yield from _embedding_lines(manifest, shard, rows, read_input, pending)
+            continue
         # Completions' text_offset counts from the prompt's start; staged batch files keep each request's model.
         need_prompts = not chat and any(r["logprobs"] is not None or r.get("samples") for r in rows)
         prompts = read_input(shard, manifest.prompt_column) if need_prompts else None
@@ -104,6 +118,56 @@ def batch_output_lines(output_url: str) -> Iterator[dict[str, Any] | str]:
                     "usage": {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["completion_tokens"],
                               "total_tokens": row["prompt_tokens"] + row["completion_tokens"]}}
             yield {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
+
+
+def _embedding_lines(manifest: InputManifest, shard: Shard, rows: list[dict[str, Any]],
+                     read_input: Callable[[Shard, str], list[Any] | None],
+                     pending: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The /v1/embeddings output lines of one shard's embed rows, each request's rows joined in input_index order
+    (staged columns custom_id, input_index, input_count; an input without them: one row a request, its id).
+    `pending` holds the rows of a request started in an earlier shard, and those of one this shard starts but does
+    not end; rows of a request whose first rows are missing (their shard not committed) are skipped."""
+    index, count = read_input(shard, "input_index"), read_input(shard, "input_count")
+    formats, models = read_input(shard, "encoding_format"), read_input(shard, "request_model")
+    custom_ids = read_input(shard, "custom_id")
+    for row in rows:
+        r = row["input_row"]
+        i = index[r] if index else 0
+        if i == 0:
+            pending.clear()
+        if i != len(pending):
+            pending.clear()
+            continue
+        pending.append({**row, "custom_id": custom_ids[r] if custom_ids else row["id"]})
+        if len(pending) == (count[r] if count else 1):
+            yield _embedding_line(manifest, list(pending), formats[r] if formats else "float",
+                                  models[r] if models else None)
+            pending.clear()
+
+
+def _embedding_line(manifest: InputManifest, rows: list[dict[str, Any]], encoding_format: str,
+                    requested: str | None) -> dict[str, Any]:
+    """One /v1/embeddings output line of a request's rows (input order): its data, model and usage (prompt tokens,
+    tokens), or an error line naming the first input that failed."""
+    key = _stable_id(manifest.input, manifest.created_at, rows[0]["custom_id"])
+    line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": rows[0]["custom_id"]}
+    failed = [(i, row["error"]) for i, row in enumerate(rows) if row["error"] is not None]
+    if failed:
+        i, message = failed[0]
+        where = f"input[{i}]: " if len(rows) > 1 else ""
+        return {**line, "response": None, "error": {"code": "invalid_request", "message": where + message}}
+
+    def vector(values: list[float]) -> list[float] | str:
+        if encoding_format == "base64":  # OpenAI's: the float32 values' little-endian bytes
+            return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+        return values
+
+    tokens = sum(row["prompt_tokens"] for row in rows)
+    body = {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": vector(row["embedding"])}
+                                       for i, row in enumerate(rows)],
+            "model": rows[0]["model"], **({"request_model": requested} if requested else {}),
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {**line, "response": {"status_code": 200, "request_id": f"req_{key}", "body": body}, "error": None}
 
 
 def _choice(index: int, sample: dict[str, Any], chat: bool, prompt_chars: int = 0) -> dict[str, Any]:

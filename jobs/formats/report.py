@@ -1,8 +1,10 @@
 """`tokenmill report`: one self-contained HTML page (plots embedded as SVG) of a job, from what is committed under
 OUTPUT: totals (jobs.control.job_status), output tokens/s over time (checkpoint parts: their tokens at their commit
-times), tokens per dollar per shard, attempts and preemptions per shard with the device-seconds lost (accounting/),
-error rows by reason (results/) and latency spread per shard (the checkpoint parts' latency_s). Tables go through
-polars, plots through matplotlib (Agg backend), the page through a jinja2 template with autoescaping.
+times), tokens per dollar per shard (an embed or classify job, which generates no tokens: input tokens/s over time,
+input tokens per dollar per shard, and rows per dollar beside them), attempts and preemptions per shard with the
+device-seconds lost (accounting/), error rows by reason (results/) and latency spread per shard (the checkpoint
+parts' latency_s). Tables go through polars, plots through matplotlib (Agg backend), the page through a jinja2
+template with autoescaping.
 """
 
 from __future__ import annotations
@@ -31,23 +33,29 @@ MAX_TIME_BINS = 40
 # The per-shard table's columns and types: fixed, so a job with nothing committed (every value null) is still a
 # table of numbers, not of polars' null dtype.
 SHARD_SCHEMA = {"shard_id": pl.String, "state": pl.String, "rows": pl.Int64, "rows_error": pl.Int64,
-                "output_tokens": pl.Int64, "tokens_per_dollar": pl.Float64, "attempts": pl.Int64,
+                "output_tokens": pl.Int64, "tokens_per_dollar": pl.Float64, "input_tokens": pl.Int64,
+                "input_tokens_per_dollar": pl.Float64, "rows_per_dollar": pl.Float64, "attempts": pl.Int64,
                 "preemptions": pl.Int64, "device_s_lost": pl.Float64, "device_s_billed": pl.Float64}
+# The per-shard columns that measure a task: a generate job's output tokens, an embed or classify job's input tokens
+# and rows (it generates none); the page's shards table leaves the other task's out.
+_TASK_COLUMNS = {"generate": ("output_tokens", "tokens_per_dollar"),
+                 "embed": ("input_tokens", "input_tokens_per_dollar", "rows_per_dollar")}
 
 
 @dataclass(frozen=True)
 class ReportData:
-    """What the page shows, read from OUTPUT: the status (totals), one row per shard (`shards`: shard_id, state,
-    rows, rows_error, output_tokens, tokens_per_dollar, attempts, preemptions, device_s_lost, device_s_billed), the rows
-    of the committed results (`results`: shard_id, error), the committed checkpoint parts (`parts`: committed_at in
-    seconds since the job's first attempt started, output_tokens) and the latencies of the rows in them
-    (`latencies`: shard_id, latency_s; every attempt's rows)."""
+    """What the page shows, read from OUTPUT: the status (totals), one row per shard (`shards`: SHARD_SCHEMA's
+    columns: tokens, USD, device-seconds), the rows of the committed results (`results`: shard_id, error), the
+    committed checkpoint parts (`parts`: committed_at in seconds since the job's first attempt started,
+    output_tokens, input_tokens) and the latencies of the rows in them (`latencies`: shard_id, latency_s; every
+    attempt's rows). `task`: generate, or embed for an embed or classify job (its parts hold no completion)."""
 
     status: JobStatus
     shards: pl.DataFrame
     results: pl.DataFrame
     parts: pl.DataFrame
     latencies: pl.DataFrame
+    task: str = "generate"
 
 
 def read_report_data(output_url: str) -> ReportData:
@@ -59,6 +67,7 @@ def read_report_data(output_url: str) -> ReportData:
     fs, root = read_fs(output_url)
     shard_rows, result_frames, latency_frames, part_rows = [], [], [], []
     first_start: float | None = None
+    task = "generate"
     for shard in manifest.shards():
         sid = shard.shard_id
         record = ShardRecord(fs, root, sid)
@@ -70,7 +79,8 @@ def read_report_data(output_url: str) -> ReportData:
         acc = record.accounting or {}
         shard_rows.append({"shard_id": sid, "state": status.shard_states.get(sid, "pending"),
                            "rows": shard.num_rows, "rows_error": acc.get("rows_error"),
-                           "output_tokens": acc.get("output_tokens"), "tokens_per_dollar": acc.get("tokens_per_dollar"),
+                           **{k: acc.get(k) for k in ("output_tokens", "tokens_per_dollar", "input_tokens",
+                                                      "input_tokens_per_dollar", "rows_per_dollar")},
                            "attempts": acc.get("attempts") or len(listing.started),
                            "preemptions": acc.get("preemptions") or 0, "device_s_lost": acc.get("device_s_lost") or 0.0,
                            "device_s_billed": acc.get("device_s_billed")})
@@ -82,17 +92,20 @@ def read_report_data(output_url: str) -> ReportData:
             table = pl.from_arrow(record.read_part(part))
             if "latency_s" in table.columns:  # parts written before the column existed lack it
                 latency_frames.append(table.select(pl.lit(sid).alias("shard_id"), "latency_s").drop_nulls())
+            if "completion_tokens" not in table.columns:  # an embed or classify job's part: no output tokens
+                task = "embed"
             if part.committed_at is not None:
-                part_rows.append({"committed_at": part.committed_at,
-                                  "output_tokens": int(table["completion_tokens"].sum())})
-    parts = pl.DataFrame(part_rows, schema={"committed_at": pl.Float64, "output_tokens": pl.Int64})
+                part_rows.append({"committed_at": part.committed_at, "input_tokens": int(table["prompt_tokens"].sum()),
+                                  "output_tokens": int(table["completion_tokens"].sum()) if task == "generate" else 0})
+    parts = pl.DataFrame(part_rows, schema={"committed_at": pl.Float64, "output_tokens": pl.Int64,
+                                            "input_tokens": pl.Int64})
     if first_start is not None and parts.height:
         parts = parts.with_columns(pl.col("committed_at") - first_start).sort("committed_at")
     results = (pl.concat(result_frames) if result_frames else
                pl.DataFrame(schema={"shard_id": pl.String, "error": pl.String}))
     latencies = (pl.concat(latency_frames) if latency_frames else
                  pl.DataFrame(schema={"shard_id": pl.String, "latency_s": pl.Float64}))
-    return ReportData(status, pl.DataFrame(shard_rows, schema=SHARD_SCHEMA), results, parts, latencies)
+    return ReportData(status, pl.DataFrame(shard_rows, schema=SHARD_SCHEMA), results, parts, latencies, task)
 
 
 def error_reason(message: str) -> str:
@@ -109,21 +122,22 @@ def _svg(fig: Any) -> str:
     return buf.getvalue()[buf.getvalue().index("<svg"):]  # inline: drop the XML prolog and doctype
 
 
-def _tokens_over_time(parts: pl.DataFrame) -> str | None:
-    """Committed output tokens/s over time; None when no checkpoint part is committed."""
+def _tokens_over_time(parts: pl.DataFrame, column: str = "output_tokens", title: str = "") -> str | None:
+    """Committed tokens/s over time (`column`: output_tokens, or an embed job's input_tokens; `title`: the plot's,
+    TITLES' by default); None when no checkpoint part is committed."""
     if not parts.height:
         return None
     fig, ax = plt.subplots(figsize=(8, 3))
     end = max(float(parts["committed_at"].max()), 1e-3)
     width = max(end / MAX_TIME_BINS, 1.0)
     binned = (parts.with_columns((pl.col("committed_at") // width).alias("bin")).group_by("bin")
-              .agg(pl.col("output_tokens").sum()).sort("bin"))
+              .agg(pl.col(column).sum()).sort("bin"))
     full = pl.DataFrame({"bin": [float(b) for b in range(int(end // width) + 1)]}).join(binned, on="bin",
                                                                                         how="left").fill_null(0)
-    ax.step(full["bin"] * width + width, full["output_tokens"] / width, where="pre", color="tab:blue")
-    ax.fill_between(full["bin"] * width + width, full["output_tokens"] / width, step="pre", alpha=0.3)
-    ax.set(xlabel="seconds since the job's first attempt", ylabel="output tokens/s (committed)",
-           title=TITLES["tokens-over-time"])
+    ax.step(full["bin"] * width + width, full[column] / width, where="pre", color="tab:blue")
+    ax.fill_between(full["bin"] * width + width, full[column] / width, step="pre", alpha=0.3)
+    ax.set(xlabel="seconds since the job's first attempt", ylabel=f"{column.replace('_', ' ')}/s (committed)",
+           title=title or TITLES["tokens-over-time"])
     return _svg(fig)
 
 
@@ -174,10 +188,14 @@ def _latency_plot(latencies: pl.DataFrame) -> str | None:
 TITLES = {"tokens-over-time": "Output tokens/s over time", "tokens-per-dollar": "Tokens per dollar per shard",
           "attempts": "Attempts and preemptions per shard", "lost": "Device-seconds lost to preemption",
           "errors": "Error rows by reason", "latency": "Latency spread per shard"}
+# An embed or classify job's titles where they differ (it generates no output tokens).
+_EMBED_TITLES = {**TITLES, "tokens-over-time": "Input tokens/s over time",
+                 "tokens-per-dollar": "Input tokens per dollar per shard"}
 
 
 # Column headers of the shards table that differ from the column name with spaces (headers wrap: the table fits).
 _HEADERS = {"shard_id": "shard", "rows_error": "error rows", "tokens_per_dollar": "tokens per USD",
+            "input_tokens_per_dollar": "input tokens per USD", "rows_per_dollar": "rows per USD",
             "device_s_lost": "device-s lost", "device_s_billed": "device-s billed"}
 
 
@@ -229,25 +247,35 @@ def render_report(output_url: str) -> str:
     JobError (exit 2) when no job started at OUTPUT."""
     data = read_report_data(output_url)
     st = data.status
-    tpd = st.tokens_per_dollar
     billed = data.shards["device_s_billed"].fill_null(0).sum()
+    generate = data.task == "generate"
+    titles = TITLES if generate else _EMBED_TITLES
+
+    def per_usd(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:,.0f}"
     totals = [
         ("shards", ", ".join(f"{n} {state}" for state, n in st.shards.items() if n)),
         ("rows committed / rows", f"{st.rows_committed:,} / {st.rows:,}"),
         ("rows with an error", f"{data.results['error'].is_not_null().sum():,}"),
-        ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}"),
+        ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}") if generate
+        else ("input tokens", f"{st.input_tokens:,}"),
         ("device-seconds billed", f"{billed:,.1f}"),
         ("cost", f"${st.cost_usd:.6f}"),
-        ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+        ("tokens per dollar", per_usd(st.tokens_per_dollar)) if generate else
+        ("input tokens / rows per dollar", f"{per_usd(st.input_tokens_per_dollar)} / {per_usd(st.rows_per_dollar)}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions}"),
         ("device-seconds lost", f"{st.device_s_lost:,.1f}"),
         ("dtype / quantization", f"{', '.join(st.dtypes) or 'n/a'} / {', '.join(st.quantizations) or 'n/a'}"),
     ]
-    shards = data.shards
+    other = _TASK_COLUMNS["embed" if generate else "generate"]
+    shards = data.shards.drop(other)
     errors_svg, errors = _errors_plot(data.results)
-    svgs = {"tokens-over-time": _tokens_over_time(data.parts),
-            "tokens-per-dollar": _per_shard_bars(shards, TITLES["tokens-per-dollar"], "output tokens per USD",
-                                                 [("tokens_per_dollar", "tokens per USD", "tab:green")]),
+    tokens, per_dollar = ("output_tokens", "tokens_per_dollar") if generate else ("input_tokens",
+                                                                                 "input_tokens_per_dollar")
+    svgs = {"tokens-over-time": _tokens_over_time(data.parts, tokens, titles["tokens-over-time"]),
+            "tokens-per-dollar": _per_shard_bars(shards, titles["tokens-per-dollar"],
+                                                 f"{tokens.replace('_', ' ')} per USD",
+                                                 [(per_dollar, f"{tokens.split('_')[0]} tokens per USD", "tab:green")]),
             "attempts": _per_shard_bars(shards, TITLES["attempts"], "count",
                                         [("attempts", "attempts", "tab:blue"),
                                          ("preemptions", "preemptions", "tab:red")]),
@@ -256,7 +284,7 @@ def render_report(output_url: str) -> str:
             "errors": errors_svg, "latency": _latency_plot(data.latencies)}
 
     def plot(name: str) -> str:
-        return markupsafe.Markup(_PLOT.render(id=name, title=TITLES[name], svg=svgs[name]))
+        return markupsafe.Markup(_PLOT.render(id=name, title=titles[name], svg=svgs[name]))
 
     return _TEMPLATE.render(st=st, totals=totals, shards=shards, errors=errors, plot=plot, cell=_cell,
                             header=lambda c: _HEADERS.get(c, c.replace("_", " ")),

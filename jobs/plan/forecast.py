@@ -19,7 +19,8 @@ first shard pays it. A worker's one engine serves all its shards in one batch, s
 concurrency steps at that concurrency's step time; the concurrency: worker_concurrency) plus a small overhead per
 shard (reads and commits).
 Device-seconds, cost at the job's price per hour and tokens per dollar follow. bench/README.md says how far off it
-was on a real job.
+was on a real job. An embed or classify job is forecast by jobs.plan.forecast_pooling (its rows' tokens and the
+encoder's measured tokens per second; input tokens and rows per dollar).
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ from typing import Any
 import pyarrow.parquet as pq
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from jobs.errors import JobError
 from jobs.formats.openai_batch import batch_spec, is_openai_batch, read_batch_file
+from jobs.plan.calibration_clock import load_stretch, start_clock, timed
 from jobs.plugin import default_torch_threads, shard_slots
 from jobs.spec import engine_config, run_config
+from pipeline.accounting import PerDollar
 from pipeline.config import InputError, RunConfig
 from pipeline.input import Shard
 from pipeline.manifest import build_manifest
+from pipeline.row_kinds import row_kind
 from pipeline.row_options import row_sampling_params
 from pipeline.shard import ShardRows, generate_rows, read_shard
 from pipeline.shard_engine import EngineFacts
-from pipeline.shard_requests import row_requests
 from schemas.job_spec import JobSpec
 
 SAMPLE_ROWS = 16
@@ -59,7 +62,7 @@ SHARED_SHARD_OVERHEAD_S = 0.02
 
 
 @dataclass(frozen=True)
-class Forecast:
+class Forecast(PerDollar):
     """A job's expected size and bill (tokens; seconds; USD).
 
     `input_tokens` is exact when the first shard holds every row, else its mean per row times the rows;
@@ -72,6 +75,8 @@ class Forecast:
     is billed about `load_stretch` times `device_s` (billing is the device's wall time). `note`: what the figures
     cannot say (a job none of whose rows can run), else "". `quantization`: the weight
     quantization the run uses, as its summary and accounting will say it (pipeline.shard_engine.EngineFacts).
+    `task`: the job's; an embed or classify job generates nothing (output figures 0, prefill_tokens_per_s: the
+    encoder's input tokens per second, jobs.plan.forecast_pooling).
     """
 
     rows: int
@@ -95,6 +100,7 @@ class Forecast:
     quantization: str = ""
     uncertainty: float = 0.0
     load_stretch: float = 1.0
+    task: str = "generate"
 
     @property
     def input_tokens_exact(self) -> bool:
@@ -111,17 +117,13 @@ class Forecast:
         """Expected cost at the job's price per device-hour, USD."""
         return self.device_hours * self.price_per_hour_usd
 
-    @property
-    def tokens_per_dollar(self) -> float | None:
-        """Expected output tokens per USD; None when the price is 0."""
-        return self.output_tokens / self.cost_usd if self.cost_usd > 0 else None
-
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready forecast."""
+        """JSON-ready forecast (per-dollar figures: PerDollar's, expected; None when the price is 0)."""
         d = asdict(self)
         d["decode_step_s"] = {str(k): round(v, 6) for k, v in self.decode_step_s.items()}
         return {**d, "device_hours": self.device_hours, "cost_usd": self.cost_usd,
-                "tokens_per_dollar": self.tokens_per_dollar}
+                "tokens_per_dollar": self.tokens_per_dollar, "input_tokens_per_dollar": self.input_tokens_per_dollar,
+                "rows_per_dollar": self.rows_per_dollar}
 
 
 def _prompt_tokens(engine: LLMEngine, prompt: Any, cfg: RunConfig) -> int:
@@ -136,21 +138,8 @@ def _prompt_tokens(engine: LLMEngine, prompt: Any, cfg: RunConfig) -> int:
 
 def _timed(engine: LLMEngine, prompts: Sequence[Any], params: SamplingParams | list[SamplingParams],
            use_chat_template: bool) -> tuple[float, list]:
-    """(device-seconds, outputs) of one `engine.generate` on this thread. On the CPU the device time is this
-    thread's CPU time (time.thread_time): the engine steps on the calling thread, which computes its share of every
-    op and sleeps at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE), so time other processes take the cores from it is
-    not counted, where wall time counted the machine's load at calibration time. On CUDA: wall time (generate
-    returns once the outputs are on the host; the GPU is the job's alone)."""
-    cpu = engine.device_name == "cpu"
-    t0, c0 = time.perf_counter(), time.thread_time()
-    outs = engine.generate(list(prompts), params, use_chat_template=use_chat_template)
-    wall = time.perf_counter() - t0
-    _CLOCKS.append((wall, time.thread_time() - c0 if cpu else wall))
-    return _CLOCKS[-1][1], outs
-
-
-# (wall s, device s) of every _timed call of the calibration in progress (one at a time per process).
-_CLOCKS: list[tuple[float, float]] = []
+    """(device-seconds, outputs) of one `engine.generate` on this thread (jobs.plan.calibration_clock.timed)."""
+    return timed(engine, lambda: engine.generate(list(prompts), params, use_chat_template=use_chat_template))
 
 
 def _decode_step_s(engine: LLMEngine, prompts: list[Any], batch: int, use_chat_template: bool) -> tuple[float, float]:
@@ -177,16 +166,28 @@ def _sampling_of(rows: ShardRows, cfg: RunConfig, k: int) -> SamplingParams:
 
 
 def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
-    """Forecast the job `spec` describes (see the module docstring). Writes nothing under OUTPUT. Loads the engine
-    in this process (seconds to minutes). Raises JobError (exit 2) for bad input or options."""
+    """Forecast the job `spec` describes (see the module docstring; an embed or classify job: forecast_pooling's
+    forecast_pooling_job). Writes nothing under OUTPUT. Loads the engine in this process (seconds to minutes).
+    Raises JobError (exit 2) for bad input or options."""
+    spec, cfg, shards, first, skipped = first_shard(spec, sample_rows)
+    if first is None:
+        return nothing_runs(spec, cfg, shards)
+    return _calibrate(spec, cfg, shards, first, sample_rows, skipped)
+
+
+def first_shard(spec: JobSpec, sample_rows: int) -> tuple[JobSpec, RunConfig, list[Shard], ShardRows | None, int]:
+    """The job's shards planned as a first start would (an OpenAI batch file converted in a temporary folder) and
+    the rows of the first one with a row that can run: (spec that runs, its RunConfig, shards, those rows or None
+    when no row of the job can run, the rows of the shards before it). Raises JobError (exit 2) for bad input or
+    options, no rows, or `sample_rows` < 1."""
     if sample_rows < 1:
         raise JobError(f"the calibration sample needs >= 1 row, got {sample_rows}")
     run_config(spec)
     with tempfile.TemporaryDirectory(prefix="tokenmill-forecast-") as tmp:
         if is_openai_batch(spec.input):
-            table, endpoint, _ = read_batch_file(spec.input)
+            table, _, source = read_batch_file(spec.input)
             pq.write_table(table, f"{tmp}/requests.parquet")
-            spec = batch_spec(spec, f"{tmp}/requests.parquet", endpoint)
+            spec = batch_spec(spec, f"{tmp}/requests.parquet", source)
         cfg = run_config(spec)
         try:
             manifest = build_manifest(spec.input, cfg)
@@ -200,15 +201,13 @@ def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
         skipped = 0  # rows of the leading shards none of whose rows can run (error rows: no device time)
         for shard in shards:
             first = read_shard(shard, column, cfg.id_column, messages=messages)
-            if row_requests(first, cfg).runnable:
-                break
+            if row_kind(cfg).requests(first, cfg).runnable:
+                return spec, cfg, shards, first, skipped
             skipped += len(first.ids)
-        else:
-            return _nothing_runs(spec, cfg, shards)
-    return _calibrate(spec, cfg, shards, first, sample_rows, skipped)
+    return spec, cfg, shards, None, skipped
 
 
-def _nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecast:
+def nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecast:
     """The forecast of a job none of whose rows can run (every one null, empty, a request error or out-of-range
     sampling values): each becomes an error row, no shard loads an engine (pipeline.shard), nothing is billed."""
     rows = sum(s.num_rows for s in shards)
@@ -217,7 +216,7 @@ def _nothing_runs(spec: JobSpec, cfg: RunConfig, shards: list[Shard]) -> Forecas
         rows=rows, shards=len(shards), input_tokens=0, output_tokens=0, output_tokens_max=0, sample_rows=0,
         mean_output_tokens_observed=0.0, prefill_tokens_per_s=0.0, decode_step_s={}, warmup_s=0.0, device_s=0.0,
         price_per_hour_usd=spec.price_per_hour, device=facts.device, dtype=facts.dtype, model=facts.model,
-        quantization=facts.quantization, calibration_s=0.0,
+        quantization=facts.quantization, calibration_s=0.0, task=cfg.task,
         note=f"no row can run: all {rows:,} rows will be error rows (null, empty or request errors; the results' "
              "error column will say why); no engine loads, nothing is billed")
 
@@ -268,16 +267,22 @@ def job_device_s(shard_rows: list[int], m: WorkerModel, step_s: Callable[[int], 
     return total
 
 
+def calibration_engine(spec: JobSpec) -> tuple[EngineConfig, LLMEngine, float]:
+    """(EngineConfig, engine, time.perf_counter() at the start) of a calibration: the job's engine loaded here with
+    the threads a LocalCluster worker gives it (jobs.plugin), the calibration clock started."""
+    econf = engine_config(spec)
+    if spec.cluster.scheduler is None:
+        torch.set_num_threads(default_torch_threads(spec.cluster.workers))
+    t_start = time.perf_counter()
+    start_clock()
+    return econf, LLMEngine.from_model(spec.model, econf), t_start
+
+
 def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardRows, sample_rows: int,
                skipped: int = 0) -> Forecast:
     """Calibrate the engine on `first` (the first shard with a row that can run, after `skipped` rows of shards
     with none) and forecast the job's `shards` from it (module docstring)."""
-    econf = engine_config(spec)
-    if spec.cluster.scheduler is None:  # as a LocalCluster worker runs it (jobs.plugin)
-        torch.set_num_threads(default_torch_threads(spec.cluster.workers))
-    t_start = time.perf_counter()
-    _CLOCKS.clear()
-    engine = LLMEngine.from_model(spec.model, econf)
+    econf, engine, t_start = calibration_engine(spec)
     chat = cfg.use_chat_template
     # A fresh engine's first step is slow (kernels loaded, weights packed): every worker's first shard pays it.
     warmup_s, _ = _timed(engine, [first.prompts[k] for k in range(len(first.prompts))
@@ -323,4 +328,4 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         quantization=EngineFacts.of(engine, None).quantization,
         calibration_s=time.perf_counter() - t_start, input_rows_sampled=len(lengths) + skipped,
         uncertainty=max(m[1] for m in measured.values()),
-        load_stretch=sum(w for w, _ in _CLOCKS) / max(sum(d for _, d in _CLOCKS), 1e-9))
+        load_stretch=load_stretch())

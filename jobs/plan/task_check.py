@@ -1,7 +1,8 @@
 """The job's task (`--task generate|embed|classify|score`) against its model, on the client before any work: the model
 for the task (the default embedding model when --task embed or score names none), whether the model can do the task (its
 architecture's registry entry: engine.model.registry.task_problem), an embed job's embedding width and its embed options
-(--dimensions, --normalize, --prefix, --no-truncate: refused for --task generate, --dimensions against the width).
+(--dimensions, --normalize, --prefix, --no-truncate, --embedding-dtype: refused for --task generate, --dimensions
+against the width).
 Reads config files only, no torch."""
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def embedding_dim(model: str) -> int:
 
 #: The `tokenmill run` flag of each embed option set away from its default.
 _EMBED_FLAGS = {"dimensions": "--dimensions", "normalize": "--normalize", "prefix": "--prefix",
-                "truncate": "--no-truncate"}
+                "truncate": "--no-truncate", "embedding_dtype": "--embedding-dtype"}
 
 
 def check_embedding(model: str | None, task: str, embedding: Embedding) -> int | None:

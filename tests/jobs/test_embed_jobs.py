@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
 from jobs.cli.run_output import this_run
+from jobs.control import job_status
 from jobs.summary import JobSummary
 
 runner = CliRunner()
@@ -68,9 +69,18 @@ def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_folde
     assert again.exit_code == 0, again.output
     assert json.loads(again.stdout.strip().splitlines()[-1])["already_done"] is True
     assert _committed(out) == before  # nothing committed twice, nothing rewritten
-    for command in (["export", str(out)], ["report", str(out), "--html", str(tmp_path / "r.html")]):
-        refused = runner.invoke(app, command)  # they read generated rows: refused in one line, not a traceback
-        assert refused.exit_code == 2 and "holds an embed job's rows" in refused.stderr, refused.output
+    exported = runner.invoke(app, ["export", str(out)])  # /v1/embeddings lines, one per row
+    assert exported.exit_code == 0 and f"exported {ROWS} responses and 0 errors" in exported.stderr, exported.output
+    first = json.loads(exported.stdout.splitlines()[0])
+    assert first["custom_id"] == table.column("id").to_pylist()[0] and first["response"]["body"]["usage"][
+        "prompt_tokens"] == expected[0].num_prompt_tokens
+    report = runner.invoke(app, ["report", str(out), "--html", str(tmp_path / "r.html")])
+    assert report.exit_code == 0, report.output
+    page = (tmp_path / "r.html").read_text()  # input tokens and rows per dollar, not output tokens
+    st = job_status(str(out))
+    assert st.input_tokens_per_dollar == pytest.approx(summary["input_tokens_per_dollar"], abs=0.1)
+    per_usd = f"{st.input_tokens_per_dollar:,.0f} / {st.rows_per_dollar:,.0f}"
+    assert f"<th>input tokens / rows per dollar</th><td>{per_usd}</td>" in page and "output tokens" not in page
 
 
 def test_an_encoder_asked_to_generate_is_refused_before_any_work(questions: Path, tmp_path: Path,
@@ -93,11 +103,48 @@ def test_a_decoder_asked_to_embed_is_refused_before_any_work(questions: Path, tm
     assert not out.exists()
 
 
-def test_dry_run_of_an_embed_job_is_refused_in_one_line(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
-    res = runner.invoke(app, ["run", str(questions), str(tmp_path / "out"), "--prompt-column", "question", "--task",
-                              "embed", "--model", minilm_folder, "--dry-run"])
-    assert res.exit_code == 2, res.output
-    assert "--dry-run forecasts --task generate jobs only" in res.stderr and len(res.stderr.splitlines()) == 1
+def test_dry_run_of_an_embed_job_forecasts_input_tokens_and_rows_per_dollar(questions: Path, tmp_path: Path,
+                                                                           minilm_folder: str) -> None:
+    """The forecast of an embed job: its rows' exact tokens (one shard holds them all) as the job will count them
+    (the --prefix included), a measured encoder rate, no output tokens; nothing written."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(questions), str(out), "--prompt-column", "question", "--task", "embed",
+                              "--model", minilm_folder, "--prefix", "query: ", "--dtype", "float32", "--dry-run",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    fc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not out.exists()
+    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
+    texts = pq.read_table(questions).column("question").to_pylist()
+    assert fc["input_tokens"] == sum(o.num_prompt_tokens for o in engine.embed(texts, prefix="query: "))
+    assert (fc["task"], fc["rows"], fc["input_rows_sampled"], fc["output_tokens"]) == ("embed", ROWS, ROWS, 0)
+    assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and fc["sample_rows"] == ROWS
+    assert fc["input_tokens_per_dollar"] == fc["input_tokens"] / fc["cost_usd"]
+    assert fc["rows_per_dollar"] == ROWS / fc["cost_usd"]
+
+
+@pytest.mark.slow  # the real model on a real LocalCluster (tests/jobs/conftest.py)
+def test_float16_embeddings_on_request_and_a_resume_keeps_the_dtype(questions: Path, tmp_path: Path,
+                                                                    minilm_folder: str) -> None:
+    """--embedding-dtype float16: a fixed_size_list<float16>[384] column, each vector the engine's float32 one
+    rounded; the same OUTPUT resumed with float32 is refused (exit 2) before any work, as any changed option."""
+    out = tmp_path / "out"
+    args = ["run", str(questions), str(out), "--task", "embed", "--model", minilm_folder, "--prompt-column",
+            "question", "--limit", "8", "--dtype", "float32"]
+    res = runner.invoke(app, [*args, "--embedding-dtype", "float16"])
+    assert res.exit_code == 0, res.output
+    results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
+    assert results.schema.field("embedding").type == pa.list_(pa.float16(), 384)
+    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
+    expected = np.stack([o.embedding for o in engine.embed(pq.read_table(questions).column(
+        "question").to_pylist()[:8])])
+    np.testing.assert_allclose(np.array(results.column("embedding").to_pylist()), expected.astype(np.float16),
+                               atol=1e-3)
+    before = _committed(out)
+    changed = runner.invoke(app, [*args, "--embedding-dtype", "float32"])
+    assert changed.exit_code == 2, changed.output
+    assert "embedding_dtype: the job has 'float16', this run asks for 'float32'" in changed.stderr
+    assert _committed(out) == before
 
 
 def test_quantizing_an_embed_model_is_refused_before_any_work(questions: Path, tmp_path: Path,
@@ -144,6 +191,7 @@ def test_embed_options_shape_the_results(questions: Path, tmp_path: Path, minilm
     (["--task", "embed", "--dimensions", "0"], "(--dimensions): Input should be greater than or equal to 1, got 0"),
     (["--prefix", "query: ", "--no-truncate"], "--prefix, --no-truncate apply to --task embed only"),
     (["--normalize"], "--normalize apply to --task embed only"),
+    (["--embedding-dtype", "float16"], "--embedding-dtype apply to --task embed only"),
 ])
 def test_bad_embed_options_are_refused_in_one_line_before_any_work(questions: Path, tmp_path: Path,
                                                                    minilm_folder: str, tiny_model: str,

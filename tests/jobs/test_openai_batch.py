@@ -180,13 +180,13 @@ def test_batch_file_on_s3_is_staged_once_and_a_changed_one_refused(gsm8k_questio
         fs = fsspec.filesystem("s3")
         src, out = f"s3://{s3.bucket}/batches/requests.jsonl", f"s3://{s3.bucket}/out"
         fs.pipe(src, ("\n".join(lines) + "\n").encode())
-        staged, endpoint = stage_batch_file(src, out)
-        assert (staged, endpoint) == (f"s3://{s3.bucket}/out/_input/requests.parquet", CHAT_URL)
+        staged, meta = stage_batch_file(src, out)
+        assert (staged, meta["endpoint"]) == (f"s3://{s3.bucket}/out/_input/requests.parquet", CHAT_URL)
         with fs.open(staged, "rb") as f:
             table = pq.read_table(f)
         assert table.num_rows == 32 and table.column("request_error").null_count == 30
         modified = fs.info(staged)["LastModified"]
-        assert stage_batch_file(src, out) == (staged, endpoint) and fs.info(staged)["LastModified"] == modified
+        assert stage_batch_file(src, out) == (staged, meta) and fs.info(staged)["LastModified"] == modified
         fs.pipe(src, ("\n".join(lines[:3]) + "\n").encode())
         with pytest.raises(JobError, match="has changed since"):
             stage_batch_file(src, out)
@@ -202,7 +202,7 @@ def _staged_rows(tmp_path: Path, lines: list[str], **options: object) -> tuple[S
     staged = tmp_path / f"requests-{len(list(tmp_path.iterdir()))}.parquet"
     pq.write_table(table, staged)
     spec = batch_spec(JobSpec.from_options(input="requests.jsonl", output=str(tmp_path / "out"), **options),
-                      str(staged), endpoint)
+                      str(staged), {"endpoint": endpoint})
     cfg = run_config(spec)
     manifest = build_manifest(spec.input, cfg)
     (shard,) = manifest.shards()
