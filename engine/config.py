@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.rope_scaling import RopeScaling
+from engine.vision_config import VisionConfig
 from schemas.engine_choices import (
     ATTENTION_BACKENDS,
     DEFAULT_INT4_GROUP_SIZE,
@@ -91,6 +92,8 @@ class ModelConfig:
         labels: a sequence classifier's label names in id order (config.json id2label; engine.model.classifier);
             () for every other model. regression: its head gives raw scores, not classes (problem_type
             "regression", or a single label).
+        vision: a vision-language model's image encoder and projector (engine.vision_config.VisionConfig; a dict,
+            as JSON holds it, is converted); None for a text-only model.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -140,8 +143,11 @@ class ModelConfig:
     position_padding_idx: int | None = None
     labels: tuple[str, ...] = ()
     regression: bool = False
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         object.__setattr__(self, "labels", tuple(str(t) for t in self.labels))  # a JSON round trip gives a list
         if isinstance(self.rope_scaling, dict):

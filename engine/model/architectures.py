@@ -200,6 +200,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                           ("add_cross_attention", (False, None))),
                  window=_no_window, fields=xlm_roberta_fields,
                  hf_unused=("pooler.", "embeddings.position_ids"), hf_renames=(("roberta.", ""),)),
+    # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP vision tower and a projector before a Llama-family decoder
+    # (engine.model.llava; its config: engine.model.llava_config). Checkpoint keys in every layout HF has written:
+    # the original "language_model.model.*" / "vision_tower.vision_model.*", transformers 5's "model.language_model.*"
+    # / "model.vision_tower.*". No GGUF: llama.cpp's mmproj pair is refused.
+    Architecture("llava", ("llava",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False, refused=(),
+                 window=_no_window, hf_unused=("vision_tower.vision_model.embeddings.position_ids",
+                                                      "vision_tower.embeddings.position_ids",
+                                                      "model.vision_tower.embeddings.position_ids"),
+                 hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+                             ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."))),
 )
 
 
