@@ -37,7 +37,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(vision_act(self.act, self.linear_1(x)))
 
 
-class LlavaModel(LlamaModel):
+class LlavaVLM(LlamaModel):
     """The LLaVA model: the causal decoder of `cfg` plus `vision_tower` and `multi_modal_projector`.
 
     encode_images: pixel_values [N, channels, image_size, image_size] (the model's image processor's) -> features

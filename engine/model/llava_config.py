@@ -20,7 +20,7 @@ from engine.vision_config import VisionConfig
 
 log = logging.getLogger(__name__)
 
-#: The language models a LLaVA checkpoint may carry: the families of the generic causal decoder that LlavaModel
+#: The language models a LLaVA checkpoint may carry: the families of the generic causal decoder that the llava model
 #: extends (engine.model.llava); a mixture-of-experts, Gemma or fused-projection text model is refused.
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 VISION_MODEL_TYPES = ("clip_vision_model",)

@@ -72,7 +72,7 @@ BERT_ENCODER = ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_s
 
 #: LLaVA-1.5 (engine.model.llava): the causal decoder with a CLIP vision tower and a projector; its KV cache is the
 #: decoder's (the tower keeps none).
-LLAVA = ModelEntry(_model_class("llava", "LlavaModel"), llava_param_shapes, decoder_kv_layout, takes_images=True)
+LLAVA = ModelEntry(_model_class("llava", "LlavaVLM"), llava_param_shapes, decoder_kv_layout, takes_images=True)
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {

@@ -32,8 +32,8 @@ def clip_vision_shapes(v: VisionConfig, prefix: str = "vision_tower.") -> dict[s
 
 
 def llava_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of engine.model.llava.LlavaModel of shape `cfg` (a tied LM head left out):
-    the decoder's, the vision tower's and the projector's. Raises ValueError for a config without `vision`."""
+    """Name -> shape of every parameter of the llava model (engine.model.llava) of shape `cfg` (a tied LM head left
+    out): the decoder's, the vision tower's and the projector's. Raises ValueError for a config without `vision`."""
     v = cfg.vision
     if v is None:
         raise ValueError(f"a llava model needs ModelConfig.vision; the {cfg.architecture} config has none")

@@ -6,6 +6,7 @@ images, PNG/JPEG bytes and data: URLs) and real questions, one or several images
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import MAX_TOKENS
 from llava_models import TOKENS_PER_IMAGE, data_url, encoded, hf_greedy, picture
 
@@ -23,6 +24,15 @@ def test_llava_loads_from_the_hf_folder(llava_engine) -> None:
     assert cfg.architecture == "llava" and cfg.vision is not None
     assert cfg.vision.tokens_per_image == TOKENS_PER_IMAGE and cfg.vision.layers_run == 2
     assert llava_engine.image_processor is not None
+
+
+def test_param_shapes_are_the_built_models(llava_engine) -> None:
+    from engine.model.registry import entry_of
+
+    cfg = llava_engine.model_config
+    with torch.device("meta"):
+        built = {k: tuple(v.shape) for k, v in type(llava_engine.model)(cfg, 8).state_dict().items()}
+    assert entry_of(cfg).param_shapes(cfg) == built
 
 
 def test_greedy_matches_hf_on_pictures_of_every_mode(llava_engine, hf_llava, questions) -> None:
