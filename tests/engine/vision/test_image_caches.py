@@ -68,6 +68,18 @@ def test_chunked_prefill_inside_an_image_encodes_it_once(llava_engine, hf_llava,
     assert engine.runner.images.cache.num_encoded == 3
 
 
+def test_preempted_image_rows_recompute_to_the_same_tokens(llava_engine, hf_llava, questions) -> None:
+    """A pool of 7 blocks of 16 tokens for three image rows of ~4 blocks each: rows are preempted and recomputed
+    (their images' placeholders fed again from the encoder cache), the text unchanged."""
+    engine = llava_engine.with_config(EngineConfig(**CPU, num_kv_blocks=7, enable_prefix_caching=False,
+                                                   max_num_batched_tokens=24))
+    prompts = [{"prompt": q, "images": [picture("RGB", (45, 55), 40 + i)]} for i, q in enumerate(questions[4:7])]
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_token_ids == _hf(hf_llava, prompt)
+
+
 def _item(offset: int, length: int, mm_hash: str) -> MultiModalItem:
     return MultiModalItem(torch.zeros(3, 2, 2), offset, length, mm_hash)
 
