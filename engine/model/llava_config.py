@@ -38,7 +38,8 @@ _RUNTIME = ("architectures", "_name_or_path", "transformers_version", "dtype", "
             "is_encoder_decoder")
 _VISION_READ = frozenset({"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "image_size", "patch_size", "num_channels", "layer_norm_eps", "hidden_act", "projection_dim",
-                          "attention_dropout", "dropout", "initializer_range", "initializer_factor"})
+                          "attention_dropout", "dropout", "initializer_range", "initializer_factor",
+                          "vocab_size"})  # llava-hf's configs carry CLIP's text vocab_size there; no vision weight
 
 
 def _completed(sub: dict[str, Any], default_type: str, allowed: tuple[str, ...], what: str) -> dict[str, Any]:

@@ -81,6 +81,31 @@ def test_llava_config_refusals(llava_folder, tmp_path) -> None:
             config_from_hf({**config, **change})
 
 
+def test_the_llava_1_5_7b_config_reads_as_its_shape() -> None:
+    """llava-hf/llava-1.5-7b-hf's config.json as published (sparse nested configs: LlamaConfig's and
+    CLIPVisionConfig's defaults fill them, as LlavaConfig does): Vicuna-7B plus CLIP ViT-L/14-336, 7.06B params."""
+    import math
+
+    from engine.model.hf_config import config_from_hf
+    from engine.model.registry import entry_of
+
+    config = {"architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+              "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+              "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                              "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                              "torch_dtype": "float16", "vocab_size": 32064},
+              "tie_word_embeddings": False, "torch_dtype": "float16", "transformers_version": "4.36.0.dev0",
+              "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                                "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                                "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+              "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+    cfg = config_from_hf(config)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.max_position_embeddings) == (4096, 32, 32064, 4096)
+    assert (cfg.vision.tokens_per_image, cfg.vision.layers_run, cfg.vision.hidden_act) == (576, 23, "quick_gelu")
+    params = sum(math.prod(s) for s in entry_of(cfg).param_shapes(cfg).values())
+    assert 7.06e9 < params < 7.07e9
+
+
 def test_quantized_loads_of_a_vision_model_are_refused(llava_folder) -> None:
     with pytest.raises(ValueError, match="quantization int4 is not implemented"):
         LLMEngine.from_model(str(llava_folder[0]), EngineConfig(device="cpu", dtype="float32", quantization="int4"))
