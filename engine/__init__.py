@@ -1,12 +1,13 @@
 """tokenmill's LLM engine: decoder-only transformers (the families of engine.model.architectures: Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3/4, and the mixtures of experts Qwen2/3-MoE, Mixtral, gpt-oss) from GGUF files or Hugging
-Face folders, over a paged KV cache with continuous batching.
+Qwen2/3, Gemma 2/3, Phi-3/4, the mixtures of experts Qwen2/3-MoE, Mixtral, gpt-oss, and the vision-language LLaVA-1.5)
+from GGUF files or Hugging Face folders, over a paged KV cache with continuous batching.
 
 The front door is this package's top level, the public API only: LLMEngine (engine.llm_engine), EngineConfig and
-ModelConfig with its RopeScaling (engine.config, engine.rope_scaling), SamplingParams (engine.sampling_params) and
-RequestOutput (engine.outputs). The rest lives in subpackages that import one way (tests/test_no_import_cycles.py):
-processing (prompts into requests, outputs, the offline batch), loop, core, worker, sample, model, layers, text,
-loading, quant, kernels. docs/architecture.md is the map: a step's, a shard's and a weight's path through them.
+ModelConfig with its RopeScaling and VisionConfig (engine.config, engine.rope_scaling, engine.vision_config),
+SamplingParams (engine.sampling_params) and RequestOutput (engine.outputs). The rest lives in subpackages that import
+one way (tests/test_no_import_cycles.py): processing (prompts into requests, outputs, the offline batch), multimodal
+(image prompts, the encoder cache), loop, core, worker, sample, model, layers, text, loading, quant, kernels.
+docs/architecture.md is the map: a step's, a shard's and a weight's path through them.
 
 Imports only torch and its own small deps (gguf, transformers' tokenizer); knows nothing of Parquet, S3 or Dask.
 
@@ -25,13 +26,15 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from engine.rope_scaling import RopeScaling
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
+    from engine.vision_config import VisionConfig
 
 _EXPORTS = {"EngineConfig": "engine.config", "ModelConfig": "engine.config", "LLMEngine": "engine.llm_engine",
             "Prompt": "engine.llm_engine", "RequestOutput": "engine.outputs", "RopeScaling": "engine.rope_scaling",
-            "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params"}
+            "SamplingParams": "engine.sampling_params", "StructuredOutputsParams": "engine.sampling_params",
+            "VisionConfig": "engine.vision_config"}
 
 __all__ = ["EngineConfig", "LLMEngine", "ModelConfig", "Prompt", "RequestOutput", "RopeScaling", "SamplingParams",
-           "StructuredOutputsParams"]
+           "StructuredOutputsParams", "VisionConfig"]
 
 
 def __getattr__(name: str) -> Any:

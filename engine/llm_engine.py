@@ -18,6 +18,7 @@ from engine.loading.open_model import open_model
 from engine.model.architectures import describe
 from engine.model.base import ModelBase
 from engine.model.registry import config_tasks, refuse_task
+from engine.multimodal.processor import ImageProcessor
 from engine.outputs import RequestOutput
 from engine.pooling.classifier import Classifier
 from engine.pooling.embedder import Embedder
@@ -63,20 +64,17 @@ class LLMEngine(PoolingTasks):
         pooling_runner: an embedder's or classifier's runner (engine.pooling, no KV cache); None for a causal LM.
         scorer: the text pair scorer of a model that scores (engine.pooling.scorer: a cross-encoder's activation,
             `score_activation`, or an embedding model's cosine); None otherwise.
+        image_processor: a vision-language model's (engine.multimodal.processor: prompts with images, engine.
+            multimodal documents their forms); None for a text-only model.
     """
 
     def __init__(self, model: ModelBase, model_config: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig,
-                 model_name: str, device: torch.device, dtype: torch.dtype,
-                 quantization_loaded: str | None = None, pooling: PoolingConfig | None = None,
-                 score_activation: str = "sigmoid") -> None:
-        self.model, self.model_config = model, model_config
-        self.tokenizer = tokenizer
-        self.config = config
-        self.model_name = model_name
-        self.device = device
-        self.dtype = dtype
-        self.device_name = device_name(device)
-        self.quantization_loaded = quantization_loaded
+                 model_name: str, device: torch.device, dtype: torch.dtype, quantization_loaded: str | None = None,
+                 pooling: PoolingConfig | None = None, score_activation: str = "sigmoid",
+                 image_processor: ImageProcessor | None = None) -> None:
+        self.model, self.model_config, self.tokenizer, self.config = model, model_config, tokenizer, config
+        self.model_name, self.device, self.dtype, self.device_name = model_name, device, dtype, device_name(device)
+        self.quantization_loaded, self.image_processor = quantization_loaded, image_processor
         log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
         model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
         release_int4_sources(model)  # INT4 portable weights: kept for the fusion only
@@ -123,7 +121,8 @@ class LLMEngine(PoolingTasks):
                                   cuda_graphs=(device.type == "cuda" and not config.enforce_eager
                                                and (not model_config.num_experts or experts_capturable(dtype, model))
                                                and attn_fn is not paged_attention_ref),
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
         stop_ids = list(dict.fromkeys([t for t in (self.eos_token_id, *model_config.eos_token_ids) if t is not None]))
         self.structured_outputs = (StructuredOutputManager(tokenizer.hf_tokenizer, model_config.vocab_size, stop_ids)
                                    if tokenizer is not None else None)
@@ -131,7 +130,7 @@ class LLMEngine(PoolingTasks):
         self.runner.logits_processors = self.logits_processors
         self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
         self.request_builder = RequestBuilder(tokenizer, model_config.vocab_size, self.max_model_len,
-                                              self.logits_processors)
+                                              self.logits_processors, image_processor)
         self.output_builder = OutputBuilder(tokenizer, self.logits_processors, self.max_model_len)
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)
@@ -165,7 +164,7 @@ class LLMEngine(PoolingTasks):
                                           getattr(opened.tokenizer.hf_tokenizer, "model_max_length", None))
         activation = read_score_activation(opened.path) if len(opened.config.labels) == 1 else "sigmoid"
         return cls(opened.model, opened.config, opened.tokenizer, config, opened.name, device, dtype,
-                   opened.quantization_loaded, pooling, activation)
+                   opened.quantization_loaded, pooling, activation, opened.image_processor)
 
     @classmethod
     def from_config(cls, model_config: ModelConfig | str, config: EngineConfig | None = None, *,
@@ -194,15 +193,15 @@ class LLMEngine(PoolingTasks):
                              "load the model again for another device or dtype")
         return LLMEngine(self.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
                          self.quantization_loaded, self.pooling_runner.pooling if self.pooling_runner else None,
-                         self.scorer.activation if self.scorer else "sigmoid")
+                         self.scorer.activation if self.scorer else "sigmoid", self.image_processor)
 
     # ---- requests -------------------------------------------------------------------------------------------
 
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
                          allow_special_tokens: bool = False) -> list[int]:
-        """The token ids a prompt runs as: engine.processing.request_builder.RequestBuilder.prompt_token_ids (it
-        documents the flags and the ValueError raised for a prompt that cannot run)."""
-        return self.request_builder.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
+        """The token ids a prompt runs as (an image prompt's with its placeholders expanded): engine.processing.
+        request_builder.RequestBuilder.prompt_inputs (it documents the flags and the ValueError raised)."""
+        return self.request_builder.prompt_inputs(prompt, use_chat_template, allow_special_tokens)[0]
 
     def make_requests(self, prompts: Sequence[Prompt],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -2,7 +2,8 @@
 
 Sources: Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP 2023),
 §4.2-4.3; automatic prefix caching as in vLLM v1 (vllm/v1/core: BlockPool, KVCacheManager.allocate_slots; blocks
-hashed as a chain of parent hash + token ids) and SGLang's RadixAttention (Zheng et al., 2024).
+hashed as a chain of parent hash + token ids, and the mm hashes of the images a block holds) and SGLang's
+RadixAttention (Zheng et al., 2024).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[Hashable, ...] | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_cache_hits = 0  # blocks reused, over the pool's life
 
@@ -73,14 +74,15 @@ class BlockPool:
             if self.ref_counts[b] == 0:
                 self._free[b] = None
 
-    def cache_block(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """Register a full, computed block under its chain hash (first writer wins)."""
+    def cache_block(self, block_id: int, block_hash: int, tokens: tuple[Hashable, ...]) -> None:
+        """Register a full, computed block under its chain hash (first writer wins); `tokens`: its key (token ids,
+        then the mm hashes of the images it holds: KVCacheManager._block_tokens)."""
         if self.block_hash[block_id] is None and block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
             self.block_tokens[block_id] = tokens
 
-    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: int, tokens: tuple[Hashable, ...]) -> int | None:
         """The cached block holding exactly `tokens` after the same prefix, or None. Token ids are compared, so a
         hash collision can never return a wrong block."""
         b = self.cached.get(block_hash)
@@ -106,7 +108,7 @@ class BlockPool:
                 raise RuntimeError(f"cache map says block {b} has hash {h}, the block says {self.block_hash[b]}")
 
 
-def chain_hash(parent: Hashable, tokens: tuple[int, ...]) -> int:
+def chain_hash(parent: Hashable, tokens: tuple[Hashable, ...]) -> int:
     """Hash of a full block given its parent's hash (a first block's: None or its request's salt): equal only for
     equal prefixes (up to collisions, which `BlockPool.lookup` rules out by comparing tokens)."""
     return hash((parent, tokens))
@@ -143,8 +145,17 @@ class KVCacheManager:
         """Blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def _block_tokens(self, request: Request, i: int) -> tuple[int, ...]:
-        return tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+    def _block_tokens(self, request: Request, i: int) -> tuple[Hashable, ...]:
+        """Block i's key: its token ids, then the mm hash of every image whose placeholders it holds (their tokens
+        are the same placeholder id for every image: the hash tells the images apart, vLLM v1's extra keys)."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        tokens = tuple(request.all_token_ids[start:end])
+        items = request.mm_items
+        if items and start < items[-1].end:
+            extra = tuple(item.mm_hash for item in items if item.offset < end and item.end > start)
+            if extra:
+                return tokens + extra
+        return tokens
 
     def block_hashes(self, request: Request, num_blocks: int | None = None) -> list[int]:
         """Chain hashes of `request`'s first `num_blocks` full blocks (default: every full block but one holding

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from engine.multimodal.inputs import MultiModalItem
 
 
 class RequestStatus(enum.Enum):
@@ -37,10 +41,13 @@ class Request:
             (max_tokens or max_model_len) or "abort" (stopped before it finished: Scheduler.abort_requests /
             abort_all; its output has no tokens, engine.outputs.RequestOutput).
         detokenizer: the output's text and stop strings (engine.text.detokenizer), or None when there is no tokenizer.
+        mm_items: the prompt's images (engine.multimodal.inputs.MultiModalItem: pixel_values, placeholder offset and
+            length, mm hash), ordered by offset; () for a text prompt.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+                 detokenizer: IncrementalDetokenizer | None = None, mm_items: tuple[MultiModalItem, ...] = ()
+                 ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
         self.request_id = request_id
@@ -54,6 +61,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.detokenizer = detokenizer
+        self.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
+        if self.mm_items and (self.mm_items[0].offset < 0 or self.mm_items[-1].end > len(self.prompt_token_ids)):
+            raise ValueError(f"request {request_id!r}: an image's placeholders fall outside its prompt")
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # For the scheduler's per-step stop test: the total length at max_tokens, and whether the request has stop

@@ -17,6 +17,7 @@ from engine.loading.loader import is_hf_folder, load_gguf_model, load_hf_model, 
 from engine.loading.model_files import is_url, url_model_name
 from engine.model.base import ModelBase
 from engine.model.registry import quantization_problem
+from engine.multimodal.processor import ImageProcessor
 from engine.text.tokenizer import Tokenizer
 
 
@@ -24,7 +25,8 @@ class OpenedModel(NamedTuple):
     """A filled model on its device, its shape, its tokenizer, the model's name (its file or folder name), for an
     already quantized HF folder or GGUF file how its layers were loaded (engine.loading.quantized.LoadedModel.
     quantization_loaded; for a quantized GGUF under "none", engine.loading.gguf_native_int4.gguf_dequantized_note;
-    None otherwise) and the local path it was read from (its sentence-transformers files: engine.pooling)."""
+    None otherwise), the local path it was read from (its sentence-transformers files: engine.pooling) and, for a
+    vision-language model, its image processor (engine.multimodal.processor; None otherwise)."""
 
     model: ModelBase
     config: ModelConfig
@@ -32,6 +34,7 @@ class OpenedModel(NamedTuple):
     name: str
     quantization_loaded: str | None = None
     path: str = ""
+    image_processor: ImageProcessor | None = None
 
 
 def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
@@ -45,12 +48,21 @@ def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, q
     name = _path_name(path)
     if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
         cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
-        return OpenedModel(llama, cfg, Tokenizer.from_model_path(path), name, path=path)
+        tokenizer = Tokenizer.from_model_path(path)
+        images = None if cfg.vision is None else ImageProcessor.from_model_path(path, cfg.vision)
+        if images is not None and not tokenizer.has_chat_template and images.chat_template:
+            tokenizer.use_chat_template(images.chat_template)  # a processor's chat_template.json / .jinja
+        return OpenedModel(llama, cfg, tokenizer, name, path=path, image_processor=images)
     if quantization != "none" or os.path.isdir(path):
         from engine.loading.quantized import load_model
 
-        if is_hf_folder(path) and (problem := quantization_problem(read_hf_config(path).architecture, quantization)):
-            raise ValueError(f"{path}: {problem}")
+        if is_hf_folder(path):
+            hf_cfg = read_hf_config(path)
+            if problem := quantization_problem(hf_cfg.architecture, quantization):
+                raise ValueError(f"{path}: {problem}")
+            if hf_cfg.vision is not None:
+                raise ValueError(f"{path}: a quantized vision-language ({hf_cfg.architecture}) folder is not read by "
+                                 "tokenmill yet; use the unquantized checkpoint with --quantization none")
 
         loaded = load_model(path, dtype, device, quantization=quantization, group_size=group_size,
                             max_positions=max_positions, int4_layout=int4_layout)

@@ -208,6 +208,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  refused=(("hidden_activation", ("gelu",)), ("attention_bias", (False, None)),
                           ("mlp_bias", (False, None)), ("norm_bias", (False, None))),
                  window=_no_window, fields=modernbert_fields, rope_types=("default",)),
+    # LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP vision tower and a projector before a Llama-family decoder
+    # (engine.model.llava; its config: engine.model.llava_config). Checkpoint keys in every layout HF has written:
+    # the original "language_model.model.*" / "vision_tower.vision_model.*", transformers 5's "model.language_model.*"
+    # / "model.vision_tower.*". No GGUF: llama.cpp's mmproj pair is refused.
+    Architecture("llava", ("llava",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False, refused=(),
+                 window=_no_window, hf_unused=("vision_tower.vision_model.embeddings.position_ids",
+                                                      "vision_tower.embeddings.position_ids",
+                                                      "model.vision_tower.embeddings.position_ids"),
+                 hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+                             ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."))),
 )
 
 

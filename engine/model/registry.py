@@ -7,7 +7,7 @@ causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus
 (engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
 gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
-engine.model.modernbert. Imports no torch at
+engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava. Imports no torch at
 module level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a
 model is built.
 """
@@ -27,6 +27,7 @@ from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.modernbert_names import modernbert_param_shapes
 from engine.model.tensor_names import param_shapes
+from engine.model.vision_names import llava_param_shapes
 
 if TYPE_CHECKING:
     from engine.model.base import ModelBase
@@ -50,12 +51,14 @@ class ModelEntry:
             "embed" (an encoder whose pooled hidden states are embeddings: LLMEngine.embed), "classify" (a
             sequence classifier: LLMEngine.classify); "score" is not listed: model_tasks derives it. A causal
             decoder's folder with sentence-transformers files embeds too (config_tasks).
+        takes_images: a vision-language model (ModelConfig.vision; prompts may carry images: engine.multimodal).
     """
 
     model_class: Callable[[], type[ModelBase]]
     param_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
     kv_layout: Callable[[ModelConfig], tuple[KVCacheSpec, ...]]
     tasks: tuple[str, ...] = ("generate",)
+    takes_images: bool = False
 
 
 #: The generic causal decoder: every family whose differences are ModelConfig fields.
@@ -72,6 +75,10 @@ BERT_ENCODER = ModelEntry(_model_class("bert", "BertEncoderModel"), bert_param_s
 MODERNBERT_ENCODER = ModelEntry(_model_class("modernbert", "ModernBertEncoderModel"), modernbert_param_shapes,
                                 bert_kv_layout, tasks=("embed",))
 
+#: LLaVA-1.5 (engine.model.llava): the causal decoder with a CLIP vision tower and a projector; its KV cache is the
+#: decoder's (the tower keeps none).
+LLAVA = ModelEntry(_model_class("llava", "LlavaVLM"), llava_param_shapes, decoder_kv_layout, takes_images=True)
+
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
     "llama": CAUSAL_DECODER,
@@ -87,6 +94,7 @@ MODELS: dict[str, ModelEntry] = {
     "bert": BERT_ENCODER,
     "xlm_roberta": BERT_ENCODER,
     "modernbert": MODERNBERT_ENCODER,
+    "llava": LLAVA,
 }
 
 #: Sequence classifiers (ModelConfig.labels set; engine.model.classifier_names): architecture -> its entry.
@@ -190,7 +198,11 @@ def refuse_task(cfg: ModelConfig, task: str) -> None:
 def quantization_problem(architecture: str, quantization: str) -> str | None:
     """One line when `quantization` (EngineConfig.quantization) cannot apply to the model of `architecture`: int4 and
     int8 quantize a causal decoder's projections (engine.quant), not an encoder's, which would otherwise run
-    unquantized or fail to load; None when it can. Raises ValueError as model_entry."""
+    unquantized or fail to load; a vision-language model runs unquantized only ("none": the quantized loads do not
+    place its vision tower yet). None when it can. Raises ValueError as model_entry."""
+    if model_entry(architecture).takes_images and quantization != "none":
+        return (f"--quantization {quantization} is not implemented for a {get_architecture(architecture).name} "
+                "model (vision-language); run it with --quantization none")
     if quantization in ("none", "auto") or "generate" in model_entry(architecture).tasks:
         return None
     return (f"--quantization {quantization} quantizes a causal decoder's projections; a "

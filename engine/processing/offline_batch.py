@@ -54,6 +54,10 @@ def generate_batch(
     Text prompts go through the model's chat template unless `use_chat_template` is False; user text (prompts,
     message contents) is encoded as text, so a control token spelt in it (`<|im_end|>`) stays plain characters,
     unless `allow_special_tokens` (raw control: then it is the control token; engine.text.tokenizer).
+    A vision-language model's prompts may carry images: {"prompt" | "messages": ..., "images": [...]}, or messages
+    with OpenAI image_url / HF image content parts (engine.multimodal documents the forms); a text-only model given
+    one raises ValueError before any work, and an unreadable image or images that do not match their placeholders
+    make that prompt's error output.
     A prompt that cannot run (empty, malformed, or longer than max_model_len - 1 tokens) gets
     finish_reason="error" and an `error` message; the others go on. `on_output` is called once per request as
     soon as it finishes (for progress and checkpoints). `should_stop` is polled before every step; once it

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.core.request import Request
+from engine.multimodal.inputs import MultiModalItem, is_image_prompt
+from engine.multimodal.processor import ImageProcessor
 from engine.outputs import RequestOutput
 from engine.processing.parallel_sampling import ParentRequest, child_ids, child_params
 from engine.sample.logits_processors import LogitsProcessors
@@ -39,14 +41,39 @@ class RequestBuilder:
         vocab_size: the model's vocabulary (token ids must be below it).
         max_model_len: most tokens per request (a prompt needs at least one fewer).
         logits_processors: the engine's logits-processor state, where each request that needs one is registered.
+        image_processor: a vision-language model's processor (engine.multimodal.processor), which turns the image
+            prompts (engine.multimodal's forms) into token ids and images; None for a text-only model.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 logits_processors: LogitsProcessors) -> None:
+                 logits_processors: LogitsProcessors, image_processor: ImageProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.logits_processors = logits_processors
+        self.image_processor = image_processor
+
+    def prompt_inputs(self, prompt: Prompt, use_chat_template: bool = True, allow_special_tokens: bool = False
+                      ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """(token ids, images) a prompt runs as: an image prompt through the model's processor (its placeholders
+        expanded, engine.multimodal.processor.ImageProcessor.process), any other as `prompt_token_ids` with no
+        images. Raises ValueError as those do, or for an image prompt to a text-only model (refuse_images) or
+        without a tokenizer."""
+        if not is_image_prompt(prompt):
+            return self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens), ()
+        self.refuse_images([prompt])
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: image prompts need the model's tokenizer")
+        return self.image_processor.process(prompt, self.tokenizer, use_chat_template, allow_special_tokens)
+
+    def refuse_images(self, prompts: Sequence[object]) -> None:
+        """Raise ValueError (one line) when the model is text-only and a prompt of `prompts` carries images (an
+        image prompt form: engine.multimodal)."""
+        if self.image_processor is None:
+            for i, prompt in enumerate(prompts):
+                if is_image_prompt(prompt):
+                    raise ValueError(f"prompt {i} carries images but this model is text-only (it takes no images); "
+                                     "use a vision-language model (e.g. a LLaVA folder) or send text")
 
     def prompt_token_ids(self, prompt: Prompt, use_chat_template: bool = True,
                          allow_special_tokens: bool = False) -> list[int]:
@@ -80,7 +107,7 @@ class RequestBuilder:
         Their prompts are the same token ids, so the prefix cache computes the prompt's full blocks once (siblings
         queued behind the first one's prefill take them from the cache). Raises ValueError for a prompt that cannot
         run or a constraint that does not compile."""
-        token_ids = self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens)
+        token_ids, images = self.prompt_inputs(prompt, use_chat_template, allow_special_tokens)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLong(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                                 f"(max_model_len {self.max_model_len} includes at least one output token): shorten "
@@ -94,7 +121,7 @@ class RequestBuilder:
         try:
             for rid, sp in children:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop) if self.tokenizer is not None else None
-                req = Request(rid, token_ids, sp, detokenizer)
+                req = Request(rid, token_ids, sp, detokenizer, images)
                 self.logits_processors.add(req)
                 requests.append(req)
         except ValueError:
@@ -113,7 +140,9 @@ class RequestBuilder:
         the prompt's id. Host work: it touches no scheduler or cache state, so any thread may call it (it
         registers each request's logits-processor state, keyed by request id). An over-long prompt's error output
         has its prompt_token_ids (its real length); other error outputs have none. Raises ValueError when the lengths
-        of prompts, params and ids differ, or ids repeat."""
+        of prompts, params and ids differ, or ids repeat, or a prompt carries images for a text-only model
+        (refuse_images)."""
+        self.refuse_images(prompts)
         n = len(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 # A prompt is text (wrapped in the chat template unless use_chat_template=False), a list of chat messages
-# ({"role": ..., "content": ...}), or a list of token ids (sent as they are).
-Prompt = str | list[dict[str, Any]] | list[int]
+# ({"role": ..., "content": ...}), or a list of token ids (sent as they are); for a vision-language model also an
+# image prompt: {"prompt" | "messages": ..., "images": [...]}, or messages with image content parts (engine.multimodal
+# documents the forms; RequestBuilder.prompt_inputs routes them, before prompt_problem).
+Prompt = str | list[dict[str, Any]] | list[int] | dict[str, Any]
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 

@@ -154,6 +154,12 @@ class Tokenizer:
         hf_logging.disable_progress_bar()
         return cls(AutoTokenizer.from_pretrained(path))
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with `template` (jinja; a vision-language model's processor holds its template, not its
+        tokenizer)."""
+        self._tok.chat_template = template
+        self.has_chat_template = True
+
     @property
     def hf_tokenizer(self) -> Any:
         """The transformers tokenizer underneath (what engine.loading.tokenmill_folder saves beside a model's

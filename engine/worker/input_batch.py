@@ -44,7 +44,8 @@ class StepInputs(NamedTuple):
     rows of the step's hidden states to sample from (a request's last token when the step reaches it); sampling: the
     S requests sampled, in that order; sample_rows: intp [S], their rows of the persistent batch; sample_seq_lens:
     int64 [S], their tokens after the step (prompt + output so far); decode_only: every request feeds exactly one
-    token; token_rows: intp [T], each token's row of the persistent batch (its request's kv_start_len, for RoPE).
+    token; token_rows: intp [T], each token's row of the persistent batch (its request's kv_start_len, for RoPE);
+    order: the step's plan in the order its rows run (an image's placeholder rows: engine.worker.mm_embeds).
     """
 
     input_ids: np.ndarray
@@ -60,6 +61,7 @@ class StepInputs(NamedTuple):
     sample_seq_lens: np.ndarray
     decode_only: bool
     token_rows: np.ndarray
+    order: Sequence[ScheduledRequest]
 
 
 class InputBatch:
@@ -226,7 +228,7 @@ class InputBatch:
             input_ids=np.array(input_ids, dtype=np.int64), positions=positions, slot_mapping=slot_mapping,
             query_start_loc=qsl, seq_lens=ends.astype(np.int32), block_tables=self.block_table[:, :width][r],
             query_lens=query_lens, logits_rows=logits_rows, sampling=sampling, sample_rows=r[at],
-            sample_seq_lens=ends[at], decode_only=decode_only, token_rows=token_rows)
+            sample_seq_lens=ends[at], decode_only=decode_only, token_rows=token_rows, order=scheduled)
 
     def _decode_lists(self, scheduled: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]
                       ) -> tuple[list[int], list[int], list[int], list[Request], np.ndarray]:

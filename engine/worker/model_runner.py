@@ -21,6 +21,7 @@ from engine.sample.sampler import sample_rows_on_device
 from engine.worker.cuda_graph import DecodeGraphs
 from engine.worker.device import cpu_zeros
 from engine.worker.input_batch import InputBatch, StepInputs
+from engine.worker.mm_embeds import ImageEmbedder, default_budget
 
 
 @dataclass
@@ -93,11 +94,15 @@ class ModelRunner:
             device tensors (the Triton kernels). Raises ValueError when asked for without them.
         max_num_seqs: the largest decode batch (the largest graph bucket).
         max_model_len: the longest sequence in tokens (sizes the graphs' static block table).
+        max_num_batched_tokens: a step's token budget; for a vision-language model (cfg.vision) it sizes the encoder
+            cache of `images` (engine.worker.mm_embeds.default_budget), which builds the input embeddings of the
+            steps that feed image placeholders (None for a text-only model).
     """
 
     def __init__(self, model: ModelBase, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, *, attn_fn: AttentionFn | None = None,
-                 cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048) -> None:
+                 cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int = 2048,
+                 max_num_batched_tokens: int = 2048) -> None:
         self.model = model
         self.attn_fn: AttentionFn = attn_fn or paged_attention_ref
         if cuda_graphs and (device.type != "cuda" or self.attn_fn is paged_attention_ref):
@@ -119,6 +124,8 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
         self.graphs: DecodeGraphs | None = None
+        self.images = None if cfg.vision is None else ImageEmbedder(
+            model, device, default_budget(cfg.vision.tokens_per_image, max_num_batched_tokens))
         # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
         # engine); a step with none of them registered skips it after one test.
         self.logits_processors: LogitsProcessors | None = None
@@ -172,6 +179,9 @@ class ModelRunner:
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Free the persistent batch rows of requests that left (finished, aborted); see engine.worker.input_batch."""
+        if self.images is not None:
+            request_ids = list(request_ids)
+            self.images.forget_requests(request_ids)
         self.input_batch.remove(request_ids)
 
     @torch.inference_mode()
@@ -208,13 +218,16 @@ class ModelRunner:
         """The step's forward pass and sampling: the sampled requests and their tokens (int64 [S] on the device;
         None when none samples)."""
         input_ids, rope_rows, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
+        embeds = None if self.images is None else self.images.inputs_embeds(x.order, input_ids)
         sampling = x.sampling
         sampled_rows = self.input_batch.sampled_rows(x)
         # The CPU's small-batch GGUF kernel: decode-only steps without a seeded row (engine.quant.packed_linear's NOTE).
         small_kernel = meta.decode_only and (sampled_rows is None or not sampled_rows.seeded.any())
         graphs = self.graphs
         with gguf_kernel_scope(small_kernel):
-            if graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
+            if embeds is not None:  # image placeholders: the token embeddings with the images' features merged
+                hidden = self.model(None, rope_rows, self.kv_caches, meta, self.attn_fn, inputs_embeds=embeds)
+            elif graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
                 if not graphs.graphs:
                     graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
                 hidden = graphs.run(input_ids, rope_rows, meta)

@@ -1,0 +1,46 @@
+"""The parameter names and shapes of a vision-language model beyond its decoder's (engine.model.tensor_names): the
+CLIP vision tower's (`vision_tower.*`, CLIPVisionModel's names without "vision_model.") and LLaVA's projector's
+(`multi_modal_projector.*`). No torch: the CLI's fit check reads them (engine.model.registry)."""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.model.tensor_names import param_shapes
+from engine.vision_config import VisionConfig
+
+
+def clip_vision_shapes(v: VisionConfig, prefix: str = "vision_tower.") -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of engine.model.clip_vision.ClipVisionTower of shape `v`, under `prefix`."""
+    d, i = v.hidden_size, v.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.class_embedding": (d,),
+        "embeddings.patch_embedding.weight": (d, v.num_channels, v.patch_size, v.patch_size),
+        "embeddings.position_embedding.weight": (v.num_patches + 1, d),
+    }
+    for norm in ("pre_layrnorm", "post_layernorm"):
+        shapes[f"{norm}.weight"] = shapes[f"{norm}.bias"] = (d,)
+    for n in range(v.num_layers):
+        p = f"encoder.layers.{n}"
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes[f"{p}.{norm}.weight"] = shapes[f"{p}.{norm}.bias"] = (d,)
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[f"{p}.self_attn.{proj}.weight"] = (d, d)
+            shapes[f"{p}.self_attn.{proj}.bias"] = (d,)
+        shapes[f"{p}.mlp.fc1.weight"], shapes[f"{p}.mlp.fc1.bias"] = (i, d), (i,)
+        shapes[f"{p}.mlp.fc2.weight"], shapes[f"{p}.mlp.fc2.bias"] = (d, i), (d,)
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def llava_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the llava model (engine.model.llava) of shape `cfg` (a tied LM head left
+    out): the decoder's, the vision tower's and the projector's. Raises ValueError for a config without `vision`."""
+    v = cfg.vision
+    if v is None:
+        raise ValueError(f"a llava model needs ModelConfig.vision; the {cfg.architecture} config has none")
+    shapes = param_shapes(cfg) | clip_vision_shapes(v)
+    shapes["multi_modal_projector.linear_1.weight"] = (cfg.hidden_size, v.hidden_size)
+    shapes["multi_modal_projector.linear_2.weight"] = (cfg.hidden_size, cfg.hidden_size)
+    if v.projector_bias:
+        shapes["multi_modal_projector.linear_1.bias"] = shapes["multi_modal_projector.linear_2.bias"] = (
+            cfg.hidden_size,)
+    return shapes

@@ -1,0 +1,116 @@
+"""A step's input embeddings for a vision-language model: the token embeddings with the rows of image placeholder
+tokens replaced by the image's encoder features. The images whose placeholders a step's prefill chunks cover are
+encoded in one batched call (those not in the encoder cache: engine.multimodal.encoder_cache), and each chunk takes
+the feature rows of the placeholders it covers, so a chunk boundary inside an image's placeholders splits its rows
+across steps and the image is encoded once. Steps that cover no placeholder (decodes, text) feed token ids as
+before. Source: the merge of HF LlavaModel.forward (masked_scatter of image features at the image token); vLLM v1's
+encoder cache and scheduled encoder inputs as the design model (no code of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.core.scheduler import ScheduledRequest
+from engine.model.base import ModelBase
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.multimodal.inputs import MultiModalItem
+
+
+class _Span(NamedTuple):
+    """Placeholder rows of one image that a step feeds: step rows [row, row + count) take feature rows
+    [first, first + count); `done` when the chunk reaches the image's last placeholder."""
+
+    item: MultiModalItem
+    request_id: str
+    row: int
+    first: int
+    count: int
+    done: bool
+
+
+def default_budget(tokens_per_image: int, max_num_batched_tokens: int) -> int:
+    """The encoder cache's default budget in feature rows: a step's worth of tokens, and never fewer than two
+    images (one being prefilled across a chunk boundary, one more to reuse)."""
+    return max(max_num_batched_tokens, 2 * tokens_per_image)
+
+
+class ImageEmbedder:
+    """Builds the inputs_embeds of the steps that feed image placeholders, with an encoder cache.
+
+    Args:
+        model: a model with config.vision (its `encode_images` and `embed`).
+        device: the model's device.
+        budget_tokens: the encoder cache's budget in feature rows (default_budget).
+    """
+
+    def __init__(self, model: ModelBase, device: torch.device, budget_tokens: int) -> None:
+        self.model = model
+        self.device = device
+        self.cache = EncoderCache(budget_tokens)
+
+    def spans(self, order: Sequence[ScheduledRequest]) -> list[_Span]:
+        """The image placeholder rows fed by a step whose requests run in `order` (each feeding tokens
+        [num_computed_tokens, + num_new_tokens), its rows one after the other)."""
+        out: list[_Span] = []
+        row = 0
+        for req, n in order:
+            items = req.mm_items
+            start = req.num_computed_tokens
+            if items and start < items[-1].end:
+                end = start + n
+                for item in items:
+                    a, b = max(start, item.offset), min(end, item.end)
+                    if a < b:
+                        out.append(_Span(item, req.request_id, row + a - start, a - item.offset, b - a,
+                                         b == item.end))
+            row += n
+        return out
+
+    def inputs_embeds(self, order: Sequence[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """inputs_embeds [T, hidden] (model dtype) of a step whose requests run in `order` with input_ids int64
+        [T] on the device, or None when the step feeds no image placeholder (run it on input_ids)."""
+        spans = self.spans(order)
+        if not spans:
+            return None
+        cache = self.cache
+        step_hashes = {s.item.mm_hash for s in spans}
+        missing: dict[str, MultiModalItem] = {}
+        for s in spans:
+            if s.item.mm_hash not in cache and s.item.mm_hash not in missing:
+                missing[s.item.mm_hash] = s.item
+        for items in _by_shape(missing.values()):
+            pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
+            features = self.model.encode_images(pixels)
+            for it, f in zip(items, features, strict=True):
+                cache.put(it.mm_hash, f, keep=step_hashes)
+        embeds = self.model.embed(input_ids)
+        rows, feats = [], []
+        for s in spans:
+            f = cache.get(s.item.mm_hash)
+            if f is None or f.shape[0] != s.item.length:
+                raise RuntimeError(f"image {s.item.mm_hash} of request {s.request_id!r}: no features of "
+                                   f"{s.item.length} rows in the encoder cache")
+            rows.append(torch.arange(s.row, s.row + s.count))
+            feats.append(f[s.first:s.first + s.count])
+            if s.done:
+                cache.release(s.item.mm_hash, s.request_id)
+            else:
+                cache.use(s.item.mm_hash, s.request_id)
+        embeds.index_copy_(0, torch.cat(rows).to(embeds.device), torch.cat(feats).to(embeds.dtype))
+        return embeds
+
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Requests that left the batch need no image any more (EncoderCache.forget_requests)."""
+        self.cache.forget_requests(request_ids)
+
+
+def _by_shape(items: Iterable[MultiModalItem]) -> list[list[MultiModalItem]]:
+    """Items grouped by pixel_values shape (one encoder call per group), order kept within a group."""
+    groups: dict[tuple[int, ...], list[MultiModalItem]] = {}
+    for it in items:
+        groups.setdefault(tuple(it.pixel_values.shape), []).append(it)
+    return list(groups.values())
