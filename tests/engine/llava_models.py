@@ -15,6 +15,8 @@ from PIL import Image, ImageDraw
 
 IMAGE_SIZE, PATCH = 56, 14
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+#: Tokens each vision test generates (greedy, ignore_eos).
+MAX_TOKENS = 8
 #: LLaVA-1.5's chat template (llava-hf/llava-1.5-7b-hf: "USER: <image>\n<text> ASSISTANT:"), images before text.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"

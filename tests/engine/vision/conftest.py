@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-MAX_TOKENS = 8
-
 
 @pytest.fixture(scope="session")
 def llava_folder(tmp_path_factory: pytest.TempPathFactory, gguf_path: str):

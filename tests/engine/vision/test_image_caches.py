@@ -6,8 +6,7 @@ across rows, and its budget evicts freed entries first."""
 from __future__ import annotations
 
 import torch
-from conftest import MAX_TOKENS
-from llava_models import hf_greedy, picture
+from llava_models import MAX_TOKENS, hf_greedy, picture
 
 from engine import EngineConfig, SamplingParams
 from engine.core.kv_cache_manager import KVCacheManager

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import MAX_TOKENS
-from llava_models import data_url, encoded, picture
+from llava_models import MAX_TOKENS, data_url, encoded, picture
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.multimodal.inputs import image_messages, is_image_prompt, load_image

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MAX_TOKENS
-from llava_models import TOKENS_PER_IMAGE, data_url, encoded, hf_greedy, picture
+from llava_models import MAX_TOKENS, TOKENS_PER_IMAGE, data_url, encoded, hf_greedy, picture
 
 from engine import SamplingParams
 
