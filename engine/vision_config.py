@@ -28,7 +28,10 @@ class VisionConfig:
         feature_layer: which hidden state feeds the projector, as an index into HF's hidden_states tuple (the
             embeddings after pre_layrnorm are 0, layer i's output is i + 1; negative counts from the end: LLaVA-1.5's
             -2 is the second-to-last layer's output).
-        select_strategy: "default" drops the CLS row, "full" keeps it (SELECT_STRATEGIES).
+        select_strategy: "default" drops the CLS row, "full" keeps it (SELECT_STRATEGIES); a tower without a CLS
+            token (Idefics3's SigLIP) reads as "default".
+        scale_factor: the connector's pixel shuffle (Idefics3 / SmolVLM: each scale_factor x scale_factor block of
+            patches becomes one feature row of scale_factor^2 times the width); 1: none (LLaVA).
         projector_hidden_act: the activation between the projector's two linears (VISION_ACTS).
         projector_bias: the projector's linears carry biases.
         image_token_id: the placeholder token id; each image takes `tokens_per_image` of them in the prompt.
@@ -51,6 +54,7 @@ class VisionConfig:
     select_strategy: str = "default"
     projector_hidden_act: str = "gelu"
     projector_bias: bool = True
+    scale_factor: int = 1
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size", "patch_size",
@@ -63,6 +67,9 @@ class VisionConfig:
         if self.image_size % self.patch_size:
             raise ValueError(f"vision image_size ({self.image_size}) must be a multiple of patch_size "
                              f"({self.patch_size})")
+        if self.scale_factor < 1 or (self.image_size // self.patch_size) % self.scale_factor:
+            raise ValueError(f"vision scale_factor {self.scale_factor} must be >= 1 and divide the "
+                             f"{self.image_size // self.patch_size} patches of a side")
         for name in ("hidden_act", "projector_hidden_act"):
             if getattr(self, name) not in VISION_ACTS:
                 raise ValueError(f"vision {name} {getattr(self, name)!r} is not implemented; tokenmill runs "
@@ -81,9 +88,9 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Placeholder tokens (and projected feature rows) of one image: the patches, plus the CLS row under
-        "full"."""
-        return self.num_patches + (self.select_strategy == "full")
+        """Placeholder tokens (and projected feature rows) of one image (one tile, for the families that split
+        images): the patches over scale_factor squared, plus the CLS row under "full"."""
+        return self.num_patches // self.scale_factor ** 2 + (self.select_strategy == "full")
 
     @property
     def layers_run(self) -> int:

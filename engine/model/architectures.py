@@ -218,6 +218,11 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                                       "model.vision_tower.embeddings.position_ids"),
                  hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
                              ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."))),
+    # Idefics3 and SmolVLM (Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration): a SigLIP encoder and
+    # a pixel-shuffle connector before a Llama decoder (engine.model.idefics3; its config: engine.model.
+    # idefics3_config). Checkpoint keys "model.text_model.*", "model.vision_model.*", "model.connector.*". No GGUF.
+    Architecture("idefics3", ("idefics3", "smolvlm"), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
+                 refused=(), window=_no_window, hf_renames=(("text_model.", ""),)),
 )
 
 

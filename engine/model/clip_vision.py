@@ -33,7 +33,7 @@ def vision_act(name: str, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"activation {name!r} is not implemented for the vision tower")
 
 
-def _empty_on_meta(rows: int, cols: int) -> torch.Tensor | None:
+def empty_on_meta(rows: int, cols: int) -> torch.Tensor | None:
     """An uninitialised weight when building on the meta device (nn.Embedding's init there would import
     torch._dynamo: engine.model.decoder's NOTE), else None (nn.Embedding initialises its own)."""
     return torch.empty(rows, cols) if torch.empty(0).device.type == "meta" else None
@@ -49,7 +49,7 @@ class ClipVisionEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(v.num_channels, v.hidden_size, kernel_size=v.patch_size,
                                          stride=v.patch_size, bias=False)
         self.position_embedding = nn.Embedding(v.num_patches + 1, v.hidden_size,
-                                               _weight=_empty_on_meta(v.num_patches + 1, v.hidden_size))
+                                               _weight=empty_on_meta(v.num_patches + 1, v.hidden_size))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, channels, image_size, image_size] (any float dtype; cast to the weights') -> [N, 1 +
@@ -109,7 +109,9 @@ class ClipEncoderLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
-class _Encoder(nn.Module):
+class ClipEncoder(nn.Module):
+    """The blocks of the encoder (HF CLIPEncoder; SigLIP's are the same), as `encoder.layers.N`."""
+
     def __init__(self, v: VisionConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(ClipEncoderLayer(v) for _ in range(v.num_layers))
@@ -123,7 +125,7 @@ class ClipVisionTower(nn.Module):
         self.config = v
         self.embeddings = ClipVisionEmbeddings(v)
         self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.encoder = _Encoder(v)
+        self.encoder = ClipEncoder(v)
         self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -37,19 +37,32 @@ class LlavaProjector(nn.Module):
         return self.linear_2(vision_act(self.act, self.linear_1(x)))
 
 
-class LlavaVLM(LlamaModel):
+class VisionLanguageModel(LlamaModel):
+    """The causal decoder of `cfg` with an image encoder that a subclass adds in `add_vision` (its modules, named as
+    its checkpoint names them). Raises ValueError (at construction) for a config without `vision`."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        if cfg.vision is None:
+            raise ValueError(f"the {type(self).__name__} model needs ModelConfig.vision (the {cfg.architecture} "
+                             "config has none)")
+        super().__init__(cfg, max_positions)
+        self.add_vision(cfg.vision, cfg.hidden_size)
+
+    def add_vision(self, v: VisionConfig, text_width: int) -> None:
+        """Build the image encoder's modules for vision config `v` and the decoder's width."""
+        raise NotImplementedError
+
+
+class LlavaVLM(VisionLanguageModel):
     """The LLaVA model: the causal decoder of `cfg` plus `vision_tower` and `multi_modal_projector`.
 
     encode_images: pixel_values [N, channels, image_size, image_size] (the model's image processor's) -> features
     [N, cfg.vision.tokens_per_image, hidden] in the model's dtype. Raises ValueError (at construction) for a config
     without `vision`."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        if cfg.vision is None:
-            raise ValueError(f"the llava model needs ModelConfig.vision (the {cfg.architecture} config has none)")
-        super().__init__(cfg, max_positions)
-        self.vision_tower = ClipVisionTower(cfg.vision)
-        self.multi_modal_projector = LlavaProjector(cfg.vision, cfg.hidden_size)
+    def add_vision(self, v: VisionConfig, text_width: int) -> None:
+        self.vision_tower = ClipVisionTower(v)
+        self.multi_modal_projector = LlavaProjector(v, text_width)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Features of a batch of images, one row per placeholder token (HF LlavaModel.get_image_features: the

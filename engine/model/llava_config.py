@@ -42,24 +42,42 @@ _VISION_READ = frozenset({"model_type", "hidden_size", "intermediate_size", "num
                           "vocab_size"})  # llava-hf's configs carry CLIP's text vocab_size there; no vision weight
 
 
-def _completed(sub: dict[str, Any], default_type: str, allowed: tuple[str, ...], what: str) -> dict[str, Any]:
+def completed(sub: dict[str, Any], default_type: str, allowed: tuple[str, ...], what: str,
+              family: str = "llava") -> dict[str, Any]:
     """A nested config dict with its HF config class's defaults filled in (runtime fields dropped unless set).
-    Raises ValueError for a model_type outside `allowed`."""
+    Raises ValueError for a model_type outside `allowed` (naming `family`, the reader asking)."""
     from transformers import CONFIG_MAPPING
 
     model_type = sub.get("model_type", default_type)
     if model_type not in allowed:
-        raise ValueError(f"config.json {what}.model_type {model_type!r} is not run by tokenmill's llava; it runs "
+        raise ValueError(f"config.json {what}.model_type {model_type!r} is not run by tokenmill's {family}; it runs "
                          f"{list(allowed)}")
     full = CONFIG_MAPPING[model_type](**{k: v for k, v in sub.items() if k != "model_type"}).to_dict()
     return {k: v for k, v in full.items() if k not in _RUNTIME or k in sub} | {"model_type": model_type}
+
+
+def text_model_config(config: dict[str, Any], generation_config: dict[str, Any] | None,
+                      text_reader: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig],
+                      family: str = "llava", defaults: dict[str, Any] | None = None) -> ModelConfig:
+    """The language model's ModelConfig of a vision-language config.json dict: its `text_config` (over `defaults`,
+    the fields its HF config class sets when absent) completed and read by `text_reader` (engine.model.hf_config.
+    config_from_hf). Raises ValueError for a text model outside TEXT_MODEL_TYPES, or a tied embedding the nested and
+    top-level configs disagree on."""
+    text = completed((defaults or {}) | dict(config.get("text_config") or {}), "llama", TEXT_MODEL_TYPES,
+                     "text_config", family)
+    cfg: ModelConfig = text_reader(text, generation_config)
+    tie = config.get("tie_word_embeddings")
+    if tie is not None and bool(tie) != cfg.tie_word_embeddings:
+        raise ValueError(f"config.json sets tie_word_embeddings={tie} but text_config has "
+                         f"{cfg.tie_word_embeddings}; tokenmill cannot tell which the checkpoint means")
+    return cfg
 
 
 def vision_from_hf(config: dict[str, Any]) -> VisionConfig:
     """The VisionConfig of a LLaVA config.json dict (its `vision_config` plus the top-level feature-layer, select
     strategy, projector and image-token fields). Raises ValueError naming a field tokenmill does not implement: a
     vision tower other than CLIP's, a list of feature layers, an unknown activation or strategy, no image token."""
-    vision = _completed(dict(config.get("vision_config") or {}), "clip_vision_model", VISION_MODEL_TYPES,
+    vision = completed(dict(config.get("vision_config") or {}), "clip_vision_model", VISION_MODEL_TYPES,
                         "vision_config")
     unread = sorted(set(vision) - _VISION_READ)
     if unread:
@@ -94,12 +112,7 @@ def llava_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | No
     if unknown:
         log.warning("config.json fields %s are not read by tokenmill (llava); check they do not change the output",
                     unknown)
-    text = _completed(dict(config.get("text_config") or {}), "llama", TEXT_MODEL_TYPES, "text_config")
-    cfg: ModelConfig = text_reader(text, generation_config)
-    tie = config.get("tie_word_embeddings")
-    if tie is not None and bool(tie) != cfg.tie_word_embeddings:
-        raise ValueError(f"config.json sets tie_word_embeddings={tie} but text_config has "
-                         f"{cfg.tie_word_embeddings}; tokenmill cannot tell which the checkpoint means")
+    cfg = text_model_config(config, generation_config, text_reader)
     vision = vision_from_hf(config)
     if not 0 <= vision.image_token_id < cfg.vocab_size:
         raise ValueError(f"config.json image_token_index {vision.image_token_id} is outside the text model's "

@@ -1,6 +1,7 @@
 """The parameter names and shapes of a vision-language model beyond its decoder's (engine.model.tensor_names): the
 CLIP vision tower's (`vision_tower.*`, CLIPVisionModel's names without "vision_model.") and LLaVA's projector's
-(`multi_modal_projector.*`). No torch: the CLI's fit check reads them (engine.model.registry)."""
+(`multi_modal_projector.*`); Idefics3's SigLIP encoder (`vision_model.*`) and connector (`connector.*`). No torch:
+the CLI's fit check reads them (engine.model.registry)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,11 @@ from engine.model.tensor_names import param_shapes
 from engine.vision_config import VisionConfig
 
 
-def clip_vision_shapes(v: VisionConfig, prefix: str = "vision_tower.") -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of engine.model.clip_vision.ClipVisionTower of shape `v`, under `prefix`."""
+def encoder_layer_shapes(v: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the parameters of the encoder blocks (engine.model.clip_vision.ClipEncoder: CLIP's and
+    SigLIP's), under "encoder.layers.N."."""
     d, i = v.hidden_size, v.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "embeddings.class_embedding": (d,),
-        "embeddings.patch_embedding.weight": (d, v.num_channels, v.patch_size, v.patch_size),
-        "embeddings.position_embedding.weight": (v.num_patches + 1, d),
-    }
-    for norm in ("pre_layrnorm", "post_layernorm"):
-        shapes[f"{norm}.weight"] = shapes[f"{norm}.bias"] = (d,)
+    shapes: dict[str, tuple[int, ...]] = {}
     for n in range(v.num_layers):
         p = f"encoder.layers.{n}"
         for norm in ("layer_norm1", "layer_norm2"):
@@ -28,7 +24,39 @@ def clip_vision_shapes(v: VisionConfig, prefix: str = "vision_tower.") -> dict[s
             shapes[f"{p}.self_attn.{proj}.bias"] = (d,)
         shapes[f"{p}.mlp.fc1.weight"], shapes[f"{p}.mlp.fc1.bias"] = (i, d), (i,)
         shapes[f"{p}.mlp.fc2.weight"], shapes[f"{p}.mlp.fc2.bias"] = (d, i), (d,)
+    return shapes
+
+
+def clip_vision_shapes(v: VisionConfig, prefix: str = "vision_tower.") -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of engine.model.clip_vision.ClipVisionTower of shape `v`, under `prefix`."""
+    d = v.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.class_embedding": (d,),
+        "embeddings.patch_embedding.weight": (d, v.num_channels, v.patch_size, v.patch_size),
+        "embeddings.position_embedding.weight": (v.num_patches + 1, d),
+    }
+    for norm in ("pre_layrnorm", "post_layernorm"):
+        shapes[f"{norm}.weight"] = shapes[f"{norm}.bias"] = (d,)
+    shapes |= encoder_layer_shapes(v)
     return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def idefics3_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the idefics3 model (engine.model.idefics3) of shape `cfg` (a tied LM head
+    left out): the decoder's, the SigLIP encoder's (`vision_model.*`) and the connector's. Raises ValueError for a
+    config without `vision`."""
+    v = cfg.vision
+    if v is None:
+        raise ValueError(f"an idefics3 model needs ModelConfig.vision; the {cfg.architecture} config has none")
+    d = v.hidden_size
+    vision: dict[str, tuple[int, ...]] = {
+        "embeddings.patch_embedding.weight": (d, v.num_channels, v.patch_size, v.patch_size),
+        "embeddings.patch_embedding.bias": (d,),
+        "embeddings.position_embedding.weight": (v.num_patches, d),
+        "post_layernorm.weight": (d,), "post_layernorm.bias": (d,),
+    } | encoder_layer_shapes(v)
+    return (param_shapes(cfg) | {f"vision_model.{k}": s for k, s in vision.items()}
+            | {"connector.modality_projection.proj.weight": (cfg.hidden_size, d * v.scale_factor ** 2)})
 
 
 def llava_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

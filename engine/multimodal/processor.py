@@ -1,10 +1,12 @@
 """An image prompt into the token ids it runs as and its images' MultiModalItems, through the model's own Hugging Face
-processor (AutoProcessor of the model folder: LlavaProcessor over CLIPImageProcessor's Pillow backend; never
-hand-written resizing or normalising): the chat template (the tokenizer's, else the processor's) renders the
-messages with one image token per image, the image processor makes pixel_values, and each image token is replaced by
-the token ids of the processor's own replacement text (`replace_image_token`: LLaVA's image token repeated once per
-feature row), exactly as the processor's `__call__` expands its text. As vLLM's multimodal processing, the text and
-the images are processed apart and merged by the placeholders' offsets (vLLM's design; no code of it).
+processor (AutoProcessor of the model folder: LlavaProcessor over CLIPImageProcessor's Pillow backend, Idefics3's and
+SmolVLM's processors over their tiling image processors; never hand-written resizing or normalising): the chat
+template (the tokenizer's, else the processor's) renders the messages with one image token per image, the image
+processor makes each image's pixel_values (one image at a time: no batch padding), and each image token is replaced
+by the token ids of the processor's own replacement text (`replace_image_token`: LLaVA's image token repeated once
+per feature row; Idefics3's tiles, each a run of image tokens after its <fake_token_around_image><row_r_col_c> tags,
+then the global image's), exactly as the processor's `__call__` expands its text. As vLLM's multimodal processing,
+the text and the images are processed apart and merged by the placeholders' offsets (vLLM's design; no code of it).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class ImageProcessor:
             raise ValueError(f"{path} has no image processor transformers can load ({type(e).__name__}: {e}); a "
                              "vision-language model folder needs its processor_config.json / "
                              "preprocessor_config.json") from e
+        except ImportError as e:  # e.g. SmolVLMProcessor without num2words
+            raise ValueError(f"{path}: the model's processor needs a package that is not installed ({e})") from e
         if not hasattr(hf, "image_processor") or not hasattr(hf, "image_token"):
             raise ValueError(f"{path}: AutoProcessor gives a {type(hf).__name__}, not a processor with images")
         return cls(hf, vision)
@@ -94,36 +98,67 @@ class ImageProcessor:
 
     def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Replace the i-th image token of `ids` by the processor's replacement for images[i] (decoded Pillow
-        images) and make their items. Raises ValueError as `process`."""
+        images) and make their items: one per run of image tokens in the replacement (LLaVA: one per image;
+        Idefics3 / SmolVLM: one per tile, each tile's run apart), in order. Raises ValueError as `process`."""
         token = self.vision.image_token_id
         at = [i for i, t in enumerate(ids) if t == token]
         if len(at) != len(images):
             raise ValueError(f"the prompt has {len(at)} image placeholders ({self.image_token!r}) but {len(images)} "
                              "images; give one image per placeholder")
-        if not images:
-            return ids, ()
-        processed = self.hf.image_processor(images, return_tensors="pt")
-        pixel_values = processed["pixel_values"]
         out: list[int] = []
         items = []
         prev = 0
-        for i, pos in enumerate(at):
+        for pos, image in zip(at, images, strict=True):
             out += ids[prev:pos]
-            replacement = self.hf.tokenizer.encode(self.hf.replace_image_token(processed, image_idx=i),
-                                                   add_special_tokens=False)
-            rows = [j for j, t in enumerate(replacement) if t == token]
-            if not rows or rows != list(range(rows[0], rows[0] + len(rows))):
-                raise ValueError("the processor's image placeholders are not one contiguous run of image tokens; "
-                                 "tokenmill does not run that layout")
-            if len(rows) != self.vision.tokens_per_image:
-                raise ValueError(f"the processor expands an image into {len(rows)} placeholder tokens but the model "
-                                 f"gives {self.vision.tokens_per_image} feature rows per image (check "
-                                 "processor_config.json's patch_size, num_additional_image_tokens and "
-                                 "vision_feature_select_strategy)")
-            pv = pixel_values[i].float().contiguous()
-            items.append(MultiModalItem(pv, len(out) + rows[0], len(rows), mm_hash(pv)))
+            replacement, tiles = self._replacement(image)
+            runs = _runs(replacement, token)
+            if not runs or len(runs) != len(tiles):
+                raise ValueError(f"the processor writes {len(runs)} runs of image tokens for an image of {len(tiles)} "
+                                 "tiles; tokenmill runs one run per tile")
+            for (start, length), pv in zip(runs, tiles, strict=True):
+                if length != self.vision.tokens_per_image:
+                    raise ValueError(f"the processor expands an image (tile) into {length} placeholder tokens but "
+                                     f"the model gives {self.vision.tokens_per_image} feature rows (check "
+                                     "processor_config.json's patch_size, image_seq_len, num_additional_image_tokens "
+                                     "and vision_feature_select_strategy)")
+                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv)))
             out += replacement
             prev = pos + 1
         out += ids[prev:]
         return out, tuple(items)
 
+    def _replacement(self, image: Any) -> tuple[list[int], list[torch.Tensor]]:
+        """(token ids of the processor's replacement text, the float32 tiles [channels, H, W] in order) of one
+        decoded image, through the processor's own path (`_process_images`: its image processor with the
+        processor's image kwargs, then `replace_image_token`). Tiles a pixel_attention_mask marks wholly padding
+        are dropped (HF drops them before the encoder); a tile partly padded raises ValueError (not produced by the
+        processors tokenmill runs)."""
+        import torch
+
+        kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
+                                       return_tensors="pt")["images_kwargs"]
+        processed, texts = self.hf._process_images([image], **kwargs)
+        replacement = self.hf.tokenizer.encode(texts[0], add_special_tokens=False)
+        pixels = torch.as_tensor(processed["pixel_values"])
+        tiles = pixels.reshape(-1, *pixels.shape[-3:]).float()
+        mask = processed.get("pixel_attention_mask")
+        if mask is not None:
+            mask = torch.as_tensor(mask).reshape(-1, *pixels.shape[-2:]).bool()
+            real = mask.flatten(1).any(1)
+            if not bool(mask[real].all()):
+                raise ValueError("the image processor padded part of a tile; tokenmill runs wholly valid tiles only")
+            tiles = tiles[real]
+        return replacement, [t.contiguous() for t in tiles]
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `token` in `ids`, in order."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -41,15 +41,7 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
                                     rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_id,
                                    vision_feature_layer=-2, vision_feature_select_strategy="default")
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(cfg).eval()
-    model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    model = randomized(transformers.LlavaForConditionalGeneration, cfg, seed)
     model.save_pretrained(folder)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -59,6 +51,21 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
                                             vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                             chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(folder)
+    return model
+
+
+def randomized(model_class, cfg, seed: int):
+    """`model_class(cfg)` (eval, eager attention) with weights drawn large enough that the image changes the greedy
+    text: norm weights 1 + N(0, 0.3), the rest N(0, 0.15), from `seed`."""
+    torch.manual_seed(seed)
+    model = model_class(cfg).eval()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
     return model
 
 
