@@ -32,6 +32,8 @@ class VisionConfig:
             token (Idefics3's SigLIP) reads as "default".
         scale_factor: the connector's pixel shuffle (Idefics3 / SmolVLM: each scale_factor x scale_factor block of
             patches becomes one feature row of scale_factor^2 times the width); 1: none (LLaVA).
+        image_grid_pinpoints: LLaVA-NeXT's anyres resolutions, (height, width) pairs in pixels, each a multiple of
+            image_size (engine.multimodal.anyres); empty: an image is one tile of tokens_per_image (LLaVA-1.5).
         projector_hidden_act: the activation between the projector's two linears (VISION_ACTS).
         projector_bias: the projector's linears carry biases.
         image_token_id: the placeholder token id; each image takes `tokens_per_image` of them in the prompt.
@@ -55,6 +57,7 @@ class VisionConfig:
     projector_hidden_act: str = "gelu"
     projector_bias: bool = True
     scale_factor: int = 1
+    image_grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size", "patch_size",
@@ -70,6 +73,12 @@ class VisionConfig:
         if self.scale_factor < 1 or (self.image_size // self.patch_size) % self.scale_factor:
             raise ValueError(f"vision scale_factor {self.scale_factor} must be >= 1 and divide the "
                              f"{self.image_size // self.patch_size} patches of a side")
+        pinpoints = tuple((int(h), int(w)) for h, w in self.image_grid_pinpoints)  # JSON gives lists
+        object.__setattr__(self, "image_grid_pinpoints", pinpoints)
+        if any(h < self.image_size or w < self.image_size or h % self.image_size or w % self.image_size
+               for h, w in pinpoints):
+            raise ValueError(f"image_grid_pinpoints {[list(p) for p in pinpoints]} must be multiples of the vision "
+                             f"image_size {self.image_size}")
         for name in ("hidden_act", "projector_hidden_act"):
             if getattr(self, name) not in VISION_ACTS:
                 raise ValueError(f"vision {name} {getattr(self, name)!r} is not implemented; tokenmill runs "
@@ -91,6 +100,14 @@ class VisionConfig:
         """Placeholder tokens (and projected feature rows) of one image (one tile, for the families that split
         images): the patches over scale_factor squared, plus the CLS row under "full"."""
         return self.num_patches // self.scale_factor ** 2 + (self.select_strategy == "full")
+
+    @property
+    def max_tokens_per_image(self) -> int:
+        """The most placeholder tokens one MultiModalItem can take: tokens_per_image, or under anyres the base tile's
+        plus the largest pinpoint's feature grid with a newline row each, before unpadding (engine.multimodal.
+        anyres; the encoder cache's budget is sized from it)."""
+        return self.tokens_per_image + max(
+            (h // self.patch_size * (w // self.patch_size + 1) for h, w in self.image_grid_pinpoints), default=0)
 
     @property
     def layers_run(self) -> int:

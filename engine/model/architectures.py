@@ -139,6 +139,13 @@ def _qwen_window(config: dict[str, Any]) -> int | None:
                      "layer or none: set use_sliding_window false")
 
 
+#: The checkpoint keys of LLaVA and LLaVA-NeXT: unused position ids, and the renames of every layout HF has written.
+_LLAVA_KEYS: dict[str, Any] = dict(
+    hf_unused=("vision_tower.vision_model.embeddings.position_ids", "vision_tower.embeddings.position_ids",
+               "model.vision_tower.embeddings.position_ids"),
+    hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."), ("language_model.", ""),
+                ("vision_tower.vision_model.", "vision_tower.")))
+
 ARCHITECTURES: tuple[Architecture, ...] = (
     # Llama 2/3/3.1/3.2, SmolLM, TinyLlama; Mistral (HF model_type "mistral"; llama.cpp writes it as "llama").
     Architecture("llama", ("llama", "mistral"), "llama", gguf_permuted_qk=True, qkv_bias=False, qk_norm=False,
@@ -213,11 +220,10 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # the original "language_model.model.*" / "vision_tower.vision_model.*", transformers 5's "model.language_model.*"
     # / "model.vision_tower.*". No GGUF: llama.cpp's mmproj pair is refused.
     Architecture("llava", ("llava",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False, refused=(),
-                 window=_no_window, hf_unused=("vision_tower.vision_model.embeddings.position_ids",
-                                                      "vision_tower.embeddings.position_ids",
-                                                      "model.vision_tower.embeddings.position_ids"),
-                 hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
-                             ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."))),
+                 window=_no_window, **_LLAVA_KEYS),
+    # LLaVA-NeXT (LlavaNextForConditionalGeneration): LLaVA's keys plus "image_newline" (engine.model.llava_next).
+    Architecture("llava_next", ("llava_next",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
+                 refused=(), window=_no_window, **_LLAVA_KEYS),
     # Idefics3 and SmolVLM (Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration): a SigLIP encoder and
     # a pixel-shuffle connector before a Llama decoder (engine.model.idefics3; its config: engine.model.
     # idefics3_config). Checkpoint keys "model.text_model.*", "model.vision_model.*", "model.connector.*". No GGUF.

@@ -126,7 +126,7 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
     if model_type == "gemma3":
         raise ValueError("config.json model_type 'gemma3' is Gemma 3's multimodal checkpoint, which tokenmill does "
                          "not run; its text-only checkpoint (model_type 'gemma3_text', e.g. Gemma 3 1B) runs")
-    if model_type == "llava":  # a vision-language model: its text_config through this reader, then its vision tower
+    if model_type in ("llava", "llava_next"):  # vision-language: its text_config through this reader, then its tower
         from engine.model.llava_config import llava_from_hf
 
         return llava_from_hf(config, generation_config, config_from_hf)

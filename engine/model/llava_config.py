@@ -1,4 +1,5 @@
-"""A LLaVA `config.json` (HF LlavaConfig: model_type "llava") as a ModelConfig: the language model's fields from the
+"""A LLaVA `config.json` (HF LlavaConfig: model_type "llava"; LlavaNextConfig: "llava_next", which adds the anyres
+image_grid_pinpoints) as a ModelConfig: the language model's fields from the
 nested `text_config` through its own family's reader (engine.model.hf_config), the vision tower's and the
 projector's as a VisionConfig (engine.vision_config). Sources: Liu et al., "Visual Instruction Tuning" (2023) and
 "Improved Baselines with Visual Instruction Tuning" (LLaVA-1.5, 2023); HF transformers' LlavaConfig and LlavaModel.
@@ -31,7 +32,9 @@ _LLAVA_FIELDS = frozenset({
     "projector_hidden_act", "multimodal_projector_bias", "image_seq_length", "tie_word_embeddings", "pad_token_id",
     "ignore_index", "vocab_size", "use_cache", "initializer_range", "bos_token_id", "eos_token_id",
     "output_attentions", "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
-    "chunk_size_feed_forward", "is_encoder_decoder"})
+    "chunk_size_feed_forward", "is_encoder_decoder", "image_grid_pinpoints"})
+#: LlavaNextConfig's image_grid_pinpoints when config.json has none.
+DEFAULT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 #: Fields of the nested configs' to_dict() that are HF runtime settings, dropped unless the checkpoint set them.
 _RUNTIME = ("architectures", "_name_or_path", "transformers_version", "dtype", "id2label", "label2id", "problem_type",
             "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
@@ -98,7 +101,22 @@ def vision_from_hf(config: dict[str, Any]) -> VisionConfig:
         hidden_act=str(vision.get("hidden_act", "quick_gelu")), feature_layer=layer,
         select_strategy=str(config.get("vision_feature_select_strategy", "default")),
         projector_hidden_act=str(config.get("projector_hidden_act", "gelu")),
-        projector_bias=bool(config.get("multimodal_projector_bias", True)))
+        projector_bias=bool(config.get("multimodal_projector_bias", True)), image_grid_pinpoints=_pinpoints(config))
+
+
+def _pinpoints(config: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """A LLaVA-NeXT config's image_grid_pinpoints (LlavaNextConfig's default when unset); () for LLaVA. Raises
+    ValueError for LLaVA-NeXT's "full" select strategy (HF's pack_image_features assumes the CLS row dropped) or
+    malformed pinpoints."""
+    if config.get("model_type") != "llava_next":
+        return ()
+    if config.get("vision_feature_select_strategy", "default") != "default":
+        raise ValueError("config.json sets vision_feature_select_strategy "
+                         f"{config['vision_feature_select_strategy']!r}; tokenmill's llava_next runs 'default' only")
+    points = config.get("image_grid_pinpoints") or DEFAULT_PINPOINTS
+    if not all(isinstance(p, list | tuple) and len(p) == 2 for p in points):
+        raise ValueError(f"config.json image_grid_pinpoints {points!r} is not a list of [height, width] pairs")
+    return tuple((int(h), int(w)) for h, w in points)
 
 
 def llava_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | None,
@@ -117,4 +135,4 @@ def llava_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | No
     if not 0 <= vision.image_token_id < cfg.vocab_size:
         raise ValueError(f"config.json image_token_index {vision.image_token_id} is outside the text model's "
                          f"vocabulary of {cfg.vocab_size}")
-    return dataclasses.replace(cfg, architecture="llava", vision=vision)
+    return dataclasses.replace(cfg, architecture=str(config.get("model_type", "llava")), vision=vision)

@@ -7,9 +7,9 @@ causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus
 (engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
 gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
-engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava, Idefics3 / SmolVLM
-engine.model.idefics3. Imports no torch at module level (memory fit and the tensor names read it in the CLI's
-client): the model classes are imported when a model is built.
+engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava, LLaVA-NeXT engine.model.llava_next,
+Idefics3 / SmolVLM engine.model.idefics3. Imports no torch at module level (memory fit and the tensor names read it
+in the CLI's client): the model classes are imported when a model is built.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.modernbert_names import modernbert_param_shapes
 from engine.model.tensor_names import param_shapes
-from engine.model.vision_names import idefics3_param_shapes, llava_param_shapes
+from engine.model.vision_names import idefics3_param_shapes, llava_next_param_shapes, llava_param_shapes
 
 if TYPE_CHECKING:
     from engine.model.base import ModelBase
@@ -78,6 +78,9 @@ MODERNBERT_ENCODER = ModelEntry(_model_class("modernbert", "ModernBertEncoderMod
 #: LLaVA-1.5 (engine.model.llava): the causal decoder with a CLIP vision tower and a projector; its KV cache is the
 #: decoder's (the tower keeps none).
 LLAVA = ModelEntry(_model_class("llava", "LlavaVLM"), llava_param_shapes, decoder_kv_layout, takes_images=True)
+#: LLaVA-NeXT (engine.model.llava_next): LLaVA with anyres tiles, unpadding and an image_newline vector.
+LLAVA_NEXT = ModelEntry(_model_class("llava_next", "LlavaNextVLM"), llava_next_param_shapes, decoder_kv_layout,
+                        takes_images=True)
 #: Idefics3 / SmolVLM (engine.model.idefics3): a Llama decoder with a SigLIP encoder and a pixel-shuffle connector.
 IDEFICS3 = ModelEntry(_model_class("idefics3", "Idefics3VLM"), idefics3_param_shapes, decoder_kv_layout,
                       takes_images=True)
@@ -98,6 +101,7 @@ MODELS: dict[str, ModelEntry] = {
     "xlm_roberta": BERT_ENCODER,
     "modernbert": MODERNBERT_ENCODER,
     "llava": LLAVA,
+    "llava_next": LLAVA_NEXT,
     "idefics3": IDEFICS3,
 }
 

@@ -72,3 +72,8 @@ def llava_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["multi_modal_projector.linear_1.bias"] = shapes["multi_modal_projector.linear_2.bias"] = (
             cfg.hidden_size,)
     return shapes
+
+
+def llava_next_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """llava_param_shapes plus LLaVA-NeXT's `image_newline` [hidden] (engine.model.llava_next)."""
+    return llava_param_shapes(cfg) | {"image_newline": (cfg.hidden_size,)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
+from engine.multimodal.anyres import anyres_tokens
 from engine.multimodal.inputs import MultiModalItem, image_messages, load_image
 from engine.vision_config import VisionConfig
 
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
     from engine.text.tokenizer import Tokenizer
 
 
-def mm_hash(pixel_values: torch.Tensor) -> str:
-    """Content hash (BLAKE2b-128, hex) of an image's pixel_values [channels, H, W]: its shape, dtype and bytes."""
+def mm_hash(pixel_values: torch.Tensor, image_size: tuple[int, int] | None = None) -> str:
+    """Content hash (BLAKE2b-128, hex) of an image's pixel_values [channels, H, W] (or [tiles, channels, H, W]):
+    its shape, dtype and bytes, and the original image_size where the features depend on it (LLaVA-NeXT)."""
     array = pixel_values.detach().cpu().contiguous().numpy()
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{array.dtype}{array.shape}".encode())
+    h.update(f"{array.dtype}{array.shape}{'' if image_size is None else image_size}".encode())
     h.update(array.tobytes())
     return h.hexdigest()
 
@@ -110,29 +112,35 @@ class ImageProcessor:
         prev = 0
         for pos, image in zip(at, images, strict=True):
             out += ids[prev:pos]
-            replacement, tiles = self._replacement(image)
+            replacement, tiles, size = self._replacement(image)
             runs = _runs(replacement, token)
-            if not runs or len(runs) != len(tiles):
+            if len(runs) == 1 and len(tiles) > 1 and self.vision.image_grid_pinpoints:  # anyres: one run, all tiles
+                if size is None:
+                    raise ValueError("the processor gives no image_sizes for an anyres image")
+                pixels, expected = [tiles], anyres_tokens(self.vision, size)
+            elif runs and len(runs) == len(tiles):
+                pixels, expected, size = list(tiles), self.vision.tokens_per_image, None
+            else:
                 raise ValueError(f"the processor writes {len(runs)} runs of image tokens for an image of {len(tiles)} "
-                                 "tiles; tokenmill runs one run per tile")
-            for (start, length), pv in zip(runs, tiles, strict=True):
-                if length != self.vision.tokens_per_image:
+                                 "tiles; tokenmill runs one run per tile, or one for all (anyres)")
+            for (start, length), pv in zip(runs, pixels, strict=True):
+                if length != expected:
                     raise ValueError(f"the processor expands an image (tile) into {length} placeholder tokens but "
-                                     f"the model gives {self.vision.tokens_per_image} feature rows (check "
-                                     "processor_config.json's patch_size, image_seq_len, num_additional_image_tokens "
-                                     "and vision_feature_select_strategy)")
-                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv)))
+                                     f"the model gives {expected} feature rows (check processor_config.json's "
+                                     "patch_size, image_seq_len, num_additional_image_tokens and "
+                                     "vision_feature_select_strategy)")
+                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv, size), size))
             out += replacement
             prev = pos + 1
         out += ids[prev:]
         return out, tuple(items)
 
-    def _replacement(self, image: Any) -> tuple[list[int], list[torch.Tensor]]:
-        """(token ids of the processor's replacement text, the float32 tiles [channels, H, W] in order) of one
-        decoded image, through the processor's own path (`_process_images`: its image processor with the
-        processor's image kwargs, then `replace_image_token`). Tiles a pixel_attention_mask marks wholly padding
-        are dropped (HF drops them before the encoder); a tile partly padded raises ValueError (not produced by the
-        processors tokenmill runs)."""
+    def _replacement(self, image: Any) -> tuple[list[int], torch.Tensor, tuple[int, int] | None]:
+        """(token ids of the processor's replacement text, the float32 tiles [tiles, channels, H, W] in order, the
+        image's (height, width) where the processor reports image_sizes, else None) of one decoded image, through the
+        processor's own path (`_process_images`: its image processor with the processor's image kwargs, then
+        `replace_image_token`). Tiles a pixel_attention_mask marks wholly padding are dropped (HF drops them before
+        the encoder); a tile partly padded raises ValueError (not produced by the processors tokenmill runs)."""
         import torch
 
         kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
@@ -148,7 +156,9 @@ class ImageProcessor:
             if not bool(mask[real].all()):
                 raise ValueError("the image processor padded part of a tile; tokenmill runs wholly valid tiles only")
             tiles = tiles[real]
-        return replacement, [t.contiguous() for t in tiles]
+        sizes = processed.get("image_sizes")
+        size = None if sizes is None else tuple(int(x) for x in torch.as_tensor(sizes).reshape(-1)[:2])
+        return replacement, tiles.contiguous(), size
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -84,7 +84,7 @@ class ImageEmbedder:
                 missing[s.item.mm_hash] = s.item
         for items in _by_shape(missing.values()):
             pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
-            features = self.model.encode_images(pixels)
+            features = self.model.encode_images(pixels, [it.image_size for it in items])
             for it, f in zip(items, features, strict=True):
                 cache.put(it.mm_hash, f, keep=step_hashes)
         embeds = self.model.embed(input_ids)

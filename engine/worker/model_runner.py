@@ -125,7 +125,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
         self.graphs: DecodeGraphs | None = None
         self.images = None if cfg.vision is None else ImageEmbedder(
-            model, device, default_budget(cfg.vision.tokens_per_image, max_num_batched_tokens))
+            model, device, default_budget(cfg.vision.max_tokens_per_image, max_num_batched_tokens))
         # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
         # engine); a step with none of them registered skips it after one test.
         self.logits_processors: LogitsProcessors | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llava_models import randomized
+from llava_models import randomized, tiny_llama
 
 TILE, PATCH, SCALE = 32, 8, 2
 TOKENS_PER_TILE = (TILE // PATCH) ** 2 // SCALE ** 2
@@ -34,9 +34,7 @@ def build_idefics3(folder: Path, hf_tok, family: str = "idefics3", longest_edge:
     tok = hf_tok
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     image_id = tok.convert_tokens_to_ids("<image>")
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    text = tiny_llama(len(tok), 4096)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=TILE,
                   patch_size=PATCH)
     if family == "idefics3":

@@ -34,12 +34,8 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
     tok = hf_tok
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_id = tok.convert_tokens_to_ids("<image>")
-    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH)
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=image_id,
+    cfg = transformers.LlavaConfig(vision_config=tiny_clip(IMAGE_SIZE, PATCH), text_config=tiny_llama(len(tok)),
+                                   image_token_id=image_id,
                                    vision_feature_layer=-2, vision_feature_select_strategy="default")
     model = randomized(transformers.LlavaForConditionalGeneration, cfg, seed)
     model.save_pretrained(folder)
@@ -52,6 +48,24 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
                                             chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(folder)
     return model
+
+
+def tiny_llama(vocab_size: int, max_positions: int = 2048):
+    """The text model of the tiny vision-language models: a 2-layer Llama of width 64 (GQA 4/2), untied."""
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=max_positions, rms_norm_eps=1e-5, bos_token_id=1,
+                                    eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_clip(image_size: int, patch: int):
+    """A 3-layer CLIP vision tower of width 32 on `image_size` images in `patch`-pixel patches."""
+    import transformers
+
+    return transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, image_size=image_size, patch_size=patch)
 
 
 def randomized(model_class, cfg, seed: int):
