@@ -15,8 +15,10 @@ SELECT_STRATEGIES = ("default", "full")
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """A CLIP-style vision tower and a two-layer projector (LLaVA: Liu et al., "Visual Instruction Tuning" 2023 and
-    "Improved Baselines with Visual Instruction Tuning" 2023; the tower: Radford et al., CLIP 2021, a ViT).
+    """A ViT vision tower and its projector: LLaVA's CLIP tower and two-layer projector (Liu et al., "Visual Instruction
+    Tuning" 2023 and "Improved Baselines with Visual Instruction Tuning" 2023; Radford et al., CLIP 2021), LLaVA-NeXT's
+    anyres tiling of it (image_grid_pinpoints), or Idefics3's SigLIP encoder and pixel-shuffle connector
+    (scale_factor; Laurençon et al. 2024, Zhai et al., SigLIP 2023).
 
     Attributes:
         hidden_size / intermediate_size / num_layers / num_heads: the encoder's width, MLP width, blocks and heads.
