@@ -54,6 +54,7 @@ class ImageProcessor:
             raise ValueError(f"the processor's image token {self.image_token!r} is id {token_id}; config.json says "
                              f"{vision.image_token_id}")
         self.chat_template: str | None = getattr(hf_processor, "chat_template", None)
+        self._images_kwargs: dict[str, Any] | None = None
 
     @classmethod
     def from_model_path(cls, path: str, vision: VisionConfig) -> ImageProcessor:
@@ -143,9 +144,10 @@ class ImageProcessor:
         the encoder); a tile partly padded raises ValueError (not produced by the processors tokenmill runs)."""
         import torch
 
-        kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
-                                       return_tensors="pt")["images_kwargs"]
-        processed, texts = self.hf._process_images([image], **kwargs)
+        if self._images_kwargs is None:  # the processor's own merge of its image defaults, as its __call__ does
+            self._images_kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
+                                                        return_tensors="pt")["images_kwargs"]
+        processed, texts = self.hf._process_images([image], **self._images_kwargs)
         replacement = self.hf.tokenizer.encode(texts[0], add_special_tokens=False)
         pixels = torch.as_tensor(processed["pixel_values"])
         tiles = pixels.reshape(-1, *pixels.shape[-3:]).float()
