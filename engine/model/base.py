@@ -6,7 +6,7 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 - `forward(input_ids, rope_rows, kv_caches, meta, attn_fn, *, inputs_embeds=None)` -> hidden states [T, hidden]
   after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead;
 - `compute_logits(hidden)` -> logits [S, vocab]: the LM head, a separate step;
-- `encode_images(pixel_values, image_sizes=None)` -> image features [N, tokens, hidden], or a list where the token
+- `encode_images(pixel_values, *, image_sizes=None)` -> image features [N, tokens, hidden], or a list where the token
   count varies (vision-language models only: config.vision);
 - `kv_cache_specs`: one engine.core.kv_cache_spec.KVCacheSpec per layer, the KV cache layout the model declares
   (memory fit, the KV pool and the runner read it, never a family name).
@@ -14,7 +14,6 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,12 +63,13 @@ class ModelBase(nn.Module):
         """Input embeddings [T, hidden] of int64 input_ids [T] (what `forward` takes as inputs_embeds)."""
         raise NotImplementedError
 
-    def encode_images(self, pixel_values: torch.Tensor,
-                      image_sizes: Sequence[tuple[int, int] | None] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    def encode_images(self, pixel_values: torch.Tensor, *,
+                      image_sizes: list[tuple[int, int]] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Image features [N, tokens per image, hidden] of pixel_values [N, channels, H, W] (a vision-language
-        model's: config.vision set), or N tensors [tokens_i, hidden] where an image's token count varies
-        (LLaVA-NeXT: pixel_values [N, tiles, channels, H, W] and the images' original (height, width) sizes,
-        MultiModalItem.image_size); a text-only model raises NotImplementedError."""
+        model's: config.vision set), or N tensors [tokens_i, hidden] where an image's token count varies: LLaVA-NeXT,
+        pixel_values [N, tiles, channels, H, W] and the images' original (height, width), image_sizes
+        (MultiModalItem.image_size; given only for items that carry one). A text-only model raises
+        NotImplementedError."""
         raise NotImplementedError(f"the {self.config.architecture} model takes no images")
 
     def fuse_projections(self) -> int:

@@ -19,8 +19,6 @@ lm_head), `vision_model.*` (Idefics3VisionTransformer's) and `connector.modality
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -75,8 +73,7 @@ class Idefics3VLM(VisionLanguageModel):
         self.vision_model = SiglipVisionTower(v)
         self.connector = Idefics3Connector(v, text_width)
 
-    def encode_images(self, pixel_values: torch.Tensor,
-                      image_sizes: Sequence[tuple[int, int] | None] | None = None) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Feature rows of a batch of tiles, one per placeholder token (HF Idefics3Model.get_image_features: the
-        encoder's last hidden state after post_layernorm, then the connector); image_sizes are not needed."""
+        encoder's last hidden state after post_layernorm, then the connector)."""
         return self.connector(self.vision_model(pixel_values))

@@ -14,8 +14,6 @@ lm_head), `vision_tower.*` (CLIPVisionModel's without "vision_model.") and `mult
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -66,11 +64,9 @@ class LlavaVLM(VisionLanguageModel):
         self.vision_tower = ClipVisionTower(v)
         self.multi_modal_projector = LlavaProjector(v, text_width)
 
-    def encode_images(self, pixel_values: torch.Tensor,
-                      image_sizes: Sequence[tuple[int, int] | None] | None = None) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Features of a batch of images, one row per placeholder token (HF LlavaModel.get_image_features: the
-        feature layer's hidden states, the CLS row dropped under the "default" strategy, then the projector);
-        image_sizes are not needed."""
+        feature layer's hidden states, the CLS row dropped under the "default" strategy, then the projector)."""
         features = self.vision_tower(pixel_values)
         if self.config.vision.select_strategy == "default":
             features = features[:, 1:]

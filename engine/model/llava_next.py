@@ -38,7 +38,7 @@ class LlavaNextVLM(LlavaVLM):
         super().add_vision(v, text_width)
         self.image_newline = nn.Parameter(torch.empty(text_width))
 
-    def encode_images(self, pixel_values: torch.Tensor,
+    def encode_images(self, pixel_values: torch.Tensor, *,
                       image_sizes: Sequence[tuple[int, int] | None] | None = None) -> list[torch.Tensor]:
         """The features of each image (HF LlavaNextModel.get_image_features then pack_image_features)."""
         if pixel_values.dim() != 5 or image_sizes is None or len(image_sizes) != pixel_values.shape[0]:

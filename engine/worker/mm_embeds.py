@@ -84,7 +84,9 @@ class ImageEmbedder:
                 missing[s.item.mm_hash] = s.item
         for items in _by_shape(missing.values()):
             pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
-            features = self.model.encode_images(pixels, [it.image_size for it in items])
+            sizes = [it.image_size for it in items]  # LLaVA-NeXT's original sizes; None for the other families
+            features = (self.model.encode_images(pixels) if sizes[0] is None else
+                        self.model.encode_images(pixels, image_sizes=sizes))
             for it, f in zip(items, features, strict=True):
                 cache.put(it.mm_hash, f, keep=step_hashes)
         embeds = self.model.embed(input_ids)
