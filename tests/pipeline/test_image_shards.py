@@ -172,3 +172,12 @@ def test_an_image_shard_stopped_mid_way_resumes_each_row_once(llava: LLMEngine, 
     drop = ["input_file"]
     assert results.drop(drop).to_pylist() == reference.drop(drop).to_pylist()
     assert (acct["rows_resumed"], acct["preemptions"], acct["images"]) == (stopped.rows_committed, 1, rows)
+
+
+def test_image_parts_on_a_text_only_model_are_error_rows(engine: LLMEngine, questions: list[str],
+                                                          tmp_path: Path) -> None:
+    """Messages with an image part on the tiny text-only model: that row is an error row, the text rows run."""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(pictures()[0])}}, {"type": "text", "text": "hi"}]
+    rows = [json.dumps([{"role": "user", "content": parts}]), json.dumps([{"role": "user", "content": questions[0]}])]
+    results = _run(engine, pa.table({"messages": rows}), tmp_path, RunConfig(max_tokens=2)).to_pylist()
+    assert "the model is text-only" in results[0]["error"] and results[1]["error"] is None
