@@ -145,6 +145,7 @@ class JobStatus(PerDollar):
     rows: int
     rows_committed: int
     input_tokens: int = 0
+    images: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
     attempts: int = 0
@@ -169,7 +170,7 @@ class JobStatus(PerDollar):
         """JSON-ready."""
         return {"output": self.output, "state": self.state, "exit_code": self.exit_code, "input": self.input,
                 "started_at": self.started_at, "shards": self.shards, "rows": self.rows,
-                "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
+                "rows_committed": self.rows_committed, "input_tokens": self.input_tokens, "images": self.images,
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
                 **self.per_dollar(), "attempts": self.attempts,
                 "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3),

@@ -65,6 +65,10 @@ _ROW_FIELDS = [
         "doc": "null, or what a row that ran needs said beside its fields: a finish_reason length row whose "
                "max_tokens was cut to fit --max-model-len (prompt + max_tokens did not fit) names both; null in "
                "results written before the column existed"}),
+    pa.field("images", pa.int32(), metadata={
+        "doc": "images in the row's prompt (its image column and its messages' image parts; an error row's as "
+               "given), their tokens counted in prompt_tokens; null for a row without images and in results "
+               "written before the column existed"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
@@ -130,6 +134,9 @@ ACCOUNTING_SCHEMA = pa.schema([
                "and in accounting written before the column existed"}),
     pa.field("rows_per_dollar", pa.float64(), metadata={
         "doc": "rows / cost_usd; null when cost is 0 and in accounting written before the column existed"}),
+    pa.field("images", pa.int64(), metadata={
+        "doc": "images in the prompts of the rows that ran (their image tokens are in input_tokens); null in "
+               "accounting written before the column existed"}),
 ])
 
 # A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA (less input_file and
