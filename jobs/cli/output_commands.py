@@ -21,8 +21,8 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
 def _refuse_rows(output: str, command: str, tasks: tuple[str, ...]) -> None:
     """Exit 2, one line, when OUTPUT holds the rows of a job of one of `tasks` (a committed results file with its
     column: classify's `label`, score's `score`), which `tokenmill COMMAND` does not read: `export` writes completions
-    and embeddings only (the OpenAI batch format has no classification or score response), `report` completions,
-    embeddings and labels."""
+    and embeddings only (the OpenAI batch format has no classification or score response); `report` reads every
+    task's rows and refuses none."""
     from pipeline.storage import list_folder, read_fs
 
     fs, root = read_fs(output)
@@ -95,7 +95,6 @@ def report(
     """
     from jobs.formats.report import render_report  # matplotlib: only for this command
 
-    _refuse_rows(output, "report", ("score",))
     try:
         page = render_report(output)
     except JobError as e:
