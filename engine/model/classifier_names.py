@@ -1,7 +1,7 @@
 """Sequence classifiers (HF `*ForSequenceClassification`: quality / toxicity / domain classifiers, reward models)
 from the config alone, no torch: which head a config.json's `architectures` names, its labels and problem type
-(ModelConfig.labels / regression), and the head's parameter names and shapes (what the registry's classify entries
-declare; engine.model.classifier builds the heads).
+(ModelConfig.labels / regression / multi_label), and the head's parameter names and shapes (what the registry's
+classify entries declare; engine.model.classifier builds the heads).
 
 Heads, as HF transformers' modeling code computes them (models/*/modeling_*.py):
 - BertForSequenceClassification: `pooler.dense` + tanh on [CLS], then `classifier` Linear [num_labels, hidden];
@@ -25,16 +25,18 @@ CLASSIFIER_ARCHITECTURES = {"BertForSequenceClassification": "bert",
                             "XLMRobertaForSequenceClassification": "xlm_roberta",
                             "ModernBertForSequenceClassification": "modernbert",
                             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
-#: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1) or the raw logits.
-_PROBLEM_TYPES = (None, "single_label_classification", "regression")
+#: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1), the raw logits
+#: (regression), or a sigmoid per label (multi_label_classification; HF trains it with BCEWithLogitsLoss).
+_PROBLEM_TYPES = (None, "single_label_classification", "regression", "multi_label_classification")
 
 
 def classifier_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
-    """ModelConfig fields `labels` (id2label's names in id order) and `regression` of a config.json dict whose
-    `architectures` names a `*ForSequenceClassification`; {} for any other model. regression: problem_type
-    "regression" or a single label (HF's rule for num_labels == 1). Raises ValueError naming a sequence classifier
-    tokenmill has no head for, a missing or gapped id2label, or a problem_type it does not run
-    (multi_label_classification: sigmoid scores, not implemented)."""
+    """ModelConfig fields `labels` (id2label's names in id order), `regression` and `multi_label` of a config.json
+    dict whose `architectures` names a `*ForSequenceClassification`; {} for any other model. regression:
+    problem_type "regression", or a single label and no problem_type (HF's rule for num_labels == 1); multi_label:
+    problem_type "multi_label_classification" (a sigmoid per label, whatever their number). Raises ValueError
+    naming a sequence classifier tokenmill has no head for, a missing or gapped id2label, or a problem_type it does
+    not run."""
     names = [a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")]
     if not names:
         return {}
@@ -54,8 +56,10 @@ def classifier_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
     if problem not in _PROBLEM_TYPES:
         raise ValueError(f"config.json problem_type {problem!r} is not run by tokenmill; it runs "
                          f"{list(_PROBLEM_TYPES)}")
-    return dict(labels=tuple(by_id[i] for i in range(len(by_id))),
-                regression=problem == "regression" or len(by_id) == 1, tie_word_embeddings=False,
+    multi = problem == "multi_label_classification"
+    return dict(labels=tuple(by_id[i] for i in range(len(by_id))), tie_word_embeddings=False,
+                regression=problem == "regression" or (len(by_id) == 1 and problem is None),
+                **({"multi_label": True} if multi else {}),
                 **(_modernbert_head(config) if arch == "modernbert" else {}))
 
 
