@@ -33,13 +33,14 @@ def _refuse_rows(output: str, command: str, tasks: tuple[str, ...]) -> None:
     if files:
         import pyarrow.parquet as pq
 
+        from pipeline.row_kinds import results_task
+
         with fs.open(files[0], "rb") as f:
-            names = pq.read_schema(f).names
-        for task, column in (("classify", "label"), ("score", "score")):
-            if task in tasks and column in names:
-                raise _fail(JobError(f"{output} holds a {task} job's rows (--task {task}): `tokenmill {command}` "
-                                     f"does not read them; read its results/*.parquet (the {column} column) "
-                                     "directly"))
+            task = results_task(pq.read_schema(f).names)
+        if task in tasks:
+            raise _fail(JobError(f"{output} holds a {task} job's rows (--task {task}): `tokenmill {command}` "
+                                 f"does not read them; read its results/*.parquet (the "
+                                 f"{'label' if task == 'classify' else task} column) directly"))
 
 
 def export(

@@ -89,6 +89,11 @@ def test_run_task_score_end_to_end(qa: Path, tmp_path: Path, cross_encoder: str)
     assert f"<th>input tokens</th><td>{st.input_tokens:,}</td>" in page
     assert "<td>text pair column &#39;answer&#39;: the text is empty</td><td>1</td>" in page, page
 
+    table = runner.invoke(app, ["status", str(out)])  # the per-dollar figures of a job that generates nothing
+    assert table.exit_code == 0 and f"│ input tokens / rows per dollar │ {per_usd}" in table.stdout, table.stdout
+    assert "│ tokens per dollar" not in table.stdout
+    assert json.loads(runner.invoke(app, ["status", str(out), "--json"]).stdout)["task"] == "score"
+
 
 @pytest.mark.parametrize("model", ["cross-encoder", "embedding model"])
 def test_dry_run_of_a_score_job_forecasts_the_pairs_tokens(qa: Path, tmp_path: Path, cross_encoder: str,
