@@ -11,8 +11,7 @@ As the generate forecast (jobs.plan.forecast) does, it measures rather than assu
    0 tokens, no device time), its mean per row times the job's rows is the input tokens;
 2. a fresh engine's first call (one row) is timed: each worker's first shard pays it;
 3. a sample of up to SAMPLE_ROWS of those rows is embedded (classified, scored) twice, as one call like a shard's
-   chunk
-   (the engine sorts and batches it by its token budget); the second call's device time gives the encoder's input
+   chunk (the engine sorts and batches it by its token budget); the second call's device time gives the encoder's input
    tokens per second (jobs.plan.calibration_clock.timed: CPU time of the calling thread on the CPU), the two
    calls' spread the forecast's `uncertainty`.
 
