@@ -94,7 +94,9 @@ class ModelConfig:
             a row's non-pad tokens, a pad token sitting at padding_idx (XLM-RoBERTa: 1); None: from 0 (BERT).
         labels: a sequence classifier's label names in id order (config.json id2label; engine.model.classifier);
             () for every other model. regression: its head gives raw scores, not classes (problem_type
-            "regression", or a single label). classifier_pooling: what its head reads of a row: "cls" (one token: an
+            "regression", or a single label without a problem_type). multi_label: its labels are independent
+            (problem_type "multi_label_classification"): a sigmoid per label, not a softmax over them.
+            classifier_pooling: what its head reads of a row: "cls" (one token: an
             encoder's first, [CLS]; a decoder's last) or "mean" (the mean of the row's tokens: ModernBERT's
             classifier_pooling "mean").
         pooling_files: the model's folder holds sentence-transformers files (modules.json; engine.pooling.st_config):
@@ -153,6 +155,7 @@ class ModelConfig:
     position_padding_idx: int | None = None
     labels: tuple[str, ...] = ()
     regression: bool = False
+    multi_label: bool = False
     classifier_pooling: str = "cls"
     pooling_files: bool = False
     lm_head: bool = True

@@ -201,10 +201,15 @@ _CLASSIFY_FIELDS = _text_fields([
     pa.field("label", pa.string(), metadata={
         "doc": "the most probable label (config.json id2label); null for a regression head and an error row"}),
     pa.field("score", pa.float32(), metadata={
-        "doc": "the label's probability (softmax); a regression head's raw score; null for an error row"}),
+        "doc": "the label's probability (softmax; a multi-label head's sigmoid); a regression head's raw score; "
+               "null for an error row"}),
     pa.field("scores", pa.list_(pa.float32()), metadata={
-        "doc": "every label's probability, by label id (softmax); a regression head's raw logits; null for an "
-               "error row"})])
+        "doc": "every label's probability, by label id (softmax; a multi-label head's sigmoid per label); a "
+               "regression head's raw logits; null for an error row"}),
+    pa.field("labels", pa.list_(pa.string()), metadata={
+        "doc": "a multi-label head's labels (problem_type multi_label_classification) whose probability is >= 0.5, "
+               "in id order, possibly empty; null for a single-label or regression head (and in rows written "
+               "before the column existed) and for an error row"})])
 #: OUTPUT/results/<shard_id>.parquet of a classify job: one row per input row.
 CLASSIFY_RESULTS_SCHEMA = pa.schema(_CLASSIFY_FIELDS + _INPUT_FIELDS)
 #: A checkpoint part of a classify job: its finished rows plus each row's position in the shard.

@@ -84,7 +84,7 @@ def _input_tokens(fc: Any) -> str:
 
 
 def _per_dollar_row(fc: Any) -> tuple[str, str]:
-    """The forecast table's per-dollar row: output tokens per USD, or an embed or classify job's input tokens and
+    """The forecast table's per-dollar row: output tokens per USD, or an embed, classify or score job's input tokens and
     rows per USD (it generates none)."""
     def usd(value: float | None) -> str:
         return "n/a" if value is None else f"{value:,.0f}"
