@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.rope_scaling import RopeScaling
 from engine.qwen_vision_config import QwenVisionConfig
+from engine.rope_scaling import RopeScaling
 from engine.vision_config import VisionConfig
 from schemas.engine_choices import (
     ATTENTION_BACKENDS,

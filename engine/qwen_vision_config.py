@@ -79,9 +79,10 @@ class QwenVisionConfig:
         if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
             raise ValueError(f"rope mrope_section {list(self.mrope_section)} must be 3 sections (temporal, height, "
                              "width) of >= 0 frequencies")
-        if self.window_size < 0 or (self.window_size and self.window_size % (self.patch_size * self.spatial_merge_size)):
+        unit = self.patch_size * self.spatial_merge_size
+        if self.window_size < 0 or self.window_size % unit:
             raise ValueError(f"vision_config window_size {self.window_size} must be a multiple of patch_size * "
-                             f"spatial_merge_size ({self.patch_size * self.spatial_merge_size})")
+                             f"spatial_merge_size ({unit}), or 0")
         bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"vision_config fullatt_block_indexes {bad} are outside the tower's {self.num_layers} "

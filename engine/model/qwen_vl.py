@@ -72,9 +72,9 @@ class QwenVLModel(LlamaModel):
             return super().layer_ropes(rope_rows, dtype)
         if self._gather is None or self._gather[0].device != rope_rows.device:
             axes = torch.tensor(self._axes, dtype=torch.int64, device=rope_rows.device)
-            self._gather = axes, torch.arange(len(self._axes), device=rope_rows.device)[:, None]
+            self._gather = axes, torch.arange(len(self._axes), device=rope_rows.device)[None, :]
         axes, cols = self._gather
-        rows = rope_rows[axes]  # [R, T]: each column's position of each token
-        cos = self.rotary.cos[rows, cols].t().to(dtype)
-        sin = self.rotary.sin[rows, cols].t().to(dtype)
+        rows = rope_rows.t()[:, axes]  # [T, R]: each token's position for each column
+        cos = self.rotary.cos[rows, cols].to(dtype)
+        sin = self.rotary.sin[rows, cols].to(dtype)
         return [(cos, sin)] * len(self.layers)
