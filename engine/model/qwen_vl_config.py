@@ -102,14 +102,17 @@ def qwen_vl_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | 
                     text_reader: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig]) -> ModelConfig:
     """ModelConfig (architecture "qwen2_5_vl" or "qwen2_vl", `vision` set) of such a config.json dict; `text_reader`
     is engine.model.hf_config.config_from_hf (passed in: it imports this module). Raises ValueError as
-    qwen_vision_from_hf or the Qwen2 reader, when the vision tower's output width is not the text model's, or when
-    RoPE is scaled (M-RoPE runs over default RoPE)."""
+    qwen_vision_from_hf or the Qwen2 reader, when the vision tower's output width is not the text model's, when
+    RoPE is scaled (M-RoPE runs over default RoPE), or when mrope_section does not cover head_dim / 2."""
     text, sections = _text_and_mrope(config)
     cfg = text_reader(text, generation_config)
     if cfg.rope_scaling is not None or cfg.sliding_window is not None:
         raise ValueError(f"config.json of {config['model_type']} sets a scaled RoPE or a sliding window; tokenmill "
                          "runs its M-RoPE over default RoPE with full attention")
     vision = qwen_vision_from_hf(config, sections)
+    if sum(sections) * 2 != (cfg.rotary_dim or cfg.head_dim):
+        raise ValueError(f"config.json rope mrope_section {list(sections)} covers {sum(sections)} rotary frequencies; "
+                         f"the text model's head_dim {cfg.head_dim} has {cfg.head_dim // 2}")
     if vision.out_hidden_size != cfg.hidden_size:
         raise ValueError(f"config.json vision_config out_hidden_size {vision.out_hidden_size} is not the text "
                          f"model's hidden_size {cfg.hidden_size}")

@@ -33,7 +33,7 @@ def mm_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, ...] | None = None)
     return h.hexdigest()
 
 
-def _image_only_processor(path: str) -> Any:
+def image_only_processor(path: str) -> Any:
     """The HF processor of the folder at `path` (its processor_class, from processor_config.json or
     preprocessor_config.json) built without its video processor, whose torchvision backend tokenmill does not install
     (transformers' AutoProcessor raises ImportError for Qwen2-VL's): the Pillow image processor, the tokenizer and the
@@ -93,7 +93,7 @@ class ImageProcessor:
             try:
                 hf = AutoProcessor.from_pretrained(path)
             except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): the image half alone
-                hf = _image_only_processor(path)
+                hf = image_only_processor(path)
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ValueError(f"{path} has no image processor transformers can load ({type(e).__name__}: {e}); a "
                              "vision-language model folder needs its processor_config.json / "
