@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from engine.qwen_vision_config import QwenVisionConfig
 from engine.rope_scaling import RopeScaling
-from engine.vision_config import VisionConfig
+from engine.vision_config import QwenVisionConfig, VisionConfig
 from schemas.engine_choices import (
     ATTENTION_BACKENDS,
     DEFAULT_INT4_GROUP_SIZE,
@@ -104,7 +103,7 @@ class ModelConfig:
             sentence-transformers saves an embedding model (Qwen3-Embedding-4B/8B: untied, no lm_head.weight): it
             embeds and cannot generate. Only with pooling_files.
         vision: a vision-language model's image encoder and projector (engine.vision_config.VisionConfig, or
-            engine.qwen_vision_config.QwenVisionConfig for Qwen2-VL / Qwen2.5-VL; a dict,
+            engine.vision_config.QwenVisionConfig for Qwen2-VL / Qwen2.5-VL; a dict,
             as JSON holds it, is converted); None for a text-only model.
 
     Raises:

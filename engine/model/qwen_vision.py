@@ -28,7 +28,7 @@ from torch import nn
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
 from engine.layers.rope import apply_rope
 from engine.model.clip_vision import vision_act
-from engine.qwen_vision_config import QwenVisionConfig
+from engine.vision_config import QwenVisionConfig
 
 
 def _act(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from engine.config import ModelConfig
 from engine.model.decoder import LlamaModel
 from engine.model.qwen_vision import QwenVisionTower
-from engine.qwen_vision_config import QwenVisionConfig
+from engine.vision_config import QwenVisionConfig
 
 
 def mrope_axes(sections: tuple[int, ...], rotary_dim: int) -> tuple[int, ...]:

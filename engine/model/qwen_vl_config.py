@@ -1,6 +1,6 @@
 """A Qwen2.5-VL or Qwen2-VL `config.json` (model_type "qwen2_5_vl" / "qwen2_vl") as a ModelConfig: the language
 model's fields through the Qwen2 reader (engine.model.hf_config), the vision tower's as a QwenVisionConfig
-(engine.qwen_vision_config) with the M-RoPE sections. Both layouts are read: the hub checkpoints' (the text model's
+(engine.vision_config) with the M-RoPE sections. Both layouts are read: the hub checkpoints' (the text model's
 fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section": [...]}`) and transformers 5's (a nested
 `text_config` whose `rope_parameters` holds mrope_section). Sources: HF transformers' Qwen2_5_VLConfig,
 Qwen2VLConfig and their vision configs (the defaults below are theirs); Bai et al., "Qwen2.5-VL Technical Report"
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import ModelConfig
-from engine.qwen_vision_config import QwenVisionConfig
+from engine.vision_config import QwenVisionConfig
 
 log = logging.getLogger(__name__)
 

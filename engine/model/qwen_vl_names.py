@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.config import ModelConfig
 from engine.model.tensor_names import param_shapes
-from engine.qwen_vision_config import QwenVisionConfig
+from engine.vision_config import QwenVisionConfig
 
 
 def qwen_vision_shapes(v: QwenVisionConfig, prefix: str = "visual.") -> dict[str, tuple[int, ...]]:

@@ -14,13 +14,20 @@ image grids) and kept on the request with its delta (engine.core.request.Request
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import ScheduledRequest
     from engine.multimodal.inputs import MultiModalItem
+
+
+class MRopeRequest(Protocol):
+    """What step_rope_rows reads of a request (engine.core.request.Request; not imported: the core imports this
+    package)."""
+
+    mrope_positions: np.ndarray | None
+    mrope_delta: int
 
 
 def prompt_positions(num_tokens: int, items: Sequence[MultiModalItem], merge: int) -> np.ndarray:
@@ -46,7 +53,7 @@ def prompt_positions(num_tokens: int, items: Sequence[MultiModalItem], merge: in
     return out
 
 
-def step_rope_rows(order: Sequence[ScheduledRequest], positions: np.ndarray) -> np.ndarray | None:
+def step_rope_rows(order: Sequence[tuple[MRopeRequest, int]], positions: np.ndarray) -> np.ndarray | None:
     """The rope rows int64 [3, T] of a step whose requests run in `order` (each feeding its tokens one after the
     other) at token `positions` int64 [T] (their indices in their sequences): a prompt token's M-RoPE positions, a
     generated token's index + its request's delta, a request without images (mrope_positions None) its indices in

@@ -13,8 +13,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from engine.multimodal.inputs import MultiModalItem, image_messages, load_image
-from engine.qwen_vision_config import QwenVisionConfig
-from engine.vision_config import VisionConfig
+from engine.vision_config import QwenVisionConfig, VisionConfig
 
 if TYPE_CHECKING:
     import numpy as np

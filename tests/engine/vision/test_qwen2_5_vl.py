@@ -58,7 +58,7 @@ def _hf(hf_qwen, prompt: dict) -> tuple[list[int], list[int]]:
 
 def test_loads_with_its_vision_config_and_param_shapes(qwen_engine) -> None:
     from engine.model.registry import entry_of
-    from engine.qwen_vision_config import QwenVisionConfig
+    from engine.vision_config import QwenVisionConfig
 
     cfg = qwen_engine.model_config
     assert cfg.architecture == "qwen2_5_vl" and isinstance(cfg.vision, QwenVisionConfig)
@@ -104,7 +104,8 @@ def test_same_image_in_two_rows_hits_the_prefix_cache(qwen_engine, hf_qwen, ques
     pool = engine.kv_cache_manager.pool
     hits, encoded_before = pool.num_cache_hits, engine.runner.images.cache.num_encoded
     out2 = engine.generate([second], GREEDY)[0]
-    common = next(i for i, (a, b) in enumerate(zip(out1.prompt_token_ids, out2.prompt_token_ids)) if a != b)
+    pairs = zip(out1.prompt_token_ids, out2.prompt_token_ids, strict=False)
+    common = next(i for i, (a, b) in enumerate(pairs) if a != b)
     assert pool.num_cache_hits - hits == common // engine.kv_cache_manager.block_size > 0
     assert engine.runner.images.cache.num_encoded == encoded_before == 1
     assert out1.output_token_ids == _hf(hf_qwen, first)[1]
