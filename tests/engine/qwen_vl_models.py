@@ -24,29 +24,37 @@ CHAT_TEMPLATE = (
     "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def build_qwen_vl(folder: Path, hf_tok, seed: int = 5):
-    """The tiny Qwen2.5-VL (fp32) saved in `folder` with its processor; returns the HF model. `hf_tok` (SmolLM2's, a
-    fresh copy: it gains the vision tokens) is its tokenizer. Weights drawn large enough that the image changes the
-    greedy text (norms around 1, the rest N(0, 0.15))."""
+def build_qwen_vl(folder: Path, hf_tok, seed: int = 5, family: str = "qwen2_5_vl"):
+    """The tiny Qwen2.5-VL, or with family "qwen2_vl" a tiny Qwen2-VL (a LayerNorm tower with a quick-GELU MLP and
+    full attention in its 2 blocks), fp32, saved in `folder` with its processor; returns the HF model. `hf_tok`
+    (SmolLM2's, a fresh copy: it gains the vision tokens) is its tokenizer. Weights drawn large enough that the
+    image changes the greedy text (norms around 1, the rest N(0, 0.15))."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = hf_tok
     tok.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
     ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(list(VISION_TOKENS)), strict=True))
-    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
-                  spatial_merge_size=MERGE, temporal_patch_size=2, window_size=2 * PATCH * MERGE,
-                  out_hidden_size=64, fullatt_block_indexes=[1])
+    common = dict(num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=2)
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
                 bos_token_id=1, eos_token_id=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    cfg = transformers.Qwen2_5_VLConfig(
+    if family == "qwen2_vl":
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, hidden_act="quick_gelu", **common)
+        processor_class = "Qwen2VLProcessor"
+    else:
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, window_size=2 * PATCH * MERGE,
+                      out_hidden_size=64, fullatt_block_indexes=[1], **common)
+        processor_class = "Qwen2_5_VLProcessor"
+    cfg = config_class(
         vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model = model_class(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -62,6 +70,6 @@ def build_qwen_vl(folder: Path, hf_tok, seed: int = 5):
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(folder)
     config = json.loads((folder / "preprocessor_config.json").read_text())
-    (folder / "preprocessor_config.json").write_text(json.dumps(config | {"processor_class": "Qwen2_5_VLProcessor"}))
+    (folder / "preprocessor_config.json").write_text(json.dumps(config | {"processor_class": processor_class}))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return model

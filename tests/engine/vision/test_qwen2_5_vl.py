@@ -83,7 +83,9 @@ def test_greedy_matches_hf_on_pictures_of_every_size_and_mode(qwen_engine, hf_qw
     prompts.append({"prompt": questions[5], "images": [picture("RGB", (30, 45), 6), picture("RGB", (120, 90), 7),
                                                        images[0]]})
     prompts.append({"prompt": questions[6]})
+    prompts.append({"prompt": questions[0], "images": [images[2]]})  # row 0's question, another picture
     outs = qwen_engine.generate(prompts, GREEDY)
+    assert outs[-1].output_token_ids != outs[0].output_token_ids  # the picture changes the text
     counts = set()
     image_token = qwen_engine.model_config.vision.image_token_id
     for prompt, out in zip(prompts, outs, strict=True):
@@ -216,3 +218,23 @@ def test_checkpoint_keys_of_both_layouts_name_the_same_parameters() -> None:
         ("lm_head.weight", "lm_head.weight", "lm_head.weight"),
     ]:
         assert _hf_param_name(saved, renames)[0] == _hf_param_name(internal, renames)[0] == ours
+
+
+def test_qwen2_vl_greedy_matches_hf(tmp_path, gguf_path: str, questions) -> None:
+    """Qwen2-VL (model_type "qwen2_vl": LayerNorm blocks, fc1/fc2 quick-GELU MLP, no windows) through the same
+    model file: a batch of a picture, two pictures and text, token-identical to HF."""
+    import transformers
+
+    from engine.multimodal.processor import image_only_processor
+    from engine.text.tokenizer import Tokenizer
+
+    build_qwen_vl(tmp_path, Tokenizer.from_gguf(gguf_path).hf_tokenizer, family="qwen2_vl")
+    hf = transformers.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, dtype="float32").eval()
+    engine = LLMEngine.from_model(str(tmp_path), EngineConfig(**CPU))
+    assert engine.model_config.architecture == "qwen2_vl" and engine.model_config.vision.style == "layer"
+    prompts = [{"prompt": questions[0], "images": [picture("RGB", (90, 40), 31)]},
+               {"prompt": questions[1], "images": [picture("L", (36, 60), 32), picture("RGBA", (70, 70), 33)]},
+               {"prompt": questions[2]}]
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert (out.prompt_token_ids, out.output_token_ids) == _hf((hf, image_only_processor(str(tmp_path))), prompt)
