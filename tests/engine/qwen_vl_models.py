@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+from llava_models import draw_weights
 
 PATCH, MERGE = 4, 2
 MIN_PIXELS, MAX_PIXELS = (8 * PATCH) ** 2, (24 * PATCH) ** 2
@@ -27,8 +28,7 @@ CHAT_TEMPLATE = (
 def build_qwen_vl(folder: Path, hf_tok, seed: int = 5, family: str = "qwen2_5_vl"):
     """The tiny Qwen2.5-VL, or with family "qwen2_vl" a tiny Qwen2-VL (a LayerNorm tower with a quick-GELU MLP and
     full attention in its 2 blocks), fp32, saved in `folder` with its processor; returns the HF model. `hf_tok`
-    (SmolLM2's, a fresh copy: it gains the vision tokens) is its tokenizer. Weights drawn large enough that the
-    image changes the greedy text (norms around 1, the rest N(0, 0.15))."""
+    (SmolLM2's, a fresh copy: it gains the vision tokens) is its tokenizer. Weights: llava_models.draw_weights."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -55,12 +55,7 @@ def build_qwen_vl(folder: Path, hf_tok, seed: int = 5, family: str = "qwen2_5_vl
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_class(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    draw_weights(model)
     model.save_pretrained(folder)
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
                                                patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE)
