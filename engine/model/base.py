@@ -13,7 +13,7 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -36,7 +36,11 @@ class ModelBase(nn.Module):
         layers: the blocks, one per layer (the quantizers walk their projections by HF names).
         embed_tokens / lm_head: the token embedding and the LM head (HF names without "model.").
         kv_cache_specs: the KV cache layout, one KVCacheSpec per layer (kind "none" where a layer keeps no cache).
+        uses_mrope: `forward` takes multimodal RoPE rows int64 [3, T] for the steps with image prompts (Qwen2-VL:
+            engine.multimodal.mrope); False (the class default): rope rows int64 [T] only.
     """
+
+    uses_mrope: ClassVar[bool] = False
 
     config: ModelConfig
     max_positions: int

@@ -45,8 +45,7 @@ class QwenVLModel(LlamaModel):
     Raises ValueError (at construction) for a config whose vision is not a QwenVisionConfig, or whose M-RoPE sections
     do not match the head size."""
 
-    #: forward takes rope_rows [3, T] (engine.multimodal.mrope): the model runner asks this, never the family name.
-    uses_mrope: ClassVar[bool] = True
+    uses_mrope: ClassVar[bool] = True  # forward takes rope_rows [3, T] (ModelBase.uses_mrope)
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         if not isinstance(cfg.vision, QwenVisionConfig):

@@ -125,7 +125,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
         self.graphs: DecodeGraphs | None = None
-        self.mrope = bool(getattr(model, "uses_mrope", False))  # rope rows [3, T] for image prompts (Qwen2-VL)
+        self.mrope = model.uses_mrope  # rope rows [3, T] for the steps with image prompts (Qwen2-VL)
         self.images = None if cfg.vision is None else ImageEmbedder(
             model, device, default_budget(cfg.vision.tokens_per_image, max_num_batched_tokens))
         # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
@@ -140,7 +140,8 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
         """Inputs of one step on the device: input_ids and RoPE table rows (int64 [T]: the positions, or with
         LongRoPE's two factor sets the rows each token's position and its request's kv_start_len pick, as HF
-        transformers' generate picks them: engine.layers.rope.longrope_table_rows), the attention metadata, and the
+        transformers' generate picks them: engine.layers.rope.longrope_table_rows; int64 [3, T] for an M-RoPE model's
+        step with image prompts: engine.multimodal.mrope.step_rope_rows), the attention metadata, and the
         rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
         step), with the host inputs (their `sampling`: the requests whose step reaches their last token). Built
         from the persistent batch (engine.worker.input_batch) with a few vectorized ops. `pending_tokens` (int64 [S'] on

@@ -127,6 +127,18 @@ def test_chunked_prefill_inside_images_and_decode_after_them(qwen_engine, hf_qwe
     assert engine.runner.images.cache.num_encoded == 3
 
 
+def test_preempted_image_rows_recompute_to_the_same_tokens(qwen_engine, hf_qwen, questions) -> None:
+    """A pool of 9 blocks of 16 tokens for three image rows of ~4 blocks each: rows are preempted and recomputed
+    (their M-RoPE positions and delta unchanged), the text HF's."""
+    engine = qwen_engine.with_config(EngineConfig(**CPU, num_kv_blocks=9, enable_prefix_caching=False,
+                                                  max_num_batched_tokens=32))
+    prompts = [{"prompt": q, "images": [picture("RGB", (56, 48), 40 + i)]} for i, q in enumerate(questions[4:7])]
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_token_ids == _hf(hf_qwen, prompt)[1]
+
+
 def test_mrope_positions_are_hf_get_rope_index(hf_qwen) -> None:
     from engine.core.request import Request
     from engine.multimodal.inputs import MultiModalItem
