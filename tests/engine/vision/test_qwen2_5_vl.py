@@ -250,3 +250,37 @@ def test_qwen2_vl_greedy_matches_hf(tmp_path, gguf_path: str, questions) -> None
     outs = engine.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs, strict=True):
         assert (out.prompt_token_ids, out.output_token_ids) == _hf((hf, image_only_processor(str(tmp_path))), prompt)
+
+
+#: Qwen/Qwen2.5-VL-7B-Instruct's config.json (the hub layout, as it is published).
+HUB_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
+    "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+}
+
+
+def test_the_7b_hub_configs_read_to_their_parameter_counts() -> None:
+    """Qwen2.5-VL-7B and Qwen2-VL-7B (its vision_config: embed_dim, mlp_ratio, no windows): 8.29B parameters each,
+    as their model cards say."""
+    from engine.model.hf_config import config_from_hf
+    from engine.model.registry import entry_of
+
+    qwen2_vl = HUB_7B | {"model_type": "qwen2_vl", "vision_config": {
+        "depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 3584,
+        "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2}}
+    for config, window in ((HUB_7B, 4), (qwen2_vl, 0)):
+        cfg = config_from_hf(config)
+        assert cfg.vision.merger_window == window and cfg.vision.mrope_section == (16, 24, 24)
+        shapes = entry_of(cfg).param_shapes(cfg)
+        assert round(sum(torch.Size(s).numel() for s in shapes.values()) / 1e9, 2) == 8.29
