@@ -36,8 +36,8 @@ def image_only_processor(path: str) -> Any:
     """The HF processor of the folder at `path` (its processor_class, from processor_config.json or
     preprocessor_config.json) built without its video processor, whose torchvision backend tokenmill does not install
     (transformers' AutoProcessor raises ImportError for Qwen2-VL's): the Pillow image processor, the tokenizer and the
-    chat template, with the processor class's own text expansion. Raises ValueError when no processor class is named,
-    ImportError when the class needs more than its video half."""
+    chat template (chat_template.jinja or chat_template.json), with the processor class's own text expansion.
+    Raises ValueError when no processor class is named, ImportError when the class needs more than its video half."""
     import json
     from pathlib import Path
 
@@ -54,7 +54,11 @@ def image_only_processor(path: str) -> Any:
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
-    template = next((f.read_text() for f in (Path(path, "chat_template.jinja"),) if f.is_file()), None)
+    template = None  # the processor's chat template (chat_template.jinja, or the older chat_template.json)
+    if Path(path, "chat_template.jinja").is_file():
+        template = Path(path, "chat_template.jinja").read_text()
+    elif Path(path, "chat_template.json").is_file():
+        template = json.loads(Path(path, "chat_template.json").read_text()).get("chat_template")
     return ImageOnly(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
                      tokenizer=transformers.AutoTokenizer.from_pretrained(path), video_processor=None,
                      chat_template=template)
