@@ -218,6 +218,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                                                       "model.vision_tower.embeddings.position_ids"),
                  hf_renames=(("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
                              ("language_model.", ""), ("vision_tower.vision_model.", "vision_tower."))),
+    # Qwen2.5-VL and Qwen2-VL (Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration): a
+    # dynamic-resolution vision tower before a Qwen2 decoder with multimodal RoPE (engine.model.qwen_vl; its config:
+    # engine.model.qwen_vl_config). Checkpoint keys as transformers saves them ("model.layers.*", "visual.*",
+    # "lm_head.*") or as its modules name them ("model.language_model.*", "model.visual.*"). HF folders only.
+    Architecture("qwen2_5_vl", ("qwen2_5_vl",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
+    Architecture("qwen2_vl", ("qwen2_vl",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
 )
 
 

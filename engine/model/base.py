@@ -6,14 +6,14 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 - `forward(input_ids, rope_rows, kv_caches, meta, attn_fn, *, inputs_embeds=None)` -> hidden states [T, hidden]
   after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead;
 - `compute_logits(hidden)` -> logits [S, vocab]: the LM head, a separate step;
-- `encode_images(pixel_values)` -> image features [N, tokens, hidden] (vision-language models only: config.vision);
+- `encode_images(pixel_values[, grid_thw])` -> image features (vision-language models only: config.vision);
 - `kv_cache_specs`: one engine.core.kv_cache_spec.KVCacheSpec per layer, the KV cache layout the model declares
   (memory fit, the KV pool and the runner read it, never a family name).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -36,7 +36,11 @@ class ModelBase(nn.Module):
         layers: the blocks, one per layer (the quantizers walk their projections by HF names).
         embed_tokens / lm_head: the token embedding and the LM head (HF names without "model.").
         kv_cache_specs: the KV cache layout, one KVCacheSpec per layer (kind "none" where a layer keeps no cache).
+        uses_mrope: `forward` takes multimodal RoPE rows int64 [3, T] for the steps with image prompts (Qwen2-VL:
+            engine.multimodal.mrope); False (the class default): rope rows int64 [T] only.
     """
+
+    uses_mrope: ClassVar[bool] = False
 
     config: ModelConfig
     max_positions: int
@@ -62,9 +66,10 @@ class ModelBase(nn.Module):
         """Input embeddings [T, hidden] of int64 input_ids [T] (what `forward` takes as inputs_embeds)."""
         raise NotImplementedError
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Image features [N, tokens per image, hidden] of pixel_values [N, channels, H, W] (a vision-language
-        model's: config.vision set); a text-only model raises NotImplementedError."""
+        model's: config.vision set), or for a dynamic-resolution model (Qwen2-VL) [sum of tokens, hidden] of the
+        images' patches concatenated and their grids int64 [N, 3]; a text-only model raises NotImplementedError."""
         raise NotImplementedError(f"the {self.config.architecture} model takes no images")
 
     def fuse_projections(self) -> int:

@@ -7,7 +7,8 @@ causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus
 (engine.model.architectures.Architecture); a structurally new family is one model module and one entry: Gemma 2/3
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
 gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
-engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava. Imports no torch at
+engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava, Qwen2-VL / Qwen2.5-VL
+engine.model.qwen_vl. Imports no torch at
 module level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a
 model is built.
 """
@@ -26,6 +27,7 @@ from engine.model.bert_names import bert_kv_layout, bert_param_shapes
 from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.modernbert_names import modernbert_param_shapes
+from engine.model.qwen_vl_names import qwen_vl_param_shapes
 from engine.model.tensor_names import param_shapes
 from engine.model.vision_names import llava_param_shapes
 
@@ -78,6 +80,9 @@ MODERNBERT_ENCODER = ModelEntry(_model_class("modernbert", "ModernBertEncoderMod
 #: LLaVA-1.5 (engine.model.llava): the causal decoder with a CLIP vision tower and a projector; its KV cache is the
 #: decoder's (the tower keeps none).
 LLAVA = ModelEntry(_model_class("llava", "LlavaVLM"), llava_param_shapes, decoder_kv_layout, takes_images=True)
+#: Qwen2-VL / Qwen2.5-VL (engine.model.qwen_vl): the Qwen2 decoder with M-RoPE and a dynamic-resolution vision tower.
+QWEN_VL = ModelEntry(_model_class("qwen_vl", "QwenVLModel"), qwen_vl_param_shapes, decoder_kv_layout,
+                     takes_images=True)
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
@@ -95,6 +100,8 @@ MODELS: dict[str, ModelEntry] = {
     "xlm_roberta": BERT_ENCODER,
     "modernbert": MODERNBERT_ENCODER,
     "llava": LLAVA,
+    "qwen2_5_vl": QWEN_VL,
+    "qwen2_vl": QWEN_VL,
 }
 
 #: Sequence classifiers (ModelConfig.labels set; engine.model.classifier_names): architecture -> its entry.

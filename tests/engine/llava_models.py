@@ -44,12 +44,7 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(cfg).eval()
     model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    draw_weights(model)
     model.save_pretrained(folder)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -60,6 +55,17 @@ def build_llava(folder: Path, hf_tok, seed: int = 3):
                                             chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(folder)
     return model
+
+
+def draw_weights(model: torch.nn.Module) -> None:
+    """Redraw a tiny model's weights (torch's global generator) large enough that an image changes the greedy
+    text: norm weights around 1 (1 + N(0, 0.3)), every other parameter N(0, 0.15)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
 
 
 def picture(kind: str, size: tuple[int, int], seed: int) -> Image.Image:
