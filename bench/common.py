@@ -50,6 +50,26 @@ def read_column(name: str, column: str) -> list:
     return pq.read_table(data_file(name), columns=[column]).column(column).to_pylist()
 
 
+def real_texts() -> list[str]:
+    """The distinct non-empty texts of the shared prompt sets (GSM8K test questions and answers, AlpacaEval
+    instructions and reference outputs: 4,248, 4 to about 2,000 words), interleaved so that every slice mixes the
+    four."""
+    import pyarrow.parquet as pq
+
+    gsm = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question", "answer"])
+    alpaca = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction", "reference_output"])
+    columns = [gsm.column("question").to_pylist(), alpaca.column("instruction").to_pylist(),
+               gsm.column("answer").to_pylist(), alpaca.column("reference_output").to_pylist()]
+    seen: set[str] = set()
+    out: list[str] = []
+    for i in range(max(len(c) for c in columns)):
+        for c in columns:
+            if i < len(c) and isinstance(c[i], str) and c[i].strip() and c[i] not in seen:
+                seen.add(c[i])
+                out.append(c[i])
+    return out
+
+
 def emit(**row: object) -> None:
     """Print one measurement as a JSON line (flushed: a benchmark cut short keeps its rows)."""
     print(json.dumps(row), flush=True)

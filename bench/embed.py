@@ -28,25 +28,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
-from bench.common import best_seconds, data_file, new_parser, run_worker
-
-
-def real_texts() -> list[str]:
-    """The distinct non-empty texts of the shared prompt sets, interleaved so that every slice mixes the four."""
-    gsm = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question", "answer"])
-    alpaca = pq.read_table(data_file("alpaca_eval.parquet"), columns=["instruction", "reference_output"])
-    columns = [gsm.column("question").to_pylist(), alpaca.column("instruction").to_pylist(),
-               gsm.column("answer").to_pylist(), alpaca.column("reference_output").to_pylist()]
-    seen: set[str] = set()
-    out: list[str] = []
-    for i in range(max(len(c) for c in columns)):
-        for c in columns:
-            if i < len(c) and isinstance(c[i], str) and c[i].strip() and c[i] not in seen:
-                seen.add(c[i])
-                out.append(c[i])
-    return out
+from bench.common import best_seconds, new_parser, real_texts, run_worker
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare, here, what bench/gpu_session.sh carries to the device machine (all in git-ignored folders):
 #   .gpu        every call: the prompt sets ($TOKENMILL_DATA_DIR or ../shared/data), the default model's package
-#               without its GGUF (.gpu/pkg) and the GGUF's sha256
+#               without its GGUF (.gpu/pkg), the GGUF's sha256 and the BERT uncased tokenizer's files of the installed
+#               all-MiniLM-L6-v2 (.gpu/bert_tokenizer, no weights: bench/embed_gpu.py's texts)
 #   .gpu_w      the first call only (installed into /tmp/site, which stays while the machine is warm): wheels the
 #               device image lacks or has too old: gguf, tenacity, gemlite (GemLite's INT4 kernels; PyPI has only its
 #               sdist, built here as a pure-Python wheel), pydantic and its three needs (schemas/), xgrammar and
@@ -16,6 +17,9 @@ W=$(mktemp -d)
 rm -rf .gpu .gpu_a .gpu_b .gpu_t .gpu_w
 mkdir -p .gpu/data .gpu/pkg .gpu_w .gpu_a .gpu_b
 cp "${TOKENMILL_DATA_DIR:-../shared/data}"/*.parquet .gpu/data/
+MINILM=$(python3 -c "from engine.loading.model_files import default_embedding_model_path as p; print(p())")
+mkdir -p .gpu/bert_tokenizer
+cp "$MINILM"/{tokenizer.json,tokenizer_config.json,vocab.txt,special_tokens_map.json} .gpu/bert_tokenizer/
 # The wheels beyond the device image's packages (bench/gpu_image_packages.txt), needs included: the steps' imports and
 # these wheels' Requires-Dist are checked against both by tests/bench/test_gpu_session.py. One name a line, no
 # versions: each comes at the version of requirements.lock (pip's -c), the one the suite was green with, so the device

@@ -20,10 +20,11 @@
 #      tok/s with the roof (the w1 target), the decode-step profile and its befores on the same card: the fused ops
 #      off (TOKENMILL_TRITON_FUSED=0), synchronous scheduling.
 #   If time is left (budget_left_s over about 120: BUDGET_S = budget_left_s - 60, timeout_s = BUDGET_S + 20):
-#   3. run(command="STEPS='kernel_tests moe moe_int4 moe_int4_engine throughput_sync throughput_unfused kernels \
-#          int4_tests int4_engine profile_int4 moe_loop' BUDGET_S=240 bash bench/gpu_session.sh", carry=[".gpu"],
-#          timeout_s=260)
-#      The Triton kernels against torch on CUDA, the Qwen3-30B-A3B shape's w1 (MoE on the Triton grouped GEMMs; the
+#   3. run(command="STEPS='embed kernel_tests moe moe_int4 moe_int4_engine throughput_sync throughput_unfused \
+#          kernels int4_tests int4_engine profile_int4 moe_loop' BUDGET_S=240 bash bench/gpu_session.sh",
+#          carry=[".gpu"], timeout_s=260)
+#      Embeddings (issue 53: rows/s, input tokens/s and per dollar of the bge-large-en-v1.5 and Qwen3-Embedding-0.6B
+#      shapes, random bf16 weights, 4,248 real texts), the Triton kernels against torch on CUDA, the Qwen3-30B-A3B shape's w1 (MoE on the Triton grouped GEMMs; the
 #      dense w1 is call 2's throughput), its INT4 experts (the kernel alone, then the engine), the clean tok/s
 #      befores, the attention kernels, the INT4 tests and the INT4 vs bf16 engine by batch.
 # BUDGET_S: the seconds this call may take: each step gets at most what is left of it (less 25 s for the summary)
@@ -81,6 +82,11 @@ step int4_tests 150 python3 -m pytest -q -p no:cacheprovider -rs tests/engine/qu
 # torch vs Triton per fused op at T = 1, 64, 512, 2048 (est. 60 s).
 step fused 90 python3 -m bench.fused_ops
 step kernels 60 python3 -m bench.attention_kernels
+# Embeddings (issue 53): LLMEngine.embed over the 4,248 real texts with random bf16 weights of bge-large-en-v1.5 (BERT-
+# large, CLS) and Qwen3-Embedding-0.6B (last token) from their released configs, the BERT tokenizer .gpu carries;
+# rows/s, input tokens/s, input tokens and rows per dollar at $3/hour (est. 90 s: two loads of ~1 GB, 3 passes each).
+# Smoke run on a CPU: python -m bench.embed_gpu --device cpu --tiny --rows 32
+step embed 150 python3 -m bench.embed_gpu --device cuda
 # One Qwen3-30B-A3B MoE layer's experts (hidden 2048, 128 experts of width 768, top-8, g128): INT4 grouped GEMMs
 # (engine.kernels.triton_moe_int4) vs bf16 on the same weights, T = 1, 32, 256, 2048, CUDA graphs (est. 60 s). Smoke
 # run on a CPU: TRITON_INTERPRET=1 python -m bench.moe_int4 --device cpu --tiny
@@ -112,7 +118,7 @@ print(model_fit(\"$d\", c, model_context(\"$d\")).line())"
         --max-model-len 4096 ${BIG_ARGS:-} || { echo "big_gptq: $s did not load or run here (see above)"; exit 2; }'
 
 STEPS=${STEPS:-int4_sweep fused gpu_tests throughput profile profile_unfused profile_sync kernel_tests moe moe_int4 \
-moe_int4_engine throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4}
+moe_int4_engine throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4 embed}
 for name in $STEPS; do
     [ -n "${LIMIT[$name]:-}" ] || { echo "unknown step '$name' in STEPS; the steps: ${NAMES[*]}" >&2; exit 2; }
 done

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.rope_scaling import RopeScaling
-from engine.vision_config import VisionConfig
+from engine.vision_config import QwenVisionConfig, VisionConfig
 from schemas.engine_choices import (
     ATTENTION_BACKENDS,
     DEFAULT_INT4_GROUP_SIZE,
@@ -94,7 +94,9 @@ class ModelConfig:
             a row's non-pad tokens, a pad token sitting at padding_idx (XLM-RoBERTa: 1); None: from 0 (BERT).
         labels: a sequence classifier's label names in id order (config.json id2label; engine.model.classifier);
             () for every other model. regression: its head gives raw scores, not classes (problem_type
-            "regression", or a single label). classifier_pooling: what its head reads of a row: "cls" (one token: an
+            "regression", or a single label without a problem_type). multi_label: its labels are independent
+            (problem_type "multi_label_classification"): a sigmoid per label, not a softmax over them.
+            classifier_pooling: what its head reads of a row: "cls" (one token: an
             encoder's first, [CLS]; a decoder's last) or "mean" (the mean of the row's tokens: ModernBERT's
             classifier_pooling "mean").
         pooling_files: the model's folder holds sentence-transformers files (modules.json; engine.pooling.st_config):
@@ -102,7 +104,8 @@ class ModelConfig:
         lm_head: the causal decoder holds its LM head (its own or tied); False: the trunk alone, as
             sentence-transformers saves an embedding model (Qwen3-Embedding-4B/8B: untied, no lm_head.weight): it
             embeds and cannot generate. Only with pooling_files.
-        vision: a vision-language model's image encoder and projector (engine.vision_config.VisionConfig; a dict,
+        vision: a vision-language model's image encoder and projector (engine.vision_config.VisionConfig, or
+            engine.vision_config.QwenVisionConfig for Qwen2-VL / Qwen2.5-VL; a dict,
             as JSON holds it, is converted); None for a text-only model.
 
     Raises:
@@ -153,14 +156,16 @@ class ModelConfig:
     position_padding_idx: int | None = None
     labels: tuple[str, ...] = ()
     regression: bool = False
+    multi_label: bool = False
     classifier_pooling: str = "cls"
     pooling_files: bool = False
     lm_head: bool = True
-    vision: VisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
-            object.__setattr__(self, "vision", VisionConfig(**self.vision))
+            kind = QwenVisionConfig if "spatial_merge_size" in self.vision else VisionConfig
+            object.__setattr__(self, "vision", kind(**self.vision))
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         object.__setattr__(self, "labels", tuple(str(t) for t in self.labels))  # a JSON round trip gives a list
         if isinstance(self.rope_scaling, dict):

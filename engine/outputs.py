@@ -114,13 +114,17 @@ class ClassificationOutput:
         request_id: the caller's id for the text (string; its index when none was given).
         label: the most probable label's name (config.json id2label); None for a regression head (problem_type
             "regression" or a single label: its scores are raw, no label wins) and for an error output.
-        score: the label's probability (softmax over the labels); for a regression head its first raw logit;
-            None for an error output.
-        scores: float32 numpy array [num_labels], by label id: the softmax probabilities (sum 1), or for a
-            regression head the raw logits; None for an error output.
+        score: the label's probability (softmax over the labels; a multi-label head's sigmoid of its logit); for
+            a regression head its first raw logit; None for an error output.
+        scores: float32 numpy array [num_labels], by label id: the softmax probabilities (sum 1), a multi-label
+            head's per-label sigmoid probabilities (each in (0, 1), independent), or for a regression head the raw
+            logits; None for an error output.
         num_prompt_tokens: tokens the model read, special tokens included (after truncation).
         truncated: the text was longer than the model's row limit and its tail was dropped.
         error: why the text could not be classified (not a string, empty / only whitespace), or None.
+        labels: a multi-label head's (problem_type "multi_label_classification") labels whose probability is
+            >= MULTI_LABEL_THRESHOLD (0.5: logit >= 0), in id order, possibly empty; None for any other head and
+            for an error output.
     """
 
     request_id: str
@@ -130,6 +134,11 @@ class ClassificationOutput:
     num_prompt_tokens: int
     truncated: bool = False
     error: str | None = None
+    labels: list[str] | None = None
+
+
+#: A multi-label head's label is on when its sigmoid probability is at least this (HF's and vLLM's usual cut).
+MULTI_LABEL_THRESHOLD = 0.5
 
 
 @dataclass

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import fsspec
+import pyarrow.parquet as pq
 
 from jobs.errors import (
     EXIT_CANCELLED,
@@ -35,12 +36,21 @@ from jobs.summary import add_accounting
 from pipeline.accounting import PerDollar, tokens_per_dollar
 from pipeline.config import RunConfig
 from pipeline.input import Shard
-from pipeline.layout import MANIFEST, cancel_aside_path, cancel_path, is_cancel_aside, manifest_dir, success_path
+from pipeline.layout import (
+    MANIFEST,
+    cancel_aside_path,
+    cancel_path,
+    is_cancel_aside,
+    manifest_dir,
+    results_path,
+    success_path,
+)
 from pipeline.manifest import InputManifest, read_manifest
 from pipeline.model_pin import read_model_pin
 from pipeline.record import ShardRecord
+from pipeline.row_kinds import results_task
 from pipeline.status import ShardState, shard_state
-from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_json
+from pipeline.storage import commit_json, exists_now, list_folder, output_fs, read_fs, read_json
 
 STATES = ("done", "running", "partial", "failed", "pending")
 # Shards whose state status reads at once (each is a few small listings of the store).
@@ -133,7 +143,8 @@ class JobStatus(PerDollar):
     Token counts in tokens, cost in USD, device_s_lost in device-seconds. `dtypes` and `quantizations`: the distinct
     torch dtypes and weight quantizations the done shards ran in (jobs.summary.JobSummary's). `model`: the pinned
     model (pipeline.model_pin: model, resolved, fingerprint, pinned_at, files), None for a job started before models
-    were pinned.
+    were pinned. `task`: generate, embed, classify or score, read from a done shard's results columns
+    (pipeline.row_kinds.results_task; the manifest does not pin it); None until a shard is done.
     """
 
     output: str
@@ -145,6 +156,7 @@ class JobStatus(PerDollar):
     rows: int
     rows_committed: int
     input_tokens: int = 0
+    images: int = 0
     output_tokens: int = 0
     cost_usd: float = 0.0
     attempts: int = 0
@@ -158,6 +170,7 @@ class JobStatus(PerDollar):
     dtypes: list[str] = field(default_factory=list)
     quantizations: list[str] = field(default_factory=list)
     model: dict[str, Any] | None = None
+    task: str | None = None
 
     @property
     def rows_per_dollar(self) -> float | None:
@@ -169,13 +182,13 @@ class JobStatus(PerDollar):
         """JSON-ready."""
         return {"output": self.output, "state": self.state, "exit_code": self.exit_code, "input": self.input,
                 "started_at": self.started_at, "shards": self.shards, "rows": self.rows,
-                "rows_committed": self.rows_committed, "input_tokens": self.input_tokens,
+                "rows_committed": self.rows_committed, "input_tokens": self.input_tokens, "images": self.images,
                 "output_tokens": self.output_tokens, "cost_usd": round(self.cost_usd, 6),
                 **self.per_dollar(), "attempts": self.attempts,
                 "preemptions": self.preemptions, "device_s_lost": round(self.device_s_lost, 3),
                 "device_s_unfinished": round(self.device_s_unfinished, 3), "lease": self.lease,
                 "cancelled": self.cancelled, "failed": self.failed, "shard_states": self.shard_states,
-                "dtypes": self.dtypes, "quantizations": self.quantizations, "model": self.model}
+                "dtypes": self.dtypes, "quantizations": self.quantizations, "model": self.model, "task": self.task}
 
 
 def job_status(output_url: str) -> JobStatus:
@@ -217,7 +230,20 @@ def job_status(output_url: str) -> JobStatus:
     pin = read_model_pin(output_url)
     status.model = None if pin is None else pin.as_json()
     status.state, status.exit_code = _overall(status, job_done(output_url))
+    done = [shard.shard_id for shard, st in zip(shards, states, strict=True) if st.state == "done"]
+    status.task = _results_task(output_url, done[0]) if done else None
     return status
+
+
+def _results_task(output_url: str, shard_id: str) -> str | None:
+    """The task of the job at OUTPUT from the columns of the done shard `shard_id`'s results (its Parquet footer
+    only; pipeline.row_kinds.results_task); None when they cannot be read."""
+    fs, root = read_fs(output_url)
+    try:
+        with fs.open(results_path(root, shard_id), "rb") as f:
+            return results_task(pq.read_schema(f).names)
+    except OSError:
+        return None
 
 
 def _unfinished_bill(output_url: str, shard_id: str) -> tuple[float, float]:

@@ -13,6 +13,7 @@ from jobs.errors import JobError
 from jobs.formats.openai_batch import prepare_spec
 from jobs.formats.openai_batch_task import batch_task
 from jobs.metrics import JobMetrics
+from jobs.plan.image_check import check_images
 from jobs.plan.preflight import (
     check_device,
     check_max_model_len,
@@ -57,7 +58,8 @@ def run_config(spec: JobSpec) -> RunConfig:
     dim = check_embedding(spec.model, spec.task, spec.embedding)
     try:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
-                         text_pair_column=c.text_pair,
+                         text_pair_column=c.text_pair, image_column=c.image,
+                         max_images_per_row=c.max_images_per_row, max_pixels=c.max_pixels,
                          use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
                          **sampling, **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour,
                          task=spec.task, embedding_dim=dim, **spec.embedding.model_dump())
@@ -81,15 +83,16 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 def checked_spec(spec: JobSpec) -> JobSpec:
     """The spec with OUTPUT and a local model made absolute (for --task embed without --model: the default
     embedding model; an OpenAI batch file of /v1/embeddings runs as --task embed: batch_task), after
-    jobs.plan.preflight's checks of both, of the task against the model
-    (jobs.plan.task_check, and its embed options), of --max-model-len and --quantization against the model and of
-    a CUDA --device here. Raises JobError (exit 2) naming the problem and the fix, or the object store of INPUT or
-    the model not answering."""
+    jobs.plan.preflight's checks of both, of the task against the model (jobs.plan.task_check, and its embed
+    options), of the image options against the model (jobs.plan.image_check), of --max-model-len and
+    --quantization against the model and of a CUDA --device here. Raises JobError (exit 2) naming the problem and
+    the fix, or the object store of INPUT or the model not answering."""
     check_store(spec.input, "INPUT")
     spec = batch_task(spec)
     check_store(spec.model, "--model")
     model = check_model(task_model(spec.model, spec.task))
     check_task(model, spec.task)
+    check_images(model, spec)
     check_embedding(model, spec.task, spec.embedding)
     e = spec.engine
     check_device(e.device, spec.cluster.scheduler)

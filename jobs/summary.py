@@ -50,6 +50,7 @@ class JobSummary(PerDollar):
     rows_ok: int = 0
     rows_error: int = 0
     input_tokens: int = 0
+    images: int = 0
     output_tokens: int = 0
     device_s: float = 0.0
     cost_usd: float = 0.0
@@ -105,7 +106,7 @@ class JobSummary(PerDollar):
         return {"shards": self.shards, "shards_ok": self.shards_ok, "shards_failed": len(self.failed),
                 "failed": self.failed, "shards_stopped": len(self.stopped), "stopped": self.stopped,
                 "rows": self.rows, "rows_ok": self.rows_ok, "rows_error": self.rows_error,
-                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "images": self.images,
                 "wall_s": round(self.wall_s, 3), "device_s": round(self.device_s, 3),
                 "output_tokens_per_s": round(self.output_tokens_per_s, 2), "cost_usd": round(self.cost_usd, 6),
                 **self.per_dollar(),
@@ -131,10 +132,11 @@ def generated_tokens(row: dict[str, Any]) -> int:
 
 def add_accounting(totals: Any, row: dict[str, Any]) -> None:
     """Fold the totals a job's summary and its status (jobs.control.JobStatus) both keep from a shard's accounting
-    row into `totals` (an object with those attributes): input / output tokens, cost (USD), preemptions,
+    row into `totals` (an object with those attributes): input / output tokens, images, cost (USD), preemptions,
     device-seconds lost, and the distinct dtypes and quantizations. The one fold of those fields."""
     totals.input_tokens += int(row["input_tokens"])
     totals.output_tokens += int(row["output_tokens"])
+    totals.images += int(row.get("images") or 0)  # null: no images, or accounting written before the column
     totals.cost_usd += float(row["cost_usd"])
     totals.preemptions += int(row.get("preemptions") or 0)
     totals.device_s_lost += float(row.get("device_s_lost") or 0.0)

@@ -178,6 +178,15 @@ def ran_prompt_tokens(results: pa.Table) -> int:
     return int(pc.sum(pc.filter(results.column("prompt_tokens"), ran)).as_py() or 0)
 
 
+def ran_images(results: pa.Table) -> int | None:
+    """Images in the prompts of the rows that ran (error null); None for results without an `images` column
+    (written before it existed, or an embed job's)."""
+    if "images" not in results.column_names:
+        return None
+    ran = pc.is_null(results.column("error"))
+    return int(pc.sum(pc.filter(results.column("images"), ran)).as_py() or 0)
+
+
 def quantization_label(mode: str, loaded: str | None) -> str:
     """The accounting's quantization value: the engine's mode (none, auto, int4, int8), then, for an already
     quantized model, how its layers were loaded in parentheses (LLMEngine.quantization_loaded), e.g. "auto (gptq
@@ -219,6 +228,7 @@ def accounting_row(*, shard_id: str, attempt: int, input_path: str, row_start: i
         "kv_preemptions": kv_preemptions, "model": model,
         "model_fingerprint": model_fingerprint, "finished_at": datetime.now(UTC), "generated_tokens": generated_tokens,
         "input_tokens_per_dollar": tokens_per_dollar(in_tokens, cost), "rows_per_dollar": tokens_per_dollar(rows, cost),
+        "images": ran_images(results),
     }
 
 

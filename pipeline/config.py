@@ -29,6 +29,12 @@ class RunConfig:
         id_column: column of row ids; when the input lacks it, ids are row positions in the file.
         text_pair_column: column of each row's second text (task score only, and required there: the prompt column
             holds the first); None for the other tasks.
+        image_column: column of each row's images (pipeline.images: bytes, {bytes, path} structs, paths or fsspec
+            URLs, or lists of them); None: rows carry images only as their messages' image parts.
+        max_images_per_row: most images in one row (image column plus image parts); more make an error row. None:
+            no limit but the context.
+        max_pixels: the image processor's pixel limit to use (jobs.plan.image_check refuses it where the model's
+            processor has none); None: the processor's own.
         use_chat_template: wrap text prompts in the model's chat template.
         allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
             control); by default user text is encoded as text (engine.text.tokenizer).
@@ -64,6 +70,9 @@ class RunConfig:
     messages_column: str = _COLUMNS.messages
     id_column: str = _COLUMNS.id
     text_pair_column: str | None = _COLUMNS.text_pair
+    image_column: str | None = _COLUMNS.image
+    max_images_per_row: int | None = _COLUMNS.max_images_per_row
+    max_pixels: int | None = _COLUMNS.max_pixels
     use_chat_template: bool = _COLUMNS.chat_template
     allow_special_tokens: bool = _COLUMNS.allow_special_tokens
     max_tokens: int = _SAMPLING.max_tokens
@@ -102,7 +111,8 @@ class RunConfig:
             JobSpec.model_validate({
                 "input": "-", "output": "-", "price_per_hour": self.price_per_hour_usd, "task": self.task,
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
-                            "text_pair": self.text_pair_column,
+                            "text_pair": self.text_pair_column, "image": self.image_column,
+                            "max_images_per_row": self.max_images_per_row, "max_pixels": self.max_pixels,
                             "chat_template": self.use_chat_template,
                             "allow_special_tokens": self.allow_special_tokens},
                 "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
@@ -122,6 +132,9 @@ class RunConfig:
                              "it or add --task score" if self.text_pair_column is not None else
                              "--task score needs --text-pair-column COLUMN, the column of each row's second text "
                              "(the prompt column, --prompt-column, holds the first)")
+        if self.image_column is not None and self.task != "generate":
+            raise InputError(f"--image-column applies to --task generate only (images in, text out); this job's task "
+                             f"is {self.task}: drop --image-column or the --task")
         if self.dimensions is not None and self.dimensions != self.embedding_dim:
             raise InputError(f"embedding_dim {self.embedding_dim} must be the dimensions asked, {self.dimensions}")
         if not self.heartbeat_seconds > 0:

@@ -23,7 +23,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.config import InputError, RunConfig
-from pipeline.input_columns import check_column_type, check_pair_column
+from pipeline.input_columns import check_column_type, check_image_column, check_pair_column
 from pipeline.storage import is_transient, retry_transient
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,8 @@ def validate_columns(fs: AbstractFileSystem, files: list[str], cfg: RunConfig) -
         chosen = column
         if cfg.text_pair_column is not None:  # a score job's second text
             check_pair_column(_url(fs, path), cfg.text_pair_column, schema)
+        if cfg.image_column is not None:  # a vision-language job's images
+            check_image_column(_url(fs, path), cfg.image_column, schema)
     return chosen or cfg.prompt_column
 
 

@@ -72,3 +72,25 @@ def check_pair_column(url: str, column: str, schema: pa.Schema) -> None:
     if not (pa.types.is_null(t) or is_text_type(t)):
         raise InputError(f"text pair column {column!r} of {url} holds {t}, not text (string). Convert it before the "
                          f"job (with pyarrow: `table = {text_fix(column, t)}`), or name another --text-pair-column")
+
+
+def _is_image_type(t: pa.DataType) -> bool:
+    """Bytes, text (a path or URL), or a struct with a `bytes` or `path` field (HF datasets' Image feature)."""
+    if pa.types.is_struct(t):
+        return t.get_field_index("bytes") >= 0 or t.get_field_index("path") >= 0
+    return (is_text_type(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+            or pa.types.is_fixed_size_binary(t))
+
+
+def check_image_column(url: str, column: str, schema: pa.Schema) -> None:
+    """Raise InputError when the image column (--image-column) is missing from the file at `url` (naming the
+    columns found) or holds neither images (bytes, {bytes, path} structs, paths or URLs as text) nor lists of
+    them."""
+    if column not in schema.names:
+        raise InputError(f"image column {column!r} not found in {url}; columns found: {schema.names}. Name the "
+                         "column of each row's images with --image-column")
+    t = schema.field(column).type
+    if not (pa.types.is_null(t) or _is_image_type(t) or (_is_list_type(t) and _is_image_type(t.value_type))):
+        raise InputError(f"image column {column!r} of {url} holds {t}, not images: store image bytes (binary), "
+                         "{bytes, path} structs (Hugging Face datasets' Image), paths or URLs as text, or a list of "
+                         "those per row; or name another column with --image-column")

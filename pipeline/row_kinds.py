@@ -10,7 +10,7 @@ checkpoints, exactly-once commits and accounting.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,17 @@ CLASSIFY = RowKind(embed_requests, embed_rows, classify_part_table, CLASSIFY_PAR
                    lambda out: 0, lambda out: out is None)
 SCORE = RowKind(embed_requests, embed_rows, score_part_table, SCORE_PART_SCHEMA, SCORE_RESULTS_SCHEMA,
                 lambda out: 0, lambda out: out is None)
+
+
+#: (task, the column of its results that marks it), in the order to test them: classify's `label` before score's
+#: `score` (a classify job's results hold a score too).
+_RESULTS_MARKS = (("classify", "label"), ("score", "score"), ("embed", "embedding"), ("generate", "completion"))
+
+
+def results_task(names: Sequence[str]) -> str | None:
+    """The task whose results (or checkpoint parts) have the columns `names` (a results file's schema names):
+    generate, embed, classify or score; None for none of them."""
+    return next((task for task, column in _RESULTS_MARKS if column in names), None)
 
 
 def row_kind(cfg: RunConfig) -> RowKind:

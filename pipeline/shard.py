@@ -28,6 +28,7 @@ from engine.loop.clock import DeviceClock
 from pipeline.accounting import accounting_row
 from pipeline.checkpoint import Checkpointer
 from pipeline.config import RunConfig
+from pipeline.images import image_rows, with_image_counts
 from pipeline.input import InputChanged, Shard
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.record import Attempt, ShardRecord
@@ -150,29 +151,34 @@ def _engine_of(runner: LLMEngine | EngineLoop) -> LLMEngine:
 
 @dataclass(frozen=True)
 class _ShardWork:
-    """A shard's rows, those of them left to generate (`todo`: their positions, in order; `pending`: those rows)
-    and their requests (indices into `todo`: pipeline.shard_requests.row_requests)."""
+    """A shard's rows, those of them left to generate (`todo`: their positions, in order; `pending`: those rows,
+    their images read into image prompts: pipeline.images), their requests (indices into `todo`:
+    pipeline.shard_requests.row_requests) and the images of each (shard position -> images; empty for a job
+    without images)."""
 
     rows: ShardRows
     todo: list[int]
     pending: ShardRows
     requests: RowRequests
+    images: dict[int, int | None]
 
     @classmethod
     def read(cls, record: ShardRecord, shard: Shard, prompt_column: str, cfg: RunConfig,
              pinned: tuple[int, str] | None) -> _ShardWork:
-        """Read the shard's rows (read_shard) and its committed rows. A read that fails (ShardError, InputChanged)
-        is recorded as a failed attempt, then raised."""
+        """Read the shard's rows (read_shard), its committed rows and the images of the others (image_rows). A read
+        that fails (ShardError, InputChanged) is recorded as a failed attempt, then raised."""
         try:
             rows = read_shard(shard, prompt_column, cfg.id_column, pair_column=cfg.text_pair_column,
-                              messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned)
+                              messages=prompt_column == cfg.messages_column != cfg.prompt_column, pinned=pinned,
+                              image_column=cfg.image_column)
+            done = record.committed_rows()
+            todo = [k for k in range(len(rows.ids)) if k not in done]
+            pending, counts = image_rows(rows.take(todo), shard.url, cfg.image_column, cfg.max_images_per_row)
         except (ShardError, InputChanged) as e:
             record.record_failure(f"{type(e).__name__}: {e}")
             raise
-        done = record.committed_rows()
-        todo = [k for k in range(len(rows.ids)) if k not in done]
-        pending = rows.take(todo)
-        return cls(rows, todo, pending, row_kind(cfg).requests(pending, cfg))
+        images = {k: n for k, n in zip(todo, counts, strict=True)} if any(counts) else {}
+        return cls(rows, todo, pending, row_kind(cfg).requests(pending, cfg), images)
 
 
 def _results(merged: pa.Table, shard: Shard, schema: pa.Schema) -> pa.Table:
@@ -199,7 +205,9 @@ def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: 
         rows_resumed = len(rows.ids) - len(todo)
         ckpt = attempt.checkpointer(facts.model, every_rows=cfg.checkpoint_rows, every_s=cfg.checkpoint_seconds,
                                     started=t0, model_fingerprint=facts.model_fingerprint, device_s=clock.device_s,
-                                    to_table=kind.part_table)
+                                    to_table=(with_image_counts(kind.part_table, work.images)
+                                              if work.images and "images" in kind.part_schema.names
+                                              else kind.part_table))
 
         def stop() -> bool:
             return notice.is_set() or (should_stop is not None and should_stop())

@@ -130,7 +130,7 @@ def classify_part_table(rows: list[tuple[int, ClassificationOutput]], model: str
     """The part builder of a classify job (pipeline.checkpoint.PartTableFn): finished rows (position in the shard,
     ClassificationOutput) -> a table of schemas.arrow.CLASSIFY_PART_SCHEMA."""
     return pa.Table.from_pylist([{
-        "id": o.request_id, "label": o.label, "score": o.score, "scores": o.scores,
+        "id": o.request_id, "label": o.label, "score": o.score, "scores": o.scores, "labels": o.labels,
         "prompt_tokens": o.num_prompt_tokens, "error": o.error, "model": model, "model_fingerprint": model_fingerprint,
         "truncated": o.truncated, "row": k} for k, o in rows], schema=CLASSIFY_PART_SCHEMA)
 

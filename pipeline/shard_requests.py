@@ -50,7 +50,9 @@ def row_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
     runnable: list[int] = []
     params: list[SamplingParams] = []
     for k, prompt in enumerate(rows.prompts):
-        problem = (rows.errors[k] if rows.errors else None) or prompt_problem(prompt, token_ids=False)
+        # An image prompt (a dict: pipeline.images) is checked by the engine's processor when it runs.
+        problem = (rows.errors[k] if rows.errors else None) or (
+            None if isinstance(prompt, dict) else prompt_problem(prompt, token_ids=False))
         if not problem:
             try:
                 key = rows.ids[k] if rows.ids[k] is not None else f"#{rows.positions[k] if rows.positions else k}"
@@ -63,6 +65,24 @@ def row_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
         else:
             runnable.append(k)
     return RowRequests(errors, runnable, params)
+
+
+def _text_only(requests: RowRequests, rows: ShardRows, engine: LLMEngine | EngineLoop | None) -> RowRequests:
+    """`requests` with the image prompts (dicts: pipeline.images) among the runnable rows as error rows when
+    `engine`'s model is text-only (it would refuse the whole batch)."""
+    from engine.loop.engine_loop import EngineLoop
+
+    llm = engine.engine if isinstance(engine, EngineLoop) else engine
+    if llm is None or llm.image_processor is not None:
+        return requests
+    images = {j for j, k in enumerate(requests.runnable) if isinstance(rows.prompts[k], dict)}
+    if not images:
+        return requests
+    errors = dict(requests.errors) | {requests.runnable[j]: "this row has images but the model is text-only (it "
+                                      "takes no images); run a vision-language model (e.g. LLaVA-1.5)"
+                                      for j in images}
+    keep = [j for j in range(len(requests.runnable)) if j not in images]
+    return RowRequests(errors, [requests.runnable[j] for j in keep], [requests.params[j] for j in keep])
 
 
 def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
@@ -86,7 +106,7 @@ def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: R
     """
     from engine.loop.engine_loop import EngineLoop
 
-    requests = requests or row_requests(rows, cfg)
+    requests = _text_only(requests or row_requests(rows, cfg), rows, engine)
     runnable, params = requests.runnable, requests.params
     if engine is None and runnable:
         raise ValueError(f"{len(runnable)} rows can run but no engine was given")

@@ -24,8 +24,9 @@ class ShardError(RuntimeError):
 class ShardRows:
     """The rows of one shard: ids (text, or None where the id column is null) and prompts (text, message lists, or
     None for a missing prompt); per row, optionally, its own sampling values and a request error
-    (pipeline.row_options; None: the input has none), its position in the input file, and a score job's second text
-    (`pairs`, text or None; None for the other tasks)."""
+    (pipeline.row_options; None: the input has none), its position in the input file, a score job's second text
+    (`pairs`, text or None; None for the other tasks), and the image column's values (`images`: as read, one cell
+    per row; pipeline.images turns them into image prompts; None without --image-column)."""
 
     ids: list[str | None]
     prompts: list[Any]
@@ -33,6 +34,7 @@ class ShardRows:
     errors: list[str | None] | None = None
     positions: list[int] | None = None  # each row's position in its input file
     pairs: list[Any] | None = None  # a score job's text pair column
+    images: list[Any] | None = None  # the image column's cells
 
     def take(self, indices: list[int]) -> ShardRows:
         """The rows at `indices`, in that order."""
@@ -40,19 +42,20 @@ class ShardRows:
             return None if values is None else [values[k] for k in indices]
 
         return ShardRows([self.ids[k] for k in indices], [self.prompts[k] for k in indices], pick(self.overrides),
-                         pick(self.errors), pick(self.positions), pick(self.pairs))
+                         pick(self.errors), pick(self.positions), pick(self.pairs), pick(self.images))
 
 
 @retry_transient
 def _read_row_groups(shard: Shard, prompt_column: str, id_column: str, pinned: tuple[int, str] | None = None,
-                     pair_column: str | None = None) -> tuple[pa.Table, int]:
-    """The row groups of the shard's file that overlap its rows (its prompt, id, text pair and row option
+                     pair_column: str | None = None, image_column: str | None = None) -> tuple[pa.Table, int]:
+    """The row groups of the shard's file that overlap its rows (its prompt, id, text pair, image and row option
     columns), and the file row of the first one; exactly the `pinned` (size, version) of the file when given
     (pipeline.input.open_pinned)."""
     with open_pinned(shard.url, pinned) as f, parquet_file(f) as pf:
         names = pf.schema_arrow.names
         columns = list(dict.fromkeys([prompt_column] + ([id_column] if id_column in names else [])
-                                     + row_option_columns(names) + ([pair_column] if pair_column else [])))
+                                     + row_option_columns(names) + ([pair_column] if pair_column else [])
+                                     + ([image_column] if image_column else [])))
         groups, first_row, offset = [], None, 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
@@ -65,7 +68,8 @@ def _read_row_groups(shard: Shard, prompt_column: str, id_column: str, pinned: t
 
 
 def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bool = False,
-               pinned: tuple[int, str] | None = None, pair_column: str | None = None) -> ShardRows:
+               pinned: tuple[int, str] | None = None, pair_column: str | None = None,
+               image_column: str | None = None) -> ShardRows:
     """Read rows [row_start, row_end) of the shard's file: only the row groups that overlap them.
 
     Ids are the id column's values as text (a null id stays null: results carry input_file and input_row, which
@@ -73,12 +77,13 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
     is a chat messages column; stored as text, each row is parsed as JSON (a row that is not JSON keeps its text
     and becomes an error row in generate_rows). Transient storage errors are retried
     (pipeline.storage.retry_transient). `pinned`: the (size, version) the job pinned: exactly that version is read.
-    `pair_column`: a score job's text pair column, read into ShardRows.pairs.
+    `pair_column`: a score job's text pair column, read into ShardRows.pairs; `image_column`: the images column,
+    read into ShardRows.images as stored (bytes, {bytes, path} dicts, text, lists of those).
     Raises InputChanged when the file is not (or stops being, mid-read) the pinned version, and ShardError (with the
     file and the reader's message) when the file cannot be read.
     """
     try:
-        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned, pair_column)
+        table, first_row = _read_row_groups(shard, prompt_column, id_column, pinned, pair_column, image_column)
     except InputChanged:
         raise
     except Exception as e:  # any reader failure fails this shard with a clear message
@@ -108,7 +113,8 @@ def read_shard(shard: Shard, prompt_column: str, id_column: str, *, messages: bo
         errors = options_errors if errors is None else [a or b for a, b in zip(options_errors, errors, strict=True)]
     return ShardRows(ids, prompts, row_overrides(options, len(ids)), errors,
                      list(range(shard.row_start, shard.row_start + len(ids))),
-                     table.column(pair_column).to_pylist() if pair_column else None)
+                     table.column(pair_column).to_pylist() if pair_column else None,
+                     table.column(image_column).to_pylist() if image_column else None)
 
 
 def _parse_messages(text: str | None) -> tuple[Any, str | None]:

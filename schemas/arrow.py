@@ -65,6 +65,10 @@ _ROW_FIELDS = [
         "doc": "null, or what a row that ran needs said beside its fields: a finish_reason length row whose "
                "max_tokens was cut to fit --max-model-len (prompt + max_tokens did not fit) names both; null in "
                "results written before the column existed"}),
+    pa.field("images", pa.int32(), metadata={
+        "doc": "images in the row's prompt (its image column and its messages' image parts; an error row's as "
+               "given), their tokens counted in prompt_tokens; null for a row without images and in results "
+               "written before the column existed"}),
 ]
 
 RESULTS_SCHEMA = pa.schema(_ROW_FIELDS + [
@@ -130,6 +134,9 @@ ACCOUNTING_SCHEMA = pa.schema([
                "and in accounting written before the column existed"}),
     pa.field("rows_per_dollar", pa.float64(), metadata={
         "doc": "rows / cost_usd; null when cost is 0 and in accounting written before the column existed"}),
+    pa.field("images", pa.int64(), metadata={
+        "doc": "images in the prompts of the rows that ran (their image tokens are in input_tokens); null in "
+               "accounting written before the column existed"}),
 ])
 
 # A checkpoint part under OUTPUT/checkpoints/<shard_id>/: finished rows as in RESULTS_SCHEMA (less input_file and
@@ -194,10 +201,15 @@ _CLASSIFY_FIELDS = _text_fields([
     pa.field("label", pa.string(), metadata={
         "doc": "the most probable label (config.json id2label); null for a regression head and an error row"}),
     pa.field("score", pa.float32(), metadata={
-        "doc": "the label's probability (softmax); a regression head's raw score; null for an error row"}),
+        "doc": "the label's probability (softmax; a multi-label head's sigmoid); a regression head's raw score; "
+               "null for an error row"}),
     pa.field("scores", pa.list_(pa.float32()), metadata={
-        "doc": "every label's probability, by label id (softmax); a regression head's raw logits; null for an "
-               "error row"})])
+        "doc": "every label's probability, by label id (softmax; a multi-label head's sigmoid per label); a "
+               "regression head's raw logits; null for an error row"}),
+    pa.field("labels", pa.list_(pa.string()), metadata={
+        "doc": "a multi-label head's labels (problem_type multi_label_classification) whose probability is >= 0.5, "
+               "in id order, possibly empty; null for a single-label or regression head (and in rows written "
+               "before the column existed) and for an error row"})])
 #: OUTPUT/results/<shard_id>.parquet of a classify job: one row per input row.
 CLASSIFY_RESULTS_SCHEMA = pa.schema(_CLASSIFY_FIELDS + _INPUT_FIELDS)
 #: A checkpoint part of a classify job: its finished rows plus each row's position in the shard.

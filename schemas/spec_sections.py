@@ -47,6 +47,19 @@ class Columns(_Section):
                                                          "only then; required there): the prompt column holds the "
                                                          "first (a query), this one the second (a document)."),
                          Cli("text_pair_column")] = None
+    image: Annotated[_Name | None, Field(description="Column of each row's images, for a vision-language model: "
+                                                     "image bytes, Hugging Face datasets' Image struct {bytes, "
+                                                     "path}, a local path or fsspec URL (s3://...) as text, or a "
+                                                     "list of those (several images per row). A text-only model is "
+                                                     "refused."), Cli("image_column")] = None
+    max_images_per_row: Annotated[int | None, Field(ge=1, description="Most images in one row (its image column "
+                                                                      "and its messages' image parts); a row with "
+                                                                      "more is an error row. null = no limit but "
+                                                                      "--max-model-len.")] = None
+    max_pixels: Annotated[int | None, Field(ge=1, description="Override the model's image processor's pixel limit "
+                                                              "(width x height after resizing), where it has one; "
+                                                              "refused for processors that resize every image to "
+                                                              "one fixed size (LLaVA-1.5's CLIP: 336x336).")] = None
     chat_template: Annotated[bool, Field(description="Wrap text prompts in the model's chat template "
                                                      "(--no-chat-template sends them raw).")] = True
     allow_special_tokens: Annotated[bool, Field(description="Parse control-token text in prompts and message "

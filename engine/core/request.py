@@ -9,6 +9,8 @@ from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from engine.multimodal.inputs import MultiModalItem
 
 
@@ -43,11 +45,14 @@ class Request:
         detokenizer: the output's text and stop strings (engine.text.detokenizer), or None when there is no tokenizer.
         mm_items: the prompt's images (engine.multimodal.inputs.MultiModalItem: pixel_values, placeholder offset and
             length, mm hash), ordered by offset; () for a text prompt.
+        mrope_positions: an M-RoPE model's prompt positions, int64 [3, prompt tokens] (engine.multimodal.mrope), or
+            None (plain RoPE: a text prompt, or a model without M-RoPE); mrope_delta: what a generated token's index
+            adds to make its position (max prompt position + 1 - prompt length; 0 without).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer | None = None, mm_items: tuple[MultiModalItem, ...] = ()
-                 ) -> None:
+                 detokenizer: IncrementalDetokenizer | None = None, mm_items: tuple[MultiModalItem, ...] = (),
+                 mrope_positions: np.ndarray | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt has no tokens; give a non-empty prompt")
         self.request_id = request_id
@@ -64,6 +69,13 @@ class Request:
         self.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
         if self.mm_items and (self.mm_items[0].offset < 0 or self.mm_items[-1].end > len(self.prompt_token_ids)):
             raise ValueError(f"request {request_id!r}: an image's placeholders fall outside its prompt")
+        self.mrope_positions = mrope_positions
+        self.mrope_delta = 0
+        if mrope_positions is not None:
+            if mrope_positions.shape != (3, len(self.prompt_token_ids)):
+                raise ValueError(f"request {request_id!r}: M-RoPE positions {mrope_positions.shape} are not 3 per "
+                                 f"prompt token ({len(self.prompt_token_ids)})")
+            self.mrope_delta = int(mrope_positions.max()) + 1 - len(self.prompt_token_ids)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # For the scheduler's per-step stop test: the total length at max_tokens, and whether the request has stop

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
@@ -55,3 +56,11 @@ def fuse_linears(owner: nn.Module, parts: tuple[str, ...], fused: str) -> bool:
     for name in parts:
         delattr(owner, name)
     return True
+
+
+def linear_gelu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """GELU (exact, erf) of module(x): x [..., K] -> [..., N] in the module's dtype, through the module's own fused
+    epilogue when it has one (engine.quant.packed_linear.PackedLinear.forward_gelu: the CPU's oneDNN GEMM), else
+    F.gelu after the module."""
+    fused = getattr(module, "forward_gelu", None)
+    return fused(x) if fused is not None else F.gelu(module(x))

@@ -229,6 +229,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # idefics3_config). Checkpoint keys "model.text_model.*", "model.vision_model.*", "model.connector.*". No GGUF.
     Architecture("idefics3", ("idefics3", "smolvlm"), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
                  refused=(), window=_no_window, hf_renames=(("text_model.", ""),)),
+    # Qwen2.5-VL and Qwen2-VL (Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration): a
+    # dynamic-resolution vision tower before a Qwen2 decoder with multimodal RoPE (engine.model.qwen_vl; its config:
+    # engine.model.qwen_vl_config). Checkpoint keys as transformers saves them ("model.layers.*", "visual.*",
+    # "lm_head.*") or as its modules name them ("model.language_model.*", "model.visual.*"). HF folders only.
+    Architecture("qwen2_5_vl", ("qwen2_5_vl",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
+    Architecture("qwen2_vl", ("qwen2_vl",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
+                 refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
 )
 
 

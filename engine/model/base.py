@@ -6,15 +6,15 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 - `forward(input_ids, rope_rows, kv_caches, meta, attn_fn, *, inputs_embeds=None)` -> hidden states [T, hidden]
   after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead;
 - `compute_logits(hidden)` -> logits [S, vocab]: the LM head, a separate step;
-- `encode_images(pixel_values, *, image_sizes=None)` -> image features [N, tokens, hidden], or a list where the token
-  count varies (vision-language models only: config.vision);
+- `encode_images(pixel_values[, grid_thw], *, image_sizes=None)` -> image features (vision-language models only:
+  config.vision);
 - `kv_cache_specs`: one engine.core.kv_cache_spec.KVCacheSpec per layer, the KV cache layout the model declares
   (memory fit, the KV pool and the runner read it, never a family name).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -37,7 +37,11 @@ class ModelBase(nn.Module):
         layers: the blocks, one per layer (the quantizers walk their projections by HF names).
         embed_tokens / lm_head: the token embedding and the LM head (HF names without "model.").
         kv_cache_specs: the KV cache layout, one KVCacheSpec per layer (kind "none" where a layer keeps no cache).
+        uses_mrope: `forward` takes multimodal RoPE rows int64 [3, T] for the steps with image prompts (Qwen2-VL:
+            engine.multimodal.mrope); False (the class default): rope rows int64 [T] only.
     """
+
+    uses_mrope: ClassVar[bool] = False
 
     config: ModelConfig
     max_positions: int
@@ -63,12 +67,13 @@ class ModelBase(nn.Module):
         """Input embeddings [T, hidden] of int64 input_ids [T] (what `forward` takes as inputs_embeds)."""
         raise NotImplementedError
 
-    def encode_images(self, pixel_values: torch.Tensor, *,
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None, *,
                       image_sizes: list[tuple[int, int]] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Image features [N, tokens per image, hidden] of pixel_values [N, channels, H, W] (a vision-language
-        model's: config.vision set), or N tensors [tokens_i, hidden] where an image's token count varies: LLaVA-NeXT,
-        pixel_values [N, tiles, channels, H, W] and the images' original (height, width), image_sizes
-        (MultiModalItem.image_size; given only for items that carry one). A text-only model raises
+        model's: config.vision set); for a dynamic-resolution model (Qwen2-VL) [sum of tokens, hidden] of the
+        images' patches concatenated and their grids int64 [N, 3]; for LLaVA-NeXT, whose token count varies, N
+        tensors [tokens_i, hidden] of pixel_values [N, tiles, channels, H, W] and the images' original (height,
+        width), image_sizes (MultiModalItem.image_size; given only for items that carry one). A text-only model raises
         NotImplementedError."""
         raise NotImplementedError(f"the {self.config.architecture} model takes no images")
 

@@ -18,12 +18,11 @@ XLM-RoBERTa (multilingual-e5, bge-m3) is this model with other config values (en
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
-from engine.layers.linear import fuse_linears
+from engine.layers.linear import fuse_linears, linear_gelu
 from engine.model.base import ModelBase
 from engine.model.bert_names import bert_kv_layout
 
@@ -102,7 +101,7 @@ class BertLayer(nn.Module):
         qkv = self.attention.self(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         ctx = encoder_attention(qkv, meta)
         h = self.attention.output(ctx, x)
-        return self.output(F.gelu(self.intermediate.dense(h)), h)
+        return self.output(linear_gelu(self.intermediate.dense, h), h)
 
 
 class _Encoder(nn.Module):

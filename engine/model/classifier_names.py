@@ -1,7 +1,7 @@
 """Sequence classifiers (HF `*ForSequenceClassification`: quality / toxicity / domain classifiers, reward models)
 from the config alone, no torch: which head a config.json's `architectures` names, its labels and problem type
-(ModelConfig.labels / regression), and the head's parameter names and shapes (what the registry's classify entries
-declare; engine.model.classifier builds the heads).
+(ModelConfig.labels / regression / multi_label), and the head's parameter names and shapes (what the registry's
+classify entries declare; engine.model.classifier builds the heads).
 
 Heads, as HF transformers' modeling code computes them (models/*/modeling_*.py):
 - BertForSequenceClassification: `pooler.dense` + tanh on [CLS], then `classifier` Linear [num_labels, hidden];
@@ -25,38 +25,59 @@ CLASSIFIER_ARCHITECTURES = {"BertForSequenceClassification": "bert",
                             "XLMRobertaForSequenceClassification": "xlm_roberta",
                             "ModernBertForSequenceClassification": "modernbert",
                             "LlamaForSequenceClassification": "llama", "Qwen2ForSequenceClassification": "qwen2"}
-#: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1) or the raw logits.
-_PROBLEM_TYPES = (None, "single_label_classification", "regression")
+#: problem_type values we run: softmax over the labels (None: HF's default for num_labels > 1), the raw logits
+#: (regression), or a sigmoid per label (multi_label_classification; HF trains it with BCEWithLogitsLoss).
+_PROBLEM_TYPES = (None, "single_label_classification", "regression", "multi_label_classification")
 
 
 def classifier_fields(config: dict[str, Any], arch: str) -> dict[str, Any]:
-    """ModelConfig fields `labels` (id2label's names in id order) and `regression` of a config.json dict whose
-    `architectures` names a `*ForSequenceClassification`; {} for any other model. regression: problem_type
-    "regression" or a single label (HF's rule for num_labels == 1). Raises ValueError naming a sequence classifier
-    tokenmill has no head for, a missing or gapped id2label, or a problem_type it does not run
-    (multi_label_classification: sigmoid scores, not implemented)."""
+    """ModelConfig fields `labels` (id2label's names in id order), `regression` and `multi_label` of a config.json
+    dict whose `architectures` names a `*ForSequenceClassification`; {} for any other model. regression:
+    problem_type "regression", or a single label and no problem_type (HF's rule for num_labels == 1); multi_label:
+    problem_type "multi_label_classification" (a sigmoid per label, whatever their number). Raises ValueError
+    naming a sequence classifier tokenmill has no head for, a gapped id2label (none at all: LABEL_i from num_labels
+    as HF reads it, _id2label), or a problem_type it does not run."""
     names = [a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")]
     if not names:
         return {}
     if CLASSIFIER_ARCHITECTURES.get(names[0]) != arch:
         raise ValueError(f"config.json architectures {names[0]!r}: tokenmill classifies with "
                          f"{sorted(CLASSIFIER_ARCHITECTURES)} only")
-    id2label = config.get("id2label")
-    if not isinstance(id2label, dict) or not id2label:
-        raise ValueError(f"config.json of {names[0]} has no id2label; the classifier's labels need it")
+    by_id = _id2label(config)
+    problem = config.get("problem_type")
+    if problem not in _PROBLEM_TYPES:
+        raise ValueError(f"config.json problem_type {problem!r} is not run by tokenmill; it runs "
+                         f"{list(_PROBLEM_TYPES)}")
+    multi = problem == "multi_label_classification"
+    return dict(labels=tuple(by_id[i] for i in range(len(by_id))), tie_word_embeddings=False,
+                regression=problem == "regression" or (len(by_id) == 1 and problem is None),
+                **({"multi_label": True} if multi else {}),
+                **(_modernbert_head(config) if arch == "modernbert" else {}))
+
+
+def _id2label(config: dict[str, Any]) -> dict[int, str]:
+    """Label id -> name of a classifier's config.json, read as HF transformers reads it
+    (configuration_utils.PretrainedConfig.__init__, 5.x): its id2label; without one, LABEL_0 .. LABEL_{n-1} for
+    n = num_labels, or 2 labels where num_labels is absent too (transformers saves neither for its default of 2
+    labels named LABEL_i). Raises ValueError for id2label ids other than 0..n-1, a num_labels that is not an
+    integer >= 1, or one that disagrees with id2label's length."""
+    id2label, num_labels = config.get("id2label"), config.get("num_labels")
+    if num_labels is not None and (isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1):
+        raise ValueError(f"config.json num_labels must be an integer >= 1, got {num_labels!r}; fix the file")
+    if id2label is None or id2label == {}:
+        return {i: f"LABEL_{i}" for i in range(2 if num_labels is None else num_labels)}
+    if not isinstance(id2label, dict):
+        raise ValueError(f"config.json id2label must map label ids to names, got {type(id2label).__name__}")
     try:
         by_id = {int(k): str(v) for k, v in id2label.items()}
     except ValueError as e:
         raise ValueError(f"config.json id2label keys must be label ids 0, 1, ...: {e}") from e
     if sorted(by_id) != list(range(len(by_id))):
         raise ValueError(f"config.json id2label ids {sorted(by_id)} are not 0..{len(by_id) - 1}")
-    problem = config.get("problem_type")
-    if problem not in _PROBLEM_TYPES:
-        raise ValueError(f"config.json problem_type {problem!r} is not run by tokenmill; it runs "
-                         f"{list(_PROBLEM_TYPES)}")
-    return dict(labels=tuple(by_id[i] for i in range(len(by_id))),
-                regression=problem == "regression" or len(by_id) == 1, tie_word_embeddings=False,
-                **(_modernbert_head(config) if arch == "modernbert" else {}))
+    if num_labels is not None and num_labels != len(by_id):
+        raise ValueError(f"config.json num_labels {num_labels} disagrees with its id2label of {len(by_id)} labels; "
+                         "fix one of them")
+    return by_id
 
 
 def _modernbert_head(config: dict[str, Any]) -> dict[str, Any]:

@@ -23,19 +23,24 @@ class MultiModalItem:
     """One image of a request.
 
     Attributes:
-        pixel_values: float32 [channels, H, W], the model's own image processor's output for the image (or tile).
+        pixel_values: float32 [channels, H, W], the model's own image processor's output for the image (or tile:
+            Idefics3); LLaVA-NeXT's anyres tiles [tiles, channels, H, W]; for a dynamic-resolution model (Qwen2-VL) its
+            patches, float32 [t * h * w, channels * frames * patch^2].
         offset: index in the prompt's token ids of the image's first placeholder token.
         length: placeholder tokens of the image (= rows of its encoder features), contiguous from `offset`.
         mm_hash: content hash of pixel_values (hex): equal only for equal encoder inputs (the encoder cache's key,
             and the part of a prefix-cache block's key that tells images with the same placeholder tokens apart).
-        image_size: the original image's (height, width) where the features depend on it (LLaVA-NeXT's unpadding;
-            pixel_values are then [tiles, channels, H, W]), else None.
+        grid_thw: a dynamic-resolution model's patch grid (frames, rows, columns: the processor's image_grid_thw);
+            None for a fixed-size image.
+        image_size: the original image's (height, width) where the features depend on it (LLaVA-NeXT's unpadding),
+            else None.
     """
 
     pixel_values: torch.Tensor
     offset: int
     length: int
     mm_hash: str
+    grid_thw: tuple[int, int, int] | None = None
     image_size: tuple[int, int] | None = None
 
     @property

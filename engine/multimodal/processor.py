@@ -1,11 +1,13 @@
 """An image prompt into the token ids it runs as and its images' MultiModalItems, through the model's own Hugging Face
-processor (AutoProcessor of the model folder: LlavaProcessor over CLIPImageProcessor's Pillow backend, Idefics3's and
-SmolVLM's processors over their tiling image processors; never hand-written resizing or normalising): the chat
+processor (AutoProcessor of the model folder: LlavaProcessor over CLIPImageProcessor's Pillow backend, LLaVA-NeXT's
+anyres, Idefics3's and SmolVLM's tiling processors, Qwen2-VL's dynamic-resolution one; never hand-written resizing or
+normalising): the chat
 template (the tokenizer's, else the processor's) renders the messages with one image token per image, the image
 processor makes each image's pixel_values (one image at a time: no batch padding), and each image token is replaced
 by the token ids of the processor's own replacement text (`replace_image_token`: LLaVA's image token repeated once
 per feature row; Idefics3's tiles, each a run of image tokens after its <fake_token_around_image><row_r_col_c> tags,
-then the global image's), exactly as the processor's `__call__` expands its text. As vLLM's multimodal processing,
+then the global image's; Qwen2-VL's one run per image of its merged patches), exactly as the processor's `__call__`
+expands its text. As vLLM's multimodal processing,
 the text and the images are processed apart and merged by the placeholders' offsets (vLLM's design; no code of it).
 """
 
@@ -16,22 +18,56 @@ from typing import TYPE_CHECKING, Any
 
 from engine.multimodal.anyres import anyres_tokens
 from engine.multimodal.inputs import MultiModalItem, image_messages, load_image
-from engine.vision_config import VisionConfig
+from engine.vision_config import QwenVisionConfig, VisionConfig
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from engine.text.tokenizer import Tokenizer
 
 
-def mm_hash(pixel_values: torch.Tensor, image_size: tuple[int, int] | None = None) -> str:
-    """Content hash (BLAKE2b-128, hex) of an image's pixel_values [channels, H, W] (or [tiles, channels, H, W]):
-    its shape, dtype and bytes, and the original image_size where the features depend on it (LLaVA-NeXT)."""
+def mm_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, ...] | None = None,
+            image_size: tuple[int, int] | None = None) -> str:
+    """Content hash (BLAKE2b-128, hex) of an image's pixel_values [channels, H, W] (or patches and their grid_thw, or
+    LLaVA-NeXT's tiles [tiles, channels, H, W] and the original image_size): its shape, dtype, grid, size and bytes."""
     array = pixel_values.detach().cpu().contiguous().numpy()
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{array.dtype}{array.shape}{'' if image_size is None else image_size}".encode())
+    h.update(f"{array.dtype}{array.shape}{grid_thw or ''}{'' if image_size is None else image_size}".encode())
     h.update(array.tobytes())
     return h.hexdigest()
+
+
+def image_only_processor(path: str) -> Any:
+    """The HF processor of the folder at `path` (its processor_class, from processor_config.json or
+    preprocessor_config.json) built without its video processor, whose torchvision backend tokenmill does not install
+    (transformers' AutoProcessor raises ImportError for Qwen2-VL's): the Pillow image processor, the tokenizer and the
+    chat template (chat_template.jinja or chat_template.json), with the processor class's own text expansion.
+    Raises ValueError when no processor class is named, ImportError when the class needs more than its video half."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    names = [json.loads(f.read_text()).get("processor_class") for f in
+             (Path(path, "processor_config.json"), Path(path, "preprocessor_config.json")) if f.is_file()]
+    name = next((n for n in names if n), None)
+    if name is None or not hasattr(transformers, name):
+        raise ValueError(f"{path} names no transformers processor class ({names})")
+    base = getattr(transformers, name)
+
+    class ImageOnly(base):  # the class's check of a None video processor looks up the torchvision-only mapping
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+
+    template = None  # the processor's chat template (chat_template.jinja, or the older chat_template.json)
+    if Path(path, "chat_template.jinja").is_file():
+        template = Path(path, "chat_template.jinja").read_text()
+    elif Path(path, "chat_template.json").is_file():
+        template = json.loads(Path(path, "chat_template.json").read_text()).get("chat_template")
+    return ImageOnly(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+                     tokenizer=transformers.AutoTokenizer.from_pretrained(path), video_processor=None,
+                     chat_template=template)
 
 
 class ImageProcessor:
@@ -40,12 +76,12 @@ class ImageProcessor:
     Args:
         hf_processor: the transformers processor of the model folder (its `image_processor`, `image_token`,
             `replace_image_token`, and maybe `chat_template`).
-        vision: the model's VisionConfig (its image token id and the feature rows of one image, checked against
-            the processor's expansion).
+        vision: the model's VisionConfig or QwenVisionConfig (its image token id and the feature rows of an image,
+            checked against the processor's expansion).
     Raises ValueError when the processor's image token is not the model's.
     """
 
-    def __init__(self, hf_processor: Any, vision: VisionConfig) -> None:
+    def __init__(self, hf_processor: Any, vision: VisionConfig | QwenVisionConfig) -> None:
         self.hf = hf_processor
         self.vision = vision
         self.image_token: str = hf_processor.image_token
@@ -57,20 +93,21 @@ class ImageProcessor:
         self._images_kwargs: dict[str, Any] | None = None
 
     @classmethod
-    def from_model_path(cls, path: str, vision: VisionConfig) -> ImageProcessor:
+    def from_model_path(cls, path: str, vision: VisionConfig | QwenVisionConfig) -> ImageProcessor:
         """The processor of the model folder at `path` (AutoProcessor: processor_config.json or
         preprocessor_config.json; Pillow backends, no torchvision). Raises ValueError when the folder has none
         (a vision-language model's images need its own processor) or as __init__."""
         from transformers import AutoProcessor
 
         try:
-            hf = AutoProcessor.from_pretrained(path)
-        except (OSError, ValueError, KeyError) as e:
+            try:
+                hf = AutoProcessor.from_pretrained(path)
+            except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): the image half alone
+                hf = image_only_processor(path)
+        except (OSError, ValueError, KeyError, ImportError) as e:
             raise ValueError(f"{path} has no image processor transformers can load ({type(e).__name__}: {e}); a "
                              "vision-language model folder needs its processor_config.json / "
                              "preprocessor_config.json") from e
-        except ImportError as e:  # e.g. SmolVLMProcessor without num2words
-            raise ValueError(f"{path}: the model's processor needs a package that is not installed ({e})") from e
         if not hasattr(hf, "image_processor") or not hasattr(hf, "image_token"):
             raise ValueError(f"{path}: AutoProcessor gives a {type(hf).__name__}, not a processor with images")
         return cls(hf, vision)
@@ -113,35 +150,40 @@ class ImageProcessor:
         prev = 0
         for pos, image in zip(at, images, strict=True):
             out += ids[prev:pos]
-            replacement, tiles, size = self._replacement(image)
+            replacement, tiles, size, grid = self._replacement(image)
             runs = _runs(replacement, token)
-            if len(runs) == 1 and len(tiles) > 1 and self.vision.image_grid_pinpoints:  # anyres: one run, all tiles
-                if size is None:
+            if grid is not None and len(runs) == 1:  # dynamic resolution (Qwen2-VL): the image's patches and grid
+                pixels, expected = [tiles], self.vision.tokens_of(grid)
+            elif len(runs) == 1 and len(tiles) > 1 and getattr(self.vision, "image_grid_pinpoints", ()):
+                if size is None:  # anyres (LLaVA-NeXT): one run for the base and grid tiles
                     raise ValueError("the processor gives no image_sizes for an anyres image")
                 pixels, expected = [tiles], anyres_tokens(self.vision, size)
-            elif runs and len(runs) == len(tiles):
+            elif runs and grid is None and len(runs) == len(tiles):
                 pixels, expected, size = list(tiles), self.vision.tokens_per_image, None
             else:
                 raise ValueError(f"the processor writes {len(runs)} runs of image tokens for an image of {len(tiles)} "
-                                 "tiles; tokenmill runs one run per tile, or one for all (anyres)")
+                                 "tiles; tokenmill runs one run per tile, or one for all (anyres, dynamic resolution)")
             for (start, length), pv in zip(runs, pixels, strict=True):
                 if length != expected:
                     raise ValueError(f"the processor expands an image (tile) into {length} placeholder tokens but "
                                      f"the model gives {expected} feature rows (check processor_config.json's "
-                                     "patch_size, image_seq_len, num_additional_image_tokens and "
+                                     "patch_size, merge_size, image_seq_len, num_additional_image_tokens and "
                                      "vision_feature_select_strategy)")
-                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv, size), size))
+                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv, grid, size), grid, size))
             out += replacement
             prev = pos + 1
         out += ids[prev:]
         return out, tuple(items)
 
-    def _replacement(self, image: Any) -> tuple[list[int], torch.Tensor, tuple[int, int] | None]:
+    def _replacement(self, image: Any) -> tuple[list[int], torch.Tensor, tuple[int, int] | None,
+                                                tuple[int, int, int] | None]:
         """(token ids of the processor's replacement text, the float32 tiles [tiles, channels, H, W] in order, the
-        image's (height, width) where the processor reports image_sizes, else None) of one decoded image, through the
-        processor's own path (`_process_images`: its image processor with the processor's image kwargs, then
-        `replace_image_token`). Tiles a pixel_attention_mask marks wholly padding are dropped (HF drops them before
-        the encoder); a tile partly padded raises ValueError (not produced by the processors tokenmill runs)."""
+        image's (height, width) where the processor reports image_sizes, else None, its patch grid (frames, rows,
+        columns) where it reports image_grid_thw, else None: the tiles are then its patches [t * h * w, dim]) of one
+        decoded image, through the processor's own path (`_process_images`: its image processor with the processor's
+        image kwargs, then `replace_image_token`). Tiles a pixel_attention_mask marks wholly padding are dropped (HF
+        drops them before the encoder); a tile partly padded raises ValueError (not produced by the processors
+        tokenmill runs)."""
         import torch
 
         if self._images_kwargs is None:  # the processor's own merge of its image defaults, as its __call__ does
@@ -150,6 +192,10 @@ class ImageProcessor:
         processed, texts = self.hf._process_images([image], **self._images_kwargs)
         replacement = self.hf.tokenizer.encode(texts[0], add_special_tokens=False)
         pixels = torch.as_tensor(processed["pixel_values"])
+        grids = processed.get("image_grid_thw")
+        if grids is not None:  # dynamic resolution: the image's patches, as they are
+            grid = tuple(int(n) for n in torch.as_tensor(grids).reshape(-1)[:3])
+            return replacement, pixels.float().contiguous(), None, grid
         tiles = pixels.reshape(-1, *pixels.shape[-3:]).float()
         mask = processed.get("pixel_attention_mask")
         if mask is not None:
@@ -160,7 +206,17 @@ class ImageProcessor:
             tiles = tiles[real]
         sizes = processed.get("image_sizes")
         size = None if sizes is None else tuple(int(x) for x in torch.as_tensor(sizes).reshape(-1)[:2])
-        return replacement, tiles.contiguous(), size
+        return replacement, tiles.contiguous(), size, None
+
+    def mrope_positions(self, num_tokens: int, items: tuple[MultiModalItem, ...]) -> np.ndarray | None:
+        """The M-RoPE positions int64 [3, num_tokens] of a prompt with images `items` (engine.multimodal.mrope) for a
+        model with M-RoPE (Qwen2-VL: a QwenVisionConfig); None for another model or a prompt without images (plain
+        RoPE positions are its M-RoPE ones). Raises ValueError as mrope.prompt_positions."""
+        if not items or not isinstance(self.vision, QwenVisionConfig):
+            return None
+        from engine.multimodal.mrope import prompt_positions
+
+        return prompt_positions(num_tokens, items, self.vision.spatial_merge_size)
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.outputs import ClassificationOutput
+from engine.outputs import MULTI_LABEL_THRESHOLD, ClassificationOutput
 from engine.pooling.embed_options import EmbedOptions
 from engine.pooling.embedder import Embedder
 
@@ -25,8 +25,9 @@ class Classifier(Embedder):
 
     def classify(self, texts: Sequence[object], request_ids: Sequence[str] | None = None
                  ) -> list[ClassificationOutput]:
-        """One ClassificationOutput per text, in order: label and score of the softmax over the logits, or the raw
-        logits of a regression head (engine.outputs.ClassificationOutput). A text that is not a string, or is empty
+        """One ClassificationOutput per text, in order: label and score of the softmax over the logits; a
+        multi-label head's sigmoid per label, its top label and the list of those >= MULTI_LABEL_THRESHOLD; or the
+        raw logits of a regression head (engine.outputs.ClassificationOutput). A text that is not a string, or is empty
         or only whitespace, gets an error output and the others still run; a text over the row limit is truncated
         (truncated=True). Raises ValueError when request_ids and texts differ in length, or without a tokenizer."""
         cfg = self.model.config
@@ -40,10 +41,14 @@ class Classifier(Embedder):
                 out.append(ClassificationOutput(row.request_id, None, float(logits[0]), logits,
                                                 row.num_prompt_tokens, row.truncated))
                 continue
-            probs = torch.softmax(torch.from_numpy(logits), dim=-1).numpy()
+            if cfg.multi_label:  # independent labels (HF: BCEWithLogitsLoss): a sigmoid each
+                probs = torch.sigmoid(torch.from_numpy(logits)).numpy()
+                on = [name for name, p in zip(cfg.labels, probs, strict=True) if p >= MULTI_LABEL_THRESHOLD]
+            else:
+                probs, on = torch.softmax(torch.from_numpy(logits), dim=-1).numpy(), None
             best = int(np.argmax(probs))
             out.append(ClassificationOutput(row.request_id, cfg.labels[best], float(probs[best]), probs,
-                                            row.num_prompt_tokens, row.truncated))
+                                            row.num_prompt_tokens, row.truncated, labels=on))
         return out
 
     @torch.inference_mode()

@@ -108,6 +108,30 @@ class Scorer:
             out[i] = ScoreOutput(ids[i], score, tokens, truncated=cut)
         return [o for o in out if o is not None]
 
+    def token_counts(self, texts: Sequence[object], text_pairs: Sequence[object]) -> list[int]:
+        """Tokens each (texts[i], text_pairs[i]) would be scored with, as `score` counts them (ScoreOutput's
+        num_prompt_tokens), tokenized only, no forward: a cross-encoder's pair as one sequence cut at the row limit
+        ([CLS] a [SEP] b [SEP]), an embedding model's two texts each as it embeds them (each cut at the limit).
+        0 for a pair `score` makes an error output of (either text not a string, empty or only whitespace). Raises
+        ValueError when texts and text_pairs differ in length, or without a tokenizer."""
+        runner = self.runner
+        if runner.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (random weights); build it with one to count tokens")
+        if len(texts) != len(text_pairs):
+            raise ValueError(f"{len(texts)} texts but {len(text_pairs)} text pairs; give one pair per text")
+        good = [i for i, pair in enumerate(zip(texts, text_pairs, strict=True))
+                if text_problem(pair[0]) is None and text_problem(pair[1]) is None]
+        counts = [0] * len(texts)
+        firsts, seconds = [str(texts[i]) for i in good], [str(text_pairs[i]) for i in good]
+        if self.cross and good:
+            encoded = runner.tokenizer.encode_pairs_truncated(firsts, seconds, runner.max_length)
+            lengths = [len(ids) for ids, _, _ in encoded]
+        else:
+            lengths = [a + b for a, b in zip(runner.token_counts(firsts), runner.token_counts(seconds), strict=True)]
+        for i, n in zip(good, lengths, strict=True):
+            counts[i] = n
+        return counts
+
     def _cross_encode(self, firsts: list[str], seconds: list[str]) -> list[tuple[float, int, bool]]:
         """(score, tokens, truncated) of each pair through the cross-encoder."""
         runner = self.runner

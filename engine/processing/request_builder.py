@@ -112,6 +112,7 @@ class RequestBuilder:
             raise PromptTooLong(f"the prompt has {len(token_ids)} tokens; at most {self.max_model_len - 1} fit "
                                 f"(max_model_len {self.max_model_len} includes at least one output token): shorten "
                                 "it", token_ids)
+        mrope = None if not images else self.image_processor.mrope_positions(len(token_ids), images)
         if params.n == 1:
             children = [(request_id, params)]
         else:
@@ -121,7 +122,7 @@ class RequestBuilder:
         try:
             for rid, sp in children:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop) if self.tokenizer is not None else None
-                req = Request(rid, token_ids, sp, detokenizer, images)
+                req = Request(rid, token_ids, sp, detokenizer, images, mrope)
                 self.logits_processors.add(req)
                 requests.append(req)
         except ValueError:

@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
@@ -102,17 +103,24 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T (no bias) with W held in oneDNN's blocked layout.
+    """y = x W^T + b with W held in oneDNN's blocked layout and the bias b, when there is one, added in the GEMM's
+    epilogue (oneDNN's bias post-op: one pass over y instead of a GEMM and an add; fp32 results are the same bits as
+    the GEMM followed by the add, bf16 ones round once instead of twice).
 
     Args:
         weight: fp32 or bf16 [N, K] on the CPU (N = out_features, K = in_features); packed here, not kept.
-    forward: x [..., K] of the weight's dtype -> [..., N].
         blocks: the same weight's GGUF blocks (fp32 weights only; module docstring), or None.
-    Raises ValueError for another device or dtype, a bias, a torch without oneDNN (packing_available()), or bf16 on a
-    CPU whose oneDNN cannot pack it (bf16_packing_available()), or blocks of another shape or with a bf16 weight.
+        bias: [N] (any float dtype: held in the weight's), or None.
+
+    forward: x [..., K] of the weight's dtype -> [..., N]. `forward_gelu`: GELU (erf) of the same, fused too.
+
+    Raises ValueError for another device or dtype, a bias of another shape, a torch without oneDNN
+    (packing_available()), or bf16 on a CPU whose oneDNN cannot pack it (bf16_packing_available()), or blocks of
+    another shape or with a bf16 weight.
     """
 
-    def __init__(self, weight: torch.Tensor, blocks: GGUFBlocks | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, blocks: GGUFBlocks | None = None,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if not packing_available():
             raise ValueError("PackedLinear needs torch built with oneDNN (mkldnn); keep the nn.Linear")
@@ -127,8 +135,11 @@ class PackedLinear(nn.Module):
                              f"{tuple(weight.shape)}; pass blocks=None")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"a bias of {tuple(bias.shape)} does not fit a weight of {tuple(weight.shape)}")
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.blocks = blocks
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -136,8 +147,20 @@ class PackedLinear(nn.Module):
         if (self.blocks is not None and x2.shape[0] <= getattr(_scope, "max_rows", 0)
                 and x2.dtype == torch.float32):
             y = gguf_linear(x2, self.blocks)
+            y = y if self.bias is None else y + self.bias
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)
+
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """GELU (exact, erf: F.gelu's default) of forward(x), the activation in the GEMM's epilogue (oneDNN's
+        gelu_erf post-op: fp32 results equal F.gelu(forward(x)) within rounding, bit for bit on the AVX512 EPYC it
+        was measured on). x [..., K] -> [..., N]."""
+        if self.blocks is not None:  # the small-batch GGUF path has no epilogue
+            return F.gelu(self.forward(x))
+        lead = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "gelu", [],
+                                               "none")
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -147,13 +170,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a
-    tied LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`)
-    come along; a bias is kept and added after the GEMM,
-    engine.quant.state.set_module). Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack
-    bf16 (`can_pack`). A mixture-of-experts block's experts (engine.layers.moe.GroupedExperts) get one PackedLinear
-    per expert for gate/up and for down (their stacked weights freed). Fuse projections first (they are packed as
-    they stand). Returns the number of modules replaced (experts count one per block; 0 when oneDNN is missing)."""
+    """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a tied
+    LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`) come
+    along; a bias is kept, added in the GEMM's epilogue: PackedLinear). Other modules (INT4, INT8) stay, and so do
+    bf16 ones where oneDNN cannot pack bf16 (`can_pack`). A mixture-of-experts block's experts
+    (engine.layers.moe.GroupedExperts) get one PackedLinear per expert for gate/up and for down (their stacked
+    weights freed). Fuse projections first (they are packed as they stand). Returns the number of modules replaced
+    (experts count one per block; 0 when oneDNN is missing)."""
     if not packing_available():
         return 0
     names = [name for name, m in model.named_modules()
@@ -161,7 +184,7 @@ def pack_linears(model: nn.Module) -> int:
              and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
     for name in names:
         module = model.get_submodule(name)
-        set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module)))
+        set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module), module.bias))
     return len(names) + sum(pack_experts(m) for m in model.modules() if isinstance(m, GroupedExperts))
 
 

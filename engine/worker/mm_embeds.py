@@ -83,11 +83,7 @@ class ImageEmbedder:
             if s.item.mm_hash not in cache and s.item.mm_hash not in missing:
                 missing[s.item.mm_hash] = s.item
         for items in _by_shape(missing.values()):
-            pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
-            sizes = [it.image_size for it in items]  # LLaVA-NeXT's original sizes; None for the other families
-            features = (self.model.encode_images(pixels) if sizes[0] is None else
-                        self.model.encode_images(pixels, image_sizes=sizes))
-            for it, f in zip(items, features, strict=True):
+            for it, f in zip(items, self._encode(items), strict=True):
                 cache.put(it.mm_hash, f, keep=step_hashes)
         embeds = self.model.embed(input_ids)
         rows, feats = [], []
@@ -105,14 +101,29 @@ class ImageEmbedder:
         embeds.index_copy_(0, torch.cat(rows).to(embeds.device), torch.cat(feats).to(embeds.dtype))
         return embeds
 
+    def _encode(self, items: list[MultiModalItem]) -> Sequence[torch.Tensor]:
+        """Each item's features [length, hidden] from one encoder call: fixed-size images stacked
+        (encode_images(pixel_values [N, C, H, W]) -> [N, length, hidden]; LLaVA-NeXT's anyres items [N, tiles, C, H,
+        W] with their image_sizes -> N tensors [length, hidden]); dynamic-resolution ones (grid_thw set)
+        concatenated with their grids (encode_images(patches, grid_thw int64 [N, 3]) -> [sum of lengths, hidden])."""
+        if items[0].grid_thw is None:
+            pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
+            if items[0].image_size is None:
+                return self.model.encode_images(pixels)
+            return self.model.encode_images(pixels, image_sizes=[it.image_size for it in items])  # LLaVA-NeXT
+        grids = torch.tensor([it.grid_thw for it in items], dtype=torch.int64)
+        patches = torch.cat([it.pixel_values for it in items]).to(self.device)
+        return self.model.encode_images(patches, grids).split([it.length for it in items])
+
     def forget_requests(self, request_ids: Iterable[str]) -> None:
         """Requests that left the batch need no image any more (EncoderCache.forget_requests)."""
         self.cache.forget_requests(request_ids)
 
 
 def _by_shape(items: Iterable[MultiModalItem]) -> list[list[MultiModalItem]]:
-    """Items grouped by pixel_values shape (one encoder call per group), order kept within a group."""
+    """Items grouped by pixel_values shape (one encoder call per group; dynamic-resolution items, grid_thw set,
+    all in one), order kept within a group."""
     groups: dict[tuple[int, ...], list[MultiModalItem]] = {}
     for it in items:
-        groups.setdefault(tuple(it.pixel_values.shape), []).append(it)
+        groups.setdefault(() if it.grid_thw is not None else tuple(it.pixel_values.shape), []).append(it)
     return list(groups.values())

@@ -15,6 +15,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.layers.self_attn import AttentionFn
 from engine.model.base import ModelBase
+from engine.multimodal.mrope import step_rope_rows
 from engine.quant.packed_linear import gguf_kernel_scope
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.sampler import sample_rows_on_device
@@ -124,8 +125,9 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.input_batch = InputBatch(max_num_seqs, -(-max_model_len // block_size), block_size)
         self.graphs: DecodeGraphs | None = None
+        self.mrope = model.uses_mrope  # rope rows [3, T] for the steps with image prompts (Qwen2-VL)
         self.images = None if cfg.vision is None else ImageEmbedder(
-            model, device, default_budget(cfg.vision.max_tokens_per_image, max_num_batched_tokens))
+            model, device, default_budget(cfg.vision.tokens_per_image, max_num_batched_tokens))
         # Logprobs, penalties, logit_bias, min_tokens and grammar masks of the rows that ask for them (set by the
         # engine); a step with none of them registered skips it after one test.
         self.logits_processors: LogitsProcessors | None = None
@@ -138,7 +140,8 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None, StepInputs]:
         """Inputs of one step on the device: input_ids and RoPE table rows (int64 [T]: the positions, or with
         LongRoPE's two factor sets the rows each token's position and its request's kv_start_len pick, as HF
-        transformers' generate picks them: engine.layers.rope.longrope_table_rows), the attention metadata, and the
+        transformers' generate picks them: engine.layers.rope.longrope_table_rows; int64 [3, T] for an M-RoPE model's
+        step with image prompts: engine.multimodal.mrope.step_rope_rows), the attention metadata, and the
         rows of the hidden states to sample from (int64 [S]; None when they are all rows in order, the decode
         step), with the host inputs (their `sampling`: the requests whose step reaches their last token). Built
         from the persistent batch (engine.worker.input_batch) with a few vectorized ops. `pending_tokens` (int64 [S'] on
@@ -165,6 +168,8 @@ class ModelRunner:
         rotary = self.model.rotary
         rope_rows = x.positions if rotary.long_from is None else rotary.table_rows(
             x.positions, self.input_batch.kv_start_len[x.token_rows])
+        if self.mrope and (mrope_rows := step_rope_rows(x.order, x.positions)) is not None:
+            rope_rows = mrope_rows  # [3, T]: a step with image prompts of an M-RoPE model (engine.multimodal.mrope)
         return input_ids, dev(rope_rows), meta, logits_rows, x
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:
@@ -227,7 +232,8 @@ class ModelRunner:
         with gguf_kernel_scope(small_kernel):
             if embeds is not None:  # image placeholders: the token embeddings with the images' features merged
                 hidden = self.model(None, rope_rows, self.kv_caches, meta, self.attn_fn, inputs_embeds=embeds)
-            elif graphs is not None and meta.decode_only and graphs.bucket(len(scheduled)) is not None:
+            elif (graphs is not None and meta.decode_only and rope_rows.dim() == 1
+                  and graphs.bucket(len(scheduled)) is not None):  # M-RoPE rows [3, T] run eagerly
                 if not graphs.graphs:
                     graphs.capture()  # once, on the first decode step: warm-up and capture of every bucket
                 hidden = graphs.run(input_ids, rope_rows, meta)

@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 
 
 def _print_status(st: JobStatus) -> None:
+    """The status as a table on stdout (failed shards and an unsealed job's note on stderr)."""
     t = Table(title=f"tokenmill status {st.output}: {st.state}", show_header=False)
-    tpd = st.tokens_per_dollar
+    def usd(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:,.0f}"
+
     for k, v in [
         ("input", f"{st.input} (pinned {st.started_at})"),
         ("model", "not pinned (a job started before models were pinned; the next run pins it)" if st.model is None
@@ -27,7 +30,10 @@ def _print_status(st: JobStatus) -> None:
         ("rows committed", f"{st.rows_committed:,} / {st.rows:,}"),
         ("input / output tokens", f"{st.input_tokens:,} / {st.output_tokens:,}"),
         ("cost", f"${st.cost_usd:.6f}"),
-        ("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}"),
+        # Output tokens per USD: a generate job's measure (and a job whose task no done shard shows yet); input
+        # tokens and rows per USD: an embed, classify or score job's, shown for every job (the --json has all three).
+        *([("tokens per dollar", usd(st.tokens_per_dollar))] if st.task in ("generate", None) else []),
+        ("input tokens / rows per dollar", f"{usd(st.input_tokens_per_dollar)} / {usd(st.rows_per_dollar)}"),
         ("attempts / preemptions", f"{st.attempts} / {st.preemptions} ({st.device_s_lost:.1f} device-seconds lost)"),
         ("unfinished shards' attempts", f"{st.device_s_unfinished:.1f} device-seconds so far (a failed shard's "
                                         "in the cost; the others' billed when they finish)"),

@@ -21,8 +21,8 @@ def _fail(e: Exception, code: int = 2) -> typer.Exit:
 def _refuse_rows(output: str, command: str, tasks: tuple[str, ...]) -> None:
     """Exit 2, one line, when OUTPUT holds the rows of a job of one of `tasks` (a committed results file with its
     column: classify's `label`, score's `score`), which `tokenmill COMMAND` does not read: `export` writes completions
-    and embeddings only (the OpenAI batch format has no classification or score response), `report` completions,
-    embeddings and labels."""
+    and embeddings only (the OpenAI batch format has no classification or score response); `report` reads every
+    task's rows and refuses none."""
     from pipeline.storage import list_folder, read_fs
 
     fs, root = read_fs(output)
@@ -33,13 +33,14 @@ def _refuse_rows(output: str, command: str, tasks: tuple[str, ...]) -> None:
     if files:
         import pyarrow.parquet as pq
 
+        from pipeline.row_kinds import results_task
+
         with fs.open(files[0], "rb") as f:
-            names = pq.read_schema(f).names
-        for task, column in (("classify", "label"), ("score", "score")):
-            if task in tasks and column in names:
-                raise _fail(JobError(f"{output} holds a {task} job's rows (--task {task}): `tokenmill {command}` "
-                                     f"does not read them; read its results/*.parquet (the {column} column) "
-                                     "directly"))
+            task = results_task(pq.read_schema(f).names)
+        if task in tasks:
+            raise _fail(JobError(f"{output} holds a {task} job's rows (--task {task}): `tokenmill {command}` "
+                                 f"does not read them; read its results/*.parquet (the "
+                                 f"{'label' if task == 'classify' else task} column) directly"))
 
 
 def export(
@@ -95,7 +96,6 @@ def report(
     """
     from jobs.formats.report import render_report  # matplotlib: only for this command
 
-    _refuse_rows(output, "report", ("score",))
     try:
         page = render_report(output)
     except JobError as e:

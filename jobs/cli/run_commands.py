@@ -84,7 +84,7 @@ def _input_tokens(fc: Any) -> str:
 
 
 def _per_dollar_row(fc: Any) -> tuple[str, str]:
-    """The forecast table's per-dollar row: output tokens per USD, or an embed or classify job's input tokens and
+    """The forecast table's per-dollar row: output tokens per USD, or an embed, classify or score job's input tokens and
     rows per USD (it generates none)."""
     def usd(value: float | None) -> str:
         return "n/a" if value is None else f"{value:,.0f}"
@@ -145,10 +145,13 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     the job's forecast instead and write nothing. `set_by`: the options whose values came from environment
     variables (jobs.cli.options.options_set_by_env), named in errors."""
     from jobs.interrupt import ClientInterrupt
+    from jobs.plan.image_check import refuse_image_forecast
     from jobs.spec import checked_spec, run_spec, spec_fit  # Dask, the engine, torch: only when a job runs
 
     try:
         spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
+        if dry_run:
+            refuse_image_forecast(spec)
         fit = spec_fit(spec, spec.model)
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e

@@ -33,6 +33,7 @@ def print_summary(summary: JobSummary, output: str, as_json: bool, fit: MemoryFi
         ("shards ok / failed / stopped", f"{summary.shards_ok} / {len(summary.failed)} / {len(summary.stopped)}"),
         ("rows ok / error (job)", f"{summary.rows_ok} / {summary.rows_error}"),
         ("input / output tokens (job)", f"{summary.input_tokens:,} / {summary.output_tokens:,}"),
+        *([] if not summary.images else [("images (job)", f"{summary.images:,} (their tokens are input tokens)")]),
         ("this run", this_run(summary)),
         ("cost (job)", f"${summary.cost_usd:.6f} ({summary.device_s:.1f} device-seconds)"),
         *([] if summary.task != "generate" else [("tokens per dollar", "n/a" if tpd is None else f"{tpd:,.0f}")]),

@@ -1,8 +1,9 @@
 """OpenAI Batch API files in: a thin conversion around the native Parquet job.
 
 In: `tokenmill run requests.jsonl OUTPUT` takes the OpenAI batch input format (one JSON request per line:
-`custom_id`, `method` POST, `url` /v1/chat/completions or /v1/completions, `body` with `messages` or `prompt` and
-sampling fields; or `url` /v1/embeddings: an embed job, jobs.formats.openai_embeddings). The lines are converted
+`custom_id`, `method` POST, `url` /v1/chat/completions or /v1/completions, `body` with `messages` (text, or content
+parts of text and image_url: jobs.formats.openai_chat) or `prompt` and sampling fields; or `url` /v1/embeddings:
+an embed job, jobs.formats.openai_embeddings). The lines are converted
 once into a Parquet file under OUTPUT/_input/ (create-only, with the JSONL's size and version in its metadata) that
 the job then runs like any Parquet input: the same manifest,
 exactly-once commits, resume and accounting. `custom_id` becomes the row id; the body's sampling fields become
@@ -34,6 +35,7 @@ import pyarrow as pa
 
 from jobs.errors import JobError
 from jobs.formats.jsonl_lines import batch_file_lines
+from jobs.formats.openai_chat import chat_messages, messages_as_json
 from jobs.formats.openai_embeddings import (
     EMBEDDINGS_URL,
     embedding_table,
@@ -79,28 +81,6 @@ def _check_number(body: dict[str, Any], name: str, kind: type | tuple[type, ...]
     if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
         raise _BadRequest(f"body.{name} must be a {'integer' if kind is int else 'number'}, got {value!r}")
     return value
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or the text parts of a content-part list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise _BadRequest(f"{where} must be text or a list of text parts; images, audio and tool calls are not supported")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _BadRequest("body.messages must be a non-empty list of {role, content} for /v1/chat/completions")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _BadRequest(f"body.messages[{i}] must be an object with a role and a content")
-        role = "system" if m["role"] == "developer" else m["role"]  # chat templates know system, not developer
-        out.append({"role": role, "content": _text(m.get("content"), f"body.messages[{i}].content")})
-    return out
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -202,7 +182,7 @@ def request_values(doc: Any, endpoint: str | None) -> tuple[str, dict[str, Any]]
                          or (k in _NEUTRAL and body[k] not in _NEUTRAL[k]))
     if unsupported:
         raise _BadRequest(f"body fields {unsupported} are not supported (no streaming, echo or tools); remove them")
-    prompt = {"messages": _messages(body)} if url == CHAT_URL else {"prompt": _prompt(body)}
+    prompt = {"messages": chat_messages(body)} if url == CHAT_URL else {"prompt": _prompt(body)}
     model = body.get("model") if isinstance(body.get("model"), str) else None
     return url, {**prompt, **_sampling(body, url == CHAT_URL), "request_model": model}
 
@@ -258,7 +238,8 @@ def parse_batch_lines(lines: Iterable[str | bytes]) -> tuple[pa.Table, str]:
     _warn_once(both, sorted({r["request_model"] for r in rows if r.get("request_model")}))
     if endpoint == EMBEDDINGS_URL:
         return embedding_table(rows), endpoint
-    schema = pa.schema([(name, t) for name, t in _COLUMNS.items()
+    types = {**_COLUMNS, "messages": pa.string()} if messages_as_json(rows) else _COLUMNS  # image parts
+    schema = pa.schema([(name, t) for name, t in types.items()
                         if name != ("prompt" if endpoint == CHAT_URL else "messages")])
     return pa.Table.from_pylist(rows, schema=schema), endpoint
 

@@ -1,7 +1,7 @@
 """`tokenmill report`: one self-contained HTML page (plots embedded as SVG) of a job, from what is committed under
 OUTPUT: totals (jobs.control.job_status), output tokens/s over time (checkpoint parts: their tokens at their commit
-times), tokens per dollar per shard (an embed or classify job, which generates no tokens: input tokens/s over time,
-input tokens per dollar per shard, and rows per dollar beside them), attempts and preemptions per shard with the
+times), tokens per dollar per shard (an embed, classify or score job, which generates no tokens: input tokens/s over
+time, input tokens per dollar per shard, and rows per dollar beside them), attempts and preemptions per shard with the
 device-seconds lost (accounting/), error rows by reason (results/) and latency spread per shard (the checkpoint
 parts' latency_s). Tables go through polars, plots through matplotlib (Agg backend), the page through a jinja2
 template with autoescaping.
@@ -36,8 +36,8 @@ SHARD_SCHEMA = {"shard_id": pl.String, "state": pl.String, "rows": pl.Int64, "ro
                 "output_tokens": pl.Int64, "tokens_per_dollar": pl.Float64, "input_tokens": pl.Int64,
                 "input_tokens_per_dollar": pl.Float64, "rows_per_dollar": pl.Float64, "attempts": pl.Int64,
                 "preemptions": pl.Int64, "device_s_lost": pl.Float64, "device_s_billed": pl.Float64}
-# The per-shard columns that measure a task: a generate job's output tokens, an embed or classify job's input tokens
-# and rows (it generates none); the page's shards table leaves the other task's out.
+# The per-shard columns that measure a task: a generate job's output tokens, an embed, classify or score job's input
+# tokens and rows (it generates none); the page's shards table leaves the other task's out.
 _TASK_COLUMNS = {"generate": ("output_tokens", "tokens_per_dollar"),
                  "embed": ("input_tokens", "input_tokens_per_dollar", "rows_per_dollar")}
 
@@ -48,7 +48,7 @@ class ReportData:
     columns: tokens, USD, device-seconds), the rows of the committed results (`results`: shard_id, error), the
     committed checkpoint parts (`parts`: committed_at in seconds since the job's first attempt started,
     output_tokens, input_tokens) and the latencies of the rows in them (`latencies`: shard_id, latency_s; every
-    attempt's rows). `task`: generate, or embed for an embed or classify job (its parts hold no completion)."""
+    attempt's rows). `task`: generate, or embed for an embed, classify or score job (its parts hold no completion)."""
 
     status: JobStatus
     shards: pl.DataFrame
@@ -92,7 +92,7 @@ def read_report_data(output_url: str) -> ReportData:
             table = pl.from_arrow(record.read_part(part))
             if "latency_s" in table.columns:  # parts written before the column existed lack it
                 latency_frames.append(table.select(pl.lit(sid).alias("shard_id"), "latency_s").drop_nulls())
-            if "completion_tokens" not in table.columns:  # an embed or classify job's part: no output tokens
+            if "completion_tokens" not in table.columns:  # an embed, classify or score job's part: no output tokens
                 task = "embed"
             if part.committed_at is not None:
                 part_rows.append({"committed_at": part.committed_at, "input_tokens": int(table["prompt_tokens"].sum()),
@@ -188,7 +188,7 @@ def _latency_plot(latencies: pl.DataFrame) -> str | None:
 TITLES = {"tokens-over-time": "Output tokens/s over time", "tokens-per-dollar": "Tokens per dollar per shard",
           "attempts": "Attempts and preemptions per shard", "lost": "Device-seconds lost to preemption",
           "errors": "Error rows by reason", "latency": "Latency spread per shard"}
-# An embed or classify job's titles where they differ (it generates no output tokens).
+# An embed, classify or score job's titles where they differ (it generates no output tokens).
 _EMBED_TITLES = {**TITLES, "tokens-over-time": "Input tokens/s over time",
                  "tokens-per-dollar": "Input tokens per dollar per shard"}
 

@@ -19,7 +19,7 @@ first shard pays it. A worker's one engine serves all its shards in one batch, s
 concurrency steps at that concurrency's step time; the concurrency: worker_concurrency) plus a small overhead per
 shard (reads and commits).
 Device-seconds, cost at the job's price per hour and tokens per dollar follow. bench/README.md says how far off it
-was on a real job. An embed or classify job is forecast by jobs.plan.forecast_pooling (its rows' tokens and the
+was on a real job. An embed, classify or score job is forecast by jobs.plan.forecast_pooling (its rows' tokens and the
 encoder's measured tokens per second; input tokens and rows per dollar).
 """
 
@@ -75,7 +75,7 @@ class Forecast(PerDollar):
     is billed about `load_stretch` times `device_s` (billing is the device's wall time). `note`: what the figures
     cannot say (a job none of whose rows can run), else "". `quantization`: the weight
     quantization the run uses, as its summary and accounting will say it (pipeline.shard_engine.EngineFacts).
-    `task`: the job's; an embed or classify job generates nothing (output figures 0, prefill_tokens_per_s: the
+    `task`: the job's; an embed, classify or score job generates nothing (output figures 0, prefill_tokens_per_s: the
     encoder's input tokens per second, jobs.plan.forecast_pooling).
     """
 
@@ -166,7 +166,7 @@ def _sampling_of(rows: ShardRows, cfg: RunConfig, k: int) -> SamplingParams:
 
 
 def forecast_job(spec: JobSpec, *, sample_rows: int = SAMPLE_ROWS) -> Forecast:
-    """Forecast the job `spec` describes (see the module docstring; an embed or classify job: forecast_pooling's
+    """Forecast the job `spec` describes (see the module docstring; an embed, classify or score job: forecast_pooling's
     forecast_pooling_job). Writes nothing under OUTPUT. Loads the engine in this process (seconds to minutes).
     Raises JobError (exit 2) for bad input or options."""
     spec, cfg, shards, first, skipped = first_shard(spec, sample_rows)
@@ -200,7 +200,7 @@ def first_shard(spec: JobSpec, sample_rows: int) -> tuple[JobSpec, RunConfig, li
         messages = column == cfg.messages_column != cfg.prompt_column
         skipped = 0  # rows of the leading shards none of whose rows can run (error rows: no device time)
         for shard in shards:
-            first = read_shard(shard, column, cfg.id_column, messages=messages)
+            first = read_shard(shard, column, cfg.id_column, messages=messages, pair_column=cfg.text_pair_column)
             if row_kind(cfg).requests(first, cfg).runnable:
                 return spec, cfg, shards, first, skipped
             skipped += len(first.ids)

@@ -74,13 +74,19 @@ def randomized(model_class, cfg, seed: int):
     torch.manual_seed(seed)
     model = model_class(cfg).eval()
     model.config._attn_implementation = "eager"
+    draw_weights(model)
+    return model
+
+
+def draw_weights(model: torch.nn.Module) -> None:
+    """Redraw a tiny model's weights (torch's global generator) large enough that an image changes the greedy
+    text: norm weights around 1 (1 + N(0, 0.3)), every other parameter N(0, 0.15)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-    return model
 
 
 def picture(kind: str, size: tuple[int, int], seed: int) -> Image.Image:

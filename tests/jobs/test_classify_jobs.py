@@ -1,7 +1,7 @@
 """`tokenmill run --task classify` end to end: 24 real GSM8K questions, a tiny random-weight BERT classifier
-(BertForSequenceClassification saved with save_pretrained beside the MiniLM tokenizer), a real Dask LocalCluster:
-the results' labels and scores are LLMEngine.classify's; a model that cannot classify, and a classifier asked to
-generate or embed, are refused (exit 2, one line) before any work."""
+(BertForSequenceClassification saved with save_pretrained beside the MiniLM tokenizer), a real Dask LocalCluster: the
+results' labels and scores are LLMEngine.classify's (a multi-label head's `labels` list too); a model that cannot
+classify, and a classifier asked to generate or embed, are refused (exit 2, one line) before any work."""
 
 from __future__ import annotations
 
@@ -74,6 +74,38 @@ def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifie
     np.testing.assert_allclose(results.column("score").to_numpy(zero_copy_only=False)[good],
                                [expected[k].score for k in good], atol=1e-5)
     assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
+    assert schema.field("labels").type == pa.list_(pa.string()) and results.column("labels").null_count == ROWS
+
+
+def test_a_multi_label_classify_job_writes_the_labels_on(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
+    """problem_type multi_label_classification: `scores` a sigmoid per label, `labels` those >= 0.5 (a list per
+    row, possibly empty), `label` the top one, as LLMEngine.classify gives them."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(2)
+    names = {0: "algebra", 1: "money", 2: "time"}
+    hf = BertForSequenceClassification(BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=3, id2label=names, problem_type="multi_label_classification"))
+    with torch.no_grad():
+        hf.classifier.bias.copy_(torch.tensor([2.0, -2.0, 0.0]))  # one label on, one off, one either way
+    folder = tmp_path / "multi-label"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(Path(minilm_folder) / name, folder / name)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(questions), str(out), "--task", "classify", "--model", str(folder),
+                              "--prompt-column", "question", "--limit", "8", "--workers", "1", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
+    engine = LLMEngine.from_model(str(folder), EngineConfig(device="cpu", dtype="float32"))
+    expected = engine.classify(pq.read_table(questions).column("question").to_pylist()[:8])
+    assert results.column("labels").to_pylist() == [o.labels for o in expected]
+    assert results.column("label").to_pylist() == [o.label for o in expected]
+    assert expected[5].labels is None and all("algebra" in o.labels and "money" not in o.labels
+                                              for k, o in enumerate(expected) if k != 5)
+    np.testing.assert_allclose(np.array([results.column("scores").to_pylist()[k] for k in (0, 1)]),
+                               np.stack([expected[k].scores for k in (0, 1)]), atol=1e-5)
 
 
 @pytest.mark.parametrize(("task", "model", "message"), [

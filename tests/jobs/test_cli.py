@@ -144,6 +144,8 @@ def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path) -
     table = runner.invoke(app, ["status", str(out)])
     assert table.exit_code == 1 and "shard 00001-000000000 failed" in table.stderr
     assert f"{_auto_dtype()} / none" in table.stdout
+    assert st["task"] == "generate" and "│ tokens per dollar" in table.stdout  # and every job's input and rows per $
+    assert "│ input tokens / rows per dollar" in table.stdout
 
 
 def test_a_held_lease_or_a_cancel_refuses_the_run_before_any_work(gsm8k_folder: Path, tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
-"""`tokenmill run --task score --text-pair-column COL` end to end: 24 real GSM8K (question, answer) rows, a tiny
-random-weight BERT cross-encoder (BertForSequenceClassification of 1 label, saved beside the MiniLM tokenizer), a
-real Dask LocalCluster: the results' scores are LLMEngine.score's, an empty answer is an error row naming its column,
-input tokens are billed as for embed. Refused (exit 2, one line) before any work: a missing pair column, the flag
-with another task, score without it, a model that cannot score (a causal LM, a classifier of several labels)."""
+"""`tokenmill run --task score --text-pair-column COL` end to end: 24 real GSM8K (question, answer) rows, a tiny random-
+weight BERT cross-encoder (BertForSequenceClassification of 1 label, saved beside the MiniLM tokenizer), a real Dask
+LocalCluster: the results' scores are LLMEngine.score's, an empty answer is an error row naming its column, input
+tokens are billed as for embed; `tokenmill report` pages it as a classify job (input tokens and rows per dollar) and
+`--dry-run` forecasts it, the pairs tokenized as the job will. Refused (exit 2, one line) before any work: a missing
+pair column, the flag with another task, score without it, a model that cannot score (a causal LM, a classifier of
+several labels)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typer.testing import CliRunner
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
 from jobs.cli.run_output import this_run
+from jobs.control import job_status
 from jobs.summary import JobSummary
 
 runner = CliRunner()
@@ -76,6 +79,45 @@ def test_run_task_score_end_to_end(qa: Path, tmp_path: Path, cross_encoder: str)
     assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
     assert results.column("truncated").to_pylist() == [o.truncated for o in expected]
     assert summary["input_tokens"] == sum(o.num_prompt_tokens for o in expected)  # as embed bills them
+
+    report = runner.invoke(app, ["report", str(out), "--html", str(tmp_path / "r.html")])
+    assert report.exit_code == 0, report.output
+    page, st = (tmp_path / "r.html").read_text(), job_status(str(out))
+    assert st.input_tokens == summary["input_tokens"] and st.rows_per_dollar
+    per_usd = f"{st.input_tokens_per_dollar:,.0f} / {st.rows_per_dollar:,.0f}"
+    assert f"<th>input tokens / rows per dollar</th><td>{per_usd}</td>" in page and "output tokens" not in page
+    assert f"<th>input tokens</th><td>{st.input_tokens:,}</td>" in page
+    assert "<td>text pair column &#39;answer&#39;: the text is empty</td><td>1</td>" in page, page
+
+    table = runner.invoke(app, ["status", str(out)])  # the per-dollar figures of a job that generates nothing
+    assert table.exit_code == 0 and f"│ input tokens / rows per dollar │ {per_usd}" in table.stdout, table.stdout
+    assert "│ tokens per dollar" not in table.stdout
+    assert json.loads(runner.invoke(app, ["status", str(out), "--json"]).stdout)["task"] == "score"
+
+
+@pytest.mark.parametrize("model", ["cross-encoder", "embedding model"])
+def test_dry_run_of_a_score_job_forecasts_the_pairs_tokens(qa: Path, tmp_path: Path, cross_encoder: str,
+                                                           minilm_folder: str, model: str) -> None:
+    """The forecast of a score job: its pairs' exact tokens (one shard holds them all) as LLMEngine.score counts
+    them (a cross-encoder's pair as one sequence cut at its 128 positions; an embedding model's two texts each), a
+    measured rate, no output tokens, input tokens and rows per dollar; nothing written."""
+    folder = cross_encoder if model == "cross-encoder" else minilm_folder
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["run", str(qa), str(out), "--task", "score", "--model", folder, "--prompt-column",
+                              "question", "--text-pair-column", "answer", "--dtype", "float32", "--dry-run",
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    fc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not out.exists()
+    table = pq.read_table(qa)
+    engine = LLMEngine.from_model(folder, EngineConfig(device="cpu", dtype="float32"))
+    expected = engine.score(table.column("question").to_pylist(), table.column("answer").to_pylist())
+    assert fc["input_tokens"] == sum(o.num_prompt_tokens for o in expected) > 0
+    assert (model == "cross-encoder") == any(o.truncated for o in expected)  # GSM8K answers run past 128 tokens
+    assert (fc["task"], fc["rows"], fc["input_rows_sampled"], fc["output_tokens"]) == ("score", ROWS, ROWS, 0)
+    assert fc["sample_rows"] == ROWS - 1 and fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0
+    assert fc["input_tokens_per_dollar"] == fc["input_tokens"] / fc["cost_usd"]
+    assert fc["rows_per_dollar"] == ROWS / fc["cost_usd"]
 
 
 @pytest.mark.parametrize(("case", "message"), [

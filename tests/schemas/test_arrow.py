@@ -14,7 +14,7 @@ from schemas import ACCOUNTING_SCHEMA, RESULTS_SCHEMA
 def test_results_schema_columns_types_and_nullability() -> None:
     assert RESULTS_SCHEMA.names == ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
                                     "error", "model", "model_fingerprint", "logprobs", "valid", "samples",
-                                    "note", "input_file", "input_row"]
+                                    "note", "images", "input_file", "input_row"]
     types = {f.name: f.type for f in RESULTS_SCHEMA}
     assert types["id"] == pa.string() and types["prompt_tokens"] == pa.int32() == types["completion_tokens"]
     assert types["input_row"] == pa.int64()
@@ -22,7 +22,8 @@ def test_results_schema_columns_types_and_nullability() -> None:
     # error is null exactly when the row ran; a null id stays null (input_file + input_row name every row); a row of
     # a job started before models were pinned has no model_fingerprint; logprobs, valid and samples are null unless
     # asked for (and in results written before they existed)
-    assert nullable == {"id", "completion", "error", "model_fingerprint", "logprobs", "valid", "samples", "note"}
+    assert nullable == {"id", "completion", "error", "model_fingerprint", "logprobs", "valid", "samples", "note",
+                        "images"}
     assert types["valid"] == pa.bool_()
     assert types["logprobs"].value_type.field("top_logprobs").type.value_type.field("logprob").type == pa.float32()
 
@@ -40,7 +41,8 @@ def test_accounting_schema_has_the_bill() -> None:
     # dollar: null in accounting written before they existed); model_fingerprint is null in accounting of jobs
     # started before models were pinned.
     assert [f.name for f in ACCOUNTING_SCHEMA if f.nullable] == ["tokens_per_dollar", "model_fingerprint",
-                                                                 "input_tokens_per_dollar", "rows_per_dollar"]
+                                                                 "input_tokens_per_dollar", "rows_per_dollar",
+                                                                 "images"]
     assert ACCOUNTING_SCHEMA.field("finished_at").type == pa.timestamp("us", tz="UTC")
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.attention import paged_attention_cpu, paged_attention_ref
+from engine.layers.linear import linear_gelu
 from engine.quant.packed_linear import PackedLinear, can_pack, pack_linears, packing_available
 
 # Max abs error vs the reference: fp32 differs by summation order; bf16 outputs round to 8 bits of mantissa.
@@ -214,18 +215,20 @@ def test_packed_linear_computes_the_linear(dtype: torch.dtype) -> None:
 
 @pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
 def test_pack_linears_replaces_plain_linears_and_keeps_their_biases() -> None:
-    from engine.quant.state import AddBias
-
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=True),
                           nn.Sequential(nn.Linear(8, 8, bias=False)))
     x = torch.randn(5, 8)
     with torch.no_grad():
-        expected = model[2](x)  # a QKV with a bias (Qwen2): packed, the bias added after the GEMM
+        expected = model[2](x)  # a QKV with a bias (Qwen2): packed, the bias added in the GEMM's epilogue
+        gelu = F.gelu(expected)
     assert pack_linears(model) == 3
     assert isinstance(model[1], PackedLinear) and isinstance(model[3][0], PackedLinear)
-    assert isinstance(model[2], AddBias) and isinstance(model[2].inner, PackedLinear)
+    assert isinstance(model[2], PackedLinear) and model[2].bias is not None and model[1].bias is None
+    assert set(model.state_dict()) == {"0.weight", "2.bias"}  # the bias keeps its name; packed weights are no state
     with torch.no_grad():
         torch.testing.assert_close(model[2](x), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model[2].forward_gelu(x), gelu, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(linear_gelu(model[2], x), gelu, rtol=1e-5, atol=1e-6)
     assert type(model[0]) is nn.Embedding
     assert pack_linears(model) == 0  # idempotent
 

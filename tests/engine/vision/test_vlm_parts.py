@@ -94,16 +94,3 @@ def test_configs_read() -> None:
     nxt = config_from_hf(_config("llava_next"))
     assert nxt.architecture == "llava_next" and nxt.vision.image_grid_pinpoints[0] == (336, 672)
 
-
-def test_a_processor_that_needs_a_missing_package_is_one_clear_error(monkeypatch, tmp_path) -> None:
-    """SmolVLMProcessor imports num2words (its video prompts); without it the folder is refused in one line."""
-    import transformers
-
-    from engine.multimodal.processor import ImageProcessor
-
-    def missing(path: str) -> None:
-        raise ImportError("Package `num2words` is required to run SmolVLM processor.")
-
-    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", missing)
-    with pytest.raises(ValueError, match="needs a package that is not installed.*num2words"):
-        ImageProcessor.from_model_path(str(tmp_path), _vision())
