@@ -1,6 +1,7 @@
-"""tokenmill's LLM engine: decoder-only transformers (the families of engine.model.architectures: Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3/4, the mixtures of experts Qwen2/3-MoE, Mixtral, gpt-oss, and the vision-language LLaVA-1.5)
-from GGUF files or Hugging Face folders, over a paged KV cache with continuous batching.
+"""tokenmill's LLM engine: transformers from GGUF files or Hugging Face folders (the families of
+engine.model.registry): causal decoders (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, the mixtures of experts
+Qwen2/3-MoE, Mixtral, gpt-oss, and the vision-language LLaVA-1.5) over a paged KV cache with continuous batching, and
+encoders without a KV cache (BERT, XLM-RoBERTa, ModernBERT) for embeddings, scores and classification.
 
 The front door is this package's top level, the public API only: LLMEngine (engine.llm_engine), EngineConfig and
 ModelConfig with its RopeScaling and VisionConfig (engine.config, engine.rope_scaling, engine.vision_config),

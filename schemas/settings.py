@@ -33,6 +33,17 @@ METRICS_INTERVAL_S = "TOKENMILL_METRICS_INTERVAL_S"  # seconds between metric pu
 JOB_NAME = "TOKENMILL_JOB_NAME"  # the metrics' job label (else the last part of OUTPUT)
 LOG_DIR = "TOKENMILL_LOG_DIR"  # where an internal error's traceback is written (jobs.cli.output)
 LEASE_TTL_S = "TOKENMILL_LEASE_TTL_S"  # seconds a run's lease on its job lives without renewal (jobs.lease)
+# infra: read by infra/'s own files (the Airflow DAG, the cron script), which run where tokenmill may not be installed
+# and so name them themselves; listed here so this list is whole (tests/schemas/test_settings.py checks it)
+JOB_SPEC = "TOKENMILL_JOB_SPEC"  # the job spec the Airflow DAG submits (infra/airflow)
+OUTPUT_ROOT = "TOKENMILL_OUTPUT_ROOT"  # where a scheduled run's OUTPUT folders go, one per date
+IMAGE = "TOKENMILL_IMAGE"  # tokenmill's container image (the Airflow DAG's Kubernetes pod)
+NAMESPACE = "TOKENMILL_NAMESPACE"  # the Kubernetes namespace of that pod
+DASK_SCHEDULER = "TOKENMILL_DASK_SCHEDULER"  # the Dask scheduler that pod submits to (DASK_SCHEDULER_ADDRESS there)
+SCHEDULE = "TOKENMILL_SCHEDULE"  # the DAG's cron schedule
+BIN = "TOKENMILL_BIN"  # the tokenmill executable where it is not on PATH (the local DAG)
+CRON_LOCK_DIR = "TOKENMILL_CRON_LOCK_DIR"  # the cron script's lock folder (infra/cron)
+CRON_LOG_DIR = "TOKENMILL_CRON_LOG_DIR"  # the cron script's log folder (infra/cron)
 # tests and benchmarks
 DATA_DIR = "TOKENMILL_DATA_DIR"  # the real prompt sets (tests/conftest.py, bench/common.py)
 # other tools'

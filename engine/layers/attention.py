@@ -306,7 +306,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # kernel's cost grows as q_len x seq_len with dot products at vector rather than GEMM rates. Measured crossover
 # (`python -m bench.cpu_kernels --prefill`, 2-core EPYC, SmolLM2's 9/3 heads of 64): see bench/README.md. On CPUs
 # without AVX-512 the kernel's 16-lane blocking takes two registers a vector and SDPA wins at every prefill length
-# (5-8x per layer there; a whole job 18% faster on GSM8K prompts with every chunk on SDPA: bench/README.md "AVX2").
+# (bench/README.md "AVX2-only CPUs: where the time goes, and the attention fix").
 CPU_KERNEL_MAX_PREFILL_PAIRS = 1024 * 1024 if cpu_has_avx512() else 0
 
 

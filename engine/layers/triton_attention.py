@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tile sizes. NOTE: tl.dot needs every dimension >= 16 on the GPU, so rows (query heads, tokens) pad to 16. Launched
 # with 4 warps and 2 pipeline stages: the fp32 prefill tile then needs ~115 KB of shared memory at head_dim 128 (fits
-# A100 and H100; bf16 ~33 KB). Untuned; on an H100 (bench/README.md "GPU") decode reads K/V at 62-87% of copy
-# bandwidth at 2048-token contexts and prefill runs at 196 TFLOP/s.
+# A100 and H100; bf16 ~33 KB). Untuned; its decode and prefill rates on an H100: bench/README.md "First run on
+# hardware: H100 80GB HBM3, 2026-11-25".
 DECODE_BLOCK_N = 64
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64

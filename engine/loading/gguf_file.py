@@ -34,8 +34,9 @@ from engine.quant.state import is_expert_weight, is_linear_weight
 
 
 def open_gguf(path: str) -> Any:
-    """A gguf.GGUFReader of the GGUF file at `path` that parses the metadata about 3x faster (SmolLM2-135M: 1.4
-    instead of 4.2 CPU-s, the tokenizer's 49k strings and merges being most of it), with the same fields and tensors.
+    """A gguf.GGUFReader of the GGUF file at `path` that parses the metadata faster (the tokenizer's strings and
+    merges being most of it; bench/README.md "Figures once quoted in engine/'s docstrings"), with the same fields
+    and tensors.
 
     GGUFReader slices its np.memmap once per metadata value, and each memmap slice runs memmap's Python
     __array_finalize__ and __getitem__; the reader here slices a plain ndarray view of the same mapping (no copy)
@@ -87,10 +88,10 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     """A GGUFReader tensor of any type gguf-py reads (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants Q2_K ... Q6_K, IQ*,
     MXFP4) as float32 in torch order ([rows, row length]; 1-D tensors stay 1-D, a mixture-of-experts layer's stacked
     experts [E, rows, row length]), by `gguf.quants.dequantize` (MXFP4: engine.loading.gpt_oss_tensors'
-    bit-equal `dequantize_gguf_mxfp4`, 2.5x faster) over chunks of rows, run on a few threads (numpy releases the GIL
+    bit-equal `dequantize_gguf_mxfp4`, faster) over chunks of rows, run on a few threads (numpy releases the GIL
     in its array operations). Bit-equal to one `dequantize(tensor.data, tensor.tensor_type)` call: ggml types
-    quantize rows block by block, and gguf-py dequantizes each block on its own. Measured (AMD EPYC, 1 thread, 4096 x
-    4096): Q4_K 0.44 s whole vs 0.11 s in 1M-weight chunks, Q5_K 0.53 vs 0.18 s, Q6_K 0.24 vs 0.14 s.
+    quantize rows block by block, and gguf-py dequantizes each block on its own. Chunks are faster than one whole
+    call even on one thread (bench/README.md "Checkpoints, families and the job's edges").
 
     Raises ValueError naming the tensor and its type when gguf-py cannot dequantize that type.
     """

@@ -69,8 +69,8 @@ def dequantize_gguf_mxfp4(data: np.ndarray) -> np.ndarray:
     """ggml MXFP4 blocks (a GGUF tensor's data, uint8 [..., G * 17]) as float32 [..., G * 32], bit for bit what
     gguf-py's `gguf.quants.dequantize(data, GGMLQuantizationType.MXFP4)` returns (half the E8M0 scale, built from
     its bits as ggml's ggml_e8m0_to_fp32_half does, times the doubled FP4 value: one fp32 product, so the same
-    bits, +0 for code 8 and, for scale byte 255 (E8M0's NaN), 2 ** 127 times the doubled value: inf from 2 up), about
-    2.5x faster (measured: 1024 x 2880 weights, AMD EPYC, 1 thread, 0.02 s against 0.05 s).
+    bits, +0 for code 8 and, for scale byte 255 (E8M0's NaN), 2 ** 127 times the doubled value: inf from 2 up),
+    faster (bench/README.md "Figures once quoted in engine/'s docstrings").
 
     Raises ValueError when the dtype or the last dimension does not fit. Source: ggml-quants.c
     dequantize_row_mxfp4; OCP MX v1.0 (E8M0, FP4 E2M1)."""

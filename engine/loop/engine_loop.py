@@ -17,27 +17,22 @@ DeviceClock); the time between steps is split equally among the callers whose cl
 The loop asks the engine only for what LLMEngine offers every caller (make_requests, add_requests, step, abort_requests,
 abort_all, output_of): the engine owns its requests' clean-up (KV blocks, batch rows, logits-processor state).
 
-The step thread is a daemon (a process never waits on its rows to exit), so it must be done before the interpreter
-finalizes: a daemon thread that is in C++ with the GIL released then (a step's torch ops, or freeing the engine's
-tensors, THPVariable_clear) is ended by pthread_exit when it takes the GIL back, and that forced unwind through a
-noexcept C++ frame is std::terminate: "terminate called without an active exception", an aborted process. An
-atexit hook (`close_all_at_exit`, registered when the first loop starts its thread, not at import) therefore aborts
-the requests of every live loop and joins its thread, and jobs.plugin's teardown does the same when a Dask worker
-closes.
+The step thread is a daemon, so it must be done before the interpreter finalizes: engine.loop.exit_hook aborts the
+requests of every live loop and joins its thread at exit (registered when the first loop starts its thread, not at
+import), and jobs.plugin's teardown does the same when a Dask worker closes.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 from engine.core.request import Request
 from engine.llm_engine import LLMEngine, Prompt
+from engine.loop import exit_hook
 from engine.loop.clock import DeviceClock, IdleShare
 from engine.loop.submission import DONE, Submission
 from engine.outputs import RequestOutput
@@ -47,32 +42,6 @@ from engine.sampling_params import SamplingParams
 __all__ = ["EngineLoop"]
 
 log = logging.getLogger(__name__)
-
-# Seconds an exiting process waits for a loop's step in progress to end (close_all_at_exit).
-EXIT_JOIN_S = 60.0
-# Every loop whose step thread was started: the atexit hook closes them.
-_LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
-_exit_hook_registered = False  # close_all_at_exit registered (by the first loop that started its thread)
-_exit_hook_lock = threading.Lock()
-
-
-def close_all_at_exit(timeout_s: float = EXIT_JOIN_S) -> None:
-    """Abort the requests of every live EngineLoop and wait up to `timeout_s` seconds each for its step thread to
-    end (registered with atexit: it runs after the interpreter joined its non-daemon threads and before it
-    finalizes, while a daemon thread can still take the GIL; see the module docstring)."""
-    for loop in list(_LIVE):
-        loop.close(timeout_s=timeout_s, abort=True)
-
-
-def _register_exit_hook() -> None:
-    """Register close_all_at_exit with atexit once per process, when a loop first starts its step thread: importing
-    this module changes nothing of the process."""
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if not _exit_hook_registered:
-            atexit.register(close_all_at_exit)
-            _exit_hook_registered = True
-
 
 class EngineLoop:
     """A step thread that owns `engine` and serves submissions from any number of threads at once.
@@ -133,10 +102,10 @@ class EngineLoop:
             if self._closed:
                 raise RuntimeError("this engine loop is closed; make a new one")
             if self._thread is None:
-                _register_exit_hook()
+                exit_hook.register_exit_hook()
                 self._thread = threading.Thread(target=self._run, name="tokenmill-engine-loop", daemon=True)
                 self._thread.start()
-                _LIVE.add(self)
+                exit_hook.track(self)
         return self
 
     def close(self, timeout_s: float | None = None, *, abort: bool = False) -> bool:
@@ -155,7 +124,7 @@ class EngineLoop:
         if thread.is_alive():
             log.warning("engine loop: the step thread did not end within %s s of close()", timeout_s)
             return False
-        _LIVE.discard(self)
+        exit_hook.untrack(self)
         return True
 
     def clock(self) -> DeviceClock:

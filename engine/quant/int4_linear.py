@@ -22,10 +22,10 @@ Kernels (torch 2.13; schemas `_convert_weight_to_int4pack[_for_cpu](Tensor self,
   slower than a fused dequant GEMM at M=512 on an A6000). Costs a second copy (0.5 byte per weight);
   dequant_min_rows=None (or layout "single") drops it.
 - CPU, bf16 activations: `_weight_int4pack_mm_for_cpu`, whose pack op takes int32 [N, Kp] (not uint8) and whose
-  scales_and_zeros must have the activations' dtype. Measured here (torch 2.13, 2 cores): N=1536, K=576, M=8:
-  0.05 ms vs 0.18 ms for an fp32 GEMM.
+  scales_and_zeros must have the activations' dtype. Faster than the fp32 GEMM (bench/README.md "INT4": CPU
+  kernels).
 - CPU, fp32/fp16 activations: dequantize-then-GEMM in that dtype. The fp32 variant of the CPU op is a slow path
-  (measured 100x slower than its bf16 twin: 379 ms vs 3 ms at M=512, N=1536, K=576) and bf16 activations would
+  (far slower than its bf16 twin: bench/README.md "INT4", CPU kernels) and bf16 activations would
   cost the fp32 path its precision, so fp32 stays exact: w = (q - 8) * s + z in fp32.
 """
 
@@ -46,19 +46,17 @@ from engine.quant.qparams import Int4Weight, unpack_uint4
 log = logging.getLogger(__name__)
 
 #: CUDA without gemlite: rows M at and above which dequantize-then-GEMM beats tinygemm. Provisional (H100,
-#: 2026-11-25); the H200 sweep of 2026-11-26 puts the crossover between M 64 (tinygemm 981.2 vs dequantize + GEMM
-#: 1782.9 us per layer) and 128 (1939.5 vs 1794.7).
+#: 2026-11-25); the H200 sweep of 2026-11-26 puts the crossover between M 64 and 128 (bench/README.md "INT4 with
+#: GemLite: H200, 2026-11-26").
 CUDA_DEQUANT_MIN_ROWS = 64
-#: CUDA with gemlite: rows M up to which tinygemm serves. Measured on an H200, 2026-11-26 (`bash
-#: bench/gpu_session.sh`, STEPS int4: `python -m bench.int4 --device cuda`, Llama-3.1-8B layer, g128, bf16, sum of
-#: the four GEMMs in CUDA graphs): tinygemm 64.2 vs GemLite 76.5 us at M = 1, 154.4 vs 178.0 at M = 8, 259.8 vs
-#: 174.0 at M = 16. GemLite ran on untuned configs there (engine.quant.gemlite_int4); its next sweep, tuned,
-#: prints the crossover to put here.
+#: CUDA with gemlite: rows M up to which tinygemm serves: faster than GemLite at M = 1 and 8, not at 16, on an H200
+#: (`python -m bench.int4 --device cuda`; bench/README.md "INT4 with GemLite: H200, 2026-11-26"). GemLite ran on
+#: untuned configs there (engine.quant.gemlite_int4); its next sweep, tuned, prints the crossover to put here.
 CUDA_TINYGEMM_MAX_ROWS = 8
 #: CUDA with gemlite: rows M at and above which GemLite's weight is dequantized and the dense GEMM runs (the long
-#: prefill chunks). Same H200 run: dequantize + GEMM 2781.3 vs GemLite 3946.8 us at M = 2048 (a prefill chunk of
-#: max_num_batched_tokens), 1947.1 vs 1120.9 at M = 512; rows between were not measured (the sweep now has 1024
-#: and 1536), so this is the smallest M measured to gain.
+#: prefill chunks). Same H200 run: dequantize + GEMM beats GemLite at M = 2048 (a prefill chunk of
+#: max_num_batched_tokens), not at 512; rows between were not measured (the sweep now has 1024 and 1536), so this
+#: is the smallest M measured to gain.
 CUDA_GEMLITE_DEQUANT_MIN_ROWS = 2048
 
 #: Int4Linear's layouts on CUDA: "dual" = tinygemm's packed copy beside GemLite's (or beside the dequantize path's

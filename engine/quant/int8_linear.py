@@ -21,8 +21,8 @@ same limit is why fbgemm and PyTorch's x86 quantization use `reduce_range`). The
 (|q_w| <= 63: 2 x 255 x 63 = 32130 fits), which costs about twice the weight rounding error and never saturates.
 `int8_weight_qmax()` finds which case this CPU is by running the op once on a saturating input.
 
-Measured on a 2-core AMD EPYC (AVX2, torch 2.13, one thread; /tmp microbenchmark kept in bench/int8.py): 1.3-2x
-the fp32 GEMM at M = 64-256 rows for SmolLM2's shapes.
+Faster than the fp32 GEMM at M = 64-256 rows for SmolLM2's shapes, on AVX2 and on AVX512-VNNI CPUs (bench/README.md
+"CPU kernels (microbenchmarks)" and "Figures once quoted in engine/'s docstrings").
 """
 
 from __future__ import annotations
@@ -148,10 +148,10 @@ def quantize_model_int8(model: nn.Module) -> int:
     """Replace, in place, every decoder projection by an Int8Linear, and give every mixture-of-experts block's
     experts one Int8Linear per expert for gate/up and for down (GroupedExperts.set_gemms; the router and a shared
     expert's gate stay in the compute dtype, a shared expert is quantized as a dense MLP). The LM head and the
-    embedding stay in the compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M 0.35
-    points of perplexity for 6% of throughput; bench/README.md). Fuse the projections first
-    (ModelBase.fuse_projections) to get the serving layout. Returns the number of replaced modules (an expert block
-    counts one). Raises ValueError as Int8Linear."""
+    embedding stay in the compute dtype: the logits are the most sensitive GEMM (INT8 there costs SmolLM2-135M
+    perplexity for little throughput: bench/README.md "CPU kernels (microbenchmarks)", where each weight format
+    wins). Fuse the projections first (ModelBase.fuse_projections) to get the serving layout. Returns the number of
+    replaced modules (an expert block counts one). Raises ValueError as Int8Linear."""
     from engine.layers.moe import GroupedExperts
     from engine.quant.state import LM_HEAD, is_linear_weight, set_module
 

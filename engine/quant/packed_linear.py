@@ -3,9 +3,9 @@
 `F.linear` on a CPU tensor reorders the weight into the GEMM library's blocked layout on every call (or goes
 through MKL's sgemm for fp32, which is slower at these shapes). Packing it once, as PyTorch Inductor's CPU
 freezing pass does (`torch.ops.mkldnn._reorder_linear_weight`, then `torch.ops.mkldnn._linear_pointwise`; both
-in torch since 2.0), saves that work at every step. Measured on a 2-core AMD EPYC with AVX512-BF16 (torch
-2.13.0+cpu, `python -m bench.cpu_kernels --gemm`, SmolLM2-135M's projection and LM-head shapes): bf16 at M = 64
-rows 381-413 GFLOP/s packed vs 315-357 through F.linear; fp32 202-217 vs 106-172 (the LM head 2x).
+in torch since 2.0), saves that work at every step: faster than F.linear in bf16 and fp32 at SmolLM2-135M's
+shapes (`python -m bench.cpu_kernels --gemm`; figures, device and date in bench/README.md "CPU kernels
+(microbenchmarks)" and "Figures once quoted in engine/'s docstrings").
 
 bf16 results equal F.linear's bit for bit (both run oneDNN); fp32 ones differ from MKL's in rounding only
 (relative 1e-7), because the two libraries sum in other orders.
@@ -46,10 +46,8 @@ from schemas import settings
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: Rows M of a step up to which an fp32 PackedLinear with GGUF blocks runs engine.kernels.gguf_blocks.gguf_linear
-#: instead
-#: of the packed GEMM (module docstring). `python -m bench.cpu_kernels --gguf` (AVX2 EPYC, 2026-11-26, 2 threads,
-#: a layer's four GEMMs + the LM head, weights from memory): 3.8x the packed GEMM at M = 1, 1.68x at 8, 1.11x at 16,
-#: 0.98x at 24, 0.86x at 32 (bench/README.md).
+#: instead of the packed GEMM (module docstring): the largest M at which `python -m bench.cpu_kernels --gguf` found
+#: the kernel faster than the packed GEMM (bench/README.md "Small batches on the GGUF's own blocks").
 #: TOKENMILL_GGUF_KERNEL=0 turns the small-batch kernel off (every step on the packed GEMM; gguf_kernel_max_rows).
 GGUF_KERNEL_MAX_ROWS = 16
 

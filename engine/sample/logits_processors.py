@@ -15,8 +15,8 @@ NOTE: only rows registered with `add` are touched, and a step whose batch holds 
 test (`active`): the greedy path of unconstrained jobs pays nothing per row. The work of a step is one batched op per
 kind (one index_put for every bias, one scatter for every penalized row's counts; for the constrained rows one
 batched xgrammar bitmask fill, one bitmask application and one batched accept, all C++); the Python per registered
-row gathers its parameters. Measured (bench/README.md, "Structured outputs"): the constrained rows' share of a step's
-CPU time is about 1-2% on this model, the bitmask application (a pass over [S, V] fp32 logits) the largest part.
+row gathers its parameters. The constrained rows' share of a step's CPU time is small, the bitmask application (a
+pass over [S, V] fp32 logits) its largest part (bench/README.md "Structured outputs").
 A request's state (its matcher, its logprobs) follows its output tokens, which survive a KV preemption: recomputing
 the prompt after a preemption neither resets nor replays the matcher.
 """

@@ -171,12 +171,10 @@ def _sample_torch(logits: torch.Tensor, g: _Rows) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) of [S, V] logits (first index on ties, the first NaN where a row has one), int64
-    [S]. On the CPU, fp32 rows: numpy's argmax (SIMD, on the tensor's memory), 1.3-1.5x the C++ kernel's AVX2 form
-    on the AVX2 EPYC (64 x 49,152: 0.26 vs 0.39 ms; 512 x 512: 26 vs 33 us; torch 3.2 ms and 0.3 ms; one thread);
-    other dtypes (bf16, fp16): the C++ kernel (engine.kernels.cpu_kernels `argmax_rows`: one vectorized pass for the
-    max, one
-    for its index), which replaces torch's element-at-a-time reduction of bf16 rows (about 15x faster at
-    64 x 49,152); elsewhere torch's."""
+    [S]. On the CPU, fp32 rows: numpy's argmax (SIMD, on the tensor's memory), faster than the C++ kernel's AVX2
+    form; other dtypes (bf16, fp16): the C++ kernel (engine.kernels.cpu_kernels `argmax_rows`: one vectorized pass
+    for the max, one for its index), which replaces torch's element-at-a-time reduction of bf16 rows; elsewhere
+    torch's (figures: bench/README.md "Figures once quoted in engine/'s docstrings")."""
     if logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(-1) == 1 and not logits.requires_grad:
         if logits.dtype == torch.float32:
             return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))

@@ -1,16 +1,16 @@
 """The persistent batch: each running request's row of a preallocated block table, and a step's inputs built from it
 with a few vectorized numpy ops.
 
-Rebuilding every step's block tables from Python lists (pad each, convert the nested list) and computing the slot
-of every token in Python cost ~10 us per row per step at 512 rows; a decode step changes almost nothing of that
-state: one in 16 rows (block size 16) gains a block. So the table is kept in a numpy array [rows, max_blocks] that
-is updated by diffs when a request joins (its row written once), grows (only its new block ids copied) or leaves
-(its row freed for the next request), as vLLM v1's InputBatch and BlockTable keep theirs; positions, sequence
-lengths and slot mappings of a step are computed from it vectorized. Each row also holds its request's sampling
-parameters (greedy or not, temperature, top_p, top_k, seed) and prompt length, written when the request joins, so
-the sampler slices arrays (an all-greedy step tests one counter) instead of reading every row's SamplingParams every
-step (vLLM v1's InputBatch keeps its sampling tensors the same way). Plain numpy; the model runner turns the arrays
-into tensors (engine.worker.model_runner).
+Rebuilding every step's block tables from Python lists (pad each, convert the nested list) and computing the slot of
+every token in Python was the largest part of a step's host time per row (bench/README.md "Step overhead", its
+"inputs" column); a decode step changes almost nothing of that state: one in 16 rows (block size 16) gains a block.
+So the table is kept in a numpy array [rows, max_blocks] that is updated by diffs when a request joins (its row
+written once), grows (only its new block ids copied) or leaves (its row freed for the next request), as vLLM v1's
+InputBatch and BlockTable keep theirs; positions, sequence lengths and slot mappings of a step are computed from it
+vectorized. Each row also holds its request's sampling parameters (greedy or not, temperature, top_p, top_k, seed)
+and prompt length, written when the request joins, so the sampler slices arrays (an all-greedy step tests one
+counter) instead of reading every row's SamplingParams every step (vLLM v1's InputBatch keeps its sampling tensors
+the same way). Plain numpy; the model runner turns the arrays into tensors (engine.worker.model_runner).
 
 NOTE: a row is tied to the block-table list the KV cache manager holds for the request (engine.core.kv_cache_manager:
 the manager grows a request's list in place and makes a new one only when the request gets blocks again after

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 INT4_CUDA_COPIES = {"dual": 2, "single": 1}
 #: "dual" is chosen only when its second copy leaves at least this share of the KV pool that one copy leaves (or
 #: all the pool the engine can use: max_num_seqs sequences of max_model_len). What the second copy buys: tinygemm at
-#: M <= 8, 16% faster than (untuned) GemLite per layer on an H200 (bench/README.md "INT4 with GemLite": 64.2 vs
-#: 76.5 us at M 1, 154.4 vs 178.0 at M 8); what it costs: KV blocks, i.e. concurrent sequences at every M.
+#: M <= 8, faster than (untuned) GemLite per layer on an H200 (bench/README.md "INT4 with GemLite: H200,
+#: 2026-11-26"); what it costs: KV blocks, i.e. concurrent sequences at every M.
 INT4_DUAL_MIN_KV_SHARE = 0.9
 GIB = 1 << 30
 #: Bytes per element of each run dtype, by name (what torch's element_size gives): the fit check runs in the CLI's

@@ -179,8 +179,8 @@ def model_context(model: str | None) -> dict[str, int] | None:
             from engine.model.registry import kv_cache_layout
 
             hf = read_hf_config(path)
-            cached = any(s.has_cache for s in kv_cache_layout(hf))  # an encoder's layers keep none: no KV pool
-            return {"context": hf.max_position_embeddings, "layers": hf.num_layers if cached else 0,
+            cached = sum(s.has_cache for s in kv_cache_layout(hf))  # an encoder's layers keep none: no KV pool
+            return {"context": hf.max_position_embeddings, "layers": cached,
                     "kv_heads": hf.num_kv_heads, "head_dim": hf.head_dim}
         with open(os.path.join(path, MODEL_FOLDER_CONFIG)) as f:
             cfg = json.load(f)["model_config"]

@@ -36,6 +36,18 @@ def test_only_the_settings_module_names_a_tokenmill_variable() -> None:
     assert found == []
 
 
+def test_the_settings_list_every_variable_infra_reads() -> None:
+    """Every TOKENMILL_* variable infra/'s files name (the Airflow DAG, the cron script, the Kubernetes manifests,
+    the Dockerfile) is a constant of schemas/settings.py or a job option's `envvar`: the settings' list is whole."""
+    listed = {v for k, v in vars(settings).items() if k.isupper() and isinstance(v, str) and NAME.match(v)}
+    options = {k.value.value for tree in _sources().values() for node in ast.walk(tree) if isinstance(node, ast.Call)
+               for k in node.keywords if k.arg == "envvar" and isinstance(k.value, ast.Constant)}
+    named = {m for p in sorted((ROOT / "infra").rglob("*")) if p.is_file() and p.suffix != ".png"
+             for m in re.findall(r"TOKENMILL_[A-Z0-9_]+", p.read_text(errors="replace"))}
+    assert {"TOKENMILL_JOB_SPEC", "TOKENMILL_WORKER_WAIT_S"} <= named  # the walk saw the DAG
+    assert sorted(named - listed - options) == []
+
+
 def test_no_module_reads_the_environment_when_imported() -> None:
     """No call at a module's top level (or in a class body, which runs at import too) reads os.environ, os.getenv
     or a setting: a variable set after the import (a test, a Dask worker's plugin) would be ignored."""

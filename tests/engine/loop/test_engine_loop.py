@@ -247,15 +247,16 @@ sys.exit(0)
 
 
 def test_importing_the_loop_registers_no_exit_hook_until_a_loop_starts() -> None:
-    """Importing engine.loop.engine_loop leaves the process as it was: close_all_at_exit joins atexit only when a
-    loop starts its step thread, and once per process."""
+    """Importing engine.loop.engine_loop leaves the process as it was: engine.loop.exit_hook's close_all_at_exit
+    joins atexit only when a loop starts its step thread, and once per process."""
     script = ("import atexit\n"
               "calls = []\n"
               "register = atexit.register\n"
               "atexit.register = lambda f, *a, **k: (calls.append(f), register(f, *a, **k))[1]\n"
-              "from engine.loop import engine_loop as m\n"
+              "from engine.loop import engine_loop\n"
+              "from engine.loop import exit_hook as m\n"
               "assert m.close_all_at_exit not in calls, calls\n"
-              "m._register_exit_hook(); m._register_exit_hook()\n"
+              "m.register_exit_hook(); m.register_exit_hook()\n"
               "assert calls.count(m.close_all_at_exit) == 1, calls\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=120)
