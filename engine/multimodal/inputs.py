@@ -52,8 +52,8 @@ class MultiModalItem:
 def is_image_prompt(prompt: object) -> bool:
     """Whether `prompt` is one of the image forms: a dict with "images", "prompt" or "messages", or a messages list
     with an image content part."""
-    if isinstance(prompt, dict):
-        return True
+    if isinstance(prompt, dict):  # {"role", "content"} alone is a chat message, not an image prompt (a text error)
+        return any(key in prompt for key in ("images", "prompt", "messages"))
     return isinstance(prompt, list) and any(
         isinstance(m, dict) and isinstance(m.get("content"), list)
         and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for p in m["content"]) for m in prompt)
