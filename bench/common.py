@@ -131,6 +131,22 @@ def new_parser(doc: str | None, *, threads: int | None | bool = False) -> argpar
     return ap
 
 
+def preset_parser(doc: str | None, option: str, choices: Sequence[str], tiny_help: str) -> argparse.ArgumentParser:
+    """new_parser(doc) with the options of the GPU benchmarks over random-weight shapes (bench.embed_gpu,
+    bench.vision_gpu): `option` (e.g. "--family": one of `choices`, repeatable; none given: all), --device (cuda),
+    --dtype (bfloat16), --price-per-hour (USD per device-hour: the per-dollar figures), --tokenizer (a BERT uncased
+    tokenizer's folder) and --tiny (`tiny_help` says what the smoke run's shapes are)."""
+    ap = new_parser(doc)
+    ap.add_argument(option, choices=sorted(choices), action="append", help="one to run (repeat for several; "
+                    "default: all)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--price-per-hour", type=float, default=3.0, help="USD per device-hour, for the per-dollar figures")
+    ap.add_argument("--tokenizer", help="a BERT uncased tokenizer's folder (default: embed_gpu.tokenizer_folder's)")
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
+    return ap
+
+
 def set_threads(args: argparse.Namespace) -> None:
     """torch.set_num_threads(args.threads) when the option was given a count."""
     if getattr(args, "threads", None):

@@ -27,7 +27,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from bench.common import ROOT, emit, new_parser, real_texts
+from bench.common import ROOT, emit, preset_parser, real_texts
 
 if TYPE_CHECKING:
     from engine import EngineConfig, LLMEngine
@@ -123,18 +123,11 @@ def measure(engine: LLMEngine, texts: list[str], repeats: int) -> tuple[float, i
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark (module docstring); returns the rows it printed."""
-    ap = new_parser(__doc__)
-    ap.add_argument("--embed-preset", choices=sorted(EMBED_PRESETS), action="append",
-                    help="a shape to run (repeat for several; default: all)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = preset_parser(__doc__, "--embed-preset", list(EMBED_PRESETS), "2 layers of width 64 (a CPU smoke run)")
     ap.add_argument("--rows", type=int, default=0, help="texts to embed (0: all 4,248 real texts)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-batch-tokens", type=int, default=32768, help="tokens per forward (the token budget)")
     ap.add_argument("--max-num-seqs", type=int, default=512, help="rows per forward")
-    ap.add_argument("--price-per-hour", type=float, default=3.0, help="USD per device-hour, for the per-dollar figures")
-    ap.add_argument("--tokenizer", help="folder of a BERT uncased tokenizer (default: tokenizer_folder's)")
-    ap.add_argument("--tiny", action="store_true", help="2 layers of width 64 (a CPU smoke run)")
     args = ap.parse_args(argv)
 
     import torch

@@ -20,13 +20,15 @@
 #      tok/s with the roof (the w1 target), the decode-step profile and its befores on the same card: the fused ops
 #      off (TOKENMILL_TRITON_FUSED=0), synchronous scheduling.
 #   If time is left (budget_left_s over about 120: BUDGET_S = budget_left_s - 60, timeout_s = BUDGET_S + 20):
-#   3. run(command="STEPS='embed kernel_tests moe moe_int4 moe_int4_engine throughput_sync throughput_unfused \
+#   3. run(command="STEPS='embed vision kernel_tests moe moe_int4 moe_int4_engine throughput_sync throughput_unfused \
 #          kernels int4_tests int4_engine profile_int4 moe_loop' BUDGET_S=240 bash bench/gpu_session.sh",
 #          carry=[".gpu"], timeout_s=260)
 #      Embeddings (issue 53: rows/s, input tokens/s and per dollar of the bge-large-en-v1.5 and Qwen3-Embedding-0.6B
-#      shapes, random bf16 weights, 4,248 real texts), the Triton kernels against torch on CUDA, the Qwen3-30B-A3B shape's w1 (MoE on the Triton grouped GEMMs; the
-#      dense w1 is call 2's throughput), its INT4 experts (the kernel alone, then the engine), the clean tok/s
-#      befores, the attention kernels, the INT4 tests and the INT4 vs bf16 engine by batch.
+#      shapes, random bf16 weights, 4,248 real texts), vision (issue 54: images/s, output tokens/s and per dollar of
+#      the LLaVA-1.5-7B and Qwen2.5-VL-7B shapes), the Triton kernels against torch on CUDA,
+#      the Qwen3-30B-A3B shape's w1 (MoE on the Triton grouped GEMMs; the dense w1 is call 2's throughput), its INT4
+#      experts (the kernel alone, then the engine), the clean tok/s befores, the attention kernels, the INT4 tests
+#      and the INT4 vs bf16 engine by batch.
 # BUDGET_S: the seconds this call may take: each step gets at most what is left of it (less 25 s for the summary)
 # and a step with under 30 s left is skipped, so the table always prints before the run's timeout_s. Steps run in
 # STEPS's order (an unknown name stops the script before any work); STEPS unset: all but big_gptq and moe_loop.
@@ -87,6 +89,13 @@ step kernels 60 python3 -m bench.attention_kernels
 # rows/s, input tokens/s, input tokens and rows per dollar at $3/hour (est. 90 s: two loads of ~1 GB, 3 passes each).
 # Smoke run on a CPU: python -m bench.embed_gpu --device cpu --tiny --rows 32
 step embed 150 python3 -m bench.embed_gpu --device cuda
+# Vision (issue 54): LLMEngine.generate with one picture and one question a row, random bf16 weights of LLaVA-1.5-7B
+# (CLIP ViT-L/14 at 336 px: 576 image tokens a picture, Vicuna-7B) and Qwen2.5-VL-7B (dynamic resolution: ~80 to
+# ~1,000 image tokens a picture) from their released configs; 256 drawn pictures of six sizes, GSM8K questions, 128
+# greedy tokens; images/s, output tokens/s, images and tokens per dollar at $3/hour (est. 150 s: a 14-17 GB random
+# init and 170-250k prompt tokens per family). Smoke run on a CPU:
+# python -m bench.vision_gpu --device cpu --tiny --images 4 --max-tokens 4
+step vision 180 python3 -m bench.vision_gpu --device cuda
 # One Qwen3-30B-A3B MoE layer's experts (hidden 2048, 128 experts of width 768, top-8, g128): INT4 grouped GEMMs
 # (engine.kernels.triton_moe_int4) vs bf16 on the same weights, T = 1, 32, 256, 2048, CUDA graphs (est. 60 s). Smoke
 # run on a CPU: TRITON_INTERPRET=1 python -m bench.moe_int4 --device cpu --tiny
@@ -118,7 +127,7 @@ print(model_fit(\"$d\", c, model_context(\"$d\")).line())"
         --max-model-len 4096 ${BIG_ARGS:-} || { echo "big_gptq: $s did not load or run here (see above)"; exit 2; }'
 
 STEPS=${STEPS:-int4_sweep fused gpu_tests throughput profile profile_unfused profile_sync kernel_tests moe moe_int4 \
-moe_int4_engine throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4 embed}
+moe_int4_engine throughput_sync throughput_unfused kernels int4_tests int4_engine profile_int4 embed vision}
 for name in $STEPS; do
     [ -n "${LIMIT[$name]:-}" ] || { echo "unknown step '$name' in STEPS; the steps: ${NAMES[*]}" >&2; exit 2; }
 done

@@ -14,6 +14,7 @@ import torch
 from llava_models import data_url, encoded, hf_greedy, picture
 from qwen_vl_models import MERGE, build_qwen_vl
 
+from bench.vision_models import FAMILIES
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MAX_TOKENS = 10
@@ -252,22 +253,8 @@ def test_qwen2_vl_greedy_matches_hf(tmp_path, gguf_path: str, questions) -> None
         assert (out.prompt_token_ids, out.output_token_ids) == _hf((hf, image_only_processor(str(tmp_path))), prompt)
 
 
-#: Qwen/Qwen2.5-VL-7B-Instruct's config.json (the hub layout, as it is published).
-HUB_7B = {
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
-    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
-    "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 152064,
-    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
-                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
-                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
-                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
-    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
-}
+#: Qwen/Qwen2.5-VL-7B-Instruct's config.json (the hub layout, as it is published; the vision benchmarks' copy).
+HUB_7B = FAMILIES["qwen2.5-vl-7b"].config
 
 
 def test_the_7b_hub_configs_read_to_their_parameter_counts() -> None:
