@@ -158,12 +158,14 @@ class IncrementalDetokenizer:
         """`update` for byte-level tokenizers: the new tokens' bytes through the incremental UTF-8 decoder. Text
         ending in U+FFFD (an invalid byte, which a full decode also shows as U+FFFD) is held back, as the decode
         path holds back a cut character, and released with the text that follows it."""
-        table = self._bytes
+        table, size = self._bytes, len(self._bytes)
         n = len(token_ids)
+        # NOTE: an id past the tokenizer's table (a model whose embedding is padded: Qwen2.5's 152,064 rows for
+        # 151,665 tokens) has no text; the full decode skips it too.
         if n == self.read_offset + 1:  # the engine's case: one new token per step
-            data = table[token_ids[-1]]
+            data = table[token_ids[-1]] if token_ids[-1] < size else b""
         else:
-            data = b"".join([table[t] for t in token_ids[self.read_offset:]])
+            data = b"".join([table[t] if t < size else b"" for t in token_ids[self.read_offset:]])
         self.read_offset = self.prefix_offset = n
         if self._cut:
             data = self._cut + data

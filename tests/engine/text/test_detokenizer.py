@@ -195,3 +195,18 @@ def test_byte_level_path_equals_the_full_decode_on_random_token_ids(tokenizer: T
         if stop and REPLACEMENT_CHAR not in stop:
             assert _incremental(tokenizer, ids, (stop,)) == _full_decode_each_step(tokenizer, ids, (stop,))
     assert invalid > 100, "random ids should make many invalid byte sequences"
+
+
+def test_ids_past_the_tokenizer_have_no_text_as_in_the_full_decode(tokenizer: Tokenizer, data_dir: Path) -> None:
+    """A model whose embedding has more rows than its tokenizer has tokens (Qwen2.5: 152,064 for 151,665) can
+    sample an id past the tokenizer's table: it adds no text, as the full decode skips it, and nothing raises."""
+    from engine.text.detokenizer import byte_level_table
+
+    size = len(byte_level_table(tokenizer))
+    text = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question"]).column(0)[0].as_py()
+    ids = tokenizer.encode(text)[:12]
+    ids = ids[:6] + [size, size + 3] + ids[6:] + [size + 1]
+    detok = IncrementalDetokenizer(tokenizer)
+    for n in range(1, len(ids) + 1):
+        detok.update(ids[:n])
+    assert detok.finish(ids) == tokenizer.decode(ids) == tokenizer.decode([t for t in ids if t < size])
