@@ -3,7 +3,8 @@
 Source: sentence-transformers' Pooling.forward (sentence_transformer/modules/pooling.py), Dense and Normalize (L2,
 torch.nn.functional.normalize): the same modes over the same tokens (special tokens included, as it counts them
 with the attention mask), computed on the packed rows (rows b's tokens cu_seqlens[b]:cu_seqlens[b + 1]) by
-segment sums / maxima instead of a padded [B, L, H] tensor.
+segment sums / maxima (torch.segment_reduce over the rows' lengths: the rows' tokens in order, as index_add_ sums
+them, without its serial scatter) instead of a padded [B, L, H] tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], config: PoolingConfig,
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     ends = torch.cumsum(lens, 0)
     starts = ends - lens
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
     out: list[torch.Tensor] = []
     sums: torch.Tensor | None = None
     for mode in config.modes:
@@ -37,12 +37,10 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], config: PoolingConfig,
         elif mode == "lasttoken":
             out.append(x[ends - 1])
         elif mode == "max":
-            index = rows[:, None].expand(-1, x.shape[1])
-            init = x.new_full((len(seq_lens), x.shape[1]), float("-inf"))
-            out.append(init.scatter_reduce(0, index, x, "amax"))
+            out.append(torch.segment_reduce(x, "max", lengths=lens))
         else:  # mean, mean_sqrt_len_tokens
             if sums is None:
-                sums = x.new_zeros(len(seq_lens), x.shape[1]).index_add_(0, rows, x)
+                sums = torch.segment_reduce(x, "sum", lengths=lens)
             n = lens.to(x.dtype)[:, None]
             out.append(sums / (n if mode == "mean" else n.sqrt()))
     pooled = torch.cat(out, dim=-1)
