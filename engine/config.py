@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from engine.rope_scaling import RopeScaling
-from engine.vision_config import QwenVisionConfig, VisionConfig
+from engine.vision_config import QwenVisionConfig, VisionConfig, vision_config_from_dict
 from schemas.engine_choices import (
     ATTENTION_BACKENDS,
     DEFAULT_INT4_GROUP_SIZE,
@@ -105,8 +105,8 @@ class ModelConfig:
             sentence-transformers saves an embedding model (Qwen3-Embedding-4B/8B: untied, no lm_head.weight): it
             embeds and cannot generate. Only with pooling_files.
         vision: a vision-language model's image encoder and projector (engine.vision_config.VisionConfig, or
-            engine.vision_config.QwenVisionConfig for Qwen2-VL / Qwen2.5-VL; a dict,
-            as JSON holds it, is converted); None for a text-only model.
+            engine.vision_config.QwenVisionConfig for Qwen2-VL / Qwen2.5-VL, its Qwen3VisionConfig for Qwen3-VL; a
+            dict, as JSON holds it, is converted); None for a text-only model.
 
     Raises:
         ValueError: when the shape is inconsistent.
@@ -164,8 +164,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, dict):
-            kind = QwenVisionConfig if "spatial_merge_size" in self.vision else VisionConfig
-            object.__setattr__(self, "vision", kind(**self.vision))
+            object.__setattr__(self, "vision", vision_config_from_dict(self.vision))
         object.__setattr__(self, "layer_types", tuple(str(t) for t in self.layer_types))
         object.__setattr__(self, "labels", tuple(str(t) for t in self.labels))  # a JSON round trip gives a list
         if isinstance(self.rope_scaling, dict):

@@ -2,7 +2,8 @@
 hidden states feed the projector, and the image placeholder token. VisionConfig is LLaVA's CLIP tower and projector;
 QwenVisionConfig Qwen2-VL's and Qwen2.5-VL's dynamic-resolution tower, patch merger and M-RoPE sections (Wang et al.,
 "Qwen2-VL", 2024; Bai et al., "Qwen2.5-VL Technical Report", 2025; HF transformers' Qwen2VLVisionConfig and
-Qwen2_5_VLVisionConfig): the two towers share almost no field. Its own module, as engine.rope_scaling, because
+Qwen2_5_VLVisionConfig), and its subclass Qwen3VisionConfig Qwen3-VL's (learned position grid, DeepStack): the
+LLaVA and Qwen towers share almost no field. Its own module, as engine.rope_scaling, because
 engine/config.py is at the file size limit and every subpackage that knows the shape imports engine.config."""
 
 from __future__ import annotations
@@ -219,3 +220,55 @@ class QwenVisionConfig:
         default_budget): Qwen's default max_pixels (12845056) in merged tokens. An image's own count varies with
         its size: `tokens_of`."""
         return 12845056 // (self.patch_size * self.spatial_merge_size) ** 2
+
+
+@dataclass(frozen=True)
+class Qwen3VisionConfig(QwenVisionConfig):
+    """A Qwen3-VL vision transformer (HF Qwen3VLVisionConfig; Qwen team, "Qwen3-VL Technical Report", 2025): Qwen2-VL's
+    LayerNorm blocks with full attention (style "layer"; a biased patch embedding and a GELU-tanh MLP), a learned
+    position embedding interpolated to each image's grid, and DeepStack (Meng et al., "DeepStack", 2024): the patch
+    features after the blocks deepstack_visual_indexes, each merged by a merger of its own, added to the language
+    model's hidden states after its first len(deepstack_visual_indexes) layers. Its language model's M-RoPE is
+    interleaved (HF Qwen3VLTextRotaryEmbedding: frequency j reads height when j % 3 == 1, width when j % 3 == 2, within
+    3 * section; time elsewhere).
+
+    Attributes (beyond QwenVisionConfig's):
+        num_position_embeddings: rows of the learned position table, a square grid (side^2).
+        deepstack_visual_indexes: the blocks whose outputs feed the DeepStack mergers, in HF's order (distinct).
+
+    Raises:
+        ValueError: as QwenVisionConfig, or for a table that is not a square grid, windows (Qwen3-VL has none) or
+            repeated / out-of-range deepstack indexes.
+    """
+
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "deepstack_visual_indexes", tuple(int(i) for i in self.deepstack_visual_indexes))
+        side = self.position_grid_side
+        if side < 1 or side * side != self.num_position_embeddings:
+            raise ValueError(f"vision_config num_position_embeddings {self.num_position_embeddings} is not a square "
+                             "grid (side^2 rows)")
+        if self.style != "layer" or self.window_size:
+            raise ValueError("a Qwen3-VL vision tower has LayerNorm blocks and no window attention (style 'layer', "
+                             "window_size 0)")
+        ds = self.deepstack_visual_indexes
+        if len(set(ds)) != len(ds) or any(not 0 <= i < self.num_layers for i in ds):
+            raise ValueError(f"vision_config deepstack_visual_indexes {list(ds)} must be distinct blocks of the "
+                             f"tower's {self.num_layers}")
+
+    @property
+    def position_grid_side(self) -> int:
+        """Side of the square learned position grid: sqrt(num_position_embeddings), rounded down (HF's)."""
+        return int(self.num_position_embeddings ** 0.5)
+
+
+def vision_config_from_dict(values: dict) -> VisionConfig | QwenVisionConfig:
+    """The vision config saved as `dataclasses.asdict` (ModelConfig.from_dict's JSON): Qwen3VisionConfig when it has
+    deepstack fields, QwenVisionConfig when it has a spatial merge, else VisionConfig. Raises TypeError for fields
+    the class does not have, ValueError as the class."""
+    if "deepstack_visual_indexes" in values:
+        return Qwen3VisionConfig(**values)
+    return (QwenVisionConfig if "spatial_merge_size" in values else VisionConfig)(**values)

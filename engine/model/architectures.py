@@ -237,6 +237,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
     Architecture("qwen2_vl", ("qwen2_vl",), "", gguf_permuted_qk=False, qkv_bias=True, qk_norm=False,
                  refused=(), window=_no_window, hf_renames=(("language_model.", ""),)),
+    # Qwen3-VL (Qwen3VLForConditionalGeneration, the dense models): a Qwen3 decoder (q/k norms) with interleaved
+    # M-RoPE and DeepStack, after a vision tower with a learned position grid (engine.model.qwen3_vl; its config:
+    # engine.model.qwen_vl_config). Checkpoint keys "model.language_model.*", "model.visual.*", "lm_head.*"; the
+    # vision blocks' "mlp.linear_fc1/2" are Qwen2-VL's "mlp.fc1/2" (engine.model.qwen_vision.VisionMLP). HF folders
+    # only. Qwen3-VL-MoE (qwen3_vl_moe) is not run: its experts are stored stacked, gate and up concatenated.
+    Architecture("qwen3_vl", ("qwen3_vl",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True,
+                 refused=(), window=_no_window, hf_renames=(("language_model.", ""), (".mlp.linear_fc", ".mlp.fc"))),
 )
 
 

@@ -4,7 +4,9 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 `ModelBase`. Its contract (vLLM's split of a model's forward and its LM head: `forward` then `compute_logits`):
 
 - `forward(input_ids, rope_rows, kv_caches, meta, attn_fn, *, inputs_embeds=None)` -> hidden states [T, hidden]
-  after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead;
+  after the final norm: token ids int64 [T], or input embeddings [T, hidden] in the model's dtype instead; a
+  DeepStack model (Qwen3-VL: its encode_images gives [tokens, 1 + K, hidden]) also takes `deepstack=`
+  DeepStackFeatures with inputs_embeds, the runner passing it only to such a model;
 - `compute_logits(hidden)` -> logits [S, vocab]: the LM head, a separate step;
 - `encode_images(pixel_values[, grid_thw], *, image_sizes=None)` -> image features (vision-language models only:
   config.vision);
@@ -14,7 +16,7 @@ A model class is named in one place only, engine.model.registry (`build_model`);
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -25,6 +27,21 @@ if TYPE_CHECKING:
     from engine.core.kv_cache_spec import KVCacheSpec
     from engine.layers.attention import AttentionMetadata
     from engine.layers.rope import RotaryEmbedding
+
+
+class DeepStackFeatures(NamedTuple):
+    """The image features a DeepStack model adds to its decoder's hidden states at a step's image placeholder rows
+    (Meng et al., "DeepStack", 2024; HF Qwen3VLTextModel._deepstack_process): features[:, i] is added to the rows'
+    hidden states after decoder layer i, for i < K. Gathered with the step's input embeddings
+    (engine.worker.mm_embeds), from the levels 1..K of the encoder's output.
+
+    Attributes:
+        rows: int64 [N], the step's rows (token indices in the flattened step) that are image placeholders.
+        features: [N, K, hidden] in the model's dtype, row n of them for rows[n].
+    """
+
+    rows: torch.Tensor
+    features: torch.Tensor
 
 
 class ModelBase(nn.Module):
@@ -71,7 +88,8 @@ class ModelBase(nn.Module):
                       image_sizes: list[tuple[int, int]] | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Image features [N, tokens per image, hidden] of pixel_values [N, channels, H, W] (a vision-language
         model's: config.vision set); for a dynamic-resolution model (Qwen2-VL) [sum of tokens, hidden] of the
-        images' patches concatenated and their grids int64 [N, 3]; for LLaVA-NeXT, whose token count varies, N
+        images' patches concatenated and their grids int64 [N, 3] (Qwen3-VL: [sum of tokens, 1 + K, hidden], level 0
+        the input embeddings, levels 1..K its DeepStack features); for LLaVA-NeXT, whose token count varies, N
         tensors [tokens_i, hidden] of pixel_values [N, tiles, channels, H, W] and the images' original (height,
         width), image_sizes (MultiModalItem.image_size; given only for items that carry one). A text-only model raises
         NotImplementedError."""

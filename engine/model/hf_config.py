@@ -134,7 +134,7 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
         from engine.model.idefics3_config import idefics3_from_hf
 
         return idefics3_from_hf(config, generation_config, config_from_hf)
-    if model_type in ("qwen2_5_vl", "qwen2_vl"):  # Qwen's vision-language models: the Qwen2 reader, then the tower
+    if model_type in ("qwen2_5_vl", "qwen2_vl", "qwen3_vl"):  # Qwen's VLMs: the Qwen2 / Qwen3 reader, then the tower
         from engine.model.qwen_vl_config import qwen_vl_from_hf
 
         return qwen_vl_from_hf(config, generation_config, config_from_hf)

@@ -55,17 +55,19 @@ def _norm(v: QwenVisionConfig, dim: int) -> nn.Module:
 
 
 class PatchEmbed(nn.Module):
-    """Patches [P, channels * frames * patch^2] -> [P, hidden] (HF's bias-free Conv3d, as a matrix product)."""
+    """Patches [P, channels * frames * patch^2] -> [P, hidden] (HF's Conv3d, as a matrix product): bias-free
+    (Qwen2-VL, Qwen2.5-VL) or with a bias (Qwen3-VL)."""
 
-    def __init__(self, v: QwenVisionConfig) -> None:
+    def __init__(self, v: QwenVisionConfig, bias: bool = False) -> None:
         super().__init__()
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(v.hidden_size, v.in_channels, v.temporal_patch_size,
                                                     v.patch_size, v.patch_size))
+        self.proj.bias = nn.Parameter(torch.empty(v.hidden_size)) if bias else None
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1))
+        return F.linear(patches.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -104,7 +106,8 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(.)) (HF Qwen2_5_VLVisionBlock / Qwen2VLVisionBlock)."""
+    """x + attn(norm1(x)), then + mlp(norm2(.)) (HF Qwen2_5_VLVisionBlock / Qwen2VLVisionBlock, and
+    Qwen3VLVisionBlock: Qwen2-VL's with a GELU-tanh MLP)."""
 
     def __init__(self, v: QwenVisionConfig) -> None:
         super().__init__()
@@ -151,6 +154,26 @@ def window_order(grid: tuple[int, int, int], merge: int, window: int) -> tuple[t
     return torch.cat(orders), sizes * t
 
 
+def check_patches(patches: torch.Tensor, grids: list[tuple[int, int, int]], v: QwenVisionConfig) -> None:
+    """Raise ValueError unless patches is [sum of t*h*w over grids, v.patch_dim] (the processor's pixel_values of
+    images of those grids)."""
+    if patches.dim() != 2 or patches.shape[0] != sum(t * h * w for t, h, w in grids) or (
+            patches.shape[1] != v.patch_dim):
+        raise ValueError(f"pixel_values {tuple(patches.shape)} do not match image grids {grids} of "
+                         f"{v.patch_dim}-value patches")
+
+
+def vision_rotary(positions: torch.Tensor, v: QwenVisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) fp32 [T, head_dim] of the tower's 2D rotary embedding (HF's VisionRotaryEmbedding) for patches at
+    (row, column) positions int64 [T, 2]: rows rotate the first quarter of a head's frequencies and columns the
+    second (rope_theta's frequencies over head_dim / 2), in the rotate-half layout."""
+    half = v.hidden_size // v.num_heads // 2  # rows and columns each rotate half of a head's dims
+    inv_freq = 1.0 / v.rope_theta ** (torch.arange(0, half, 2, device=positions.device).float() / half)
+    freqs = (positions.float()[..., None] * inv_freq).flatten(1)  # [T, 2 * head_dim / 4]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def patch_positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
     """(row, column) int64 [t * h * w, 2] of each patch of one image in the processor's merge-block order (HF's
     get_vision_position_ids): the coordinates its 2D rotary embedding rotates by."""
@@ -181,10 +204,7 @@ class QwenVisionTower(nn.Module):
         images' rows in order. Raises ValueError when the rows do not match the grids."""
         v, merge = self.config, self.config.spatial_merge_size
         unit = merge * merge
-        if patches.dim() != 2 or patches.shape[0] != sum(t * h * w for t, h, w in grids) or (
-                patches.shape[1] != v.patch_dim):
-            raise ValueError(f"pixel_values {tuple(patches.shape)} do not match image grids {grids} of "
-                             f"{v.patch_dim}-value patches")
+        check_patches(patches, grids, v)
         device = patches.device
         orders, windows, positions, first = [], [], [], 0
         for grid in grids:
@@ -195,12 +215,7 @@ class QwenVisionTower(nn.Module):
             positions.append(patch_positions(grid, merge))
         units = torch.cat(orders)  # merged-token order the tower runs in
         rows = (units[:, None] * unit + torch.arange(unit)).reshape(-1).to(device)
-        half = v.hidden_size // v.num_heads // 2  # rows and columns each rotate half of a head's dims
-        inv_freq = 1.0 / v.rope_theta ** (torch.arange(0, half, 2, device=device).float() / half)
-        freqs = torch.cat(positions).to(device)[rows].float()[..., None] * inv_freq  # [T, 2, head_dim / 4]
-        freqs = freqs.flatten(1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = vision_rotary(torch.cat(positions).to(device)[rows], v)
         full = EncoderMetadata.of([h * w for t, h, w in grids for _ in range(t)], device)  # per frame, as HF
         windowed = EncoderMetadata.of(windows, device) if v.merger_window else full
         x = self.patch_embed(patches)[rows]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.decoder import LlamaModel
@@ -40,7 +41,8 @@ def mrope_axes(sections: tuple[int, ...], rotary_dim: int) -> tuple[int, ...]:
 
 
 class QwenVLModel(LlamaModel):
-    """The Qwen2-VL / Qwen2.5-VL model: the causal decoder of `cfg` plus `visual`, with M-RoPE.
+    """The Qwen2-VL / Qwen2.5-VL model: the causal decoder of `cfg` plus `visual`, with M-RoPE. A later family
+    (engine.model.qwen3_vl) overrides `make_visual` and `rope_axes`.
 
     Raises ValueError (at construction) for a config whose vision is not a QwenVisionConfig, or whose M-RoPE sections
     do not match the head size."""
@@ -52,9 +54,17 @@ class QwenVLModel(LlamaModel):
             raise ValueError(f"the qwen_vl model needs a QwenVisionConfig (the {cfg.architecture} config has "
                              f"{type(cfg.vision).__name__})")
         super().__init__(cfg, max_positions)
-        self.visual = QwenVisionTower(cfg.vision)
-        self._axes = mrope_axes(cfg.vision.mrope_section, cfg.rotary_dim or cfg.head_dim)
+        self.visual = self.make_visual(cfg.vision)
+        self._axes = self.rope_axes(cfg.vision.mrope_section, cfg.rotary_dim or cfg.head_dim)
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def make_visual(self, v: QwenVisionConfig) -> nn.Module:
+        """The vision tower: QwenVisionTower (the patch merger's rows of language-model width)."""
+        return QwenVisionTower(v)
+
+    def rope_axes(self, sections: tuple[int, ...], rotary_dim: int) -> tuple[int, ...]:
+        """The position each cos/sin column reads: mrope_axes (Qwen2-VL's sections)."""
+        return mrope_axes(sections, rotary_dim)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """Features [sum of placeholder tokens, hidden] (model dtype) of images whose patches pixel_values

@@ -1,10 +1,12 @@
-"""A Qwen2.5-VL or Qwen2-VL `config.json` (model_type "qwen2_5_vl" / "qwen2_vl") as a ModelConfig: the language
-model's fields through the Qwen2 reader (engine.model.hf_config), the vision tower's as a QwenVisionConfig
-(engine.vision_config) with the M-RoPE sections. Both layouts are read: the hub checkpoints' (the text model's
-fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section": [...]}`) and transformers 5's (a nested
-`text_config` whose `rope_parameters` holds mrope_section). Sources: HF transformers' Qwen2_5_VLConfig,
-Qwen2VLConfig and their vision configs (the defaults below are theirs); Bai et al., "Qwen2.5-VL Technical Report"
-(2025); Wang et al., "Qwen2-VL" (2024).
+"""A Qwen2.5-VL, Qwen2-VL or Qwen3-VL `config.json` (model_type "qwen2_5_vl" / "qwen2_vl" / "qwen3_vl") as a
+ModelConfig: the language model's fields through the Qwen2 reader (Qwen3's for Qwen3-VL; engine.model.hf_config),
+the vision tower's as a QwenVisionConfig (Qwen3VisionConfig; engine.vision_config) with the M-RoPE sections. Both
+layouts are read: the hub checkpoints' (the text model's fields at the top level, `rope_scaling: {"type": "mrope",
+"mrope_section": [...]}`) and transformers 5's (a nested `text_config` whose `rope_parameters` holds mrope_section;
+Qwen3-VL's hub configs are nested too). Sources: HF
+transformers' Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig and their vision configs (the defaults below are
+theirs); Bai et al., "Qwen2.5-VL Technical Report" (2025); Wang et al., "Qwen2-VL" (2024); Qwen team, "Qwen3-VL
+Technical Report" (2025).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import ModelConfig
-from engine.vision_config import QwenVisionConfig
+from engine.vision_config import Qwen3VisionConfig, QwenVisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,24 +25,31 @@ log = logging.getLogger(__name__)
 _VL_FIELDS = frozenset({"model_type", "architectures", "transformers_version", "vision_config", "text_config",
                         "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                         "vision_token_id", "_name_or_path"})
-#: HF's vision config defaults per family (Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig), in Qwen2.5-VL's names.
+#: HF's vision config defaults per family (Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig), in
+#: Qwen2.5-VL's names.
 _DEFAULTS = {
     "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                        hidden_act="silu", window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
     "qwen2_vl": dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu"),
+    "qwen3_vl": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=3584,
+                     hidden_act="gelu_pytorch_tanh", patch_size=16, num_position_embeddings=2304,
+                     deepstack_visual_indexes=[8, 16, 24]),
 }
 _VISION_READ = frozenset({"depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "embed_dim",
                           "mlp_ratio", "patch_size", "spatial_patch_size", "spatial_merge_size", "temporal_patch_size",
                           "in_channels", "in_chans", "hidden_act", "window_size", "fullatt_block_indexes",
                           "rope_parameters", "model_type", "tokens_per_second", "initializer_range", "torch_dtype",
-                          "dtype", "_name_or_path", "transformers_version", "architectures"})
-#: M-RoPE's sections when the config names none (HF's default).
-_MROPE_DEFAULT = (16, 24, 24)
+                          "dtype", "_name_or_path", "transformers_version", "architectures",
+                          "num_position_embeddings", "deepstack_visual_indexes"})
+#: M-RoPE's sections when the config names none (HF's defaults: Qwen2(.5)-VL's, Qwen3VLTextRotaryEmbedding's).
+_MROPE_DEFAULT = {"qwen2_5_vl": (16, 24, 24), "qwen2_vl": (16, 24, 24), "qwen3_vl": (24, 20, 20)}
 
 
 def _text_and_mrope(config: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, ...]]:
-    """(the text model's config dict for the Qwen2 reader, mrope_section). Raises ValueError for a RoPE type other
-    than M-RoPE over default RoPE, or interleaved M-RoPE (Qwen3-VL's)."""
+    """(the text model's config dict for the Qwen2 reader (Qwen3's for qwen3_vl), mrope_section). Raises ValueError for
+    a RoPE type other than M-RoPE over default RoPE, or interleaved M-RoPE for Qwen2(.5)-VL (Qwen3-VL's alone: HF's
+    Qwen3-VL interleaves whatever its mrope_interleaved says)."""
+    family = config.get("model_type")
     nested = config.get("text_config")
     text = dict(nested) if nested else {k: v for k, v in config.items() if k not in _VL_FIELDS}
     if "tie_word_embeddings" in config:  # transformers 5 keeps it at the top level only
@@ -52,21 +61,24 @@ def _text_and_mrope(config: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, 
     if kinds:
         raise ValueError(f"config.json rope type {sorted(kinds)} is not implemented for {config.get('model_type')}; "
                          "tokenmill runs M-RoPE over default RoPE")
-    if rope.pop("mrope_interleaved", False):
-        raise ValueError(f"config.json sets mrope_interleaved for {config.get('model_type')}; tokenmill runs "
-                         "Qwen2-VL's sectioned M-RoPE only")
-    sections = tuple(int(s) for s in rope.pop("mrope_section", _MROPE_DEFAULT))
+    if rope.pop("mrope_interleaved", False) and family != "qwen3_vl":
+        raise ValueError(f"config.json sets mrope_interleaved for {family}; tokenmill runs Qwen2-VL's sectioned "
+                         "M-RoPE for it (interleaved: Qwen3-VL's)")
+    sections = tuple(int(s) for s in rope.pop("mrope_section", _MROPE_DEFAULT[str(family)]))
     if "rope_theta" in rope:
         text["rope_theta"] = rope.pop("rope_theta")
     if rope:
         raise ValueError(f"config.json rope fields {sorted(rope)} are not implemented for {config.get('model_type')}")
-    text["model_type"] = "qwen2"
+    if family == "qwen3_vl":
+        text.setdefault("rope_theta", 500000.0)  # Qwen3VLTextConfig's default_theta
+    text["model_type"] = "qwen3" if family == "qwen3_vl" else "qwen2"
     return text, sections
 
 
 def qwen_vision_from_hf(config: dict[str, Any], sections: tuple[int, ...]) -> QwenVisionConfig:
-    """The QwenVisionConfig of a qwen2_5_vl / qwen2_vl config.json dict (its vision_config, image_token_id and the
-    M-RoPE sections). Raises ValueError naming a field tokenmill does not implement or a missing image token."""
+    """The QwenVisionConfig of a qwen2_5_vl / qwen2_vl config.json dict, the Qwen3VisionConfig of a qwen3_vl one (its
+    vision_config, image_token_id and the M-RoPE sections). Raises ValueError naming a field tokenmill does not
+    implement or a missing image token."""
     family = str(config["model_type"])
     vision = _DEFAULTS[family] | dict(config.get("vision_config") or {})
     unread = sorted(set(vision) - _VISION_READ)
@@ -84,12 +96,18 @@ def qwen_vision_from_hf(config: dict[str, Any], sections: tuple[int, ...]) -> Qw
         width = int(vision["embed_dim"])
         shape = dict(hidden_size=width, intermediate_size=int(width * vision["mlp_ratio"]),
                      out_hidden_size=int(vision["hidden_size"]), style="layer", window_size=0)
+    elif family == "qwen3_vl":  # LayerNorm blocks, full attention, a learned position grid, DeepStack
+        shape = dict(hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
+                     out_hidden_size=int(vision["out_hidden_size"]), style="layer", window_size=0,
+                     num_position_embeddings=int(vision["num_position_embeddings"]),
+                     deepstack_visual_indexes=tuple(vision["deepstack_visual_indexes"]))
     else:
         shape = dict(hidden_size=int(vision["hidden_size"]), intermediate_size=int(vision["intermediate_size"]),
                      out_hidden_size=int(vision["out_hidden_size"]), style="rms",
                      window_size=int(vision["window_size"]),
                      fullatt_block_indexes=tuple(vision["fullatt_block_indexes"]))
-    return QwenVisionConfig(
+    kind = Qwen3VisionConfig if family == "qwen3_vl" else QwenVisionConfig
+    return kind(
         num_layers=int(vision["depth"]), num_heads=int(vision["num_heads"]),
         patch_size=int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
         spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
@@ -100,10 +118,11 @@ def qwen_vision_from_hf(config: dict[str, Any], sections: tuple[int, ...]) -> Qw
 
 def qwen_vl_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | None,
                     text_reader: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig]) -> ModelConfig:
-    """ModelConfig (architecture "qwen2_5_vl" or "qwen2_vl", `vision` set) of such a config.json dict; `text_reader`
-    is engine.model.hf_config.config_from_hf (passed in: it imports this module). Raises ValueError as
-    qwen_vision_from_hf or the Qwen2 reader, when the vision tower's output width is not the text model's, when
-    RoPE is scaled (M-RoPE runs over default RoPE), or when mrope_section does not cover head_dim / 2."""
+    """ModelConfig (architecture "qwen2_5_vl", "qwen2_vl" or "qwen3_vl", `vision` set) of such a config.json dict;
+    `text_reader` is engine.model.hf_config.config_from_hf (passed in: it imports this module). Raises ValueError as
+    qwen_vision_from_hf or the Qwen2 / Qwen3 reader, when the vision tower's output width is not the text model's,
+    when RoPE is scaled (M-RoPE runs over default RoPE), when mrope_section does not cover head_dim / 2, or when
+    DeepStack feeds more layers than the text model has."""
     text, sections = _text_and_mrope(config)
     cfg = text_reader(text, generation_config)
     if cfg.rope_scaling is not None or cfg.sliding_window is not None:
@@ -116,6 +135,10 @@ def qwen_vl_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | 
     if vision.out_hidden_size != cfg.hidden_size:
         raise ValueError(f"config.json vision_config out_hidden_size {vision.out_hidden_size} is not the text "
                          f"model's hidden_size {cfg.hidden_size}")
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", ()))
+    if deepstack > cfg.num_layers:
+        raise ValueError(f"config.json vision_config deepstack_visual_indexes feed {deepstack} decoder layers; the "
+                         f"text model has {cfg.num_layers}")
     if not 0 <= vision.image_token_id < cfg.vocab_size:
         raise ValueError(f"config.json image_token_id {vision.image_token_id} is outside the text model's vocabulary "
                          f"of {cfg.vocab_size}")

@@ -8,7 +8,8 @@ causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
 gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
 engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava, LLaVA-NeXT engine.model.llava_next,
-Idefics3 / SmolVLM engine.model.idefics3, Qwen2-VL / Qwen2.5-VL engine.model.qwen_vl. Imports no torch at module
+Idefics3 / SmolVLM engine.model.idefics3, Qwen2-VL / Qwen2.5-VL engine.model.qwen_vl, Qwen3-VL engine.model.qwen3_vl
+(DeepStack). Imports no torch at module
 level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a model is
 built.
 """
@@ -27,7 +28,7 @@ from engine.model.bert_names import bert_kv_layout, bert_param_shapes
 from engine.model.classifier_names import with_head
 from engine.model.kv_layout import decoder_kv_layout
 from engine.model.modernbert_names import modernbert_param_shapes
-from engine.model.qwen_vl_names import qwen_vl_param_shapes
+from engine.model.qwen_vl_names import qwen3_vl_param_shapes, qwen_vl_param_shapes
 from engine.model.tensor_names import param_shapes
 from engine.model.vision_names import idefics3_param_shapes, llava_next_param_shapes, llava_param_shapes
 
@@ -89,6 +90,10 @@ IDEFICS3 = ModelEntry(_model_class("idefics3", "Idefics3VLM"), idefics3_param_sh
 #: Qwen2-VL / Qwen2.5-VL (engine.model.qwen_vl): the Qwen2 decoder with M-RoPE and a dynamic-resolution vision tower.
 QWEN_VL = ModelEntry(_model_class("qwen_vl", "QwenVLModel"), qwen_vl_param_shapes, decoder_kv_layout,
                      takes_images=True)
+#: Qwen3-VL (engine.model.qwen3_vl): the Qwen3 decoder with interleaved M-RoPE, a vision tower with a learned position
+#: grid, and DeepStack features added after the first decoder layers.
+QWEN3_VL = ModelEntry(_model_class("qwen3_vl", "Qwen3VLModel"), qwen3_vl_param_shapes, decoder_kv_layout,
+                      takes_images=True)
 
 #: Architecture name (engine.model.architectures) -> its entry.
 MODELS: dict[str, ModelEntry] = {
@@ -110,6 +115,7 @@ MODELS: dict[str, ModelEntry] = {
     "idefics3": IDEFICS3,
     "qwen2_5_vl": QWEN_VL,
     "qwen2_vl": QWEN_VL,
+    "qwen3_vl": QWEN3_VL,
 }
 
 #: Sequence classifiers (ModelConfig.labels set; engine.model.classifier_names): architecture -> its entry.

@@ -3,19 +3,22 @@ tokens replaced by the image's encoder features. The images whose placeholders a
 encoded in one batched call (those not in the encoder cache: engine.multimodal.encoder_cache), and each chunk takes
 the feature rows of the placeholders it covers, so a chunk boundary inside an image's placeholders splits its rows
 across steps and the image is encoded once. Steps that cover no placeholder (decodes, text) feed token ids as
-before. Source: the merge of HF LlavaModel.forward (masked_scatter of image features at the image token); vLLM v1's
-encoder cache and scheduled encoder inputs as the design model (no code of it).
+before. A DeepStack model's features (Qwen3-VL: [tokens, 1 + K, hidden]) are cached and sliced whole: level 0 is
+merged into the input embeddings and levels 1..K go to the model's forward with the same rows
+(engine.model.base.DeepStackFeatures). Source: the merge of HF LlavaModel.forward (masked_scatter of image features
+at the image token) and HF's Qwen3-VL forward (visual_pos_masks, deepstack_visual_embeds); vLLM v1's encoder cache
+and scheduled encoder inputs as the design model (no code of it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from engine.core.scheduler import ScheduledRequest
-from engine.model.base import ModelBase
+from engine.model.base import DeepStackFeatures, ModelBase
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.inputs import MultiModalItem
 
@@ -30,6 +33,21 @@ class _Span(NamedTuple):
     first: int
     count: int
     done: bool
+
+
+class ImageInputs(NamedTuple):
+    """A step's model inputs with its image features merged: inputs_embeds [T, hidden] (model dtype), and for a
+    DeepStack model the features its decoder layers add at the placeholder rows (else None)."""
+
+    inputs_embeds: torch.Tensor
+    deepstack: DeepStackFeatures | None
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The keywords of the model's forward: inputs_embeds, and deepstack only where there is some (the models
+        without DeepStack take no such keyword)."""
+        if self.deepstack is None:
+            return {"inputs_embeds": self.inputs_embeds}
+        return {"inputs_embeds": self.inputs_embeds, "deepstack": self.deepstack}
 
 
 def default_budget(tokens_per_image: int, max_num_batched_tokens: int) -> int:
@@ -70,9 +88,10 @@ class ImageEmbedder:
             row += n
         return out
 
-    def inputs_embeds(self, order: Sequence[ScheduledRequest], input_ids: torch.Tensor) -> torch.Tensor | None:
-        """inputs_embeds [T, hidden] (model dtype) of a step whose requests run in `order` with input_ids int64
-        [T] on the device, or None when the step feeds no image placeholder (run it on input_ids)."""
+    def inputs(self, order: Sequence[ScheduledRequest], input_ids: torch.Tensor) -> ImageInputs | None:
+        """The ImageInputs (inputs_embeds [T, hidden] in the model's dtype, DeepStack features or None) of a step
+        whose requests run in `order` with input_ids int64 [T] on the device, or None when the step feeds no image
+        placeholder (run it on input_ids)."""
         spans = self.spans(order)
         if not spans:
             return None
@@ -98,14 +117,19 @@ class ImageEmbedder:
                 cache.release(s.item.mm_hash, s.request_id)
             else:
                 cache.use(s.item.mm_hash, s.request_id)
-        embeds.index_copy_(0, torch.cat(rows).to(embeds.device), torch.cat(feats).to(embeds.dtype))
-        return embeds
+        at, merged = torch.cat(rows).to(embeds.device), torch.cat(feats).to(embeds.dtype)
+        if merged.dim() == 2:
+            embeds.index_copy_(0, at, merged)
+            return ImageInputs(embeds, None)
+        embeds.index_copy_(0, at, merged[:, 0])  # level 0: the input embeddings; 1..K: DeepStack's
+        return ImageInputs(embeds, DeepStackFeatures(at, merged[:, 1:]))
 
     def _encode(self, items: list[MultiModalItem]) -> Sequence[torch.Tensor]:
         """Each item's features [length, hidden] from one encoder call: fixed-size images stacked
         (encode_images(pixel_values [N, C, H, W]) -> [N, length, hidden]; LLaVA-NeXT's anyres items [N, tiles, C, H,
         W] with their image_sizes -> N tensors [length, hidden]); dynamic-resolution ones (grid_thw set)
-        concatenated with their grids (encode_images(patches, grid_thw int64 [N, 3]) -> [sum of lengths, hidden])."""
+        concatenated with their grids (encode_images(patches, grid_thw int64 [N, 3]) -> [sum of lengths, hidden], or
+        [sum of lengths, 1 + K, hidden] for a DeepStack model)."""
         if items[0].grid_thw is None:
             pixels = torch.stack([it.pixel_values for it in items]).to(self.device)
             if items[0].image_size is None:

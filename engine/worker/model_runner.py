@@ -223,15 +223,15 @@ class ModelRunner:
         """The step's forward pass and sampling: the sampled requests and their tokens (int64 [S] on the device;
         None when none samples)."""
         input_ids, rope_rows, meta, logits_rows, x = self._prepare(scheduled, block_tables, pending_tokens)
-        embeds = None if self.images is None else self.images.inputs_embeds(x.order, input_ids)
+        images = None if self.images is None else self.images.inputs(x.order, input_ids)
         sampling = x.sampling
         sampled_rows = self.input_batch.sampled_rows(x)
         # The CPU's small-batch GGUF kernel: decode-only steps without a seeded row (engine.quant.packed_linear's NOTE).
         small_kernel = meta.decode_only and (sampled_rows is None or not sampled_rows.seeded.any())
         graphs = self.graphs
         with gguf_kernel_scope(small_kernel):
-            if embeds is not None:  # image placeholders: the token embeddings with the images' features merged
-                hidden = self.model(None, rope_rows, self.kv_caches, meta, self.attn_fn, inputs_embeds=embeds)
+            if images is not None:  # image placeholders: the token embeddings with the images' features merged
+                hidden = self.model(None, rope_rows, self.kv_caches, meta, self.attn_fn, **images.model_kwargs())
             elif (graphs is not None and meta.decode_only and rope_rows.dim() == 1
                   and graphs.bucket(len(scheduled)) is not None):  # M-RoPE rows [3, T] run eagerly
                 if not graphs.graphs:
