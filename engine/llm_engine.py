@@ -157,7 +157,8 @@ class LLMEngine(PoolingTasks):
         dtype = resolve_dtype(config.dtype, device)
         opened = open_model(model, dtype, device, quantization=config.quantization,  # INT4 layout: free memory now
                             group_size=config.int4_group_size, max_positions=config.max_model_len,
-                            int4_layout=int4_layout_chooser(config, device, dtype))
+                            int4_layout=int4_layout_chooser(config, device, dtype),
+                            image_pixels=(config.max_image_pixels, config.min_image_pixels))
         pooling = None  # an embedding model's sentence-transformers files: an encoder's, or a decoder's modules.json
         if "embed" in config_tasks(opened.config):
             pooling = read_pooling_config(opened.path, opened.config.hidden_size, opened.config.max_row_tokens,
@@ -191,6 +192,10 @@ class LLMEngine(PoolingTasks):
         if device != self.device or dtype != self.dtype:
             raise ValueError(f"with_config keeps the weights on {self.device}/{self.dtype}; got {device}/{dtype}: "
                              "load the model again for another device or dtype")
+        pixels = (config.max_image_pixels, config.min_image_pixels)
+        if pixels != (self.config.max_image_pixels, self.config.min_image_pixels) and self.image_processor is not None:
+            raise ValueError(f"with_config keeps the image processor; other image pixel limits {pixels} need the "
+                             "model loaded again (LLMEngine.from_model)")
         return LLMEngine(self.model, self.model_config, self.tokenizer, config, self.model_name, device, dtype,
                          self.quantization_loaded, self.pooling_runner.pooling if self.pooling_runner else None,
                          self.scorer.activation if self.scorer else "sigmoid", self.image_processor)

@@ -60,6 +60,7 @@ def run_config(spec: JobSpec) -> RunConfig:
         return RunConfig(prompt_column=c.prompt, messages_column=c.messages, id_column=c.id,
                          text_pair_column=c.text_pair, image_column=c.image,
                          max_images_per_row=c.max_images_per_row, max_pixels=c.max_pixels,
+                         min_pixels=c.min_pixels,
                          use_chat_template=c.chat_template, allow_special_tokens=c.allow_special_tokens,
                          **sampling, **spec.sharding.model_dump(), price_per_hour_usd=spec.price_per_hour,
                          task=spec.task, embedding_dim=dim, **spec.embedding.model_dump())
@@ -68,14 +69,15 @@ def run_config(spec: JobSpec) -> RunConfig:
 
 
 def engine_config(spec: JobSpec) -> EngineConfig:
-    """The engine's EngineConfig of a spec's engine section (kv_cache_gib GiB -> bytes). Raises JobError (exit 2)
-    for a value the engine refuses."""
+    """The engine's EngineConfig of a spec's engine section (kv_cache_gib GiB -> bytes) and its image pixel limits
+    (columns max_pixels / min_pixels). Raises JobError (exit 2) for a value the engine refuses."""
     e = spec.engine
     try:
         return EngineConfig(device=e.device, dtype=e.dtype, quantization=e.quantization,
                             max_num_seqs=e.max_num_seqs, kv_cache_memory_bytes=None if e.kv_cache_gib is None
                             else int(e.kv_cache_gib * (1 << 30)),
-                            max_model_len=e.max_model_len)
+                            max_model_len=e.max_model_len, max_image_pixels=spec.columns.max_pixels,
+                            min_image_pixels=spec.columns.min_pixels)
     except ValueError as err:
         raise JobError(str(err)) from err
 

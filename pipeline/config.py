@@ -33,8 +33,9 @@ class RunConfig:
             URLs, or lists of them); None: rows carry images only as their messages' image parts.
         max_images_per_row: most images in one row (image column plus image parts); more make an error row. None:
             no limit but the context.
-        max_pixels: the image processor's pixel limit to use (jobs.plan.image_check refuses it where the model's
-            processor has none); None: the processor's own.
+        max_pixels, min_pixels: the pixel limits of one image (width x height) set through the model's image
+            processor (the engine's EngineConfig.max_image_pixels / min_image_pixels; jobs.plan.image_check refuses
+            values the processor cannot honour); None: the processor's own. Kept here as options that shape results.
         use_chat_template: wrap text prompts in the model's chat template.
         allow_special_tokens: parse control-token text in prompts and message contents as control tokens (raw
             control); by default user text is encoded as text (engine.text.tokenizer).
@@ -73,6 +74,7 @@ class RunConfig:
     image_column: str | None = _COLUMNS.image
     max_images_per_row: int | None = _COLUMNS.max_images_per_row
     max_pixels: int | None = _COLUMNS.max_pixels
+    min_pixels: int | None = _COLUMNS.min_pixels
     use_chat_template: bool = _COLUMNS.chat_template
     allow_special_tokens: bool = _COLUMNS.allow_special_tokens
     max_tokens: int = _SAMPLING.max_tokens
@@ -113,7 +115,7 @@ class RunConfig:
                 "columns": {"prompt": self.prompt_column, "messages": self.messages_column, "id": self.id_column,
                             "text_pair": self.text_pair_column, "image": self.image_column,
                             "max_images_per_row": self.max_images_per_row, "max_pixels": self.max_pixels,
-                            "chat_template": self.use_chat_template,
+                            "min_pixels": self.min_pixels, "chat_template": self.use_chat_template,
                             "allow_special_tokens": self.allow_special_tokens},
                 "sampling": {name: getattr(self, name) for name in Sampling.model_fields},
                 "sharding": {"rows_per_shard": self.rows_per_shard, "limit": self.limit,

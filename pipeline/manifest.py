@@ -39,15 +39,15 @@ from schemas.job_spec import Embedding, Sampling
 MANIFEST_FORMAT = 1
 # RunConfig fields that change what a row's completion is; a job's OUTPUT must not mix two settings of them.
 RESULT_OPTIONS = ("prompt_column", "messages_column", "id_column", "use_chat_template", "allow_special_tokens",
-                  "text_pair_column", "image_column", "max_images_per_row", "max_pixels", *Sampling.model_fields,
-                  *Embedding.model_fields)
+                  "text_pair_column", "image_column", "max_images_per_row", "max_pixels", "min_pixels",
+                  *Sampling.model_fields, *Embedding.model_fields)
 # Sampling, embed and column options added since manifests were first written: a manifest without them ran with
 # their defaults (no text pair column: no score job).
 _LATER_DEFAULTS = {name: list(v) if isinstance(v, tuple) else v
                    for name, v in (Sampling().model_dump() | Embedding().model_dump()).items()
                    if name not in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
                    } | {"text_pair_column": None, "image_column": None, "max_images_per_row": None,
-                        "max_pixels": None}
+                        "max_pixels": None, "min_pixels": None}
 
 
 @dataclass(frozen=True)

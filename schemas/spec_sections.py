@@ -56,10 +56,16 @@ class Columns(_Section):
                                                                       "and its messages' image parts); a row with "
                                                                       "more is an error row. null = no limit but "
                                                                       "--max-model-len.")] = None
-    max_pixels: Annotated[int | None, Field(ge=1, description="Override the model's image processor's pixel limit "
-                                                              "(width x height after resizing), where it has one; "
-                                                              "refused for processors that resize every image to "
-                                                              "one fixed size (LLaVA-1.5's CLIP: 336x336).")] = None
+    max_pixels: Annotated[int | None, Field(ge=1, description="Most pixels of one image (width x height after "
+                                                              "resizing), set through the model's own image "
+                                                              "processor (Qwen2-VL's max_pixels, Idefics3's longest "
+                                                              "edge, LLaVA-NeXT's grid pinpoints): fewer image "
+                                                              "tokens. null = the processor's own. Below the "
+                                                              "smallest image the model takes (LLaVA-1.5: its one "
+                                                              "size, 336x336) it is refused.")] = None
+    min_pixels: Annotated[int | None, Field(ge=1, description=(
+        "Fewest pixels of one image, as max_pixels (Qwen2-VL enlarges smaller images; LLaVA-NeXT keeps the larger "
+        "grid pinpoints). null = the processor's own; refused where it has no lower limit (Idefics3)."))] = None
     chat_template: Annotated[bool, Field(description="Wrap text prompts in the model's chat template "
                                                      "(--no-chat-template sends them raw).")] = True
     allow_special_tokens: Annotated[bool, Field(description="Parse control-token text in prompts and message "

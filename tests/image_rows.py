@@ -1,6 +1,7 @@
-"""Helpers of the image job tests (tests/pipeline/test_image_shards.py, tests/jobs/test_image_jobs.py): the tiny
-LLaVA folder of tests/engine/llava_models.py, real pictures drawn with Pillow in several sizes, modes and formats,
-and a Parquet written in Hugging Face datasets' Image layout."""
+"""Helpers of the image job tests (tests/pipeline/test_image_shards.py, tests/jobs/test_image_jobs.py,
+tests/jobs/test_image_limits.py): the tiny LLaVA and Qwen2.5-VL folders of tests/engine/llava_models.py and
+qwen_vl_models.py, real pictures drawn with Pillow in several sizes, modes and formats, and a Parquet written in
+Hugging Face datasets' Image layout."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pyarrow as pa
 sys.path.append(str(Path(__file__).resolve().parent / "engine"))  # the engine tests' helper modules
 
 from llava_models import build_llava, data_url, encoded, picture  # noqa: E402
+from qwen_vl_models import build_qwen_vl  # noqa: E402
 
-__all__ = ["IMAGE_FEATURE", "data_url", "hf_image_table", "llava_folder", "pictures"]
+__all__ = ["IMAGE_FEATURE", "data_url", "encoded", "hf_image_table", "llava_folder", "picture", "pictures",
+           "qwen_vl_folder"]
 
 #: Hugging Face datasets' Image feature column: struct<bytes: binary, path: string>.
 IMAGE_FEATURE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -25,6 +28,15 @@ def llava_folder(folder: Path, gguf_path: str) -> str:
     from engine.text.tokenizer import Tokenizer
 
     build_llava(folder, Tokenizer.from_gguf(gguf_path).hf_tokenizer)
+    return str(folder)
+
+
+def qwen_vl_folder(folder: Path, gguf_path: str) -> str:
+    """The tiny Qwen2.5-VL (dynamic resolution: 8x8 to 24x24 patches of 4 pixels, 2x2 merged) saved in `folder`
+    with its processor; returns its path."""
+    from engine.text.tokenizer import Tokenizer
+
+    build_qwen_vl(folder, Tokenizer.from_gguf(gguf_path).hf_tokenizer)
     return str(folder)
 
 

@@ -150,7 +150,8 @@ def test_the_engine_top_level_holds_its_public_api_only() -> None:
     import engine
 
     top = {p.stem for p in (ROOT / "engine").glob("*.py")} - {"__init__"}
-    assert top == {"config", "llm_engine", "outputs", "rope_scaling", "sampling_params", "vision_config"}
+    assert top == {"config", "engine_config", "llm_engine", "outputs", "rope_scaling", "sampling_params",
+                   "vision_config"}
     assert {module.rpartition(".")[2] for module in engine._EXPORTS.values()} == top
 
 

@@ -77,12 +77,14 @@ def load_gguf_model(path: str, dtype: torch.dtype, device: torch.device,
     return cfg, model
 
 
-def load_hf_model(path: str, dtype: torch.dtype, device: torch.device,
-                  max_positions: int | None = None) -> tuple[ModelConfig, ModelBase]:
+def load_hf_model(path: str, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
+                  config: ModelConfig | None = None) -> tuple[ModelConfig, ModelBase]:
     """Read an HF folder and return its config and a filled model in `dtype` on `device`: built on the meta
-    device, each tensor read, cast and assigned once (an 8B model never exists twice in memory). Raises ValueError
+    device, each tensor read, cast and assigned once (an 8B model never exists twice in memory). `config`: the
+    folder's config as read_hf_config read it, with a vision-language model's vision settings its image processor's
+    limits keep (engine.multimodal.processor.ImageProcessor.from_model_path); None reads it. Raises ValueError
     (architecture, config field, tensor names; NaN/Inf weights) before the model is used."""
-    cfg = read_hf_config(path)
+    cfg = read_hf_config(path) if config is None else config
     with torch.device("meta"):
         model = build_model(cfg, max_positions)
     fill_model(model, {name: w.to(device=device) for name, w in iter_hf_state(path, cfg, dtype)}, dtype, device)

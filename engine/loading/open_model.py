@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -39,17 +40,24 @@ class OpenedModel(NamedTuple):
 
 def open_model(model: str | None, dtype: torch.dtype, device: torch.device, *, quantization: str = "none",
                group_size: int = 128, max_positions: int | None = None,
-               int4_layout: str | Callable[[ModelConfig, list[tuple[int, int | None]]], str] = "dual") -> OpenedModel:
+               int4_layout: str | Callable[[ModelConfig, list[tuple[int, int | None]]], str] = "dual",
+               image_pixels: tuple[int | None, int | None] = (None, None)) -> OpenedModel:
     """Load `model` (a GGUF path or fsspec URL, a Hugging Face model folder, a tokenmill folder; None = the default
     SmolLM2-135M-Instruct Q4_1) onto `device` in `dtype` with the given quantization (EngineConfig.quantization,
     int4_group_size; engine.loading.quantized's modes; int4_layout: as engine.loading.quantized.load_model).
-    Raises FileNotFoundError (no such model), ValueError (unsupported architecture, bad mode, broken file)."""
+    `image_pixels`: a vision-language model's (max, min) pixels per image (EngineConfig.max_image_pixels,
+    min_image_pixels), through its image processor (engine.multimodal.pixel_limits; a text-only model ignores them).
+    Raises FileNotFoundError (no such model), ValueError (unsupported architecture, bad mode, broken file, pixel
+    limits the image processor cannot honour)."""
     path = resolve_model_path(model)
     name = _path_name(path)
     if quantization == "none" and is_hf_folder(path) and hf_quant_format(path) is None:
-        cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions)
+        cfg = read_hf_config(path)
+        images = None if cfg.vision is None else ImageProcessor.from_model_path(path, cfg.vision, *image_pixels)
+        if images is not None and images.vision != cfg.vision:  # LLaVA-NeXT's pinpoints the limits keep
+            cfg = replace(cfg, vision=images.vision)
+        cfg, llama = load_hf_model(path, dtype, device, max_positions=max_positions, config=cfg)
         tokenizer = Tokenizer.from_model_path(path)
-        images = None if cfg.vision is None else ImageProcessor.from_model_path(path, cfg.vision)
         if images is not None and not tokenizer.has_chat_template and images.chat_template:
             tokenizer.use_chat_template(images.chat_template)  # a processor's chat_template.json / .jinja
         return OpenedModel(llama, cfg, tokenizer, name, path=path, image_processor=images)

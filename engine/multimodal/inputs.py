@@ -63,6 +63,18 @@ def load_image(obj: object) -> Image.Image:
     """A decoded Pillow image of `obj`: a PIL.Image.Image (as it is), encoded bytes, a base64 `data:` URL, or a
     {"bytes": ...} dict (HF datasets' Image feature). Raises ValueError (one line) for bytes Pillow cannot decode,
     a malformed data URL, or another type (a path or http/s3 URL: the pipeline reads those)."""
+    return _open_image(obj, decode=True)
+
+
+def image_size(obj: object) -> tuple[int, int]:
+    """The (height, width) in pixels of an image in load_image's forms, read from its header without decoding its
+    pixels (Pillow opens lazily). Raises ValueError as load_image (bytes Pillow cannot identify, ...)."""
+    width, height = _open_image(obj, decode=False).size
+    return height, width
+
+
+def _open_image(obj: object, decode: bool) -> Image.Image:
+    """The Pillow image of `obj` (load_image's forms), its pixels decoded when `decode`, else its header alone."""
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(obj, Image.Image):
@@ -85,7 +97,8 @@ def load_image(obj: object) -> Image.Image:
                          f"{type(obj).__name__}")
     try:
         image = Image.open(io.BytesIO(bytes(obj)))
-        image.load()
+        if decode:
+            image.load()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise ValueError(f"the image bytes are not an image Pillow can read ({type(e).__name__}: {e})") from e
     return image

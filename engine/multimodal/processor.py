@@ -17,7 +17,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from engine.multimodal.anyres import anyres_tokens
-from engine.multimodal.inputs import MultiModalItem, image_messages, load_image
+from engine.multimodal.inputs import MultiModalItem, image_messages, image_size, load_image
 from engine.vision_config import QwenVisionConfig, VisionConfig
 
 if TYPE_CHECKING:
@@ -93,11 +93,19 @@ class ImageProcessor:
         self._images_kwargs: dict[str, Any] | None = None
 
     @classmethod
-    def from_model_path(cls, path: str, vision: VisionConfig | QwenVisionConfig) -> ImageProcessor:
+    def from_model_path(cls, path: str, vision: VisionConfig | QwenVisionConfig, max_pixels: int | None = None,
+                        min_pixels: int | None = None) -> ImageProcessor:
         """The processor of the model folder at `path` (AutoProcessor: processor_config.json or
-        preprocessor_config.json; Pillow backends, no torchvision). Raises ValueError when the folder has none
-        (a vision-language model's images need its own processor) or as __init__."""
+        preprocessor_config.json; Pillow backends, no torchvision), its image processor built with the pixel limits
+        (`max_pixels`, `min_pixels`: width x height, None = its own; engine.multimodal.pixel_limits: its own
+        parameters), and `vision` with the anyres pinpoints those keep (the model is built with them: `vision`).
+        Raises ValueError when the folder has none (a vision-language model's images need its own processor), for
+        limits the processor cannot honour (pixel_limit_kwargs, naming EngineConfig's fields) or as __init__."""
+        from dataclasses import replace
+
         from transformers import AutoProcessor
+
+        from engine.multimodal.pixel_limits import limited, pixel_limit_kwargs
 
         try:
             try:
@@ -110,6 +118,10 @@ class ImageProcessor:
                              "preprocessor_config.json") from e
         if not hasattr(hf, "image_processor") or not hasattr(hf, "image_token"):
             raise ValueError(f"{path}: AutoProcessor gives a {type(hf).__name__}, not a processor with images")
+        limits = pixel_limit_kwargs(hf.image_processor, max_pixels, min_pixels)
+        hf.image_processor = limited(hf.image_processor, limits)
+        if "image_grid_pinpoints" in limits and isinstance(vision, VisionConfig):
+            vision = replace(vision, image_grid_pinpoints=tuple(map(tuple, limits["image_grid_pinpoints"])))
         return cls(hf, vision)
 
     def process(self, prompt: object, tokenizer: Tokenizer, use_chat_template: bool = True,
@@ -120,12 +132,18 @@ class ImageProcessor:
         image placeholders. Raises ValueError (the request's error output) for a malformed prompt, an image
         Pillow cannot read, placeholders that do not match the images in number, or a processor whose expansion
         differs from the model's feature rows."""
+        ids, raw_images = self._render(prompt, tokenizer, use_chat_template, allow_special_tokens)
+        return self.expand(ids, [load_image(img) for img in raw_images])
+
+    def _render(self, prompt: object, tokenizer: Tokenizer, use_chat_template: bool,
+                allow_special_tokens: bool) -> tuple[list[int], list[object]]:
+        """(token ids with one image token per image, the images as given) of an image prompt (`process`'s forms
+        and flags). Raises ValueError as `process` for a malformed prompt."""
         text, raw_images, chat = image_messages(prompt)
-        images = [load_image(img) for img in raw_images]
         if chat:
             ids = tokenizer.apply_chat_template(text, allow_special_tokens=allow_special_tokens)
         elif use_chat_template:
-            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+            parts = [{"type": "image"} for _ in raw_images] + [{"type": "text", "text": text}]
             ids = tokenizer.apply_chat_template([{"role": "user", "content": parts}],
                                                 allow_special_tokens=allow_special_tokens)
         else:  # raw: the image token's spellings are placeholders, so the text is encoded with its added tokens
@@ -134,7 +152,31 @@ class ImageProcessor:
                 raise ValueError(f"the raw image prompt spells control tokens {spelt[:3]} besides "
                                  f"{self.image_token!r}; use the chat form, or allow_special_tokens to mean them")
             ids = tokenizer.encode(text, allow_special_tokens=True)
-        return self.expand(ids, images)
+        return ids, raw_images
+
+    def prompt_size(self, prompt: object, tokenizer: Tokenizer, use_chat_template: bool = True,
+                    allow_special_tokens: bool = False) -> tuple[int, tuple[int, ...]]:
+        """(tokens, each image's tokens in prompt order) of an image prompt as `process` expands it, counted without
+        processing any pixels: Pillow reads each image's height and width from its header (engine.multimodal.inputs.
+        image_size) and the processor's own count gives the tokens an image of that size expands into (HF
+        processors' _get_num_multimodal_tokens, as vLLM sizes its inputs: the placeholders with the tags the
+        processor writes around them; where a processor lacks it, the image is processed). Bytes whose header
+        reads but whose pixels do not decode are counted; the run makes them an error row. Raises ValueError as
+        `process` (a malformed prompt, an image Pillow cannot open, placeholders and images that differ in number)."""
+        ids, raw_images = self._render(prompt, tokenizer, use_chat_template, allow_special_tokens)
+        found = sum(t == self.vision.image_token_id for t in ids)
+        if found != len(raw_images):
+            raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) but "
+                             f"{len(raw_images)} images; give one image per placeholder")
+        if not raw_images:
+            return len(ids), ()
+        counter = getattr(self.hf, "_get_num_multimodal_tokens", None)
+        if counter is not None:
+            counts = tuple(int(n) for n in counter(image_sizes=[image_size(img) for img in raw_images])
+                           .num_image_tokens)
+        else:
+            counts = tuple(len(self._replacement(load_image(img))[0]) for img in raw_images)
+        return len(ids) - len(raw_images) + sum(counts), counts
 
     def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Replace the i-th image token of `ids` by the processor's replacement for images[i] (decoded Pillow

@@ -114,6 +114,9 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
         return
     t = Table(title=f"tokenmill forecast (dry run, nothing written) -> {spec.output}", show_header=False)
     for k, v in ([("rows / shards", f"{fc.rows:,} / {fc.shards}"), ("input tokens", _input_tokens(fc))]
+                 + ([("images / their tokens", f"{fc.images:,} / {fc.image_tokens:,} (in the input tokens; counted "
+                                               "by the model's processor from the images' sizes)")]
+                    if fc.images else [])
                  + ([("output tokens expected (max)", f"{fc.output_tokens:,} ({fc.output_tokens_max:,})")]
                     if fc.task == "generate" else [])
                  + [("device-hours", f"{fc.device_hours:.4f} ({fc.device_s:,.1f} device-seconds on {fc.device}, "
@@ -136,6 +139,10 @@ def _print_forecast(spec: JobSpec, as_json: bool, set_by: dict[str, str] | None 
         t.add_row("KV cache", f"{fit.kv_bytes_per_token / 1024:.1f} KiB per token; pool {fit.kv_pool_bytes / gib:.2f}"
                               f" GiB = {fit.pool_tokens:,} tokens = {fit.sequences:,} sequences of --max-model-len "
                               f"{fit.max_model_len:,} at once")
+    if fc.kv_rows_at_once:
+        t.add_row("rows at once", f"{fc.kv_rows_at_once:,} rows of this job's mean length (prompt"
+                                  f"{' with its image tokens' if fc.images else ''}, expected output) fit in the KV "
+                                  "cache of the engine loaded here")
     out.print(t)
 
 
@@ -145,13 +152,10 @@ def _execute(spec: JobSpec, resume: bool, as_json: bool, metrics_file: str | Non
     the job's forecast instead and write nothing. `set_by`: the options whose values came from environment
     variables (jobs.cli.options.options_set_by_env), named in errors."""
     from jobs.interrupt import ClientInterrupt
-    from jobs.plan.image_check import refuse_image_forecast
     from jobs.spec import checked_spec, run_spec, spec_fit  # Dask, the engine, torch: only when a job runs
 
     try:
         spec = checked_spec(spec)  # absolute OUTPUT (printed below as workers see it), model and OUTPUT checked
-        if dry_run:
-            refuse_image_forecast(spec)
         fit = spec_fit(spec, spec.model)
     except JobError as e:
         raise fail(e, e.exit_code, set_by) from e

@@ -2,9 +2,11 @@
 
 The forecast plans the job's shards from its input as a first start would (pipeline.manifest.build_manifest: it lists
 and reads footers, writes nothing), tokenizes the rows of its first shard with a row that can run (rows that are
-null, empty or request errors are error rows: no device time; a job with no other row loads no engine and is
-forecast at 0 device-seconds, as it runs: pipeline.shard), loads the job's engine here (same model,
-device, dtype, quantization, threads per worker) and measures it in a short calibration on a sample of those rows:
+null, empty, request errors or too long for --max-model-len are error rows: no device time, no input tokens; a job
+with no other row loads no engine and is forecast at 0 device-seconds, as it runs: pipeline.shard; an image row's
+images are read and counted in tokens by the model's processor from their sizes: jobs.plan.prompt_sizes), loads the
+job's engine here (same model, device, dtype, quantization, image pixel limits, threads per worker) and measures it
+in a short calibration on a sample of those rows:
 
 1. the sample with the job's own sampling (per-row values included): the observed mean output tokens per row, the
    expected output length (bounded by max_tokens; rows that stop early pull it down);
@@ -16,8 +18,8 @@ device, dtype, quantization, threads per worker) and measures it in a short cali
 A fresh engine's first call is timed as well (kernels loaded, weights packed: seconds on the CPU); each worker's
 first shard pays it. A worker's one engine serves all its shards in one batch, so the job is costed per worker
 (job_device_s): prefill (its input tokens / prefill rate) plus decode (its rows x expected output tokens / its
-concurrency steps at that concurrency's step time; the concurrency: worker_concurrency) plus a small overhead per
-shard (reads and commits).
+concurrency steps at that concurrency's step time; the concurrency: worker_concurrency, and no more rows than the
+engine's KV pool holds at the rows' mean length, image tokens included) plus a small overhead per shard.
 Device-seconds, cost at the job's price per hour and tokens per dollar follow. bench/README.md says how far off it
 was on a real job. An embed, classify or score job is forecast by jobs.plan.forecast_pooling (its rows' tokens and the
 encoder's measured tokens per second; input tokens and rows per dollar).
@@ -39,10 +41,12 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from jobs.errors import JobError
 from jobs.formats.openai_batch import batch_spec, is_openai_batch, read_batch_file
 from jobs.plan.calibration_clock import load_stretch, start_clock, timed
+from jobs.plan.prompt_sizes import prompt_sizes
 from jobs.plugin import default_torch_threads, shard_slots
 from jobs.spec import engine_config, run_config
 from pipeline.accounting import PerDollar
 from pipeline.config import InputError, RunConfig
+from pipeline.images import image_rows
 from pipeline.input import Shard
 from pipeline.manifest import build_manifest
 from pipeline.row_kinds import row_kind
@@ -76,7 +80,10 @@ class Forecast(PerDollar):
     cannot say (a job none of whose rows can run), else "". `quantization`: the weight
     quantization the run uses, as its summary and accounting will say it (pipeline.shard_engine.EngineFacts).
     `task`: the job's; an embed, classify or score job generates nothing (output figures 0, prefill_tokens_per_s: the
-    encoder's input tokens per second, jobs.plan.forecast_pooling).
+    encoder's input tokens per second, jobs.plan.forecast_pooling). `images`, `image_tokens`: the images of the rows
+    that run and their tokens (part of `input_tokens`), extrapolated as it is; `rows_too_long`: rows read that are
+    too long for --max-model-len (error rows); `kv_rows_at_once`: rows of the job's mean length (prompt with its
+    image tokens, expected output) the engine's KV pool holds at once (0: not measured).
     """
 
     rows: int
@@ -101,6 +108,10 @@ class Forecast(PerDollar):
     uncertainty: float = 0.0
     load_stretch: float = 1.0
     task: str = "generate"
+    images: int = 0
+    image_tokens: int = 0
+    rows_too_long: int = 0
+    kv_rows_at_once: int = 0
 
     @property
     def input_tokens_exact(self) -> bool:
@@ -124,16 +135,6 @@ class Forecast(PerDollar):
         return {**d, "device_hours": self.device_hours, "cost_usd": self.cost_usd,
                 "tokens_per_dollar": self.tokens_per_dollar, "input_tokens_per_dollar": self.input_tokens_per_dollar,
                 "rows_per_dollar": self.rows_per_dollar}
-
-
-def _prompt_tokens(engine: LLMEngine, prompt: Any, cfg: RunConfig) -> int:
-    """Prompt length in tokens as the engine will see it (0 for a row that will be an error row)."""
-    if not (isinstance(prompt, str | list) and prompt):
-        return 0
-    try:
-        return len(engine.prompt_token_ids(prompt, cfg.use_chat_template, cfg.allow_special_tokens))
-    except ValueError:
-        return 0
 
 
 def _timed(engine: LLMEngine, prompts: Sequence[Any], params: SamplingParams | list[SamplingParams],
@@ -200,7 +201,9 @@ def first_shard(spec: JobSpec, sample_rows: int) -> tuple[JobSpec, RunConfig, li
         messages = column == cfg.messages_column != cfg.prompt_column
         skipped = 0  # rows of the leading shards none of whose rows can run (error rows: no device time)
         for shard in shards:
-            first = read_shard(shard, column, cfg.id_column, messages=messages, pair_column=cfg.text_pair_column)
+            first = read_shard(shard, column, cfg.id_column, messages=messages, pair_column=cfg.text_pair_column,
+                               image_column=cfg.image_column)
+            first = image_rows(first, shard.url, cfg.image_column, cfg.max_images_per_row)[0]  # as the run reads them
             if row_kind(cfg).requests(first, cfg).runnable:
                 return spec, cfg, shards, first, skipped
             skipped += len(first.ids)
@@ -284,17 +287,14 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     with none) and forecast the job's `shards` from it (module docstring)."""
     econf, engine, t_start = calibration_engine(spec)
     chat = cfg.use_chat_template
-    # A fresh engine's first step is slow (kernels loaded, weights packed): every worker's first shard pays it.
-    warmup_s, _ = _timed(engine, [first.prompts[k] for k in range(len(first.prompts))
-                                  if isinstance(first.prompts[k], str | list) and first.prompts[k]][:1],
-                         SamplingParams(max_tokens=1), chat)
-    lengths = [0 if (first.errors and first.errors[k]) else _prompt_tokens(engine, p, cfg)
-               for k, p in enumerate(first.prompts)]
-    runnable = [k for k, n in enumerate(lengths) if 0 < n < engine.max_model_len]
+    sizes = prompt_sizes(engine, first, cfg)
+    runnable, read = sizes.runnable, len(sizes.tokens) + skipped
     if not runnable:
         raise JobError("no row of the first shard can run (all empty, too long, or request errors); nothing to "
-                       "forecast")
-    mean_in = sum(lengths) / (len(lengths) + skipped)
+                       f"forecast{'. ' + sizes.too_long_note() if sizes.too_long else ''}")
+    # A fresh engine's first step is slow (kernels loaded, weights packed): every worker's first shard pays it.
+    warmup_s, _ = _timed(engine, [first.prompts[runnable[0]]], SamplingParams(max_tokens=1), chat)
+    mean_in = sizes.ran(sizes.tokens) / read  # the rows that run: error rows bill no input tokens
     sample = runnable[:: max(1, len(runnable) // sample_rows)][:sample_rows]
     rows = first.take(sample)
     outs = generate_rows(engine, rows, cfg)
@@ -303,7 +303,11 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
     engine.reset_prefix_cache()
     t_prefill, outs1 = _timed(engine, prompts, SamplingParams(max_tokens=1), chat)
     prefill_rate = sum(o.num_prompt_tokens for o in outs1) / max(t_prefill, 1e-9)
-    concurrency = worker_concurrency([s.num_rows for s in shards], spec.cluster.workers, econf.max_num_seqs)
+    # No more rows at once than the KV pool holds at the running rows' mean length (prompt with images, output)
+    kv_rows = engine.num_kv_blocks * engine.block_size // max(1, math.ceil(sizes.ran(sizes.tokens) / len(runnable)
+                                                                           + mean_out))
+    max_seqs = max(1, min(econf.max_num_seqs, kv_rows))
+    concurrency = worker_concurrency([s.num_rows for s in shards], spec.cluster.workers, max_seqs)
     measured = {b: _decode_step_s(engine, prompts, b, chat) for b in sorted({len(prompts), concurrency})}
     steps = {b: m[0] for b, m in measured.items()}
 
@@ -312,9 +316,9 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         return d0 if b1 == b0 else d0 + (d1 - d0) * (batch - b0) / (b1 - b0)
 
     max_out = [_sampling_of(first, cfg, k).max_tokens for k in runnable]
-    ok = len(runnable) / (len(lengths) + skipped)  # the share of rows that run (error rows: no device time)
+    ok = len(runnable) / read  # the share of rows that run (error rows: no device time)
     device_s = job_device_s([s.num_rows for s in shards], WorkerModel(
-        workers=spec.cluster.workers, max_num_seqs=econf.max_num_seqs, warmup_s=warmup_s, run_share=ok,
+        workers=spec.cluster.workers, max_num_seqs=max_seqs, warmup_s=warmup_s, run_share=ok,
         mean_input_tokens=mean_in, mean_output_tokens=mean_out, prefill_tokens_per_s=prefill_rate), step_s)
     total_rows = sum(s.num_rows for s in shards)
     return Forecast(
@@ -326,6 +330,8 @@ def _calibrate(spec: JobSpec, cfg: RunConfig, shards: list[Shard], first: ShardR
         device=engine.device_name,
         dtype=str(engine.dtype).removeprefix("torch."), model=engine.model_name,
         quantization=EngineFacts.of(engine, None).quantization,
-        calibration_s=time.perf_counter() - t_start, input_rows_sampled=len(lengths) + skipped,
-        uncertainty=max(m[1] for m in measured.values()),
-        load_stretch=load_stretch())
+        calibration_s=time.perf_counter() - t_start, input_rows_sampled=read,
+        uncertainty=max(m[1] for m in measured.values()), load_stretch=load_stretch(),
+        images=round(sizes.ran(sizes.images) / read * total_rows),
+        image_tokens=round(sizes.ran(sizes.image_tokens) / read * total_rows), rows_too_long=len(sizes.too_long),
+        kv_rows_at_once=kv_rows, note=sizes.too_long_note())

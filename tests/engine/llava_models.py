@@ -134,12 +134,14 @@ def decoded(image: object) -> Image.Image:
 
 
 def hf_greedy(model, processor, messages: list[dict] | None, images: list, max_tokens: int,
-              raw: str | None = None) -> tuple[list[int], list[int]]:
+              raw: str | None = None, **processor_kwargs) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy output ids) of HF transformers for chat `messages` (rendered by the processor's chat
-    template) or the `raw` text, with `images` through the model's own processor."""
+    template) or the `raw` text, with `images` through the model's own processor (given `processor_kwargs`, as
+    its __call__ takes them: size=..., ...)."""
     text = raw if raw is not None else processor.apply_chat_template(messages, add_generation_prompt=True,
                                                                       tokenize=False)
-    inputs = processor(text=text, images=[decoded(i) for i in images] or None, return_tensors="pt")
+    inputs = processor(text=text, images=[decoded(i) for i in images] or None, return_tensors="pt",
+                       **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)

@@ -17,13 +17,14 @@ CPU = dict(device="cpu", dtype="float32")
 Reference = Callable[[dict], tuple[list[int], list[int]]]
 
 
-def hf_reference(model, processor) -> Reference:
-    """The reference of `{"prompt": text, "images": [...]}` prompts: one user turn, the images first."""
+def hf_reference(model, processor, **processor_kwargs) -> Reference:
+    """The reference of `{"prompt": text, "images": [...]}` prompts: one user turn, the images first (the processor
+    called with `processor_kwargs`)."""
 
     def run(prompt: dict) -> tuple[list[int], list[int]]:
         chat = [{"role": "user", "content": [{"type": "image"}] * len(prompt["images"]) +
                  [{"type": "text", "text": prompt["prompt"]}]}]
-        return hf_greedy(model, processor, chat, prompt["images"], MAX_TOKENS)
+        return hf_greedy(model, processor, chat, prompt["images"], MAX_TOKENS, **processor_kwargs)
 
     return run
 

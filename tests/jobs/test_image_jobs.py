@@ -2,7 +2,7 @@
 LocalCluster: a Parquet in Hugging Face datasets' Image layout and an OpenAI batch file with image_url data: URLs;
 completions equal LLMEngine.generate's on the same images, the summary counts images, the exported lines validate
 as the `openai` package's types. Refused before any work (exit 2, one line): a text-only model given an image column,
-an image column missing from the input, --max-pixels for LLaVA's fixed-size processor, --dry-run of an image job."""
+an image column missing from the input, --max-pixels below LLaVA's one image size and --min-pixels above it."""
 
 from __future__ import annotations
 
@@ -99,15 +99,17 @@ def test_openai_batch_with_image_url_parts_runs_and_exports_valid_lines(tmp_path
     assert "cannot read image" in error.message and "missing.png" in error.message
 
 
-@pytest.mark.parametrize("case", ["text_only_model", "missing_column", "max_pixels", "dry_run"])
+@pytest.mark.parametrize("case", ["text_only_model", "missing_column", "max_pixels", "min_pixels"])
 def test_image_jobs_refused_before_any_work(case: str, rows: Path, tmp_path: Path, llava: str,
                                             tiny_model: str) -> None:
     out = tmp_path / "out"
     model, more, said = {
         "text_only_model": (tiny_model, ["--image-column", "image"], "is text-only"),
         "missing_column": (llava, ["--image-column", "picture"], "image column 'picture' not found"),
-        "max_pixels": (llava, ["--image-column", "image", "--max-pixels", "1000000"], "has no pixel limit"),
-        "dry_run": (llava, ["--image-column", "image", "--dry-run"], "--dry-run does not forecast jobs with images"),
+        "max_pixels": (llava, ["--image-column", "image", "--max-pixels", "3000"],
+                       "--max-pixels 3000 is below the one size CLIPImageProcessor makes every image, 56x56 = 3136 "
+                       "pixels (the model takes no smaller); give at least 3136, or drop --max-pixels"),
+        "min_pixels": (llava, ["--image-column", "image", "--min-pixels", "4000"], "--min-pixels 4000 is above"),
     }[case]
     res = runner.invoke(app, _args(rows, out, model, "--prompt-column", "question", *more))
     assert res.exit_code == 2, res.output

@@ -63,7 +63,7 @@ def test_minimal_spec_takes_the_run_defaults() -> None:
 
 def test_every_field_is_one_flat_option_with_the_run_defaults() -> None:
     """One option per leaf field; the pipeline's RunConfig takes its defaults from the model."""
-    assert len(OPTIONS) == 48 and OPTIONS["prompt_column"].path == ("columns", "prompt")
+    assert len(OPTIONS) == 49 and OPTIONS["prompt_column"].path == ("columns", "prompt")
     assert OPTIONS["dimensions"].path == ("embedding", "dimensions") and OPTIONS["truncate"].field.default is True
     assert OPTIONS["task"].path == ("task",) and JobSpec(input="a", output="b").task == RunConfig().task == "generate"
     assert {o.flag for o in OPTIONS.values()} >= {"--max-tokens", "--kv-cache-gib", "--chat-template",

@@ -32,7 +32,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model = model_class.from_pretrained(folder, dtype="float32", attn_implementation="eager").eval()
     processor = transformers.AutoProcessor.from_pretrained(folder)
     engine = LLMEngine.from_model(str(folder), EngineConfig(**CPU))
-    return engine, cases.hf_reference(model, processor), model, processor
+    return engine, cases.hf_reference(model, processor), model, processor, str(folder)
 
 
 def _tiles(ids: list[int], token: int) -> int:
@@ -68,7 +68,7 @@ def test_the_image_changes_the_text(family, questions) -> None:
 
 
 def test_raw_prompt_spells_the_image_token(family, questions) -> None:
-    engine, _, model, processor = family
+    engine, _, model, processor, _ = family
     pics = [picture("RGB", (60, 60), 13), picture("RGB", (61, 40), 14)]
     raw = f"User:<image><image>{questions[1]}\nAssistant:"
     out = engine.generate([{"prompt": raw, "images": pics}], GREEDY, use_chat_template=False)[0]
@@ -85,3 +85,19 @@ def test_chunked_prefill_inside_tiles_encodes_each_once(family, questions) -> No
     """3-token steps: every tile's 4 placeholders span two chunks; each tile is encoded once."""
     encoded_tiles, ids = cases.assert_chunked_prefill(family[0], family[1], questions, 3)
     assert encoded_tiles == sum(_tiles(row, family[0].model_config.vision.image_token_id) for row in ids)
+
+
+def test_max_image_pixels_sets_the_longest_edge_as_hf_with_that_size(family, questions) -> None:
+    """EngineConfig.max_image_pixels through the processor's own size: one tile's pixels (and a few more: the
+    edge stays one tile) make every image the global tile alone; the prompts shorter, greedy output HF's with size
+    {"longest_edge": tile}."""
+    engine, _, model, processor, folder = family
+    tile = processor.image_processor.max_image_size["longest_edge"]
+    small = LLMEngine.from_model(folder, EngineConfig(**CPU, max_image_pixels=tile * tile + tile))
+    prompts = [{"prompt": questions[k], "images": [picture("RGB", (80, 60), 30 + k)]} for k in range(2)]
+    ids = cases.assert_greedy_matches(small, prompts, cases.hf_reference(model, processor, size={"longest_edge": tile}))
+    token = engine.model_config.vision.image_token_id
+    assert [_tiles(row, token) for row in ids] == [1, 1]
+    assert all(len(row) < len(engine.prompt_token_ids(p)) for row, p in zip(ids, prompts, strict=True))
+    assert [small.image_processor.prompt_size(p, small.tokenizer)[0] for p in prompts] == [len(row) for row in ids]
+
