@@ -112,7 +112,8 @@ class LLMEngine(PoolingTasks):
                                                cache_salt=salt)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_id=self.eos_token_id, max_model_len=self.max_model_len,
-                                   eos_token_ids=model_config.eos_token_ids, longrope_original=long_from)
+                                   eos_token_ids=model_config.eos_token_ids, longrope_original=long_from,
+                                   whole_images=model.bidirectional_images)
         attn_fn = select_attention(config.attention_backend, device)
         self.runner = ModelRunner(model, model_config, self.num_kv_blocks, self.block_size, device, dtype,
                                   seed=config.seed, attn_fn=attn_fn,
@@ -129,8 +130,9 @@ class LLMEngine(PoolingTasks):
         self.logits_processors = LogitsProcessors(self.structured_outputs, model_config.vocab_size, stop_ids)
         self.runner.logits_processors = self.logits_processors
         self.scheduler.admission_check = self.logits_processors.ready  # rows wait for their grammar's compile
-        self.request_builder = RequestBuilder(tokenizer, model_config.vocab_size, self.max_model_len,
-                                              self.logits_processors, image_processor)
+        self.request_builder = RequestBuilder(  # a whole image in one step: its placeholders must fit one
+            tokenizer, model_config.vocab_size, self.max_model_len, self.logits_processors, image_processor,
+            max_image_tokens=config.max_num_batched_tokens if model.bidirectional_images else None)
         self.output_builder = OutputBuilder(tokenizer, self.logits_processors, self.max_model_len)
         self.num_steps = 0
         self.step_stats = StepStats(config.max_num_seqs)

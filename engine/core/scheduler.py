@@ -17,6 +17,7 @@ from typing import NamedTuple
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.stop import check_stop
+from engine.multimodal.image_attention import whole_image_chunk
 
 
 class ScheduledRequest(NamedTuple):
@@ -55,12 +56,16 @@ class Scheduler:
             long_from): a request admitted at O tokens or fewer (its keys rotated by the short factors) whose next
             token would sit at position O or later is recomputed from position 0 with the long ones, as HF
             transformers' Phi-3 `prepare_inputs_for_generation` drops its cache there. None: never.
+        whole_images: a prefill chunk never ends inside an image's placeholders (a model whose placeholders of one
+            image attend to each other: ModelBase.bidirectional_images; engine.multimodal.image_attention); a
+            request whose next image does not fit the step's leftover budget waits for a later step.
     Raises ValueError when a limit is below 1.
     """
 
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
                  eos_token_id: int | None = None, max_model_len: int = 1 << 62,
-                 eos_token_ids: Collection[int] = (), longrope_original: int | None = None) -> None:
+                 eos_token_ids: Collection[int] = (), longrope_original: int | None = None,
+                 whole_images: bool = False) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_model_len < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
         self.kv_cache_manager = kv_cache_manager
@@ -70,6 +75,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.longrope_original = longrope_original
+        self.whole_images = whole_images
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -124,6 +130,11 @@ class Scheduler:
             n = len(req.all_token_ids) - done
             if n > budget:
                 n = budget
+                if self.whole_images and req.mm_items:
+                    n = whole_image_chunk(req.mm_items, done, n)
+                    if not n:  # its next image waits for a step with room for it
+                        i += 1
+                        continue
             table = tables.get(req.request_id)
             # allocate_slots' decode path inline (most steps the last block still has room), the call otherwise.
             if table is None or done + n > len(table) * bs:
@@ -292,7 +303,9 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     continue
             n = min(req.num_tokens - len(hits) * kv.block_size, budget)
-            if kv.allocate_slots(req, n, hits) is None:
+            if self.whole_images and req.mm_items and n == budget:
+                n = whole_image_chunk(req.mm_items, len(hits) * kv.block_size, n)
+            if not n or kv.allocate_slots(req, n, hits) is None:
                 break
             self.waiting.popleft()
             req.num_computed_tokens += len(hits) * kv.block_size

@@ -10,6 +10,10 @@ Sliding-window attention (Mistral; Jiang et al., "Mistral 7B", 2023): every page
 included: HF transformers' `sliding_window_overlay`, `kv_idx > q_idx - sliding_window`). None: full causal attention.
 Models may give each layer its own window (Gemma: sliding and global layers); a step keeps one BatchPlan per window.
 
+Bidirectional image attention (Gemma 3): a step's AttentionMetadata.image_spans let the placeholders of one image see
+each other in prefill (engine.layers.batch_plan, which builds the torch path's masks). Only the torch path reads
+them: the C++ and Triton kernels are causal, so their backends run a step with image spans through it.
+
 Soft-capping (Gemma 2; Gemma Team, "Gemma 2", 2024): with `softcap=c` each scaled score s becomes c * tanh(s / c)
 before the mask and the softmax, as HF transformers' eager Gemma 2 attention computes it. Attention sinks (gpt-oss):
 with `sinks` [num_heads] each head's softmax denominator has one more term (engine.layers.eager_attention).
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import cpu_has_avx512, cpu_ops
+from engine.layers.batch_plan import BatchPlan
 from engine.layers.eager_attention import check_sinks, eager_attention
 
 
@@ -41,6 +46,10 @@ class AttentionMetadata:
         query_lens: list of B ints (host), new tokens per request this step.
         seq_lens_host: list of B ints (host), the same as seq_lens.
         decode_only: True when every request has exactly one new token (the fast decode path).
+        image_spans: (request index b, first placeholder position, one past the last) of each image whose
+            placeholders attend to each other in this step's prefill chunks (a model with bidirectional_images:
+            engine.model.gemma3_vl; engine.multimodal.image_spans), each chunk holding its images up to their last
+            placeholder; () for every other step (causal).
         plan: the torch path's batching of this step (BatchPlan) for the last window asked, built on first use and
             then shared by every layer with that window; the Triton kernels do not read it.
     """
@@ -52,6 +61,7 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens_host: list[int]
     decode_only: bool
+    image_spans: tuple[tuple[int, int, int], ...] = ()
     plan: BatchPlan | None = None
     _leading_decodes: int | None = None
     _prefill_pairs: int | None = None
@@ -122,95 +132,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-@dataclass
-class BatchPlan:
-    """How the torch path batches one step: every decode row in one attention call, every prefill chunk in another.
-
-    Built once per step (`AttentionMetadata.batch_plan`) from the host lists and reused by every layer, so no
-    layer loops over requests in Python. Each group reads its requests' contexts through one gather of whole KV
-    blocks (`block_ids`, padded with block 0 to the group's longest context) and masks what a query may not see
-    with an additive mask (0 or -inf) of the attention dtype.
-
-    Attributes:
-        decode_rows: rows of q (and requests) of the decode group: a slice when they lead the step (the model
-            runner orders decodes first), else an int64 index tensor; None when the step has no decode row.
-        decode_block_ids: int64 [Bd * nb_d], the decode requests' block tables flattened.
-        decode_mask: [Bd, 1, 1, nb_d * block_size] additive mask (keys past each request's seq_len are -inf, and
-            with a sliding window W the keys before seq_len - W too).
-        prefill_rows: int64 [Tp], the rows of q fed by prefill chunks, request by request; None without prefill.
-        prefill_block_ids: int64 [P * nb_p].
-        prefill_pad_index: int64 [Tp], where each prefill row sits in the padded [P * max_q_len] query batch.
-        prefill_mask: [P, 1, max_q_len, nb_p * block_size] additive causal mask (sliding-window causal when
-            `sliding_window` is set); a padded query row sees key 0 (its output is discarded) so no row of the
-            softmax is empty.
-        max_q_len: the longest prefill chunk (tokens).
-        sliding_window: the window W the masks were built for (None: full causal).
-    """
-
-    decode_rows: slice | torch.Tensor | None
-    decode_block_ids: torch.Tensor | None
-    decode_mask: torch.Tensor | None
-    prefill_rows: torch.Tensor | None
-    prefill_block_ids: torch.Tensor | None
-    prefill_pad_index: torch.Tensor | None
-    prefill_mask: torch.Tensor | None
-    max_q_len: int
-    sliding_window: int | None = None
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
-              sliding_window: int | None = None) -> BatchPlan:
-        """The plan of `meta`'s step for KV blocks of `block_size` tokens, attention in `dtype` and a sliding
-        window of `sliding_window` keys (None: full causal)."""
-        device = meta.block_tables.device
-        decode = [b for b, n in enumerate(meta.query_lens) if n == 1]
-        prefill = [b for b, n in enumerate(meta.query_lens) if n > 1]
-        starts = [0]
-        for n in meta.query_lens:
-            starts.append(starts[-1] + n)
-
-        def blocks(reqs: list[int]) -> tuple[torch.Tensor, int, torch.Tensor]:
-            seq = [meta.seq_lens_host[b] for b in reqs]
-            nb = -(-max(seq) // block_size)
-            idx = torch.tensor(reqs, device=device)
-            ids = meta.block_tables.index_select(0, idx)[:, :nb].long().reshape(-1)
-            return ids, nb, torch.tensor(seq, device=device)
-
-        decode_rows = decode_ids = decode_mask = None
-        if decode:
-            decode_ids, nb, seq = blocks(decode)
-            keys = torch.arange(nb * block_size, device=device)
-            visible = keys[None, :] < seq[:, None]
-            if sliding_window is not None:  # the decode query sits at seq_len - 1 and sees keys > seq_len - 1 - W
-                visible &= keys[None, :] >= (seq - sliding_window)[:, None]
-            decode_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-            decode_mask = decode_mask[:, None, None, :]
-            contiguous = decode == list(range(len(decode))) and starts[len(decode)] == len(decode)
-            decode_rows = slice(0, len(decode)) if contiguous else torch.tensor(
-                [starts[b] for b in decode], device=device)
-        prefill_rows = prefill_ids = pad_index = prefill_mask = None
-        max_q = 0
-        if prefill:
-            prefill_ids, nb, seq = blocks(prefill)
-            q_lens = [meta.query_lens[b] for b in prefill]
-            max_q = max(q_lens)
-            prefill_rows = torch.tensor([r for b in prefill for r in range(starts[b], starts[b + 1])], device=device)
-            pad_index = torch.tensor([i * max_q + j for i, n in enumerate(q_lens) for j in range(n)], device=device)
-            q_len = torch.tensor(q_lens, device=device)
-            j = torch.arange(max_q, device=device)
-            keys = torch.arange(nb * block_size, device=device)
-            # Query j of request i sits at position seq_len - q_len + j and sees keys up to it.
-            pos = (seq - q_len)[:, None] + j[None, :]  # [P, max_q]
-            visible = keys[None, None, :] <= pos[:, :, None]
-            if sliding_window is not None:
-                visible &= keys[None, None, :] > (pos - sliding_window)[:, :, None]
-            visible |= (j[None, :] >= q_len[:, None])[:, :, None] & (keys == 0)[None, None, :]
-            prefill_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-            prefill_mask = prefill_mask[:, None]
-        return cls(decode_rows, decode_ids, decode_mask, prefill_rows, prefill_ids, pad_index, prefill_mask, max_q,
-                   sliding_window)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
@@ -317,7 +238,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     each
     context in place through the block table: no gather copy, no padding to the longest context, fp32 softmax.
     Decodes and short prefill chunks (CPU_KERNEL_MAX_PREFILL_PAIRS) run in one kernel call; a step with a longer
-    chunk sends the decodes to the kernel and the chunks to the reference's SDPA path. Falls back to
+    chunk, or with image spans (meta.image_spans: the kernel is causal), sends the decodes to the kernel and the
+    chunks to the reference's SDPA path. Falls back to
     `paged_attention_ref` when the kernels are not built (engine.kernels.cpu_kernels). With `sliding_window` the kernel
     skips the whole KV blocks before a row's window and masks the rest of the boundary block; with `softcap` it caps
     each score before the softmax; with `sinks` it adds exp(sinks[h]) to each head's denominator. Raises
@@ -331,7 +253,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, **extra)
     window, cap = sliding_window or 0, softcap or 0.0  # the kernel's "no window", "no cap"
     sink_arg = {} if sinks is None else {"sinks": sinks.float().contiguous()}  # the kernel's "no sinks": None
-    if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS:
+    if meta.max_prefill_pairs() <= CPU_KERNEL_MAX_PREFILL_PAIRS and not meta.image_spans:
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                    scale, window, cap, **sink_arg)
     nd = meta.num_leading_decodes()

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, check_sliding_window, check_softcap
+from engine.layers.attention import AttentionMetadata, check_sliding_window, check_softcap, paged_attention_ref
 from schemas import settings
 
 log = logging.getLogger(__name__)
@@ -254,10 +254,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     in q's dtype, softmax accumulated in fp32; `sliding_window` W >= 1 limits each query to its last W keys (None:
     full causal; an int, so a captured CUDA graph bakes it in); `softcap` c > 0 caps each scaled score s to
     c * tanh(s / c) before the mask and softmax (Gemma 2; None: no cap; a float, baked into a captured graph too).
-    Decode-only steps take the split-K decode kernel, others the varlen prefill kernel. Reads only device tensors of
-    `meta` (no host sync; CUDA-graph safe for decode). Raises ValueError on unsupported inputs. Sources:
-    PagedAttention (Kwon et al., SOSP 2023), FlashAttention-2 (Dao, 2023), Gemma 2 (Gemma Team, 2024).
+    Decode-only steps take the split-K decode kernel, others the varlen prefill kernel; a step with image spans
+    (meta.image_spans: bidirectional image attention, which the causal kernels do not implement) the torch path
+    (engine.layers.attention.paged_attention_ref). Reads only device tensors of `meta` (no host sync; CUDA-graph
+    safe for decode). Raises ValueError on unsupported inputs. Sources: PagedAttention (Kwon et al., SOSP 2023),
+    FlashAttention-2 (Dao, 2023), Gemma 2 (Gemma Team, 2024).
     """
+    if meta.image_spans:
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window=sliding_window, softcap=softcap)
     if meta.decode_only:
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                       sliding_window=sliding_window, softcap=softcap)

@@ -56,9 +56,13 @@ class ModelBase(nn.Module):
         kv_cache_specs: the KV cache layout, one KVCacheSpec per layer (kind "none" where a layer keeps no cache).
         uses_mrope: `forward` takes multimodal RoPE rows int64 [3, T] for the steps with image prompts (Qwen2-VL:
             engine.multimodal.mrope); False (the class default): rope rows int64 [T] only.
+        bidirectional_images: in prefill the placeholders of one image attend to each other (Gemma 3: the runner
+            sets AttentionMetadata.image_spans, the scheduler never ends a prefill chunk inside an image); False
+            (the class default): causal attention over every token.
     """
 
     uses_mrope: ClassVar[bool] = False
+    bidirectional_images: ClassVar[bool] = False
 
     config: ModelConfig
     max_positions: int

@@ -43,28 +43,39 @@ class RequestBuilder:
         logits_processors: the engine's logits-processor state, where each request that needs one is registered.
         image_processor: a vision-language model's processor (engine.multimodal.processor), which turns the image
             prompts (engine.multimodal's forms) into token ids and images; None for a text-only model.
+        max_image_tokens: the most placeholders one image may take, for a model that prefills each image in one
+            step (ModelBase.bidirectional_images: the step's max_num_batched_tokens); None: no limit.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 logits_processors: LogitsProcessors, image_processor: ImageProcessor | None = None) -> None:
+                 logits_processors: LogitsProcessors, image_processor: ImageProcessor | None = None, *,
+                 max_image_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.logits_processors = logits_processors
         self.image_processor = image_processor
+        self.max_image_tokens = max_image_tokens
 
     def prompt_inputs(self, prompt: Prompt, use_chat_template: bool = True, allow_special_tokens: bool = False
                       ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """(token ids, images) a prompt runs as: an image prompt through the model's processor (its placeholders
         expanded, engine.multimodal.processor.ImageProcessor.process), any other as `prompt_token_ids` with no
-        images. Raises ValueError as those do, or for an image prompt to a text-only model (refuse_images) or
-        without a tokenizer."""
+        images. Raises ValueError as those do, for an image prompt to a text-only model (refuse_images) or without
+        a tokenizer, or for an image of more placeholders than max_image_tokens."""
         if not is_image_prompt(prompt):
             return self.prompt_token_ids(prompt, use_chat_template, allow_special_tokens), ()
         self.refuse_images([prompt])
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: image prompts need the model's tokenizer")
-        return self.image_processor.process(prompt, self.tokenizer, use_chat_template, allow_special_tokens)
+        ids, images = self.image_processor.process(prompt, self.tokenizer, use_chat_template, allow_special_tokens)
+        cap = self.max_image_tokens
+        longest = max((item.length for item in images), default=0)
+        if cap is not None and longest > cap:
+            raise ValueError(f"an image takes {longest} placeholder tokens, more than a step's "
+                             f"max_num_batched_tokens {cap}; this model prefills each image in one step (its "
+                             f"placeholders attend to each other): set max_num_batched_tokens >= {longest}")
+        return ids, images
 
     def refuse_images(self, prompts: Sequence[object]) -> None:
         """Raise ValueError (one line) when the model is text-only and a prompt of `prompts` carries images (an

@@ -15,6 +15,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.layers.attention import AttentionMetadata, paged_attention_cpu, paged_attention_ref
 from engine.layers.self_attn import AttentionFn
 from engine.model.base import ModelBase
+from engine.multimodal.image_attention import image_spans
 from engine.multimodal.mrope import step_rope_rows
 from engine.quant.packed_linear import gguf_kernel_scope
 from engine.sample.logits_processors import LogitsProcessors
@@ -162,6 +163,8 @@ class ModelRunner:
             query_lens=x.query_lens,
             seq_lens_host=x.seq_lens.tolist(),
             decode_only=x.decode_only,
+            # a model whose image placeholders attend to each other: the images its prefill chunks feed
+            image_spans=image_spans(x.order) if self.model.bidirectional_images else (),
         )
         all_rows = len(x.sampling) == len(x.input_ids)  # every token is sampled: rows 0..T-1 in order
         logits_rows = None if all_rows else dev(x.logits_rows)

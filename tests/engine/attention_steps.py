@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.layers.attention import AttentionMetadata, write_kv
@@ -51,11 +53,13 @@ def make_step(query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv
 
 
 def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None,
+                    mask: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The oracle of every paged attention path: request by request, its keys and values read out of the paged
     cache into one dense [seq_len, Hkv, D] tensor, scores in float64, and an explicit boolean mask: the query at
-    position i sees key j when j <= i and (no window, or i - W < j, HF transformers' `sliding_window_overlay`);
-    with `softcap` c the scores are c * tanh(score / c) first (Gemma 2). Returns [T, H, D] in q's dtype."""
+    position i sees key j when j <= i and (no window, or i - W < j, HF transformers' `sliding_window_overlay`), or
+    where `mask(request index, query positions [Q, 1], key positions [1, K])` is true when given (in place of
+    both); with `softcap` c the scores are c * tanh(score / c) first (Gemma 2). Returns [T, H, D] in q's dtype."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -73,6 +77,8 @@ def dense_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         visible = pos[None, :] <= i
         if sliding_window is not None:
             visible &= pos[None, :] > i - sliding_window
+        if mask is not None:
+            visible = mask(b, i, pos[None, :])
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         start += q_len

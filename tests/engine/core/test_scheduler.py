@@ -46,16 +46,21 @@ def test_admission_respects_max_num_seqs_and_token_budget() -> None:
     assert [(s.request.request_id, s.num_new_tokens) for s in plan2.scheduled] == [("r0", 8), ("r1", 4)]
 
 
-def test_chunked_prefill_of_a_long_prompt() -> None:
-    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10)
-    (req,) = _requests([25], max_tokens=2)
+def _prefill_chunks(sched: Scheduler, req: Request) -> list[int]:
+    """Run `req`, alone in `sched`, until its first output token: the tokens of each of its prefill chunks."""
     sched.add_requests([req])
     chunks = []
     while req.num_output_tokens == 0:
         plan = sched.schedule()
         chunks.append(plan.scheduled[0].num_new_tokens)
         _apply(sched, plan)
-    assert chunks == [10, 10, 5]
+    return chunks
+
+
+def test_chunked_prefill_of_a_long_prompt() -> None:
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10)
+    (req,) = _requests([25], max_tokens=2)
+    assert _prefill_chunks(sched, req) == [10, 10, 5]
 
 
 def test_preemption_frees_newest_and_everything_completes() -> None:
@@ -159,3 +164,40 @@ def test_update_from_output_advances_counters_and_finishes_on_eos_stop_ids_and_l
     assert all(r.status is RequestStatus.FINISHED and r.finish_time is not None for r in reqs)
     assert not sched.has_unfinished and kv.num_free_blocks == 100 and not kv.block_tables
     kv.check_integrity()
+
+
+def test_whole_images_end_no_prefill_chunk_inside_an_image() -> None:
+    """A model whose image placeholders attend to each other (whole_images): a chunk ends before an image it would
+    split, and a request whose image does not fit the step's leftover budget waits while the others run."""
+    import torch
+
+    from engine.multimodal.inputs import MultiModalItem
+
+    def image(offset: int, length: int) -> MultiModalItem:
+        return MultiModalItem(torch.zeros(1), offset, length, f"image{offset}")
+
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10, whole_images=True)
+    req = Request("r", list(range(100, 130)), SamplingParams(max_tokens=2), mm_items=(image(4, 8), image(14, 6)))
+    # [0, 4) before the image at [4, 12); [4, 14); [14, 24) past the one at [14, 20)
+    assert _prefill_chunks(sched, req) == [4, 10, 10, 6]
+
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10, whole_images=True)
+    text, pictured = _requests([9])[0], Request("p", list(range(200, 212)), SamplingParams(max_tokens=2),
+                                                mm_items=(image(0, 8),))
+    sched.add_requests([text, pictured])
+    plan = sched.schedule()  # one token left: "p" would end inside its image
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("r0", 9)]
+    _apply(sched, plan)
+    assert [(s.request.request_id, s.num_new_tokens) for s in sched.schedule().scheduled] == [("r0", 1), ("p", 9)]
+
+    # running: "p" reaches its image of 10 while "r0" decodes, so 9 tokens are left: it waits until r0 is done
+    sched = Scheduler(KVCacheManager(100, 4), max_num_seqs=4, max_num_batched_tokens=10, whole_images=True)
+    text, pictured = _requests([9], max_tokens=3)[0], Request("p", list(range(200, 224)), SamplingParams(max_tokens=2),
+                                                              mm_items=(image(4, 10),))
+    sched.add_requests([text, pictured])
+    steps = []
+    while pictured.num_output_tokens == 0:
+        plan = sched.schedule()
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in plan.scheduled])
+        _apply(sched, plan)
+    assert steps == [[("r0", 9), ("p", 1)], [("r0", 1), ("p", 3)], [("r0", 1)], [("p", 10)], [("p", 10)]]
