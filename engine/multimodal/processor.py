@@ -1,14 +1,15 @@
 """An image prompt into the token ids it runs as and its images' MultiModalItems, through the model's own Hugging Face
 processor (AutoProcessor of the model folder: LlavaProcessor over CLIPImageProcessor's Pillow backend, LLaVA-NeXT's
-anyres, Idefics3's and SmolVLM's tiling processors, Qwen2-VL's dynamic-resolution one; never hand-written resizing or
-normalising): the chat
-template (the tokenizer's, else the processor's) renders the messages with one image token per image, the image
-processor makes each image's pixel_values (one image at a time: no batch padding), and each image token is replaced
-by the token ids of the processor's own replacement text (`replace_image_token`: LLaVA's image token repeated once
-per feature row; Idefics3's tiles, each a run of image tokens after its <fake_token_around_image><row_r_col_c> tags,
-then the global image's; Qwen2-VL's one run per image of its merged patches), exactly as the processor's `__call__`
-expands its text. As vLLM's multimodal processing,
-the text and the images are processed apart and merged by the placeholders' offsets (vLLM's design; no code of it).
+anyres, Idefics3's and SmolVLM's tiling processors, Gemma3Processor, Qwen2-VL's dynamic-resolution one; never
+hand-written resizing or normalising): the chat template (the tokenizer's, else the processor's) renders the messages
+with one image placeholder per image, the image processor makes each image's pixel_values (one image at a time: no
+batch padding), and each placeholder is replaced by the token ids of the processor's own replacement text
+(`replace_image_token`: LLaVA's image token repeated once per feature row; Idefics3's tiles, each a run of image
+tokens after its <fake_token_around_image><row_r_col_c> tags, then the global image's; Gemma 3's <start_of_image>
+placeholder by a run of soft tokens between it and <end_of_image>, in newlines that join the text around it
+(engine.multimodal.rejoin); Qwen2-VL's one run per image of its merged patches), exactly as the processor's
+`__call__` expands its text. As vLLM's multimodal processing, the text and the images are processed apart and merged
+by the placeholders' offsets (vLLM's design; no code of it).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.multimodal.anyres import anyres_tokens
 from engine.multimodal.inputs import MultiModalItem, image_messages, image_size, load_image
+from engine.multimodal.rejoin import rejoin
 from engine.vision_config import QwenVisionConfig, VisionConfig
 
 if TYPE_CHECKING:
@@ -86,11 +88,16 @@ class ImageProcessor:
         self.vision = vision
         self.image_token: str = hf_processor.image_token
         token_id = getattr(hf_processor, "image_token_id", None)
-        if token_id != vision.image_token_id:
+        soft = getattr(hf_processor.tokenizer, "image_token_id", None)  # Gemma 3: the token the features fill
+        if vision.image_token_id not in (token_id, soft):
             raise ValueError(f"the processor's image token {self.image_token!r} is id {token_id}; config.json says "
                              f"{vision.image_token_id}")
+        #: The token the prompt holds once per image (the chat template's), which expands to the processor's
+        #: replacement: the model's image token (LLaVA, ...), or Gemma 3's <start_of_image>.
+        self.placeholder_id: int = token_id
         self.chat_template: str | None = getattr(hf_processor, "chat_template", None)
         self._images_kwargs: dict[str, Any] | None = None
+        self._added: frozenset[int] | None = None
 
     @classmethod
     def from_model_path(cls, path: str, vision: VisionConfig | QwenVisionConfig, max_pixels: int | None = None,
@@ -164,7 +171,7 @@ class ImageProcessor:
         reads but whose pixels do not decode are counted; the run makes them an error row. Raises ValueError as
         `process` (a malformed prompt, an image Pillow cannot open, placeholders and images that differ in number)."""
         ids, raw_images = self._render(prompt, tokenizer, use_chat_template, allow_special_tokens)
-        found = sum(t == self.vision.image_token_id for t in ids)
+        found = sum(t == self.placeholder_id for t in ids)
         if found != len(raw_images):
             raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) but "
                              f"{len(raw_images)} images; give one image per placeholder")
@@ -179,16 +186,19 @@ class ImageProcessor:
         return len(ids) - len(raw_images) + sum(counts), counts
 
     def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], tuple[MultiModalItem, ...]]:
-        """Replace the i-th image token of `ids` by the processor's replacement for images[i] (decoded Pillow
-        images) and make their items: one per run of image tokens in the replacement (LLaVA: one per image;
-        Idefics3 / SmolVLM: one per tile, each tile's run apart), in order. Raises ValueError as `process`."""
+        """Replace the i-th placeholder of `ids` by the processor's replacement for images[i] (decoded Pillow images)
+        and make their items: one per run of image tokens in the replacement (LLaVA, Gemma 3: one per image;
+        Idefics3 / SmolVLM: one per tile, each tile's run apart), in order; text the replacement begins or ends with
+        is tokenized with the prompt's text beside it, as the processor's tokenization of the whole text does
+        (engine.multimodal.rejoin). Raises ValueError as `process`."""
         token = self.vision.image_token_id
-        at = [i for i, t in enumerate(ids) if t == token]
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) != len(images):
             raise ValueError(f"the prompt has {len(at)} image placeholders ({self.image_token!r}) but {len(images)} "
                              "images; give one image per placeholder")
         out: list[int] = []
-        items = []
+        found: list[tuple[Any, int, int, tuple[int, ...] | None, tuple[int, int] | None]] = []
+        cuts: list[int] = []
         prev = 0
         for pos, image in zip(at, images, strict=True):
             out += ids[prev:pos]
@@ -211,11 +221,16 @@ class ImageProcessor:
                                      f"the model gives {expected} feature rows (check processor_config.json's "
                                      "patch_size, merge_size, image_seq_len, num_additional_image_tokens and "
                                      "vision_feature_select_strategy)")
-                items.append(MultiModalItem(pv, len(out) + start, length, mm_hash(pv, grid, size), grid, size))
+                found.append((pv, len(out) + start, length, grid, size))
+            cuts += [len(out), len(out) + len(replacement)]
             out += replacement
             prev = pos + 1
         out += ids[prev:]
-        return out, tuple(items)
+        if self._added is None:
+            self._added = frozenset(self.hf.tokenizer.get_added_vocab().values())
+        out, shift = rejoin(out, cuts, self.hf.tokenizer, self._added)
+        return out, tuple(MultiModalItem(pv, offset + shift[offset], length, mm_hash(pv, grid, size), grid, size)
+                          for pv, offset, length, grid, size in found)
 
     def _replacement(self, image: Any) -> tuple[list[int], torch.Tensor, tuple[int, int] | None,
                                                 tuple[int, int, int] | None]:
