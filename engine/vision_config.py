@@ -21,8 +21,9 @@ SELECT_STRATEGIES = ("default", "full")
 class VisionConfig:
     """A ViT vision tower and its projector: LLaVA's CLIP tower and two-layer projector (Liu et al., "Visual Instruction
     Tuning" 2023 and "Improved Baselines with Visual Instruction Tuning" 2023; Radford et al., CLIP 2021), LLaVA-NeXT's
-    anyres tiling of it (image_grid_pinpoints), or Idefics3's SigLIP encoder and pixel-shuffle connector
-    (scale_factor; Laurençon et al. 2024, Zhai et al., SigLIP 2023).
+    anyres tiling of it (image_grid_pinpoints), Idefics3's SigLIP encoder and pixel-shuffle connector (scale_factor;
+    Laurençon et al. 2024, Zhai et al., SigLIP 2023), or Gemma 3's SigLIP tower and average-pooling projector
+    (scale_factor; Gemma Team, "Gemma 3 Technical Report" 2025).
 
     Attributes:
         hidden_size / intermediate_size / num_layers / num_heads: the encoder's width, MLP width, blocks and heads.
@@ -36,8 +37,9 @@ class VisionConfig:
             -2 is the second-to-last layer's output).
         select_strategy: "default" drops the CLS row, "full" keeps it (SELECT_STRATEGIES); a tower without a CLS
             token (Idefics3's SigLIP) reads as "default".
-        scale_factor: the connector's pixel shuffle (Idefics3 / SmolVLM: each scale_factor x scale_factor block of
-            patches becomes one feature row of scale_factor^2 times the width); 1: none (LLaVA).
+        scale_factor: the connector's reduction of each scale_factor x scale_factor block of patches to one feature
+            row: Idefics3's / SmolVLM's pixel shuffle (of scale_factor^2 times the width), Gemma 3's average pooling
+            (its kernel: patches per side / sqrt(mm_tokens_per_image)); 1: none (LLaVA).
         image_grid_pinpoints: LLaVA-NeXT's anyres resolutions, (height, width) pairs in pixels, each a multiple of
             image_size (engine.multimodal.anyres); empty: an image is one tile of tokens_per_image (LLaVA-1.5).
         projector_hidden_act: the activation between the projector's two linears (VISION_ACTS).

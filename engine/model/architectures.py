@@ -229,6 +229,15 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     # idefics3_config). Checkpoint keys "model.text_model.*", "model.vision_model.*", "model.connector.*". No GGUF.
     Architecture("idefics3", ("idefics3", "smolvlm"), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=False,
                  refused=(), window=_no_window, hf_renames=(("text_model.", ""),)),
+    # Gemma 3 vision-language (Gemma3ForConditionalGeneration, model_type "gemma3", which hf_config.config_from_hf
+    # reads before any lookup: get_architecture("gemma3") is the text entry's GGUF name): a SigLIP tower and an
+    # average-pooling projector before the Gemma 3 text decoder, the image's soft tokens attending to each other in
+    # prefill (engine.model.gemma3_vl; its config: engine.model.gemma3_vl_config). LLaVA's key layouts; the SigLIP
+    # pooling head a vision_use_head config keeps is never run (HF's Gemma 3 reads the last hidden state). No GGUF.
+    Architecture("gemma3_vl", ("gemma3",), "", gguf_permuted_qk=False, qkv_bias=False, qk_norm=True, refused=(),
+                 window=_no_window, hf_renames=_LLAVA_KEYS["hf_renames"],
+                 hf_unused=(*_LLAVA_KEYS["hf_unused"], "vision_tower.vision_model.head.", "vision_tower.head.",
+                            "model.vision_tower.vision_model.head.", "model.vision_tower.head.")),
     # Qwen2.5-VL and Qwen2-VL (Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration): a
     # dynamic-resolution vision tower before a Qwen2 decoder with multimodal RoPE (engine.model.qwen_vl; its config:
     # engine.model.qwen_vl_config). Checkpoint keys as transformers saves them ("model.layers.*", "visual.*",

@@ -123,9 +123,10 @@ def config_from_hf(config: dict[str, Any], generation_config: dict[str, Any] | N
     model_type = config.get("model_type")
     if model_type is None:
         raise ValueError(f"config.json has no model_type; tokenmill runs {supported()}")
-    if model_type == "gemma3":
-        raise ValueError("config.json model_type 'gemma3' is Gemma 3's multimodal checkpoint, which tokenmill does "
-                         "not run; its text-only checkpoint (model_type 'gemma3_text', e.g. Gemma 3 1B) runs")
+    if model_type == "gemma3":  # Gemma 3's vision-language checkpoint: the gemma3_text reader, then the tower
+        from engine.model.gemma3_vl_config import gemma3_vl_from_hf
+
+        return gemma3_vl_from_hf(config, generation_config, config_from_hf)
     if model_type in ("llava", "llava_next"):  # vision-language: its text_config through this reader, then its tower
         from engine.model.llava_config import llava_from_hf
 

@@ -50,7 +50,7 @@ class VisionLanguageModel(LlamaModel):
 
     def add_vision(self, v: VisionConfig, text_width: int) -> None:
         """Build the image encoder's modules for vision config `v` and the decoder's width. Every family's subclass
-        defines it (LLaVA, LLaVA-NeXT, Idefics3); raises NotImplementedError naming the class otherwise."""
+        defines it (LLaVA, LLaVA-NeXT, Idefics3, Gemma 3); raises NotImplementedError naming the class otherwise."""
         raise NotImplementedError(f"{type(self).__name__} builds no image encoder: a VisionLanguageModel subclass "
                                   "defines add_vision")
 

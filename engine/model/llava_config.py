@@ -61,12 +61,13 @@ def completed(sub: dict[str, Any], default_type: str, allowed: tuple[str, ...], 
 
 def text_model_config(config: dict[str, Any], generation_config: dict[str, Any] | None,
                       text_reader: Callable[[dict[str, Any], dict[str, Any] | None], ModelConfig],
-                      family: str = "llava", defaults: dict[str, Any] | None = None) -> ModelConfig:
+                      family: str = "llava", defaults: dict[str, Any] | None = None,
+                      text_types: tuple[str, ...] = TEXT_MODEL_TYPES) -> ModelConfig:
     """The language model's ModelConfig of a vision-language config.json dict: its `text_config` (over `defaults`,
-    the fields its HF config class sets when absent) completed and read by `text_reader` (engine.model.hf_config.
-    config_from_hf). Raises ValueError for a text model outside TEXT_MODEL_TYPES, or a tied embedding the nested and
-    top-level configs disagree on."""
-    text = completed((defaults or {}) | dict(config.get("text_config") or {}), "llama", TEXT_MODEL_TYPES,
+    the fields its HF config class sets when absent; model_type text_types[0] when unset) completed and read by
+    `text_reader` (engine.model.hf_config.config_from_hf). Raises ValueError for a text model outside `text_types`,
+    or a tied embedding the nested and top-level configs disagree on."""
+    text = completed((defaults or {}) | dict(config.get("text_config") or {}), text_types[0], text_types,
                      "text_config", family)
     cfg: ModelConfig = text_reader(text, generation_config)
     tie = config.get("tie_word_embeddings")

@@ -8,10 +8,9 @@ causal decoder (engine.model.decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3), plus
 (engine.model.gemma), the mixture-of-experts families (engine.model.moe_decoder: Qwen3-MoE, Qwen2-MoE, Mixtral) and
 gpt-oss (engine.model.gpt_oss); the encoders BERT and XLM-RoBERTa share engine.model.bert, ModernBERT is
 engine.model.modernbert; the vision-language LLaVA-1.5 is engine.model.llava, LLaVA-NeXT engine.model.llava_next,
-Idefics3 / SmolVLM engine.model.idefics3, Qwen2-VL / Qwen2.5-VL engine.model.qwen_vl, Qwen3-VL engine.model.qwen3_vl
-(DeepStack). Imports no torch at module
-level (memory fit and the tensor names read it in the CLI's client): the model classes are imported when a model is
-built.
+Idefics3 / SmolVLM engine.model.idefics3, Gemma 3 engine.model.gemma3_vl, Qwen2-VL / Qwen2.5-VL
+engine.model.qwen_vl, Qwen3-VL engine.model.qwen3_vl (DeepStack). Imports no torch at module level (memory fit and
+the tensor names read it in the CLI's client): the model classes are imported when a model is built.
 """
 
 from __future__ import annotations
@@ -30,7 +29,12 @@ from engine.model.kv_layout import decoder_kv_layout
 from engine.model.modernbert_names import modernbert_param_shapes
 from engine.model.qwen_vl_names import qwen3_vl_param_shapes, qwen_vl_param_shapes
 from engine.model.tensor_names import param_shapes
-from engine.model.vision_names import idefics3_param_shapes, llava_next_param_shapes, llava_param_shapes
+from engine.model.vision_names import (
+    gemma3_vl_param_shapes,
+    idefics3_param_shapes,
+    llava_next_param_shapes,
+    llava_param_shapes,
+)
 
 if TYPE_CHECKING:
     from engine.model.base import ModelBase
@@ -87,6 +91,10 @@ LLAVA_NEXT = ModelEntry(_model_class("llava_next", "LlavaNextVLM"), llava_next_p
 #: Idefics3 / SmolVLM (engine.model.idefics3): a Llama decoder with a SigLIP encoder and a pixel-shuffle connector.
 IDEFICS3 = ModelEntry(_model_class("idefics3", "Idefics3VLM"), idefics3_param_shapes, decoder_kv_layout,
                       takes_images=True)
+#: Gemma 3 vision-language (engine.model.gemma3_vl): the Gemma 3 decoder with a SigLIP tower and a pooling projector,
+#: its images' soft tokens attending to each other in prefill.
+GEMMA3_VL = ModelEntry(_model_class("gemma3_vl", "Gemma3VLM"), gemma3_vl_param_shapes, decoder_kv_layout,
+                       takes_images=True)
 #: Qwen2-VL / Qwen2.5-VL (engine.model.qwen_vl): the Qwen2 decoder with M-RoPE and a dynamic-resolution vision tower.
 QWEN_VL = ModelEntry(_model_class("qwen_vl", "QwenVLModel"), qwen_vl_param_shapes, decoder_kv_layout,
                      takes_images=True)
@@ -113,6 +121,7 @@ MODELS: dict[str, ModelEntry] = {
     "llava": LLAVA,
     "llava_next": LLAVA_NEXT,
     "idefics3": IDEFICS3,
+    "gemma3_vl": GEMMA3_VL,
     "qwen2_5_vl": QWEN_VL,
     "qwen2_vl": QWEN_VL,
     "qwen3_vl": QWEN3_VL,

@@ -1,8 +1,8 @@
 """The cases every vision-language family's tests run against HF (tests/engine/vision/test_idefics3.py,
-test_llava_next.py): pictures of several sizes (so several tilings) and modes in every image form plus a row of three
-images, one image asked in two rows (a prefix-cache hit, the output unchanged), and a prefill chunked inside
-images. `hf(prompt)` is the family's reference: (prompt ids, greedy output ids) of HF's generate with the model's own
-processor."""
+test_llava_next.py, test_gemma3_vl.py): pictures of several sizes (so several tilings) and modes in every image form
+plus a row of three images, one image asked in two rows (a prefix-cache hit, the output unchanged), a prefill chunked
+inside images, a raw prompt spelling the placeholders, and two pictures changing the text. `hf(prompt)` is the
+family's reference: (prompt ids, greedy output ids) of HF's generate with the model's own processor."""
 
 from __future__ import annotations
 
@@ -74,3 +74,20 @@ def assert_chunked_prefill(engine, hf: Reference, questions: list[str], step_tok
     outs = engine.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outs] == [hf(p)[1] for p in prompts]
     return engine.runner.images.cache.num_encoded, [o.prompt_token_ids for o in outs]
+
+
+def assert_image_changes_text(engine, question: str) -> None:
+    """One question about two pictures: two texts (the tiny model's output depends on its image, so the parity tests
+    see the images)."""
+    a, b = engine.generate([{"prompt": question, "images": [picture("RGB", (64, 48), s)]} for s in (8, 9)], GREEDY)
+    assert a.output_token_ids != b.output_token_ids
+
+
+def assert_raw_prompt(engine, model, processor, raw: str) -> None:
+    """A raw prompt (use_chat_template False) spelling the image placeholder twice, with two pictures: its token ids
+    and greedy output HF's (the processor on the same text)."""
+    pics = [picture("RGB", (60, 60), 13), picture("RGB", (61, 40), 14)]
+    out = engine.generate([{"prompt": raw, "images": pics}], GREEDY, use_chat_template=False)[0]
+    assert out.finish_reason == "length", out.error
+    assert (out.prompt_token_ids, out.output_token_ids) == hf_greedy(model, processor, None, pics, MAX_TOKENS,
+                                                                     raw=raw)

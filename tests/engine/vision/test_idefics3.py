@@ -10,8 +10,8 @@ import pytest
 import torch
 import vlm_cases as cases
 from idefics3_models import TOKENS_PER_TILE, build_idefics3
-from llava_models import MAX_TOKENS, hf_greedy, picture
-from vlm_cases import CPU, GREEDY
+from llava_models import picture
+from vlm_cases import CPU
 
 from engine import EngineConfig, LLMEngine
 
@@ -62,19 +62,12 @@ def test_greedy_matches_hf_on_pictures_of_every_size_and_mode(family, questions)
 
 
 def test_the_image_changes_the_text(family, questions) -> None:
-    a, b = family[0].generate([{"prompt": questions[0], "images": [picture("RGB", (64, 48), s)]} for s in (8, 9)],
-                              GREEDY)
-    assert a.output_token_ids != b.output_token_ids
+    cases.assert_image_changes_text(family[0], questions[0])
 
 
 def test_raw_prompt_spells_the_image_token(family, questions) -> None:
     engine, _, model, processor, _ = family
-    pics = [picture("RGB", (60, 60), 13), picture("RGB", (61, 40), 14)]
-    raw = f"User:<image><image>{questions[1]}\nAssistant:"
-    out = engine.generate([{"prompt": raw, "images": pics}], GREEDY, use_chat_template=False)[0]
-    assert out.finish_reason == "length", out.error
-    ids, want = hf_greedy(model, processor, None, pics, MAX_TOKENS, raw=raw)
-    assert (out.prompt_token_ids, out.output_token_ids) == (ids, want)
+    cases.assert_raw_prompt(engine, model, processor, f"User:<image><image>{questions[1]}\nAssistant:")
 
 
 def test_one_image_in_two_rows_hits_the_prefix_cache(family, questions) -> None:
