@@ -15,6 +15,7 @@ by the placeholders' offsets (vLLM's design; no code of it).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.multimodal.anyres import anyres_tokens
@@ -167,14 +168,13 @@ class ImageProcessor:
         processing any pixels: Pillow reads each image's height and width from its header (engine.multimodal.inputs.
         image_size) and the processor's own count gives the tokens an image of that size expands into (HF
         processors' _get_num_multimodal_tokens, as vLLM sizes its inputs: the placeholders with the tags the
-        processor writes around them; where a processor lacks it, the image is processed). Bytes whose header
-        reads but whose pixels do not decode are counted; the run makes them an error row. Raises ValueError as
+        processor writes around them; where a processor lacks it, the image is processed; Gemma 3's counts its soft
+        tokens, and the one text it writes for every image is spliced in as `process` does: _fixed_replacement).
+        Bytes whose header reads but whose pixels do not decode are counted; the run makes them an error row.
+        Raises ValueError as
         `process` (a malformed prompt, an image Pillow cannot open, placeholders and images that differ in number)."""
         ids, raw_images = self._render(prompt, tokenizer, use_chat_template, allow_special_tokens)
-        found = sum(t == self.placeholder_id for t in ids)
-        if found != len(raw_images):
-            raise ValueError(f"the prompt has {found} image placeholders ({self.image_token!r}) but "
-                             f"{len(raw_images)} images; give one image per placeholder")
+        self._placeholders(ids, len(raw_images))
         if not raw_images:
             return len(ids), ()
         counter = getattr(self.hf, "_get_num_multimodal_tokens", None)
@@ -183,25 +183,20 @@ class ImageProcessor:
                            .num_image_tokens)
         else:
             counts = tuple(len(self._replacement(load_image(img))[0]) for img in raw_images)
+        fixed = self._fixed_replacement()
+        if fixed is not None:  # Gemma 3: the count is the soft tokens; the text around them is spliced, and joins
+            return len(self._splice(ids, [fixed] * len(raw_images))[0]), counts
         return len(ids) - len(raw_images) + sum(counts), counts
 
     def expand(self, ids: list[int], images: list[Any]) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Replace the i-th placeholder of `ids` by the processor's replacement for images[i] (decoded Pillow images)
         and make their items: one per run of image tokens in the replacement (LLaVA, Gemma 3: one per image;
-        Idefics3 / SmolVLM: one per tile, each tile's run apart), in order; text the replacement begins or ends with
-        is tokenized with the prompt's text beside it, as the processor's tokenization of the whole text does
-        (engine.multimodal.rejoin). Raises ValueError as `process`."""
+        Idefics3 / SmolVLM: one per tile, each tile's run apart), in order. Raises ValueError as `process`."""
         token = self.vision.image_token_id
-        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
-        if len(at) != len(images):
-            raise ValueError(f"the prompt has {len(at)} image placeholders ({self.image_token!r}) but {len(images)} "
-                             "images; give one image per placeholder")
-        out: list[int] = []
-        found: list[tuple[Any, int, int, tuple[int, ...] | None, tuple[int, int] | None]] = []
-        cuts: list[int] = []
-        prev = 0
-        for pos, image in zip(at, images, strict=True):
-            out += ids[prev:pos]
+        self._placeholders(ids, len(images))
+        replacements: list[list[int]] = []
+        found: list[tuple[int, Any, int, int, tuple[int, ...] | None, tuple[int, int] | None]] = []
+        for k, image in enumerate(images):
             replacement, tiles, size, grid = self._replacement(image)
             runs = _runs(replacement, token)
             if grid is not None and len(runs) == 1:  # dynamic resolution (Qwen2-VL): the image's patches and grid
@@ -221,7 +216,30 @@ class ImageProcessor:
                                      f"the model gives {expected} feature rows (check processor_config.json's "
                                      "patch_size, merge_size, image_seq_len, num_additional_image_tokens and "
                                      "vision_feature_select_strategy)")
-                found.append((pv, len(out) + start, length, grid, size))
+                found.append((k, pv, start, length, grid, size))
+            replacements.append(replacement)
+        out, where = self._splice(ids, replacements)
+        return out, tuple(MultiModalItem(pv, where(k, start), length, mm_hash(pv, grid, size), grid, size)
+                          for k, pv, start, length, grid, size in found)
+
+    def _placeholders(self, ids: list[int], num_images: int) -> list[int]:
+        """Indices of the image placeholders in `ids`; raises ValueError unless there is one per image."""
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
+        if len(at) != num_images:
+            raise ValueError(f"the prompt has {len(at)} image placeholders ({self.image_token!r}) but {num_images} "
+                             "images; give one image per placeholder")
+        return at
+
+    def _splice(self, ids: list[int], replacements: list[list[int]]) -> tuple[list[int], Callable[[int, int], int]]:
+        """(`ids` with its k-th placeholder replaced by replacements[k], where(k, j): the index there of token j of
+        replacement k, an added token). Text a replacement begins or ends with is tokenized with the prompt's text
+        beside it, as the processor's tokenization of the whole text does (engine.multimodal.rejoin)."""
+        out: list[int] = []
+        starts, cuts = [], []
+        prev = 0
+        for pos, replacement in zip(self._placeholders(ids, len(replacements)), replacements, strict=True):
+            out += ids[prev:pos]
+            starts.append(len(out))
             cuts += [len(out), len(out) + len(replacement)]
             out += replacement
             prev = pos + 1
@@ -229,8 +247,15 @@ class ImageProcessor:
         if self._added is None:
             self._added = frozenset(self.hf.tokenizer.get_added_vocab().values())
         out, shift = rejoin(out, cuts, self.hf.tokenizer, self._added)
-        return out, tuple(MultiModalItem(pv, offset + shift[offset], length, mm_hash(pv, grid, size), grid, size)
-                          for pv, offset, length, grid, size in found)
+        return out, lambda k, j: starts[k] + j + shift[starts[k] + j]
+
+    def _fixed_replacement(self) -> list[int] | None:
+        """Token ids of the replacement every image gets where the processor writes one text for all (Gemma3Processor's
+        full_image_sequence, pan-and-scan off); None otherwise."""
+        text = getattr(self.hf, "full_image_sequence", None)
+        if not isinstance(text, str) or self._image_kwargs().get("do_pan_and_scan"):
+            return None
+        return self.hf.tokenizer.encode(text, add_special_tokens=False)
 
     def _replacement(self, image: Any) -> tuple[list[int], torch.Tensor, tuple[int, int] | None,
                                                 tuple[int, int, int] | None]:
@@ -243,10 +268,7 @@ class ImageProcessor:
         tokenmill runs)."""
         import torch
 
-        if self._images_kwargs is None:  # the processor's own merge of its image defaults, as its __call__ does
-            self._images_kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
-                                                        return_tensors="pt")["images_kwargs"]
-        processed, texts = self.hf._process_images([image], **self._images_kwargs)
+        processed, texts = self.hf._process_images([image], **self._image_kwargs())
         replacement = self.hf.tokenizer.encode(texts[0], add_special_tokens=False)
         pixels = torch.as_tensor(processed["pixel_values"])
         grids = processed.get("image_grid_thw")
@@ -264,6 +286,13 @@ class ImageProcessor:
         sizes = processed.get("image_sizes")
         size = None if sizes is None else tuple(int(x) for x in torch.as_tensor(sizes).reshape(-1)[:2])
         return replacement, tiles.contiguous(), size, None
+
+    def _image_kwargs(self) -> dict[str, Any]:
+        """The processor's image kwargs: its own merge of its image defaults, as its __call__ does (once)."""
+        if self._images_kwargs is None:
+            self._images_kwargs = self.hf._merge_kwargs(tokenizer_init_kwargs=self.hf.tokenizer.init_kwargs,
+                                                        return_tensors="pt")["images_kwargs"]
+        return self._images_kwargs
 
     def mrope_positions(self, num_tokens: int, items: tuple[MultiModalItem, ...]) -> np.ndarray | None:
         """The M-RoPE positions int64 [3, num_tokens] of a prompt with images `items` (engine.multimodal.mrope) for a

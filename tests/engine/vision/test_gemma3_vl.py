@@ -93,6 +93,14 @@ def test_greedy_matches_hf_where_a_causal_mask_would_not(gemma3, questions) -> N
         assert hf_causal_greedy(model, processor, p, MAX_TOKENS) != hf(p)[1]
 
 
+def test_prompt_size_is_the_expansion_without_processing_pixels(gemma3, questions) -> None:
+    engine = gemma3[0]
+    for prompt in cases.every_mode_prompts(questions):
+        ids, items = engine.image_processor.process(prompt, engine.tokenizer)
+        n, counts = engine.image_processor.prompt_size(prompt, engine.tokenizer)
+        assert (n, counts) == (len(ids), tuple(item.length for item in items))
+
+
 def test_the_image_changes_the_text(gemma3, questions) -> None:
     cases.assert_image_changes_text(gemma3[0], questions[0])
 
