@@ -20,7 +20,8 @@ from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, 
 from engine.layers.linear import concat_linears
 from engine.loading.loader import load_gguf_model
 from engine.quant import packed_linear
-from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope, pack_linears
+from engine.quant.after_load import pack_linears
+from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope
 
 CPU = torch.device("cpu")
 
