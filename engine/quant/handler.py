@@ -2,7 +2,7 @@
 and a quantized state dict into a model of Int4Linear / Int4Embedding modules.
 
 The state dict conventions (module names, QuantizedState) are engine.quant.state's; the driver that quantizes a
-filled model (round-to-nearest, or GPTQ then tuning) is engine.quant.quantize.
+filled model (round-to-nearest, or GPTQ then tuning) is engine.ptq.quantize.
 """
 
 from __future__ import annotations
