@@ -135,6 +135,10 @@ class GGUFBlocksForm(HeldForm):
         self.type_name = type_name
 
     def create(self, out_features: int, in_features: int) -> GGUFBlocks:
+        """Raises ValueError when in_features is not whole 32-weight blocks."""
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"GGUF blocks hold rows of whole {BLOCK_SIZE}-weight blocks, got in_features "
+                             f"{in_features}; hold the weight dense")
         nb = in_features // BLOCK_SIZE
         q8 = self.type_name == "Q8_0"
         qs = torch.empty(out_features, nb, 32 if q8 else 16, dtype=torch.int8 if q8 else torch.uint8, device=META)
