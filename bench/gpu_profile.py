@@ -143,7 +143,7 @@ def main() -> None:
                                                    "llama-3.1-8b")
     ap.add_argument("--model", default=None, help="model path instead of a preset (the CPU smoke run)")
     ap.add_argument("--quantization", choices=["none", "int4"], default="none",
-                    help="int4: quantize the projections to INT4 g128 (engine.quant.quantize.quantize_model)")
+                    help="int4: quantize the projections to INT4 g128 (engine.ptq.quantize.quantize_model)")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--sync-steps", action="store_true",
                     help="EngineConfig.async_scheduling=False: the synchronous step loop (the before of the async A/B)")
@@ -173,7 +173,7 @@ def main() -> None:
         tokenizer = Tokenizer.from_gguf(default_model_path())
         engine = LLMEngine.from_config(args.preset or "llama-3.1-8b", first)
     if args.quantization == "int4":
-        from engine.quant.quantize import quantize_model
+        from engine.ptq.quantize import quantize_model
 
         quantize_model(engine.runner.model, 128)
         engine.runner.kv_caches = []

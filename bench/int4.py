@@ -2,11 +2,11 @@
 
 CPU (default): perplexity of the default SmolLM2-135M-Instruct Q4_1 model on AlpacaEval reference answers, fp32
 reference vs INT4 (GGUF Q4_1 native; requantized at group 32/64/128, projections only and with the embedding),
-and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.quant.gptq) at the --gptq-groups group sizes,
+and the sizes of the bf16 and INT4 model folders; then GPTQ (engine.ptq.gptq) at the --gptq-groups group sizes,
 calibrated on GSM8K test questions + answers and AlpacaEval instructions (not the evaluation text). GPTQ rows only:
     python -m bench.int4 --tokens 20000
     python -m bench.int4 --tokens 20000 --no-rtn --gptq-groups 128 --damp 0.01,0.1 [--no-refit]
-GPTQ, then the same codes with their scales/zeros tuned end to end (engine.quant.tune), two paired rows:
+GPTQ, then the same codes with their scales/zeros tuned end to end (engine.ptq.tune), two paired rows:
     python -m bench.int4 --tokens 20000 --no-rtn --gptq-groups 128 --tune-epochs 1
 Where a group size hurts, one layer at a time (round-to-nearest):
     python -m bench.int4 --sensitivity --tokens 1024
@@ -34,7 +34,7 @@ from bench.int4_cuda import cuda, kernel_sweep
 
 def _held_out_kl(model: torch.nn.Module, teacher: torch.nn.Module, rows: torch.Tensor) -> float:
     """Mean KL(teacher || model) in nats per token over the sequences int64 [S, L]."""
-    from engine.quant.tune import distillation_kl
+    from engine.ptq.tune import distillation_kl
 
     with torch.no_grad():
         return sum(distillation_kl(model, teacher, row).item() for row in rows) / len(rows)  # type: ignore[arg-type]
@@ -44,7 +44,7 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
                act_order: bool, damps: list[float], refit: bool = True, tune_epochs: float = 0.0) -> None:
     """GPTQ rows: calibration = half GSM8K test question + answer, half AlpacaEval `instruction` (the prompts; the
     perplexity text is the `reference_output` answers), `samples` sequences of `seq_len` tokens. With tune_epochs,
-    a second row for the same GPTQ codes after tuning the scales/zeros end to end (engine.quant.tune): a paired
+    a second row for the same GPTQ codes after tuning the scales/zeros end to end (engine.ptq.tune): a paired
     comparison, free of the run-to-run spread of GPTQ settings. Each row also gives `held_out_kl`: the KL from the
     fp32 model to the quantized one (nats per token) on 8 x 256 tokens of AlpacaEval answers from row 400 on, text
     neither the calibration nor the perplexity (rows 0-35 for 20k tokens) uses: a tuning that fits its calibration
@@ -53,11 +53,11 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
 
     import pyarrow.parquet as pq
 
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.perplexity import perplexity
-    from engine.quant.calibration import calibration_batch
-    from engine.quant.gptq import gptq_quantize_model
-    from engine.quant.tune import tune_group_qparams
+    from engine.ptq.calibration import calibration_batch
+    from engine.ptq.gptq import gptq_quantize_model
+    from engine.ptq.tune import tune_group_qparams
 
     t = pq.read_table(data_file("gsm8k_test.parquet"), columns=["question", "answer"])
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
@@ -65,7 +65,7 @@ def _gptq_rows(path: str, ids: list[int], context: int, base: float, groups: lis
     answers = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()[400:]
     for g in groups:
         for damp in damps:
-            m = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
+            m = open_model(path, torch.float32, torch.device("cpu"), quantization="none")
             cal = calibration_batch(m.tokenizer, [gsm, instructions], samples, seq_len)
             teacher = copy.deepcopy(m.model)
             held_out = calibration_batch(m.tokenizer, [answers], 8, 256)
@@ -97,12 +97,12 @@ def layer_sensitivity(tokens: int, context: int, group_size: int) -> None:
     import pyarrow.parquet as pq
 
     from engine.loading.model_files import default_model_path
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.perplexity import perplexity, text_token_ids
     from engine.quant.qparams import quantize_int4
     from engine.quant.state import LINEAR_MODULES
 
-    ref = load_model(default_model_path(), torch.float32, torch.device("cpu"), quantization="none")
+    ref = open_model(default_model_path(), torch.float32, torch.device("cpu"), quantization="none")
     texts = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()
     ids = text_token_ids(ref.tokenizer, texts, tokens)
     base = perplexity(ref.model, ids, context).perplexity
@@ -136,14 +136,15 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
     import pyarrow.parquet as pq
 
     from engine.loading.model_files import default_model_path
-    from engine.loading.quantized import load_model, quantize_to_folder
+    from engine.loading.open_model import open_model
     from engine.loading.tokenmill_folder import folder_bytes
     from engine.model.perplexity import perplexity, text_token_ids
-    from engine.quant.quantize import quantize_model
+    from engine.ptq.quantize import quantize_model
+    from engine.ptq.to_folder import quantize_to_folder
 
     path = default_model_path()
     cpu_dev = torch.device("cpu")
-    ref = load_model(path, torch.float32, cpu_dev, quantization="none")
+    ref = open_model(path, torch.float32, cpu_dev, quantization="none")
     texts = pq.read_table(data_file("alpaca_eval.parquet"), columns=["reference_output"]).column(0).to_pylist()
     ids = text_token_ids(ref.tokenizer, texts, tokens)
     t0 = time.perf_counter()
@@ -156,14 +157,14 @@ def cpu(tokens: int, context: int, rtn: bool = True, gptq_groups: tuple[int, ...
                    refit, tune_epochs)
     if not rtn:
         return
-    native = load_model(path, torch.float32, cpu_dev, quantization="auto")
+    native = open_model(path, torch.float32, cpu_dev, quantization="auto")
     r = perplexity(native.model, ids, context)
     emit(variant="int4 native Q4_1 g32 (quantization=auto)", perplexity=r.perplexity, tokens=r.tokens,
           rel=r.perplexity / base.perplexity - 1)
     del native
     for g in (32, 64, 128):
         for emb in (False, True):
-            m = load_model(path, torch.float32, cpu_dev, quantization="none")
+            m = open_model(path, torch.float32, cpu_dev, quantization="none")
             quantize_model(m.model, g, include_embedding=emb)
             r = perplexity(m.model, ids, context)
             emit(variant=f"int4 g{g} mse, projections{' + embedding/lm_head' if emb else ''}",

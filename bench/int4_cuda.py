@@ -193,9 +193,9 @@ def cuda(batches: list[int], prompt_len: int, max_tokens: int, rows: list[int], 
     import triton
 
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.ptq.quantize import quantize_model
     from engine.quant.gemlite_int4 import gemlite_unavailable_reason
     from engine.quant.int4_linear import prepare_int4_kernels
-    from engine.quant.quantize import quantize_model
 
     dev = torch.device("cuda")
     gemlite_version = None

@@ -28,7 +28,8 @@ from engine.config import ModelConfig
 from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.moe import SparseMoE
 from engine.layers.rms_norm import fused_ops
-from engine.quant.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.quant.after_load import pack_linears
+from engine.quant.packed_linear import PackedLinear, can_pack
 
 
 def moe_blocks(args: argparse.Namespace, dtype: torch.dtype) -> list[SparseMoE]:

@@ -239,7 +239,7 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = None
     if args.stop:
-        from engine.loading.loader import resolve_model_path
+        from engine.loading.model_files import resolve_model_path
         from engine.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(resolve_model_path(None))

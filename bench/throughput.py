@@ -118,12 +118,12 @@ def active_parameters(model: torch.nn.Module, cfg: ModelConfig) -> float:
 
 def preset_engine(preset: str, cfg: EngineConfig) -> LLMEngine:
     """An engine over random weights of `preset`; under cfg.quantization "int4" they are quantized round-to-nearest
-    at g128 (engine.quant.quantize.quantize_model: the projections, and a mixture-of-experts model's experts as
+    at g128 (engine.ptq.quantize.quantize_model: the projections, and a mixture-of-experts model's experts as
     stacks the grouped INT4 kernel runs on CUDA), in an eager engine with a 16-block KV pool first so quantizing has
     room, then with cfg's pool (as bench/gpu_profile.py does)."""
     if cfg.quantization != "int4":
         return LLMEngine.from_config(preset, cfg)
-    from engine.quant.quantize import quantize_model
+    from engine.ptq.quantize import quantize_model
 
     engine = LLMEngine.from_config(preset, dataclasses.replace(cfg, num_kv_blocks=16, enforce_eager=True))
     quantize_model(engine.runner.model, 128)

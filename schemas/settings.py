@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 # engine
-WEIGHTS_CACHE = "TOKENMILL_WEIGHTS_CACHE"  # 0: never cache a GGUF's dequantized weights (engine.loading.loader)
+WEIGHTS_CACHE = "TOKENMILL_WEIGHTS_CACHE"  # 0: never cache a GGUF's dequantized weights (engine.loading.weights_cache)
 WEIGHTS_CACHE_GB = "TOKENMILL_WEIGHTS_CACHE_GB"  # the weights cache's size limit, GB (engine.loading.weights_cache)
 CACHE_DIR = "TOKENMILL_CACHE_DIR"  # tokenmill's cache folder (engine.text.tokenizer.cache_root)
 CPU_KERNELS = "TOKENMILL_CPU_KERNELS"  # 0: no C++ CPU kernels (engine.kernels.cpu_kernels)

@@ -69,7 +69,7 @@ def import_graph(root: Path, packages: tuple[str, ...], type_checking: bool = Tr
                     base = node.module or ""
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             for target in targets:
-                while target and target not in files:  # `import engine.quant.gptq as g` names the module itself;
+                while target and target not in files:  # `import engine.ptq.gptq as g` names the module itself;
                     target = target.rpartition(".")[0]  # a dotted attribute path falls back to its module
                 parts = target.split(".")
                 for i in range(1, len(parts) + 1):  # a.b.c runs a/__init__.py and a/b/__init__.py first
@@ -131,7 +131,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_tokenmill_has_no_import_cycle() -> None:
     graph = import_graph(ROOT, PACKAGES)
-    assert len(graph) > 50 and "engine.quant.gptq" in graph["engine.quant.quantize"]  # the walk saw the code
+    assert len(graph) > 50 and "engine.ptq.gptq" in graph["engine.ptq.quantize"]  # the walk saw the code
     assert "engine.loop.engine_loop" in graph["pipeline.shard"]  # a TYPE_CHECKING import is in the graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -20,7 +20,7 @@ block of token rows, multiplies it once (gate/up, SiLU-and-mul, down), weights i
 outputs (index_add_), expert after expert in increasing order: each token's sum starts at zero and adds its experts
 in HF transformers' order, so fp32 sums round alike. Every block is small (an expert's rows), so the gathers, weights
 and adds run in cache, not over the whole step's T * k rows. On the CPU each expert's GEMMs run on oneDNN-packed
-weights once engine.quant.packed_linear.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
+weights once engine.quant.after_load.pack_linears has packed them (`GroupedExperts.set_gemms`), else as torch
 matmuls on the stacked weights. On CUDA (fp32/fp16/bf16, autograd off, Triton installed) the stacked experts run as
 two grouped-GEMM launches instead (engine.kernels.triton_moe.fused_experts): no per-expert loop and no host sync, so
 a MoE decode step can be captured in a CUDA graph (`grouped_kernels`, `experts_capturable`). Biased experts with the
@@ -174,7 +174,7 @@ class GroupedExperts(nn.Module):
     def set_gemms(self, gate_up: Sequence[nn.Module], down: Sequence[nn.Module], *,
                   biases: tuple[torch.Tensor, torch.Tensor] | None = None, int4: tuple[Any, Any] | None = None) -> None:
         """Serve expert e with gate_up[e] (x [M, hidden] -> [M, 2I]) and down[e] ([M, I] -> [M, hidden]) and free the
-        stacked weights: oneDNN-packed copies of `stacked()` (engine.quant.packed_linear.pack_linears), or INT4 / INT8
+        stacked weights: oneDNN-packed copies of `stacked()` (engine.quant.after_load.pack_linears), or INT4 / INT8
         modules (engine.quant.experts). The modules add no bias: the experts' biases, the stacked weights' or
         `biases` = (gate_up [E, 2I], down [E, hidden]) where those are gone already, are kept and added after them.
         `int4`: the stacked INT4 weights the modules were built from (engine.quant.stacked_int4.StackedInt4: qweight

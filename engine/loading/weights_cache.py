@@ -1,5 +1,5 @@
 """The weights cache: a GGUF file's dequantized weights in one dtype, stored once per machine as safetensors with
-the config (engine.loading.loader.read_gguf_state reads and writes it), so a worker's start-up skips GGUF parsing;
+the config (`read_gguf_state` reads and writes it), so a worker's start-up skips GGUF parsing;
 and a quantized HF folder's layers as loaded (INT4 repacked, act-order permuted, INT8 as stored;
 engine.loading.stored_cache), so a second load skips the conversion.
 
@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels.gguf_blocks import is_block_key
+from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
+from engine.model.tensor_names import LM_HEAD
 from engine.text.tokenizer import cache_root
 from schemas import settings
 
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 #: Bumped whenever what a weights-cache entry holds changes (its key includes it). 3: fp32 entries also hold the
-#: raw GGUF blocks of the block-quantized weights (engine.loading.loader.read_gguf_state); 4: a mixture-of-experts
+#: raw GGUF blocks of the block-quantized weights (`read_gguf_state`); 4: a mixture-of-experts
 #: model's stacked expert weights' blocks too.
 WEIGHTS_CACHE_FORMAT = 4
 
@@ -42,6 +45,34 @@ RESERVE_SHARE, RESERVE_MIN_BYTES = 0.05, 2 * 10**9
 #: A writer's temporary folder this old (seconds) is a crashed writer's: removed when room is made.
 STALE_TMP_S = 3600.0
 
+
+
+def read_gguf_state(path: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and the dequantized weights in `dtype` (CPU tensors under their HF names, a tied LM head left
+    out) of the GGUF file at `path`, through the weights cache (TOKENMILL_WEIGHTS_CACHE=0 turns it off): read from
+    the cache entry when there is one, else from the file, and the entry written.
+
+    Reading a GGUF file costs seconds per process (GGUFReader parses every metadata field, the tokenizer's 49k
+    strings included, then every tensor is dequantized on the CPU), and every Dask worker pays it at start-up; an
+    entry (about 2 bytes per parameter in bf16) reads in a fraction of a second. For fp32 the state also holds the
+    raw GGUF blocks of the block-quantized weights (`is_block_key` entries; engine.model.fill.fill_model attaches
+    them to their modules: the CPU's small-batch kernel, engine.quant.forms.GGUFBlocksForm)."""
+    folder = weights_cache_dir(path, dtype) if weights_cache_enabled() else None
+    cached = read_weights_cache(folder) if folder is not None else None
+    if cached is not None:
+        return cached
+    from engine.loading.gguf_file import open_gguf  # looked up per call: tests patch the one way to open a GGUF
+
+    reader = open_gguf(path)
+    cfg = read_gguf_config(reader)
+    keep_blocks = dtype == torch.float32  # what the CPU's fp32 small-batch kernel reads (engine.quant.packed_linear)
+    state = {name: w if is_block_key(name) else w.to(dtype=dtype)
+             for name, w in iter_gguf_state(reader, cfg, keep_blocks=keep_blocks)}
+    if cfg.tie_word_embeddings:
+        state.pop(f"{LM_HEAD}.weight", None)
+    if folder is not None:
+        write_weights_cache(folder, cfg, state)
+    return cfg, state
 
 def weights_cache_dir(path: str, dtype: torch.dtype, files: list[str] | None = None, variant: str = "") -> Path:
     """The cache folder of the model at `path` read into `dtype`: a GGUF file, or a model folder whose `files` (its

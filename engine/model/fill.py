@@ -1,6 +1,6 @@
 """The fill of a meta-device model from tensors: plain weights assigned without copies, a tied LM head, the raw
 GGUF blocks of block-quantized weights attached to their linears (the fp32 CPU path's small-step kernel), buffers
-rebuilt on the device. Every loader (engine.loading.loader's plain loads, engine.quant.handler's INT4 build) ends
+rebuilt on the device. Every load (engine.loading.open_model's plain ones, engine.quant.handler's INT4 build) ends
 here, so the model is filled one way whatever file it came from."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and a quantized state dict into a model of Int4Linear / Int4Embedding modules.
 
 The state dict conventions (module names, QuantizedState) are engine.quant.state's; the driver that quantizes a
-filled model (round-to-nearest, or GPTQ then tuning) is engine.quant.quantize.
+filled model (round-to-nearest, or GPTQ then tuning) is engine.ptq.quantize.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from engine.model.base import ModelBase
 from engine.model.fill import fill_model
 from engine.model.tensor_names import is_expert_weight
 from engine.quant.experts import pop_int4_experts, set_int4_experts
-from engine.quant.int4_linear import Int4Embedding, Int4Linear
-from engine.quant.int8_linear import Int8Linear
+from engine.quant.forms import Int4GroupForm, Int8W8A8Form
 from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, quantize_int4
 from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module
@@ -102,8 +101,9 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
                 int4_layout: str = "dual") -> ModelBase:
     """A model (engine.model.registry.build_model) on `device` from a (possibly partly) quantized state dict.
 
-    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only)
-    replace their nn.Linear / nn.Embedding, plain tensors are cast to
+    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only),
+    made by their held forms' process_after_load (engine.quant.forms), replace their nn.Linear / nn.Embedding,
+    plain tensors are cast to
     `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
     embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. A mixture-of-
     experts block with StackedInt4 experts gets one module per expert (engine.quant.experts). int4_layout: the
@@ -127,12 +127,11 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
         if isinstance(w, Int8Weight):
             if device.type != "cpu":
                 raise ValueError(f"INT8 weight {name} runs on the CPU's oneDNN kernel, not {device.type}")
-            new: nn.Module = Int8Linear(w, dtype)
-        elif isinstance(old, nn.Embedding):
-            new = Int4Embedding(w, dtype, device)
+            new = Int8W8A8Form(dtype, device).process_after_load(w)
         else:
-            new = Int4Linear(w, dtype, device, dequant_min_rows, layout=int4_layout)
-        set_module(model, name, new)
+            new = Int4GroupForm(dtype, device, group_size=w.group_size, dequant_min_rows=dequant_min_rows,
+                                layout=int4_layout).process_after_load(w, embedding=isinstance(old, nn.Embedding))
+        set_module(model, name, new)  # a replaced projection's bias comes along (AddBias)
         del state[name]
     fill_model(model, state, dtype, device)
     set_int4_experts(model, experts, dtype, device, int4_layout)

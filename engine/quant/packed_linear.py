@@ -39,9 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
-from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear
-from engine.layers.moe import GroupedExperts
-from engine.quant.state import set_module
+from engine.kernels.gguf_blocks import GGUFBlocks, gguf_linear
 from schemas import settings
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -166,41 +164,3 @@ class PackedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
                 f"oneDNN packed{small}")
 
-
-def pack_linears(model: nn.Module) -> int:
-    """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by a PackedLinear (a tied
-    LM head gets its own packed copy; the embedding is untouched; a weight's GGUF blocks (`set_gguf_blocks`) come
-    along; a bias is kept, added in the GEMM's epilogue: PackedLinear). Other modules (INT4, INT8) stay, and so do
-    bf16 ones where oneDNN cannot pack bf16 (`can_pack`). A mixture-of-experts block's experts
-    (engine.layers.moe.GroupedExperts) get one PackedLinear per expert for gate/up and for down (their stacked
-    weights freed). Fuse projections first (they are packed as they stand). Returns the number of modules replaced
-    (experts count one per block; 0 when oneDNN is missing)."""
-    if not packing_available():
-        return 0
-    names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and m.weight.device.type == "cpu"
-             and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
-    for name in names:
-        module = model.get_submodule(name)
-        set_module(model, name, PackedLinear(module.weight, gguf_blocks_of(module), module.bias))
-    return len(names) + sum(pack_experts(m) for m in model.modules() if isinstance(m, GroupedExperts))
-
-
-def pack_experts(experts: GroupedExperts) -> bool:
-    """Give each expert of `experts` a PackedLinear of its fused gate/up [2I, hidden] and of its down [hidden, I]
-    weight (GroupedExperts.set_gemms), when they are CPU weights oneDNN packs (`can_pack`), with its rows of the
-    stacked weights' GGUF blocks where they have some (fp32: the small-batch kernel, as for a dense projection).
-    Returns whether it packed (False when already packed, INT4 or not packable)."""
-    if experts.gemms is not None or experts.int4 is not None:
-        return False
-    gate_up, down = experts.stacked()
-    if gate_up.device.type != "cpu" or gate_up.dtype not in PACKED_DTYPES or not can_pack(gate_up.dtype):
-        return False
-
-    def packed(module: nn.Module) -> list[PackedLinear]:
-        blocks, rows = gguf_blocks_of(module), module.weight.shape[1]
-        return [PackedLinear(w, None if blocks is None else blocks.map_rows(lambda x, a=e * rows: x[a:a + rows]))
-                for e, w in enumerate(module.weight.detach())]
-
-    experts.set_gemms(packed(experts.gate_up_proj), packed(experts.down_proj))
-    return True

@@ -67,8 +67,8 @@ def quantize(
                   --calibration '../shared/data/gsm8k_test.parquet#question,answer' \\
                   --calibration '../shared/data/alpaca_eval.parquet#instruction'
     """
-    from engine.loading.quantized import quantize_to_folder
     from engine.loading.tokenmill_folder import folder_bytes
+    from engine.ptq.to_folder import quantize_to_folder
 
     try:
         sources = [_read_texts(*_source(c, calibration_column)) for c in calibration or []] if method == "gptq" \
@@ -192,7 +192,7 @@ def perplexity(
     Example: tokenmill perplexity --input ../shared/data/alpaca_eval.parquet --column reference_output --json
     """
 
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.perplexity import text_perplexity
     from engine.worker.device import resolve_device, resolve_dtype
 
@@ -200,7 +200,7 @@ def perplexity(
         cfg = EngineConfig(**engine, int4_group_size=group_size)
         texts = _read_texts(input, column, limit)
         dev = resolve_device(cfg.device)
-        loaded = load_model(model, resolve_dtype(cfg.dtype, dev), dev, quantization=cfg.quantization,
+        loaded = open_model(model, resolve_dtype(cfg.dtype, dev), dev, quantization=cfg.quantization,
                             group_size=cfg.int4_group_size)
         tty = sys.stderr.isatty() and not as_json
         result = text_perplexity(loaded.model, loaded.tokenizer, texts, context=context, max_tokens=max_tokens,

@@ -40,7 +40,7 @@ def test_the_writer_follows_the_gptq_format(folder: Path) -> None:
     from safetensors.torch import load_file
 
     from engine.loading.hf_folder import check_hf_folder
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
 
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["quantization_config"] == {**big_checkpoint.QUANTIZATION_CONFIG}
@@ -53,7 +53,7 @@ def test_the_writer_follows_the_gptq_format(folder: Path) -> None:
     assert tensors["model.layers.0.self_attn.q_proj.qweight"].dtype == torch.int32
     assert tensors["model.layers.1.mlp.down_proj.qweight"].shape == (512 // 8, 256)
     assert (tensors["model.layers.0.mlp.up_proj.qzeros"] == 0x77777777).all()
-    plain = load_model(str(folder), torch.float32, CPU, quantization="none").model
+    plain = open_model(str(folder), torch.float32, CPU, quantization="none").model
     for module in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
         p = f"model.layers.1.{module}"
         want = _unpack_gptq(tensors[f"{p}.qweight"], tensors[f"{p}.scales"])
@@ -63,9 +63,9 @@ def test_the_writer_follows_the_gptq_format(folder: Path) -> None:
 
 
 def test_int4_keeps_the_layers_and_the_greedy_tokens(folder: Path, gsm8k_questions: list[str]) -> None:
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
 
-    assert load_model(str(folder), torch.float32, CPU, quantization="auto").num_int4_modules == 2 * 7
+    assert open_model(str(folder), torch.float32, CPU, quantization="auto").num_int4_modules == 2 * 7
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = {}
     for q in ("none", "auto"):

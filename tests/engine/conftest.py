@@ -16,13 +16,13 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 @pytest.fixture(scope="session")
 def ref(gguf_path: str):
-    """The real default model as `engine.loading.quantized.load_model` returns it in fp32 on the CPU (the GGUF's Q4_1
+    """The real default model as `engine.loading.open_model.open_model` returns it in fp32 on the CPU (the GGUF's Q4_1
     weights dequantized, separate projections, plain nn.Linear): the reference of test_int4.py and
     test_int4_calibration.py, loaded once per test process. Read-only: a test that changes a model deep-copies
     `ref.model` first."""
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
 
-    return load_model(gguf_path, torch.float32, torch.device("cpu"), quantization="none")
+    return open_model(gguf_path, torch.float32, torch.device("cpu"), quantization="none")
 
 
 

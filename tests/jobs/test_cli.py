@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from engine import EngineConfig
 from engine.loading.gguf_native_int4 import gguf_dequantized_note
-from engine.loading.loader import resolve_model_path
+from engine.loading.model_files import resolve_model_path
 from engine.worker.device import resolve_device, resolve_dtype
 from jobs.cli import app
 from jobs.lease import Lease

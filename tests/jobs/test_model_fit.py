@@ -52,11 +52,11 @@ def llama_70b(tmp_path: Path) -> str:
 def test_the_numbers_of_the_default_model_are_the_loaded_ones(real_engine, gguf_path: str) -> None:
     """fp32 on the CPU: the weights' bytes the check states are the bytes of the loaded model's tensors (before the
     engine's CPU kernels repack them), the KV bytes per token the engine's pool's."""
-    from engine.loading.loader import load_gguf_model
+    from engine.loading.open_model import open_model
 
     fit = check_fit(gguf_path, EngineConfig(device="cpu", dtype="float32", max_model_len=4096),
                     model_context(gguf_path))
-    _, model = load_gguf_model(gguf_path, torch.float32, torch.device("cpu"))
+    model = open_model(gguf_path, torch.float32, torch.device("cpu"), tokenizer=False).model
     tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
     assert fit.model_bytes == sum(tensors.values())
     cache = real_engine.runner.kv_caches
@@ -132,10 +132,10 @@ def test_int4_keeps_two_copies_where_the_second_costs_little_kv(llama_70b: str,
 
 
 def test_the_fit_check_counts_the_weights_the_engine_loads(gguf_path: str) -> None:
-    """The weights the engine's INT4 layout choice sees at load (engine.loading.quantized.load_model's int4_layout
+    """The weights the engine's INT4 layout choice sees at load (engine.loading.open_model.open_model's int4_layout
     chooser: numel and INT4 group per weight) are the ones the fit check counts from the GGUF header, and the
     layout chosen is the one every Int4Linear gets."""
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.quant.int4_linear import Int4Linear
     from jobs.plan.model_fit import _weights
 
@@ -145,7 +145,7 @@ def test_the_fit_check_counts_the_weights_the_engine_loads(gguf_path: str) -> No
         seen.append(tensors)
         return "single"
 
-    loaded = load_model(gguf_path, torch.float32, torch.device("cpu"), quantization="auto", int4_layout=choose)
+    loaded = open_model(gguf_path, torch.float32, torch.device("cpu"), quantization="auto", int4_layout=choose)
     assert len(seen) == 1 and loaded.int4_layout == "single"
     assert sorted(seen[0], key=str) == sorted(_weights(gguf_path, "auto", 128)[0], key=str)
     mods = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]

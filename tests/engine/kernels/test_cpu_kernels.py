@@ -14,7 +14,8 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.attention import paged_attention_cpu, paged_attention_ref
 from engine.layers.linear import linear_gelu
-from engine.quant.packed_linear import PackedLinear, can_pack, pack_linears, packing_available
+from engine.quant.after_load import pack_linears
+from engine.quant.packed_linear import PackedLinear, can_pack, packing_available
 
 # Max abs error vs the reference: fp32 differs by summation order; bf16 outputs round to 8 bits of mantissa.
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

@@ -18,9 +18,10 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import cpu_kernels
 from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
 from engine.layers.linear import concat_linears
-from engine.loading.loader import load_gguf_model
+from engine.loading.open_model import open_model
 from engine.quant import packed_linear
-from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope, pack_linears
+from engine.quant.after_load import pack_linears
+from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope
 
 CPU = torch.device("cpu")
 
@@ -85,14 +86,14 @@ def test_small_batches_run_on_the_blocks_and_give_the_packed_gemms_tokens(
 
 def test_a_cached_load_keeps_the_blocks(gguf_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    _, built = load_gguf_model(gguf_path, torch.float32, CPU)  # writes the cache entry
-    _, cached = load_gguf_model(gguf_path, torch.float32, CPU)  # reads it
+    built = open_model(gguf_path, torch.float32, CPU, tokenizer=False).model  # writes the cache entry
+    cached = open_model(gguf_path, torch.float32, CPU, tokenizer=False).model  # reads it
     for name in ("layers.0.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.29.mlp.down_proj", "lm_head"):
         a, b = gguf_blocks_of(built.get_submodule(name)), gguf_blocks_of(cached.get_submodule(name))
         assert a is not None and b is not None and a.type_name == b.type_name
         assert torch.equal(a.dequantize(), b.dequantize())
         assert torch.equal(b.dequantize(), cached.get_submodule(name).weight)  # the rows un-permuted alike (Q, K)
-    _, bf16 = load_gguf_model(gguf_path, torch.bfloat16, CPU)  # only the fp32 path reads blocks
+    bf16 = open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False).model  # only the fp32 path reads blocks
     assert gguf_blocks_of(bf16.layers[0].mlp.down_proj) is None
 
 

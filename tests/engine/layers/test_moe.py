@@ -130,10 +130,11 @@ def test_experts_run_grouped() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_and_fused_experts_equal_stacked(dtype: torch.dtype) -> None:
-    """Fused gate/up and oneDNN-packed experts (engine.quant.packed_linear.pack_experts) compute what the stacked
+    """Fused gate/up and oneDNN-packed experts (engine.quant.after_load.pack_experts) compute what the stacked
     weights do; the shared expert (Qwen2-MoE) rides along."""
     from engine.layers.mlp import MLP
-    from engine.quant.packed_linear import can_pack, pack_experts
+    from engine.quant.after_load import pack_experts
+    from engine.quant.packed_linear import can_pack
 
     if not can_pack(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} here")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.loading.quantized import load_model
+from engine.loading.open_model import open_model
 from pipeline.accounting import quantization_label
 
 
 def test_auto_gguf_names_its_int4_weights(gguf_path: str) -> None:
-    loaded = load_model(gguf_path, torch.float32, torch.device("cpu"), quantization="auto")
+    loaded = open_model(gguf_path, torch.float32, torch.device("cpu"), quantization="auto")
     assert loaded.num_int4_modules > 0
     label = quantization_label("auto", loaded.quantization_loaded)
     assert label == f"auto (gguf: {loaded.num_int4_modules} weights INT4 as stored, the others dequantized exactly)"

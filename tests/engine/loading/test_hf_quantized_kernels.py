@@ -135,7 +135,8 @@ def test_w8a8_beyond_the_cpus_int8_limit_is_dequantized_exactly_and_said(folders
                                             ("awq-gemm-g64", "int8"), ("ct-w8a8-int-quantized", "int4"),
                                             ("ct-w4a16-group-sym", "int8")])
 def test_modes_that_would_quantize_a_quantized_folder_again_are_refused(case: str, mode: str, folders) -> None:
-    from engine.loading.quantized import quantize_to_folder, read_state
+    from engine.loading.quantized import read_state
+    from engine.ptq.to_folder import quantize_to_folder
     from jobs.errors import JobError
     from jobs.plan.preflight import check_quantization
 

@@ -128,13 +128,14 @@ def test_w8a8_experts_run_dequantized_and_say_so(moe_folders, prompt_ids, int8_q
     this CPU's int8 GEMM sums the stored |q| <= 127 (VNNI), its attention and shared expert keep their INT8 on the
     W8A8 kernel and the experts are listed as having no W8A8 expert kernel for stored integers; without VNNI (63)
     every layer is dequantized, listed as beyond this CPU's INT8 limit."""
-    from engine.loading.quantized import load_model, read_state
+    from engine.loading.open_model import open_model
+    from engine.loading.quantized import read_state
 
     folder, reference = moe_folders["ct-w8a8-qwen2_moe"]
     _, auto = read_state(str(folder), "auto", 128)
     for proj, want in _reference_experts(reference, 1).items():
         assert torch.equal(auto[f"layers.1.mlp.experts.{proj}.weight"], want), proj
-    loaded = load_model(str(folder), torch.float32, torch.device("cpu"), quantization="auto")
+    loaded = open_model(str(folder), torch.float32, torch.device("cpu"), quantization="auto")
     said = ("14 layers INT8 as stored (W8A8), 48 dequantized exactly (INT8 experts (no W8A8 expert kernel): 48)"
             if int8_qmax >= 127 else
             "0 layers INT4 as stored, 62 dequantized exactly (int8 weights beyond this CPU's INT8 limit (|q| <= 63 "

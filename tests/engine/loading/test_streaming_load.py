@@ -27,7 +27,7 @@ HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 2048, 8192, 14, 32000
 _CHILD = r"""
 import json, sys, torch
 from engine.loading.hf_folder import iter_hf_state, read_hf_config
-from engine.loading.loader import load_hf_model
+from engine.loading.open_model import open_model
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -46,7 +46,7 @@ if device.type == "cuda":
     torch.zeros(1, device=device)  # the CUDA context is part of the runtime
 cfg = read_hf_config(path)
 streamed, n = peak_over_base(lambda: sum(1 for _ in iter_hf_state(path, cfg, torch.bfloat16)))
-loaded, model = peak_over_base(lambda: load_hf_model(path, torch.bfloat16, device)[1])
+loaded, model = peak_over_base(lambda: open_model(path, torch.bfloat16, device, tokenizer=False).model)
 on_host = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.device.type == "cpu")
 print(json.dumps({"streamed": streamed, "loaded": loaded, "tensors": n, "on_host": on_host}))
 """

@@ -1,6 +1,6 @@
-"""The weights cache (engine/loading/loader.py): a GGUF is read and dequantized once per dtype, later loads read the
-cached
-safetensors file, and the cached model is the same model (same config, bit-identical tensors, same greedy tokens)."""
+"""The weights cache (engine/loading/weights_cache.py: read_gguf_state): a GGUF is read and dequantized once per
+dtype, later loads read the cached safetensors file, and the cached model is the same model (same config,
+bit-identical tensors, same greedy tokens)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.loading import gguf_file
-from engine.loading.loader import load_gguf_model
+from engine.loading.open_model import open_model
 from engine.loading.weights_cache import weights_cache_dir
 
 CPU = torch.device("cpu")
@@ -22,7 +22,7 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     folder = weights_cache_dir(gguf_path, torch.float32)
     assert not folder.exists()
-    cfg, built = load_gguf_model(gguf_path, torch.float32, CPU)
+    cfg, built, *_ = open_model(gguf_path, torch.float32, CPU, tokenizer=False)
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert weights_cache_dir(gguf_path, torch.bfloat16) != folder  # one entry per dtype
 
@@ -33,7 +33,7 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
 
     monkeypatch.setattr(gguf, "GGUFReader", no_gguf)
     monkeypatch.setattr(gguf_file, "open_gguf", no_gguf)  # the engine's one way to open a GGUF file
-    cached_cfg, cached = load_gguf_model(gguf_path, torch.float32, CPU)
+    cached_cfg, cached, *_ = open_model(gguf_path, torch.float32, CPU, tokenizer=False)
     assert cached_cfg == cfg
     a, b = built.state_dict(), cached.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -46,13 +46,12 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
     fresh = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
     again = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
     assert [o.output_token_ids for o in again] == [o.output_token_ids for o in fresh]
-    # The plain load of engine.loading.quantized (quantization "none", as `tokenmill perplexity` and INT8 load) reads
-    # the same fp32 entry: no GGUF tensor is dequantized again.
-    from engine.loading import loader
-    from engine.loading.quantized import load_model
+    # The plain load of the loading entry point (quantization "none", as `tokenmill perplexity`; the INT8 load's state
+    # reads it too, engine.loading.quantized) reads the same fp32 entry: no GGUF tensor is dequantized again.
+    from engine.loading import weights_cache
 
-    monkeypatch.setattr(loader, "iter_gguf_state", no_gguf)
-    plain = load_model(gguf_path, torch.float32, CPU, quantization="none").model.state_dict()
+    monkeypatch.setattr(weights_cache, "iter_gguf_state", no_gguf)
+    plain = open_model(gguf_path, torch.float32, CPU, quantization="none").model.state_dict()
     assert plain.keys() == a.keys() and all(torch.equal(a[k], plain[k]) for k in a)
 
 
@@ -60,16 +59,16 @@ def test_a_broken_entry_is_rebuilt_and_the_cache_can_be_turned_off(gguf_path: st
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("TOKENMILL_WEIGHTS_CACHE", "0")
-    load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False)
     assert not (tmp_path / "cache" / "weights").exists()
     monkeypatch.delenv("TOKENMILL_WEIGHTS_CACHE")
-    cfg, model = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    cfg, model, *_ = open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False)
     folder = weights_cache_dir(gguf_path, torch.bfloat16)
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # damaged (a disk error, a killed copy)
-    cfg2, model2 = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    cfg2, model2, *_ = open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False)
     assert cfg2 == cfg and torch.equal(model2.embed_tokens.weight, model.embed_tokens.weight)
     assert (folder / "model.safetensors").stat().st_size > 1 << 20  # rebuilt on the next load
-    _, model3 = load_gguf_model(gguf_path, torch.bfloat16, CPU)
+    model3 = open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False).model
     assert torch.equal(model3.layers[3].mlp.down_proj.weight, model.layers[3].mlp.down_proj.weight)
 
 

@@ -82,15 +82,15 @@ def test_greedy_matches_hf_from_folder_and_gguf(family: str, families, prompt_id
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_close_to_hf(family: str, families, prompt_ids) -> None:
-    from engine.loading.loader import load_gguf_model, load_hf_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     model, folder, path = families[family]
     ids = torch.tensor(prompt_ids[0])
     with torch.no_grad():
         ref = model(ids[None]).logits[0]
-        for cfg, ours in (load_hf_model(str(folder), torch.float32, torch.device("cpu")),
-                          load_gguf_model(str(path), torch.float32, torch.device("cpu"))):
+        for cfg, ours, *_ in (open_model(str(folder), torch.float32, torch.device("cpu"), tokenizer=False),
+                              open_model(str(path), torch.float32, torch.device("cpu"), tokenizer=False)):
             assert cfg.architecture in (family, "llama")
             logits = ours.compute_logits(forward_sequence(ours, ids))
             torch.testing.assert_close(logits, ref, rtol=1e-4, atol=2e-4)
@@ -137,8 +137,9 @@ def test_stops_on_every_eos_id(families, prompt_ids) -> None:
 def test_quantized_paths_stay_close(family: str, families, prompt_ids, tmp_path: Path) -> None:
     """INT8, INT4 (on load and `tokenmill quantize` folders, RTN and bf16) and the weights cache run a model with
     QKV bias / q-k norms and stay close to fp32 (next-token logits of a real prompt)."""
-    from engine.loading.quantized import load_model, quantize_to_folder
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
+    from engine.ptq.to_folder import quantize_to_folder
     from engine.quant.int8_linear import int8_available
 
     _, folder, path = families[family]
@@ -146,7 +147,7 @@ def test_quantized_paths_stay_close(family: str, families, prompt_ids, tmp_path:
     cpu = torch.device("cpu")
 
     def logits(model: str, quantization: str) -> torch.Tensor:
-        loaded = load_model(model, torch.float32, cpu, quantization=quantization, group_size=32)
+        loaded = open_model(model, torch.float32, cpu, quantization=quantization, group_size=32)
         with torch.no_grad():
             if quantization == "int8":
                 loaded.model.fuse_projections()
@@ -170,7 +171,7 @@ def test_quantized_paths_stay_close(family: str, families, prompt_ids, tmp_path:
 
         from engine.quant.state import AddBias
 
-        qkv = load_model(str(folder), torch.float32, cpu, quantization="int8").model.layers[0].self_attn.qkv_proj
+        qkv = open_model(str(folder), torch.float32, cpu, quantization="int8").model.layers[0].self_attn.qkv_proj
         if family == "qwen2":
             want = load_file(folder / "model.safetensors")
             want = torch.cat([want[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])

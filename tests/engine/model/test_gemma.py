@@ -77,15 +77,15 @@ def test_greedy_matches_hf_from_folder_and_gguf(family: str, gemmas, family_prom
 def test_logits_close_to_hf(family: str, gemmas, family_prompts) -> None:
     """Full-sequence logits (soft-capped) of both formats against HF's: a missing cap, norm offset or RoPE base
     would be far off."""
-    from engine.loading.loader import load_gguf_model, load_hf_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     model, folder, path = gemmas[family]
     ids = torch.tensor(family_prompts[0])
     with torch.no_grad():
         ref = model(ids[None]).logits[0]
-        for cfg, ours in (load_hf_model(str(folder), torch.float32, torch.device("cpu")),
-                          load_gguf_model(str(path), torch.float32, torch.device("cpu"))):
+        for cfg, ours, *_ in (open_model(str(folder), torch.float32, torch.device("cpu"), tokenizer=False),
+                              open_model(str(path), torch.float32, torch.device("cpu"), tokenizer=False)):
             assert cfg.architecture == family
             torch.testing.assert_close(ours.compute_logits(forward_sequence(ours, ids)), ref, rtol=1e-4, atol=2e-4)
 
@@ -203,14 +203,14 @@ def test_unsupported_gemma_config_is_an_error(family: str, change: dict, match: 
 def test_gptq_refuses_and_int8_runs_a_gemma_block(gemmas, family_prompts) -> None:
     """GPTQ's staged forward is Llama's block: a Gemma model is refused, naming RTN. INT8 (SmoothQuant divides
     the (1 + weight) norms the MLP and attention read) stays close to fp32."""
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
-    from engine.quant.gptq import gptq_quantize_model
+    from engine.ptq.gptq import gptq_quantize_model
     from engine.quant.int8_linear import int8_available
 
     folder = str(gemmas["gemma2"][1])
     cpu = torch.device("cpu")
-    model = load_model(folder, torch.float32, cpu).model
+    model = open_model(folder, torch.float32, cpu).model
     with pytest.raises(ValueError, match="gemma2 block.*RTN"):
         gptq_quantize_model(model, torch.tensor([family_prompts[0][:16]]), group_size=32)
     if not int8_available():
@@ -218,7 +218,7 @@ def test_gptq_refuses_and_int8_runs_a_gemma_block(gemmas, family_prompts) -> Non
     ids = torch.tensor(family_prompts[1])
     with torch.no_grad():
         ref = model.compute_logits(forward_sequence(model, ids))
-        q8 = load_model(folder, torch.float32, cpu, quantization="int8").model
+        q8 = open_model(folder, torch.float32, cpu, quantization="int8").model
         q8.fuse_projections()
         got = q8.compute_logits(forward_sequence(q8, ids))
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9

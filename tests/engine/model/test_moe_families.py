@@ -56,11 +56,11 @@ def test_routing_uses_several_experts(moe_families, prompt_ids) -> None:
     """The tiny models route tokens to most experts (a test of routing that only ever picks two would not see a
     wrong router), and the engine's block runs only the experts the router picked."""
     from engine.layers.moe import GroupedExperts
-    from engine.loading.loader import load_hf_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     for family in FAMILIES:
-        _, model = load_hf_model(str(moe_families[family][1]), torch.float32, torch.device("cpu"))
+        model = open_model(str(moe_families[family][1]), torch.float32, torch.device("cpu"), tokenizer=False).model
         used: list[set[int]] = []
 
         def record(module, args, _used=used) -> None:
@@ -99,7 +99,7 @@ def test_quantized_gguf_experts(moe_families, gguf_path: str, prompt_ids, tmp_pa
     """Q8_0 gate/up expert tensors (block-quantized 3-D tensors) load dequantized and stay close to the F32 file; an
     expert_weights_norm field overrides llama.cpp's default renormalisation of the architecture."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
-    from engine.loading.loader import load_gguf_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     _, folder, path = moe_families["qwen3_moe"]
@@ -112,7 +112,8 @@ def test_quantized_gguf_experts(moe_families, gguf_path: str, prompt_ids, tmp_pa
     ids = torch.tensor(prompt_ids[1])
     with torch.no_grad():
         want, got = (m.compute_logits(forward_sequence(m, ids))
-                     for _, m in (load_gguf_model(str(p), torch.float32, torch.device("cpu")) for p in (path, q8)))
+                     for m in (open_model(str(p), torch.float32, torch.device("cpu"), tokenizer=False).model
+                               for p in (path, q8)))
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.999
     assert not torch.equal(got, want)
 
@@ -167,7 +168,7 @@ def test_doctor_names_family_and_experts(moe_families) -> None:
 def test_auto_runs_plain_experts_as_stored(moe_families, prompt_ids) -> None:
     """quantization "auto" runs F32 experts as stored: the same logits as "none" (INT4 and INT8 experts:
     test_moe_quantized.py)."""
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     _, _, path = moe_families["qwen2_moe"]
@@ -175,5 +176,5 @@ def test_auto_runs_plain_experts_as_stored(moe_families, prompt_ids) -> None:
     ids = torch.tensor(prompt_ids[2])
     with torch.no_grad():
         none, auto = (m.model.compute_logits(forward_sequence(m.model, ids))
-                      for m in (load_model(str(path), torch.float32, cpu, quantization=q) for q in ("none", "auto")))
+                      for m in (open_model(str(path), torch.float32, cpu, quantization=q) for q in ("none", "auto")))
     torch.testing.assert_close(auto, none)

@@ -24,7 +24,7 @@ from moe_quant_models import loaded_weights
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import triton_moe
 from engine.layers.moe import route
-from engine.loading.quantized import load_model
+from engine.loading.open_model import open_model
 from engine.quant.experts import quantize_experts
 
 pytestmark = pytest.mark.gpu
@@ -63,14 +63,14 @@ def _int4_experts(folder: object, dtype: torch.dtype, layout: str = "dual") -> o
     """The model of `folder` on CUDA in `dtype` with its experts alone INT4 (engine.quant.experts.quantize_experts,
     as the loader serves them): the dense layers stay plain, so that HF on the dequantized weights is the same
     function (an fp32 Int4Linear on CUDA runs tinygemm, whose activations are bf16, below 64 rows)."""
-    loaded = load_model(str(folder), dtype, CUDA, quantization="none")
+    loaded = open_model(str(folder), dtype, CUDA, quantization="none")
     assert quantize_experts(loaded.model, GROUP, layout) == loaded.config.num_layers
     return loaded
 
 
 def test_int4_moe_on_the_grouped_kernel_matches_hf_with_and_without_cuda_graphs(moe_tied, moe_prompt_ids) -> None:
     model, folder, _ = moe_tied["qwen3_moe"]
-    full = load_model(str(folder), torch.float32, CUDA, quantization="int4", group_size=GROUP).model.layers[0]
+    full = open_model(str(folder), torch.float32, CUDA, quantization="int4", group_size=GROUP).model.layers[0]
     assert full.mlp.experts.gemms is None and full.mlp.experts.int4_experts()[0].qweight.is_cuda  # no modules
     loaded = _int4_experts(folder, torch.float32)
     experts = loaded.model.layers[0].mlp.experts

@@ -24,7 +24,9 @@ from moe_quant_models import loaded_weights, w8a8_activations
 from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.loading.quantized import load_model, quantize_to_folder, read_state
+from engine.loading.open_model import open_model
+from engine.loading.quantized import read_state
+from engine.ptq.to_folder import quantize_to_folder
 from engine.quant.int4_linear import Int4Linear
 from engine.quant.qparams import Int4Weight
 from engine.quant.stacked_int4 import StackedInt4
@@ -49,7 +51,7 @@ def prompt_ids(moe_prompt_ids: list[list[int]]) -> list[list[int]]:
 
 
 def _generate(loaded, prompt_ids: list[list[int]]) -> tuple[list[list[int]], dict[str, torch.Tensor], LLMEngine]:
-    """(greedy tokens, the weights its kernels hold, the engine) of a LoadedModel, served as LLMEngine serves it."""
+    """(greedy tokens, the weights its kernels hold, the engine) of an OpenedModel, served as LLMEngine serves it."""
     weights = loaded_weights(loaded.model)
     engine = LLMEngine(loaded.model, loaded.config, loaded.tokenizer, ENGINE, "moe", CPU, torch.float32)
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
@@ -64,7 +66,7 @@ def test_int4_experts_match_hf_on_the_dequantized_model(family: str, source: int
     down INT4 (the stacked layout GroupedExperts.int4_experts exposes), the router dense, a shared expert INT4 as a
     dense MLP; greedy tokens = HF's on the dequantized weights, teacher-forced and by `generate`."""
     model = moe[family][0]
-    loaded = load_model(str(moe[family][source]), torch.float32, CPU, quantization="int4", group_size=GROUP)
+    loaded = open_model(str(moe[family][source]), torch.float32, CPU, quantization="int4", group_size=GROUP)
     mlp = loaded.model.layers[0].mlp
     gate_up, down = mlp.experts.int4_experts()
     assert gate_up.qweight.dtype == torch.uint8 and gate_up.qweight.shape == (8, 2 * mlp.experts.intermediate_size, 32)
@@ -89,7 +91,7 @@ def test_int8_experts_match_hf_in_w8a8(family: str, moe, prompt_ids, int8_qmax: 
     kernel rounds them (the router, shared-expert gate and LM head left in fp32), a near tie allowed once in 100."""
     from engine.quant.int8_linear import Int8Linear
     model, folder, _ = moe[family]
-    loaded = load_model(str(folder), torch.float32, CPU, quantization="int8")
+    loaded = open_model(str(folder), torch.float32, CPU, quantization="int8")
     experts = loaded.model.layers[1].mlp.experts
     assert all(isinstance(m, Int8Linear) for m in (*experts.gemms[0], *experts.gemms[1]))
     ours, weights, engine = _generate(loaded, prompt_ids)
@@ -125,7 +127,7 @@ def test_gguf_q4_experts_stay_int4_bit_equal_to_gguf(moe, gguf_path: str, prompt
     for name, want in _gguf_experts(path).items():
         assert isinstance(state[name], StackedInt4) and state[name].num_experts == 8, name
         assert torch.equal(state[name].dequantize(), torch.from_numpy(want)), name
-    loaded = load_model(str(path), torch.float32, CPU, quantization="auto")
+    loaded = open_model(str(path), torch.float32, CPU, quantization="auto")
     ours, weights, _ = _generate(loaded, prompt_ids)
     assert hf_argmax(hf_holding(model, weights), prompt_ids, ours) == ours
 
@@ -155,7 +157,7 @@ def test_gguf_block_experts_serve_the_small_batch_kernel(moe, gguf_path: str, pr
     ours = [o.output_token_ids for o in outs]
     _, plain = read_state(str(path), "none", GROUP)
     assert hf_argmax(hf_holding(model, plain), prompt_ids, ours) == ours
-    auto = load_model(str(path), torch.float32, CPU, quantization="auto").model
+    auto = open_model(str(path), torch.float32, CPU, quantization="auto").model
     assert describe_experts(auto) == "experts gate/up float32, down INT4 (group 32) in 2 of 2 layers; router float32"
 
 
@@ -234,7 +236,7 @@ def test_tokenmill_quantize_of_a_moe_model(moe, prompt_ids, tmp_path) -> None:
     assert not (tmp_path / "gptq").exists()
     meta = quantize_to_folder(str(folder), str(tmp_path / "q4"), group_size=GROUP, include_embedding=False)
     assert {"layers.1.mlp.experts.gate_proj", "layers.1.mlp.experts.down_proj"} <= set(meta["quantization"]["modules"])
-    loaded = load_model(str(tmp_path / "q4"), torch.float32, CPU, quantization="auto")
+    loaded = open_model(str(tmp_path / "q4"), torch.float32, CPU, quantization="auto")
     assert loaded.model.layers[1].mlp.experts.int4_experts()[1].num_experts == 8
     ours, weights, _ = _generate(loaded, prompt_ids[:4])
     assert hf_argmax(hf_holding(model, weights), prompt_ids[:4], ours) == ours

@@ -64,15 +64,15 @@ def test_greedy_matches_hf_from_folder_and_gguf(phi3, family_prompts) -> None:
 
 
 def test_logits_close_to_hf(phi3, family_prompts) -> None:
-    from engine.loading.loader import load_gguf_model, load_hf_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     model, folder, path, _ = phi3
     ids = torch.tensor(family_prompts[0])
     with torch.no_grad():
         ref = model(ids[None]).logits[0]
-        for cfg, ours in (load_hf_model(str(folder), torch.float32, CPU),
-                          load_gguf_model(str(path), torch.float32, CPU)):
+        for cfg, ours, *_ in (open_model(str(folder), torch.float32, CPU, tokenizer=False),
+                              open_model(str(path), torch.float32, CPU, tokenizer=False)):
             assert cfg.architecture == "phi3"
             torch.testing.assert_close(ours.compute_logits(forward_sequence(ours, ids)), ref, rtol=1e-4, atol=2e-4)
 
@@ -127,19 +127,19 @@ def test_fused_q4_gguf_splits_packed_int4_and_blocks(phi3, family_prompts) -> No
     """Q4_0 attn_qkv / ffn_up split on load as packed INT4 (quantization auto) and as GGUF blocks (the fp32 load
     keeps them for the small-batch kernel): both compute what the dequantized weights do."""
     from engine.kernels.gguf_blocks import gguf_blocks_of
-    from engine.loading.quantized import load_model
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
 
     q4 = str(phi3[3])
     ids = torch.tensor(family_prompts[2])
     with torch.no_grad():
-        plain = load_model(q4, torch.float32, CPU, quantization="none").model
+        plain = open_model(q4, torch.float32, CPU, quantization="none").model
         layer = plain.layers[0]
         assert all(gguf_blocks_of(m) is not None for m in (layer.self_attn.q_proj, layer.self_attn.v_proj,
                                                             layer.mlp.gate_proj, layer.mlp.up_proj))
         assert gguf_blocks_of(layer.mlp.down_proj) is None  # F32 in the file
         ref = plain.compute_logits(forward_sequence(plain, ids))
-        native = load_model(q4, torch.float32, CPU, quantization="auto").model
+        native = open_model(q4, torch.float32, CPU, quantization="auto").model
         assert type(native.layers[0].self_attn.k_proj).__name__ == "Int4Linear"
         got = native.compute_logits(forward_sequence(native, ids))
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9999
@@ -152,15 +152,16 @@ def test_quantized_loads_split_alike(phi3, family_prompts, tmp_path: Path) -> No
     (one RTN of the same split weights); the INT4 kernels compute what those INT4 weights dequantized do (a
     `tokenmill quantize` folder, auto against none); INT8 stays close to fp32. (INT4 of this tiny random model is
     too noisy for a bound against fp32 to mean anything: cosine 0.4-0.6.)"""
-    from engine.loading.quantized import load_model, quantize_to_folder
+    from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
+    from engine.ptq.to_folder import quantize_to_folder
     from engine.quant.int8_linear import int8_available
 
     _, folder, path, _ = phi3
     ids = torch.tensor(family_prompts[1])
 
     def logits(model: str, quantization: str) -> torch.Tensor:
-        loaded = load_model(model, torch.float32, CPU, quantization=quantization, group_size=32).model
+        loaded = open_model(model, torch.float32, CPU, quantization=quantization, group_size=32).model
         with torch.no_grad():
             loaded.fuse_projections()
             return loaded.compute_logits(forward_sequence(loaded, ids))

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from engine.loading.gguf_int4 import gguf_q4_to_int4
-from engine.loading.quantized import load_model, quantize_to_folder
+from engine.loading.open_model import open_model
 from engine.loading.tokenmill_folder import folder_bytes, read_folder
 from engine.model.perplexity import perplexity, text_token_ids
 from engine.model.sequence_forward import forward_sequence
+from engine.ptq.quantize import quantize_model
+from engine.ptq.to_folder import quantize_to_folder
 from engine.quant.int4_linear import Int4Linear, release_int4_sources
 from engine.quant.qparams import Int4Weight, pack_uint4, quantize_int4, unpack_uint4
-from engine.quant.quantize import quantize_model
 
 CPU = torch.device("cpu")
 # One forward of perplexity()'s 1,024-token chunk; the full-sample figures are in bench/README.md. Measured on the
@@ -130,7 +131,7 @@ def test_gguf_q4_k_maps_to_group_32_int4() -> None:
 def native(gguf_path: str):
     """The real model loaded with its GGUF Q4_1 projections as Int4Linear (fp32, CPU), once per module. Read-only:
     a test that changes it deep-copies `native.model` first."""
-    return load_model(gguf_path, torch.float32, CPU, quantization="auto")
+    return open_model(gguf_path, torch.float32, CPU, quantization="auto")
 
 
 def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, alpaca_instructions) -> None:
@@ -141,7 +142,7 @@ def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, 
         a, b = _logits(ref.model, ids), _logits(native.model, ids)
         assert ((a - b).norm() / a.norm()).item() < 1e-3
     # bf16 through the tinygemm CPU kernel: same argmax on most positions (bf16 activations).
-    bf = load_model(gguf_path, torch.bfloat16, CPU, quantization="auto")
+    bf = open_model(gguf_path, torch.bfloat16, CPU, quantization="auto")
     ids = ref.tokenizer.encode(alpaca_instructions[0])
     agree = (_logits(bf.model, ids).argmax(-1) == _logits(ref.model, ids).argmax(-1)).float().mean().item()
     assert agree > 0.8
@@ -234,7 +235,7 @@ def test_perplexity_g128_within_10_percent(int4_g128: tuple[Path, dict], base_pe
                                            reference_ids) -> None:
     """The folder `tokenmill quantize` writes at group 128 (embedding INT4 too), loaded back in fp32."""
     base = base_perplexity
-    q = perplexity(load_model(str(int4_g128[0]), torch.float32, CPU).model, reference_ids).perplexity
+    q = perplexity(open_model(str(int4_g128[0]), torch.float32, CPU).model, reference_ids).perplexity
     assert q / base - 1 < 0.10, (base, q)
 
 
@@ -252,6 +253,6 @@ def test_perplexity_gptq_tuned_g128_within_10_percent(gguf_path: str, ref, data_
     quantize_to_folder(gguf_path, out, 4, 128, include_embedding=False, method="gptq",
                        calibration=[gsm, alpaca.column(0).to_pylist()])
     base = perplexity(ref.model, ids).perplexity
-    q = perplexity(load_model(out, torch.float32, CPU).model, ids).perplexity
+    q = perplexity(open_model(out, torch.float32, CPU).model, ids).perplexity
     assert abs(base - 5.4285) < 0.01, base  # the fp32 figure of bench/README.md
     assert q / base - 1 < 0.10, (base, q)

@@ -12,18 +12,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import engine.quant.quantize as quantize_module
+import engine.ptq.quantize as quantize_module
 from engine.layers.attention import paged_attention_ref
 from engine.loading.tokenmill_folder import read_folder, save_folder
 from engine.model.sequence_forward import private_prefill
-from engine.quant.calibration import calibration_token_ids
-from engine.quant.gptq import HessianAccumulator, gptq_quantize_weight, output_error
+from engine.ptq.calibration import calibration_token_ids
+from engine.ptq.gptq import HessianAccumulator, gptq_quantize_weight, output_error
+from engine.ptq.quantize import quantize_model
+from engine.ptq.refit import refit_group_qparams
+from engine.ptq.tune import distillation_kl, tune_group_qparams
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, quantize_int4
-from engine.quant.quantize import quantize_model
-from engine.quant.refit import refit_group_qparams
 from engine.quant.state import LINEAR_MODULES
-from engine.quant.tune import distillation_kl, tune_group_qparams
 
 CPU = torch.device("cpu")
 

@@ -32,8 +32,8 @@ projection costs +9.6% perplexity (bench/README.md):
   2. `refit=True`: after the column loop, every row's scales and zeros are re-solved for its codes on the full
      Hessian (`refit_group_qparams`, least squares in 2G unknowns per row) and kept where that lowers the error.
 Whole model, g128, 20k AlpacaEval tokens: +18.4% as published -> +12.0% with both (damp 0.01); the other
-combinations measured +12.3% to +14.0% (bench/README.md, INT4). The driver (engine.quant.quantize) then trains the
-group scales and zeros (and the RMSNorm gains) end to end against the unquantized model (engine.quant.tune): +9.8%
+combinations measured +12.3% to +14.0% (bench/README.md, INT4). The driver (engine.ptq.quantize) then trains the
+group scales and zeros (and the RMSNorm gains) end to end against the unquantized model (engine.ptq.tune): +9.8%
 with 128 calibration sequences and one epoch.
 
 Model pipeline (`gptq_quantize_model`), as the reference llama.py with `--true-sequential`: the calibration
@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from engine.layers.attention import paged_attention_ref
 from engine.model.base import ModelBase
 from engine.model.sequence_forward import private_prefill
+from engine.ptq.refit import refit_group_qparams, row_errors
 from engine.quant.qparams import Int4Weight, _mse_fit, check_group_size, pack_uint4, padded_in_features
-from engine.quant.refit import refit_group_qparams, row_errors
 
 #: Per decoder layer, the projections quantized together (same input, so one Hessian), in forward order.
 SEQUENTIAL_GROUPS: tuple[tuple[str, ...], ...] = (
@@ -249,8 +249,8 @@ def gptq_quantize_model(model: ModelBase, calibration: torch.Tensor, group_size:
     Args:
         model: ModelBase with plain fp32 nn.Linear projections. Modified in place: each quantized
             projection's weight is replaced by its dequantized INT4 value (so later layers calibrate on quantized
-            outputs); swap in Int4Linear modules afterwards (engine.quant.quantize.quantize_model does).
-        calibration: int64 [S, L] token ids (engine.quant.calibration), S sequences of L tokens each.
+            outputs); swap in Int4Linear modules afterwards (engine.ptq.quantize.quantize_model does).
+        calibration: int64 [S, L] token ids (engine.ptq.calibration), S sequences of L tokens each.
         group_size, damp, method, act_order, refit: as gptq_quantize_weight.
         on_layer: progress callback (layer index, seconds so far).
     Returns {module name: Int4Weight}. Cost: about one forward of the decoder over the S * L tokens (each stage

@@ -1,6 +1,6 @@
 """Least-squares refit of INT4 group scales and zeros for fixed codes, on a layer's Hessian.
 
-After GPTQ (engine.quant.gptq) has chosen every weight's code q in 0..15, the dequantized weight
+After GPTQ (engine.ptq.gptq) has chosen every weight's code q in 0..15, the dequantized weight
 wq_n,i = (q_n,i - 8) s_n,g(i) + z_n,g(i) is linear in the row's 2G group parameters (s, z), so the ones that
 minimize the layer's output error (w_n - wq_n) H (w_n - wq_n)^T, H = 2 X^T X / T, solve a 2G x 2G linear system
 per row; the groups couple through H's off-diagonal blocks. Same objective as GPTQ (Frantar et al. 2022,

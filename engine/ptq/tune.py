@@ -1,6 +1,6 @@
 """End-to-end tuning of INT4 group scales and zeros (and the RMSNorm gains), codes fixed, by distillation.
 
-GPTQ (engine.quant.gptq) picks every weight's 4-bit code layer by layer, each projection minimizing its own output
+GPTQ (engine.ptq.gptq) picks every weight's 4-bit code layer by layer, each projection minimizing its own output
 error. What it cannot see is how the errors of 210 projections add up at the logits. This pass keeps the codes
 and trains only the group parameters, a 1/64 of the weights at g128 (one scale and one zero per 128 weights), on
 the whole model's output: the KL divergence from the unquantized model's next-token distribution to the quantized
@@ -96,7 +96,7 @@ def tune_group_qparams(model: ModelBase, teacher: ModelBase, weights: dict[str, 
 
     Args:
         model: fp32 ModelBase whose modules named in `weights` are plain nn.Linear holding (or about to hold) the
-            dequantized weight, as engine.quant.gptq.gptq_quantize_model leaves it. Modified in place: on return
+            dequantized weight, as engine.ptq.gptq.gptq_quantize_model leaves it. Modified in place: on return
             those weights are the dequantized tuned ones (and the norm gains tuned, with tune_norms);
             requires_grad flags are restored.
         teacher: the unquantized fp32 model (same config, same device); only run forward.

@@ -1,5 +1,5 @@
-"""The INT4 driver: quantize a filled model's weights by round-to-nearest, or by GPTQ (engine.quant.gptq) and then
-the end-to-end tuning of the group scales and zeros (engine.quant.tune), and swap Int4Linear / Int4Embedding in.
+"""The INT4 driver: quantize a filled model's weights by round-to-nearest, or by GPTQ (engine.ptq.gptq) and then
+the end-to-end tuning of the group scales and zeros (engine.ptq.tune), and swap Int4Linear / Int4Embedding in.
 
 The one module that knows the order of the passes: GPTQ and the tuning know nothing of each other, and the handler
 (engine.quant.handler) knows neither.
@@ -14,13 +14,13 @@ import torch
 from torch import nn
 
 from engine.model.base import ModelBase
+from engine.ptq.gptq import gptq_quantize_model
+from engine.ptq.tune import tune_group_qparams
 from engine.quant.experts import quantize_experts
-from engine.quant.gptq import gptq_quantize_model
 from engine.quant.handler import Int4QuantHandler
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, quantize_int4
 from engine.quant.state import EMBEDDING, LM_HEAD, set_module
-from engine.quant.tune import tune_group_qparams
 
 
 def quantize_weights(model: ModelBase, group_size: int = 128, include_embedding: bool = False, *,
@@ -36,13 +36,13 @@ def quantize_weights(model: ModelBase, group_size: int = 128, include_embedding:
         model: ModelBase with plain nn.Linear / nn.Embedding weights; fp32 when calibrating.
         group_size: input features per scale/zero group (32, 64, 128 or 256).
         calibration: None = round-to-nearest with the MSE scale fit (qparams.quantize_int4); int64 [S, L] token
-            ids (engine.quant.calibration.calibration_batch) = GPTQ for the decoder projections (engine.quant.gptq),
+            ids (engine.ptq.calibration.calibration_batch) = GPTQ for the decoder projections (engine.ptq.gptq),
             run after the embedding is rounded so the calibration sees the INT4 embedding; then, for
             tune_epochs > 0, every group's scale and zero (and every RMSNorm gain) tuned end to end against a copy
-            of the model as passed in (engine.quant.tune). The embedding and an untied LM head always use
+            of the model as passed in (engine.ptq.tune). The embedding and an untied LM head always use
             round-to-nearest.
-        act_order, damp, refit, on_layer: as engine.quant.gptq.gptq_quantize_model.
-        tune_epochs: passes of the end-to-end tuning over the calibration batch (engine.quant.tune; 0 = off).
+        act_order, damp, refit, on_layer: as engine.ptq.gptq.gptq_quantize_model.
+        tune_epochs: passes of the end-to-end tuning over the calibration batch (engine.ptq.tune; 0 = off).
         on_tune_step: tuning progress callback (step, steps, KL in nats per token).
     Returns {module name: Int4Weight} with bf16 scales and zeros. With calibration the model is modified in place:
     the rounded embedding and each calibrated projection hold their dequantized INT4 values (plain modules), and

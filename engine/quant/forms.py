@@ -1,0 +1,265 @@
+"""The held forms of a linear's weight, one class each, and the one table of them: HELD_FORMS.
+
+A held form is how a weight sits in memory for its device's kernel, as opposed to how a file stores it (the stored
+formats, each of which names the held form it becomes: engine.loading.stored_formats.STORED_FORMATS). Each class is
+one held form with three steps, as vLLM's quantization methods are (vllm/model_executor/layers/quantization: a
+LinearMethodBase's create_weights / process_weights_after_loading / apply):
+
+    create(out_features, in_features)  the empty held weight of a linear of that shape, on the meta device: the
+                                       parts and dtypes a reader fills (a loaded weight must have these shapes);
+    process_after_load(weight, bias)   the serving module on the form's device: the weight repacked for the
+                                       kernel (oneDNN's blocked layout, tinygemm's / GemLite's INT4 packing,
+                                       oneDNN's int8 prepack), moved to the device; a bias kept (added in the
+                                       GEMM's epilogue where the kernel has one, else after it: AddBias);
+    apply(layer, x)                    y = x W^T + b through that module, x [..., K] -> [..., N].
+
+Each class's `served_by` names, per device type, the module (or kernel function) that serves it there; a device it
+does not name refuses the form (`kernel_for`). The model's loads build their quantized modules through these
+classes (engine.quant.handler.build_model), the CPU's plain linears are packed through them
+(engine.quant.after_load.pack_linears), and docs/architecture.md's table of weight forms by device is this one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engine.kernels.gguf_blocks import BLOCK_SIZE, GGUFBlocks
+from engine.quant.experts import expert_modules
+from engine.quant.int4_linear import Int4Embedding, Int4Linear
+from engine.quant.int8_linear import Int8Linear
+from engine.quant.packed_linear import PackedLinear, can_pack
+from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, padded_in_features
+from engine.quant.stacked_int4 import StackedInt4
+from engine.quant.state import AddBias
+
+META = torch.device("meta")
+
+
+class HeldForm(ABC):
+    """One held form of a linear's weight (module docstring): create, process after load, apply.
+
+    Class attributes:
+        name: its key in HELD_FORMS.
+        held_type: the type of its held weight (what a quantized state dict holds for it).
+        served_by: device type ("cpu", "cuda") -> dotted name of the module or kernel that serves it there.
+        tolerance: the largest max|y - y_ref| / max|y_ref| it gives on a random Gaussian linear in fp32 on the CPU
+            against the fp32 weights it was made from (what tests/engine/quant/test_held_forms.py holds it to).
+    Args:
+        dtype: the activations' (compute) dtype.
+        device: where the serving module lives.
+    """
+
+    name: ClassVar[str]
+    held_type: ClassVar[type]
+    served_by: ClassVar[Mapping[str, str]]
+    tolerance: ClassVar[float]
+
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.dtype, self.device = dtype, torch.device(device)
+
+    @abstractmethod
+    def create(self, out_features: int, in_features: int) -> Any:
+        """The empty held weight [out_features, in_features] on the meta device."""
+
+    @abstractmethod
+    def process_after_load(self, weight: Any, bias: torch.Tensor | None = None) -> nn.Module:
+        """The serving module on `self.device` of a loaded held weight (and a bias [N], or None)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """y = x W^T + b: x [..., K] -> [..., N] through `layer` (process_after_load's module)."""
+        return layer(x)
+
+    @classmethod
+    def kernel_for(cls, device: torch.device | str) -> str:
+        """The dotted name of what serves this form on `device`. Raises ValueError where nothing does."""
+        kind = torch.device(device).type
+        if kind not in cls.served_by:
+            raise ValueError(f"held form {cls.name!r} has no kernel on {kind} (served on {', '.join(cls.served_by)}); "
+                             "load the model with quantization 'none' there")
+        return cls.served_by[kind]
+
+
+def _with_bias(module: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype,
+               device: torch.device) -> nn.Module:
+    """`module` with `bias` added after it (AddBias, bias cast to `dtype` on `device`), or as it is without one."""
+    if bias is None:
+        return module
+    return AddBias(module, nn.Parameter(bias.detach().to(device, dtype), requires_grad=False))
+
+
+class DenseForm(HeldForm):
+    """The weight as a plain tensor [N, K] in the compute dtype (bf16 / fp32 / fp16). On the CPU packed for oneDNN
+    (engine.quant.packed_linear.PackedLinear) where oneDNN packs the dtype, else (and on CUDA) an nn.Linear."""
+
+    name = "dense"
+    held_type = torch.Tensor
+    served_by = {"cpu": "engine.quant.packed_linear.PackedLinear", "cuda": "torch.nn.Linear"}
+    tolerance = 1e-5
+
+    def create(self, out_features: int, in_features: int) -> torch.Tensor:
+        return torch.empty(out_features, in_features, dtype=self.dtype, device=META)
+
+    def process_after_load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+        w = weight.detach().to(self.device, self.dtype)
+        if self.device.type == "cpu" and can_pack(self.dtype):
+            return PackedLinear(w, None, bias)
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None, device=META)
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach().to(self.device, self.dtype), requires_grad=False)
+        return linear
+
+
+class GGUFBlocksForm(HeldForm):
+    """A GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K weight kept as its own blocks (engine.kernels.gguf_blocks.GGUFBlocks)
+    beside its fp32 copy, on the CPU in fp32 only: decode steps of a few rows read the blocks
+    (engine.kernels.gguf_blocks.gguf_linear, inside engine.quant.packed_linear.gguf_kernel_scope), the others the
+    oneDNN-packed fp32 copy. Elsewhere the weight is held dense (its blocks dropped at load).
+
+    Args (beyond HeldForm's): type_name: the GGUF type of `create`'s blocks.
+    """
+
+    name = "gguf_blocks"
+    held_type = GGUFBlocks
+    served_by = {"cpu": "engine.quant.packed_linear.PackedLinear"}
+    tolerance = 2e-2  # Q8_0 blocks made from fp32 weights (the test's type)
+
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 type_name: str = "Q8_0") -> None:
+        super().__init__(dtype, device)
+        self.type_name = type_name
+
+    def create(self, out_features: int, in_features: int) -> GGUFBlocks:
+        """Raises ValueError when in_features is not whole 32-weight blocks."""
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"GGUF blocks hold rows of whole {BLOCK_SIZE}-weight blocks, got in_features "
+                             f"{in_features}; hold the weight dense")
+        nb = in_features // BLOCK_SIZE
+        q8 = self.type_name == "Q8_0"
+        qs = torch.empty(out_features, nb, 32 if q8 else 16, dtype=torch.int8 if q8 else torch.uint8, device=META)
+        scales = torch.empty(out_features, nb, dtype=torch.float32, device=META)
+        return GGUFBlocks(self.type_name, qs, scales, None if q8 else torch.empty_like(scales))
+
+    def process_after_load(self, weight: GGUFBlocks, bias: torch.Tensor | None = None, *,
+                           dense: torch.Tensor | None = None) -> nn.Module:
+        """PackedLinear over `dense` (the fp32 weight the blocks were dequantized to, when the caller holds it; else
+        dequantized here) with the blocks. Raises ValueError (as kernel_for) off the CPU or for a dtype but fp32."""
+        self.kernel_for(self.device)
+        if self.dtype != torch.float32:
+            raise ValueError(f"GGUF blocks serve fp32 activations only, not {self.dtype}; hold the weight dense")
+        return PackedLinear(weight.dequantize() if dense is None else dense, weight, bias)
+
+
+class Int4GroupForm(HeldForm):
+    """INT4 group-wise, W4A16 (engine.quant.qparams.Int4Weight: uint8 [N, Kp/2] plus scales and zeros per group of
+    `group_size` input features), served by engine.quant.int4_linear.Int4Linear (CPU: bf16 `_weight_int4pack_mm_
+    for_cpu`, fp32 dequantize + GEMM; CUDA: tinygemm, GemLite, dequantize + GEMM by rows) or, for an embedding,
+    Int4Embedding.
+
+    Args (beyond HeldForm's): group_size; dequant_min_rows and layout: Int4Linear's (CUDA only).
+    """
+
+    name = "int4"
+    held_type = Int4Weight
+    served_by = {"cpu": "engine.quant.int4_linear.Int4Linear", "cuda": "engine.quant.int4_linear.Int4Linear"}
+    tolerance = 0.15  # round-to-nearest at group 32 of Gaussian weights (about 0.07 measured)
+
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 group_size: int = 128, dequant_min_rows: int | None | str = "auto", layout: str = "dual") -> None:
+        super().__init__(dtype, device)
+        check_group_size(group_size)
+        self.group_size, self.dequant_min_rows, self.layout = group_size, dequant_min_rows, layout
+
+    def create(self, out_features: int, in_features: int) -> Int4Weight:
+        kp = padded_in_features(in_features, self.group_size)
+        groups = torch.empty(out_features, kp // self.group_size, dtype=torch.bfloat16, device=META)
+        return Int4Weight(torch.empty(out_features, kp // 2, dtype=torch.uint8, device=META), groups,
+                          torch.empty_like(groups), in_features, self.group_size)
+
+    def process_after_load(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
+                           embedding: bool = False) -> nn.Module:
+        """Int4Linear (packed for the device's kernels) or, with `embedding`, Int4Embedding (no bias)."""
+        if embedding:
+            return Int4Embedding(weight, self.dtype, self.device)
+        module = Int4Linear(weight, self.dtype, self.device, self.dequant_min_rows, layout=self.layout)
+        return _with_bias(module, bias, self.dtype, self.device)
+
+
+class Int8W8A8Form(HeldForm):
+    """INT8 W8A8 (engine.quant.qparams.Int8Weight: int8 [N, K] and an fp32 scale per output channel; activations
+    quantized per token at run time), served on the CPU by engine.quant.int8_linear.Int8Linear (oneDNN's int8
+    GEMM). No CUDA kernel: a W8A8 folder there is held dense (dequantized exactly)."""
+
+    name = "int8_w8a8"
+    held_type = Int8Weight
+    served_by = {"cpu": "engine.quant.int8_linear.Int8Linear"}
+    tolerance = 5e-2  # 7-bit weights where the CPU lacks VNNI (engine.quant.int8_linear), 8-bit activations
+
+    def create(self, out_features: int, in_features: int) -> Int8Weight:
+        return Int8Weight(torch.empty(out_features, in_features, dtype=torch.int8, device=META),
+                          torch.empty(out_features, dtype=torch.float32, device=META))
+
+    def process_after_load(self, weight: Int8Weight, bias: torch.Tensor | None = None) -> nn.Module:
+        """Int8Linear over the stored integers and scales (no second quantization). Raises ValueError off the CPU,
+        and as Int8Linear."""
+        self.kernel_for(self.device)
+        return _with_bias(Int8Linear(weight, self.dtype), bias, self.dtype, self.device)
+
+
+class StackedInt4Form(HeldForm):
+    """One projection of every expert of a mixture-of-experts layer as INT4 (engine.quant.stacked_int4.StackedInt4
+    [E, N, Kp/2]). On CUDA with Triton the grouped W4A16 kernel serves a block's two projections together
+    (engine.quant.experts.set_int4_experts); elsewhere each expert runs an Int4Linear over its slice
+    (engine.quant.experts.expert_modules), which is what process_after_load builds.
+
+    Args (beyond HeldForm's): num_experts and group_size (of `create`'s weight); layout: Int4Linear's (CUDA).
+    """
+
+    name = "stacked_int4"
+    held_type = StackedInt4
+    served_by = {"cpu": "engine.quant.experts.expert_modules",
+                 "cuda": "engine.kernels.triton_moe_int4.fused_experts_int4"}
+    tolerance = 0.15
+
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
+                 num_experts: int = 1, group_size: int = 128, layout: str = "dual") -> None:
+        super().__init__(dtype, device)
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.num_experts, self.group_size, self.layout = num_experts, group_size, layout
+
+    def create(self, out_features: int, in_features: int) -> StackedInt4:
+        one = Int4GroupForm(self.dtype, self.device, group_size=self.group_size).create(out_features, in_features)
+        return StackedInt4(*(t.expand(self.num_experts, *t.shape) for t in (one.qweight, one.scales, one.zeros)),
+                           in_features, self.group_size)
+
+    def process_after_load(self, weight: StackedInt4, bias: torch.Tensor | None = None) -> nn.ModuleList:
+        """One module per expert (expert_modules), expert e's bias row [N] of `bias` [E, N] added after it."""
+        mods = expert_modules(weight, self.dtype, self.device, self.layout)
+        return nn.ModuleList(mods if bias is None else
+                             [_with_bias(m, b, self.dtype, self.device) for m, b in zip(mods, bias, strict=True)])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's rows through expert e: x [E, M, K] -> [E, M, N]."""
+        return torch.stack([expert(rows) for expert, rows in zip(layer, x, strict=True)])
+
+
+#: The one table of held forms: name -> class (each class's served_by: which module serves it on which device).
+HELD_FORMS: dict[str, type[HeldForm]] = {
+    form.name: form for form in (DenseForm, GGUFBlocksForm, Int4GroupForm, Int8W8A8Form, StackedInt4Form)}
+
+
+def held_form_of(weight: object) -> type[HeldForm]:
+    """The held form class whose held_type `weight` is (a plain tensor: DenseForm). Raises TypeError for anything
+    else, naming the types HELD_FORMS holds."""
+    for form in HELD_FORMS.values():
+        if isinstance(weight, form.held_type):
+            return form
+    raise TypeError(f"{type(weight).__name__} is no held weight; HELD_FORMS holds "
+                    f"{', '.join(f.held_type.__name__ for f in HELD_FORMS.values())}")
+
