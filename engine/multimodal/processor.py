@@ -45,19 +45,24 @@ def image_only_processor(path: str) -> Any:
     """The HF processor of the folder at `path` (its processor_class, from processor_config.json or
     preprocessor_config.json) built without its video processor, whose torchvision backend tokenmill does not install
     (transformers' AutoProcessor raises ImportError for Qwen2-VL's): the Pillow image processor, the tokenizer and the
-    chat template (chat_template.jinja or chat_template.json), with the processor class's own text expansion.
-    Raises ValueError when no processor class is named, ImportError when the class needs more than its video half."""
+    chat template (chat_template.jinja or chat_template.json) and processor_config.json's settings, with the processor
+    class's own text expansion. Raises ValueError when no processor class is named, ImportError when the class needs
+    more than its video half (SmolVLMProcessor needs num2words, a dependency of tokenmill)."""
     import json
     from pathlib import Path
 
     import transformers
 
-    names = [json.loads(f.read_text()).get("processor_class") for f in
-             (Path(path, "processor_config.json"), Path(path, "preprocessor_config.json")) if f.is_file()]
+    configs = [json.loads(f.read_text()) for f in
+               (Path(path, "processor_config.json"), Path(path, "preprocessor_config.json")) if f.is_file()]
+    names = [c.get("processor_class") for c in configs]
     name = next((n for n in names if n), None)
     if name is None or not hasattr(transformers, name):
         raise ValueError(f"{path} names no transformers processor class ({names})")
     base = getattr(transformers, name)
+    # the processor's own settings (SmolVLM's image_seq_len: the image tokens per tile), as from_pretrained passes them
+    own = {k: v for k, v in (configs[0] if Path(path, "processor_config.json").is_file() else {}).items()
+           if k not in ("processor_class", "image_processor", "video_processor", "tokenizer", "chat_template")}
 
     class ImageOnly(base):  # the class's check of a None video processor looks up the torchvision-only mapping
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
@@ -70,7 +75,7 @@ def image_only_processor(path: str) -> Any:
         template = json.loads(Path(path, "chat_template.json").read_text()).get("chat_template")
     return ImageOnly(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
                      tokenizer=transformers.AutoTokenizer.from_pretrained(path), video_processor=None,
-                     chat_template=template)
+                     chat_template=template, **own)
 
 
 class ImageProcessor:
@@ -118,8 +123,11 @@ class ImageProcessor:
         try:
             try:
                 hf = AutoProcessor.from_pretrained(path)
-            except ImportError:  # a video processor that needs torchvision (Qwen2-VL's): the image half alone
-                hf = image_only_processor(path)
+            except (ImportError, OSError) as e:  # a video processor that needs torchvision (Qwen2-VL's, SmolVLM's)
+                try:  # or whose config the folder lacks: the image half alone
+                    hf = image_only_processor(path)
+                except (OSError, ValueError, KeyError, ImportError):
+                    raise e from None
         except (OSError, ValueError, KeyError, ImportError) as e:
             raise ValueError(f"{path} has no image processor transformers can load ({type(e).__name__}: {e}); a "
                              "vision-language model folder needs its processor_config.json / "

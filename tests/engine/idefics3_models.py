@@ -48,9 +48,9 @@ def build_idefics3(folder: Path, hf_tok, family: str = "idefics3", longest_edge:
 
         cfg = transformers.SmolVLMConfig(vision_config=transformers.SmolVLMVisionConfig(**vision), text_config=text,
                                          image_token_id=image_id, scale_factor=SCALE)
-        # NOTE: SmolVLMProcessor needs the num2words package (its video prompts), which the test environment does not
-        # have; Idefics3Processor writes the same image layout (SmolVLM's get_image_prompt_string) over SmolVLM's
-        # own image processor.
+        # NOTE: SmolVLMProcessor cannot be built here without its video processor (torchvision, not installed);
+        # Idefics3Processor writes the same image layout (SmolVLM's get_image_prompt_string) over SmolVLM's own image
+        # processor. A folder naming SmolVLMProcessor, as the hub's do: tests/engine/vision/test_smolvlm_folder.py.
         model_class, processor_class = transformers.SmolVLMForConditionalGeneration, transformers.Idefics3Processor
     model = randomized(model_class, cfg, seed)
     model.save_pretrained(folder)
