@@ -33,7 +33,7 @@ from pipeline.input import InputChanged, Shard
 from pipeline.preemption import StopSignal, stop_deadline_s
 from pipeline.record import Attempt, ShardRecord
 from pipeline.row_kinds import row_kind
-from pipeline.shard_engine import EngineFacts, LazyEngine, NoDeviceClock
+from pipeline.shard_engine import EngineFacts, LazyEngine, NoDeviceClock, ShardRunner
 from pipeline.shard_requests import ProgressFn, RowFn, RowRequests, generate_rows
 from pipeline.shard_rows import ShardError, ShardRows, read_shard
 from pipeline.storage import is_no_space
@@ -107,8 +107,6 @@ def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_
     raises (nothing recorded: its caller records it), and what the store raises when a commit fails after retries
     (NoSpaceLeft for a full local disk).
     """
-    from engine.loop.engine_loop import EngineLoop
-
     record = ShardRecord.open(output_url, shard.shard_id)
     if record.accounting is not None:
         return record.accounting
@@ -117,17 +115,15 @@ def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_
             done = len(record.committed_rows())
             raise ShardInterrupted(done, max(0, shard.num_rows - done))
         work = None if record.results_committed else _ShardWork.read(record, shard, prompt_column, cfg, pinned)
-        if isinstance(engine, LazyEngine):
-            if work is not None and work.requests.runnable:
-                runner, fingerprint = engine.load()
-                facts = EngineFacts.of(_engine_of(runner), fingerprint)
-            else:
-                runner, facts = None, engine.facts()
+        lazy = engine if isinstance(engine, LazyEngine) else LazyEngine.ready(engine, model_fingerprint)
+        if lazy.loaded or (work is not None and work.requests.runnable):
+            loaded, fingerprint = lazy.load()
+            runner: ShardRunner | None = ShardRunner.of(loaded)
+            facts = EngineFacts.of(runner.engine, fingerprint)
         else:
-            runner, facts = engine, EngineFacts.of(_engine_of(engine), model_fingerprint)
+            runner, facts = None, lazy.facts()
         t0 = time.monotonic()
-        clock = (NoDeviceClock() if runner is None
-                 else DeviceClock(runner.idle if isinstance(runner, EngineLoop) else None))
+        clock = NoDeviceClock() if runner is None else DeviceClock(runner.idle)
         with clock:
             attempt = record.claim(cfg.heartbeat_seconds, cfg.price_per_hour_usd)
             try:
@@ -141,12 +137,6 @@ def run_shard(engine: LLMEngine | EngineLoop | LazyEngine, shard: Shard, prompt_
                 else:
                     attempt.fail(f"{type(e).__name__}: {e}", clock.close())
                 raise
-
-
-def _engine_of(runner: LLMEngine | EngineLoop) -> LLMEngine:
-    from engine.loop.engine_loop import EngineLoop
-
-    return runner.engine if isinstance(runner, EngineLoop) else runner
 
 
 @dataclass(frozen=True)
@@ -190,7 +180,7 @@ def _results(merged: pa.Table, shard: Shard, schema: pa.Schema) -> pa.Table:
     return table.select(schema.names).cast(schema)
 
 
-def _run_attempt(loop: LLMEngine | EngineLoop | None, facts: EngineFacts, work: _ShardWork | None, shard: Shard,
+def _run_attempt(loop: ShardRunner | None, facts: EngineFacts, work: _ShardWork | None, shard: Shard,
                  cfg: RunConfig, attempt: Attempt, t0: float, clock: DeviceClock, progress: ProgressFn | None,
                  notice: StopSignal, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
     record, kind = attempt.record, row_kind(cfg)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # torch: imported where a shard runs (a worker), never by the
     from engine import LLMEngine
     from engine.loop.engine_loop import EngineLoop
     from engine.outputs import ClassificationOutput, EmbeddingOutput, ScoreOutput
+    from pipeline.shard_engine import ShardRunner
 
 #: Called with (row index, its output) as each row finishes.
 EmbedRowFn = Callable[[int, "EmbeddingOutput | ClassificationOutput | ScoreOutput"], None]
@@ -45,7 +46,7 @@ def embed_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
     return RowRequests(errors, [k for k in range(len(rows.prompts)) if k not in errors], [])
 
 
-def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
+def embed_rows(engine: LLMEngine | EngineLoop | ShardRunner | None, rows: ShardRows, cfg: RunConfig,
                progress: ProgressFn | None = None, *, on_row: EmbedRowFn | None = None,
                should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
                requests: RowRequests | None = None
@@ -65,14 +66,15 @@ def embed_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunC
     it at once (engine.loop.clock.IdleShare), so shards sharing a worker are not billed its time twice.
     Raises ValueError when `engine` is None and a row can run, or is a model that does not embed / classify (its
     message names the task); what `on_row` raises (a checkpoint commit that failed) propagates."""
-    from engine.loop.engine_loop import EngineLoop
     from engine.outputs import ClassificationOutput, EmbeddingOutput, ScoreOutput
+    from pipeline.shard_engine import ShardRunner
 
     requests = requests or embed_requests(rows, cfg)
     runnable = requests.runnable
     if engine is None and runnable:
         raise ValueError(f"{len(runnable)} rows can run but no engine was given")
-    llm = engine.engine if isinstance(engine, EngineLoop) else engine
+    runner = ShardRunner.of(engine)
+    llm = None if runner is None else runner.engine
     task = cfg.task
     outputs: list[EmbeddingOutput | ClassificationOutput | ScoreOutput | None] = [None] * len(rows.prompts)
     for k, problem in requests.errors.items():

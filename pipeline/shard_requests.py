@@ -19,6 +19,7 @@ from pipeline.shard_rows import ShardRows
 if TYPE_CHECKING:  # torch: generate_rows imports it when it runs (on a worker), not the client that submits shards
     from engine import LLMEngine
     from engine.loop.engine_loop import EngineLoop
+    from pipeline.shard_engine import ShardRunner
 
 # Called with (rows finished, output tokens of those rows) as rows finish.
 ProgressFn = Callable[[int, int], None]
@@ -67,13 +68,10 @@ def row_requests(rows: ShardRows, cfg: RunConfig) -> RowRequests:
     return RowRequests(errors, runnable, params)
 
 
-def _text_only(requests: RowRequests, rows: ShardRows, engine: LLMEngine | EngineLoop | None) -> RowRequests:
+def _text_only(requests: RowRequests, rows: ShardRows, runner: ShardRunner | None) -> RowRequests:
     """`requests` with the image prompts (dicts: pipeline.images) among the runnable rows as error rows when
-    `engine`'s model is text-only (it would refuse the whole batch)."""
-    from engine.loop.engine_loop import EngineLoop
-
-    llm = engine.engine if isinstance(engine, EngineLoop) else engine
-    if llm is None or llm.image_processor is not None:
+    `runner`'s model is text-only (it would refuse the whole batch)."""
+    if runner is None or runner.engine.image_processor is not None:
         return requests
     images = {j for j, k in enumerate(requests.runnable) if isinstance(rows.prompts[k], dict)}
     if not images:
@@ -85,7 +83,7 @@ def _text_only(requests: RowRequests, rows: ShardRows, engine: LLMEngine | Engin
     return RowRequests(errors, [requests.runnable[j] for j in keep], [requests.params[j] for j in keep])
 
 
-def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: RunConfig,
+def generate_rows(engine: LLMEngine | EngineLoop | ShardRunner | None, rows: ShardRows, cfg: RunConfig,
                   progress: ProgressFn | None = None, *, on_row: RowFn | None = None,
                   should_stop: Callable[[], bool] | None = None, clock: DeviceClock | None = None,
                   requests: RowRequests | None = None) -> list[RequestOutput]:
@@ -104,11 +102,12 @@ def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: R
     left clean, and the error is raised once they are. `clock`: bill this shard's share of the engine's steps to
     it (engine.loop.clock.DeviceClock). Raises ValueError when `engine` is None and a row can run.
     """
-    from engine.loop.engine_loop import EngineLoop
+    from pipeline.shard_engine import ShardRunner
 
-    requests = _text_only(requests or row_requests(rows, cfg), rows, engine)
+    runner = ShardRunner.of(engine)
+    requests = _text_only(requests or row_requests(rows, cfg), rows, runner)
     runnable, params = requests.runnable, requests.params
-    if engine is None and runnable:
+    if runner is None and runnable:
         raise ValueError(f"{len(runnable)} rows can run but no engine was given")
     outputs: dict[int, RequestOutput] = {}
     for k, problem in requests.errors.items():
@@ -126,18 +125,11 @@ def generate_rows(engine: LLMEngine | EngineLoop | None, rows: ShardRows, cfg: R
             progress(1, completion_tokens(out))
 
     prompts, ids = [rows.prompts[k] for k in runnable], [str(k) for k in runnable]
-    if not runnable:
-        generated: list[RequestOutput] = []
-    elif isinstance(engine, EngineLoop):
-        generated = engine.submit(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
-                                  allow_special_tokens=cfg.allow_special_tokens, should_stop=should_stop,
-                                  clock=clock).run(lambda j, out: on_output(runnable[j], out))
-    elif engine is not None:  # None with rows to run was refused above
-        # An exception in on_output (a failed checkpoint commit) stops the engine, which drops the rest of the batch.
-        generated = engine.generate(prompts, params, request_ids=ids, use_chat_template=cfg.use_chat_template,
-                                    allow_special_tokens=cfg.allow_special_tokens,
-                                    on_output=lambda out: on_output(int(out.request_id), out),
-                                    should_stop=should_stop)
+    generated: list[RequestOutput] = []
+    if runnable and runner is not None:  # None with rows to run was refused above
+        # An exception in on_output (a failed checkpoint commit) stops this shard's rows, then propagates.
+        generated = runner.generate(prompts, params, ids, cfg, lambda j, out: on_output(runnable[j], out),
+                                    should_stop, clock)
     for k, out in zip(runnable, generated, strict=True):
         out.request_id = rows.ids[k]
         outputs[k] = out
