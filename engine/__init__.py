@@ -1,7 +1,8 @@
 """tokenmill's LLM engine: transformers from GGUF files or Hugging Face folders (the families of
 engine.model.registry): causal decoders (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, the mixtures of experts
-Qwen2/3-MoE, Mixtral, gpt-oss, and the vision-language LLaVA-1.5) over a paged KV cache with continuous batching, and
-encoders without a KV cache (BERT, XLM-RoBERTa, ModernBERT) for embeddings, scores and classification.
+Qwen2/3-MoE, Mixtral, gpt-oss, and the vision-language LLaVA-1.5 / LLaVA-NeXT, Idefics3 / SmolVLM, Gemma 3,
+Qwen2-VL / Qwen2.5-VL, Qwen3-VL) over a paged KV cache with continuous batching, and encoders without a KV cache
+(BERT, XLM-RoBERTa, ModernBERT) for embeddings, scores and classification.
 
 The front door is this package's top level, the public API only: LLMEngine (engine.llm_engine), EngineConfig
 (engine.engine_config), ModelConfig with its RopeScaling and VisionConfig (engine.config, engine.rope_scaling,
