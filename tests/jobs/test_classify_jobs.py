@@ -75,6 +75,10 @@ def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifie
                                [expected[k].score for k in good], atol=1e-5)
     assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
     assert schema.field("labels").type == pa.list_(pa.string()) and results.column("labels").null_count == ROWS
+    # OpenAI's Batch API has no classification endpoint: export refuses in one line (exit 2) and writes nothing
+    exported = runner.invoke(app, ["export", str(out), "--to", str(tmp_path / "batch.jsonl")])
+    assert exported.exit_code == 2 and "read its results/*.parquet" in exported.output, exported.output
+    assert "Traceback" not in exported.output and not (tmp_path / "batch.jsonl").exists()
 
 
 def test_a_multi_label_classify_job_writes_the_labels_on(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
