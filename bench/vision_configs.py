@@ -72,3 +72,21 @@ QWEN3_VL_8B = {
                       "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
                       "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
     "vision_end_token_id": 151653, "vision_start_token_id": 151652}
+
+#: HuggingFaceTB/SmolVLM-256M-Instruct's config.json (SmolLM2-135M's decoder, 30 layers of width 576, untied head;
+#: SigLIP B/16 at 512 px tiles, 12 layers of width 768 by Idefics3VisionConfig's default, a 4x pixel shuffle: 64 image
+#: tokens a tile). The release's fields that change the model; its text_config also carries training leftovers
+#: (perceiver_config, neftune_noise_alpha, transformers.js_config, _flash_attn_2_enabled, ...), left out here.
+SMOLVLM_256M = {
+    "architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190, "model_type": "idefics3",
+    "scale_factor": 4,
+    "text_config": {"architectures": ["VLlama3ForCausalLM"], "head_dim": 64, "hidden_size": 576,
+                    "intermediate_size": 1536, "max_position_embeddings": 8192, "model_type": "llama",
+                    "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2,
+                    "rms_norm_eps": 1e-05, "rope_theta": 100000, "torch_dtype": "bfloat16", "vocab_size": 49280},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.0", "use_cache": True,
+    "vision_config": {"hidden_size": 768, "image_size": 512, "intermediate_size": 3072,
+                      "max_image_size": {"longest_edge": 512}, "model_type": "idefics3", "num_attention_heads": 12,
+                      "patch_size": 16, "size": {"longest_edge": 2048}, "tie_word_embeddings": False,
+                      "use_base_siglip": False},
+    "vocab_size": 49280}

@@ -4,8 +4,8 @@ the bench machines), the shapes cut from it (`small`: a CPU side-by-side size, `
 its prompts spell and the config fields holding their ids, its chat template, and its Hugging Face processor's files
 written from parts (no files to download). A new family is one more entry in FAMILIES; a family whose architecture is
 not in tokenmill's registry yet is skipped by the benchmarks with one line (family_missing). Written: LLaVA-1.5,
-Qwen2.5-VL, Gemma 3 and Qwen3-VL. Not written yet: LLaVA-NeXT and Idefics3/SmolVLM entries (their models landed; each
-wants its released config, shapes, tokens and processor).
+Qwen2.5-VL, Gemma 3, Qwen3-VL and SmolVLM (Idefics3's architecture). Not written yet: a LLaVA-NeXT entry (its model
+landed; it wants its released config, shapes, tokens and anyres processor).
 
 Also the benchmarks' inputs: pictures drawn with Pillow (gradients, shapes, lines, a word; several sizes and aspect
 ratios, as photos come) and real questions (GSM8K test questions from ../shared/data).
@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from bench.vision_configs import GEMMA3_4B, LLAVA_15_7B, QWEN3_VL_8B, QWEN25_VL_7B
+from bench.vision_configs import GEMMA3_4B, LLAVA_15_7B, QWEN3_VL_8B, QWEN25_VL_7B, SMOLVLM_256M
 
 #: LLaVA-1.5's conversation ("USER: <image>\n... ASSISTANT:"), images before the text.
 _LLAVA_TEMPLATE = (
@@ -47,6 +47,18 @@ _GEMMA3_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] | trim }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+#: SmolVLM's turns ("<|im_start|>User:<image>question<end_of_utterance>\nAssistant:"; a colon and a space before text
+#: that opens a turn, a bare colon before an image), images where the parts put them.
+_SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}{% if m['content'] is string %}: "
+    "{{ m['content'] }}{% else %}{{ ':' if m['content'][0]['type'] == 'image' else ': ' }}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+#: The tokens SmolVLM's image prompts spell besides <image>: the tile frame, the global image's tag, the row and
+#: column tags of a split image (up to 6x6) and the end of a turn.
+_SMOLVLM_TOKENS = ("<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                   *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)))
 
 
 def _llava_processor(tok: Any, config: dict, folder: Path, size: str) -> None:
@@ -107,6 +119,21 @@ def _gemma3_processor(tok: Any, config: dict, folder: Path, size: str) -> None:
                                  image_seq_length=config["mm_tokens_per_image"]).save_pretrained(folder)
 
 
+def _smolvlm_processor(tok: Any, config: dict, folder: Path, size: str) -> None:
+    """Idefics3Processor as SmolVLM-256M-Instruct's processor files set it (image_seq_len: the image tokens a tile,
+    (image_size / patch_size)^2 / scale_factor^2) over Idefics3's Pillow image processor (the picture resized to
+    vision_config's size.longest_edge, split into tiles of its max_image_size plus the whole picture at one tile's
+    size; LANCZOS, mean and std 0.5: the processor's defaults, as released), saved in `folder`."""
+    import transformers
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    v = config["vision_config"]
+    images = Idefics3ImageProcessorPil(size=v["size"], max_image_size=v["max_image_size"])
+    per_tile = (v["image_size"] // v["patch_size"]) ** 2 // config["scale_factor"] ** 2
+    transformers.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=per_tile,
+                                   chat_template=tok.chat_template).save_pretrained(folder)
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
     """One vision-language family of the benchmarks.
@@ -116,7 +143,8 @@ class VisionFamily:
     and for smoke runs. tokens: config field -> the special token whose id it holds (the image token first).
     vocab_fields: paths of the vocabulary size in the config. template: the chat template (jinja). processor:
     (HF tokenizer, config, folder, size) -> None: writes the family's HF processor files into the folder.
-    extra_tokens: special tokens its prompts spell that no config field holds (Gemma 3's turn markers)."""
+    extra_tokens: special tokens its prompts spell that no config field holds (Gemma 3's turn markers,
+    SmolVLM's tile tags)."""
 
     architecture: str
     config: dict
@@ -196,6 +224,22 @@ FAMILIES: dict[str, VisionFamily] = {
         tokens={"image_token_id": "<|image_pad|>", "vision_start_token_id": "<|vision_start|>",
                 "vision_end_token_id": "<|vision_end|>", "video_token_id": "<|video_pad|>"},
         vocab_fields=(("text_config", "vocab_size"),), template=_QWEN_VL_TEMPLATE, processor=_qwen_vl_processor),
+    "smolvlm-256m": VisionFamily(
+        "idefics3", SMOLVLM_256M,
+        # the released decoder (SmolLM2-135M's: 30 layers of width 576) and tower width on 256 px tiles (16 image
+        # tokens each), pictures resized to 512 px: up to 2x2 tiles and the whole picture
+        small={"vision_config": {"image_size": 256, "size": {"longest_edge": 512},
+                                 "max_image_size": {"longest_edge": 256}}},
+        # 32 px tiles in 8-pixel patches shuffled by 2 (4 image tokens a tile), pictures resized to 64 px
+        tiny={"scale_factor": 2,
+              "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+                                "size": {"longest_edge": 64}, "max_image_size": {"longest_edge": 32}},
+              "text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                              "max_position_embeddings": 2048}},
+        tokens={"image_token_id": "<image>"}, vocab_fields=(("vocab_size",), ("text_config", "vocab_size")),
+        template=_SMOLVLM_TEMPLATE, processor=_smolvlm_processor, extra_tokens=_SMOLVLM_TOKENS),
 }
 
 

@@ -1,9 +1,9 @@
 """The vision benchmarks checked without a GPU and without timing anything: the released LLaVA-1.5-7B, Qwen2.5-VL-7B,
-Gemma-3-4B and Qwen3-VL-8B shapes of bench/vision_models.py build on the meta device with their real parameter counts
-(HF's classes from the inline configs; tokenmill's model where its registry runs the family), the GPU preset
-(bench/vision_gpu.py) runs end to end at its tiny shape on the CPU, and so does the CPU side by side (bench/vision.py:
-tokenmill and HF transformers on one saved folder; vLLM left out). bench/gpu_session.sh's `vision` step's arguments are
-checked by tests/bench/test_gpu_session.py."""
+Gemma-3-4B, Qwen3-VL-8B and SmolVLM-256M shapes of bench/vision_models.py build on the meta device with their real
+parameter counts (HF's classes from the inline configs; tokenmill's model where its registry runs the family), the GPU
+preset (bench/vision_gpu.py) runs end to end at its tiny shape on the CPU, and so does the CPU side by side
+(bench/vision.py: tokenmill and HF transformers on one saved folder; vLLM left out). bench/gpu_session.sh's `vision`
+step's arguments are checked by tests/bench/test_gpu_session.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from bench.embed_gpu import tokenizer_folder
 from bench.vision_models import FAMILIES, family, family_missing, picture, questions, shaped_config, with_tokenizer
 
 #: Released parameter counts (HF's model classes on the released configs: llava-hf/llava-1.5-7b-hf,
-#: Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-4b-it, Qwen/Qwen3-VL-8B-Instruct: their safetensors totals).
+#: Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-4b-it, Qwen/Qwen3-VL-8B-Instruct,
+#: HuggingFaceTB/SmolVLM-256M-Instruct: their safetensors totals).
 PARAMS = {"llava-1.5-7b": 7_063_427_072, "qwen2.5-vl-7b": 8_292_166_656, "gemma-3-4b": 4_300_079_472,
-          "qwen3-vl-8b": 8_767_123_696}
+          "qwen3-vl-8b": 8_767_123_696, "smolvlm-256m": 256_484_928}
 
 
 def test_every_family_has_a_released_count() -> None:
