@@ -112,8 +112,8 @@ def run_hf(folder: Path, processor: Any, data: list[tuple[str, Any]], warm: list
     processor.tokenizer.padding_side = "left"
     pad = processor.tokenizer.pad_token_id or 0
 
-    def generate(part: list[tuple[str, Any]]) -> int:
-        inputs = processor(text=hf_prompts(processor, part), images=[img for _, img in part], padding=True,
+    def generate(part: list[tuple[str, Any]]) -> int:  # each row's images a list (Gemma3Processor asks for it)
+        inputs = processor(text=hf_prompts(processor, part), images=[[img] for _, img in part], padding=True,
                            return_tensors="pt")
         with torch.inference_mode():
             out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,

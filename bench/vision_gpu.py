@@ -6,20 +6,29 @@ carry), greedy with a fixed number of output tokens:
   width 1024; 576 image tokens a picture), the two-layer GELU projector: about 7.06B parameters;
 - qwen2.5-vl-7b (Qwen): Qwen2.5-7B with M-RoPE on a 32-block ViT of width 1280 (window attention, 2x2 patch
   merging, dynamic resolution at the release's pixel bounds: ~1,000 image tokens for a 1024x768 picture): about
-  8.29B. A family whose architecture tokenmill's registry lacks is skipped with one line (family_missing).
+  8.29B;
+- gemma-3-4b (google): Gemma 3 4B (34 layers, width 2560, 5 sliding layers to 1 global) on SigLIP So400m/14 at
+  896 px (27 layers, width 1152), its 64x64 patches average-pooled to 256 soft tokens a picture: about 4.30B;
+- qwen3-vl-8b (Qwen): Qwen3-8B with interleaved M-RoPE on a 27-block ViT of width 1152 (16-pixel patches, 2x2
+  merging, DeepStack into the first three layers, dynamic resolution from 64 to 16,384 image tokens): about 8.77B;
+- smolvlm-256m (HuggingFaceTB): SmolLM2-135M's decoder (30 layers, width 576) on SigLIP B/16 at 512 px tiles
+  (12 layers, width 768), a 4x pixel shuffle: 64 image tokens a tile (a 1024x768 picture: 4x3 tiles and the whole,
+  832): about 256M.
+A family whose architecture tokenmill's registry lacks is skipped with one line (family_missing).
 
-Inputs: bench.vision_models.picture's drawings (six sizes, 200x300 to 1024x768) through the family's own HF
-processor (CLIP's resize and crop; Qwen2-VL's dynamic resolution), GSM8K test questions in the family's chat
-template, the BERT uncased tokenizer bench/gpu_prepare.sh carries (.gpu/bert_tokenizer: the released tokenizers do
-not travel) with the family's image tokens added and the config's token ids pointed at them; the vocabulary stays
-the released one. One untimed pass over other pictures and questions (kernels, CUDA graphs, allocator; no prefix or
-encoder cache carries over), then one timed pass. Prints one JSON line per family (images/s, output tokens/s, and
-images and output tokens per dollar at --price-per-hour) and a table.
+Inputs: bench.vision_models.picture's drawings (six sizes, 200x300 to 1024x768) through the family's own HF processor
+(CLIP's resize and crop; Gemma 3's square resize; Qwen2-VL's dynamic resolution; Idefics3's tiles), GSM8K test questions
+in the family's chat template, the BERT uncased tokenizer bench/gpu_prepare.sh carries (.gpu/bert_tokenizer: the
+released tokenizers do not travel) with the family's image tokens added and the config's token ids pointed at them; the
+vocabulary stays the released one. One untimed pass over other pictures and questions (kernels, CUDA graphs, allocator;
+no prefix or encoder cache carries over), then one timed pass. Prints one JSON line per family (images/s, output
+tokens/s, and images and output tokens per dollar at --price-per-hour) and a table.
 
 Usage (bench/gpu_session.sh's `vision` step):
-    python -m bench.vision_gpu --device cuda                                 # both families, 256 rows x 128 tokens
+    python -m bench.vision_gpu --device cuda                                 # every family, 256 rows x 128 tokens
     python -m bench.vision_gpu --device cuda --family llava-1.5-7b --images 1024 --price-per-hour 3.5
-Smoke run on a CPU (each shape cut to 2 layers of width 64, 56 px pictures: tests/bench/test_vision_bench.py):
+Smoke run on a CPU (each shape cut to 2 layers of width 64, 4 to 20 image tokens a picture:
+tests/bench/test_vision_bench.py):
     python -m bench.vision_gpu --device cpu --tiny --images 4 --max-tokens 4
 """
 
@@ -120,7 +129,8 @@ def run_family(name: str, config: EngineConfig, args: argparse.Namespace) -> dic
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark (module docstring); returns the rows it printed (skipped families print one line)."""
-    ap = preset_parser(__doc__, "--family", list(FAMILIES), "2 layers of width 64, 56 px pictures (a CPU smoke run)")
+    ap = preset_parser(__doc__, "--family", list(FAMILIES),
+                       "2 layers of width 64, 4 to 20 image tokens a picture (a CPU smoke run)")
     ap.add_argument("--images", type=int, default=256, help="rows (one picture and one question each)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens a row (greedy, EOS ignored)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="tokens a row may hold (prompt + output)")

@@ -52,8 +52,10 @@ def idefics3_from_hf(config: dict[str, Any], generation_config: dict[str, Any] |
         log.warning("config.json fields %s are not read by tokenmill (%s); check they do not change the output",
                     unknown, model_type)
     cfg = text_model_config(config, generation_config, text_reader, "idefics3", {"rms_norm_eps": DEFAULT_TEXT_RMS_EPS})
-    vision = completed(dict(config.get("vision_config") or {}), VISION_TYPES[model_type],
-                       tuple(VISION_TYPES.values()), "vision_config", "idefics3")
+    sub = dict(config.get("vision_config") or {})
+    if sub.get("model_type") == model_type:  # the hub's Idefics3 and SmolVLM (v1) configs tag their vision config
+        sub["model_type"] = VISION_TYPES[model_type]  # "idefics3"; HF's config class builds its vision class anyway
+    vision = completed(sub, VISION_TYPES[model_type], tuple(VISION_TYPES.values()), "vision_config", "idefics3")
     unread = sorted(set(vision) - _VISION_READ)
     if unread:
         log.warning("config.json vision_config fields %s are not read by tokenmill (%s); check they do not change "

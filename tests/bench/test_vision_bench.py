@@ -1,9 +1,9 @@
-"""The vision benchmarks checked without a GPU and without timing anything: the released LLaVA-1.5-7B and
-Qwen2.5-VL-7B shapes of bench/vision_models.py build on the meta device with their real parameter counts (HF's
-classes from the inline configs; tokenmill's model where its registry runs the family), the GPU preset
-(bench/vision_gpu.py) runs end to end at its tiny shape on the CPU, and so does the CPU side by side (bench/vision.py:
-tokenmill and HF transformers on one saved folder; vLLM left out). bench/gpu_session.sh's `vision` step's arguments
-are checked by tests/bench/test_gpu_session.py."""
+"""The vision benchmarks checked without a GPU and without timing anything: the released LLaVA-1.5-7B, Qwen2.5-VL-7B,
+Gemma-3-4B, Qwen3-VL-8B and SmolVLM-256M shapes of bench/vision_models.py build on the meta device with their real
+parameter counts (HF's classes from the inline configs; tokenmill's model where its registry runs the family), the GPU
+preset (bench/vision_gpu.py) runs end to end at its tiny shape on the CPU, and so does the CPU side by side
+(bench/vision.py: tokenmill and HF transformers on one saved folder; vLLM left out). bench/gpu_session.sh's `vision`
+step's arguments are checked by tests/bench/test_gpu_session.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from bench.embed_gpu import tokenizer_folder
 from bench.vision_models import FAMILIES, family, family_missing, picture, questions, shaped_config, with_tokenizer
 
 #: Released parameter counts (HF's model classes on the released configs: llava-hf/llava-1.5-7b-hf,
-#: Qwen/Qwen2.5-VL-7B-Instruct).
-PARAMS = {"llava-1.5-7b": 7_063_427_072, "qwen2.5-vl-7b": 8_292_166_656}
+#: Qwen/Qwen2.5-VL-7B-Instruct, google/gemma-3-4b-it, Qwen/Qwen3-VL-8B-Instruct,
+#: HuggingFaceTB/SmolVLM-256M-Instruct: their safetensors totals).
+PARAMS = {"llava-1.5-7b": 7_063_427_072, "qwen2.5-vl-7b": 8_292_166_656, "gemma-3-4b": 4_300_079_472,
+          "qwen3-vl-8b": 8_767_123_696, "smolvlm-256m": 256_484_928}
 
 
 def test_every_family_has_a_released_count() -> None:
@@ -48,10 +50,18 @@ def test_the_gpu_presets_build_on_the_meta_device(name: str) -> None:
     if missing:
         pytest.skip(missing)
     cfg, images, tok = vision_gpu.vision_preset(name, tokenizer_folder(None))
-    assert cfg.vocab_size == shaped_config(name)["vocab_size"] and len(tok) <= cfg.vocab_size
-    assert images.hf.image_token_id == cfg.vision.image_token_id == tok.convert_tokens_to_ids(images.image_token)
+    holder = shaped_config(name)
+    for key in family(name).vocab_fields[-1]:
+        holder = holder[key]
+    assert cfg.vocab_size == holder and len(tok) <= cfg.vocab_size
+    image_token = next(iter(family(name).tokens.values()))  # the token the features fill (the first listed)
+    assert cfg.vision.image_token_id == tok.convert_tokens_to_ids(image_token)
+    # the prompt's placeholder: the image token itself, or Gemma 3's <start_of_image> that expands to its soft tokens
+    assert images.placeholder_id == images.hf.image_token_id == tok.convert_tokens_to_ids(images.image_token)
     with torch.device("meta"):
         model = build_model(cfg, 4096)
+    if cfg.tie_word_embeddings:  # Gemma 3: one matrix, shared as random_model shares it
+        model.tie_weights()
     assert sum(p.numel() for p in model.parameters()) == PARAMS[name]
     assert all(p.is_meta for p in model.parameters())
 

@@ -94,3 +94,22 @@ def test_max_image_pixels_sets_the_longest_edge_as_hf_with_that_size(family, que
     assert all(len(row) < len(engine.prompt_token_ids(p)) for row, p in zip(ids, prompts, strict=True))
     assert [small.image_processor.prompt_size(p, small.tokenizer)[0] for p in prompts] == [len(row) for row in ids]
 
+
+
+def test_a_vision_config_tagged_with_the_top_level_type_reads_as_its_vision_type() -> None:
+    """The hub's Idefics3 and SmolVLM (v1) configs tag vision_config "idefics3" (HF's Idefics3Config builds
+    Idefics3VisionConfig whatever the tag says): read as "idefics3_vision"; another type is still refused."""
+    from engine.model.hf_config import config_from_hf
+
+    text = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8}
+
+    def read(tag: str):
+        return config_from_hf({"model_type": "idefics3", "image_token_id": 7, "scale_factor": 2, "text_config": text,
+                               "vision_config": vision | {"model_type": tag}})
+
+    assert read("idefics3").vision == read("idefics3_vision").vision
+    with pytest.raises(ValueError, match="vision_config.model_type 'clip_vision_model' is not run"):
+        read("clip_vision_model")
