@@ -92,10 +92,11 @@ step embed 150 python3 -m bench.embed_gpu --device cuda
 # Vision (issue 54): LLMEngine.generate with one picture and one question a row, random bf16 weights of LLaVA-1.5-7B
 # (CLIP ViT-L/14 at 336 px: 576 image tokens a picture, Vicuna-7B) and Qwen2.5-VL-7B (dynamic resolution: ~80 to
 # ~1,000 image tokens a picture) from their released configs; 256 drawn pictures of six sizes, GSM8K questions, 128
-# greedy tokens; images/s, output tokens/s, images and tokens per dollar at $3/hour (est. 150 s: a 14-17 GB random
+# greedy tokens (the other families, Gemma 3, Qwen3-VL and SmolVLM: --family NAME by hand; the step keeps to 180 s);
+# images/s, output tokens/s, images and tokens per dollar at $3/hour (est. 150 s: a 14-17 GB random
 # init and 170-250k prompt tokens per family). Smoke run on a CPU:
 # python -m bench.vision_gpu --device cpu --tiny --images 4 --max-tokens 4
-step vision 180 python3 -m bench.vision_gpu --device cuda
+step vision 180 python3 -m bench.vision_gpu --device cuda --family llava-1.5-7b --family qwen2.5-vl-7b
 # One Qwen3-30B-A3B MoE layer's experts (hidden 2048, 128 experts of width 768, top-8, g128): INT4 grouped GEMMs
 # (engine.kernels.triton_moe_int4) vs bf16 on the same weights, T = 1, 32, 256, 2048, CUDA graphs (est. 60 s). Smoke
 # run on a CPU: TRITON_INTERPRET=1 python -m bench.moe_int4 --device cpu --tiny
