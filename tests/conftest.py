@@ -69,6 +69,7 @@ CPU_KIND_FILES = frozenset({
     "engine/loading/test_hf_quantized_moe.py", "engine/model/test_moe_quantized.py",
     "engine/kernels/test_cpu_kernels.py", "engine/kernels/test_gguf_small_batch.py",
     "engine/kernels/test_cpu_features.py", "jobs/test_model_fit.py", "jobs/test_doctor.py",
+    "engine/quant/test_held_forms.py", "engine/layers/test_image_attention.py",
 })
 
 
