@@ -7,9 +7,12 @@ real model on every path (test_cli's end-to-end run)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import dask
 import pytest
+from distributed import LocalCluster
 
 import jobs.cluster
 import pipeline.model_pin
@@ -20,6 +23,24 @@ from engine import LLMEngine
 def engine(tiny_engine: LLMEngine) -> LLMEngine:
     """The tiny stand-in of the real model (module docstring)."""
     return tiny_engine
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[str]:
+    """A real Dask LocalCluster of one worker process, started once per test session (per xdist worker) under the
+    settings `tokenmill run` starts its own with (jobs.cluster.CLUSTER_CONFIG); yields its scheduler address.
+
+    Tests whose point is what a job writes (results against the reference engine, exports, summaries, resumes) and
+    not the run's own cluster (its start and close, the dashboard line, the worker keeper, signals, the worker's
+    environment) run `tokenmill run ... --scheduler ADDRESS` on it: a job then costs its rows, not a worker
+    process's start-up and model load (about 7 s quiet, 15 s loaded, per run), and the worker keeps the last job's
+    engine resident as a long-lived cluster's worker does (jobs.plugin.register_engine). Other tests keep
+    starting their own cluster, so that path stays covered. The settings apply to the start only (the worker's
+    environment and intervals), not to the rest of the session's Dask config."""
+    with dask.config.set(jobs.cluster.CLUSTER_CONFIG):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0")
+    with cluster:
+        yield cluster.scheduler_address
 
 
 @pytest.fixture(autouse=True)

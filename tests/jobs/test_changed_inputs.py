@@ -1,6 +1,9 @@
 """What a job says about its input folder as it is now (issue 51): a finished job whose input changed since names
 the changed file and how to run the new input, and reruns nothing; files that are not Parquet beside the part files
-are named once, on stderr and in the input manifest (Spark's _SUCCESS and .crc files quietly skipped)."""
+are named once, on stderr and in the input manifest (Spark's _SUCCESS and .crc files quietly skipped).
+
+The runs check what a job says and writes, not its own cluster: they run on the session's LocalCluster
+(`shared_cluster`, tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +29,10 @@ def _warnings(stderr: str) -> list[str]:
 
 
 def test_a_finished_job_names_the_input_changed_since_and_runs_nothing(gsm8k_folder: Path, tmp_path: Path,
-                                                                       data_dir: Path) -> None:
+                                                                       data_dir: Path, shared_cluster: str) -> None:
     out = tmp_path / "out"
-    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "2", "--json"]
+    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "2", "--scheduler",
+            shared_cluster, "--json"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert not _warnings(first.stderr)
@@ -50,14 +54,16 @@ def test_a_finished_job_names_the_input_changed_since_and_runs_nothing(gsm8k_fol
 
 
 def test_files_that_are_not_parquet_are_named_once_on_stderr_and_in_the_manifest(gsm8k_folder: Path,
-                                                                                   tmp_path: Path) -> None:
+                                                                                   tmp_path: Path,
+                                                                                   shared_cluster: str) -> None:
     (gsm8k_folder / "notes.txt").write_text("where these rows came from\n")
     (gsm8k_folder / "extra.csv").write_text("id,question\n1,what is 2 + 2?\n")
     (gsm8k_folder / "_SUCCESS").write_text("")  # what Spark leaves beside its part files: skipped without a word
     (gsm8k_folder / ".a.parquet.crc").write_bytes(b"crc")
     (gsm8k_folder / "b.parquet.crc").write_bytes(b"crc")
     out = tmp_path / "out"
-    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "2", "--json"]
+    args = ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "2", "--scheduler",
+            shared_cluster, "--json"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert _summary(first.stdout)["rows_ok"] == 20

@@ -1,7 +1,10 @@
 """`tokenmill run --task classify` end to end: 24 real GSM8K questions, a tiny random-weight BERT classifier
 (BertForSequenceClassification saved with save_pretrained beside the MiniLM tokenizer), a real Dask LocalCluster: the
 results' labels and scores are LLMEngine.classify's (a multi-label head's `labels` list too); a model that cannot
-classify, and a classifier asked to generate or embed, are refused (exit 2, one line) before any work."""
+classify, and a classifier asked to generate or embed, are refused (exit 2, one line) before any work.
+
+The runs check what a job writes, not its own cluster: they run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -49,10 +52,11 @@ def questions(tmp_path: Path, data_dir: Path) -> Path:
     return write_gsm8k_blanked(data_dir, tmp_path / "in.parquet", 300, ROWS, ["id", "question"], "question", 5)
 
 
-def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifier_folder: str) -> None:
+def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifier_folder: str,
+                                      shared_cluster: str) -> None:
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(questions), str(out), "--task", "classify", "--model", classifier_folder,
-                              "--prompt-column", "question", "--rows-per-shard", "16", "--workers", "1",
+                              "--prompt-column", "question", "--rows-per-shard", "16", "--scheduler", shared_cluster,
                               "--dtype", "float32", "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -81,7 +85,8 @@ def test_run_task_classify_end_to_end(questions: Path, tmp_path: Path, classifie
     assert "Traceback" not in exported.output and not (tmp_path / "batch.jsonl").exists()
 
 
-def test_a_multi_label_classify_job_writes_the_labels_on(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
+def test_a_multi_label_classify_job_writes_the_labels_on(questions: Path, tmp_path: Path, minilm_folder: str,
+                                                         shared_cluster: str) -> None:
     """problem_type multi_label_classification: `scores` a sigmoid per label, `labels` those >= 0.5 (a list per
     row, possibly empty), `label` the top one, as LLMEngine.classify gives them."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -99,7 +104,8 @@ def test_a_multi_label_classify_job_writes_the_labels_on(questions: Path, tmp_pa
         shutil.copy(Path(minilm_folder) / name, folder / name)
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(questions), str(out), "--task", "classify", "--model", str(folder),
-                              "--prompt-column", "question", "--limit", "8", "--workers", "1", "--dtype", "float32"])
+                              "--prompt-column", "question", "--limit", "8", "--scheduler", shared_cluster, "--dtype",
+                              "float32"])
     assert res.exit_code == 0, res.output
     results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
     engine = LLMEngine.from_model(str(folder), EngineConfig(device="cpu", dtype="float32"))

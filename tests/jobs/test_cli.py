@@ -1,4 +1,7 @@
-"""`tokenmill run` end to end: real GSM8K rows, a real Dask LocalCluster with worker processes, the real model."""
+"""`tokenmill run` end to end: real GSM8K rows, a real Dask LocalCluster with worker processes, the real model.
+
+The end-to-end and flaky-S3 runs start their own cluster; the corrupt-file and messages-column runs check what a job
+writes, and run on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -123,11 +126,11 @@ def test_missing_prompt_column_stops_before_any_work(gsm8k_folder: Path, tmp_pat
     assert not out.exists()
 
 
-def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path) -> None:
+def test_corrupt_file_fails_its_shard_only(gsm8k_folder: Path, tmp_path: Path, shared_cluster: str) -> None:
     (gsm8k_folder / "b.parquet").write_bytes(b"PAR1 truncated upload")
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(gsm8k_folder), str(out), "--prompt-column", "question", "--max-tokens", "4",
-                              "--workers", "1", "--json"])
+                              "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 1
     summary = _summary(res.stdout)
     assert summary["shards_ok"] == 1 and list(summary["failed"]) == ["00001-000000000"]
@@ -212,12 +215,12 @@ def test_submit_overrides_are_validated_like_the_spec(gsm8k_folder: Path, tmp_pa
     assert res.exit_code == 2 and "cluster.scheduler (--scheduler): String should match pattern" in res.stderr
 
 
-def test_messages_column_input(tmp_path: Path, data_dir: Path) -> None:
+def test_messages_column_input(tmp_path: Path, data_dir: Path, shared_cluster: str) -> None:
     qs = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction"]).column("instruction")
     msgs = [[{"role": "user", "content": q}] for q in qs.to_pylist()[:4]]
     pq.write_table(pa.table({"messages": msgs}), tmp_path / "chat.parquet")
     res = runner.invoke(app, ["run", str(tmp_path / "chat.parquet"), str(tmp_path / "o"), "--max-tokens", "4",
-                              "--json"])
+                              "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "o" / "results").column("id").to_pylist() == ["0", "1", "2", "3"]
 

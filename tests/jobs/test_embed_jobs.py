@@ -1,6 +1,9 @@
 """`tokenmill run --task embed` end to end: 40 real GSM8K questions, the default embedding model (no --model), a real
 Dask LocalCluster; the results' vectors are LLMEngine.embed's, a rerun commits nothing twice; a model that cannot do
-the task asked is refused (exit 2, one line) before any work."""
+the task asked is refused (exit 2, one line) before any work.
+
+The runs check what a job writes, not its own cluster: they run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py), and the reference engine (MiniLM on CPU in fp32) is loaded once for the module."""
 
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ def questions(tmp_path: Path, data_dir: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def minilm_engine(minilm_folder: str) -> LLMEngine:
+    """The reference: the default embedding model on CPU in fp32, as the jobs run it."""
+    return LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
+
+
 def _committed(out: Path) -> dict[str, bytes]:
     """Every committed object under OUTPUT but the lease (a rerun takes it again), by path."""
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
@@ -39,12 +48,12 @@ def _committed(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow  # the real models (tests/jobs/conftest.py)
-def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_folder: str,
+def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_engine: LLMEngine, shared_cluster: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENMILL_MODEL", raising=False)  # no --model: the default embedding model
     out = tmp_path / "out"
     args = ["run", str(questions), str(out), "--task", "embed", "--prompt-column", "question", "--rows-per-shard",
-            "16", "--workers", "1", "--dtype", "float32", "--json"]
+            "16", "--scheduler", shared_cluster, "--dtype", "float32", "--json"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -55,8 +64,7 @@ def test_run_task_embed_end_to_end(questions: Path, tmp_path: Path, minilm_folde
     table = pq.read_table(questions)
     assert results.column("id").to_pylist() == table.column("id").to_pylist()
 
-    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
-    expected = engine.embed(table.column("question").to_pylist())
+    expected = minilm_engine.embed(table.column("question").to_pylist())
     vectors = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
     cos = (vectors * np.stack([o.embedding for o in expected])).sum(1)  # unit vectors (the Normalize module)
     assert cos.min() >= 0.99999
@@ -104,7 +112,8 @@ def test_a_decoder_asked_to_embed_is_refused_before_any_work(questions: Path, tm
 
 
 def test_dry_run_of_an_embed_job_forecasts_input_tokens_and_rows_per_dollar(questions: Path, tmp_path: Path,
-                                                                           minilm_folder: str) -> None:
+                                                                           minilm_folder: str,
+                                                                           minilm_engine: LLMEngine) -> None:
     """The forecast of an embed job: its rows' exact tokens (one shard holds them all) as the job will count them
     (the --prefix included), a measured encoder rate, no output tokens; nothing written."""
     out = tmp_path / "out"
@@ -114,9 +123,8 @@ def test_dry_run_of_an_embed_job_forecasts_input_tokens_and_rows_per_dollar(ques
     assert res.exit_code == 0, res.output
     fc = json.loads(res.stdout.strip().splitlines()[-1])
     assert not out.exists()
-    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
     texts = pq.read_table(questions).column("question").to_pylist()
-    assert fc["input_tokens"] == sum(o.num_prompt_tokens for o in engine.embed(texts, prefix="query: "))
+    assert fc["input_tokens"] == sum(o.num_prompt_tokens for o in minilm_engine.embed(texts, prefix="query: "))
     assert (fc["task"], fc["rows"], fc["input_rows_sampled"], fc["output_tokens"]) == ("embed", ROWS, ROWS, 0)
     assert fc["prefill_tokens_per_s"] > 0 and fc["device_s"] > 0 and fc["sample_rows"] == ROWS
     assert fc["input_tokens_per_dollar"] == fc["input_tokens"] / fc["cost_usd"]
@@ -125,18 +133,18 @@ def test_dry_run_of_an_embed_job_forecasts_input_tokens_and_rows_per_dollar(ques
 
 @pytest.mark.slow  # the real model on a real LocalCluster (tests/jobs/conftest.py)
 def test_float16_embeddings_on_request_and_a_resume_keeps_the_dtype(questions: Path, tmp_path: Path,
-                                                                    minilm_folder: str) -> None:
+                                                                    minilm_folder: str, minilm_engine: LLMEngine,
+                                                                    shared_cluster: str) -> None:
     """--embedding-dtype float16: a fixed_size_list<float16>[384] column, each vector the engine's float32 one
     rounded; the same OUTPUT resumed with float32 is refused (exit 2) before any work, as any changed option."""
     out = tmp_path / "out"
     args = ["run", str(questions), str(out), "--task", "embed", "--model", minilm_folder, "--prompt-column",
-            "question", "--limit", "8", "--dtype", "float32"]
+            "question", "--limit", "8", "--dtype", "float32", "--scheduler", shared_cluster]
     res = runner.invoke(app, [*args, "--embedding-dtype", "float16"])
     assert res.exit_code == 0, res.output
     results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
     assert results.schema.field("embedding").type == pa.list_(pa.float16(), 384)
-    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
-    expected = np.stack([o.embedding for o in engine.embed(pq.read_table(questions).column(
+    expected = np.stack([o.embedding for o in minilm_engine.embed(pq.read_table(questions).column(
         "question").to_pylist()[:8])])
     np.testing.assert_allclose(np.array(results.column("embedding").to_pylist()), expected.astype(np.float16),
                                atol=1e-3)
@@ -165,24 +173,24 @@ def test_an_embed_run_says_rows_embedded_not_output_tokens() -> None:
 
 
 @pytest.mark.slow  # the real model on a real LocalCluster (tests/jobs/conftest.py)
-def test_embed_options_shape_the_results(questions: Path, tmp_path: Path, minilm_folder: str) -> None:
+def test_embed_options_shape_the_results(questions: Path, tmp_path: Path, minilm_folder: str,
+                                         minilm_engine: LLMEngine, shared_cluster: str) -> None:
     """--dimensions 128 --prefix "query: ": a 128-wide float32 column of unit vectors, each LLMEngine.embed's with
     the same options (the prefix's tokens counted in prompt_tokens)."""
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(questions), str(out), "--task", "embed", "--model", minilm_folder,
                               "--prompt-column", "question", "--limit", "16", "--dtype", "float32", "--dimensions",
-                              "128", "--prefix", "query: ", "--json"])
+                              "128", "--prefix", "query: ", "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     results = pa.concat_tables([pq.read_table(p) for p in sorted((out / "results").glob("*.parquet"))])
     assert results.schema.field("embedding").type == pa.list_(pa.float32(), 128) and results.num_rows == 16
     vectors = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    engine = LLMEngine.from_model(minilm_folder, EngineConfig(device="cpu", dtype="float32"))
     texts = pq.read_table(questions).column("question").to_pylist()[:16]
-    expected = engine.embed(texts, dimensions=128, prefix="query: ")
+    expected = minilm_engine.embed(texts, dimensions=128, prefix="query: ")
     assert (vectors * np.stack([o.embedding for o in expected])).sum(1).min() >= 0.99999
     assert results.column("prompt_tokens").to_pylist() == [o.num_prompt_tokens for o in expected]
-    assert [o.num_prompt_tokens for o in expected] != [o.num_prompt_tokens for o in engine.embed(texts)]
+    assert [o.num_prompt_tokens for o in expected] != [o.num_prompt_tokens for o in minilm_engine.embed(texts)]
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -2,7 +2,10 @@
 LocalCluster: a Parquet in Hugging Face datasets' Image layout and an OpenAI batch file with image_url data: URLs;
 completions equal LLMEngine.generate's on the same images, the summary counts images, the exported lines validate
 as the `openai` package's types. Refused before any work (exit 2, one line): a text-only model given an image column,
-an image column missing from the input, --max-pixels below LLaVA's one image size and --min-pixels above it."""
+an image column missing from the input, --max-pixels below LLaVA's one image size and --min-pixels above it.
+
+The runs check what a job writes, not its own cluster: they run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py), and the reference engine is loaded once for the module."""
 
 from __future__ import annotations
 
@@ -42,27 +45,34 @@ def rows(tmp_path_factory: pytest.TempPathFactory, gsm8k_questions: list[str]) -
     return path
 
 
+@pytest.fixture(scope="module")
+def llava_engine(llava: str) -> LLMEngine:
+    """The reference: the tiny LLaVA on CPU in fp32, as the jobs run it."""
+    return LLMEngine.from_model(llava, EngineConfig(device="cpu", dtype="float32"))
+
+
 def _args(inp: Path, out: Path, model: str, *more: str) -> list[str]:
     return ["run", str(inp), str(out), "--model", model, "--max-tokens", str(MAX_TOKENS), "--dtype", "float32",
             "--workers", "1", "--json", *more]
 
 
-def _expected(model: str, prompts: list[object]) -> list[str]:
-    engine = LLMEngine.from_model(model, EngineConfig(device="cpu", dtype="float32"))
+def _expected(engine: LLMEngine, prompts: list[object]) -> list[str]:
     return [o.text for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))]
 
 
-def test_image_column_job_end_to_end(rows: Path, tmp_path: Path, llava: str) -> None:
+def test_image_column_job_end_to_end(rows: Path, tmp_path: Path, llava: str, llava_engine: LLMEngine,
+                                     shared_cluster: str) -> None:
     out = tmp_path / "out"
     res = runner.invoke(app, _args(rows, out, llava, "--prompt-column", "question", "--image-column", "image",
-                                   "--max-images-per-row", "1"))
+                                   "--max-images-per-row", "1", "--scheduler", shared_cluster))
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert (summary["rows_ok"], summary["rows_error"], summary["images"]) == (3, 1, 3)
     results = pq.read_table(out / "results").to_pylist()
     table = pq.read_table(rows).to_pylist()
     ok = [0, 1, 3]
-    want = _expected(llava, [{"prompt": table[k]["question"], "images": [table[k]["image"]["bytes"]]} for k in ok])
+    want = _expected(llava_engine,
+                     [{"prompt": table[k]["question"], "images": [table[k]["image"]["bytes"]]} for k in ok])
     assert [results[k]["completion"] for k in ok] == want
     assert "not an image" in results[2]["error"] and results[2]["images"] == 1
     # image tokens are input tokens: 16 per image in every ran row's prompt_tokens
@@ -70,7 +80,9 @@ def test_image_column_job_end_to_end(rows: Path, tmp_path: Path, llava: str) -> 
 
 
 def test_openai_batch_with_image_url_parts_runs_and_exports_valid_lines(tmp_path: Path, llava: str,
-                                                                        gsm8k_questions: list[str]) -> None:
+                                                                        llava_engine: LLMEngine,
+                                                                        gsm8k_questions: list[str],
+                                                                        shared_cluster: str) -> None:
     pics = pictures()
     lines = []
     for i in range(3):
@@ -83,7 +95,7 @@ def test_openai_batch_with_image_url_parts_runs_and_exports_valid_lines(tmp_path
     batch = tmp_path / "requests.jsonl"
     batch.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    res = runner.invoke(app, _args(batch, out, llava))
+    res = runner.invoke(app, _args(batch, out, llava, "--scheduler", shared_cluster))
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout.strip().splitlines()[-1])["images"] == 2
     exported = runner.invoke(app, ["export", str(out), "--format", "openai-batch"])
@@ -92,7 +104,7 @@ def test_openai_batch_with_image_url_parts_runs_and_exports_valid_lines(tmp_path
     assert [g["custom_id"] for g in got] == ["r0", "r1", "r2"]
     msgs = [[{"role": "user", "content": [{"type": "text", "text": gsm8k_questions[i]},
                                           {"type": "image", "image": pics[i]}]}] for i in range(2)]
-    want = _expected(llava, msgs)
+    want = _expected(llava_engine, msgs)
     for g, text in zip(got[:2], want, strict=True):
         assert ChatCompletion.model_validate(g["response"]["body"]).choices[0].message.content == text
     error = BatchError.model_validate(got[2]["error"])

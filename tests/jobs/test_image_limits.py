@@ -2,7 +2,10 @@
 image_rows.py): `tokenmill run --max-pixels` end to end on a small shard with a real Dask LocalCluster (fewer image
 tokens, completions LLMEngine.generate's with the same limit), its `--dry-run` forecasting exactly the input tokens
 and images the run's accounting then bills, a row whose text and image tokens exceed --max-model-len flagged by the
-dry run, and limits the processor cannot honour refused before any work (exit 2, one line)."""
+dry run, and limits the processor cannot honour refused before any work (exit 2, one line).
+
+The run checks what a job writes, not its own cluster: it runs on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -59,13 +62,14 @@ def _prompts(path: Path) -> list[dict]:
 
 
 def test_max_pixels_runs_and_the_dry_run_forecasts_what_the_run_bills(rows: Path, tmp_path: Path, qwen: str,
-                                                                       full: LLMEngine) -> None:
+                                                                       full: LLMEngine, shared_cluster: str) -> None:
     out = tmp_path / "out"
     dry = runner.invoke(app, _args(rows, out, qwen, "--max-pixels", str(LOWER), "--dry-run", "--json"))
     assert dry.exit_code == 0, dry.output
     fc = json.loads(dry.stdout.strip().splitlines()[-1])
     assert not out.exists()
-    res = runner.invoke(app, _args(rows, out, qwen, "--max-pixels", str(LOWER), "--json"))
+    res = runner.invoke(app, _args(rows, out, qwen, "--max-pixels", str(LOWER), "--scheduler", shared_cluster,
+                                   "--json"))
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert (summary["rows_ok"], summary["rows_error"], summary["images"]) == (4, 0, 5)

@@ -1,5 +1,7 @@
 """Job metrics pushed to a real Prometheus Pushgateway (Debian's prometheus-pushgateway, started on 127.0.0.1) and
-written as a node_exporter textfile, read back and checked against the job's own summary."""
+written as a node_exporter textfile, read back and checked against the job's own summary. The job checks what its
+client pushes and writes, not its own cluster: it runs on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -105,14 +107,14 @@ def test_bad_metrics_file_name_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_job_pushes_its_totals_and_writes_a_textfile(pushgateway: str, tmp_path: Path, data_dir: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch, shared_cluster: str) -> None:
     src = tmp_path / "in.parquet"
     pq.write_table(pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, 6), src)
     out, prom = tmp_path / "gsm8k-nightly", tmp_path / "tokenmill.prom"
     monkeypatch.setenv("TOKENMILL_PUSHGATEWAY_URL", pushgateway)
     res = runner.invoke(app, ["run", str(src), str(out), "--prompt-column", "question", "--max-tokens", "5",
                               "--rows-per-shard", "3", "--price-per-hour", "3.0", "--metrics-file", str(prom),
-                              "--json"])
+                              "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     acc = pq.read_table(out / "accounting").to_pylist()

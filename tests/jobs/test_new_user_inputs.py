@@ -1,6 +1,9 @@
 """Inputs a new user has that were refused though fine, or accepted though broken (issue 26 items 9, 10), on real
 GSM8K rows: dictionary-encoded prompt columns written by polars, the conversion an error message suggests for a
-column that is not text, and OpenAI batch files with a UTF-8 BOM or a line of invalid UTF-8."""
+column that is not text, and OpenAI batch files with a UTF-8 BOM or a line of invalid UTF-8.
+
+The runs check what a job writes, not its own cluster: they run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def categorical_questions(tmp_path: Path, data_dir: Path) -> Path:
     return path
 
 
-def test_a_dictionary_encoded_prompt_column_runs(categorical_questions: Path, tmp_path: Path) -> None:
+def test_a_dictionary_encoded_prompt_column_runs(categorical_questions: Path, tmp_path: Path,
+                                                 shared_cluster: str) -> None:
     """What polars writes for Categorical and Enum (and pandas for a categorical) is dictionary-encoded text in
     Parquet: the job runs it like any text column. It used to be refused as "not text"."""
     schema = pq.read_schema(categorical_questions)
@@ -46,7 +50,7 @@ def test_a_dictionary_encoded_prompt_column_runs(categorical_questions: Path, tm
     assert pa.types.is_dictionary(schema.field("id").type)
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(categorical_questions), str(out), "--prompt-column", "question",
-                              "--max-tokens", "3", "--json"])
+                              "--max-tokens", "3", "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     results = pq.read_table(out / "results").sort_by("input_row")
     assert results.column("id").to_pylist() == [f"q{i}" for i in range(6)]
@@ -128,7 +132,8 @@ def _batch_line(custom_id: str, question: str) -> bytes:
 
 
 def test_a_batch_file_with_a_bom_and_a_line_of_invalid_utf8_runs_the_other_lines(tmp_path: Path,
-                                                                                   gsm8k_questions: list[str]) -> None:
+                                                                                   gsm8k_questions: list[str],
+                                                                                   shared_cluster: str) -> None:
     """Real bytes as Windows tools and a bad export write them: a UTF-8 byte order mark, CRLF line ends, and one line
     whose bytes are Latin-1 (invalid UTF-8). The BOM is skipped (the first request runs under its custom_id, it
     used to be an error row "Unexpected UTF-8 BOM" under id line-1); the bad line is that line's error row, named
@@ -148,7 +153,7 @@ def test_a_batch_file_with_a_bom_and_a_line_of_invalid_utf8_runs_the_other_lines
     assert rows[0]["messages"] == [{"role": "user", "content": gsm8k_questions[0]}]
 
     out = tmp_path / "out"
-    res = runner.invoke(app, ["run", str(path), str(out), "--json"])
+    res = runner.invoke(app, ["run", str(path), str(out), "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     results = {r["id"]: r for r in pq.read_table(out / "results").to_pylist()}
     assert sorted(results) == ["gsm8k-0", "gsm8k-1", "gsm8k-3", "line-3"]

@@ -1,5 +1,8 @@
 """OpenAI batch JSONL in (`tokenmill run requests.jsonl OUTPUT`) and out (`tokenmill export --format openai-batch`):
-real GSM8K questions, a real Dask LocalCluster, the real model."""
+real GSM8K questions, a real Dask LocalCluster, the tiny stand-in of the real model (tests/jobs/conftest.py).
+
+The runs check what a job writes, not its own cluster: they run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -84,12 +87,14 @@ def test_malformed_lines_become_error_rows_naming_line_and_fix() -> None:
     assert endpoint == COMPLETIONS_URL and completions.to_pylist()[0]["prompt"] == q
 
 
-def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_questions: list[str]) -> None:
+def test_batch_jsonl_runs_and_exports_openai_batch_output(tmp_path: Path, gsm8k_questions: list[str],
+                                                          shared_cluster: str) -> None:
     lines, bodies = _requests(gsm8k_questions[200:])
     requests = tmp_path / "requests.jsonl"
     requests.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    args = ["run", str(requests), str(out), "--max-tokens", "8", "--rows-per-shard", "16", "--json"]
+    args = ["run", str(requests), str(out), "--max-tokens", "8", "--rows-per-shard", "16", "--scheduler",
+            shared_cluster, "--json"]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -210,7 +215,7 @@ def _staged_rows(tmp_path: Path, lines: list[str], **options: object) -> tuple[S
 
 
 def test_control_token_text_in_batch_requests_is_text(tmp_path: Path, engine: LLMEngine,
-                                                      gsm8k_questions: list[str]) -> None:
+                                                      gsm8k_questions: list[str], shared_cluster: str) -> None:
     """`<|im_end|>` / `<|im_start|>system` in a chat request's messages or a completions request's prompt never
     becomes the end-of-turn id 2 or the system header 1, 9690 (the chat template's own markers do); the job's
     --allow-special-tokens reaches batch jobs too; and a `tokenmill run` of the file runs the rows so."""
@@ -241,7 +246,8 @@ def test_control_token_text_in_batch_requests_is_text(tmp_path: Path, engine: LL
     # The same file through `tokenmill run` (Dask workers): each row's prompt_tokens is the safe encoding's.
     requests = tmp_path / "chat.jsonl"
     requests.write_text("\n".join(chat) + "\n")
-    res = runner.invoke(app, ["run", str(requests), str(tmp_path / "job"), "--max-tokens", "2", "--json"])
+    res = runner.invoke(app, ["run", str(requests), str(tmp_path / "job"), "--max-tokens", "2", "--scheduler",
+                              shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     results = {r["id"]: r["prompt_tokens"] for r in pq.read_table(tmp_path / "job" / "results").to_pylist()}
     safe = {"c0": [{"role": "user", "content": q + FORGED + "Hi"}],
@@ -252,7 +258,7 @@ def test_control_token_text_in_batch_requests_is_text(tmp_path: Path, engine: LL
 
 
 def test_completions_export_counts_text_offset_from_the_prompt_and_keeps_the_request_model(
-        tmp_path: Path, gsm8k_questions: list[str], caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, gsm8k_questions: list[str], caplog: pytest.LogCaptureFixture, shared_cluster: str) -> None:
     """/v1/completions with logprobs: text_offset counts characters from the prompt's start (OpenAI's legacy field:
     the first token's offset is the prompt's length); a request's own `model` is written beside the one that ran;
     max_tokens beside a different max_completion_tokens takes the latter, and both substitutions are warned about
@@ -265,7 +271,7 @@ def test_completions_export_counts_text_offset_from_the_prompt_and_keeps_the_req
     requests.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": COMPLETIONS_URL,
                                             "body": b}) + "\n" for i, b in enumerate(bodies)))
     out = tmp_path / "out"
-    args = ["run", str(requests), str(out), "--max-tokens", "8", "--json"]
+    args = ["run", str(requests), str(out), "--max-tokens", "8", "--scheduler", shared_cluster, "--json"]
     with caplog.at_level("WARNING", logger="jobs.formats.openai_batch"):
         res = runner.invoke(app, args)
         assert res.exit_code == 0, res.output

@@ -1,6 +1,9 @@
 """OpenAI batch `/v1/embeddings` in (`tokenmill run requests.jsonl OUTPUT`: an embed job) and out (`tokenmill export`):
 real GSM8K questions and AlpacaEval instructions, the real default embedding model, a real Dask LocalCluster; the
-exported lines validated with the `openai` package's own types."""
+exported lines validated with the `openai` package's own types.
+
+The run checks what a job writes, not its own cluster: it runs on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def _cosines(got: list[list[float]], want: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.slow  # the real model on a real LocalCluster (tests/jobs/conftest.py)
 def test_embeddings_batch_runs_and_exports_what_openai_types_accept(
         tmp_path: Path, minilm_folder: str, minilm: LLMEngine, gsm8k_questions: list[str],
-        alpaca_instructions: list[str]) -> None:
+        alpaca_instructions: list[str], shared_cluster: str) -> None:
     texts = gsm8k_questions[40:44] + alpaca_instructions[10:14]
     bodies = {"g0": {"input": texts[0], "model": "text-embedding-3-small"},
               "list": {"input": texts[1:5]},  # 4 texts in shards of 3 rows: the request spans two shards
@@ -90,7 +93,7 @@ def test_embeddings_batch_runs_and_exports_what_openai_types_accept(
     requests.write_text("".join(_line(cid, {**b, "dimensions": 128}) + "\n" for cid, b in bodies.items()))
     out = tmp_path / "out"
     args = ["run", str(requests), str(out), "--model", minilm_folder, "--rows-per-shard", "3", "--dtype", "float32",
-            "--json"]
+            "--scheduler", shared_cluster, "--json"]
     res = runner.invoke(app, args)  # no --task: the file's endpoint makes it an embed job
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])

@@ -4,7 +4,10 @@ LocalCluster: the results' scores are LLMEngine.score's, an empty answer is an e
 tokens are billed as for embed; `tokenmill report` pages it as a classify job (input tokens and rows per dollar) and
 `--dry-run` forecasts it, the pairs tokenized as the job will. Refused (exit 2, one line) before any work: a missing
 pair column, the flag with another task, score without it, a model that cannot score (a causal LM, a classifier of
-several labels)."""
+several labels).
+
+The run checks what a job writes, not its own cluster: it runs on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -55,11 +58,11 @@ def qa(tmp_path: Path, data_dir: Path) -> Path:
     return write_gsm8k_blanked(data_dir, tmp_path / "in.parquet", 500, ROWS, ["id", "question", "answer"], "answer", 7)
 
 
-def test_run_task_score_end_to_end(qa: Path, tmp_path: Path, cross_encoder: str) -> None:
+def test_run_task_score_end_to_end(qa: Path, tmp_path: Path, cross_encoder: str, shared_cluster: str) -> None:
     out = tmp_path / "out"
     res = runner.invoke(app, ["run", str(qa), str(out), "--task", "score", "--model", cross_encoder,
                               "--prompt-column", "question", "--text-pair-column", "answer", "--rows-per-shard", "16",
-                              "--workers", "1", "--dtype", "float32", "--json"])
+                              "--scheduler", shared_cluster, "--dtype", "float32", "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert (summary["shards"], summary["rows_ok"], summary["rows_error"], summary["output_tokens"]) == (2, 23, 1, 0)
