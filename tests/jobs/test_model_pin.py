@@ -1,6 +1,9 @@
 """The model is pinned (issue 26 item 1): a resume whose model changed is refused before any work, a worker whose
 engine loaded another model fails its shard instead of writing rows, and every result and accounting row carries
-the model's fingerprint. Real GSM8K rows, real processes (the CLI in a child process, Dask workers), real files."""
+the model's fingerprint. Real GSM8K rows, real processes (the CLI in a child process, Dask workers), real files.
+
+The runs whose point is the pin, not their own cluster, run on the session's LocalCluster (`shared_cluster`,
+tests/jobs/conftest.py): a worker that outlives a job, as a real cluster's does."""
 
 from __future__ import annotations
 
@@ -134,9 +137,10 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     assert _files(out) == before  # nothing written: no lease, no attempt, no rows
 
     shutil.copyfile(tiny_gguf, model)
-    done = subprocess.run(_cli(*args, "--resume"), env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=WAIT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The resume in this process too, on a cluster of its own whose workers get `env` (CliRunner sets it for the
+    # call): a child process would add only its start-up.
+    done = CliRunner().invoke(app, [*args, "--resume"], env={**cli_env, "PYTHONPATH": env["PYTHONPATH"]})
+    assert done.exit_code == 0, done.output[-3000:]
     assert (out / "_SUCCESS").is_file()
     rows = pq.read_table(out / "results").to_pylist()
     assert sorted(r["id"] for r in rows) == sorted(ids)
@@ -148,7 +152,7 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
 
 
 def test_a_folder_model_changed_in_one_weight_file_is_refused_and_unchanged_it_resumes(
-        tiny_model: str, engine: LLMEngine, data_dir: Path, tmp_path: Path) -> None:
+        tiny_model: str, engine: LLMEngine, data_dir: Path, tmp_path: Path, shared_cluster: str) -> None:
     """A job on a model folder whose first shard is committed: with one weight file rewritten the run is refused
     (exit 2, naming model.safetensors), nothing written; with the folder as pinned it resumes, running only the
     second shard."""
@@ -167,7 +171,7 @@ def test_a_folder_model_changed_in_one_weight_file_is_refused_and_unchanged_it_r
     assert _files(Path(out)) == before
 
     (model / "model.safetensors").write_bytes(original)  # restored: other mtime, the same bytes
-    summary = run_job(inp, out, cfg, model=str(model), engine_config=ENGINE)
+    summary = run_job(inp, out, cfg, model=str(model), engine_config=ENGINE, scheduler_address=shared_cluster)
     assert summary.shards_ok == 2 and not summary.failed and not summary.model_note
     assert (Path(out) / "_SUCCESS").is_file()
     rows = pq.read_table(Path(out) / "results").to_pylist()
@@ -178,7 +182,7 @@ def test_a_folder_model_changed_in_one_weight_file_is_refused_and_unchanged_it_r
 
 
 def test_a_worker_that_loaded_another_model_fails_its_shard_without_rows(
-        tiny_model: str, data_dir: Path, tmp_path: Path) -> None:
+        tiny_model: str, data_dir: Path, tmp_path: Path, shared_cluster: str) -> None:
     """The client's pin says one model; the file at that path holds other bytes by the time the worker loads it
     (a remote worker's disk, a file replaced after the check): each shard fails with ModelChanged, naming the file,
     and no row, checkpoint or results file is written."""
@@ -189,7 +193,7 @@ def test_a_worker_that_loaded_another_model_fails_its_shard_without_rows(
     with Lease(out) as lease:
         run = RunContext(out, cfg, manifest.prompt_column, {f.url: f for f in manifest.files}, summary,
                          JobProgress("pin-test", None), lease, pin)
-        run_on_cluster(manifest.shards(), run, str(model), ENGINE, ClusterOptions(workers=1))
+        run_on_cluster(manifest.shards(), run, str(model), ENGINE, ClusterOptions(scheduler_address=shared_cluster))
     assert summary.shards_ok == 0 and set(summary.failed) == {s.shard_id for s in manifest.shards()}
     for error in summary.failed.values():
         assert error.startswith("ModelChanged:") and "loaded another model" in error
@@ -201,7 +205,7 @@ def test_a_worker_that_loaded_another_model_fails_its_shard_without_rows(
 
 
 def test_a_job_pinned_before_models_were_pinned_resumes_and_pins_it(
-        tiny_model: str, engine: LLMEngine, data_dir: Path, tmp_path: Path) -> None:
+        tiny_model: str, engine: LLMEngine, data_dir: Path, tmp_path: Path, shared_cluster: str) -> None:
     """An OUTPUT written by a tokenmill that pinned no model (no _manifest/model.json, rows without a fingerprint)
     still resumes: the run pins the model it runs now and says so (summary.model_note); its rows carry the
     fingerprint, the earlier rows stay null."""
@@ -213,7 +217,7 @@ def test_a_job_pinned_before_models_were_pinned_resumes_and_pins_it(
     run_shard(engine, first, "question", out, cfg)  # as an older tokenmill did: no model pin, no fingerprint
     assert job_status(out).model is None
 
-    summary = run_job(inp, out, cfg, model=tiny_model, engine_config=ENGINE)
+    summary = run_job(inp, out, cfg, model=tiny_model, engine_config=ENGINE, scheduler_address=shared_cluster)
     assert summary.shards_ok == 2 and not summary.failed
     assert "did not pin its model" in summary.model_note and tiny_model in summary.model_note
     pinned = job_status(out).model

@@ -6,7 +6,8 @@ not fight over the dashboard port; a rerun's summary keeps its own work apart fr
 The refusals run the CLI in this process (typer's CliRunner, the TOKENMILL_* variables set for the call): they end
 in the command's own checks before any cluster or worker starts, so a child process would add only its start-up
 (about 4 CPU-s each: Python, the CLI, torch) and prove nothing more. The runs that start clusters (the cancel, the
-two jobs side by side, the rerun) stay real processes."""
+two jobs side by side) stay real processes. The rerun's point is its summary, which the client computes: it runs in
+this process on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_the_gguf_header_scan_reads_what_gguf_reader_reads(gguf_path: str, tmp_p
     assert gguf_metadata(gguf_path, set(keys)) == {k: reader.fields[k].contents() for k in keys}
     assert model_context(gguf_path)["context"] == reader.fields["llama.context_length"].contents() == 8192
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(Path(gguf_path).read_bytes()[:300])
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(300))
     with pytest.raises(ValueError, match="cut short"):
         gguf_metadata(str(cut), set(keys))
 
@@ -198,7 +200,7 @@ def test_a_heartbeat_lost_while_the_cluster_closes_prints_no_traceback() -> None
 
 
 def test_a_rerun_reports_its_own_work_apart_from_the_job_totals(tmp_path: Path, questions: Path,
-                                                                 engine: LLMEngine) -> None:
+                                                                 engine: LLMEngine, shared_cluster: str) -> None:
     """Shard 0 of 2 was committed by an earlier run; the rerun generates shard 1 only. Its summary gives the job's
     rows and tokens (both shards) and, apart, this run's rows, tokens and tokens/s (shard 1 over this run's wall
     time). It used to divide the job's tokens by the rerun's seconds."""
@@ -206,9 +208,10 @@ def test_a_rerun_reports_its_own_work_apart_from_the_job_totals(tmp_path: Path, 
     cfg = RunConfig(prompt_column="question", max_tokens=5, rows_per_shard=4)
     manifest, _ = pin_manifest(str(out), str(questions), cfg)
     first = run_shard(engine, manifest.shards()[0], "question", str(out), cfg)
-    rerun = _tokenmill(["run", str(questions), str(out), "--prompt-column", "question", "--max-tokens", "5",
-                        "--rows-per-shard", "4", "--device", "cpu", "--json"], _env(), tmp_path)
-    assert rerun.returncode == 0, rerun.stderr
+    rerun = CliRunner().invoke(app, ["run", str(questions), str(out), "--prompt-column", "question", "--max-tokens",
+                                     "5", "--rows-per-shard", "4", "--device", "cpu", "--scheduler", shared_cluster,
+                                     "--json"])
+    assert rerun.exit_code == 0, rerun.output
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     acc = pq.read_table(out / "accounting").to_pylist()
     assert summary["rows"] == 8 and summary["output_tokens"] == sum(r["output_tokens"] for r in acc) == 40

@@ -101,10 +101,11 @@ def test_a_job_with_null_and_real_rows_loads_the_engine_once(loads_dir: Path, en
 
 
 def test_a_job_of_null_rows_resumed_with_another_model_is_refused(tiny_model: str, tmp_path: Path,
-                                                                  gsm8k_questions: list[str]) -> None:
+                                                                  gsm8k_questions: list[str],
+                                                                  shared_cluster: str) -> None:
     """The first shard, all null, finishes without an engine; the model's bytes change; the resume is refused
     before any work (exit 2, the file named). With the model restored the job finishes, every row under the one
-    pinned fingerprint."""
+    pinned fingerprint (on the session's LocalCluster, `shared_cluster`: this test counts no loads)."""
     src = _input(tmp_path, [None, None, None, *gsm8k_questions[70:73]])
     model = tmp_path / "tiny"
     shutil.copytree(tiny_model, model)
@@ -127,7 +128,7 @@ def test_a_job_of_null_rows_resumed_with_another_model_is_refused(tiny_model: st
 
     shutil.rmtree(model)
     shutil.copytree(tiny_model, model)
-    summary = run_job(str(src), out, cfg, model=str(model), engine_config=ENGINE)
+    summary = run_job(str(src), out, cfg, model=str(model), engine_config=ENGINE, scheduler_address=shared_cluster)
     assert summary.shards_ok == 2 and (summary.rows_ok, summary.rows_error) == (3, 3)
     rows = pq.read_table(Path(out) / "results").to_pylist()
     assert {r["model_fingerprint"] for r in rows} == {pin.fingerprint} and len({r["model"] for r in rows}) == 1
