@@ -1,7 +1,11 @@
 """An S3 OUTPUT the user may not write (a real bucket policy on moto's S3 server, enforced on every PutObject): one
 line naming the object, the operation and the credential (never the secret), exit 2 before any engine work when the
 job's first write is refused; a failed shard whose attempt is billed when only results/ is refused, and a rerun
-after the policy is lifted that takes the checkpointed rows."""
+after the policy is lifted that takes the checkpointed rows.
+
+The failed run and its rerun share one LocalCluster, started inside the test's S3 environment (its worker reads and
+writes that S3 with the test's credentials) and reached by its scheduler address: the two runs check what a job
+writes and bills, not their own cluster."""
 
 from __future__ import annotations
 
@@ -9,13 +13,16 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import dask
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+from distributed import LocalCluster
 from typer.testing import CliRunner
 
 import jobs.runner
 from jobs.cli import app
+from jobs.cluster import CLUSTER_CONFIG
 
 runner = CliRunner()
 SECRET = "tokenmill-test-secret-never-printed"
@@ -31,6 +38,16 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
         fsspec.filesystem("s3").clear_instance_cache()
         yield store
+
+
+@pytest.fixture()
+def s3_cluster(s3: object) -> Iterator[str]:
+    """A LocalCluster of one worker process started in the `s3` fixture's environment (jobs.cluster.CLUSTER_CONFIG, as
+    `tokenmill run` starts its own); yields its scheduler address."""
+    with dask.config.set(CLUSTER_CONFIG):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0")
+    with cluster:
+        yield cluster.scheduler_address
 
 
 def _deny_puts(bucket: str, prefix: str) -> None:
@@ -67,12 +84,12 @@ def test_a_read_only_s3_output_is_exit_2_naming_object_operation_and_credential(
 
 
 def test_writes_refused_under_results_fail_the_shard_naming_the_object_and_bill_it(
-        s3: object, tmp_path: Path, data_dir: Path) -> None:
+        s3: object, s3_cluster: str, tmp_path: Path, data_dir: Path) -> None:
     bucket = s3.bucket  # type: ignore[attr-defined]
     _deny_puts(bucket, "out/results/")
     src = _input(tmp_path, data_dir, 8)
     args = ["run", src, f"s3://{bucket}/out", "--prompt-column", "question", "--max-tokens", "3",
-            "--checkpoint-rows", "4", "--workers", "1", "--price-per-hour", "7.5", "--json"]
+            "--checkpoint-rows", "4", "--scheduler", s3_cluster, "--price-per-hour", "7.5", "--json"]
     res = runner.invoke(app, args)
     assert res.exit_code == 1, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])

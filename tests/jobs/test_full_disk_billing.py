@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from gsm8k_rows import write_gsm8k
 from tmpfs import mounted_tmpfs
+from typer.testing import CliRunner
 
+from jobs.cli import app
 from pipeline.layout import parse_attempt_record
 from pipeline.record import ShardRecord
 
@@ -79,7 +81,7 @@ def test_a_full_disk_stopping_16_shards_bills_the_worker_once(rows: Path, disk: 
     assert billed >= 0.5 * span, (billed, span, claimed)
     assert sum(b.preemptions for b in bills) == 0  # stopped by the disk: not preempted
 
-    status, _ = _tokenmill("status", str(out), "--json", cwd=disk.parent)
+    status = CliRunner().invoke(app, ["status", str(out), "--json"])  # reads OUTPUT only: no process of its own
     st = json.loads(status.stdout)
     assert "running" not in st["shard_states"].values() and st["state"] == "incomplete", status.stdout
     assert st["device_s_unfinished"] == pytest.approx(billed, rel=0.01, abs=0.01)
