@@ -7,6 +7,7 @@ real model on every path (test_cli's end-to-end run)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +39,8 @@ def shared_cluster() -> Iterator[str]:
     starting their own cluster, so that path stays covered. The settings apply to the start only (the worker's
     environment and intervals), not to the rest of the session's Dask config."""
     with dask.config.set(jobs.cluster.CLUSTER_CONFIG):
-        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0")
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
+                               silence_logs=logging.ERROR)
     with cluster:
         yield cluster.scheduler_address
 

@@ -10,6 +10,7 @@ writes and bills, not their own cluster."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,8 @@ def s3_cluster(s3: object) -> Iterator[str]:
     """A LocalCluster of one worker process started in the `s3` fixture's environment (jobs.cluster.CLUSTER_CONFIG, as
     `tokenmill run` starts its own); yields its scheduler address."""
     with dask.config.set(CLUSTER_CONFIG):
-        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0")
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
+                               silence_logs=logging.ERROR)
     with cluster:
         yield cluster.scheduler_address
 
