@@ -12,7 +12,8 @@ finite fp16 super-block scales sized for weights of about `std`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,21 +142,32 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], tokenizer:
 
 
 @contextmanager
-def parsing_each_gguf_once() -> Iterator[dict]:
+def parsing_each_gguf_once(keep: int | None = None, pinned: Collection[str] = ()) -> Iterator[dict]:
     """engine.loading.gguf_file.open_gguf patched, for the `with` block, to return the first parse of a file again
-    while its (path, size, mtime) is unchanged. Every test GGUF carries SmolLM2's 49k-token vocabulary, whose
-    metadata parse is 1-2 CPU-s, and the loaders only read a parse, so what they load is unchanged. Yields the
-    parses, by that key."""
+    while it is unchanged (its path, size, modification and change times, inode). Every test GGUF carries SmolLM2's
+    49k-token vocabulary, whose metadata parse is 1-2 CPU-s, and the loaders only read a parse, so what they load is
+    unchanged. `keep`: the parses of at most that many files are kept, the least recently opened dropped first (each
+    holds tens of MB: its small arrays and its file's mapping), except those of the files `pinned` (paths). A path that
+    cannot be stat'ed is opened as open_gguf opens it (its error). Yields the parses, by key."""
     from engine.loading import gguf_file
 
-    parse, parsed = gguf_file.open_gguf, {}
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 parse, got {keep}")
+    parse, parsed = gguf_file.open_gguf, OrderedDict()
+    always = {os.path.realpath(p) for p in pinned}
 
     def open_once(path: str):
-        st = os.stat(path)
-        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-        if key not in parsed:
-            parsed[key] = parse(path)
-        return parsed[key]
+        try:
+            st = os.stat(path)
+        except OSError:
+            return parse(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        got = parsed[key] = parsed.pop(key) if key in parsed else parse(path)  # the most recent last
+        if keep is not None:
+            evictable = [k for k in parsed if k[0] not in always]
+            for old in evictable[:max(0, len(evictable) - keep)]:
+                del parsed[old]
+        return got
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf_file, "open_gguf", open_once)

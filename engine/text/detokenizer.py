@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import codecs
 import functools
-import json
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -58,23 +58,33 @@ def byte_level_table(tokenizer: Any) -> tuple[bytes, ...] | None:
         return _byte_level_table(tokenizer)
 
 
+@functools.cache
+def _byte_level_translation() -> tuple[dict[int, int], re.Pattern[str]]:
+    """`str.translate`'s map of each byte-alphabet character to its byte (a code point below 256, so the translated
+    token encodes to those bytes as Latin-1), and a pattern matching any character outside the alphabet."""
+    alphabet = _byte_level_alphabet()
+    return {ord(c): b for c, b in alphabet.items()}, re.compile(f"[^{re.escape(''.join(alphabet))}]")
+
+
 @functools.lru_cache(maxsize=8)
 def _byte_level_table(tokenizer: Any) -> tuple[bytes, ...] | None:
+    import tokenizers
+
     backend = getattr(getattr(tokenizer, "hf_tokenizer", None), "backend_tokenizer", None)
-    if backend is None:
+    if backend is None or not isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
         return None
-    spec = json.loads(backend.to_str())
-    if (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        return None
-    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     alphabet = _byte_level_alphabet()
+    to_bytes, outside = _byte_level_translation()
     table = []
     for i in range(backend.get_vocab_size(with_added_tokens=True)):
         token = backend.id_to_token(i)
         if token is None or i in special:
             table.append(b"")
-            continue
-        table.append(b"".join(bytes((alphabet[c],)) if c in alphabet else c.encode() for c in token))
+        elif outside.search(token) is None:  # every character a byte of the alphabet: the common case, in C
+            table.append(token.translate(to_bytes).encode("latin-1"))
+        else:  # an added token's spaces, say: a character outside the alphabet is its UTF-8 bytes
+            table.append(b"".join(bytes((alphabet[c],)) if c in alphabet else c.encode() for c in token))
     return tuple(table)
 
 

@@ -1,6 +1,6 @@
-"""Fixtures of the engine tests shared by more than one file, and tests/engine on sys.path for the helper modules
-beside this file (attention_steps, squeezed_pool, tiny_mistral, triton_testing) that the tests in its subfolders
-(which mirror engine/'s subpackages) import."""
+"""Fixtures of the engine tests shared by more than one file (each GGUF file's metadata parsed once), and tests/engine
+on sys.path for the helper modules beside this file (attention_steps, squeezed_pool, tiny_mistral, triton_testing)
+that the tests in its subfolders (which mirror engine/'s subpackages) import."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ import torch
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_parsed_once(gguf_path: str) -> dict:
+    """Each GGUF file's metadata parsed once while unchanged (tests/gguf_models.py parsing_each_gguf_once): every
+    test GGUF carries SmolLM2's 49k-token vocabulary, whose parse (engine.loading.gguf_file.open_gguf) is 1-2 CPU-s,
+    and the tests load a file several times (greedy, config, quantized paths; the default model in many files). The
+    loaders only read a parse, so what they load is unchanged. The default model's parse is kept for the session,
+    those of the 6 test files opened last beside it. Returns the parses, by key."""
+    from gguf_models import parsing_each_gguf_once
+
+    with parsing_each_gguf_once(keep=6, pinned=[gguf_path]) as parsed:
+        yield parsed
 
 
 @pytest.fixture(scope="session")

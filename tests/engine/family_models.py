@@ -9,6 +9,7 @@ Used by tests/engine/model/test_gemma.py and test_phi3.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf_models import finish_gguf  # tests/gguf_models.py; the family writers take it from here
+from gguf_models import tokenizer_fields as read_tokenizer_fields
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -91,13 +93,12 @@ def save_folder(model, folder: Path, hf_tok) -> Path:
     return folder
 
 
-def tokenizer_fields(tokenizer_gguf: str) -> list:
-    """(key, value, type, sub_type) of every tokenizer.* field of a GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    return [(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-            for name, f in reader.fields.items() if name.startswith("tokenizer.")]
+@functools.cache
+def tokenizer_fields(tokenizer_gguf: str) -> tuple[tuple, ...]:
+    """(key, value, type, sub_type) of every tokenizer.* field of a GGUF file, read once per test process (its 49k
+    strings and merges take a second or more to parse; the writers only read them). gguf_models.tokenizer_fields
+    reads them: through the engine's GGUF reader, whose fields are GGUFReader's (test_weights_cache.py)."""
+    return tuple(read_tokenizer_fields(tokenizer_gguf))
 
 
 def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str, ...] = ()) -> None:

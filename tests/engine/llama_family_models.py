@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from family_models import finish_gguf, hf_argmax, hf_generate
-from family_models import tokenizer_fields as read_tokenizer_fields
+from family_models import finish_gguf, hf_argmax, hf_generate, tokenizer_fields
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -82,19 +81,6 @@ def llama3_rope_factors(cfg) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(out, dtype=np.float32)
-
-
-_TOKENIZER_FIELDS: dict[str, list] = {}
-
-
-_TOKENIZER_FIELDS: dict[str, list] = {}
-
-
-def tokenizer_fields(tokenizer_gguf: str) -> list:
-    """(key, value, type, sub_type) of every tokenizer.* field of a GGUF file (read once: seconds)."""
-    if tokenizer_gguf not in _TOKENIZER_FIELDS:
-        _TOKENIZER_FIELDS[tokenizer_gguf] = read_tokenizer_fields(tokenizer_gguf)
-    return _TOKENIZER_FIELDS[tokenizer_gguf]
 
 
 def write_gguf(path: Path, family: str, model, tokenizer_gguf: str, extra: dict[str, np.ndarray] | None = None,

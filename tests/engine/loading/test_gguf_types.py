@@ -27,8 +27,10 @@ FP32 = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=512, block_size
 
 
 @pytest.fixture(scope="module")
-def tokenizer(gguf_path: str) -> list[tuple]:
-    return gguf_models.tokenizer_fields(gguf_path)
+def tokenizer(gguf_path: str) -> tuple[tuple, ...]:
+    from family_models import tokenizer_fields  # read once per test process
+
+    return tokenizer_fields(gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +56,10 @@ def prompt_ids(gguf_path: str, gsm8k_questions: list[str], alpaca_instructions: 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _parse_once(tmp_path_factory: pytest.TempPathFactory):
-    """Each file's metadata parsed once for the module (gguf_models.parsing_each_gguf_once), and the weights cache
-    in a folder of the module's own."""
-    with gguf_models.parsing_each_gguf_once(), pytest.MonkeyPatch.context() as patch:
+def _own_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The weights cache in a folder of the module's own (each file's metadata is parsed once: tests/engine/conftest.py
+    `gguf_parsed_once`)."""
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         yield
 

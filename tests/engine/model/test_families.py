@@ -44,19 +44,6 @@ from llama_family_models import (  # noqa: E402  (tests/engine, on sys.path thro
 NUM_PROMPTS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gguf_parses() -> dict:
-    """Each GGUF file of this module parsed once. Every one carries SmolLM2's 49k-token vocabulary, whose metadata
-    parse (engine.loading.gguf_file.open_gguf) is 1-2 CPU-s, and the tests load each file several times (greedy, config,
-    quantized paths). A parse of an unchanged file is the same each time and the loaders only read it, so the
-    engine's open_gguf returns the first parse of a (path, size, mtime) again: what is loaded from it is unchanged.
-    Returns the parses, by that key."""
-    from gguf_models import parsing_each_gguf_once
-
-    with parsing_each_gguf_once() as parsed:
-        yield parsed
-
-
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
     root = tmp_path_factory.mktemp("families")
@@ -146,8 +133,10 @@ def test_quantized_paths_stay_close(family: str, families, prompt_ids, tmp_path:
     ids = torch.tensor(prompt_ids[1])
     cpu = torch.device("cpu")
 
-    def logits(model: str, quantization: str) -> torch.Tensor:
-        loaded = open_model(model, torch.float32, cpu, quantization=quantization, group_size=32)
+    def logits(model: str, quantization: str, loaded=None) -> torch.Tensor:
+        # the tokenizer only where the load needs it: int8's SmoothQuant calibrates on text
+        loaded = loaded or open_model(model, torch.float32, cpu, quantization=quantization, group_size=32,
+                                      tokenizer=quantization == "int8")
         with torch.no_grad():
             if quantization == "int8":
                 loaded.model.fuse_projections()
@@ -166,12 +155,13 @@ def test_quantized_paths_stay_close(family: str, families, prompt_ids, tmp_path:
     assert close(logits(str(path), "none"), ref) > 0.9999  # GGUF == folder
     assert close(logits(str(q16), "auto"), ref) > 0.99  # bf16 weights, biases and norms fp32
     if int8_available():  # W8A8 of random weights is noisy too; the bias must ride along the INT8 GEMM
-        assert close(logits(str(folder), "int8"), ref) > 0.75
+        int8 = open_model(str(folder), torch.float32, cpu, quantization="int8")
+        qkv = int8.model.layers[0].self_attn.qkv_proj  # as loaded (fused on load), before the forward below
+        assert close(logits(str(folder), "int8", int8), ref) > 0.75
         from safetensors.torch import load_file
 
         from engine.quant.state import AddBias
 
-        qkv = open_model(str(folder), torch.float32, cpu, quantization="int8").model.layers[0].self_attn.qkv_proj
         if family == "qwen2":
             want = load_file(folder / "model.safetensors")
             want = torch.cat([want[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])

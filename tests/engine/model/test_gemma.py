@@ -50,8 +50,9 @@ def gemmas(tmp_path_factory: pytest.TempPathFactory, family_tok, tok_fields) -> 
     return out
 
 
-def _ours(model: str, prompt_ids: list[list[int]], config: EngineConfig = FP32) -> list[list[int]]:
-    engine = LLMEngine.from_model(model, config)
+def _ours(model: str | LLMEngine, prompt_ids: list[list[int]], config: EngineConfig = FP32) -> list[list[int]]:
+    """Greedy MAX_TOKENS tokens per prompt of a model path (loaded with `config`) or of a loaded engine."""
+    engine = model if isinstance(model, LLMEngine) else LLMEngine.from_model(model, config)
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     return [o.output_token_ids for o in outs]
 
@@ -62,15 +63,18 @@ def test_greedy_matches_hf_from_folder_and_gguf(family: str, gemmas, family_prom
 
     model, folder, path = gemmas[family]
     assert min(len(p) for p in family_prompts) > model.config.sliding_window  # every prompt crosses the window
-    ours = _ours(str(folder), family_prompts)
+    engine = LLMEngine.from_model(str(folder), FP32)
+    ours = _ours(engine, family_prompts)
     assert all(len(r) == MAX_TOKENS for r in ours)
     assert all(len(set(r)) >= 3 for r in ours), "degenerate random model: change the init"
     assert len({t for r in ours for t in r}) > 60
     assert hf_argmax(model, family_prompts, ours) == ours
     assert hf_generate(model, family_prompts[:1], MAX_TOKENS) == ours[:1]
     assert _ours(str(path), family_prompts) == ours
-    torch_backend = EngineConfig(**{**FP32.__dict__, "attention_backend": "torch"})
-    assert _ours(str(folder), family_prompts[:4], torch_backend) == ours[:4]
+    # the torch reference attention on the same weights (with_config shares the loaded model)
+    torch_backend = engine.with_config(EngineConfig(**{**FP32.__dict__, "attention_backend": "torch"}))
+    assert torch_backend.runner.attn_fn.__name__ == "paged_attention_ref"
+    assert _ours(torch_backend, family_prompts[:4]) == ours[:4]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -210,7 +214,7 @@ def test_gptq_refuses_and_int8_runs_a_gemma_block(gemmas, family_prompts) -> Non
 
     folder = str(gemmas["gemma2"][1])
     cpu = torch.device("cpu")
-    model = open_model(folder, torch.float32, cpu).model
+    model = open_model(folder, torch.float32, cpu, tokenizer=False).model
     with pytest.raises(ValueError, match="gemma2 block.*RTN"):
         gptq_quantize_model(model, torch.tensor([family_prompts[0][:16]]), group_size=32)
     if not int8_available():

@@ -42,8 +42,9 @@ def phi3(tmp_path_factory: pytest.TempPathFactory, family_tok, tok_fields) -> tu
     return model, folder, root / "phi3.gguf", root / "phi3-q4.gguf"
 
 
-def _ours(model: str, prompt_ids: list[list[int]], config: EngineConfig = FP32) -> list[list[int]]:
-    engine = LLMEngine.from_model(model, config)
+def _ours(model: str | LLMEngine, prompt_ids: list[list[int]], config: EngineConfig = FP32) -> list[list[int]]:
+    """Greedy MAX_TOKENS tokens per prompt of a model path (loaded with `config`) or of a loaded engine."""
+    engine = model if isinstance(model, LLMEngine) else LLMEngine.from_model(model, config)
     outs = engine.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     return [o.output_token_ids for o in outs]
 
@@ -133,13 +134,13 @@ def test_fused_q4_gguf_splits_packed_int4_and_blocks(phi3, family_prompts) -> No
     q4 = str(phi3[3])
     ids = torch.tensor(family_prompts[2])
     with torch.no_grad():
-        plain = open_model(q4, torch.float32, CPU, quantization="none").model
+        plain = open_model(q4, torch.float32, CPU, quantization="none", tokenizer=False).model
         layer = plain.layers[0]
         assert all(gguf_blocks_of(m) is not None for m in (layer.self_attn.q_proj, layer.self_attn.v_proj,
                                                             layer.mlp.gate_proj, layer.mlp.up_proj))
         assert gguf_blocks_of(layer.mlp.down_proj) is None  # F32 in the file
         ref = plain.compute_logits(forward_sequence(plain, ids))
-        native = open_model(q4, torch.float32, CPU, quantization="auto").model
+        native = open_model(q4, torch.float32, CPU, quantization="auto", tokenizer=False).model
         assert type(native.layers[0].self_attn.k_proj).__name__ == "Int4Linear"
         got = native.compute_logits(forward_sequence(native, ids))
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.9999
@@ -161,7 +162,9 @@ def test_quantized_loads_split_alike(phi3, family_prompts, tmp_path: Path) -> No
     ids = torch.tensor(family_prompts[1])
 
     def logits(model: str, quantization: str) -> torch.Tensor:
-        loaded = open_model(model, torch.float32, CPU, quantization=quantization, group_size=32).model
+        # the tokenizer only where the load needs it: int8's SmoothQuant calibrates on text
+        loaded = open_model(model, torch.float32, CPU, quantization=quantization, group_size=32,
+                            tokenizer=quantization == "int8").model
         with torch.no_grad():
             loaded.fuse_projections()
             return loaded.compute_logits(forward_sequence(loaded, ids))
@@ -214,8 +217,7 @@ def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch:
     RoPE-and-KV-write kernel and through the torch path (fused ops off); the config reads rotary_dim 12 from both."""
     from family_models import hf_argmax, hf_generate
 
-    import engine.layers.mlp
-    import engine.layers.self_attn
+    from engine.layers import mlp, self_attn
     from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.hf_folder import read_hf_config
 
@@ -223,14 +225,15 @@ def test_partial_rotary_greedy_matches_hf(phi4mini, family_prompts, monkeypatch:
     for cfg in (read_hf_config(str(folder)), read_gguf_config(open_gguf(str(path)))):
         assert (cfg.head_dim, cfg.rotary_dim, len(cfg.rope_scaling.long_factor)) == (16, 12, 6)
     prompts = family_prompts[:8]
-    ours = _ours(str(folder), prompts)
+    engine = LLMEngine.from_model(str(folder), FP32)
+    ours = _ours(engine, prompts)
     assert all(len(set(r)) >= 4 for r in ours), "degenerate random model: change the init"
     assert hf_argmax(model, prompts, ours) == ours
     assert hf_generate(model, prompts[:1], MAX_TOKENS) == ours[:1]
     assert _ours(str(path), prompts) == ours
-    for module in (engine.layers.self_attn, engine.layers.mlp):  # the attention and MLP blocks' fused ops
+    for module in (self_attn, mlp):  # the attention and MLP blocks' fused ops, looked up at each forward
         monkeypatch.setattr(module, "fused_ops", lambda x: None)
-    assert _ours(str(folder), prompts[:4]) == ours[:4]
+    assert _ours(engine.with_config(FP32), prompts[:4]) == ours[:4]  # the same weights, a fresh KV pool
 
 
 def test_partial_rotary_is_refused_where_the_family_does_not_read_it() -> None:

@@ -197,6 +197,25 @@ def test_byte_level_path_equals_the_full_decode_on_random_token_ids(tokenizer: T
     assert invalid > 100, "random ids should make many invalid byte sequences"
 
 
+def test_the_byte_table_holds_each_tokens_bytes(tokenizer: Tokenizer) -> None:
+    """Each id's bytes in the byte-level table are the text of that token alone (special tokens none), also for
+    added tokens holding characters outside the byte alphabet (a space, CJK: their UTF-8 bytes)."""
+    import copy
+
+    from engine.text.detokenizer import byte_level_table
+
+    hf = copy.deepcopy(tokenizer.hf_tokenizer)
+    hf.add_tokens(["new token", "日本 x"])
+    table = byte_level_table(Tokenizer(hf))
+    assert len(table) == tokenizer.vocab_size + 2 and table[-2:] == (b"new token", "日本 x".encode())
+    texts = hf.batch_decode([[i] for i in range(len(table))], skip_special_tokens=True)
+    assert table[tokenizer.eos_token_id] == b"" and texts[tokenizer.eos_token_id] == ""
+    whole = [i for i, b in enumerate(table) if REPLACEMENT_CHAR not in b.decode("utf-8", "replace")]
+    assert len(whole) > 40_000  # most tokens are whole characters; the rest are bytes of a cut one
+    assert all(table[i].decode() == texts[i] for i in whole)
+    assert all(REPLACEMENT_CHAR in texts[i] for i in set(range(len(table))) - set(whole))
+
+
 def test_ids_past_the_tokenizer_have_no_text_as_in_the_full_decode(tokenizer: Tokenizer, data_dir: Path) -> None:
     """A model whose embedding has more rows than its tokenizer has tokens (Qwen2.5: 152,064 for 151,665) can
     sample an id past the tokenizer's table: it adds no text, as the full decode skips it, and nothing raises."""
