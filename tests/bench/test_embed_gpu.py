@@ -49,5 +49,7 @@ def test_the_benchmark_runs_both_presets_at_tiny_scale(capsys: pytest.CaptureFix
     assert [r["preset"] for r in rows] == list(EMBED_PRESETS)
     for r in rows:
         assert r["rows"] == 12 and r["input_tokens"] > 12 and r["rows_per_s"] > 0 and r["dimension"] == 64
-        assert r["input_tokens_per_dollar"] == pytest.approx(r["input_tokens"] / (r["seconds"] / 3600 * 3.0), rel=1e-3)
+        # "seconds" is printed to 4 decimals: the bill must lie within what that rounding allows, at any speed
+        per_dollar = [r["input_tokens"] / ((r["seconds"] + d) / 3600 * 3.0) for d in (5e-5, -5e-5)]
+        assert per_dollar[0] - 1 <= r["input_tokens_per_dollar"] <= per_dollar[1] + 1
     assert "input tok/$" in capsys.readouterr().out

@@ -106,7 +106,7 @@ def test_the_gpu_preset_runs_at_tiny_scale_on_the_cpu(capsys: pytest.CaptureFixt
         assert f"{n}: skipped: tokenmill's registry has no" in out
     for r in rows:
         assert r["images"] == 3 and r["output_tokens"] == 9 and r["prompt_tokens"] > 3 * 16
-        assert r["images_per_dollar"] == pytest.approx(3 / (r["seconds"] / 3600 * 3.0), rel=1e-3)
+        assert r["images_per_dollar"] == pytest.approx(3 / (r["seconds"] / 3600 * 3.0), rel=1e-4, abs=1)  # rounded to 1
     assert "out tok/$" in out
 
 
