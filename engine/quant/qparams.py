@@ -185,6 +185,13 @@ def _mse_fit(wf: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, steps: int,
     return best_s, best_m
 
 
+#: Weights per `_mse_fit` call of quantize_int4 (whole rows): the fit's [rows, G, g] temporaries, a dozen per candidate
+#: scale, stay in the CPU's cache. Each group's fit is its own, so the result is the same bit for bit (checked on every
+#: weight of SmolLM2-135M at groups 32 and 128, one and two threads); fitted whole, its 49k x 576 embedding took 8x
+#: the CPU time and the whole model 3x.
+_MSE_CHUNK = 1 << 18
+
+
 def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dtype = torch.bfloat16,
                   method: str = "mse", mse_steps: int = 11) -> Int4Weight:
     """Asymmetric group-wise INT4 quantization of w: float [N, K] (gpt-fast `group_quantize_tensor`).
@@ -205,7 +212,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, scale_dtype: torch.dty
     wf = torch.nn.functional.pad(w.float(), (0, kp - k)).view(n, kp // group_size, group_size)
     lo, hi = wf.amin(-1), wf.amax(-1)
     if method == "mse":
-        s, lo = _mse_fit(wf, lo, hi, mse_steps)
+        rows = max(1, _MSE_CHUNK // kp)
+        fits = [_mse_fit(wf[i:i + rows], lo[i:i + rows], hi[i:i + rows], mse_steps) for i in range(0, n, rows)]
+        s, lo = torch.cat([f[0] for f in fits]), torch.cat([f[1] for f in fits])
         scales = s.to(scale_dtype)
     else:
         scales = ((hi - lo).clamp(min=1e-6) / 15).to(scale_dtype)

@@ -3,7 +3,9 @@
 
 Full disk: one line that says how much to free (exit 6), not a traceback or a preemption; no record cut short (local
 writes are atomic: temporary name, fsync, link); the same command after freeing space finishes the job, every row
-once, without waiting for a lease to expire."""
+once, without waiting for a lease to expire. The full run is a child process (its stderr holds its workers' too);
+the rerun's checks are its exit code and files, so it runs in this process on the session's LocalCluster
+(`shared_cluster`, tests/jobs/conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from tmpfs import mounted_tmpfs
+from typer.testing import CliRunner
+
+from jobs.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = 6
@@ -39,15 +44,19 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount
 
 
-def _run(rows: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(rows), str(out), "--prompt-column", "question",
-                           "--max-tokens", "4", "--checkpoint-rows", "2", "--device", "cpu", "--json", *extra],
+def _args(rows: Path, out: Path) -> list[str]:
+    return ["run", str(rows), str(out), "--prompt-column", "question", "--max-tokens", "4", "--checkpoint-rows", "2",
+            "--device", "cpu", "--json"]
+
+
+def _run(rows: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *_args(rows, out)],
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=out.parent, capture_output=True, text=True,
                           timeout=600)
 
 
-def test_a_full_local_disk_is_one_line_and_the_rerun_after_freeing_space_completes(rows: Path,
-                                                                                    small_disk: Path) -> None:
+def test_a_full_local_disk_is_one_line_and_the_rerun_after_freeing_space_completes(rows: Path, small_disk: Path,
+                                                                                    shared_cluster: str) -> None:
     free = os.statvfs(small_disk).f_bavail * PAGE
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (free - 5 * PAGE))  # room for the manifest, the lease and a few records, no more
@@ -67,8 +76,8 @@ def test_a_full_local_disk_is_one_line_and_the_rerun_after_freeing_space_complet
     assert not (out / "_SUCCESS").exists()
 
     filler.unlink()
-    again = _run(rows, out)
-    assert again.returncode == 0, again.stderr
+    again = CliRunner().invoke(app, [*_args(rows, out), "--scheduler", shared_cluster])
+    assert again.exit_code == 0, again.output
     results = pq.read_table(out / "results")
     assert sorted(results.column("input_row").to_pylist()) == list(range(ROWS))
     assert (out / "_SUCCESS").exists()

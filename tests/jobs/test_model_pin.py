@@ -84,7 +84,8 @@ def _cli(*args: str) -> list[str]:
 
 
 def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finishes(
-        tiny_gguf: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_gguf: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        shared_cluster: str) -> None:
     """The issue's scenario: `tokenmill run --model model.gguf`, cancelled after its first commit; model.gguf is
     rewritten (same name, same size, other bytes); `--resume` exits 2 with one line naming the file, its old and new
     size and hash and the two ways out, and writes nothing. With the model restored, `--resume` finishes, and every
@@ -137,9 +138,8 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     assert _files(out) == before  # nothing written: no lease, no attempt, no rows
 
     shutil.copyfile(tiny_gguf, model)
-    # The resume in this process too, on a cluster of its own whose workers get `env` (CliRunner sets it for the
-    # call): a child process would add only its start-up.
-    done = CliRunner().invoke(app, [*args, "--resume"], env={**cli_env, "PYTHONPATH": env["PYTHONPATH"]})
+    # The resume in this process too, on the session's cluster: its checks are what the job wrote and pinned.
+    done = CliRunner().invoke(app, [*args, "--resume", "--scheduler", shared_cluster], env=cli_env)
     assert done.exit_code == 0, done.output[-3000:]
     assert (out / "_SUCCESS").is_file()
     rows = pq.read_table(out / "results").to_pylist()

@@ -1,7 +1,9 @@
 """A job whose rows are all null (issue 45) finishes with exit 0 without its workers ever loading the engine: error
 rows and accounting committed, 0 device-seconds, and the summary and the dry run say so. A job with rows to run
 loads it once per worker, and a model changed between runs is still refused. Engine loads are counted by the files
-CountedEnginePlugin leaves (tests/jobs/counted_engine.py), never by timing."""
+CountedEnginePlugin leaves (tests/jobs/counted_engine.py), never by timing. The jobs run on the session's LocalCluster
+(`shared_cluster`, tests/jobs/conftest.py): each test's counted plugin is registered afresh on its worker, which
+loads its engine only when a shard has a row to run."""
 
 from __future__ import annotations
 
@@ -59,9 +61,9 @@ def _summary(stdout: str) -> dict[str, Any]:
 
 
 def test_a_job_whose_rows_are_all_null_finishes_without_loading_the_engine(
-        loads_dir: Path, engine: LLMEngine, tmp_path: Path) -> None:
+        loads_dir: Path, engine: LLMEngine, tmp_path: Path, shared_cluster: str) -> None:
     src, out = _input(tmp_path, [None] * 6), tmp_path / "out"
-    res = runner.invoke(app, ["run", str(src), str(out), *ARGS, "--json"])
+    res = runner.invoke(app, ["run", str(src), str(out), *ARGS, "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     assert loads(loads_dir) == 0
     s = _summary(res.stdout)
@@ -85,9 +87,9 @@ def test_a_job_whose_rows_are_all_null_finishes_without_loading_the_engine(
 
 
 def test_a_job_with_null_and_real_rows_loads_the_engine_once(loads_dir: Path, engine: LLMEngine, tmp_path: Path,
-                                                             gsm8k_questions: list[str]) -> None:
+                                                             gsm8k_questions: list[str], shared_cluster: str) -> None:
     src, out = _input(tmp_path, [None, None, None, *gsm8k_questions[60:63]]), tmp_path / "out"
-    res = runner.invoke(app, ["run", str(src), str(out), *ARGS, "--json"])
+    res = runner.invoke(app, ["run", str(src), str(out), *ARGS, "--scheduler", shared_cluster, "--json"])
     assert res.exit_code == 0, res.output
     assert loads(loads_dir) == 1
     s = _summary(res.stdout)
@@ -105,7 +107,7 @@ def test_a_job_of_null_rows_resumed_with_another_model_is_refused(tiny_model: st
                                                                   shared_cluster: str) -> None:
     """The first shard, all null, finishes without an engine; the model's bytes change; the resume is refused
     before any work (exit 2, the file named). With the model restored the job finishes, every row under the one
-    pinned fingerprint (on the session's LocalCluster, `shared_cluster`: this test counts no loads)."""
+    pinned fingerprint."""
     src = _input(tmp_path, [None, None, None, *gsm8k_questions[70:73]])
     model = tmp_path / "tiny"
     shutil.copytree(tiny_model, model)

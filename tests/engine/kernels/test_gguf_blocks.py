@@ -26,7 +26,11 @@ def ops():
 
 @pytest.fixture(scope="module")
 def reader(gguf_path: str) -> GGUFReader:
-    return GGUFReader(gguf_path)
+    """The default model's GGUF as gguf.GGUFReader reads it: the engine's faster parse of it (a GGUFReader with the same
+    fields and tensors, test_weights_cache.py), which tests/engine/conftest.py keeps for the session."""
+    from engine.loading import gguf_file
+
+    return gguf_file.open_gguf(gguf_path)
 
 
 def _tensor(reader: GGUFReader, name: str) -> object:

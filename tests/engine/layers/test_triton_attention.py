@@ -303,17 +303,19 @@ def test_kernels_compile_for_sm90() -> None:
                      {"TRITON_DEFAULT_FP_FUSION": "1"})
 
 
-def test_engine_on_the_triton_backend_matches_the_torch_backend(engine, gsm8k_questions: list[str]) -> None:
+def test_engine_on_the_triton_backend_matches_the_torch_backend(gguf_path: str, gsm8k_questions: list[str]) -> None:
     # The whole engine (chunked prefill, mixed prefill/decode steps, decode, preemption-free) on the Triton kernels:
     # a 2-layer random model with the real tokenizer and real prompts keeps the interpreter fast enough.
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.text.tokenizer import Tokenizer
 
     prompts = gsm8k_questions[40:43]
+    tokenizer = Tokenizer.from_gguf(gguf_path)
     outs = {}
     for backend in ("torch", "triton"):
         cfg = EngineConfig(device=DEVICE, dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=48,
                            attention_backend=backend, enforce_eager=True)
-        tiny = LLMEngine.from_config("tiny", cfg, tokenizer=engine.tokenizer, seed=3)
+        tiny = LLMEngine.from_config("tiny", cfg, tokenizer=tokenizer, seed=3)
         assert tiny.runner.attn_fn.__name__ == f"paged_attention_{'ref' if backend == 'torch' else 'triton'}"
         outs[backend] = tiny.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert all(o.num_prompt_tokens > 48 for o in outs["torch"])  # every prompt was prefilled in chunks

@@ -105,10 +105,14 @@ def test_int8_experts_match_hf_in_w8a8(family: str, moe, prompt_ids, int8_qmax: 
 
 
 def _gguf_experts(path) -> dict[str, np.ndarray]:
-    """{our stacked expert module name: gguf-py's dequantization [E, N, K]} of a GGUF file's _exps tensors."""
+    """{our stacked expert module name: gguf-py's dequantization [E, N, K]} of a GGUF file's _exps tensors, read by
+    the engine's parse of the file (a gguf.GGUFReader with the same tensors, test_weights_cache.py; parsed once for
+    the test and the loads: tests/engine/conftest.py)."""
+    from engine.loading import gguf_file
+
     names = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
     out = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in gguf_file.open_gguf(str(path)).tensors:
         _, layer, kind = (t.name.split(".") + ["", ""])[:3]
         if kind in names:
             out[f"layers.{layer}.mlp.experts.{names[kind]}"] = gguf.quants.dequantize(t.data, t.tensor_type).reshape(

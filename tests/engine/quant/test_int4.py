@@ -131,7 +131,7 @@ def test_gguf_q4_k_maps_to_group_32_int4() -> None:
 def native(gguf_path: str):
     """The real model loaded with its GGUF Q4_1 projections as Int4Linear (fp32, CPU), once per module. Read-only:
     a test that changes it deep-copies `native.model` first."""
-    return open_model(gguf_path, torch.float32, CPU, quantization="auto")
+    return open_model(gguf_path, torch.float32, CPU, quantization="auto", tokenizer=False)  # ref's tokenizer serves
 
 
 def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, alpaca_instructions) -> None:
@@ -142,7 +142,7 @@ def test_gguf_q4_1_native_logits_match_dequantized(gguf_path: str, ref, native, 
         a, b = _logits(ref.model, ids), _logits(native.model, ids)
         assert ((a - b).norm() / a.norm()).item() < 1e-3
     # bf16 through the tinygemm CPU kernel: same argmax on most positions (bf16 activations).
-    bf = open_model(gguf_path, torch.bfloat16, CPU, quantization="auto")
+    bf = open_model(gguf_path, torch.bfloat16, CPU, quantization="auto", tokenizer=False)
     ids = ref.tokenizer.encode(alpaca_instructions[0])
     agree = (_logits(bf.model, ids).argmax(-1) == _logits(ref.model, ids).argmax(-1)).float().mean().item()
     assert agree > 0.8
@@ -235,7 +235,7 @@ def test_perplexity_g128_within_10_percent(int4_g128: tuple[Path, dict], base_pe
                                            reference_ids) -> None:
     """The folder `tokenmill quantize` writes at group 128 (embedding INT4 too), loaded back in fp32."""
     base = base_perplexity
-    q = perplexity(open_model(str(int4_g128[0]), torch.float32, CPU).model, reference_ids).perplexity
+    q = perplexity(open_model(str(int4_g128[0]), torch.float32, CPU, tokenizer=False).model, reference_ids).perplexity
     assert q / base - 1 < 0.10, (base, q)
 
 
