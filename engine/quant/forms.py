@@ -33,7 +33,7 @@ from engine.quant.experts import expert_modules
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.int8_linear import Int8Linear
 from engine.quant.packed_linear import PackedLinear, can_pack
-from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, padded_in_features
+from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, padded_in_features, quantize_int4
 from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import AddBias
 
@@ -181,6 +181,15 @@ class Int4GroupForm(HeldForm):
         return Int4Weight(torch.empty(out_features, kp // 2, dtype=torch.uint8, device=META), groups,
                           torch.empty_like(groups), in_features, self.group_size)
 
+    @staticmethod
+    def from_float(weight: torch.Tensor, group_size: int = 128,
+                   scale_dtype: torch.dtype = torch.bfloat16) -> Int4Weight:
+        """The held INT4 weight of a float weight [N, K] (any float dtype): round-to-nearest with the MSE scale fit,
+        scales and zeros in `scale_dtype` (engine.quant.qparams.quantize_int4; llama.cpp's make_qkx2_quants). What
+        quantization "int4" does to a dense weight on load, and `tokenmill quantize`'s round-to-nearest. Raises
+        ValueError for a group size tinygemm lacks or a weight that is not 2-D."""
+        return quantize_int4(weight, group_size, scale_dtype)
+
     def process_after_load(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
                            embedding: bool = False) -> nn.Module:
         """Int4Linear (packed for the device's kernels) or, with `embedding`, Int4Embedding (no bias)."""
@@ -237,6 +246,13 @@ class StackedInt4Form(HeldForm):
         one = Int4GroupForm(self.dtype, self.device, group_size=self.group_size).create(out_features, in_features)
         return StackedInt4(*(t.expand(self.num_experts, *t.shape) for t in (one.qweight, one.scales, one.zeros)),
                            in_features, self.group_size)
+
+    @staticmethod
+    def from_float(weights: torch.Tensor, group_size: int = 128,
+                   scale_dtype: torch.dtype = torch.bfloat16) -> StackedInt4:
+        """The held stacked INT4 weight of float expert weights [E, N, K]: each expert as Int4GroupForm.from_float
+        quantizes it, one at a time (temporaries of one expert's size). Raises ValueError as that does."""
+        return StackedInt4.from_weights([Int4GroupForm.from_float(w, group_size, scale_dtype) for w in weights])
 
     def process_after_load(self, weight: StackedInt4, bias: torch.Tensor | None = None) -> nn.ModuleList:
         """One module per expert (expert_modules), expert e's bias row [N] of `bias` [E, N] added after it."""

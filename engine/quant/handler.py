@@ -16,8 +16,8 @@ from engine.model.base import ModelBase
 from engine.model.fill import fill_model
 from engine.model.tensor_names import is_expert_weight
 from engine.quant.experts import pop_int4_experts, set_int4_experts
-from engine.quant.forms import Int4GroupForm, Int8W8A8Form
-from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, quantize_int4
+from engine.quant.forms import Int4GroupForm, Int8W8A8Form, StackedInt4Form
+from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size
 from engine.quant.stacked_int4 import StackedInt4
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module
 
@@ -56,10 +56,9 @@ class Int4QuantHandler:
             if isinstance(t, Int4Weight | StackedInt4):
                 out[name] = t
             elif self.wants(name) and t.dim() == 3:
-                out[name.removesuffix(".weight")] = StackedInt4.from_weights(
-                    [quantize_int4(w, self.group_size, self.scale_dtype) for w in t])
+                out[name.removesuffix(".weight")] = StackedInt4Form.from_float(t, self.group_size, self.scale_dtype)
             elif self.wants(name):
-                out[name.removesuffix(".weight")] = quantize_int4(t, self.group_size, self.scale_dtype)
+                out[name.removesuffix(".weight")] = Int4GroupForm.from_float(t, self.group_size, self.scale_dtype)
             else:
                 out[name] = t
         return out
