@@ -33,8 +33,7 @@ from engine.model.fill import fill_model
 from engine.model.registry import build_model, quantization_problem
 from engine.multimodal.processor import ImageProcessor
 from engine.quant import handler
-from engine.quant.qparams import Int4Weight
-from engine.quant.stacked_int4 import StackedInt4
+from engine.quant.forms import Int4GroupForm, StackedInt4Form, held_form_of
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -153,7 +152,7 @@ def _load_quantized(path: str, name: str, dtype: torch.dtype, device: torch.devi
     if quantization == "int8" and not tokenizer:
         raise ValueError("quantization='int8' calibrates on text (SmoothQuant): open the model with tokenizer=True")
     cfg, state, loaded = read_model_state(path, quantization, group_size, plain_dtype=dtype, device=device)
-    n_int4 = sum(isinstance(v, Int4Weight | StackedInt4) for v in state.values())
+    n_int4 = sum(held_form_of(v) in (Int4GroupForm, StackedInt4Form) for v in state.values())
     layout = None
     if n_int4:  # the INT4 modules' layout: given, or chosen for this model (engine.worker.memory_fit)
         layout = int4_layout if isinstance(int4_layout, str) else int4_layout(cfg, handler.held_tensors(cfg, state))

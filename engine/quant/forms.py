@@ -14,82 +14,28 @@ LinearMethodBase's create_weights / process_weights_after_loading / apply):
     apply(layer, x)                    y = x W^T + b through that module, x [..., K] -> [..., N].
 
 Each class's `served_by` names, per device type, the module (or kernel function) that serves it there; a device it
-does not name refuses the form (`kernel_for`). The model's loads build their quantized modules through these
-classes (engine.quant.handler.build_model), the CPU's plain linears are packed through them
+does not name refuses the form (`kernel_for`). The class also answers, for a held weight of its form (`held_form_of`
+finds the class), what the rest of the engine asks of any weight without switching on its type: its [out, in] shape
+(`held_shape`), its memory-fit fields (`held_fields`), its float tensor (`to_float`) and the form instance that
+serves it (`for_weight`); so a new form is one class here and one row of HELD_FORMS (the interface:
+engine.quant.held_form.HeldForm). The model's loads build their quantized modules through these classes
+(engine.quant.handler.build_model), the CPU's plain linears are packed through them
 (engine.quant.after_load.pack_linears), and docs/architecture.md's table of weight forms by device is this one.
 """
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from engine.kernels.gguf_blocks import BLOCK_SIZE, GGUFBlocks
 from engine.quant.experts import expert_modules
+from engine.quant.held_form import META, HeldForm, with_bias
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.int8_linear import Int8Linear
 from engine.quant.packed_linear import PackedLinear, can_pack
 from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, padded_in_features, quantize_int4
 from engine.quant.stacked_int4 import StackedInt4
-from engine.quant.state import AddBias
-
-META = torch.device("meta")
-
-
-class HeldForm(ABC):
-    """One held form of a linear's weight (module docstring): create, process after load, apply.
-
-    Class attributes:
-        name: its key in HELD_FORMS.
-        held_type: the type of its held weight (what a quantized state dict holds for it).
-        served_by: device type ("cpu", "cuda") -> dotted name of the module or kernel that serves it there.
-        tolerance: the largest max|y - y_ref| / max|y_ref| it gives on a random Gaussian linear in fp32 on the CPU
-            against the fp32 weights it was made from (what tests/engine/quant/test_held_forms.py holds it to).
-    Args:
-        dtype: the activations' (compute) dtype.
-        device: where the serving module lives.
-    """
-
-    name: ClassVar[str]
-    held_type: ClassVar[type]
-    served_by: ClassVar[Mapping[str, str]]
-    tolerance: ClassVar[float]
-
-    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.dtype, self.device = dtype, torch.device(device)
-
-    @abstractmethod
-    def create(self, out_features: int, in_features: int) -> Any:
-        """The empty held weight [out_features, in_features] on the meta device."""
-
-    @abstractmethod
-    def process_after_load(self, weight: Any, bias: torch.Tensor | None = None) -> nn.Module:
-        """The serving module on `self.device` of a loaded held weight (and a bias [N], or None)."""
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """y = x W^T + b: x [..., K] -> [..., N] through `layer` (process_after_load's module)."""
-        return layer(x)
-
-    @classmethod
-    def kernel_for(cls, device: torch.device | str) -> str:
-        """The dotted name of what serves this form on `device`. Raises ValueError where nothing does."""
-        kind = torch.device(device).type
-        if kind not in cls.served_by:
-            raise ValueError(f"held form {cls.name!r} has no kernel on {kind} (served on {', '.join(cls.served_by)}); "
-                             "load the model with quantization 'none' there")
-        return cls.served_by[kind]
-
-
-def _with_bias(module: nn.Module, bias: torch.Tensor | None, dtype: torch.dtype,
-               device: torch.device) -> nn.Module:
-    """`module` with `bias` added after it (AddBias, bias cast to `dtype` on `device`), or as it is without one."""
-    if bias is None:
-        return module
-    return AddBias(module, nn.Parameter(bias.detach().to(device, dtype), requires_grad=False))
 
 
 class DenseForm(HeldForm):
@@ -103,6 +49,18 @@ class DenseForm(HeldForm):
 
     def create(self, out_features: int, in_features: int) -> torch.Tensor:
         return torch.empty(out_features, in_features, dtype=self.dtype, device=META)
+
+    @staticmethod
+    def held_shape(weight: torch.Tensor) -> tuple[int, ...]:
+        return tuple(weight.shape)
+
+    @staticmethod
+    def held_fields(weight: torch.Tensor) -> tuple:
+        return weight.numel(), None
+
+    @staticmethod
+    def to_float(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return weight
 
     def process_after_load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         w = weight.detach().to(self.device, self.dtype)
@@ -144,6 +102,23 @@ class GGUFBlocksForm(HeldForm):
         qs = torch.empty(out_features, nb, 32 if q8 else 16, dtype=torch.int8 if q8 else torch.uint8, device=META)
         scales = torch.empty(out_features, nb, dtype=torch.float32, device=META)
         return GGUFBlocks(self.type_name, qs, scales, None if q8 else torch.empty_like(scales))
+
+    @classmethod
+    def for_weight(cls, weight: GGUFBlocks, dtype: torch.dtype, device: torch.device | str, *,
+                   dequant_min_rows: int | None | str = "auto", layout: str = "dual") -> GGUFBlocksForm:
+        return cls(dtype, device, type_name=weight.type_name)
+
+    @staticmethod
+    def held_shape(weight: GGUFBlocks) -> tuple[int, ...]:
+        return weight.shape
+
+    @staticmethod
+    def held_fields(weight: GGUFBlocks) -> tuple:
+        return weight.shape[0] * weight.shape[1], None
+
+    @staticmethod
+    def to_float(weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:
+        return weight.dequantize().to(dtype)
 
     def process_after_load(self, weight: GGUFBlocks, bias: torch.Tensor | None = None, *,
                            dense: torch.Tensor | None = None) -> nn.Module:
@@ -190,13 +165,32 @@ class Int4GroupForm(HeldForm):
         ValueError for a group size tinygemm lacks or a weight that is not 2-D."""
         return quantize_int4(weight, group_size, scale_dtype)
 
-    def process_after_load(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
-                           embedding: bool = False) -> nn.Module:
-        """Int4Linear (packed for the device's kernels) or, with `embedding`, Int4Embedding (no bias)."""
-        if embedding:
-            return Int4Embedding(weight, self.dtype, self.device)
+    @classmethod
+    def for_weight(cls, weight: Int4Weight, dtype: torch.dtype, device: torch.device | str, *,
+                   dequant_min_rows: int | None | str = "auto", layout: str = "dual") -> Int4GroupForm:
+        return cls(dtype, device, group_size=weight.group_size, dequant_min_rows=dequant_min_rows, layout=layout)
+
+    @staticmethod
+    def held_shape(weight: Int4Weight) -> tuple[int, ...]:
+        return weight.out_features, weight.in_features
+
+    @staticmethod
+    def held_fields(weight: Int4Weight) -> tuple:
+        """At its padded width: the kernels hold Kp columns."""
+        return weight.out_features * weight.padded_in_features, weight.group_size
+
+    @staticmethod
+    def to_float(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+        return weight.dequantize(dtype)
+
+    def process_embedding(self, weight: Int4Weight) -> nn.Module:
+        """Int4Embedding over the portable tensors (rows dequantized as they are looked up)."""
+        return Int4Embedding(weight, self.dtype, self.device)
+
+    def process_after_load(self, weight: Int4Weight, bias: torch.Tensor | None = None) -> nn.Module:
+        """Int4Linear (packed for the device's kernels)."""
         module = Int4Linear(weight, self.dtype, self.device, self.dequant_min_rows, layout=self.layout)
-        return _with_bias(module, bias, self.dtype, self.device)
+        return with_bias(module, bias, self.dtype, self.device)
 
 
 class Int8W8A8Form(HeldForm):
@@ -213,11 +207,23 @@ class Int8W8A8Form(HeldForm):
         return Int8Weight(torch.empty(out_features, in_features, dtype=torch.int8, device=META),
                           torch.empty(out_features, dtype=torch.float32, device=META))
 
+    @staticmethod
+    def held_shape(weight: Int8Weight) -> tuple[int, ...]:
+        return tuple(weight.qweight.shape)
+
+    @staticmethod
+    def held_fields(weight: Int8Weight) -> tuple:
+        return weight.qweight.numel(), None
+
+    @staticmethod
+    def to_float(weight: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
+        return weight.dequantize(dtype)
+
     def process_after_load(self, weight: Int8Weight, bias: torch.Tensor | None = None) -> nn.Module:
         """Int8Linear over the stored integers and scales (no second quantization). Raises ValueError off the CPU,
         and as Int8Linear."""
         self.kernel_for(self.device)
-        return _with_bias(Int8Linear(weight, self.dtype), bias, self.dtype, self.device)
+        return with_bias(Int8Linear(weight, self.dtype), bias, self.dtype, self.device)
 
 
 class StackedInt4Form(HeldForm):
@@ -254,16 +260,38 @@ class StackedInt4Form(HeldForm):
         quantizes it, one at a time (temporaries of one expert's size). Raises ValueError as that does."""
         return StackedInt4.from_weights([Int4GroupForm.from_float(w, group_size, scale_dtype) for w in weights])
 
+    @classmethod
+    def for_weight(cls, weight: StackedInt4, dtype: torch.dtype, device: torch.device | str, *,
+                   dequant_min_rows: int | None | str = "auto", layout: str = "dual") -> StackedInt4Form:
+        return cls(dtype, device, num_experts=weight.num_experts, group_size=weight.group_size, layout=layout)
+
+    @staticmethod
+    def held_shape(weight: StackedInt4) -> tuple[int, ...]:
+        return weight.num_experts, weight.out_features, weight.in_features
+
+    @staticmethod
+    def held_fields(weight: StackedInt4) -> tuple:
+        """All its experts' weights at their padded width, flagged as stacked (memory_fit counts one copy where the
+        grouped kernel serves them)."""
+        return weight.qweight.numel() * 2, weight.group_size, True, weight.scales.element_size()
+
+    @staticmethod
+    def to_float(weight: StackedInt4, dtype: torch.dtype) -> torch.Tensor:
+        return weight.dequantize(dtype)
+
     def process_after_load(self, weight: StackedInt4, bias: torch.Tensor | None = None) -> nn.ModuleList:
         """One module per expert (expert_modules), expert e's bias row [N] of `bias` [E, N] added after it."""
         mods = expert_modules(weight, self.dtype, self.device, self.layout)
         return nn.ModuleList(mods if bias is None else
-                             [_with_bias(m, b, self.dtype, self.device) for m, b in zip(mods, bias, strict=True)])
+                             [with_bias(m, b, self.dtype, self.device) for m, b in zip(mods, bias, strict=True)])
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Expert e's rows through expert e: x [E, M, K] -> [E, M, N]."""
         return torch.stack([expert(rows) for expert, rows in zip(layer, x, strict=True)])
 
+
+__all__ = ["HELD_FORMS", "DenseForm", "GGUFBlocksForm", "HeldForm", "Int4GroupForm", "Int8W8A8Form", "StackedInt4Form",
+           "held_form_of"]
 
 #: The one table of held forms: name -> class (each class's served_by: which module serves it on which device).
 HELD_FORMS: dict[str, type[HeldForm]] = {

@@ -16,9 +16,8 @@ from engine.model.base import ModelBase
 from engine.model.fill import fill_model
 from engine.model.tensor_names import is_expert_weight
 from engine.quant.experts import pop_int4_experts, set_int4_experts
-from engine.quant.forms import Int4GroupForm, Int8W8A8Form, StackedInt4Form
-from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size
-from engine.quant.stacked_int4 import StackedInt4
+from engine.quant.forms import DenseForm, Int4GroupForm, StackedInt4Form, held_form_of
+from engine.quant.qparams import Int4Weight, check_group_size
 from engine.quant.state import EMBEDDING, LM_HEAD, QuantizedState, is_linear_weight, set_module
 
 
@@ -53,7 +52,7 @@ class Int4QuantHandler:
         are INT4 (e.g. GGUF Q4 loaded natively) are kept as they are. Tensors are not copied."""
         out: QuantizedState = {}
         for name, t in state.items():
-            if isinstance(t, Int4Weight | StackedInt4):
+            if held_form_of(t) is not DenseForm:
                 out[name] = t
             elif self.wants(name) and t.dim() == 3:
                 out[name.removesuffix(".weight")] = StackedInt4Form.from_float(t, self.group_size, self.scale_dtype)
@@ -65,22 +64,22 @@ class Int4QuantHandler:
 
 
 def dequantize_state_dict(state: QuantizedState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Plain state dict (HF parameter names) with every Int4Weight (and StackedInt4: [E, N, K]) dequantized to
-    `dtype`."""
-    return {(f"{k}.weight" if isinstance(v, Int4Weight | StackedInt4) else k):
-            (v.dequantize(dtype) if isinstance(v, Int4Weight | StackedInt4) else v) for k, v in state.items()}
+    """Plain state dict (HF parameter names): every held weight that is not a plain tensor (an Int4Weight, a
+    StackedInt4 [E, N, K], ...) dequantized to `dtype` by its held form (HeldForm.to_float) under its parameter's
+    name; plain tensors as they are."""
+    out = {}
+    for k, v in state.items():
+        form = held_form_of(v)
+        out[k if form is DenseForm else f"{k}.weight"] = form.to_float(v, dtype)
+    return out
 
 
 def held_tensors(cfg: ModelConfig, state: QuantizedState) -> list[tuple]:
-    """(numel, INT4 group size or None) of each weight build_model makes of `state`, INT4 ones at their padded
-    width, a StackedInt4 as (numel of all its experts' weights, group, True, bytes per scale as stored), as
-    engine.worker.memory_fit.weight_bytes takes them (HeldWeight's fields): a tied LM head left out (it shares the
-    embedding's parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed
-    copies)."""
-    return [(w.out_features * w.padded_in_features, w.group_size) if isinstance(w, Int4Weight) else
-            (w.qweight.numel() * 2, w.group_size, True, w.scales.element_size()) if isinstance(w, StackedInt4) else
-            (w.qweight.numel(), None) if isinstance(w, Int8Weight) else (w.numel(), None)
-            for w in _tied(cfg, state).values()]
+    """What engine.worker.memory_fit.weight_bytes takes (HeldWeight's fields) of each weight build_model makes of
+    `state`, as its held form counts it (HeldForm.held_fields: INT4 ones at their padded width, a StackedInt4 as all
+    its experts' weights with its bytes per scale as stored): a tied LM head left out (it shares the embedding's
+    parameter) unless the embedding is INT4 (then the head is an Int4Linear with its own packed copies)."""
+    return [held_form_of(w).held_fields(w) for w in _tied(cfg, state).values()]
 
 
 def _tied(cfg: ModelConfig, state: QuantizedState) -> QuantizedState:
@@ -100,37 +99,33 @@ def build_model(cfg: ModelConfig, state: QuantizedState, dtype: torch.dtype, dev
                 int4_layout: str = "dual") -> ModelBase:
     """A model (engine.model.registry.build_model) on `device` from a (possibly partly) quantized state dict.
 
-    Built on the meta device: INT4 modules (and INT8 ones of a W8A8 checkpoint's stored Int8Weight, CPU only),
-    made by their held forms' process_after_load (engine.quant.forms), replace their nn.Linear / nn.Embedding,
-    plain tensors are cast to
-    `dtype` and assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
+    Built on the meta device: each held weight that is not a plain tensor (Int4Weight; a W8A8 checkpoint's stored
+    Int8Weight, CPU only) replaces its nn.Linear / nn.Embedding by its held form's module (engine.quant.forms:
+    HeldForm.for_weight, then process_after_load or process_embedding), plain tensors are cast to `dtype` and
+    assigned, so no weight exists twice. A tied LM head follows the embedding: INT4 when the
     embedding is INT4 (an Int4Linear over the same portable tensors), else the shared nn.Parameter. A mixture-of-
     experts block with StackedInt4 experts gets one module per expert (engine.quant.experts). int4_layout: the
     Int4Linear modules' layout on CUDA ("dual" or "single": engine.quant.int4_linear, engine.quant.experts).
-    Raises ValueError when a tensor is missing or an INT4 weight does not fit its module's shape.
+    Raises ValueError when a tensor is missing, a quantized weight does not fit its module's shape, or its held form
+    has no kernel on `device` (HeldForm.kernel_for) or serves no embedding.
     """
     with torch.device("meta"):
         model = registry.build_model(cfg, max_positions)
     state = _tied(cfg, state)
     experts = pop_int4_experts(model, state)
     for name, w in list(state.items()):
-        if not isinstance(w, Int4Weight | Int8Weight):
+        form = held_form_of(w)
+        if form is DenseForm:
             continue
         old = model.get_submodule(name)
-        shape = (old.num_embeddings, old.embedding_dim) if isinstance(old, nn.Embedding) else (
-            old.out_features, old.in_features)
-        have = (w.out_features, w.in_features) if isinstance(w, Int4Weight) else tuple(w.qweight.shape)
-        if have != shape or (isinstance(w, Int8Weight) and isinstance(old, nn.Embedding)):
-            raise ValueError(f"quantized weight {name} is {list(have)}, the model wants {shape}: the model file does "
-                             "not match its config")
-        if isinstance(w, Int8Weight):
-            if device.type != "cpu":
-                raise ValueError(f"INT8 weight {name} runs on the CPU's oneDNN kernel, not {device.type}")
-            new = Int8W8A8Form(dtype, device).process_after_load(w)
-        else:
-            new = Int4GroupForm(dtype, device, group_size=w.group_size, dequant_min_rows=dequant_min_rows,
-                                layout=int4_layout).process_after_load(w, embedding=isinstance(old, nn.Embedding))
-        set_module(model, name, new)  # a replaced projection's bias comes along (AddBias)
+        embedding = isinstance(old, nn.Embedding)
+        shape = (old.num_embeddings, old.embedding_dim) if embedding else (old.out_features, old.in_features)
+        if form.held_shape(w) != shape:
+            raise ValueError(f"quantized weight {name} is {list(form.held_shape(w))}, the model wants {shape}: the "
+                             "model file does not match its config")
+        held = form.for_weight(w, dtype, device, dequant_min_rows=dequant_min_rows, layout=int4_layout)
+        # a replaced projection's bias comes along (set_module: AddBias)
+        set_module(model, name, held.process_embedding(w) if embedding else held.process_after_load(w))
         del state[name]
     fill_model(model, state, dtype, device)
     set_int4_experts(model, experts, dtype, device, int4_layout)

@@ -1,7 +1,7 @@
 """The one table of weight forms (engine.quant.forms.HELD_FORMS) walked: every held form is created, processed after
-load and applied on a small random linear on the CPU, and matches the fp32 reference within its tolerance; what it
-says serves each form on each device exists; every stored format (engine.loading.stored_formats) becomes a held form
-of the table."""
+load and applied on a small random linear on the CPU, and matches the fp32 reference within its tolerance, and
+answers its held weight's shape, memory-fit fields and float tensor; what it says serves each form on each device
+exists; every stored format (engine.loading.stored_formats) becomes a held form of the table."""
 
 from __future__ import annotations
 
@@ -79,6 +79,19 @@ def test_every_held_form_is_created_processed_and_applied(name: str) -> None:
     assert err <= form.tolerance, f"{name}: relative error {err:.2e} above its tolerance {form.tolerance}"
     if name != "dense":  # a quantized form is not the fp32 weights: the walk would not see a form that ignores them
         assert err > 1e-6
+
+    # what the engine asks of any held weight, answered by its form (no switch on the weight's type)
+    cls = type(form)
+    assert cls.held_shape(held) == tuple(w.shape)
+    assert type(cls.for_weight(held, torch.float32, "cpu")) is cls
+    fields = cls.held_fields(held)
+    assert fields[0] >= w.numel() and fields[1] == (GROUP if name in ("int4", "stacked_int4") else None)
+    dense = cls.to_float(held, torch.float32)
+    assert dense.shape == w.shape and dense.dtype == torch.float32
+    assert float((dense - w).abs().max() / w.abs().max()) <= form.tolerance
+    if name != "int4":
+        with pytest.raises(ValueError, match="serves linears only"):
+            form.process_embedding(held)
 
 
 def test_the_table_names_a_kernel_that_exists_per_device() -> None:
