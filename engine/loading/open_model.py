@@ -8,7 +8,7 @@ tensors into a meta-device model (`_load_hf`); a GGUF file under "none" reads it
 weights cache (`_load_gguf`); everything else (a quantized folder, a tokenmill folder, any mode but "none") reads
 a (partly) quantized state dict (engine.loading.quantized.read_model_state: the modes, each stored format's held
 form: engine.loading.stored_formats) and builds the model through the held forms (engine.quant.handler.build_model,
-engine.quant.forms), "int8" then smoothing and quantizing the fused projections (`_load_quantized`).
+engine.quant.forms), "int8" then the INT8 W8A8 form's from-float step (SmoothQuant, then INT8: `_load_quantized`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.model.fill import fill_model
 from engine.model.registry import build_model, quantization_problem
 from engine.multimodal.processor import ImageProcessor
 from engine.quant import handler
-from engine.quant.forms import Int4GroupForm, StackedInt4Form, held_form_of
+from engine.quant.forms import Int4GroupForm, Int8W8A8Form, StackedInt4Form, held_form_of
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -134,8 +134,9 @@ def _load_quantized(path: str, name: str, dtype: torch.dtype, device: torch.devi
                     group_size: int, max_positions: int | None, int4_layout: Int4Layout,
                     tokenizer: bool) -> OpenedModel:
     """A tokenmill folder, a quantized HF folder, or any model under a mode but "none": its (partly) quantized state
-    (read_model_state) built through the held forms (engine.quant.handler.build_model); "int8" then fused, smoothed
-    (SmoothQuant) and its projections quantized. Raises ValueError as open_model."""
+    (read_model_state) built through the held forms (engine.quant.handler.build_model); "int8" then through the INT8
+    W8A8 form's from-float step (Int8W8A8Form.from_float_model: fused, smoothed by SmoothQuant, quantized).
+    Raises ValueError as open_model."""
     if os.path.isdir(path) and not is_model_folder(path) and not is_hf_folder(path):
         raise ValueError(f"{path} is a folder but neither a Hugging Face model folder (config.json + safetensors) "
                          "nor a tokenmill model folder; pass a GGUF file or one of those folders")
@@ -162,12 +163,10 @@ def _load_quantized(path: str, name: str, dtype: torch.dtype, device: torch.devi
     llama = handler.build_model(cfg, state, dtype, device, max_positions, int4_layout=layout or "dual")
     tok = Tokenizer.from_model_path(path) if tokenizer else None
     if quantization == "int8" and loaded is None:  # a W8A8 folder's INT8 layers are its stored ones
-        from engine.quant.int8_linear import quantize_model_int8
-        from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
+        from engine.quant.smoothquant import CALIBRATION_TEXT
 
-        llama.fuse_projections()
-        smooth_model(llama, torch.tensor(tok.encode(CALIBRATION_TEXT), dtype=torch.int64, device=device))
-        quantize_model_int8(llama)
+        Int8W8A8Form.from_float_model(llama, torch.tensor(tok.encode(CALIBRATION_TEXT), dtype=torch.int64,
+                                                          device=device))
     if loaded is None and n_int4 and quantization == "auto" and not os.path.isdir(path):
         loaded = f"gguf: {n_int4} weights INT4 as stored, the others dequantized exactly"
     return OpenedModel(cfg, llama, tok, name, loaded, path, num_int4_modules=n_int4, int4_layout=layout)

@@ -29,12 +29,14 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_blocks import BLOCK_SIZE, GGUFBlocks
+from engine.model.base import ModelBase
 from engine.quant.experts import expert_modules
 from engine.quant.held_form import META, HeldForm, with_bias
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
-from engine.quant.int8_linear import Int8Linear
+from engine.quant.int8_linear import Int8Linear, quantize_model_int8
 from engine.quant.packed_linear import PackedLinear, can_pack
 from engine.quant.qparams import Int4Weight, Int8Weight, check_group_size, padded_in_features, quantize_int4
+from engine.quant.smoothquant import smooth_model
 from engine.quant.stacked_int4 import StackedInt4
 
 
@@ -202,6 +204,19 @@ class Int8W8A8Form(HeldForm):
     held_type = Int8Weight
     served_by = {"cpu": "engine.quant.int8_linear.Int8Linear"}
     tolerance = 5e-2  # 7-bit weights where the CPU lacks VNNI (engine.quant.int8_linear), 8-bit activations
+
+    @staticmethod
+    def from_float_model(model: ModelBase, calibration_ids: torch.Tensor) -> int:
+        """The form's from-float step, for a whole filled model with plain linears, in place: projections fused
+        (ModelBase.fuse_projections), smoothed by SmoothQuant from one forward over `calibration_ids` (int64 [n];
+        engine.quant.smoothquant.smooth_model), then every decoder projection and expert quantized per output
+        channel (engine.quant.int8_linear.quantize_model_int8). It stays in engine.quant, not engine.ptq: loading
+        calls it ("int8" on load) and engine.ptq reads models through engine.loading, so a move would close a
+        loading -> ptq -> loading package cycle. Returns the number of modules replaced. Raises ValueError as
+        smooth_model and Int8Linear do."""
+        model.fuse_projections()
+        smooth_model(model, calibration_ids)
+        return quantize_model_int8(model)
 
     def create(self, out_features: int, in_features: int) -> Int8Weight:
         return Int8Weight(torch.empty(out_features, in_features, dtype=torch.int8, device=META),
