@@ -91,7 +91,7 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
     shape: `tune_s` (ours: tune_gemlite before timing) and `first_call_ms` per M (gemlite's own set-ups tune there).
     One JSON line per (shape, M, kernel) as it is timed (a sweep cut short keeps them), then a table of the layer
     totals (the sum over the shapes) and the crossovers: the largest M at which tinygemm beats our GemLite
-    (engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS), the smallest from which dequantize + GEMM does
+    (engine.quant.int4_kernel_plan.CUDA_TINYGEMM_MAX_ROWS), the smallest from which dequantize + GEMM does
     (CUDA_GEMLITE_DEQUANT_MIN_ROWS) and where the best INT4 kernel is at or below dense. Returns that tinygemm
     crossover (None when GemLite did not run)."""
     from engine.quant.gemlite_int4 import gemlite_unavailable_reason
@@ -159,19 +159,20 @@ def kernel_sweep(dev: torch.device, shapes: dict[str, tuple[int, int]], rows: li
         return None
     tiny = [m for m in rows if totals[m]["tinygemm"] < totals[m]["gemlite"]]
     crossover = max((m for m in tiny if all(n in tiny for n in rows if n <= m)), default=0)
-    from engine.quant.int4_linear import CUDA_GEMLITE_DEQUANT_MIN_ROWS
+    from engine.quant.int4_kernel_plan import CUDA_GEMLITE_DEQUANT_MIN_ROWS
 
     dequant = [m for m in rows if totals[m]["dequant"] < totals[m]["gemlite"]]
     dequant_from = min((m for m in dequant if all(n in dequant for n in rows if n >= m)), default=None)
-    print(f"crossover: tinygemm beats GemLite at M in {tiny}; set engine.quant.int4_linear.CUDA_TINYGEMM_MAX_ROWS = "
+    print(f"crossover: tinygemm beats GemLite at M in {tiny}; set "
+          f"engine.quant.int4_kernel_plan.CUDA_TINYGEMM_MAX_ROWS = "
           f"{crossover} (now {_tinygemm_max_rows()})")
-    print(f"crossover: dequantize + GEMM beats GemLite at M in {dequant}; set engine.quant.int4_linear."
+    print(f"crossover: dequantize + GEMM beats GemLite at M in {dequant}; set engine.quant.int4_kernel_plan."
           f"CUDA_GEMLITE_DEQUANT_MIN_ROWS = {dequant_from} (now {CUDA_GEMLITE_DEQUANT_MIN_ROWS}; None = never)")
     return crossover
 
 
 def _tinygemm_max_rows() -> int:
-    from engine.quant.int4_linear import CUDA_TINYGEMM_MAX_ROWS
+    from engine.quant.int4_kernel_plan import CUDA_TINYGEMM_MAX_ROWS
 
     return CUDA_TINYGEMM_MAX_ROWS
 

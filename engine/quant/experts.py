@@ -37,7 +37,8 @@ from torch import nn
 from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
 from engine.kernels.triton_moe_int4 import triton_moe_int4_ops
 from engine.layers.moe import GroupedExperts
-from engine.quant.int4_linear import CUDA_DEQUANT_MIN_ROWS, Int4Linear
+from engine.quant.int4_kernel_plan import CUDA_DEQUANT_MIN_ROWS
+from engine.quant.int4_linear import Int4Linear
 from engine.quant.int8_linear import Int8Linear
 from engine.quant.qparams import quantize_int4
 from engine.quant.stacked_int4 import StackedInt4

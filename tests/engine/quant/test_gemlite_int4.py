@@ -29,8 +29,9 @@ from gemlite_testing import (
     triton,
 )
 
-from engine.quant import gemlite_int4, int4_linear
-from engine.quant.int4_linear import _Dequantizer, cuda_kernel_plan, gemlite_kernel_for
+from engine.quant import gemlite_int4, int4_kernel_plan
+from engine.quant.int4_kernel_plan import cuda_kernel_plan, gemlite_kernel_for
+from engine.quant.int4_linear import _Dequantizer
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +118,14 @@ def test_cuda_kernel_plan(caplog: pytest.LogCaptureFixture) -> None:
     fp32 never uses it."""
     ok, missing = None, "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
     plan = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok)
-    assert plan == (True, int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
+    assert plan == (True, int4_kernel_plan.CUDA_TINYGEMM_MAX_ROWS, int4_kernel_plan.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
     assert cuda_kernel_plan(torch.float16, 4096, 0, None, None, ok) == (True, 0, None)
     assert cuda_kernel_plan(torch.bfloat16, 4100, "auto", 512, None, ok) == (True, 0, 512)  # tinygemm tiles N by 8
-    int4_linear._FALLBACK_LOGGED.clear()
-    with caplog.at_level("WARNING", logger="engine.quant.int4_linear"):
+    int4_kernel_plan._FALLBACK_LOGGED.clear()
+    with caplog.at_level("WARNING", logger="engine.quant.int4_kernel_plan"):
         for _ in range(2):
             plan = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, missing)
-            assert plan == (False, None, int4_linear.CUDA_DEQUANT_MIN_ROWS)
+            assert plan == (False, None, int4_kernel_plan.CUDA_DEQUANT_MIN_ROWS)
     assert len([r for r in caplog.records if "not installed" in r.getMessage()]) == 1
     with pytest.raises(ImportError, match="not installed"):
         cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", True, missing)
@@ -140,7 +141,7 @@ def test_cuda_kernel_plan_of_the_single_layout() -> None:
     error naming the layouts."""
     ok, missing = None, "gemlite is not installed (pip install 'gemlite>=0.6', or tokenmill[cuda])"
     single = cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, ok, "single")
-    assert single == (True, 0, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
+    assert single == (True, 0, int4_kernel_plan.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
     assert gemlite_kernel_for(1, *single[1:]) == "gemlite"
     assert cuda_kernel_plan(torch.bfloat16, 4096, "auto", "auto", None, missing, "single") == (False, None, None)
     assert cuda_kernel_plan(torch.float32, 4096, "auto", 0, None, ok, "single") == (False, None, 0)
@@ -161,7 +162,8 @@ def test_int4_linear_on_cuda_uses_gemlite_above_the_crossover(_gemlite_on_cpu: N
 
     q = int4_weight(512, 1024, 128, seed=m)
     lin = Int4Linear(q, torch.bfloat16, "cuda")
-    kernel = gemlite_kernel_for(m, int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
+    plan = int4_kernel_plan
+    kernel = gemlite_kernel_for(m, plan.CUDA_TINYGEMM_MAX_ROWS, plan.CUDA_GEMLITE_DEQUANT_MIN_ROWS)
     assert lin.kernel_for(m) == kernel
     x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     deq = _Dequantizer(q, torch.bfloat16, torch.device("cpu"))
@@ -204,7 +206,7 @@ def test_int4_linear_single_layout_on_cuda_holds_one_copy(_gemlite_on_cpu: None)
 def test_gemlite_kernel_for_each_m() -> None:
     """The kernel per row count M: tinygemm up to its crossover, dequantize + GEMM from its own, GemLite between;
     0 / None switch either off."""
-    tiny, dequant = int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS
+    tiny, dequant = int4_kernel_plan.CUDA_TINYGEMM_MAX_ROWS, int4_kernel_plan.CUDA_GEMLITE_DEQUANT_MIN_ROWS
     assert [gemlite_kernel_for(m, tiny, dequant) for m in (1, tiny, tiny + 1, dequant - 1, dequant, 8192)] == [
         "tinygemm", "tinygemm", "gemlite", "gemlite", "dequant", "dequant"]
     assert gemlite_kernel_for(1, 0, dequant) == "gemlite"

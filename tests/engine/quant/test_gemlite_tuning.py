@@ -12,8 +12,8 @@ import pytest
 import torch
 from gemlite_testing import DEVICE, INTERPRET, gemlite_on_cpu, int4_weight
 
-from engine.quant import gemlite_int4, gemlite_tuning, int4_linear
-from engine.quant.int4_linear import gemlite_kernel_for
+from engine.quant import gemlite_int4, gemlite_tuning, int4_kernel_plan
+from engine.quant.int4_kernel_plan import gemlite_kernel_for
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_warmup_rows_cover_every_kernel_and_m_bucket(_gemlite_on_cpu: None) -> N
     from gemlite.core import get_matmul_type
     from gemlite.triton_kernels.utils import get_closest_m
 
-    tiny, dequant = int4_linear.CUDA_TINYGEMM_MAX_ROWS, int4_linear.CUDA_GEMLITE_DEQUANT_MIN_ROWS
+    tiny, dequant = int4_kernel_plan.CUDA_TINYGEMM_MAX_ROWS, int4_kernel_plan.CUDA_GEMLITE_DEQUANT_MIN_ROWS
     plan = gemlite_tuning.warmup_rows(
         range(1, 2049), lambda m: get_matmul_type(m, 4) if gemlite_kernel_for(m, tiny, dequant) == "gemlite" else None,
         get_closest_m)
