@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from torch import nn
 
 from engine.kernels import cpu_kernels
 
@@ -250,34 +249,3 @@ GGUF_KEY_PREFIX = "gguf_"
 def is_block_key(name: str) -> bool:
     """True for a state-dict entry that holds a GGUF block tensor (GGUFBlocks.to_state), not a parameter."""
     return name.rsplit(".", 1)[-1].startswith(GGUF_KEY_PREFIX)
-
-
-def _rows_shape(weight: torch.Tensor) -> tuple[int, int]:
-    """A weight's shape as rows: [N, K] as it is, stacked experts [E, N, K] as [E * N, K]."""
-    return (weight.numel() // weight.shape[-1], weight.shape[-1]) if weight.dim() else (0, 0)
-
-
-def set_gguf_blocks(module: nn.Module, blocks: GGUFBlocks) -> bool:
-    """Record `blocks` as the raw form of `module.weight` (an fp32 [N, K] weight of the same shape, or stacked experts
-    [E, N, K] of blocks [E * N, K]: engine.layers.expert_weights.ExpertWeights), with the weight's version counter
-    and storage: a later change of the weight (SmoothQuant's in-place scaling, GPTQ's `weight.data = ...`) makes
-    `gguf_blocks_of` drop them rather than multiply by stale numbers. Returns False (nothing recorded) when the shapes
-    or dtype do not match."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or _rows_shape(weight) != blocks.shape:
-        return False
-    module.gguf_blocks = (blocks, weight._version, weight.data_ptr())
-    return True
-
-
-def gguf_blocks_of(module: nn.Module) -> GGUFBlocks | None:
-    """The GGUF blocks `set_gguf_blocks` gave `module`, or None when it has none or its weight changed since."""
-    recorded = getattr(module, "gguf_blocks", None)
-    if recorded is None:
-        return None
-    blocks, version, address = recorded
-    weight = getattr(module, "weight", None)
-    if (not isinstance(weight, torch.Tensor) or weight._version != version or weight.data_ptr() != address
-            or _rows_shape(weight) != blocks.shape or weight.dtype != torch.float32):
-        return None
-    return blocks

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, set_gguf_blocks
+from engine.layers.gguf_holder import GGUFBlocksHolder
 
 
 def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
@@ -15,7 +15,7 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
 
     Plain nn.Linear layers merge by concatenating their weights and biases (all with a bias or all without; as
     vLLM's QKVParallelLinear and MergedColumnParallelLinear hold Q/K/V and gate/up in one matrix; their GGUF
-    blocks too, when every part has them: engine.kernels.gguf_blocks.set_gguf_blocks); other module
+    blocks too, when every part has them: engine.layers.gguf_holder.GGUFBlocksHolder.concat); other module
     types merge through a `concat(modules)` classmethod of their own (e.g. engine.quant.int4_linear.Int4Linear,
     engine.quant.state.AddBias). The originals are not changed.
     """
@@ -33,11 +33,7 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module | None:
         merged.weight = nn.Parameter(weight, requires_grad=False)
         if biased:
             merged.bias = nn.Parameter(torch.cat([m.bias.detach() for m in modules]), requires_grad=False)
-        blocks = [gguf_blocks_of(m) for m in modules]
-        if all(b is not None for b in blocks):  # the GGUF blocks of the parts, concatenated alike
-            joined = GGUFBlocks.concat(blocks)
-            if joined is not None:
-                set_gguf_blocks(merged, joined)
+        GGUFBlocksHolder.concat(modules, merged)  # the GGUF blocks of the parts, concatenated alike
         return merged
     concat = getattr(type(first), "concat", None)
     return concat(modules) if concat is not None else None

@@ -54,11 +54,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels.gguf_blocks import gguf_blocks_of, set_gguf_blocks
 from engine.kernels.triton_moe import DTYPES as TRITON_MOE_DTYPES
 from engine.kernels.triton_moe import triton_moe_ops
 from engine.kernels.triton_moe_int4 import triton_moe_int4_ops
 from engine.layers.expert_weights import ExpertWeights, fuse_gate_up_blocks
+from engine.layers.gguf_holder import GGUFBlocksHolder
 from engine.layers.rms_norm import fused_ops
 
 
@@ -156,9 +156,8 @@ class GroupedExperts(nn.Module):
                                                                     self.up_proj.bias.detach()], dim=1)
         self.gate_up_proj = ExpertWeights.of(torch.cat([self.gate_proj.weight.detach(),
                                                         self.up_proj.weight.detach()], dim=1), bias)
-        blocks = fuse_gate_up_blocks(gguf_blocks_of(self.gate_proj), gguf_blocks_of(self.up_proj), self.num_experts)
-        if blocks is not None:
-            set_gguf_blocks(self.gate_up_proj, blocks)
+        GGUFBlocksHolder.attach(self.gate_up_proj, fuse_gate_up_blocks(
+            GGUFBlocksHolder.of(self.gate_proj), GGUFBlocksHolder.of(self.up_proj), self.num_experts))
         self.gate_proj = self.up_proj = None
         return True
 

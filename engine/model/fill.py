@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key, set_gguf_blocks
+from engine.kernels.gguf_blocks import GGUFBlocks, is_block_key
 from engine.layers.expert_weights import ExpertWeights
+from engine.layers.gguf_holder import GGUFBlocksHolder
 from engine.model.base import ModelBase
 from engine.model.tensor_names import EMBEDDING, LM_HEAD
 
@@ -52,12 +53,14 @@ def pop_gguf_blocks(state: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
 
 def attach_gguf_blocks(model: ModelBase, blocks: dict[str, GGUFBlocks]) -> int:
     """Give each plain nn.Linear, and each mixture-of-experts block's stacked expert projection (ExpertWeights), the
-    GGUF blocks of its weight (`set_gguf_blocks`; the embedding's go to a tied LM head, which multiplies by the same
-    matrix). Modules already replaced (INT4) are skipped. Returns how many."""
+    GGUF blocks of its weight as its declared holder (engine.layers.gguf_holder.GGUFBlocksHolder, the holder of
+    engine.quant.forms.GGUFBlocksForm: this package sits below engine.quant); the embedding's go to a tied LM head,
+    which multiplies by the same matrix. Modules already replaced (INT4) and blocks that do not fit their weight are
+    skipped. Returns how many."""
     attached = 0
     for prefix, b in blocks.items():
         name = LM_HEAD if prefix == EMBEDDING and model.config.tie_word_embeddings else prefix
         module = model.get_submodule(name) if name != EMBEDDING else None
-        if (type(module) is nn.Linear or isinstance(module, ExpertWeights)) and set_gguf_blocks(module, b):
+        if (type(module) is nn.Linear or isinstance(module, ExpertWeights)) and GGUFBlocksHolder.attach(module, b):
             attached += 1
     return attached

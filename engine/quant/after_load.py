@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.gguf_blocks import gguf_blocks_of
 from engine.layers.moe import GroupedExperts
 from engine.model.base import ModelBase
 from engine.quant.forms import DenseForm, GGUFBlocksForm
@@ -34,7 +33,7 @@ def process_model_after_load(model: ModelBase, device: torch.device, max_rows: i
 
 def pack_linears(model: nn.Module) -> int:
     """Replace, in place, every plain nn.Linear of a CPU model whose weight is fp32 or bf16 by its held form's module
-    (a PackedLinear: DenseForm, or GGUFBlocksForm when the weight kept its GGUF blocks, `set_gguf_blocks`; a tied
+    (a PackedLinear: DenseForm, or GGUFBlocksForm when the weight kept its GGUF blocks, `GGUFBlocksForm.of`; a tied
     LM head gets its own packed copy; the embedding is untouched; a bias is kept, added in the GEMM's epilogue).
     Other modules (INT4, INT8) stay, and so do bf16 ones where oneDNN cannot pack bf16 (`can_pack`). A
     mixture-of-experts block's experts (engine.layers.moe.GroupedExperts) get one PackedLinear per expert for
@@ -47,7 +46,7 @@ def pack_linears(model: nn.Module) -> int:
              and m.weight.dtype in PACKED_DTYPES and can_pack(m.weight.dtype)]
     for name in names:
         module = model.get_submodule(name)
-        set_module(model, name, _packed(module.weight, gguf_blocks_of(module), module.bias))
+        set_module(model, name, _packed(module.weight, GGUFBlocksForm.of(module), module.bias))
     return len(names) + sum(pack_experts(m) for m in model.modules() if isinstance(m, GroupedExperts))
 
 
@@ -70,7 +69,7 @@ def pack_experts(experts: GroupedExperts) -> bool:
         return False
 
     def packed(module: nn.Module) -> list[nn.Module]:
-        blocks, rows = gguf_blocks_of(module), module.weight.shape[1]
+        blocks, rows = GGUFBlocksForm.of(module), module.weight.shape[1]
         return [_packed(w, None if blocks is None else blocks.map_rows(lambda x, a=e * rows: x[a:a + rows]))
                 for e, w in enumerate(module.weight.detach())]
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.kernels.gguf_blocks import BLOCK_SIZE, GGUFBlocks
+from engine.layers.gguf_holder import GGUFBlocksHolder
 from engine.model.base import ModelBase
 from engine.quant.experts import expert_modules
 from engine.quant.held_form import META, HeldForm, with_bias
@@ -79,13 +80,16 @@ class GGUFBlocksForm(HeldForm):
     """A GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K weight kept as its own blocks (engine.kernels.gguf_blocks.GGUFBlocks)
     beside its fp32 copy, on the CPU in fp32 only: decode steps of a few rows read the blocks
     (engine.kernels.gguf_blocks.gguf_linear, inside engine.quant.packed_linear.gguf_kernel_scope), the others the
-    oneDNN-packed fp32 copy. Elsewhere the weight is held dense (its blocks dropped at load).
+    oneDNN-packed fp32 copy. Elsewhere the weight is held dense (its blocks dropped at load). From the fill to
+    packing the blocks ride on the module holding the weight as its declared `holder` (a GGUFBlocksHolder child
+    module: `attach`, `of`; engine.layers.gguf_holder), dropped when the weight changes in place.
 
     Args (beyond HeldForm's): type_name: the GGUF type of `create`'s blocks.
     """
 
     name = "gguf_blocks"
     held_type = GGUFBlocks
+    holder = GGUFBlocksHolder
     served_by = {"cpu": "engine.quant.packed_linear.PackedLinear"}
     tolerance = 2e-2  # Q8_0 blocks made from fp32 weights (the test's type)
 
@@ -121,6 +125,17 @@ class GGUFBlocksForm(HeldForm):
     @staticmethod
     def to_float(weight: GGUFBlocks, dtype: torch.dtype) -> torch.Tensor:
         return weight.dequantize().to(dtype)
+
+    @staticmethod
+    def attach(module: nn.Module, blocks: GGUFBlocks | None) -> bool:
+        """Give `module` (an nn.Linear, or stacked experts' ExpertWeights, with an fp32 weight of the blocks' rows)
+        the holder of `blocks`. Returns False, attaching nothing, for no blocks or a weight they do not fit."""
+        return GGUFBlocksHolder.attach(module, blocks)
+
+    @staticmethod
+    def of(module: nn.Module) -> GGUFBlocks | None:
+        """The blocks held on `module`, or None when it has none or its weight changed since they were attached."""
+        return GGUFBlocksHolder.of(module)
 
     def process_after_load(self, weight: GGUFBlocks, bias: torch.Tensor | None = None, *,
                            dense: torch.Tensor | None = None) -> nn.Module:

@@ -16,12 +16,17 @@ from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import cpu_kernels
-from engine.kernels.gguf_blocks import GGUFBlocks, gguf_blocks_of, gguf_linear, set_gguf_blocks
+from engine.kernels.gguf_blocks import GGUFBlocks, gguf_linear
+from engine.layers.gguf_holder import GGUFBlocksHolder
 from engine.layers.linear import concat_linears
 from engine.loading.open_model import open_model
 from engine.quant import packed_linear
 from engine.quant.after_load import pack_linears
+from engine.quant.forms import GGUFBlocksForm
+from engine.quant.int8_linear import int8_available, quantize_model_int8
 from engine.quant.packed_linear import PackedLinear, gguf_kernel_scope
+from engine.quant.smoothquant import CALIBRATION_TEXT, smooth_model
+from engine.text.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 
@@ -43,6 +48,9 @@ def test_the_default_gguf_keeps_its_blocks_through_packing(real_engine: LLMEngin
     for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         assert [served.get(f"layers.{i}.{proj}") for i in range(layers)] == ["Q4_1"] * layers, proj
     assert served["lm_head"] == "Q8_0"  # the tied LM head multiplies by the Q8_0 token embedding
+    # No linear missed packing, every packed one kept its blocks, and no holder outlived the hand-off.
+    assert len(served) == 4 * layers + 1
+    assert not [name for name, m in model.named_modules() if type(m) is nn.Linear or isinstance(m, GGUFBlocksHolder)]
     # The blocks are the weights: the embedding (fp32, dequantized by gguf-py at load) bit for bit.
     assert torch.equal(model.lm_head.blocks.dequantize(), model.embed_tokens.weight)
 
@@ -89,12 +97,38 @@ def test_a_cached_load_keeps_the_blocks(gguf_path: str, tmp_path: Path, monkeypa
     built = open_model(gguf_path, torch.float32, CPU, tokenizer=False).model  # writes the cache entry
     cached = open_model(gguf_path, torch.float32, CPU, tokenizer=False).model  # reads it
     for name in ("layers.0.self_attn.q_proj", "layers.3.self_attn.k_proj", "layers.29.mlp.down_proj", "lm_head"):
-        a, b = gguf_blocks_of(built.get_submodule(name)), gguf_blocks_of(cached.get_submodule(name))
+        a, b = GGUFBlocksForm.of(built.get_submodule(name)), GGUFBlocksForm.of(cached.get_submodule(name))
         assert a is not None and b is not None and a.type_name == b.type_name
         assert torch.equal(a.dequantize(), b.dequantize())
         assert torch.equal(b.dequantize(), cached.get_submodule(name).weight)  # the rows un-permuted alike (Q, K)
+    # Every linear of the fill is an exact nn.Linear holding its blocks (the embedding's: the tied LM head).
+    linears = [m for m in cached.modules() if type(m) is nn.Linear]
+    assert len(linears) == 7 * cached.config.num_layers + 1
+    assert all(torch.equal(GGUFBlocksForm.of(m).dequantize(), m.weight) for m in linears)
     bf16 = open_model(gguf_path, torch.bfloat16, CPU, tokenizer=False).model  # only the fp32 path reads blocks
-    assert gguf_blocks_of(bf16.layers[0].mlp.down_proj) is None
+    assert GGUFBlocksForm.of(bf16.layers[0].mlp.down_proj) is None
+    assert not [m for m in bf16.modules() if isinstance(m, GGUFBlocksHolder)]
+
+
+def test_smoothquant_drops_the_scaled_weights_blocks_and_int8_takes_every_projection(gguf_path: str) -> None:
+    """quantization "int8"'s steps on an fp32 GGUF model (Int8W8A8Form.from_float_model): SmoothQuant scales QKV,
+    gate/up and down in place, which drops their blocks (o_proj and the LM head keep theirs); INT8 then replaces
+    every projection, holder or not, and the LM head is packed with its blocks."""
+    model = open_model(gguf_path, torch.float32, CPU, tokenizer=False).model
+    model.fuse_projections()
+    ids = torch.tensor(Tokenizer.from_model_path(gguf_path).encode(CALIBRATION_TEXT), dtype=torch.int64)
+    with torch.no_grad():
+        smooth_model(model, ids)
+    for layer in model.layers:
+        assert [GGUFBlocksForm.of(m) is None for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
+                                                       layer.mlp.down_proj)] == [True] * 3
+        assert torch.equal(GGUFBlocksForm.of(layer.self_attn.o_proj).dequantize(), layer.self_attn.o_proj.weight)
+    if not int8_available():
+        return
+    assert quantize_model_int8(model) == 4 * model.config.num_layers
+    assert [name for name, m in model.named_modules() if type(m) is nn.Linear] == ["lm_head"]
+    pack_linears(model)
+    assert model.lm_head.blocks.type_name == "Q8_0"
 
 
 def test_fused_projections_join_their_blocks_and_changed_weights_drop_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,19 +137,19 @@ def test_fused_projections_join_their_blocks_and_changed_weights_drop_them(monke
     for b in parts:
         lin = nn.Linear(64, b.shape[0], bias=False)
         lin.weight = nn.Parameter(b.dequantize(), requires_grad=False)
-        assert set_gguf_blocks(lin, b)
+        assert GGUFBlocksForm.attach(lin, b)
         linears.append(lin)
     merged = concat_linears(linears)
-    joined = gguf_blocks_of(merged)
+    joined = GGUFBlocksForm.of(merged)
     assert joined is not None and joined.shape == (64, 64)
     assert torch.equal(joined.dequantize(), merged.weight)
     with torch.no_grad():
         merged.weight.mul_(2)  # SmoothQuant scales weights in place: the blocks are no longer this weight
-    assert gguf_blocks_of(merged) is None
+    assert GGUFBlocksForm.of(merged) is None
     linears[0].weight.data = linears[0].weight.data.clone()  # GPTQ swaps the data: also dropped
-    assert gguf_blocks_of(linears[0]) is None
+    assert GGUFBlocksForm.of(linears[0]) is None
     wrong = nn.Linear(64, 8, bias=False)
-    assert not set_gguf_blocks(wrong, parts[0])  # [32, 64] blocks for an [8, 64] weight: refused
+    assert not GGUFBlocksForm.attach(wrong, parts[0])  # [32, 64] blocks for an [8, 64] weight: refused
     # A packed model keeps only blocks that are still its weights.
     model = nn.Sequential(linears[1], merged)
     pack_linears(model)

@@ -127,18 +127,18 @@ def test_longrope_frequencies_match_transformers() -> None:
 def test_fused_q4_gguf_splits_packed_int4_and_blocks(phi3, family_prompts) -> None:
     """Q4_0 attn_qkv / ffn_up split on load as packed INT4 (quantization auto) and as GGUF blocks (the fp32 load
     keeps them for the small-batch kernel): both compute what the dequantized weights do."""
-    from engine.kernels.gguf_blocks import gguf_blocks_of
     from engine.loading.open_model import open_model
     from engine.model.sequence_forward import forward_sequence
+    from engine.quant.forms import GGUFBlocksForm
 
     q4 = str(phi3[3])
     ids = torch.tensor(family_prompts[2])
     with torch.no_grad():
         plain = open_model(q4, torch.float32, CPU, quantization="none", tokenizer=False).model
         layer = plain.layers[0]
-        assert all(gguf_blocks_of(m) is not None for m in (layer.self_attn.q_proj, layer.self_attn.v_proj,
-                                                            layer.mlp.gate_proj, layer.mlp.up_proj))
-        assert gguf_blocks_of(layer.mlp.down_proj) is None  # F32 in the file
+        assert all(GGUFBlocksForm.of(m) is not None for m in (layer.self_attn.q_proj, layer.self_attn.v_proj,
+                                                               layer.mlp.gate_proj, layer.mlp.up_proj))
+        assert GGUFBlocksForm.of(layer.mlp.down_proj) is None  # F32 in the file
         ref = plain.compute_logits(forward_sequence(plain, ids))
         native = open_model(q4, torch.float32, CPU, quantization="auto", tokenizer=False).model
         assert type(native.layers[0].self_attn.k_proj).__name__ == "Int4Linear"
