@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from engine.loading.gguf_file import iter_gguf_state, open_gguf, read_gguf_config
+from engine.loading import gguf_file
+from engine.loading.gguf_file import iter_gguf_state, read_gguf_config
 from engine.loading.hf_folder import hf_quant_format, is_hf_folder, iter_hf_state, read_hf_config
 from engine.loading.hf_quantized import check_quantization_mode
 from engine.loading.model_files import resolve_model_path
@@ -83,7 +84,7 @@ def quantize_to_folder(model: str | None, out_dir: str, bits: int = 4, group_siz
         cfg, stored, _ = read_folder(path)
         items = iter(dequantize_state_dict(stored, torch.float32).items())
     else:
-        reader = open_gguf(path)
+        reader = gguf_file.open_gguf(path)  # looked up per call: tests patch the one way to open a GGUF
         cfg = read_gguf_config(reader)
         items = iter_gguf_state(reader, cfg, native_int4=False)
     state: QuantizedState = {}

@@ -80,11 +80,23 @@ def _logits(model: ModelBase, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(forward_sequence(model, ids, torch.float32))
 
 
-def distillation_kl(model: ModelBase, teacher: ModelBase, ids: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of KL(teacher || model) of the next-token distributions, in nats: a scalar fp32 tensor,
-    differentiable in `model`'s parameters. ids: int64 [L], one sequence from position 0 (L >= 1)."""
+def teacher_log_probs(teacher: ModelBase, ids: torch.Tensor) -> torch.Tensor:
+    """The teacher's next-token log-probabilities fp32 [L, vocab] of ids int64 [L] (one sequence from position 0),
+    without gradient: distillation_kl's target, to compute once where several models are scored on the same ids."""
     with torch.no_grad():
-        target = F.log_softmax(_logits(teacher, ids), -1)
+        return F.log_softmax(_logits(teacher, ids), -1)
+
+
+def distillation_kl(model: ModelBase, teacher: ModelBase | None, ids: torch.Tensor,
+                    target: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || model) of the next-token distributions, in nats: a scalar fp32 tensor,
+    differentiable in `model`'s parameters. ids: int64 [L], one sequence from position 0 (L >= 1); target: the
+    teacher's `teacher_log_probs(teacher, ids)` if already computed (then `teacher` is not run and may be None).
+    Raises ValueError when neither is given."""
+    if target is None:
+        if teacher is None:
+            raise ValueError("distillation_kl needs the teacher model or its target log-probabilities; pass one")
+        target = teacher_log_probs(teacher, ids)
     return F.kl_div(F.log_softmax(_logits(model, ids), -1), target, log_target=True, reduction="batchmean")
 
 

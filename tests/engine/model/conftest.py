@@ -39,10 +39,12 @@ def family_prompts(family_tok, gsm8k_questions: list[str], alpaca_instructions: 
 @pytest.fixture(scope="session")
 def moe_tied(tmp_path_factory: pytest.TempPathFactory, gguf_path: str, hf_tok) -> dict[str, tuple]:
     """{family: (HF model fp32, HF folder, GGUF file)} of tests/engine/moe_models.py's tiny MoE families with tied
-    embeddings (test_moe_quantized.py, test_moe_int4_cuda.py)."""
+    embeddings (test_moe_quantized.py, test_moe_int4_cuda.py); only Mixtral's GGUF file is written (the one these
+    tests load), the others are None."""
     from moe_models import build_moe_families
 
-    return build_moe_families(tmp_path_factory.mktemp("moe-tied"), gguf_path, hf_tok, tie=True)
+    return build_moe_families(tmp_path_factory.mktemp("moe-tied"), gguf_path, hf_tok, tie=True,
+                              gguf_families=("mixtral",))
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from engine.ptq.calibration import calibration_token_ids
 from engine.ptq.gptq import HessianAccumulator, gptq_quantize_weight, output_error
 from engine.ptq.quantize import quantize_model
 from engine.ptq.refit import refit_group_qparams
-from engine.ptq.tune import distillation_kl, tune_group_qparams
+from engine.ptq.tune import distillation_kl, teacher_log_probs, tune_group_qparams
 from engine.quant.int4_linear import Int4Embedding, Int4Linear
 from engine.quant.qparams import Int4Weight, quantize_int4
 from engine.quant.state import LINEAR_MODULES
@@ -52,13 +52,19 @@ def calibration_ids(ref, data_dir):
     """(calibration, held-out GSM8K, held-out AlpacaEval answers) token ids, int64 [32 | 4 | 4, 256]: calibration
     is 4,096 GSM8K question+answer tokens and 4,096 AlpacaEval instruction tokens, as bench/int4.py calibrates;
     held out are 1,024 other GSM8K tokens (same domain) and 1,024 AlpacaEval reference-answer tokens (the
-    perplexity text)."""
-    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"])
+    perplexity text).
+
+    Each text list is cut to its first rows before the join: 100 GSM8K problems (18k tokens), 400 instructions
+    (13k) and 20 answers (12k) hold over twice the tokens taken, and the byte-level BPE tokenizer splits at
+    whitespace, so the ids are those of the whole columns joined (checked: the same tensors), without tokenizing
+    the 600k tokens of the whole columns (2 CPU-s)."""
+    t = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["question", "answer"]).slice(0, 100)
     gsm = [f"{q}\n{a}" for q, a in zip(t.column(0).to_pylist(), t.column(1).to_pylist(), strict=True)]
     alpaca = pq.read_table(data_dir / "alpaca_eval.parquet", columns=["instruction", "reference_output"])
     gsm_ids = calibration_token_ids(ref.tokenizer, gsm, 20, 256)
-    calib = torch.cat((gsm_ids[:16], calibration_token_ids(ref.tokenizer, alpaca.column(0).to_pylist(), 16, 256)))
-    return calib, gsm_ids[16:], calibration_token_ids(ref.tokenizer, alpaca.column(1).to_pylist(), 4, 256)
+    instructions = alpaca.column(0).to_pylist()[:400]
+    calib = torch.cat((gsm_ids[:16], calibration_token_ids(ref.tokenizer, instructions, 16, 256)))
+    return calib, gsm_ids[16:], calibration_token_ids(ref.tokenizer, alpaca.column(1).to_pylist()[:20], 4, 256)
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +165,13 @@ def test_gptq_weight_round_trips_through_folder(ref, gptq_down_proj, tmp_path) -
 
 def _first_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     """A copy of `model` (fp32) cut to its first `num_layers` decoder layers, with the final norm and tied LM head:
-    a complete, smaller causal LM whose next-token distribution a quantized copy can be distilled to."""
-    short = copy.deepcopy(model)
-    short.layers = short.layers[:num_layers]
+    a complete, smaller causal LM whose next-token distribution a quantized copy can be distilled to. Only the kept
+    layers are copied: a shallow copy of `model` with its own module table holding them is deep-copied (the tied
+    embedding and LM head stay one tensor), not the whole model's 30 layers."""
+    cut = copy.copy(model)
+    cut._modules = dict(model._modules)  # its own table: `model` keeps all its layers
+    cut._modules["layers"] = torch.nn.ModuleList(model.layers[:num_layers])
+    short = copy.deepcopy(cut)
     short.config = dataclasses.replace(short.config, num_layers=num_layers)
     return short
 
@@ -187,11 +197,18 @@ def test_tuning_scales_and_zeros_lowers_held_out_kl(ref, calibration_ids) -> Non
             rtn[name] = quantize_int4(module.weight.detach(), 128)
             module.weight.data = rtn[name].dequantize()
 
+    targets = [teacher_log_probs(teacher, row) for row in answers[:, :128]]  # the teacher's, once for both KLs
+
     def held_out_kl() -> float:
         with torch.no_grad():
-            return sum(distillation_kl(m, teacher, row).item() for row in answers[:, :128]) / answers.shape[0]
+            return sum(distillation_kl(m, None, row, target).item()
+                       for row, target in zip(answers[:, :128], targets, strict=True)) / answers.shape[0]
 
     before = held_out_kl()
+    row = answers[0, :16]  # a precomputed target is the teacher's own, bit for bit
+    assert torch.equal(distillation_kl(m, teacher, row), distillation_kl(m, None, row, teacher_log_probs(teacher, row)))
+    with pytest.raises(ValueError, match="teacher"):
+        distillation_kl(m, None, row)
     teacher_norms = {n: p.clone() for n, p in teacher.named_parameters() if n.endswith("norm.weight")}
     tuned = tune_group_qparams(m, teacher, rtn, calib[:, :64], epochs=1.0, lr=3e-3)  # 16 steps
     after = held_out_kl()
@@ -245,9 +262,12 @@ def test_quantize_model_calibrated_beats_round_to_nearest(ref, calibration_ids,
     calibrated = quantize_model(copy.deepcopy(teacher), 128, include_embedding=True, calibration=calib[:, :64],
                                 act_order=True, tune_epochs=0.5, on_tune_step=lambda i, n, kl: steps.append(kl))
 
+    targets = [teacher_log_probs(teacher, row) for row in answers[:, :128]]  # the teacher's, once for both KLs
+
     def held_out_kl(m: torch.nn.Module) -> float:
         with torch.no_grad():
-            return sum(distillation_kl(m, teacher, row).item() for row in answers[:, :128]) / answers.shape[0]
+            return sum(distillation_kl(m, None, row, target).item()
+                       for row, target in zip(answers[:, :128], targets, strict=True)) / answers.shape[0]
 
     assert len(steps) == 8  # 32 sequences, 2 per step, half an epoch
     assert len(rounded) == 1  # the embedding was rounded once and reused
