@@ -14,6 +14,7 @@ from typing import Any
 import dask
 import pytest
 from distributed import LocalCluster
+from held_shard import PRELOAD
 
 import jobs.cluster
 import pipeline.model_pin
@@ -37,10 +38,15 @@ def shared_cluster() -> Iterator[str]:
     process's start-up and model load (about 7 s quiet, 15 s loaded, per run), and the worker keeps the last job's
     engine resident as a long-lived cluster's worker does (jobs.plugin.register_engine). Other tests keep
     starting their own cluster, so that path stays covered. The settings apply to the start only (the worker's
-    environment and intervals), not to the rest of the session's Dask config."""
+    environment and intervals), not to the rest of the session's Dask config.
+
+    The worker loads hold_shard_preload.py, which changes nothing until a test arms it (held_shard.armed): a test
+    that must stop a job on it mid-shard (a cancel) holds the shard that way; its shards poll the cancel marker
+    every 0.2 s (TOKENMILL_STOP_POLL_S in the worker's environment, as the tests' own runs set it), not 5 s."""
     with dask.config.set(jobs.cluster.CLUSTER_CONFIG):
         cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
-                               silence_logs=logging.ERROR)
+                               silence_logs=logging.ERROR, preload=[str(PRELOAD)],
+                               env={"TOKENMILL_STOP_POLL_S": "0.2"})
     with cluster:
         yield cluster.scheduler_address
 

@@ -3,7 +3,8 @@ engine loaded another model fails its shard instead of writing rows, and every r
 the model's fingerprint. Real GSM8K rows, real processes (the CLI in a child process, Dask workers), real files.
 
 The runs whose point is the pin, not their own cluster, run on the session's LocalCluster (`shared_cluster`,
-tests/jobs/conftest.py): a worker that outlives a job, as a real cluster's does."""
+tests/jobs/conftest.py): a worker that outlives a job, as a real cluster's does. The cancelled first run of the
+model-bytes test is a `tokenmill run --scheduler` child process there, held mid-shard by hold_shard_preload.py."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from distributed import Client
 from gguf_models import MIXES, tokenizer_fields, write_tiny_llama
 from gsm8k_rows import write_gsm8k
-from held_shard import held_attempts, preload_env
+from held_shard import armed, held_attempts
 from typer.testing import CliRunner
 
 from engine import EngineConfig, LLMEngine
@@ -102,18 +104,20 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
             "--rows-per-shard", "4", "--checkpoint-rows", "1", "--max-num-seqs", "1", "--device", "cpu",
             "--dtype", "float32", "--workers", "1", "--json"]
 
-    # The run's worker holds the shard after its first row (hold_shard_preload.py): the cancel always lands mid-job.
+    # The first run, a child process, on the session's cluster: its point is the pin it leaves, not its own cluster.
+    # The worker holds the shard after its first row (hold_shard_preload.py): the cancel always lands mid-job.
     log = tmp_path / "first.stderr"
-    with log.open("w") as stderr:
-        first = subprocess.Popen(_cli(*args), env={**env, **preload_env(tmp_path / "hold-claim", after_rows=1)},
-                                 cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=stderr)
-    try:
-        held_attempts(out, tmp_path / "hold-claim", running=lambda: first.poll() is None)  # its first row is committed
-        cancel_job(str(out), "test")
-        first.wait(timeout=WAIT_S)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    with Client(shared_cluster) as client, armed(client, tmp_path / "hold-claim", after_rows=1):
+        with log.open("w") as stderr:
+            first = subprocess.Popen(_cli(*args, "--scheduler", shared_cluster), env=env, cwd=tmp_path,
+                                     stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            held_attempts(out, tmp_path / "hold-claim", running=lambda: first.poll() is None)  # first row committed
+            cancel_job(str(out), "test")
+            first.wait(timeout=WAIT_S)
+        finally:
+            if first.poll() is None:
+                first.kill()
     assert first.returncode == 4, log.read_text()[-3000:]  # cancelled, its first rows committed
     pin = json.loads((out / "_manifest" / "model.json").read_text())
     assert pin["model"] == str(model) and pin["resolved"] == str(model)
@@ -138,7 +142,8 @@ def test_a_resume_with_other_model_bytes_is_refused_and_the_restored_model_finis
     assert _files(out) == before  # nothing written: no lease, no attempt, no rows
 
     shutil.copyfile(tiny_gguf, model)
-    # The resume in this process too, on the session's cluster: its checks are what the job wrote and pinned.
+    # The resume in this process too, on the session's cluster: its checks are what the job wrote and pinned. The
+    # worker keeps the first run's engine (the same bytes, the same pin), as a long-lived cluster's worker does.
     done = CliRunner().invoke(app, [*args, "--resume", "--scheduler", shared_cluster], env=cli_env)
     assert done.exit_code == 0, done.output[-3000:]
     assert (out / "_SUCCESS").is_file()
