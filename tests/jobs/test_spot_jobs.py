@@ -28,6 +28,7 @@ from gsm8k_rows import write_gsm8k
 from held_shard import PRELOAD, WAIT_S, armed, held_attempts
 from typer.testing import CliRunner
 
+import jobs.preemption_plugin
 from engine import EngineConfig, LLMEngine
 from jobs.cli import app
 from jobs.cluster import CLUSTER_CONFIG
@@ -59,9 +60,13 @@ def two_workers() -> Iterator[tuple[LocalCluster, Client]]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[LocalCluster, Client]]:
-    """The module's two_workers cluster, shared by the tests that leave it with two workers."""
-    with two_workers() as pair:
+    """The module's two_workers cluster, shared by its tests; the SIGTERM test, which leaves it one worker, runs
+    last. Its close: the SIGTERMed worker has left and no longer listens, and its nanny's drain (run_job registers
+    DrainNannyPlugin on a cluster it reaches by address) would try to reach it for DRAIN_CONNECT_S (5 s, idle);
+    here it tries for 0.5 s (every connect of the close is on 127.0.0.1, and no shard is left to drain)."""
+    with pytest.MonkeyPatch.context() as mp, two_workers() as pair:
         yield pair
+        mp.setattr(jobs.preemption_plugin, "DRAIN_CONNECT_S", 0.5)  # for the close only, undone after it
 
 
 def _results(out: Path) -> dict[str, str]:
@@ -159,32 +164,6 @@ def test_sigkill_of_a_worker_mid_shard(cluster: tuple[LocalCluster, Client], dat
     assert max(marker["elapsed_s"], listing.alive[dead]) <= killed_at[0] - started_at + 0.5  # nothing after the kill
 
 
-def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(data_dir: Path, tmp_path: Path) -> None:
-    """A spot notice as SIGTERM: the shard commits its finished rows and stops (ShardInterrupted), the worker closes
-    gracefully, the client runs the shard again on the other worker, and it resumes. On a cluster of its own: the
-    SIGTERMed worker retires with its nanny, and scaling the shared cluster back up was seen to hang."""
-    ids = write_gsm8k(data_dir, tmp_path / "in", 500, 24)
-    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
-    out = tmp_path / "out"
-    # The cluster's close: the SIGTERMed worker has left the scheduler and no longer listens; its nanny's drain
-    # (run_job registers DrainNannyPlugin on a cluster it reaches by address) gives up connecting to it after
-    # DRAIN_CONNECT_S, not Dask's 30 s connect timeout.
-    with two_workers() as (_, client), armed(client, tmp_path / "hold-claim"):
-        terminator = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, pid: os.kill(pid, signal.SIGTERM))
-        summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
-                          scheduler_address=client.scheduler.address)
-        terminator.job_ended.set()
-        terminator.join()
-    stopped = terminator.acted
-    assert stopped is not None, "no shard was caught mid-run"
-    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
-    assert sorted(_results(out)) == sorted(ids)
-    end = json.loads(Path(end_path(str(out), stopped, 1)).read_text())
-    assert end["outcome"] == "interrupted" and end["rows_committed"] >= 2
-    acct = _accounting(out)[stopped]
-    assert acct["attempts"] >= 2 and acct["preemptions"] >= 1 and acct["rows_resumed"] >= 2
-
-
 def test_restart_after_a_crash_runs_only_what_is_missing(cluster: tuple[LocalCluster, Client], engine: LLMEngine,
                                                          data_dir: Path, tmp_path: Path) -> None:
     """A run crashed with shard 0 committed, shard 1 checkpointed halfway, shard 2 claimed and nothing more, and its
@@ -258,3 +237,28 @@ def test_cancel_stops_running_shards_and_resume_finishes(cluster: tuple[LocalClu
     assert not (out / "_CANCEL").exists() and (out / "_manifest" / "cancel-000.json").is_file()
     assert sum(a["rows_resumed"] for a in _accounting(out).values()) >= 2
     assert json.loads(runner.invoke(app, ["status", str(out), "--json"]).stdout)["state"] == "done"
+
+
+def test_sigterm_interrupts_the_shard_which_resumes_elsewhere(cluster: tuple[LocalCluster, Client], data_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """A spot notice as SIGTERM: the shard commits its finished rows and stops (ShardInterrupted), the worker closes
+    gracefully, the client runs the shard again on the other worker, and it resumes. The module's last test: the
+    SIGTERMed worker retires with its nanny, and scaling the cluster back up for a later test was seen to hang."""
+    ids = write_gsm8k(data_dir, tmp_path / "in", 500, 24)
+    cfg = RunConfig(prompt_column="question", max_tokens=16, rows_per_shard=12, checkpoint_rows=2)
+    out = tmp_path / "out"
+    _, client = cluster
+    with armed(client, tmp_path / "hold-claim"):
+        terminator = _when_held(out, tmp_path / "hold-claim", lambda _s, _a, pid: os.kill(pid, signal.SIGTERM))
+        summary = run_job(str(tmp_path / "in"), str(out), cfg, engine_config=ENGINE,
+                          scheduler_address=client.scheduler.address)
+        terminator.job_ended.set()
+        terminator.join()
+    stopped = terminator.acted
+    assert stopped is not None, "no shard was caught mid-run"
+    assert summary.shards_ok == 2 and not summary.failed and summary.interruptions >= 1
+    assert sorted(_results(out)) == sorted(ids)
+    end = json.loads(Path(end_path(str(out), stopped, 1)).read_text())
+    assert end["outcome"] == "interrupted" and end["rows_committed"] >= 2
+    acct = _accounting(out)[stopped]
+    assert acct["attempts"] >= 2 and acct["preemptions"] >= 1 and acct["rows_resumed"] >= 2
