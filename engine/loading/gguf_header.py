@@ -9,6 +9,7 @@ values to the tensor infos. Format: the GGUF spec, https://github.com/ggml-org/g
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from typing import IO, Any
@@ -16,6 +17,7 @@ from typing import IO, Any
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): fixed sizes by struct code.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
@@ -43,9 +45,9 @@ def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
                 elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
                 if elem not in _GGUF_SCALARS and elem != _GGUF_STRING:
                     return _gguf_reader_metadata(path, keys)
-                for _ in range(count) if elem == _GGUF_STRING else ():
-                    f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
-                if elem != _GGUF_STRING:
+                if elem == _GGUF_STRING:
+                    _skip_strings(f, count)
+                else:
                     f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
                 continue
             value = _read_str(f) if kind == _GGUF_STRING else _unpack(f, "<" + _GGUF_SCALARS[kind])
@@ -70,6 +72,22 @@ def _read_str(f: IO[bytes]) -> str:
     if length > os.fstat(f.fileno()).st_size - f.tell():
         raise ValueError("the GGUF header holds a string longer than the file: the file is damaged")
     return f.read(length).decode("utf-8", "replace")
+
+
+def _skip_strings(f: IO[bytes], count: int) -> None:
+    """Move `f` past an array of `count` GGUF strings (each a uint64 length, then its bytes), walking the lengths in
+    a memory map of the file: a vocabulary of 49k-200k strings in a few ms, not a read and a seek each. Raises
+    ValueError when the array runs past the end of the file."""
+    offset = f.tell()
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            for _ in range(count):
+                offset += 8 + _U64.unpack_from(m, offset)[0]
+        except struct.error:
+            offset = len(m) + 1
+        if offset > len(m):
+            raise ValueError("the GGUF header ends early: the file is cut short")
+    f.seek(offset)
 
 
 def _unpack(f: IO[bytes], fmt: str) -> Any:
@@ -153,8 +171,7 @@ class GGUFHeader:
                     elem, count = _unpack(f, "<I"), _unpack(f, "<Q")
                     self.fields[key] = _Field(array=(path, f.tell(), elem, count))
                     if elem == _GGUF_STRING:
-                        for _ in range(count):
-                            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+                        _skip_strings(f, count)
                     elif elem in _GGUF_SCALARS:
                         f.seek(count * struct.calcsize("<" + _GGUF_SCALARS[elem]), os.SEEK_CUR)
                     else:

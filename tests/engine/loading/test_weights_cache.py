@@ -18,7 +18,8 @@ CPU = torch.device("cpu")
 
 
 def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8k_questions: list[str],
-                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                            real_engine: LLMEngine, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     folder = weights_cache_dir(gguf_path, torch.float32)
     assert not folder.exists()
@@ -31,28 +32,28 @@ def test_a_cached_load_is_the_same_model_and_skips_the_gguf(gguf_path: str, gsm8
     def no_gguf(*_a: object, **_k: object) -> None:
         raise AssertionError("a cached load must not read the GGUF file")
 
+    from engine.loading import weights_cache
+
     monkeypatch.setattr(gguf, "GGUFReader", no_gguf)
     monkeypatch.setattr(gguf_file, "open_gguf", no_gguf)  # the engine's one way to open a GGUF file
-    cached_cfg, cached, *_ = open_model(gguf_path, torch.float32, CPU, tokenizer=False)
+    # The plain load of the loading entry point (quantization "none", as `tokenmill perplexity`; the INT8 load's state
+    # reads it too, engine.loading.quantized) reads the fp32 entry: no GGUF tensor is dequantized again.
+    monkeypatch.setattr(weights_cache, "iter_gguf_state", no_gguf)
+    cached_cfg, cached, *_ = open_model(gguf_path, torch.float32, CPU, quantization="none", tokenizer=False)
     assert cached_cfg == cfg
     a, b = built.state_dict(), cached.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cached.lm_head.weight is cached.embed_tokens.weight  # still tied
-    # The whole engine on the cached weights: the same greedy tokens on real prompts.
+    # The whole engine on the cached weights: the greedy tokens on real prompts of the session's engine on the
+    # default model (conftest's real_engine, loaded through the session's own cache).
     monkeypatch.undo()
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    config = EngineConfig(device="cpu", dtype="float32")
     params = SamplingParams(max_tokens=8)
-    fresh = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
-    again = LLMEngine.from_model(gguf_path, config).generate(gsm8k_questions[:3], params)
-    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in fresh]
-    # The plain load of the loading entry point (quantization "none", as `tokenmill perplexity`; the INT8 load's state
-    # reads it too, engine.loading.quantized) reads the same fp32 entry: no GGUF tensor is dequantized again.
-    from engine.loading import weights_cache
-
-    monkeypatch.setattr(weights_cache, "iter_gguf_state", no_gguf)
-    plain = open_model(gguf_path, torch.float32, CPU, quantization="none", tokenizer=False).model.state_dict()
-    assert plain.keys() == a.keys() and all(torch.equal(a[k], plain[k]) for k in a)
+    again = LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32"))  # from the entry above
+    real_engine.reset_prefix_cache()
+    reference = real_engine.generate(gsm8k_questions[:3], params)
+    assert [o.output_token_ids for o in again.generate(gsm8k_questions[:3], params)] == [
+        o.output_token_ids for o in reference]
 
 
 def test_a_broken_entry_is_rebuilt_and_the_cache_can_be_turned_off(gguf_path: str, tmp_path: Path,
