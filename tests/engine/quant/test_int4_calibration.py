@@ -126,9 +126,9 @@ def test_gptq_keeps_massive_activation_features_accurate(ref, calibration_ids) -
     (AlpacaEval answers, each sequence from position 0) to a small fraction of round-to-nearest's, and below GPTQ
     as published (unweighted min-max fit, no refit)."""
     calib, _, answers = calibration_ids
-    # Half the calibration sequences (8 GSM8K, 8 AlpacaEval instructions: 4,096 tokens, over twice K=1536): their
+    # A quarter of the calibration sequences (4 GSM8K, 4 AlpacaEval instructions: 2,048 tokens, over K=1536): their
     # inputs cost 12 layers of forward each, most of this test's CPU time.
-    x_calib, x_answers = (_down_proj_inputs(ref.model, ids, 11) for ids in (calib[8:24], answers))
+    x_calib, x_answers = (_down_proj_inputs(ref.model, ids, 11) for ids in (calib[12:20], answers))
     assert x_answers.abs().max() > 1000  # the massive activation is there
     acc = HessianAccumulator(x_calib.shape[1])
     acc.add(x_calib)
@@ -137,8 +137,9 @@ def test_gptq_keeps_massive_activation_features_accurate(ref, calibration_ids) -
     plain = output_error(x_answers, w, gptq_quantize_weight(w, acc.hessian, 128, act_order=True, refit=False,
                                                             method="minmax").dequantize())
     gptq = output_error(x_answers, w, gptq_quantize_weight(w, acc.hessian, 128, act_order=True).dequantize())
-    # measured: round-to-nearest 0.0667, GPTQ as published 0.0042, weighted fit + refit 0.0019 (on all 32
-    # calibration sequences: 0.0045 and 0.0018)
+    # measured (AVX512 and AVX2 alike): round-to-nearest 0.0667, GPTQ as published 0.00425, weighted fit + refit
+    # 0.00185 (ratios 0.028 and 0.44 against the bounds 0.1 and 0.6; on 16 calibration sequences 0.00422 and
+    # 0.00186, on all 32: 0.0045 and 0.0018)
     assert gptq < 0.1 * rtn and gptq < 0.6 * plain, (gptq, plain, rtn)
 
 
