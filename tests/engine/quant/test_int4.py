@@ -194,7 +194,7 @@ def test_fused_projections_give_the_same_greedy_tokens(ref, native, alpaca_instr
 @pytest.fixture(scope="module")
 def int4_g128(gguf_path: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(folder, its JSON config) of `quantize_to_folder(GGUF, bits=4, group_size=128)` (round-to-nearest, the
-    embedding INT4 too: what `tokenmill quantize` writes by default), written once per module: about 25 CPU-s.
+    embedding INT4 too: what `tokenmill quantize` writes by default), written once per module: about 6 CPU-s.
     Read-only."""
     out = tmp_path_factory.mktemp("int4-g128") / "int4"
     return out, quantize_to_folder(gguf_path, str(out), bits=4, group_size=128)
