@@ -91,9 +91,11 @@ def test_int8_weight_range_fits_what_the_cpu_sums_exactly() -> None:
 @pytest.mark.slow
 def test_int8_model_follows_the_fp32_model_on_real_text(engine: LLMEngine, gguf_path: str,
                                                         alpaca_instructions: list[str]) -> None:
-    """Perplexity of the INT8 model within 3% of the fp32 model's, both scoring the same 1,104 tokens of the first 60
+    """Perplexity of the INT8 model within 3% of the fp32 model's, both scoring the same 526 tokens of the first 30
     AlpacaEval instructions (a paired comparison: the same tokens, so the ratio's noise is far below either
-    perplexity's; measured +1.1% there, AVX2 EPYC, and +2.0% on 3,516 tokens of 150 instructions), then generation."""
+    perplexity's; measured +1.04% there with 8-bit weights (VNNI) and +1.46% with the 7-bit weights of a CPU
+    without it (ONEDNN_MAX_CPU_ISA=AVX2), the same as on 1,104 tokens of 60 instructions: +1.13% and +1.46%, at
+    twice the CPU time; +2.0% on 3,516 tokens of 150 instructions, AVX2 EPYC), then generation."""
     from engine.model.perplexity import text_perplexity
 
     int8 = LLMEngine.from_model(gguf_path, EngineConfig(device="cpu", dtype="float32", quantization="int8"))
@@ -102,10 +104,10 @@ def test_int8_model_follows_the_fp32_model_on_real_text(engine: LLMEngine, gguf_
                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj))
     assert type(model.lm_head).__name__ == "PackedLinear"  # the LM head stays in the compute dtype
-    texts = alpaca_instructions[:60]
+    texts = alpaca_instructions[:30]
     ppl_fp32 = text_perplexity(engine.runner.model, engine.tokenizer, texts, context=512)
     ppl_int8 = text_perplexity(int8.runner.model, int8.tokenizer, texts, context=512)
-    assert ppl_int8.tokens == ppl_fp32.tokens > 1000
+    assert ppl_int8.tokens == ppl_fp32.tokens > 500
     assert abs(ppl_int8.perplexity / ppl_fp32.perplexity - 1) < 0.03
     outs = int8.generate(alpaca_instructions[:4], SamplingParams(max_tokens=16))
     assert all(o.finish_reason in ("stop", "length") and o.text.strip() for o in outs)
