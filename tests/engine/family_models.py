@@ -158,11 +158,14 @@ def write_gguf(path: Path, family: str, model, tok_fields: list, q4_0: tuple[str
 
 def hf_argmax(model, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
     """HF's greedy choice at each position of `outputs` given its prompt and the output tokens before it (one
-    forward per prompt): equals `outputs` exactly when HF's greedy generation does (test_hf_parity.py argues)."""
+    forward per prompt): equals `outputs` exactly when HF's greedy generation does (test_hf_parity.py argues). The
+    LM head runs only at those positions (HF's `logits_to_keep`, as its generate() does; on a tiny model with SmolLM2's
+    49k vocabulary it is most of the forward)."""
     out = []
     with torch.no_grad():
         for ids, seq in zip(prompt_ids, outputs, strict=True):
-            out.append(model(torch.tensor([ids + seq])).logits[0, len(ids) - 1:-1].argmax(-1).tolist())
+            logits = model(torch.tensor([ids + seq]), logits_to_keep=len(seq) + 1).logits[0, :-1]
+            out.append(logits.argmax(-1).tolist())
     return out
 
 
@@ -175,7 +178,7 @@ def assert_hf_greedy(model, prompt_ids: list[list[int]], outputs: list[list[int]
     near, total = 0, 0
     with torch.no_grad():
         for ids, seq in zip(prompt_ids, outputs, strict=True):
-            logits = model(torch.tensor([ids + seq])).logits[0, len(ids) - 1:-1]
+            logits = model(torch.tensor([ids + seq]), logits_to_keep=len(seq) + 1).logits[0, :-1]  # as hf_argmax
             best = logits.max(-1).values
             gap = best - logits.gather(-1, torch.tensor(seq)[:, None])[:, 0]
             assert bool((gap <= rel * best.abs().clamp(min=1.0)).all()), gap.max().item()
