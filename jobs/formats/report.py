@@ -9,6 +9,7 @@ template with autoescaping.
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from typing import Any
 
 import jinja2
 import markupsafe
-import matplotlib
 import polars as pl
 
 from jobs.control import JobStatus, job_status
@@ -25,9 +25,6 @@ from jobs.errors import JobError
 from pipeline.manifest import read_manifest
 from pipeline.record import ShardRecord
 from pipeline.storage import read_fs
-
-matplotlib.use("Agg")  # no display: render to SVG in memory
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 MAX_TIME_BINS = 40
 # The per-shard table's columns and types: fixed, so a job with nothing committed (every value null) is still a
@@ -115,10 +112,22 @@ def error_reason(message: str) -> str:
     return re.sub(r"\d+", "N", reason).strip()[:90]
 
 
+@functools.cache
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display: plots render to SVG in memory), imported on the first plot:
+    its import takes about 0.45 s, which only rendering a page should pay, not every importer of error_reason."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _svg(fig: Any) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     return buf.getvalue()[buf.getvalue().index("<svg"):]  # inline: drop the XML prolog and doctype
 
 
@@ -127,7 +136,7 @@ def _tokens_over_time(parts: pl.DataFrame, column: str = "output_tokens", title:
     TITLES' by default); None when no checkpoint part is committed."""
     if not parts.height:
         return None
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = _pyplot().subplots(figsize=(8, 3))
     end = max(float(parts["committed_at"].max()), 1e-3)
     width = max(end / MAX_TIME_BINS, 1.0)
     binned = (parts.with_columns((pl.col("committed_at") // width).alias("bin")).group_by("bin")
@@ -147,7 +156,7 @@ def _per_shard_bars(shards: pl.DataFrame, title: str, ylabel: str, bars: list[tu
     if not any(shards[c].fill_null(0).sum() for c, _, _ in bars):
         return None
     ids = shards["shard_id"].to_list()
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = _pyplot().subplots(figsize=(8, 3))
     width = 0.8 / len(bars)
     for k, (column, label, colour) in enumerate(bars):
         ax.bar([i + (k - (len(bars) - 1) / 2) * width for i in range(len(ids))], shards[column].fill_null(0).to_list(),
@@ -166,7 +175,7 @@ def _errors_plot(results: pl.DataFrame) -> tuple[str | None, pl.DataFrame]:
               .group_by("reason").len().sort("len", descending=True))
     if not errors.height:
         return None, errors
-    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.4 * errors.height))
+    fig, ax = _pyplot().subplots(figsize=(8, 0.6 + 0.4 * errors.height))
     ax.barh(errors["reason"].to_list()[::-1], errors["len"].to_list()[::-1], color="tab:orange")
     ax.set(xlabel="rows", title=TITLES["errors"])
     return _svg(fig), errors
@@ -177,7 +186,7 @@ def _latency_plot(latencies: pl.DataFrame) -> str | None:
     ids = sorted(latencies["shard_id"].unique().to_list())
     if not ids:
         return None
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = _pyplot().subplots(figsize=(8, 3))
     ax.boxplot([latencies.filter(pl.col("shard_id") == s)["latency_s"].to_list() for s in ids], tick_labels=ids)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
     ax.set(ylabel="seconds to the row's last token", title=TITLES["latency"])
