@@ -12,7 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_worker_cli import DASK_CONFIG, ROOT, WAIT_S, dask_cli_cluster
+from distributed import Client
+from test_worker_cli import ROOT, WAIT_S
 from typer.testing import CliRunner
 
 from jobs.cli import app
@@ -39,23 +40,31 @@ def _tokenmill(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Co
 
 
 def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Path, tmp_path: Path,
+                                                                   shared_cluster: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--scheduler` with a relative OUTPUT: the workers of a real `dask scheduler` / `dask worker` started in
-    another working directory write where the client means, _SUCCESS is committed beside the results, and `status`
-    agrees. Results keep the null id null and tell the two rows with id '1' apart by input_row; the summary counts
-    them. Before: results under the workers' folder, _SUCCESS under the client's, `status` said done with 0 rows.
+    """`--scheduler` with a relative OUTPUT: the workers of a cluster that run in another working directory write
+    where the client means, _SUCCESS is committed beside the results, and `status` agrees. Results keep the null id
+    null and tell the two rows with id '1' apart by input_row; the summary counts them. Before: results under the
+    workers' folder, _SUCCESS under the client's, `status` said done with 0 rows.
 
-    The client is this process, in its own working directory (monkeypatch.chdir): the workers are the processes
-    whose directory differs, and a client process would add only its start-up (about 5 CPU-s)."""
+    The client is this process, in its own working directory (monkeypatch.chdir); the workers are the session's
+    LocalCluster's (`shared_cluster`, tests/jobs/conftest.py), moved into a folder of their own for the run and back
+    after it: a cluster of its own would add only its processes' start-up and model load (about 5 CPU-s)."""
     client_dir, worker_dir = tmp_path / "client", tmp_path / "workers"
     client_dir.mkdir()
     worker_dir.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               DASK_CONFIG=str(DASK_CONFIG))
     monkeypatch.chdir(client_dir)
-    with dask_cli_cluster(env, tmp_path / "dask.log", workers=1, cwd=worker_dir) as (address, _):
-        run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens", "8",
-                                  "--rows-per-shard", "3", "--device", "cpu", "--scheduler", address, "--json"])
+    with Client(shared_cluster, set_as_default=False) as client:
+        before = client.run(os.getcwd)
+        client.run(os.chdir, str(worker_dir))
+        try:
+            assert set(client.run(os.getcwd).values()) == {str(worker_dir)}
+            run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens",
+                                      "8", "--rows-per-shard", "3", "--device", "cpu", "--scheduler", shared_cluster,
+                                      "--json"])
+        finally:
+            for worker, cwd in before.items():
+                client.run(os.chdir, cwd, workers=[worker])
     assert run.exit_code == 0, run.output
     assert not (worker_dir / "out").exists()
     out = client_dir / "out"
