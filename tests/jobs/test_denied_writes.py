@@ -3,27 +3,25 @@ line naming the object, the operation and the credential (never the secret), exi
 job's first write is refused; a failed shard whose attempt is billed when only results/ is refused, and a rerun
 after the policy is lifted that takes the checkpointed rows.
 
-The failed run and its rerun share one LocalCluster, started inside the test's S3 environment (its worker reads and
-writes that S3 with the test's credentials) and reached by its scheduler address: the two runs check what a job
-writes and bills, not their own cluster."""
+The failed run and its rerun run on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py), its
+worker put in the test's S3 environment for the test (it reads and writes that S3 with the test's credentials): the
+two runs check what a job writes and bills, not their own cluster."""
 
 from __future__ import annotations
 
 import json
-import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import dask
 import fsspec
 import pyarrow.parquet as pq
 import pytest
-from distributed import LocalCluster
+from distributed import Client
 from typer.testing import CliRunner
 
 import jobs.runner
 from jobs.cli import app
-from jobs.cluster import CLUSTER_CONFIG
 
 runner = CliRunner()
 SECRET = "tokenmill-test-secret-never-printed"
@@ -41,15 +39,41 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         yield store
 
 
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS",
+          "AWS_RETRY_MODE")
+
+
+def _set_env(values: dict[str, str | None]) -> dict[str, str | None]:
+    """In a worker (client.run): set (str) or unset (None) `values` in os.environ, drop the cached S3 filesystems
+    (made under the environment before), and return what the variables were."""
+    import os
+
+    from s3fs import S3FileSystem
+
+    before = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    S3FileSystem.clear_instance_cache()
+    return before
+
+
 @pytest.fixture()
-def s3_cluster(s3: object) -> Iterator[str]:
-    """A LocalCluster of one worker process started in the `s3` fixture's environment (jobs.cluster.CLUSTER_CONFIG, as
-    `tokenmill run` starts its own); yields its scheduler address."""
-    with dask.config.set(CLUSTER_CONFIG):
-        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
-                               silence_logs=logging.ERROR)
-    with cluster:
-        yield cluster.scheduler_address
+def s3_cluster(s3: object, shared_cluster: str) -> Iterator[str]:
+    """The session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py) with its worker in the `s3` fixture's
+    environment (its endpoint and credentials set in the worker's os.environ, its cached S3 filesystems dropped) for
+    the test and back after it; yields its scheduler address. A cluster of its own started in that environment
+    would add only its start-up and model load (about 5 CPU-s)."""
+    with Client(shared_cluster, set_as_default=False) as client:
+        before = client.run(_set_env, {k: os.environ.get(k) for k in S3_ENV})
+    try:
+        yield shared_cluster
+    finally:
+        with Client(shared_cluster, set_as_default=False) as client:
+            for worker, values in before.items():
+                client.run(_set_env, values, workers=[worker])
 
 
 def _deny_puts(bucket: str, prefix: str) -> None:
