@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from distributed import Client
 from typer.testing import CliRunner
+from worker_env import workers_in
 
 from jobs.cli import app
 from jobs.runner import _repin_unstarted_inputs
@@ -41,22 +41,15 @@ def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Pa
 
     The client is this process, in its own working directory (monkeypatch.chdir); the workers are the session's
     LocalCluster's (`shared_cluster`, tests/jobs/conftest.py), moved into a folder of their own for the run and back
-    after it: a cluster of its own would add only its processes' start-up and model load (about 5 CPU-s)."""
+    after it (worker_env.workers_in): a cluster of its own would add only its processes' start-up and model load
+    (about 5 CPU-s)."""
     client_dir, worker_dir = tmp_path / "client", tmp_path / "workers"
     client_dir.mkdir()
     worker_dir.mkdir()
     monkeypatch.chdir(client_dir)
-    with Client(shared_cluster, set_as_default=False) as client:
-        before = client.run(os.getcwd)
-        client.run(os.chdir, str(worker_dir))
-        try:
-            assert set(client.run(os.getcwd).values()) == {str(worker_dir)}
-            run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens",
-                                      "8", "--rows-per-shard", "3", "--device", "cpu", "--scheduler", shared_cluster,
-                                      "--json"])
-        finally:
-            for worker, cwd in before.items():
-                client.run(os.chdir, cwd, workers=[worker])
+    with workers_in(shared_cluster, cwd=str(worker_dir)):
+        run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens", "8",
+                                  "--rows-per-shard", "3", "--device", "cpu", "--scheduler", shared_cluster, "--json"])
     assert run.exit_code == 0, run.output
     assert not (worker_dir / "out").exists()
     out = client_dir / "out"

@@ -10,15 +10,14 @@ two runs check what a job writes and bills, not their own cluster."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
 import pyarrow.parquet as pq
 import pytest
-from distributed import Client
 from typer.testing import CliRunner
+from worker_env import S3_ENV, workers_in
 
 import jobs.runner
 from jobs.cli import app
@@ -39,41 +38,13 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         yield store
 
 
-S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS",
-          "AWS_RETRY_MODE")
-
-
-def _set_env(values: dict[str, str | None]) -> dict[str, str | None]:
-    """In a worker (client.run): set (str) or unset (None) `values` in os.environ, drop the cached S3 filesystems
-    (made under the environment before), and return what the variables were."""
-    import os
-
-    from s3fs import S3FileSystem
-
-    before = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    S3FileSystem.clear_instance_cache()
-    return before
-
-
 @pytest.fixture()
 def s3_cluster(s3: object, shared_cluster: str) -> Iterator[str]:
     """The session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py) with its worker in the `s3` fixture's
-    environment (its endpoint and credentials set in the worker's os.environ, its cached S3 filesystems dropped) for
-    the test and back after it; yields its scheduler address. A cluster of its own started in that environment
-    would add only its start-up and model load (about 5 CPU-s)."""
-    with Client(shared_cluster, set_as_default=False) as client:
-        before = client.run(_set_env, {k: os.environ.get(k) for k in S3_ENV})
-    try:
+    environment (worker_env.workers_in) for the test; yields its scheduler address. A cluster of its own started in
+    that environment would add only its start-up and model load (about 5 CPU-s)."""
+    with workers_in(shared_cluster, env=S3_ENV):
         yield shared_cluster
-    finally:
-        with Client(shared_cluster, set_as_default=False) as client:
-            for worker, values in before.items():
-                client.run(_set_env, values, workers=[worker])
 
 
 def _deny_puts(bucket: str, prefix: str) -> None:
