@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_worker_cli import DASK_CONFIG, ROOT, WAIT_S, dask_cli_cluster
 from typer.testing import CliRunner
+from worker_env import workers_in
 
 from jobs.cli import app
 from jobs.runner import _repin_unstarted_inputs
@@ -33,29 +31,25 @@ def gsm8k_rows(tmp_path: Path, data_dir: Path) -> Path:
     return path
 
 
-def _tokenmill(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=WAIT_S)
-
-
 def test_relative_output_on_a_cluster_whose_workers_run_elsewhere(gsm8k_rows: Path, tmp_path: Path,
+                                                                   shared_cluster: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--scheduler` with a relative OUTPUT: the workers of a real `dask scheduler` / `dask worker` started in
-    another working directory write where the client means, _SUCCESS is committed beside the results, and `status`
-    agrees. Results keep the null id null and tell the two rows with id '1' apart by input_row; the summary counts
-    them. Before: results under the workers' folder, _SUCCESS under the client's, `status` said done with 0 rows.
+    """`--scheduler` with a relative OUTPUT: the workers of a cluster that run in another working directory write
+    where the client means, _SUCCESS is committed beside the results, and `status` agrees. Results keep the null id
+    null and tell the two rows with id '1' apart by input_row; the summary counts them. Before: results under the
+    workers' folder, _SUCCESS under the client's, `status` said done with 0 rows.
 
-    The client is this process, in its own working directory (monkeypatch.chdir): the workers are the processes
-    whose directory differs, and a client process would add only its start-up (about 5 CPU-s)."""
+    The client is this process, in its own working directory (monkeypatch.chdir); the workers are the session's
+    LocalCluster's (`shared_cluster`, tests/jobs/conftest.py), moved into a folder of their own for the run and back
+    after it (worker_env.workers_in): a cluster of its own would add only its processes' start-up and model load
+    (about 5 CPU-s)."""
     client_dir, worker_dir = tmp_path / "client", tmp_path / "workers"
     client_dir.mkdir()
     worker_dir.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               DASK_CONFIG=str(DASK_CONFIG))
     monkeypatch.chdir(client_dir)
-    with dask_cli_cluster(env, tmp_path / "dask.log", workers=1, cwd=worker_dir) as (address, _):
+    with workers_in(shared_cluster, cwd=str(worker_dir)):
         run = runner.invoke(app, ["run", str(gsm8k_rows), "out", "--prompt-column", "question", "--max-tokens", "8",
-                                  "--rows-per-shard", "3", "--device", "cpu", "--scheduler", address, "--json"])
+                                  "--rows-per-shard", "3", "--device", "cpu", "--scheduler", shared_cluster, "--json"])
     assert run.exit_code == 0, run.output
     assert not (worker_dir / "out").exists()
     out = client_dir / "out"
@@ -122,18 +116,19 @@ def _snapshot(out: Path) -> dict[str, tuple[int, bytes]]:
             if p.is_file() and "_lease" not in p.parts}
 
 
-def test_a_corrupt_file_fixed_or_removed_lets_the_job_finish_in_place(tmp_path: Path, data_dir: Path,
-                                                                       shared_cluster: str,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_corrupt_file_fixed_or_removed_lets_the_job_finish_in_place(
+        tmp_path: Path, data_dir: Path, shared_cluster: str, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str]) -> None:
     """Three GSM8K files, two of them corrupt (text named .parquet, a truncated file): the good file's shard commits,
     each bad one fails with its file and problem named, no Dask traceback, attempts counted, exit 1. Then one is
     fixed and the other removed: the same command finishes the job in place (new manifest revision, the first one
     untouched), every id once, nothing committed rewritten. Before: InputChanged forever, "attempts 0", and a raw
     "Compute Failed" traceback from the worker.
 
-    The failing run is a child process whose stderr holds its workers' too (no traceback from them); the rerun's
-    checks are the client's summary and files, so it runs in this process on the session's LocalCluster
-    (`shared_cluster`, tests/jobs/conftest.py)."""
+    The failing run starts its own cluster from this process, whose stderr its worker processes share: what they
+    print is read at the file descriptor (capfd) with the client's own (no traceback from either), as a child
+    process's stderr would hold both without its start-up and imports. The rerun's checks are the client's summary
+    and files, so it runs on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py)."""
     table = pq.read_table(data_dir / "gsm8k_test.parquet", columns=["id", "question"]).slice(300, 6)
     inp = tmp_path / "in"
     inp.mkdir()
@@ -141,24 +136,26 @@ def test_a_corrupt_file_fixed_or_removed_lets_the_job_finish_in_place(tmp_path: 
     (inp / "b.parquet").write_text("question,id\nnot a parquet file\n")
     pq.write_table(table.slice(4, 2), tmp_path / "c.parquet")
     (inp / "c.parquet").write_bytes((tmp_path / "c.parquet").read_bytes()[:-40])  # truncated: no footer
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     args = ["run", "in", "out", "--prompt-column", "question", "--max-tokens", "2", "--device", "cpu", "--json"]
-    first = _tokenmill(args, tmp_path, env)
-    assert first.returncode == 1, first.stderr
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    first = runner.invoke(app, args)
+    stderr = first.stderr + capfd.readouterr().err  # the client's, then its workers' (and its cluster's)
+    assert first.exit_code == 1, stderr
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["shards_ok"] == 1 and set(summary["failed"]) == {"00001-000000000", "00002-000000000"}
     assert "in/b.parquet: Parquet magic bytes not found" in summary["failed"]["00001-000000000"]
     assert "in/c.parquet" in summary["failed"]["00002-000000000"]
     assert all("Fix or remove the file" in e for e in summary["failed"].values())
     assert summary["attempts"] == 3  # one each, the failed ones included
-    assert "Compute Failed" not in first.stderr and "Traceback" not in first.stderr, first.stderr
+    assert first.exception is None or isinstance(first.exception, SystemExit), first.exception  # none raised
+    assert "Compute Failed" not in stderr and "Traceback" not in stderr, stderr
     out = tmp_path / "out"
     before = _snapshot(out)
     assert "results/00000-000000000.parquet" in before
 
     pq.write_table(table.slice(2, 2), inp / "b.parquet")  # fixed
     (inp / "c.parquet").unlink()  # removed
-    monkeypatch.chdir(tmp_path)
     again = runner.invoke(app, [*args, "--scheduler", shared_cluster])
     assert again.exit_code == 0, again.output
     summary = json.loads(again.stdout.strip().splitlines()[-1])

@@ -1,7 +1,8 @@
 """`tokenmill run` end to end: real GSM8K rows, a real Dask LocalCluster with worker processes, the real model.
 
-The end-to-end and flaky-S3 runs start their own cluster; the corrupt-file and messages-column runs check what a job
-writes, and run on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py)."""
+The end-to-end run starts its own cluster; the flaky-S3, corrupt-file and messages-column runs check what a job
+writes, and run on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py), its worker put in the
+flaky store's environment for the flaky-S3 run (worker_env.workers_in)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from typer.testing import CliRunner
+from worker_env import S3_ENV, workers_in
 
 from engine import EngineConfig
 from engine.loading.gguf_native_int4 import gguf_dequantized_note
@@ -225,9 +227,10 @@ def test_messages_column_input(tmp_path: Path, data_dir: Path, shared_cluster: s
     assert pq.read_table(tmp_path / "o" / "results").column("id").to_pylist() == ["0", "1", "2", "3"]
 
 
-def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None:
+def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path, shared_cluster: str) -> None:
     """`tokenmill run s3://... s3://...` against an S3 that refuses ~15% of requests (503 SlowDown / 500) and loses
-    the answer to ~5% of PUTs after they landed; botocore's retries are off, so tokenmill's own retries carry it."""
+    the answer to ~5% of PUTs after they landed; botocore's retries are off, so tokenmill's own retries carry it, in
+    the client and in the worker (the session's, put in the flaky store's environment: worker_env.workers_in)."""
     import fsspec
     from s3_faults import flaky_s3
 
@@ -239,9 +242,10 @@ def test_s3_to_s3_on_a_flaky_store_every_id_exactly_once(data_dir: Path) -> None
             with fs.open(f"{s3.bucket}/in/{name}.parquet", "wb") as f:
                 pq.write_table(part, f)
         s3.faults.enabled = True
-        res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
-                                  "question", "--rows-per-shard", "8", "--max-tokens", "6", "--checkpoint-rows", "3",
-                                  "--workers", "1", "--json"])
+        with workers_in(shared_cluster, env=S3_ENV):
+            res = runner.invoke(app, ["run", f"s3://{s3.bucket}/in/", f"s3://{s3.bucket}/out", "--prompt-column",
+                                      "question", "--rows-per-shard", "8", "--max-tokens", "6", "--checkpoint-rows",
+                                      "3", "--scheduler", shared_cluster, "--json"])
         stats = s3.faults.stats
         s3.faults.enabled = False
         assert res.exit_code == 0, res.output

@@ -3,27 +3,24 @@ line naming the object, the operation and the credential (never the secret), exi
 job's first write is refused; a failed shard whose attempt is billed when only results/ is refused, and a rerun
 after the policy is lifted that takes the checkpointed rows.
 
-The failed run and its rerun share one LocalCluster, started inside the test's S3 environment (its worker reads and
-writes that S3 with the test's credentials) and reached by its scheduler address: the two runs check what a job
-writes and bills, not their own cluster."""
+The failed run and its rerun run on the session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py), its
+worker put in the test's S3 environment for the test (it reads and writes that S3 with the test's credentials): the
+two runs check what a job writes and bills, not their own cluster."""
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
-import dask
 import fsspec
 import pyarrow.parquet as pq
 import pytest
-from distributed import LocalCluster
 from typer.testing import CliRunner
+from worker_env import S3_ENV, workers_in
 
 import jobs.runner
 from jobs.cli import app
-from jobs.cluster import CLUSTER_CONFIG
 
 runner = CliRunner()
 SECRET = "tokenmill-test-secret-never-printed"
@@ -42,14 +39,12 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 
 
 @pytest.fixture()
-def s3_cluster(s3: object) -> Iterator[str]:
-    """A LocalCluster of one worker process started in the `s3` fixture's environment (jobs.cluster.CLUSTER_CONFIG, as
-    `tokenmill run` starts its own); yields its scheduler address."""
-    with dask.config.set(CLUSTER_CONFIG):
-        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address="127.0.0.1:0",
-                               silence_logs=logging.ERROR)
-    with cluster:
-        yield cluster.scheduler_address
+def s3_cluster(s3: object, shared_cluster: str) -> Iterator[str]:
+    """The session's LocalCluster (`shared_cluster`, tests/jobs/conftest.py) with its worker in the `s3` fixture's
+    environment (worker_env.workers_in) for the test; yields its scheduler address. A cluster of its own started in
+    that environment would add only its start-up and model load (about 5 CPU-s)."""
+    with workers_in(shared_cluster, env=S3_ENV):
+        yield shared_cluster
 
 
 def _deny_puts(bucket: str, prefix: str) -> None:

@@ -71,27 +71,44 @@ def _closed_port() -> int:
         return sock.getsockname()[1]  # closed again when the block ends: nothing listens there
 
 
-@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"])
-def test_an_endpoint_where_nothing_listens_is_one_line_naming_it(variable: str, tmp_path: Path,
-                                                                 data_dir: Path) -> None:
+def test_an_endpoint_where_nothing_listens_is_one_line_naming_it(tmp_path: Path, data_dir: Path) -> None:
     """INPUT on S3 with AWS_ENDPOINT_URL, OUTPUT on S3 with FSSPEC_S3_ENDPOINT_URL: exit 2 after a few tries, one
-    line with the endpoint and the variable, no traceback, nothing written."""
+    line with the endpoint and the variable, no traceback, nothing written.
+
+    The two `tokenmill run` processes run side by side: each waits between its tries (store_reach.PROBE_WAIT_S),
+    and one's waits are the other's start-up rather than idle time. Neither is timed."""
     rows = tmp_path / "in.parquet"
     pq.write_table(_rows(data_dir, 0), rows)
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL")}
-    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    env[variable] = endpoint
-    if variable == "AWS_ENDPOINT_URL":
-        args = ["s3://bucket/in.parquet", str(tmp_path / "out")]
-    else:
-        args = [str(rows), "s3://bucket/out/"]
-    res = _tokenmill("run", *args, "--prompt-column", "question", env=env)
-    assert res.returncode == 2, res.stderr
-    line = res.stderr.strip()
-    assert len(line.splitlines()) == 1 and "Traceback" not in line
-    assert endpoint in line and variable in line and ("INPUT" if variable == "AWS_ENDPOINT_URL" else "OUTPUT") in line
-    assert not (tmp_path / "out").exists()
+    runs = {}
+    for variable in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL"):
+        endpoint = f"http://127.0.0.1:{_closed_port()}"
+        env = {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "FSSPEC_S3_ENDPOINT_URL")}
+        env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                   PYTHONPATH=str(ROOT))
+        env[variable] = endpoint
+        out = tmp_path / variable / "out"
+        if variable == "AWS_ENDPOINT_URL":
+            args = ["s3://bucket/in.parquet", str(out)]
+        else:
+            args = [str(rows), "s3://bucket/out/"]
+        proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", *args, "--prompt-column", "question"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        runs[variable] = (endpoint, out, proc)
+    try:
+        stderrs = {variable: proc.communicate(timeout=300)[1] for variable, (_, _, proc) in runs.items()}
+    finally:
+        for _, _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for variable, (endpoint, out, proc) in runs.items():
+        stderr = stderrs[variable]
+        assert proc.returncode == 2, (variable, stderr)
+        line = stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+        assert endpoint in line and variable in line, line
+        assert ("INPUT" if variable == "AWS_ENDPOINT_URL" else "OUTPUT") in line, line
+        assert not out.exists() and not out.parent.exists()
 
 
 def test_botocore_connection_errors_are_recognised_through_their_causes() -> None:
