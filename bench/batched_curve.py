@@ -59,13 +59,12 @@ def worker_tokenmill(spec: dict, quantization: str) -> list[dict]:
     import torch
 
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.text.tokenizer import Tokenizer
 
     torch.set_num_threads(spec["threads"])
     pp, tg, npl = spec["npp"], spec["ntg"], spec["npl"]
-    prompts = text_windows(Tokenizer.from_gguf(spec["model"]), max(npl) + 2, pp)
     engine = LLMEngine.from_model(spec["model"], EngineConfig(quantization=quantization,
                                                               max_num_seqs=max(256, max(npl))))
+    prompts = text_windows(engine.tokenizer, max(npl) + 2, pp)  # the model file's tokenizer, loaded once
     engine.generate(prompts[-2:], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (kernels, first pages)
 
     def timed(batch: list[list[int]], max_tokens: int) -> float:

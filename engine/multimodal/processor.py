@@ -53,8 +53,7 @@ def image_only_processor(path: str) -> Any:
 
     import transformers
 
-    configs = [json.loads(f.read_text()) for f in
-               (Path(path, "processor_config.json"), Path(path, "preprocessor_config.json")) if f.is_file()]
+    configs = _processor_configs(path)
     names = [c.get("processor_class") for c in configs]
     name = next((n for n in names if n), None)
     if name is None or not hasattr(transformers, name):
@@ -76,6 +75,29 @@ def image_only_processor(path: str) -> Any:
     return ImageOnly(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
                      tokenizer=transformers.AutoTokenizer.from_pretrained(path), video_processor=None,
                      chat_template=template, **own)
+
+
+def _processor_configs(path: str) -> list[dict]:
+    """The folder's processor_config.json and preprocessor_config.json, parsed, those present in that order."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(f.read_text()) for f in
+            (Path(path, "processor_config.json"), Path(path, "preprocessor_config.json")) if f.is_file()]
+
+
+def _video_half_unloadable(path: str) -> bool:
+    """Whether AutoProcessor must fail on the folder's processor: its class has a video processor and torchvision,
+    that processor's only backend, is not installed (AutoProcessor raises ImportError after loading the tokenizer, so
+    from_model_path goes to image_only_processor at once instead)."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    name = next((n for n in (c.get("processor_class") for c in _processor_configs(path)) if n), None)
+    return hasattr(transformers, name or "") and "video_processor" in getattr(transformers, name).get_attributes()
 
 
 class ImageProcessor:
@@ -122,6 +144,8 @@ class ImageProcessor:
 
         try:
             try:
+                if _video_half_unloadable(path):
+                    raise ImportError(f"{path}: the processor's video half needs torchvision, which is not installed")
                 hf = AutoProcessor.from_pretrained(path)
             except (ImportError, OSError) as e:  # a video processor that needs torchvision (Qwen2-VL's, SmolVLM's)
                 try:  # or whose config the folder lacks: the image half alone

@@ -106,14 +106,17 @@ def test_bench_modules_accept_the_steps_arguments(calls, monkeypatch: pytest.Mon
 
 
 def test_pytest_steps_collect_every_file_with_their_options(calls) -> None:
-    """Each pytest step's exact options with --collect-only (one process, pytest.main per step: the imports once)."""
+    """Each pytest step's exact options with --collect-only (one process, pytest.main per step: the imports once;
+    no assert rewriting and no unraisable-exception hook, whose gc passes at each exit cost a CPU-s and which collecting
+    never needs)."""
     runs = [(step, list(argv[2:])) for step, argv, _ in calls if argv[:2] == ("-m", "pytest")]
     assert runs, "no pytest step found"
     for step, args in runs:
         files = [a for a in args if a.endswith(".py")]
         assert files and all((dry.ROOT / f).is_file() for f in files), f"{step}: missing test files in {files}"
     code = ("import sys, pytest\nfor args in " + repr([args for _, args in runs]) + ":\n"
-            "    rc = pytest.main([*args, '--collect-only'])\n    print(f'@@@ exit {int(rc)}', flush=True)\n")
+            "    rc = pytest.main([*args, '--collect-only', '--assert=plain', '-p', 'no:unraisableexception'])\n"
+            "    print(f'@@@ exit {int(rc)}', flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=dry.ROOT, env={**os.environ, "PYTHONPATH": str(dry.ROOT)},
                           capture_output=True, text=True, timeout=180)
     outputs = re.split(r"^@@@ exit (\d+)\n", proc.stdout, flags=re.MULTILINE)

@@ -121,10 +121,10 @@ def test_prefix_caching_reuses_shared_blocks_and_keeps_outputs(engine: LLMEngine
 
 
 def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: LLMEngine,
-                                                                       gsm8k_questions: list[str]) -> None:
+                                                                       alpaca_instructions: list[str]) -> None:
     # A spot notice mid-batch: what finished is kept, the rest comes back as "abort" with no tokens. The stop comes
     # after 6 steps, when the 4-token rows are done and the 12-token rows are at most half way (one token a step).
-    prompts = gsm8k_questions[20:28]
+    prompts = alpaca_instructions[20:28]
     params = [SamplingParams(max_tokens=4 if i % 2 == 0 else 12) for i in range(len(prompts))]
     small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
     finished: list[str] = []
@@ -144,10 +144,10 @@ def test_should_stop_aborts_unfinished_requests_and_frees_their_blocks(engine: L
 
 
 def test_a_failing_callback_propagates_and_leaves_the_engine_clean(engine: LLMEngine,
-                                                                  gsm8k_questions: list[str]) -> None:
+                                                                  alpaca_instructions: list[str]) -> None:
     # A checkpoint commit that fails inside on_output: the error reaches the caller, nothing stays queued or holds
     # KV blocks, and the long-lived engine serves the next shard as if nothing happened.
-    prompts = gsm8k_questions[30:36]
+    prompts = alpaca_instructions[30:36]
     params = [SamplingParams(max_tokens=3 + 6 * (i % 2)) for i in range(len(prompts))]
     small = engine.with_config(EngineConfig(device="cpu", dtype="float32", max_num_seqs=4))
 

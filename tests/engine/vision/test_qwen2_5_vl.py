@@ -249,8 +249,9 @@ def test_qwen2_vl_greedy_matches_hf(tmp_path, gguf_path: str, questions) -> None
                {"prompt": questions[1], "images": [picture("L", (36, 60), 32), picture("RGBA", (70, 70), 33)]},
                {"prompt": questions[2]}]
     outs = engine.generate(prompts, GREEDY)
+    processor = image_only_processor(str(tmp_path))  # HF's, built once for the 3 rows
     for prompt, out in zip(prompts, outs, strict=True):
-        assert (out.prompt_token_ids, out.output_token_ids) == _hf((hf, image_only_processor(str(tmp_path))), prompt)
+        assert (out.prompt_token_ids, out.output_token_ids) == _hf((hf, processor), prompt)
 
 
 #: Qwen/Qwen2.5-VL-7B-Instruct's config.json (the hub layout, as it is published; the vision benchmarks' copy).

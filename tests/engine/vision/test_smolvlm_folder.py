@@ -47,12 +47,13 @@ def test_a_smolvlm_processor_folder_runs_with_its_own_image_seq_len(smolvlm_fold
 
 
 def test_a_folder_without_a_loadable_processor_names_the_problem(smolvlm_folder, tmp_path) -> None:
+    from engine.loading.hf_folder import read_hf_config
     from engine.multimodal.processor import ImageProcessor
 
     folder, _ = smolvlm_folder
-    engine = LLMEngine.from_model(str(folder), EngineConfig(**CPU))
+    vision = read_hf_config(str(folder)).vision  # the model's VisionConfig, as LLMEngine.from_model reads it
     broken = tmp_path / "no-processor"
     broken.mkdir()
     (broken / "processor_config.json").write_text(json.dumps({"processor_class": "NoSuchProcessor"}))
     with pytest.raises(ValueError, match="no image processor transformers can load"):
-        ImageProcessor.from_model_path(str(broken), engine.model_config.vision)
+        ImageProcessor.from_model_path(str(broken), vision)

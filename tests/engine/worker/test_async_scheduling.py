@@ -68,10 +68,11 @@ def test_the_tokens_are_the_synchronous_ones(engine: LLMEngine, gsm8k_questions:
     assert all(len(o.output_token_ids) <= p.max_tokens for o, p in zip(got, params, strict=True))
 
 
-def test_preemption_while_a_token_is_pending(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+def test_preemption_while_a_token_is_pending(engine: LLMEngine, alpaca_instructions: list[str]) -> None:
     """A pool too small for the batch: requests are preempted, some while their token is on the device, and
-    recomputed with it; the tokens stay the synchronous engine's."""
-    prompts = gsm8k_questions[40:46]
+    recomputed with it; the tokens stay the synchronous engine's. Short instructions (35-51 tokens with the chat
+    template): each recompute re-reads its prompt, and the preemptions do not depend on the prompts' length."""
+    prompts = alpaca_instructions[40:46]
     params = [SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(6)]
     # Room for every prompt and 3 blocks (12 tokens) of their 60-odd output tokens: preemption every few steps.
     blocks = sum(-(-(len(engine.prompt_token_ids(p)) + 1) // 4) for p in prompts) + 3
@@ -83,10 +84,10 @@ def test_preemption_while_a_token_is_pending(engine: LLMEngine, gsm8k_questions:
     assert _tokens(got) == _tokens(expected)
 
 
-def test_max_model_len_stops_rows_without_a_step_past_it(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+def test_max_model_len_stops_rows_without_a_step_past_it(engine: LLMEngine, alpaca_instructions: list[str]) -> None:
     """Rows that end at max_model_len: the last placeholder marks them, so no step is planned past the limit
     (which has no slot in the block table)."""
-    prompts = gsm8k_questions[10:14]
+    prompts = alpaca_instructions[21:25]
     params = SamplingParams(max_tokens=500, ignore_eos=True)
     longest = max(len(engine.prompt_token_ids(p)) for p in prompts)
     # A whole number of blocks: a step past the limit would need a block-table column the engine does not have.
@@ -127,10 +128,10 @@ def test_logits_processors_fall_back_to_synchronous_steps(engine: LLMEngine, alp
     assert launches[1] > 0 and executes[0] > 0  # asynchronous steps while the logprobs row waited
 
 
-def test_a_stop_notice_mid_run_leaves_the_engine_clean(engine: LLMEngine, gsm8k_questions: list[str]) -> None:
+def test_a_stop_notice_mid_run_leaves_the_engine_clean(engine: LLMEngine, alpaca_instructions: list[str]) -> None:
     """should_stop aborts with a step in flight: every row comes back "abort", and the next generate on the same
     engine gives the synchronous tokens (no placeholder or pending step left behind)."""
-    prompts = gsm8k_questions[20:24]
+    prompts = alpaca_instructions[20:24]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     sync, overlap = _pair(engine)
     polls = [0]
