@@ -143,9 +143,9 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], tokenizer:
 
 @contextmanager
 def parsing_each_gguf_once(keep: int | None = None, pinned: Collection[str] = ()) -> Iterator[dict]:
-    """engine.loading.gguf_file.open_gguf patched, for the `with` block, to return the first parse of a file again
-    while it is unchanged (its path, size, modification and change times, inode). Every test GGUF carries SmolLM2's
-    49k-token vocabulary, whose metadata parse is 1-2 CPU-s, and the loaders only read a parse, so what they load is
+    """engine.loading.gguf_file.open_gguf patched, for the `with` block, to return the first parse of a file again while
+    it is unchanged (its path, size, modification and change times, inode). Every test GGUF carries SmolLM2's 49k-token
+    vocabulary, whose metadata parse is about 0.2 CPU-s, and the loaders only read a parse, so what they load is
     unchanged. `keep`: the parses of at most that many files are kept, the least recently opened dropped first (each
     holds tens of MB: its small arrays and its file's mapping), except those of the files `pinned` (paths). A path that
     cannot be stat'ed is opened as open_gguf opens it (its error). Yields the parses, by key."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,9 +41,10 @@ def open_gguf(path: str) -> Any:
 
     GGUFReader slices its np.memmap once per metadata value, and each memmap slice runs memmap's Python
     __array_finalize__ and __getitem__; the reader here slices a plain ndarray view of the same mapping (no copy)
-    instead. Raises ValueError (one line naming the file and the fix) for a file cut short (a download or conversion
-    that stopped early: a metadata value or a tensor's data runs past its end), else what GGUFReader raises (OSError,
-    ValueError for a file that is not GGUF).
+    instead, and reads an array of strings or scalars (the vocabulary, its merges and token types) in one loop rather
+    than one `_get_field_parts` call per element (the same parts: a view each). Raises ValueError (one line naming the
+    file and the fix) for a file cut short (a download or conversion that stopped early: a metadata value or a tensor's
+    data runs past its end), else what GGUFReader raises (OSError, ValueError for a file that is not GGUF).
     """
     import gguf
 
@@ -76,7 +78,47 @@ def _fast_reader(base: type) -> type:
             arr = plain[offset:end].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list]:
+            # An array of strings or scalars (the vocabulary, merges, token types: most of a file's metadata) in one
+            # pass: the parts GGUFReader makes one `_get_field_parts` call each, views of the same bytes
+            from gguf import GGUFValueType
+
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, count, offs = GGUFValueType(raw_itype[0]), int(alen[0]), orig_offs + 12
+            scalar = self.gguf_scalar_to_np.get(itype)
+            if itype == GGUFValueType.STRING:
+                parts = _string_parts(self.__dict__["_plain"], offs, count)
+            elif scalar is not None and count:
+                whole = self._get(offs, scalar, count)
+                parts = [whole[i:i + 1] for i in range(count)]
+            else:
+                return super()._get_field_parts(orig_offs, raw_type)
+            size = 12 + sum(int(part.nbytes) for part in parts)
+            step = 2 if itype == GGUFValueType.STRING else 1
+            return size, [raw_itype, alen, *parts], list(range(1 + step, 2 + len(parts), step)), \
+                [GGUFValueType.ARRAY, itype] if count else [GGUFValueType.ARRAY]
+
     return FastGGUFReader
+
+
+def _string_parts(plain: np.ndarray, offs: int, count: int) -> list[np.ndarray]:
+    """GGUF strings (uint64 length, UTF-8 bytes) from byte `offs` of `plain`: [length, bytes] views per string, as
+    GGUFReader._get_str returns them (native byte order). Raises _TruncatedGGUF where one runs past the end."""
+    u64, size, parts = np.dtype(np.uint64).newbyteorder("I"), plain.shape[0], []
+    lengths = memoryview(plain).cast("B")
+    for _ in range(count):
+        if offs + 8 > size:
+            raise _TruncatedGGUF(offs + 8)
+        n = int.from_bytes(lengths[offs:offs + 8], sys.byteorder)
+        if offs + 8 + n > size:
+            raise _TruncatedGGUF(offs + 8 + n)
+        parts.append(plain[offs:offs + 8].view(u64))
+        parts.append(plain[offs + 8:offs + 8 + n])
+        offs += 8 + n
+    return parts
 
 
 #: Weights per dequantize call (`dequantize_tensor`): small enough that gguf-py's temporaries (several fp32 copies of

@@ -16,11 +16,11 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 
 @pytest.fixture(scope="session", autouse=True)
 def gguf_parsed_once(gguf_path: str) -> dict:
-    """Each GGUF file's metadata parsed once while unchanged (tests/gguf_models.py parsing_each_gguf_once): every
-    test GGUF carries SmolLM2's 49k-token vocabulary, whose parse (engine.loading.gguf_file.open_gguf) is 1-2 CPU-s,
+    """Each GGUF file's metadata parsed once while unchanged (tests/gguf_models.py parsing_each_gguf_once): every test
+    GGUF carries SmolLM2's 49k-token vocabulary, whose parse (engine.loading.gguf_file.open_gguf) is about 0.2 CPU-s,
     and the tests load a file several times (greedy, config, quantized paths; the default model in many files). The
-    loaders only read a parse, so what they load is unchanged. The default model's parse is kept for the session,
-    those of the 6 test files opened last beside it. Returns the parses, by key."""
+    loaders only read a parse, so what they load is unchanged. The default model's parse is kept for the session, those
+    of the 6 test files opened last beside it. Returns the parses, by key."""
     from gguf_models import parsing_each_gguf_once
 
     with parsing_each_gguf_once(keep=6, pinned=[gguf_path]) as parsed:

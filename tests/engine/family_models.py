@@ -96,8 +96,9 @@ def save_folder(model, folder: Path, hf_tok) -> Path:
 @functools.cache
 def tokenizer_fields(tokenizer_gguf: str) -> tuple[tuple, ...]:
     """(key, value, type, sub_type) of every tokenizer.* field of a GGUF file, read once per test process (its 49k
-    strings and merges take a second or more to parse; the writers only read them). gguf_models.tokenizer_fields
-    reads them: through the engine's GGUF reader, whose fields are GGUFReader's (test_weights_cache.py)."""
+    strings and merges take about 0.25 CPU-s to parse and decode; the writers only read them).
+    gguf_models.tokenizer_fields reads them: through the engine's GGUF reader, whose fields are GGUFReader's
+    (test_weights_cache.py)."""
     return tuple(read_tokenizer_fields(tokenizer_gguf))
 
 

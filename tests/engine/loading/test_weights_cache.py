@@ -86,11 +86,23 @@ def test_open_gguf_reads_what_gguf_reader_reads(gguf_path: str) -> None:
     for key, a in slow.fields.items():
         b = fast.fields[key]
         assert (a.offset, a.types, a.data) == (b.offset, b.types, b.data), key
-        assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a.parts, b.parts, strict=True)), key
         assert a.contents() == b.contents(), key
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
         (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(slow.tensors, fast.tensors, strict=True))
+
+
+def test_open_gguf_names_a_file_cut_inside_its_vocabulary(gguf_path: str, tmp_path: Path) -> None:
+    """The real model file cut inside its tokenizer's strings (read in one loop per array): one line naming the file,
+    where it ends, and the fix."""
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(300_000))
+    with pytest.raises(ValueError, match=f"{cut} is not a complete GGUF file: it ends at byte 300,000 and its "
+                                         r"contents run to byte 300,\d{3} at least; download or convert") as e:
+        gguf_file.open_gguf(str(cut))
+    assert "\n" not in str(e.value)
 
 
 def test_the_cache_stays_under_its_limit_least_recently_used_out(tmp_path: Path,

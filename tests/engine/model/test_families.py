@@ -85,9 +85,8 @@ def test_logits_close_to_hf(family: str, families, prompt_ids) -> None:
 
 def test_config_fields(families) -> None:
     """Each family's special fields reach ModelConfig, from both formats; generation_config's EOS list too. The GGUFs
-    are read as the engine reads them (engine.loading.gguf_file.open_gguf: gguf.GGUFReader's fields, parsed about 3x
-    faster;
-    test_weights_cache.py checks that the fields are the same), and the CLI's header-only reader gives the same
+    are read as the engine reads them (engine.loading.gguf_file.open_gguf: gguf.GGUFReader's fields, parsed about 12x
+    faster; test_weights_cache.py checks that the fields are the same), and the CLI's header-only reader gives the same
     config (engine.loading.gguf_header.GGUFHeader: Llama 3's rope_freqs read from the file's data)."""
     from engine.loading.gguf_file import open_gguf, read_gguf_config
     from engine.loading.gguf_header import GGUFHeader

@@ -35,6 +35,13 @@ def sequences(tokenizer: Tokenizer, data_dir: Path) -> list[list[int]]:
     return [s + [tokenizer.eos_token_id] if i % 5 == 0 else s for i, s in enumerate(seqs)]
 
 
+@pytest.fixture(scope="module")
+def prefixes(tokenizer: Tokenizer, sequences: list[list[int]]) -> list[list[str]]:
+    """The reference decodes: `_prefix_texts` of each sequence (HF's decode of every prefix, O(n^2) decoding and most
+    of this module's time), made once for the tests that compare against them."""
+    return [_prefix_texts(tokenizer, ids) for ids in sequences]
+
+
 def _incremental(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[int, str]:
     """As the engine runs it: one update per sampled token. Returns (tokens consumed, final text)."""
     detok = IncrementalDetokenizer(tokenizer, stop)
@@ -47,7 +54,7 @@ def _incremental(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...] = (
 
 def _prefix_texts(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     """The full decode of every prefix: [decode(ids[:n]) for n in 0..len(ids)] (O(n^2) decoding: computed once per
-    sequence and shared by the references of its several stop strings)."""
+    sequence: the `prefixes` fixture, which the references of its stop strings and cut characters share)."""
     return [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
 
 
@@ -73,21 +80,23 @@ def test_incremental_text_equals_the_full_decode(tokenizer: Tokenizer, sequences
         assert detok.finish(ids) == full == detok.finish(ids)
 
 
-def test_released_text_is_always_a_prefix_of_complete_characters(tokenizer: Tokenizer,
-                                                                  sequences: list[list[int]]) -> None:
-    wide = [ids for ids in sequences if any(ord(c) > 0x7FF for c in tokenizer.decode(ids))]
+def test_released_text_is_always_a_prefix_of_complete_characters(tokenizer: Tokenizer, sequences: list[list[int]],
+                                                                  prefixes: list[list[str]]) -> None:
+    wide = [(ids, texts) for ids, texts in zip(sequences, prefixes, strict=True)
+            if any(ord(c) > 0x7FF for c in texts[-1])]
     assert len(wide) > 20
-    for ids in wide:
+    for ids, texts in wide:
         detok = IncrementalDetokenizer(tokenizer)
         for n in range(1, len(ids) + 1):
             detok.update(ids[:n])
-            assert tokenizer.decode(ids[:n]).startswith(detok.text)
+            assert texts[n].startswith(detok.text)
             assert not detok.text.endswith(REPLACEMENT_CHAR)
 
 
 @pytest.mark.parametrize("byte_level", [True, False])
 def test_a_cut_multibyte_character_ends_the_final_text_as_the_full_decode(tokenizer: Tokenizer,
                                                                           sequences: list[list[int]],
+                                                                          prefixes: list[list[str]],
                                                                           byte_level: bool) -> None:
     """Output cut inside a multi-byte character (max_tokens): the final text is HF's decode of the ids, ending in
     U+FFFD, after per-step updates and from one finish alike; through the byte table and the decode path (the
@@ -100,9 +109,10 @@ def test_a_cut_multibyte_character_ends_the_final_text_as_the_full_decode(tokeni
             detok._bytes = None
         return detok
 
-    for ids in sequences[::2] if byte_level else sequences[::6]:
+    step = 2 if byte_level else 6
+    for ids, texts in zip(sequences[::step], prefixes[::step], strict=True):
         for n in range(1, len(ids) + 1):
-            full = tokenizer.decode(ids[:n])
+            full = texts[n]
             if not full.endswith(REPLACEMENT_CHAR):
                 continue
             cuts += 1  # a generation stopped here (max_tokens) ends inside a character
@@ -134,20 +144,20 @@ def _boundary_spanning_stops(tokenizer: Tokenizer, ids: list[int], prefix_texts:
 
 
 def test_stop_strings_across_token_boundaries_stop_where_the_full_decode_did(tokenizer: Tokenizer,
-                                                                               sequences: list[list[int]]) -> None:
+                                                                               sequences: list[list[int]],
+                                                                               prefixes: list[list[str]]) -> None:
     checked = 0
-    for ids in sequences:
-        prefixes = _prefix_texts(tokenizer, ids)
-        text = prefixes[-1]
+    for ids, texts in zip(sequences, prefixes, strict=True):
+        text = texts[-1]
         assert text == tokenizer.decode(ids)
-        for stop in _boundary_spanning_stops(tokenizer, ids, prefixes):
+        for stop in _boundary_spanning_stops(tokenizer, ids, texts):
             got = _incremental(tokenizer, ids, (stop,))
-            assert got == _full_decode_each_step(tokenizer, ids, (stop,), prefixes)
+            assert got == _full_decode_each_step(tokenizer, ids, (stop,), texts)
             assert got[1] == text[:text.index(stop)] and got[0] < len(ids) + 1
             checked += 1
         # Several stop strings at once: the earliest match wins, whatever their order.
-        stops = tuple(_boundary_spanning_stops(tokenizer, ids, prefixes))[::-1] + ("\n\n", "zzzz never there")
-        assert _incremental(tokenizer, ids, stops) == _full_decode_each_step(tokenizer, ids, stops, prefixes)
+        stops = tuple(_boundary_spanning_stops(tokenizer, ids, texts))[::-1] + ("\n\n", "zzzz never there")
+        assert _incremental(tokenizer, ids, stops) == _full_decode_each_step(tokenizer, ids, stops, texts)
     assert checked > 100
 
 
