@@ -9,6 +9,7 @@ torch order).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from engine.kernels.gguf_blocks import SUPPORTED_TYPES as GGUF_BLOCK_TYPES
 from engine.kernels.gguf_blocks import GGUFBlocks
 from engine.loading.gguf_config import gguf_name_map
 from engine.loading.gguf_config import read_gguf_config as read_gguf_config  # NOTE: re-exported (loader, quantized)
+from engine.loading.gguf_header import string_starts
 from engine.loading.gguf_int4 import gguf_q4_to_int4
 from engine.loading.gguf_native_int4 import loads_as_native_int4
 from engine.loading.gpt_oss_tensors import dequantize_gguf_mxfp4
@@ -107,17 +109,13 @@ def _fast_reader(base: type) -> type:
 def _string_parts(plain: np.ndarray, offs: int, count: int) -> list[np.ndarray]:
     """GGUF strings (uint64 length, UTF-8 bytes) from byte `offs` of `plain`: [length, bytes] views per string, as
     GGUFReader._get_str returns them (native byte order). Raises _TruncatedGGUF where one runs past the end."""
-    u64, size, parts = np.dtype(np.uint64).newbyteorder("I"), plain.shape[0], []
-    lengths = memoryview(plain).cast("B")
-    for _ in range(count):
-        if offs + 8 > size:
-            raise _TruncatedGGUF(offs + 8)
-        n = int.from_bytes(lengths[offs:offs + 8], sys.byteorder)
-        if offs + 8 + n > size:
-            raise _TruncatedGGUF(offs + 8 + n)
-        parts.append(plain[offs:offs + 8].view(u64))
-        parts.append(plain[offs + 8:offs + 8 + n])
-        offs += 8 + n
+    try:
+        starts = string_starts(plain, offs, count, sys.byteorder)
+    except EOFError as e:
+        raise _TruncatedGGUF(e.args[0]) from None
+    u64, parts = np.dtype(np.uint64).newbyteorder("I"), []
+    for start, end in itertools.pairwise(starts):
+        parts += [plain[start:start + 8].view(u64), plain[start + 8:end]]
     return parts
 
 

@@ -17,7 +17,6 @@ from typing import IO, Any
 # GGUF metadata value types (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): fixed sizes by struct code.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
-_U64 = struct.Struct("<Q")
 
 
 def gguf_metadata(path: str, keys: set[str]) -> dict[str, Any]:
@@ -74,20 +73,32 @@ def _read_str(f: IO[bytes]) -> str:
     return f.read(length).decode("utf-8", "replace")
 
 
+def string_starts(buf: Any, offset: int, count: int, byteorder: str = "little") -> list[int]:
+    """Where each of `count` GGUF strings (a uint64 length in `byteorder`, then its bytes) laid end to end from byte
+    `offset` of the bytes-like `buf` (bytes, an mmap, a uint8 ndarray) starts, and the offset past the last:
+    [start_0, ..., start_count], walked without reading the strings (SmolLM2's 49k-token vocabulary in a few ms).
+    Raises EOFError, its argument the offset the data would reach, where a string runs past the end of `buf`."""
+    starts = [offset]
+    with memoryview(buf) as raw, raw.cast("B") as view:  # released on any exit: an mmap then closes
+        for _ in range(count):
+            if offset + 8 > len(view):
+                raise EOFError(offset + 8)
+            offset += 8 + int.from_bytes(view[offset:offset + 8], byteorder)
+            if offset > len(view):
+                raise EOFError(offset)
+            starts.append(offset)
+    return starts
+
+
 def _skip_strings(f: IO[bytes], count: int) -> None:
-    """Move `f` past an array of `count` GGUF strings (each a uint64 length, then its bytes), walking the lengths in
-    a memory map of the file: a vocabulary of 49k-200k strings in a few ms, not a read and a seek each. Raises
-    ValueError when the array runs past the end of the file."""
-    offset = f.tell()
+    """Move `f` past an array of `count` GGUF strings (string_starts over a memory map of the file, not a read and a
+    seek each). Raises ValueError when the array runs past the end of the file."""
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
         try:
-            for _ in range(count):
-                offset += 8 + _U64.unpack_from(m, offset)[0]
-        except struct.error:
-            offset = len(m) + 1
-        if offset > len(m):
-            raise ValueError("the GGUF header ends early: the file is cut short")
-    f.seek(offset)
+            end = string_starts(m, f.tell(), count)[-1]
+        except EOFError:
+            raise ValueError("the GGUF header ends early: the file is cut short") from None
+    f.seek(end)
 
 
 def _unpack(f: IO[bytes], fmt: str) -> Any:
