@@ -5,6 +5,7 @@ another in one process.
 Usage:
     python -m bench.embed                        # 1,000 real texts of ../shared/data, our default dtype
     python -m bench.embed --dtype float32 --st-batches 32,64,128
+    python -m bench.embed --st-batches "" --repeats 3   # tokenmill alone (an A/B of two checkouts)
     python -m bench.embed --ort-python PEER/bin/python --vllm-python VLLM/bin/python   # and the other peers
 
 Peers in their own virtual environments (`make embed-peers` builds both, bench/embed_peer.py runs them): ONNX Runtime
@@ -66,15 +67,16 @@ def main() -> None:
         rates[f"tokenmill {dtype}"] = len(texts) / best_seconds(lambda e=engine: e.embed(texts), args.repeats)
         del engine
     st = SentenceTransformer(path, device="cpu")
-    for bs in (int(b) for b in args.st_batches.split(",")):
+    for bs in (int(b) for b in args.st_batches.split(",") if b):
         s = best_seconds(lambda b=bs: st.encode(texts, batch_size=b), args.repeats)
         rates[f"sentence-transformers float32 batch {bs}"] = len(texts) / s
-    rates.update(peer_rates(args, path, texts, st.encode(texts, normalize_embeddings=True)))
+    if args.ort_python or args.vllm_python:
+        rates.update(peer_rates(args, path, texts, st.encode(texts, normalize_embeddings=True)))
     print(f"{len(texts):,} texts, {tokens:,} input tokens, torch threads {torch.get_num_threads()}")
-    best = max(v for k, v in rates.items() if not k.startswith("tokenmill"))
+    best = max((v for k, v in rates.items() if not k.startswith("tokenmill")), default=None)
     for name, r in rates.items():
-        print(f"{name:48s} {r:8.1f} rows/s {r * tokens / len(texts):10,.0f} input tokens/s "
-              f"{r / best:5.2f}x the best peer")
+        ratio = "" if best is None else f"{r / best:5.2f}x the best peer"
+        print(f"{name:48s} {r:8.1f} rows/s {r * tokens / len(texts):10,.0f} input tokens/s {ratio}")
 
 
 def peer_rates(args: object, model: str, texts: list[str], reference: np.ndarray) -> dict[str, float]:

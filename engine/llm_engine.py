@@ -37,6 +37,7 @@ from engine.sampling_params import SamplingParams
 from engine.text.prompts import Prompt
 from engine.text.tokenizer import Tokenizer
 from engine.worker.device import device_name, num_kv_blocks, resolve_device, resolve_dtype
+from engine.worker.host_malloc import keep_freed_memory
 from engine.worker.memory_fit import int4_layout_chooser
 from engine.worker.model_runner import LaunchedStep, ModelRunner, select_attention
 
@@ -75,6 +76,8 @@ class LLMEngine(PoolingTasks):
         self.model_name, self.device, self.dtype, self.device_name = model_name, device, dtype, device_name(device)
         self.quantization_loaded, self.image_processor = quantization_loaded, image_processor
         log.info("model %s: %s", model_name, describe(model_config))  # family; experts total / active for MoE
+        if device.type == "cpu":
+            keep_freed_memory()  # the activations' pages kept between forwards (engine.worker.host_malloc)
         # fused projections; oneDNN-packed linears on the CPU, INT4 kernels compiled on CUDA for every decode batch
         # and prefill chunk size (idempotent: with_config shares the model)
         process_model_after_load(model, device, max(config.max_num_batched_tokens, config.max_num_seqs))

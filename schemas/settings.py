@@ -21,6 +21,7 @@ CPU_KERNELS = "TOKENMILL_CPU_KERNELS"  # 0: no C++ CPU kernels (engine.kernels.c
 TRITON_FUSED = "TOKENMILL_TRITON_FUSED"  # 0: no fused Triton kernels (engine.kernels.triton_fused)
 TRITON_MOE = "TOKENMILL_TRITON_MOE"  # 0: MoE experts on CUDA run the torch loop (engine.kernels.triton_moe)
 GGUF_KERNEL = "TOKENMILL_GGUF_KERNEL"  # 0: no small-batch GGUF block kernel (engine.quant.packed_linear)
+MALLOC_TUNE = "TOKENMILL_MALLOC_TUNE"  # 0: leave glibc malloc's thresholds as they are (engine.worker.host_malloc)
 # pipeline
 SPOT_NOTICE_FILE = "TOKENMILL_SPOT_NOTICE_FILE"  # a file whose appearance is a spot notice (pipeline.preemption)
 SPOT_NOTICE_URL = "TOKENMILL_SPOT_NOTICE_URL"  # an instance-metadata URL that answers 200 on a notice

@@ -68,3 +68,12 @@ def cpu_flags_native_bf16() -> bool:
     (NATIVE_BF16_FLAGS); False without /proc/cpuinfo (not Linux). The engine asks torch where no cap is set
     (engine.worker.device.cpu_has_native_bf16); this is the same rule for a process without torch."""
     return not NATIVE_BF16_FLAGS.isdisjoint(cpu_flags())
+
+
+def cpu_has_avx512() -> bool:
+    """True when this CPU's flags (cpu_flags: capped by ONEDNN_MAX_CPU_ISA) name AVX-512 Foundation (avx512f).
+    Without it (AVX2-only CPUs: AMD up to Zen 3, Intel client cores) oneDNN's fp32 GEMMs and their epilogues run
+    on AVX2 code, where MKL's sgemm is the faster fp32 GEMM at an encoder's shapes (engine.quant.after_load) and a
+    GELU epilogue costs more than a separate GELU (engine.quant.packed_linear.PackedLinear.forward_gelu); the C++
+    kernels' 16-lane vectors fill one register with it, two without (engine.kernels.cpu_kernels)."""
+    return "avx512f" in cpu_flags()

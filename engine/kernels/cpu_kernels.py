@@ -58,11 +58,6 @@ def _cflags() -> list[str]:
     return [march if f == "-march=native" else f for f in CFLAGS]
 
 
-def cpu_has_avx512() -> bool:
-    """True when this CPU has AVX-512F (the kernels' 16-lane vectors fill one register; on AVX2 they take two)."""
-    return "avx512f" in cpu_flags()
-
-
 @contextlib.contextmanager
 def _ninja_on_path() -> Iterator[None]:
     """While the kernels build: this interpreter's folder first on PATH when ninja is not on PATH (pip puts ninja

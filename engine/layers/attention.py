@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_kernels import cpu_has_avx512, cpu_ops
+from engine.kernels.cpu_features import cpu_has_avx512
+from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.batch_plan import BatchPlan
 from engine.layers.eager_attention import check_sinks, eager_attention
 

@@ -26,7 +26,7 @@ scores are those of full attention.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,7 @@ class EncoderMetadata:
     scatter: torch.Tensor
     key_mask: torch.Tensor | None
     attn_mask: torch.Tensor | None = None
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, seq_lens: Sequence[int], device: torch.device) -> EncoderMetadata:
@@ -92,7 +93,21 @@ class EncoderMetadata:
         band = ((pos[:, None] - pos[None, :]).abs() <= half)[None, None]  # [1, 1, L, L]
         if self.key_mask is not None:  # real keys only; a padded query (False in the key mask) any real key
             band = self.key_mask & (band | ~self.key_mask.transpose(-1, -2))
-        return replace(self, attn_mask=band)
+        return replace(self, attn_mask=band, _bias={})
+
+    def mask_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """attn_mask (else key_mask) as the additive mask SDPA adds to the scores: 0 where a query may attend a key,
+        -inf where not, of `dtype` [B or 1, 1, 1 or L_max, L_max]; None without a mask. Built once per dtype and kept:
+        every layer of a forward reuses it (torch's CPU SDPA turns a bool mask into this same float mask on each
+        call, which at 64 tokens a row cost a fifth of the attention: bench/README.md "Embeddings on an AVX2-only
+        CPU")."""
+        mask = self.key_mask if self.attn_mask is None else self.attn_mask
+        if mask is None:
+            return None
+        if dtype not in self._bias:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._bias[dtype] = bias.masked_fill_(~mask, float("-inf"))
+        return self._bias[dtype]
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +129,6 @@ def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
         padded[meta.scatter] = qkv
         padded = padded.view(b, length, 3, heads, dim)
     q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, H, L, D]
-    mask = meta.key_mask if meta.attn_mask is None else meta.attn_mask
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask_bias(qkv.dtype))
     out = out.transpose(1, 2).reshape(b * length, heads * dim)
     return out if meta.key_mask is None else out[meta.scatter]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.gguf_holder import GGUFBlocksHolder
@@ -57,6 +56,6 @@ def fuse_linears(owner: nn.Module, parts: tuple[str, ...], fused: str) -> bool:
 def linear_gelu(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """GELU (exact, erf) of module(x): x [..., K] -> [..., N] in the module's dtype, through the module's own fused
     epilogue when it has one (engine.quant.packed_linear.PackedLinear.forward_gelu: the CPU's oneDNN GEMM), else
-    F.gelu after the module."""
+    GELU in place on the module's fresh output (no second [..., N] tensor written)."""
     fused = getattr(module, "forward_gelu", None)
-    return fused(x) if fused is not None else F.gelu(module(x))
+    return fused(x) if fused is not None else torch.ops.aten.gelu_(module(x))

@@ -74,7 +74,7 @@ import json, torch
 from engine.quant.int8_linear import int8_weight_qmax
 from engine.quant.packed_linear import bf16_packing_available
 from engine.worker.device import cpu_has_native_bf16, resolve_dtype
-from engine.kernels.cpu_kernels import cpu_has_avx512
+from engine.kernels.cpu_features import cpu_has_avx512
 print(json.dumps({"qmax": int8_weight_qmax(), "bf16_packing": bf16_packing_available(),
                   "native_bf16": cpu_has_native_bf16(), "auto": str(resolve_dtype("auto", torch.device("cpu"))),
                   "avx512": cpu_has_avx512(), "aten": torch.backends.cpu.get_cpu_capability()}))

@@ -228,8 +228,12 @@ def test_pack_linears_replaces_plain_linears_and_keeps_their_biases() -> None:
     assert set(model.state_dict()) == {"0.weight", "2.bias"}  # the bias keeps its name; packed weights are no state
     with torch.no_grad():
         torch.testing.assert_close(model[2](x), expected, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(model[2].forward_gelu(x), gelu, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(linear_gelu(model[2], x), gelu, rtol=1e-5, atol=1e-6)
+        for epilogue in (True, False):  # oneDNN's GELU epilogue (AVX-512 CPUs), or GELU in place after the GEMM
+            model[2].gelu_epilogue = epilogue
+            torch.testing.assert_close(model[2].forward_gelu(x), gelu, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(linear_gelu(model[2], x), gelu, rtol=1e-5, atol=1e-6)
+        plain = nn.Linear(8, 8)  # no epilogue: GELU in place on its output, the same numbers as F.gelu's
+        torch.testing.assert_close(linear_gelu(plain, x), F.gelu(plain(x)), rtol=0, atol=0)
     assert type(model[0]) is nn.Embedding
     assert pack_linears(model) == 0  # idempotent
 

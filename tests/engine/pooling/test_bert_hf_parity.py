@@ -44,9 +44,21 @@ def texts(gsm8k_questions: list[str], alpaca_instructions: list[str]) -> list[st
     return [t for pair in zip(gsm8k_questions[:12], alpaca_instructions[180:192], strict=True) for t in pair]
 
 
-def test_hidden_states_equal_hf_bert(tiny_bert: tuple[Path, object], texts: list[str]) -> None:
+@pytest.mark.parametrize("avx512", [True, False], ids=["oneDNN-packed", "MKL"])
+def test_hidden_states_equal_hf_bert(tiny_bert: tuple[Path, object], texts: list[str], avx512: bool,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both fp32 GEMM paths, whatever this CPU: oneDNN-packed linears with the GELU in the epilogue (AVX-512 CPUs)
+    and MKL's sgemm with the GELU after it (AVX2-only CPUs: engine.quant.after_load.mkl_serves_better)."""
+    from engine.quant import after_load, packed_linear
+
+    monkeypatch.setattr(after_load, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(packed_linear, "cpu_has_avx512", lambda: avx512)
     folder, hf = tiny_bert
     engine = LLMEngine.from_model(str(folder), EngineConfig(device="cpu", dtype="float32"))
+    dense = engine.model.encoder.layer[0].intermediate.dense
+    if packed_linear.packing_available():
+        assert type(dense).__name__ == ("PackedLinear" if avx512 else "Linear")
+        assert getattr(dense, "gelu_epilogue", False) is avx512
     rows = [ids for ids, _ in engine.tokenizer.encode_truncated(texts, MAX_POSITIONS)]
     lens = [len(r) for r in rows]
     assert min(lens) < 30 and max(lens) == MAX_POSITIONS  # variable length, some truncated at the positions
