@@ -22,13 +22,14 @@ def process_model_after_load(model: ModelBase, device: torch.device, max_rows: i
     """Bring a filled model into its serving form on `device`, in place (idempotent: an engine sharing the model
     runs it again): projections fused (ModelBase.fuse_projections), INT4 sources released
     (engine.quant.int4_linear.release_int4_sources), then on the CPU `pack_linears` (unless `mkl_serves_better`),
-    elsewhere the INT4 GemLite
-    configs loaded or tuned (once per GPU model, cached on disk) and compiled for every row count up to `max_rows`
-    (engine.quant.int4_linear.prepare_int4_kernels): not inside the first steps or the CUDA-graph warm-up."""
+    elsewhere the INT4 GemLite configs loaded or tuned (once per GPU model, cached on disk) and compiled for every
+    row count up to `max_rows` (engine.quant.int4_linear.prepare_int4_kernels): not inside the first steps or the
+    CUDA-graph warm-up."""
     model.fuse_projections()
     release_int4_sources(model)  # INT4 portable weights: kept for the fusion only
-    if device.type == "cpu" and not mkl_serves_better(model):
-        pack_linears(model)
+    if device.type == "cpu":
+        if not mkl_serves_better(model):
+            pack_linears(model)
     else:
         prepare_int4_kernels(model, max_rows)
 
@@ -39,10 +40,11 @@ def mkl_serves_better(model: ModelBase) -> bool:
     are not packed for oneDNN. Measured on an AVX2-only AMD EPYC (Zen 3), 2 cores, at an encoder's shapes ([~2048,
     384] x [384, 384 / 1152 / 1536] and [~2048, 1536] x [1536, 384]): MKL's sgemm 153-181 GFLOP/s against oneDNN's
     packed GEMM's 140-165, and 100 with oneDNN's GELU epilogue; all-MiniLM-L6-v2 embeds 1.12x faster for it than
-    with packed GEMMs and a separate GELU (bench/README.md "Embeddings on an AVX2-only CPU"). With AVX-512 oneDNN's packed GEMM is the faster one (195-201
-    GFLOP/s against MKL's 159-190 on an AVX512 EPYC), so there it packs. Decoders always pack: a seeded request's
-    tokens rely on the packed GEMM giving a row the same bits whatever the batch (engine.quant.packed_linear's
-    NOTE), which MKL's sgemm does not promise; an encoder's rows are embedded, not sampled."""
+    with packed GEMMs and a separate GELU (bench/README.md "Embeddings on an AVX2-only CPU"). With AVX-512 oneDNN's
+    packed GEMM is the faster one (195-201 GFLOP/s against MKL's 159-190 on an AVX512 EPYC), so there it packs.
+    Decoders always pack: a seeded request's tokens rely on the packed GEMM giving a row the same bits whatever the
+    batch (engine.quant.packed_linear's NOTE), which MKL's sgemm does not promise; an encoder's rows are embedded,
+    not sampled."""
     if any(spec.has_cache for spec in model.kv_cache_specs) or cpu_has_avx512():
         return False
     return any(p.dtype == torch.float32 for p in model.parameters())
