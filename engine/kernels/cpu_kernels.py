@@ -1,13 +1,13 @@
 """C++ kernels of the CPU path (engine/kernels/csrc/), compiled for this machine on first use.
 
-`cpu_ops()` builds engine/kernels/csrc/cpu_kernels.cpp with torch.utils.cpp_extension.load (g++ and ninja; -O3
--march=native, so the build is for the CPU it runs on) into torch's extension cache (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions), under a name that hashes the source (its path and text), the flags, torch's version and
-this CPU's flags: later processes on the same machine load it in well under a second (a build takes about 15 s on 2
-cores: the source includes only the ATen headers it uses, not <torch/extension.h>), and concurrent first builds wait on
-torch's file lock. When the build cannot run (no compiler, no ninja, a build
-error) or TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers
-use the plain torch path, which computes the same function.
+`cpu_ops()` builds engine/kernels/csrc/ (cpu_kernels.cpp, encoder_kernels.cpp) with torch.utils.cpp_extension.load (g++
+and ninja; -O3 -march=native, so the build is for the CPU it runs on) into torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), under a name that hashes the source (its path and text), the
+flags, torch's version and this CPU's flags: later processes on the same machine load it in well under a second (a build
+takes about 15 s on 2 cores: the source includes only the ATen headers it uses, not <torch/extension.h>), and concurrent
+first builds wait on torch's file lock. When the build cannot run (no compiler, no ninja, a build error) or
+TOKENMILL_CPU_KERNELS=0 is set, `cpu_ops()` returns None, a warning names the reason once, and callers use the plain
+torch path, which computes the same function.
 
 `python -m engine.kernels.cpu_kernels` (`make kernels`, which `make setup` runs) builds them ahead of use, so a fresh
 clone's first test or job does not wait for the compiler; a process that finds them built loads them.
@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 # Resolved: torch's build.ninja names the source by this path, so every process of one checkout (make, pytest, a
 # job's workers) must spell it alike or each would rewrite build.ninja and rebuild the module.
-SOURCES = [Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"]
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [_CSRC / "cpu_kernels.cpp", _CSRC / "encoder_kernels.cpp"]
+HEADERS = [_CSRC / "simd_avx2.h"]  # in the build's name too: a changed header is a new build
 # The kernels vectorize by hand (GCC vector extensions), so no -ffast-math: the softmax needs -inf and exact order.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -80,11 +82,12 @@ def _ninja_on_path() -> Iterator[None]:
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled kernels (paged_attention, rms_norm, add_rms_norm, rope_write_kv, silu_and_mul,
-    quantize_rows_u8, argmax_rows, sample_rows, gguf_linear), or None when they cannot be built here."""
+    quantize_rows_u8, argmax_rows, sample_rows, gguf_linear; encoder_attention from encoder_kernels.cpp), or None when
+    they cannot be built here."""
     if not settings.env_flag(settings.CPU_KERNELS):
         return None
     digest = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         # The path too: torch's build.ninja names the source by path, so two checkouts of one source sharing a name
         # would rebuild each other's module (about 30 s) every time a process of the other one loads it.
         digest.update(str(src).encode() + b"\0" + src.read_bytes())

@@ -2,9 +2,16 @@
 its own row, none of another's, and no KV cache is kept.
 
 The rows arrive flattened ([T, ...], row b owning tokens cu_seqlens[b]:cu_seqlens[b + 1]), so the projections, the
-LayerNorms and the MLP (nearly all of an encoder's FLOPs at embedding lengths) never compute on padding. Attention
-alone is padded, into [B, heads, L_max, head_dim], and run by one torch scaled_dot_product_attention call per layer
-with a key-padding mask (no mask when every row has the same length). Why this and not the alternatives:
+LayerNorms and the MLP (nearly all of an encoder's FLOPs at embedding lengths) never compute on padding.
+
+fp32 on a CPU without AVX-512, head_dim 32 or 64, no sliding window: our C++ kernel
+(engine/kernels/csrc/encoder_kernels.cpp) attends each (row, head) straight from the packed QKV, no padding at all:
+torch's CPU SDPA runs these small heads at a fraction of the GEMMs' rate (all-MiniLM's 12 heads of 32 on an AVX2
+EPYC: the kernel took 1.6-3.4x less time per layer at 19-192 tokens a row, the same at 256 without padding;
+bench/README.md "Embeddings on an AVX2-only CPU"). Elsewhere (bf16, AVX-512 CPUs, where it is not measured, GPUs,
+other head sizes, windows) attention alone is padded, into [B, heads, L_max, head_dim], and run by one torch
+scaled_dot_product_attention call per layer with a key-padding mask (no mask when every row has the same length).
+Why this and not the alternatives:
 
 - one packed sequence with a block-diagonal mask computes the full [T, T] score matrix, B times the work of the
   rows' own blocks (T = 2048 tokens of 64-token rows: 32x), and torch's CPU SDPA has no varlen (cu_seqlens) kernel
@@ -25,11 +32,18 @@ scores are those of full attention.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.cpu_features import cpu_has_avx512
+from engine.kernels.cpu_kernels import cpu_ops
+
+KERNEL_HEAD_DIMS = (32, 64)  # what encoder_kernels.cpp's encoder_attention is built for
 
 
 def pad_scatter(seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +123,25 @@ class EncoderMetadata:
             self._bias[dtype] = bias.masked_fill_(~mask, float("-inf"))
         return self._bias[dtype]
 
+    @functools.cached_property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64 [B + 1] on the host: row b owns tokens cu_seqlens[b]:cu_seqlens[b + 1] (the C++ kernel's input)."""
+        return torch.tensor((0, *self.seq_lens), dtype=torch.int64).cumsum(0)
+
     @property
     def num_tokens(self) -> int:
         """T, the batch's tokens."""
         return int(self.scatter.numel())
+
+
+def packed_kernel(qkv: torch.Tensor, meta: EncoderMetadata) -> ModuleType | None:
+    """The C++ kernels when their `encoder_attention` serves this call (module docstring: fp32 on a CPU without
+    AVX-512, head_dim in KERNEL_HEAD_DIMS, no window, autograd off, the kernels built for AVX2 + FMA), else None."""
+    if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or meta.attn_mask is not None or \
+            qkv.shape[-1] not in KERNEL_HEAD_DIMS or torch.is_grad_enabled() or cpu_has_avx512():
+        return None
+    ops = cpu_ops()
+    return ops if ops is not None and ops.encoder_attention_available() else None
 
 
 def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
@@ -121,6 +150,9 @@ def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:
     qkv: q, k and v stacked, [T, 3, heads, head_dim] in the model's dtype (padded once for all three). Returns
     [T, heads * head_dim], same dtype."""
     t, _, heads, dim = qkv.shape
+    ops = packed_kernel(qkv, meta)
+    if ops is not None:
+        return ops.encoder_attention(qkv.contiguous(), meta.cu_seqlens, dim ** -0.5)
     b, length = len(meta.seq_lens), meta.max_len
     if meta.key_mask is None:
         padded = qkv.view(b, length, 3, heads, dim)

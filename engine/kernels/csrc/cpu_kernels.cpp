@@ -29,6 +29,8 @@
 
 #include <immintrin.h>
 
+#include "simd_avx2.h"
+
 namespace {
 
 // Widen a row to fp32. bf16 is the high half of an fp32: a 16-bit shift, which vectorizes (c10::BFloat16's
@@ -272,39 +274,9 @@ inline float hsum16(v16 v) {
 // argmax_rows no faster than torch.argmax), so these work on 8-lane __m256 values. Same arithmetic as exp16 and
 // the v16 loops (Cephes expf, round half away from zero), so results agree to the last bit with the AVX-512 path
 // except where FMA contraction orders a sum differently.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
-  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 half = _mm256_or_ps(_mm256_and_ps(y, _mm256_set1_ps(-0.f)), _mm256_set1_ps(0.5f));
-  const __m256i n = _mm256_cvttps_epi32(_mm256_add_ps(y, half));
-  const __m256 fn = _mm256_cvtepi32_ps(n);
-  __m256 r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fn, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using tm_avx2::exp8;
+using tm_avx2::hmax8;
+using tm_avx2::hsum8;
 
 // exp_scores16 below, 8 lanes at a time.
 inline float exp_scores16(float* sh, int64_t padded, float sink = -std::numeric_limits<float>::infinity()) {
@@ -1460,6 +1432,10 @@ at::Tensor gguf_linear_portable(const at::Tensor& x, const at::Tensor& qs, const
   return gguf_linear_impl(x, qs, scales, mins, type_code, true);
 }
 
+// encoder_kernels.cpp
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens, double scale);
+bool encoder_attention_available();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
@@ -1474,4 +1450,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sample_rows", &sample_rows, "inverse-CDF sampling of [S, V] rows with temperature, top_k, top_p");
   m.def("gguf_linear", &gguf_linear, "y = x W^T, fp32, W read from its GGUF Q4_0/Q4_1/Q8_0 blocks");
   m.def("gguf_linear_portable", &gguf_linear_portable, "gguf_linear's portable form (tests it on AVX2 machines)");
+  m.def("encoder_attention", &encoder_attention, "softmax(q k^T * scale) v within each row of a packed batch, fp32",
+        py::arg("qkv"), py::arg("cu_seqlens"), py::arg("scale"));
+  m.def("encoder_attention_available", &encoder_attention_available, "whether encoder_attention is built here");
 }

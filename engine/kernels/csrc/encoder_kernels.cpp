@@ -1,0 +1,192 @@
+// Encoder (bidirectional, no KV cache) attention over a packed batch of rows, fp32, AVX2 + FMA: every token of a row
+// attends to every token of its own row, none of another's. Contract and when it runs: engine/layers/
+// encoder_attention.py. Bound in cpu_kernels.cpp (one extension module).
+//
+// Why our own: torch's CPU scaled_dot_product_attention (its flash kernel) runs the small heads of embedding models
+// (head_dim 32: all-MiniLM, bge-small) at a fraction of the GEMMs' rate, and wants the rows padded into [B, H, L, D]
+// (a scatter in, a gather out). Here the rows stay packed: each (row, head) pair is one work item that reads its q, k
+// and v straight from the fused QKV projection [T, 3, H, D], and writes its output rows in place in [T, H * D].
+//
+// Per item (n tokens): K is packed once, transposed in blocks of 16 keys ([n / 16][D][16]), and V contiguous
+// ([n][D]); then for each tile of 6 query rows the scores q k^T * scale of all n keys (a 6 x 16 register tile of
+// FMAs over D), the softmax of each row with its maximum subtracted first (Milakov & Gimelshein, "Online normalizer
+// calculation for softmax", 2018: the two-pass form), exp by tm_avx2::exp8 (Cephes expf, relative error ~1e-7), and
+// the weighted sum of the values (a rows x D register tile), divided by the row's sum at the end. Everything in
+// fp32: same math as softmax(q k^T / sqrt(D)) v (Vaswani et al., "Attention Is All You Need", 2017), summed in
+// another order than torch's (differences of a few ulp).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "simd_avx2.h"
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kQueryTile = 6;   // query rows per score tile: 6 x 2 accumulators + 2 key loads + 1 broadcast
+constexpr int kKeyBlock = 16;   // keys per score tile (two 8-lane vectors)
+
+// Scores of query rows q[0..R) (each D floats, row stride qs) against every key block of kt ([nb][D][16]), times
+// scale, into s[r * np + j] (np = nb * 16).
+template <int R>
+inline void score_tile(const float* const* q, const float* kt, int64_t nb, int64_t D, float scale, float* s,
+                       int64_t np) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* kb = kt + b * D * kKeyBlock;
+    __m256 acc[R][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kb + d * kKeyBlock), k1 = _mm256_loadu_ps(kb + d * kKeyBlock + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+        acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * np + b * kKeyBlock, _mm256_mul_ps(acc[r][0], sc));
+      _mm256_storeu_ps(s + r * np + b * kKeyBlock + 8, _mm256_mul_ps(acc[r][1], sc));
+    }
+  }
+}
+
+// out rows o[0..R), columns [0, 32): inv[r] * sum_j p[r * np + j] * v[j * vs + c] over j < n, c < 32 (v: n rows of
+// stride vs floats). 3 rows x 4 vectors: 12 accumulators, the values read from memory by the FMAs.
+template <int R>
+inline void weighted_values_tile(const float* p, int64_t np, const float* v, int64_t vs, int64_t n, const float* inv,
+                                 float* const* o, int64_t col) {
+  __m256 acc[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * vs;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 pj = _mm256_broadcast_ss(p + r * np + j);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + c * 8), acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 iv = _mm256_set1_ps(inv[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o[r] + col + c * 8, _mm256_mul_ps(acc[r][c], iv));
+  }
+}
+
+// exp(s - max) in place over np scores (a multiple of 8; entries past the row's keys hold -inf); returns their sum.
+inline float softmax_numerators(float* s, int64_t np) {
+  __m256 mv = _mm256_loadu_ps(s);
+  for (int64_t t = 8; t < np; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + t), mv);
+  const __m256 mx = _mm256_set1_ps(tm_avx2::hmax8(mv));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < np; t += 8) {
+    const __m256 e = tm_avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return tm_avx2::hsum8(sum);
+}
+
+// One (row, head) item: n tokens from token `start`; qkv rows of stride ts floats (3 * H * D), head offset ho.
+template <int DC>
+void attend_item(const float* qkv, int64_t ts, int64_t hd, int64_t ho, int64_t start, int64_t n, float scale,
+                 float* out, int64_t os, std::vector<float>& buf) {
+  constexpr int64_t D = DC * 8;
+  const int64_t nb = (n + kKeyBlock - 1) / kKeyBlock, np = nb * kKeyBlock;
+  buf.resize(static_cast<size_t>(np * D * 2 + kQueryTile * np));
+  float* kt = buf.data();
+  float* v = kt + np * D;
+  float* s = v + np * D;
+  const float* base = qkv + start * ts + ho;
+  for (int64_t j = 0; j < np; ++j) {
+    float* dst = kt + (j / kKeyBlock) * D * kKeyBlock + j % kKeyBlock;
+    if (j < n) {
+      const float* k = base + j * ts + hd;
+      for (int64_t d = 0; d < D; ++d) dst[d * kKeyBlock] = k[d];
+      std::copy(base + j * ts + 2 * hd, base + j * ts + 2 * hd + D, v + j * D);
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d * kKeyBlock] = 0.f;
+    }
+  }
+  const float* q[kQueryTile];
+  float* o[kQueryTile];
+  float inv[kQueryTile];
+  for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
+    const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, n - i0));
+    for (int r = 0; r < kQueryTile; ++r) {  // a short last tile repeats its last row (computed, not written)
+      const int64_t i = i0 + std::min(r, rows - 1);
+      q[r] = base + i * ts;
+      o[r] = out + (start + i) * os + ho;
+    }
+    score_tile<kQueryTile>(q, kt, nb, D, scale, s, np);
+    for (int r = 0; r < rows; ++r) {
+      std::fill(s + r * np + n, s + (r + 1) * np, -std::numeric_limits<float>::infinity());
+      inv[r] = 1.f / softmax_numerators(s + r * np, np);
+    }
+    for (int64_t col = 0; col < D; col += 32) {  // 32 columns at a time: 3 rows (then 1) x 4 vectors in registers
+      int r = 0;
+      for (; r + 3 <= rows; r += 3) weighted_values_tile<3>(s + r * np, np, v + col, D, n, inv + r, o + r, col);
+      for (; r < rows; ++r) weighted_values_tile<1>(s + r * np, np, v + col, D, n, inv + r, o + r, col);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+// qkv fp32 [T, 3, H, D] contiguous (q, k, v of each token), cu_seqlens int64 [B + 1] on the host (row b owns tokens
+// cu_seqlens[b]:cu_seqlens[b + 1], each row >= 1 token, cu_seqlens[B] = T), scale the scores' factor (1 / sqrt(D)).
+// Returns fp32 [T, H * D]: softmax(q k^T * scale) v of each row and head. D must be 32 or 64; AVX2 + FMA builds only
+// (encoder_attention_available says which).
+at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens, double scale) {
+  TORCH_CHECK(qkv.dim() == 4 && qkv.size(1) == 3 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat,
+              "qkv must be contiguous fp32 [T, 3, H, D]");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_seqlens.scalar_type() == at::kLong &&
+                  cu_seqlens.is_contiguous() && cu_seqlens.device().is_cpu(),
+              "cu_seqlens must be contiguous int64 [B + 1] on the host");
+  const int64_t T = qkv.size(0), H = qkv.size(2), D = qkv.size(3), B = cu_seqlens.numel() - 1;
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_seqlens must start at 0 and end at T = qkv.size(0)");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cu[b + 1] > cu[b], "every row needs >= 1 token");
+  auto out = at::empty({T, H * D}, qkv.options());
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(D == 32 || D == 64, "encoder_attention takes head_dim 32 or 64, got ", D);
+  const float* in = qkv.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, h = item % H;
+      if (D == 32) attend_item<4>(in, 3 * H * D, H * D, h * D, cu[b], cu[b + 1] - cu[b], sc, o, H * D, buf);
+      else attend_item<8>(in, 3 * H * D, H * D, h * D, cu[b], cu[b + 1] - cu[b], sc, o, H * D, buf);
+    }
+  });
+#else
+  TORCH_CHECK(false, "encoder_attention needs a build for AVX2 + FMA");
+#endif
+  return out;
+}
+
+// Whether this build has encoder_attention (an AVX2 + FMA target).
+bool encoder_attention_available() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return false;
+#endif
+}
