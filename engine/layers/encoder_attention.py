@@ -40,8 +40,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_features import cpu_has_avx512
-from engine.kernels.cpu_kernels import cpu_ops
+from engine.kernels.cpu_kernels import encoder_fp32_ops
 
 KERNEL_HEAD_DIMS = (32, 64)  # what encoder_kernels.cpp's encoder_attention is built for
 
@@ -136,12 +135,11 @@ class EncoderMetadata:
 
 def packed_kernel(qkv: torch.Tensor, meta: EncoderMetadata) -> ModuleType | None:
     """The C++ kernels when their `encoder_attention` serves this call (module docstring: fp32 on a CPU without
-    AVX-512, head_dim in KERNEL_HEAD_DIMS, no window, autograd off, the kernels built for AVX2 + FMA), else None."""
-    if qkv.dtype != torch.float32 or qkv.device.type != "cpu" or meta.attn_mask is not None or \
-            qkv.shape[-1] not in KERNEL_HEAD_DIMS or torch.is_grad_enabled() or cpu_has_avx512():
+    AVX-512, autograd off, a build for AVX2 + FMA: engine.kernels.cpu_kernels.encoder_fp32_ops; head_dim in
+    KERNEL_HEAD_DIMS, no window), else None."""
+    if meta.attn_mask is not None or qkv.shape[-1] not in KERNEL_HEAD_DIMS:
         return None
-    ops = cpu_ops()
-    return ops if ops is not None and ops.encoder_attention_available() else None
+    return encoder_fp32_ops(qkv)
 
 
 def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
-from engine.layers.linear import fuse_linears, linear_gelu
+from engine.layers.linear import fuse_linears, linear_add_layer_norm, linear_gelu
 from engine.model.base import ModelBase
 from engine.model.bert_names import bert_kv_layout
 
@@ -70,7 +70,7 @@ class _DenseNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return linear_add_layer_norm(self.dense, self.LayerNorm, x, residual)
 
 
 class _Attention(nn.Module):

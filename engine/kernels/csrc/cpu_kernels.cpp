@@ -1435,6 +1435,9 @@ at::Tensor gguf_linear_portable(const at::Tensor& x, const at::Tensor& qs, const
 // encoder_kernels.cpp
 at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens, double scale);
 bool encoder_attention_available();
+at::Tensor bias_gelu_(at::Tensor& y, const at::Tensor& bias);
+at::Tensor bias_residual_layer_norm_(at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual,
+                                     const at::Tensor& gamma, const at::Tensor& beta, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention of a step's query rows (CPU)", py::arg("q"),
@@ -1452,5 +1455,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_portable", &gguf_linear_portable, "gguf_linear's portable form (tests it on AVX2 machines)");
   m.def("encoder_attention", &encoder_attention, "softmax(q k^T * scale) v within each row of a packed batch, fp32",
         py::arg("qkv"), py::arg("cu_seqlens"), py::arg("scale"));
+  m.def("bias_gelu_", &bias_gelu_, "y = gelu(y + bias) in place, exact (erf) GELU, fp32");
+  m.def("bias_residual_layer_norm_", &bias_residual_layer_norm_,
+        "y = LayerNorm(y + bias + residual) * gamma + beta in place, fp32");
   m.def("encoder_attention_available", &encoder_attention_available, "whether encoder_attention is built here");
 }

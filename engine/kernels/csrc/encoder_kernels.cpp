@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -31,6 +32,8 @@ namespace {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int kQueryTile = 6;   // query rows per score tile: 6 x 2 accumulators + 2 key loads + 1 broadcast
 constexpr int kKeyBlock = 16;   // keys per score tile (two 8-lane vectors)
+constexpr int kRowBlock = 48;   // query rows whose scores are held at once (a multiple of kQueryTile and of 3)
+constexpr int64_t kKeyChunk = 64;  // value rows the weighted sums take at a time (8 KB at head_dim 32)
 
 // Scores of query rows q[0..R) (each D floats, row stride qs) against every key block of kt ([nb][D][16]), times
 // scale, into s[r * np + j] (np = nb * 16).
@@ -60,16 +63,16 @@ inline void score_tile(const float* const* q, const float* kt, int64_t nb, int64
   }
 }
 
-// out rows o[0..R), columns [0, 32): inv[r] * sum_j p[r * np + j] * v[j * vs + c] over j < n, c < 32 (v: n rows of
-// stride vs floats). 3 rows x 4 vectors: 12 accumulators, the values read from memory by the FMAs.
+// acc rows a[0..R), columns [0, 32) (each row of stride D floats) += sum_j p[r * np + j] * v[j * vs + c] over j < n
+// (v: n rows of stride vs floats). 3 rows x 4 vectors: 12 accumulators, the values read from memory by the FMAs.
 template <int R>
-inline void weighted_values_tile(const float* p, int64_t np, const float* v, int64_t vs, int64_t n, const float* inv,
-                                 float* const* o, int64_t col) {
+inline void weighted_values_tile(const float* p, int64_t np, const float* v, int64_t vs, int64_t n, float* a,
+                                 int64_t as) {
   __m256 acc[R][4];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_loadu_ps(a + r * as + c * 8);
   for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * vs;
 #pragma GCC unroll 4
@@ -80,11 +83,9 @@ inline void weighted_values_tile(const float* p, int64_t np, const float* v, int
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    const __m256 iv = _mm256_set1_ps(inv[r]);
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o[r] + col + c * 8, _mm256_mul_ps(acc[r][c], iv));
-  }
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + r * as + c * 8, acc[r][c]);
 }
 
 // exp(s - max) in place over np scores (a multiple of 8; entries past the row's keys hold -inf); returns their sum.
@@ -107,7 +108,7 @@ void attend_item(const float* qkv, int64_t ts, int64_t hd, int64_t ho, int64_t s
                  float* out, int64_t os, std::vector<float>& buf) {
   constexpr int64_t D = DC * 8;
   const int64_t nb = (n + kKeyBlock - 1) / kKeyBlock, np = nb * kKeyBlock;
-  buf.resize(static_cast<size_t>(np * D * 2 + kQueryTile * np));
+  buf.resize(static_cast<size_t>(np * D * 2 + kRowBlock * (np + D)));
   float* kt = buf.data();
   float* v = kt + np * D;
   float* s = v + np * D;
@@ -122,26 +123,91 @@ void attend_item(const float* qkv, int64_t ts, int64_t hd, int64_t ho, int64_t s
       for (int64_t d = 0; d < D; ++d) dst[d * kKeyBlock] = 0.f;
     }
   }
+  // Query rows in blocks of kRowBlock: their scores (kRowBlock x np), softmax, then the weighted values key chunk by
+  // key chunk (kKeyChunk rows of V, L1-resident while every row of the block uses them).
+  float* acc = s + kRowBlock * np;  // [kRowBlock][D] running sums
   const float* q[kQueryTile];
-  float* o[kQueryTile];
-  float inv[kQueryTile];
-  for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
-    const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, n - i0));
-    for (int r = 0; r < kQueryTile; ++r) {  // a short last tile repeats its last row (computed, not written)
-      const int64_t i = i0 + std::min(r, rows - 1);
-      q[r] = base + i * ts;
-      o[r] = out + (start + i) * os + ho;
+  float inv[kRowBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kRowBlock) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, n - i0));
+    for (int t = 0; t < rows; t += kQueryTile) {
+      for (int r = 0; r < kQueryTile; ++r) q[r] = base + (i0 + std::min(t + r, rows - 1)) * ts;  // a short tile
+      score_tile<kQueryTile>(q, kt, nb, D, scale, s + t * np, np);  // repeats its last row (computed, not used)
     }
-    score_tile<kQueryTile>(q, kt, nb, D, scale, s, np);
     for (int r = 0; r < rows; ++r) {
       std::fill(s + r * np + n, s + (r + 1) * np, -std::numeric_limits<float>::infinity());
       inv[r] = 1.f / softmax_numerators(s + r * np, np);
     }
-    for (int64_t col = 0; col < D; col += 32) {  // 32 columns at a time: 3 rows (then 1) x 4 vectors in registers
-      int r = 0;
-      for (; r + 3 <= rows; r += 3) weighted_values_tile<3>(s + r * np, np, v + col, D, n, inv + r, o + r, col);
-      for (; r < rows; ++r) weighted_values_tile<1>(s + r * np, np, v + col, D, n, inv + r, o + r, col);
+    std::fill(acc, acc + rows * D, 0.f);
+    for (int64_t j0 = 0; j0 < n; j0 += kKeyChunk) {
+      const int64_t jn = std::min<int64_t>(kKeyChunk, n - j0);
+      for (int64_t col = 0; col < D; col += 32) {  // 32 columns at a time: 3 rows (then 1) x 4 vectors in registers
+        int r = 0;
+        for (; r + 3 <= rows; r += 3)
+          weighted_values_tile<3>(s + r * np + j0, np, v + j0 * D + col, D, jn, acc + r * D + col, D);
+        for (; r < rows; ++r)
+          weighted_values_tile<1>(s + r * np + j0, np, v + j0 * D + col, D, jn, acc + r * D + col, D);
+      }
     }
+    for (int r = 0; r < rows; ++r) {
+      float* o = out + (start + i0 + r) * os + ho;
+      const __m256 iv = _mm256_set1_ps(inv[r]);
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c), iv));
+    }
+  }
+}
+
+// erf of 8 lanes: x clamped to [-4, 4] (erf is +-1 in fp32 beyond), then the odd / even rational minimax
+// approximation x P(x^2) / Q(x^2), P of degree 6 and Q of degree 4 in x^2 (the coefficients of Eigen's
+// generic_fast_erf_float, as XLA and TensorFlow use them): |error| <= 4.5e-7 against erf in fp64 over the whole line
+// (tests/engine/kernels/test_encoder_elementwise.py), no exp, one division.
+inline __m256 erf8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-4.f)), _mm256_set1_ps(4.f));
+  const __m256 x2 = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_fmadd_ps(x2, _mm256_set1_ps(-2.72614225801306e-10f), _mm256_set1_ps(2.77068142495902e-08f));
+  p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-2.10102402082508e-06f));
+  p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-5.69250639462346e-05f));
+  p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-7.34990630326855e-04f));
+  p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-2.95459980854025e-03f));
+  p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(-1.60960333262415e-02f));
+  __m256 q = _mm256_fmadd_ps(x2, _mm256_set1_ps(-1.45660718464996e-05f), _mm256_set1_ps(-2.13374055278905e-04f));
+  q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(-1.68282697438203e-03f));
+  q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(-7.37332916720468e-03f));
+  q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(-1.42647390514189e-02f));
+  return _mm256_div_ps(_mm256_mul_ps(x, p), q);
+}
+
+// y = gelu(y + bias) over one row of n floats (n a multiple of 8), exact (erf) GELU: 0.5 x (1 + erf(x / sqrt(2))).
+inline void bias_gelu_row(float* y, const float* bias, int64_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f), rsqrt2 = _mm256_set1_ps(0.70710678118654752f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(bias + i));
+    const __m256 hx = _mm256_mul_ps(half, x);
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(hx, erf8(_mm256_mul_ps(x, rsqrt2)), hx));
+  }
+}
+
+// y = LayerNorm(y + bias + residual) * gamma + beta over one row of n floats (n a multiple of 8): the mean, then the
+// variance of the centered values (two passes over the row, which stays in L1), biased as torch's layer_norm.
+inline void bias_residual_layer_norm_row(float* y, const float* bias, const float* residual, const float* gamma,
+                                         const float* beta, int64_t n, float eps) {
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(bias + i)),
+                                   _mm256_loadu_ps(residual + i));
+    _mm256_storeu_ps(y + i, x);
+    sum = _mm256_add_ps(sum, x);
+  }
+  const __m256 mean = _mm256_set1_ps(tm_avx2::hsum8(sum) / static_cast<float>(n));
+  __m256 sq = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(y + i), mean);
+    sq = _mm256_fmadd_ps(d, d, sq);
+  }
+  const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(tm_avx2::hsum8(sq) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(y + i), mean), rstd);
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(d, _mm256_loadu_ps(gamma + i), _mm256_loadu_ps(beta + i)));
   }
 }
 #endif
@@ -189,4 +255,53 @@ bool encoder_attention_available() {
 #else
   return false;
 #endif
+}
+
+namespace {
+// The checks the elementwise kernels share: y fp32 [T, N] contiguous, N a multiple of 8, and each of `vectors` fp32 [N]
+// contiguous.
+void check_rows(const at::Tensor& y, std::initializer_list<const at::Tensor*> vectors, const char* name) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(1) % 8 == 0, name,
+              ": y must be contiguous fp32 [T, N], N a multiple of 8");
+  for (const at::Tensor* v : vectors)
+    TORCH_CHECK(v->dim() == 1 && v->is_contiguous() && v->scalar_type() == at::kFloat && v->size(0) == y.size(1), name,
+                ": bias, gamma and beta must be contiguous fp32 [N]");
+#if !(defined(__AVX2__) && defined(__FMA__))
+  TORCH_CHECK(false, name, " needs a build for AVX2 + FMA");
+#endif
+}
+}  // namespace
+
+// y = gelu(y + bias) in place (exact, erf GELU), y fp32 [T, N] contiguous, bias fp32 [N]; N a multiple of 8. Returns y.
+at::Tensor bias_gelu_(at::Tensor& y, const at::Tensor& bias) {
+  check_rows(y, {&bias}, "bias_gelu_");
+#if defined(__AVX2__) && defined(__FMA__)
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  const int64_t n = y.size(1);
+  at::parallel_for(0, y.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) bias_gelu_row(yp + r * n, bp, n);
+  });
+#endif
+  return y;
+}
+
+// y = LayerNorm(y + bias + residual) * gamma + beta in place (post-LN BERT's BertSelfOutput / BertOutput), y and
+// residual fp32 [T, N] contiguous, bias, gamma, beta fp32 [N]; N a multiple of 8. Returns y.
+at::Tensor bias_residual_layer_norm_(at::Tensor& y, const at::Tensor& bias, const at::Tensor& residual,
+                                     const at::Tensor& gamma, const at::Tensor& beta, double eps) {
+  check_rows(y, {&bias, &gamma, &beta}, "bias_residual_layer_norm_");
+  TORCH_CHECK(residual.sizes() == y.sizes() && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "bias_residual_layer_norm_: residual must be contiguous fp32 of y's shape");
+#if defined(__AVX2__) && defined(__FMA__)
+  float* yp = y.data_ptr<float>();
+  const float *bp = bias.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float *gp = gamma.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  const int64_t n = y.size(1);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, y.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) bias_residual_layer_norm_row(yp + r * n, bp, rp + r * n, gp, betap, n, e);
+  });
+#endif
+  return y;
 }

@@ -232,8 +232,9 @@ def test_pack_linears_replaces_plain_linears_and_keeps_their_biases() -> None:
             model[2].gelu_epilogue = epilogue
             torch.testing.assert_close(model[2].forward_gelu(x), gelu, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(linear_gelu(model[2], x), gelu, rtol=1e-5, atol=1e-6)
-        plain = nn.Linear(8, 8)  # no epilogue: GELU in place on its output, the same numbers as F.gelu's
-        torch.testing.assert_close(linear_gelu(plain, x), F.gelu(plain(x)), rtol=0, atol=0)
+        plain = nn.Linear(8, 8)  # no epilogue: GELU in place on its output (torch's, or without AVX-512 our C++
+        # bias_gelu_, whose erf is within 4.5e-7 of the exact one: tests/engine/kernels/test_encoder_elementwise.py)
+        torch.testing.assert_close(linear_gelu(plain, x), F.gelu(plain(x)), rtol=1e-6, atol=1e-6)
     assert type(model[0]) is nn.Embedding
     assert pack_linears(model) == 0  # idempotent
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.layers.encoder_attention as ea
+from engine.kernels import cpu_kernels
 from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
 
@@ -61,7 +62,7 @@ def test_routing_takes_the_kernel_for_fp32_without_avx512(ops: object, monkeypat
     lens = [9, 4, 4]
     meta = EncoderMetadata.of(lens, torch.device("cpu"))
     qkv = torch.randn(sum(lens), 3, 12, 32)
-    monkeypatch.setattr(ea, "cpu_has_avx512", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: False)
     with torch.inference_mode():
         assert ea.packed_kernel(qkv, meta) is ops
         assert ea.packed_kernel(qkv.bfloat16(), meta) is None  # bf16: SDPA
@@ -69,6 +70,6 @@ def test_routing_takes_the_kernel_for_fp32_without_avx512(ops: object, monkeypat
         assert ea.packed_kernel(torch.randn(17, 3, 4, 96), meta) is None  # a head size it is not built for
         torch.testing.assert_close(encoder_attention(qkv, meta), rows_alone(qkv, lens), rtol=1e-4, atol=2e-5)
     assert ea.packed_kernel(qkv, meta) is None  # autograd on: the kernel has no backward
-    monkeypatch.setattr(ea, "cpu_has_avx512", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: True)
     with torch.inference_mode():
         assert ea.packed_kernel(qkv, meta) is None  # AVX-512: SDPA (the kernel is not measured there)
