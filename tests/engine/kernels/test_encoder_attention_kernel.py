@@ -12,18 +12,7 @@ import torch.nn.functional as F
 
 import engine.layers.encoder_attention as ea
 from engine.kernels import cpu_kernels
-from engine.kernels.cpu_kernels import cpu_ops
 from engine.layers.encoder_attention import EncoderMetadata, encoder_attention
-
-
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops()
-    if built is None:
-        pytest.fail("the CPU kernels did not build (g++ and ninja are test dependencies); see the warning above")
-    if not built.encoder_attention_available():
-        pytest.skip("the kernels were built for a CPU without AVX2 + FMA: encoder_attention is not in them")
-    return built
 
 
 def rows_alone(qkv: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -38,33 +27,33 @@ def rows_alone(qkv: torch.Tensor, lens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("head_dim", [32, 64])
 @pytest.mark.parametrize("lens", [[1], [5, 3, 1], [17, 16, 15, 2], [300, 129, 64, 7, 1]])
-def test_kernel_equals_each_row_attended_alone(ops: object, head_dim: int, lens: list[int]) -> None:
+def test_kernel_equals_each_row_attended_alone(encoder_ops: object, head_dim: int, lens: list[int]) -> None:
     torch.manual_seed(len(lens) * head_dim)
     qkv = torch.randn(sum(lens), 3, 384 // head_dim, head_dim) * 2  # scores of a few units: a peaked softmax too
     cu = torch.tensor([0, *lens]).cumsum(0)
-    out = ops.encoder_attention(qkv, cu, head_dim ** -0.5)
+    out = encoder_ops.encoder_attention(qkv, cu, head_dim ** -0.5)
     torch.testing.assert_close(out, rows_alone(qkv, lens), rtol=1e-4, atol=2e-5)  # fp32, summed in another order
 
 
-def test_kernel_refuses_what_it_does_not_take(ops: object) -> None:
+def test_kernel_refuses_what_it_does_not_take(encoder_ops: object) -> None:
     qkv = torch.randn(6, 3, 2, 32)
     with pytest.raises(RuntimeError, match="every row needs >= 1 token"):
-        ops.encoder_attention(qkv, torch.tensor([0, 0, 6]), 1.0)
+        encoder_ops.encoder_attention(qkv, torch.tensor([0, 0, 6]), 1.0)
     with pytest.raises(RuntimeError, match="end at T"):
-        ops.encoder_attention(qkv, torch.tensor([0, 5]), 1.0)
+        encoder_ops.encoder_attention(qkv, torch.tensor([0, 5]), 1.0)
     with pytest.raises(RuntimeError, match="head_dim 32 or 64"):
-        ops.encoder_attention(torch.randn(6, 3, 4, 16), torch.tensor([0, 6]), 1.0)
+        encoder_ops.encoder_attention(torch.randn(6, 3, 4, 16), torch.tensor([0, 6]), 1.0)
     with pytest.raises(RuntimeError, match="fp32"):
-        ops.encoder_attention(qkv.bfloat16(), torch.tensor([0, 6]), 1.0)
+        encoder_ops.encoder_attention(qkv.bfloat16(), torch.tensor([0, 6]), 1.0)
 
 
-def test_routing_takes_the_kernel_for_fp32_without_avx512(ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_routing_takes_the_kernel_for_fp32_without_avx512(encoder_ops: object, monkeypatch: pytest.MonkeyPatch) -> None:
     lens = [9, 4, 4]
     meta = EncoderMetadata.of(lens, torch.device("cpu"))
     qkv = torch.randn(sum(lens), 3, 12, 32)
     monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: False)
     with torch.inference_mode():
-        assert ea.packed_kernel(qkv, meta) is ops
+        assert ea.packed_kernel(qkv, meta) is encoder_ops
         assert ea.packed_kernel(qkv.bfloat16(), meta) is None  # bf16: SDPA
         assert ea.packed_kernel(qkv, meta.windowed(2)) is None  # a sliding window: SDPA's band mask
         assert ea.packed_kernel(torch.randn(17, 3, 4, 96), meta) is None  # a head size it is not built for
