@@ -70,6 +70,7 @@ CPU_KIND_FILES = frozenset({
     "engine/kernels/test_cpu_kernels.py", "engine/kernels/test_gguf_small_batch.py",
     "engine/kernels/test_cpu_features.py", "jobs/test_model_fit.py", "jobs/test_doctor.py",
     "engine/quant/test_held_forms.py", "engine/layers/test_image_attention.py",
+    "engine/kernels/test_encoder_attention_kernel.py", "engine/kernels/test_encoder_elementwise.py",
 })
 
 

@@ -108,9 +108,9 @@ def cpu_ops() -> ModuleType | None:
 def encoder_fp32_ops(x: torch.Tensor) -> ModuleType | None:
     """The C++ kernels when their encoder kernels (csrc/encoder_kernels.cpp: encoder_attention, bias_gelu_,
     bias_residual_layer_norm_) serve activation `x`: fp32 on a CPU without AVX-512 (where they are measured: on an AVX2
-    EPYC they beat torch's SDPA, GELU and LayerNorm passes, bench/README.md "Embeddings on an AVX2-only CPU"; with
-    AVX-512, fp32 is not the default and torch's ops run), autograd off (no backward), a build for AVX2 + FMA. None
-    otherwise: the torch ops run, the same function."""
+    EPYC they beat torch's SDPA, GELU and LayerNorm passes, bench/README.md "Embeddings on an AVX2-only CPU"; on
+    AVX-512 CPUs, where they are not measured and the encoder's GEMMs are oneDNN's with a GELU epilogue, torch's ops
+    run), autograd off (no backward), a build for AVX2 + FMA. None otherwise: the torch ops run, the same function."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or cpu_has_avx512():
         return None
     ops = cpu_ops()

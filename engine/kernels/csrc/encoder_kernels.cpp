@@ -1,19 +1,23 @@
-// Encoder (bidirectional, no KV cache) attention over a packed batch of rows, fp32, AVX2 + FMA: every token of a row
-// attends to every token of its own row, none of another's. Contract and when it runs: engine/layers/
-// encoder_attention.py. Bound in cpu_kernels.cpp (one extension module).
+// The fp32 encoder's kernels on AVX2 + FMA CPUs (BERT-family embedding models: engine/model/bert.py), bound in
+// cpu_kernels.cpp (one extension module); when they run: engine.kernels.cpu_kernels.encoder_fp32_ops.
 //
-// Why our own: torch's CPU scaled_dot_product_attention (its flash kernel) runs the small heads of embedding models
-// (head_dim 32: all-MiniLM, bge-small) at a fraction of the GEMMs' rate, and wants the rows padded into [B, H, L, D]
-// (a scatter in, a gather out). Here the rows stay packed: each (row, head) pair is one work item that reads its q, k
-// and v straight from the fused QKV projection [T, 3, H, D], and writes its output rows in place in [T, H * D].
+// encoder_attention: bidirectional attention over a packed batch of rows, no KV cache: every token of a row attends
+// to every token of its own row, none of another's (contract: engine/layers/encoder_attention.py). Why our own:
+// torch's CPU scaled_dot_product_attention (its flash kernel) runs the small heads of embedding models (head_dim 32:
+// all-MiniLM, bge-small) at a fraction of the GEMMs' rate, and wants the rows padded into [B, H, L, D] (a scatter in,
+// a gather out). Here the rows stay packed: each (row, head) pair is one work item that reads its q, k and v straight
+// from the fused QKV projection [T, 3, H, D], and writes its output rows in place in [T, H * D]. Per item (n tokens):
+// K is packed once, transposed in blocks of 16 keys ([n / 16][D][16]), and V contiguous ([n][D]); then query rows in
+// blocks of 48: their scores q k^T * scale against all n keys (6 x 16 register tiles of FMAs over D), the softmax of
+// each row with its maximum subtracted first (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018:
+// the two-pass form), exp by tm_avx2::exp8 (Cephes expf, relative error ~1e-7), and the weighted sums of the values
+// 64 value rows at a time (they stay in L1 while the block's rows use them; 3 x 32 register tiles), divided by each
+// row's sum at the end. Everything in fp32: the math of softmax(q k^T / sqrt(D)) v (Vaswani et al., "Attention Is
+// All You Need", 2017), summed in another order than torch's (differences of a few ulp).
 //
-// Per item (n tokens): K is packed once, transposed in blocks of 16 keys ([n / 16][D][16]), and V contiguous
-// ([n][D]); then for each tile of 6 query rows the scores q k^T * scale of all n keys (a 6 x 16 register tile of
-// FMAs over D), the softmax of each row with its maximum subtracted first (Milakov & Gimelshein, "Online normalizer
-// calculation for softmax", 2018: the two-pass form), exp by tm_avx2::exp8 (Cephes expf, relative error ~1e-7), and
-// the weighted sum of the values (a rows x D register tile), divided by the row's sum at the end. Everything in
-// fp32: same math as softmax(q k^T / sqrt(D)) v (Vaswani et al., "Attention Is All You Need", 2017), summed in
-// another order than torch's (differences of a few ulp).
+// bias_gelu_ and bias_residual_layer_norm_: what follows the linears MKL's sgemm computes without their bias (it has
+// no epilogue), each in one pass over the rows instead of torch's two or three: bias + exact GELU (the MLP's up
+// projection), bias + residual + LayerNorm (post-LN BERT's two block outputs).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
