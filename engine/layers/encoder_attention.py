@@ -4,7 +4,7 @@ its own row, none of another's, and no KV cache is kept.
 The rows arrive flattened ([T, ...], row b owning tokens cu_seqlens[b]:cu_seqlens[b + 1]), so the projections, the
 LayerNorms and the MLP (nearly all of an encoder's FLOPs at embedding lengths) never compute on padding.
 
-fp32 on a CPU without AVX-512, head_dim 32 or 64, no sliding window: our C++ kernel
+fp32 on a CPU without AVX-512, head_dim 32 (or 64 on rows under 256 tokens), no sliding window: our C++ kernel
 (engine/kernels/csrc/encoder_kernels.cpp) attends each (row, head) straight from the packed QKV, no padding at all:
 torch's CPU SDPA runs these small heads at a fraction of the GEMMs' rate (all-MiniLM's 12 heads of 32 on an AVX2
 EPYC: the kernel took 1.6-3.4x less time per layer at 19-192 tokens a row, the same at 256 without padding;
@@ -42,7 +42,10 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import encoder_fp32_ops
 
-KERNEL_HEAD_DIMS = (32, 64)  # what encoder_kernels.cpp's encoder_attention is built for
+# The head sizes encoder_kernels.cpp's encoder_attention is built for -> the longest row from which torch's SDPA is at
+# least as fast on the AVX2 EPYC (None: never; `python -m bench.encoder_kernels`, bench/README.md): at head_dim 64,
+# 256-token rows took 8.9 ms against SDPA's 7.3 (unpadded), 512 the same.
+KERNEL_HEAD_DIMS: dict[int, int | None] = {32: None, 64: 256}
 
 
 def pad_scatter(seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +139,12 @@ class EncoderMetadata:
 def packed_kernel(qkv: torch.Tensor, meta: EncoderMetadata) -> ModuleType | None:
     """The C++ kernels when their `encoder_attention` serves this call (module docstring: fp32 on a CPU without
     AVX-512, autograd off, a build for AVX2 + FMA: engine.kernels.cpu_kernels.encoder_fp32_ops; head_dim in
-    KERNEL_HEAD_DIMS, no window), else None."""
-    if meta.attn_mask is not None or qkv.shape[-1] not in KERNEL_HEAD_DIMS:
+    KERNEL_HEAD_DIMS and rows shorter than its limit there, no window), else None."""
+    dim = qkv.shape[-1]
+    if meta.attn_mask is not None or dim not in KERNEL_HEAD_DIMS:
         return None
-    return encoder_fp32_ops(qkv)
+    limit = KERNEL_HEAD_DIMS[dim]
+    return encoder_fp32_ops(qkv) if limit is None or meta.max_len < limit else None
 
 
 def encoder_attention(qkv: torch.Tensor, meta: EncoderMetadata) -> torch.Tensor:

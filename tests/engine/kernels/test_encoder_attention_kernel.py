@@ -57,6 +57,10 @@ def test_routing_takes_the_kernel_for_fp32_without_avx512(encoder_ops: object, m
         assert ea.packed_kernel(qkv.bfloat16(), meta) is None  # bf16: SDPA
         assert ea.packed_kernel(qkv, meta.windowed(2)) is None  # a sliding window: SDPA's band mask
         assert ea.packed_kernel(torch.randn(17, 3, 4, 96), meta) is None  # a head size it is not built for
+        assert ea.packed_kernel(torch.randn(17, 3, 6, 64), meta) is encoder_ops  # head_dim 64 on short rows
+        long_rows = EncoderMetadata.of([256, 100], torch.device("cpu"))
+        assert ea.packed_kernel(torch.randn(356, 3, 6, 64), long_rows) is None  # where SDPA is as fast
+        assert ea.packed_kernel(torch.randn(356, 3, 12, 32), long_rows) is encoder_ops
         torch.testing.assert_close(encoder_attention(qkv, meta), rows_alone(qkv, lens), rtol=1e-4, atol=2e-5)
     assert ea.packed_kernel(qkv, meta) is None  # autograd on: the kernel has no backward
     monkeypatch.setattr(cpu_kernels, "cpu_has_avx512", lambda: True)
