@@ -241,7 +241,8 @@ at::Tensor encoder_attention(const at::Tensor& qkv, const at::Tensor& cu_seqlens
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / H, h = item % H;
+      const int64_t b = item % B, h = item / B;  // head-major: each thread's range holds every row (rows sorted by
+      // length would otherwise give one thread the longest)
       if (D == 32) attend_item<4>(in, 3 * H * D, H * D, h * D, cu[b], cu[b + 1] - cu[b], sc, o, H * D, buf);
       else attend_item<8>(in, 3 * H * D, H * D, h * D, cu[b], cu[b + 1] - cu[b], sc, o, H * D, buf);
     }
