@@ -278,20 +278,7 @@ using tm_avx2::exp8;
 using tm_avx2::hmax8;
 using tm_avx2::hsum8;
 
-// exp_scores16 below, 8 lanes at a time.
-inline float exp_scores16(float* sh, int64_t padded, float sink = -std::numeric_limits<float>::infinity()) {
-  __m256 mv = _mm256_loadu_ps(sh);
-  for (int64_t t = 8; t < padded; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + t), mv);
-  const float m = std::max(hmax8(mv), sink);
-  const __m256 mx = _mm256_set1_ps(m);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < padded; t += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mx));
-    _mm256_storeu_ps(sh + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  return sink == -std::numeric_limits<float>::infinity() ? hsum8(sum) : hsum8(sum) + std::exp(sink - m);
-}
+using tm_avx2::exp_scores16;  // exp_scores16 below, 8 lanes at a time
 
 // silu(g) * u over n fp32 lanes (the tail, n % 8, in scalar code).
 inline void silu_mul_row_avx2(const float* g, const float* u, float* out, int64_t n) {

@@ -39,7 +39,7 @@ constexpr int kKeyBlock = 16;   // keys per score tile (two 8-lane vectors)
 constexpr int kRowBlock = 48;   // query rows whose scores are held at once (a multiple of kQueryTile and of 3)
 constexpr int64_t kKeyChunk = 64;  // value rows the weighted sums take at a time (8 KB at head_dim 32)
 
-// Scores of query rows q[0..R) (each D floats, row stride qs) against every key block of kt ([nb][D][16]), times
+// Scores of query rows q[0..R) (each D floats) against every key block of kt ([nb][D][16]), times
 // scale, into s[r * np + j] (np = nb * 16).
 template <int R>
 inline void score_tile(const float* const* q, const float* kt, int64_t nb, int64_t D, float scale, float* s,
@@ -92,20 +92,6 @@ inline void weighted_values_tile(const float* p, int64_t np, const float* v, int
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + r * as + c * 8, acc[r][c]);
 }
 
-// exp(s - max) in place over np scores (a multiple of 8; entries past the row's keys hold -inf); returns their sum.
-inline float softmax_numerators(float* s, int64_t np) {
-  __m256 mv = _mm256_loadu_ps(s);
-  for (int64_t t = 8; t < np; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + t), mv);
-  const __m256 mx = _mm256_set1_ps(tm_avx2::hmax8(mv));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < np; t += 8) {
-    const __m256 e = tm_avx2::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx));
-    _mm256_storeu_ps(s + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  return tm_avx2::hsum8(sum);
-}
-
 // One (row, head) item: n tokens from token `start`; qkv rows of stride ts floats (3 * H * D), head offset ho.
 template <int DC>
 void attend_item(const float* qkv, int64_t ts, int64_t hd, int64_t ho, int64_t start, int64_t n, float scale,
@@ -140,7 +126,7 @@ void attend_item(const float* qkv, int64_t ts, int64_t hd, int64_t ho, int64_t s
     }
     for (int r = 0; r < rows; ++r) {
       std::fill(s + r * np + n, s + (r + 1) * np, -std::numeric_limits<float>::infinity());
-      inv[r] = 1.f / softmax_numerators(s + r * np, np);
+      inv[r] = 1.f / tm_avx2::exp_scores16(s + r * np, np);  // np: a multiple of 16
     }
     std::fill(acc, acc + rows * D, 0.f);
     for (int64_t j0 = 0; j0 < n; j0 += kKeyChunk) {

@@ -1,9 +1,15 @@
-// 8-lane fp32 helpers (AVX2 + FMA) shared by the CPU kernels: exp8, hmax8, hsum8. Included by cpu_kernels.cpp and
-// encoder_kernels.cpp; defined only where the build targets AVX2 + FMA (-march=native or x86-64-v3 and up).
+// 8-lane fp32 helpers (AVX2 + FMA) shared by the CPU kernels: exp8, hmax8, hsum8, exp_scores16. Included by
+// cpu_kernels.cpp and encoder_kernels.cpp; defined only where the build targets AVX2 + FMA (-march=native or
+// x86-64-v3 and up).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 
 namespace tm_avx2 {
 
@@ -42,6 +48,23 @@ inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Softmax numerators in place: sh[t] = exp(sh[t] - max) over `padded` scores (a multiple of 8) whose masked entries
+// hold -inf; returns their sum (the denominator). The row maximum is subtracted first (Milakov & Gimelshein, 2018).
+// With a sink (gpt-oss's attention sinks; -inf = none) the maximum and the sum take exp(sink) as one more score.
+inline float exp_scores16(float* sh, int64_t padded, float sink = -std::numeric_limits<float>::infinity()) {
+  __m256 mv = _mm256_loadu_ps(sh);
+  for (int64_t t = 8; t < padded; t += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sh + t), mv);
+  const float m = std::max(hmax8(mv), sink);
+  const __m256 mx = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mx));
+    _mm256_storeu_ps(sh + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sink == -std::numeric_limits<float>::infinity() ? hsum8(sum) : hsum8(sum) + std::exp(sink - m);
 }
 
 }  // namespace tm_avx2
